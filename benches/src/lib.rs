@@ -1,0 +1,1 @@
+//! Criterion benchmarks of xcall live in `benches/`; this library is empty.

@@ -1,0 +1,58 @@
+//! `xcall doctor` runs on every machine and says what it found.
+
+use std::process::Command;
+
+#[test]
+fn doctor_reports_platforms_and_exits_zero() {
+    let out = Command::new(env!("CARGO_BIN_EXE_xcall"))
+        .arg("doctor")
+        .output()
+        .expect("run xcall doctor");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "doctor failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("host  available, 1 device"), "{stdout}");
+    let count = xcall_core::testing::cuda_devices_or_skip("doctor_lists_cuda_devices");
+    match count {
+        None => assert!(stdout.contains("cuda  unavailable: "), "{stdout}"),
+        Some(n) => {
+            assert!(
+                stdout.contains(&format!("cuda  available, {n} device(s)")),
+                "{stdout}"
+            );
+            for ordinal in 0..n {
+                assert!(stdout.contains(&format!("  cuda:{ordinal}  ")), "{stdout}");
+            }
+            assert!(stdout.contains("nvrtc "), "{stdout}");
+            assert!(stdout.contains("peer access"), "{stdout}");
+        }
+    }
+}
+
+#[test]
+fn doctor_without_cuda_says_why_and_exits_zero() {
+    let out = Command::new(env!("CARGO_BIN_EXE_xcall"))
+        .arg("doctor")
+        .env(xcall_core::cuda::DISABLE_ENV, "1")
+        .output()
+        .expect("run xcall doctor");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        stdout.contains("cuda  unavailable: CUDA is unavailable: disabled by XCALL_DISABLE_CUDA"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn unknown_command_is_one_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_xcall"))
+        .arg("frobnicate")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unrecognized subcommand 'frobnicate'"));
+}

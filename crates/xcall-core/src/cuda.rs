@@ -1,0 +1,281 @@
+//! The CUDA driver, loaded lazily.
+//!
+//! Nothing here runs until a CUDA device is asked for: the driver library is
+//! opened on the first call to [`available`] (or anything that needs it), and
+//! a machine without a driver gets [`Error::CudaUnavailable`] saying why,
+//! never a panic. Host-only work never reaches this module.
+//!
+//! Calls that need a context make it current only for their own duration and
+//! restore the caller's context afterwards ([`with_context`]): a framework's
+//! worker thread keeps whatever device it had current.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{result as cu, sys};
+pub use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+
+use crate::{Device, DeviceMap, Error, Platform, Result};
+
+/// Environment variable that hides CUDA from xcall when set to anything but
+/// `0` or empty (the library then behaves as on a machine without a GPU).
+pub const DISABLE_ENV: &str = "XCALL_DISABLE_CUDA";
+
+static PROBE: OnceLock<std::result::Result<Probe, String>> = OnceLock::new();
+static LOAD_ATTEMPTED: AtomicBool = AtomicBool::new(false);
+
+#[derive(Debug)]
+struct Probe {
+    device_count: usize,
+    driver_version: i32,
+}
+
+fn env_flag(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+fn run_probe() -> std::result::Result<Probe, String> {
+    if env_flag(DISABLE_ENV) {
+        return Err(format!("disabled by {DISABLE_ENV}"));
+    }
+    LOAD_ATTEMPTED.store(true, Ordering::SeqCst);
+    // SAFETY: only opens (and closes) the driver library by name; no symbol
+    // of it is called.
+    if !unsafe { sys::is_culib_present() } {
+        let tried = cudarc::get_lib_name_candidates("cuda");
+        return Err(format!(
+            "no CUDA driver library could be opened (tried {}; is the NVIDIA driver installed and on the loader path?)",
+            tried.join(", ")
+        ));
+    }
+    // cudarc panics when an entry point is missing from an older driver;
+    // turn that into an error instead of unwinding into the caller.
+    let outcome = catch_unwind(AssertUnwindSafe(
+        || -> std::result::Result<Probe, String> {
+            cu::init().map_err(|e| format!("cuInit failed: {}", describe(e)))?;
+            let count = cu::device::get_count()
+                .map_err(|e| format!("cuDeviceGetCount failed: {}", describe(e)))?;
+            let mut version = 0;
+            // SAFETY: writes one int through a valid pointer.
+            unsafe { sys::cuDriverGetVersion(&mut version) }
+                .result()
+                .map_err(|e| format!("cuDriverGetVersion failed: {}", describe(e)))?;
+            Ok(Probe {
+                device_count: usize::try_from(count).unwrap_or(0),
+                driver_version: version,
+            })
+        },
+    ));
+    let probe = outcome.unwrap_or_else(|panic| {
+        Err(format!(
+            "the CUDA driver could not be used: {}",
+            crate::panic_message(&*panic)
+        ))
+    })?;
+    if probe.device_count == 0 {
+        return Err("the CUDA driver found no devices".into());
+    }
+    Ok(probe)
+}
+
+fn probe() -> Result<&'static Probe> {
+    PROBE
+        .get_or_init(run_probe)
+        .as_ref()
+        .map_err(|reason| Error::CudaUnavailable {
+            reason: reason.clone(),
+        })
+}
+
+/// `Ok` when the CUDA driver loads and reports at least one device; otherwise
+/// [`Error::CudaUnavailable`] with the reason. The first call loads the
+/// driver; the answer is then cached for the life of the process.
+pub fn available() -> Result<()> {
+    probe().map(|_| ())
+}
+
+/// Whether this process has tried to load the CUDA driver (through
+/// [`available`] or any call that needs CUDA). Host-only work leaves it false.
+pub fn driver_load_attempted() -> bool {
+    LOAD_ATTEMPTED.load(Ordering::SeqCst)
+}
+
+/// Number of CUDA devices, or [`Error::CudaUnavailable`].
+pub fn device_count() -> Result<usize> {
+    probe().map(|p| p.device_count)
+}
+
+/// The driver's CUDA version as (major, minor), for example (13, 0).
+pub fn driver_version() -> Result<(i32, i32)> {
+    probe().map(|p| (p.driver_version / 1000, (p.driver_version % 1000) / 10))
+}
+
+/// NVRTC's version as (major, minor), or [`Error::CudaUnavailable`] when the
+/// NVRTC library cannot be opened.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    nvrtc_present()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints through valid pointers; the library is present.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::CudaUnavailable {
+            reason: format!("nvrtcVersion failed: {e:?}"),
+        })?;
+    Ok((major, minor))
+}
+
+/// `Ok` when the NVRTC library can be opened.
+pub(crate) fn nvrtc_present() -> Result<()> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only opens (and closes) the NVRTC library by name.
+    if *PRESENT.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }) {
+        Ok(())
+    } else {
+        Err(Error::CudaUnavailable {
+            reason: format!(
+                "no NVRTC library could be opened (tried {})",
+                cudarc::get_lib_name_candidates("nvrtc").join(", ")
+            ),
+        })
+    }
+}
+
+/// The driver's name and description of an error, for example
+/// `CUDA_ERROR_INVALID_VALUE (invalid argument)`.
+pub fn describe(e: DriverError) -> String {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("CUresult {}", e.0 as i32));
+    match e.error_string() {
+        Ok(s) => format!("{name} ({})", s.to_string_lossy()),
+        Err(_) => name,
+    }
+}
+
+/// An [`Error::CudaDriver`] for a failed `call` on `device`.
+pub fn driver_error(call: &'static str, device: Device, e: DriverError) -> Error {
+    Error::CudaDriver {
+        call,
+        device,
+        message: describe(e),
+    }
+}
+
+/// Checks that `device` is a CUDA device that exists; returns its ordinal.
+pub fn check_device(device: Device) -> Result<u32> {
+    if device.platform != Platform::Cuda {
+        return Err(Error::InvalidArgument(format!(
+            "{device} is not a CUDA device"
+        )));
+    }
+    device.validate().map(|d| d.ordinal)
+}
+
+fn contexts() -> &'static DeviceMap<Arc<CudaContext>> {
+    static CONTEXTS: OnceLock<DeviceMap<Arc<CudaContext>>> = OnceLock::new();
+    CONTEXTS.get_or_init(DeviceMap::new)
+}
+
+/// Runs `f` with the primary context of `device` current on this thread, then
+/// makes the caller's previous context current again (also when `f` fails).
+pub fn with_context<T>(
+    device: Device,
+    f: impl FnOnce(&Arc<CudaContext>) -> Result<T>,
+) -> Result<T> {
+    let ordinal = check_device(device)?;
+    let mut previous: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context handle through a valid pointer.
+    unsafe { sys::cuCtxGetCurrent(&mut previous) }
+        .result()
+        .map_err(|e| driver_error("cuCtxGetCurrent", device, e))?;
+    let ctx = contexts().get_or_try_init(device, || {
+        CudaContext::new(ordinal as usize)
+            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", device, e))
+    })?;
+    let result = ctx
+        .bind_to_thread()
+        .map_err(|e| driver_error("cuCtxSetCurrent", device, e))
+        .and_then(|()| f(ctx));
+    // SAFETY: `previous` is null or a context that was current on this
+    // thread a moment ago; the caller owns its lifetime.
+    let restored = unsafe { sys::cuCtxSetCurrent(previous) }.result();
+    match (result, restored) {
+        (Ok(value), Ok(())) => Ok(value),
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(driver_error("cuCtxSetCurrent", device, e)),
+    }
+}
+
+/// What `xcall doctor` and the kernel cache need to know about a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device.
+    pub device: Device,
+    /// The marketing name, for example `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total device memory in bytes.
+    pub total_memory: usize,
+    /// Number of streaming multiprocessors.
+    pub multiprocessors: i32,
+}
+
+impl DeviceInfo {
+    /// The NVRTC architecture name of the device, for example `sm_90`.
+    pub fn arch(&self) -> String {
+        format!(
+            "sm_{}{}",
+            self.compute_capability.0, self.compute_capability.1
+        )
+    }
+}
+
+fn attribute(device: Device, dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+    // SAFETY: `dev` came from cuDeviceGet for a validated ordinal.
+    unsafe { cu::device::get_attribute(dev, attr) }
+        .map_err(|e| driver_error("cuDeviceGetAttribute", device, e))
+}
+
+/// Name, compute capability, memory and SM count of a CUDA device. Needs no
+/// context.
+pub fn device_info(device: Device) -> Result<DeviceInfo> {
+    let ordinal = check_device(device)?;
+    let dev =
+        cu::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", device, e))?;
+    let name = cu::device::get_name(dev).map_err(|e| driver_error("cuDeviceGetName", device, e))?;
+    use sys::CUdevice_attribute as A;
+    let major = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let multiprocessors = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    // SAFETY: `dev` came from cuDeviceGet.
+    let total_memory = unsafe { cu::device::total_mem(dev) }
+        .map_err(|e| driver_error("cuDeviceTotalMem", device, e))?;
+    Ok(DeviceInfo {
+        device,
+        name,
+        compute_capability: (major, minor),
+        total_memory,
+        multiprocessors,
+    })
+}
+
+/// Whether `from` can map memory of `to` directly (cuDeviceCanAccessPeer).
+/// A device is reported as able to access itself.
+pub fn can_access_peer(from: Device, to: Device) -> Result<bool> {
+    let a = check_device(from)?;
+    let b = check_device(to)?;
+    if a == b {
+        return Ok(true);
+    }
+    let da = cu::device::get(a as i32).map_err(|e| driver_error("cuDeviceGet", from, e))?;
+    let db = cu::device::get(b as i32).map_err(|e| driver_error("cuDeviceGet", to, e))?;
+    let mut can = 0;
+    // SAFETY: writes one int; both handles came from cuDeviceGet.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) }
+        .result()
+        .map_err(|e| driver_error("cuDeviceCanAccessPeer", from, e))?;
+    Ok(can != 0)
+}

@@ -1,0 +1,115 @@
+//! Stable status codes shared by every crate and by the C ABI.
+//!
+//! The numbers are part of the ABI: a code is never renumbered and a retired
+//! code is never reused. New codes are appended.
+
+use std::ffi::CStr;
+
+/// Result code of an xcall operation (`xcall_status` in C; 0 means success).
+///
+/// Codes are stable across releases and never reused.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// The call succeeded.
+    Ok = 0,
+    /// A required pointer argument was NULL.
+    NullArgument = 1,
+    /// An argument had a value outside its documented domain.
+    InvalidArgument = 2,
+    /// An internal panic was caught at the C boundary; no state was changed
+    /// knowingly, but the handle involved should be freed.
+    Panic = 3,
+    /// CUDA was requested but no usable driver or device exists on this machine.
+    CudaUnavailable = 4,
+    /// A CUDA driver call failed.
+    CudaDriver = 5,
+    /// NVRTC could not compile a kernel; the message carries NVRTC's log.
+    CompileFailed = 6,
+    /// A device ordinal is outside the range of devices found at run time.
+    NoSuchDevice = 7,
+    /// The operation is not supported for these arguments (dtype, platform, ...).
+    Unsupported = 8,
+}
+
+impl Status {
+    /// Every status, in code order.
+    ///
+    /// cbindgen:ignore
+    pub const ALL: [Status; 9] = [
+        Status::Ok,
+        Status::NullArgument,
+        Status::InvalidArgument,
+        Status::Panic,
+        Status::CudaUnavailable,
+        Status::CudaDriver,
+        Status::CompileFailed,
+        Status::NoSuchDevice,
+        Status::Unsupported,
+    ];
+
+    /// The numeric code.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// The status with this code, if any.
+    pub fn from_code(code: u32) -> Option<Status> {
+        Status::ALL.into_iter().find(|s| s.code() == code)
+    }
+
+    /// The name of the C constant for this status, NUL-terminated.
+    pub fn c_name(self) -> &'static CStr {
+        match self {
+            Status::Ok => c"XCALL_STATUS_OK",
+            Status::NullArgument => c"XCALL_STATUS_NULL_ARGUMENT",
+            Status::InvalidArgument => c"XCALL_STATUS_INVALID_ARGUMENT",
+            Status::Panic => c"XCALL_STATUS_PANIC",
+            Status::CudaUnavailable => c"XCALL_STATUS_CUDA_UNAVAILABLE",
+            Status::CudaDriver => c"XCALL_STATUS_CUDA_DRIVER",
+            Status::CompileFailed => c"XCALL_STATUS_COMPILE_FAILED",
+            Status::NoSuchDevice => c"XCALL_STATUS_NO_SUCH_DEVICE",
+            Status::Unsupported => c"XCALL_STATUS_UNSUPPORTED",
+        }
+    }
+
+    /// The name of the C constant for this status.
+    pub fn name(self) -> &'static str {
+        // The names are ASCII literals, so the conversion cannot fail.
+        self.c_name().to_str().unwrap_or("XCALL_STATUS_UNKNOWN")
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_the_published_numbers() {
+        // The ABI promise, written out independently of the enum.
+        let published = [
+            (0, "XCALL_STATUS_OK"),
+            (1, "XCALL_STATUS_NULL_ARGUMENT"),
+            (2, "XCALL_STATUS_INVALID_ARGUMENT"),
+            (3, "XCALL_STATUS_PANIC"),
+            (4, "XCALL_STATUS_CUDA_UNAVAILABLE"),
+            (5, "XCALL_STATUS_CUDA_DRIVER"),
+            (6, "XCALL_STATUS_COMPILE_FAILED"),
+            (7, "XCALL_STATUS_NO_SUCH_DEVICE"),
+            (8, "XCALL_STATUS_UNSUPPORTED"),
+        ];
+        assert_eq!(Status::ALL.len(), published.len());
+        for (code, name) in published {
+            let status = Status::from_code(code).expect("published code exists");
+            assert_eq!(status.code(), code);
+            assert_eq!(status.name(), name);
+        }
+        assert_eq!(Status::from_code(published.len() as u32), None);
+    }
+}

@@ -1,0 +1,162 @@
+//! The C ABI of xcall. This crate is the only one with `extern "C"`; it is a
+//! thin translation layer over the capability crates and builds
+//! `libxcall.a` and `libxcall.so`. The header `include/xcall.h` is generated
+//! from it by cbindgen.
+//!
+//! Conventions of every entry point (see the header for the C view):
+//! - fallible functions return `xcall_status` (0 = `XCALL_STATUS_OK`);
+//! - pointer arguments are checked for NULL (`XCALL_STATUS_NULL_ARGUMENT`);
+//! - outputs come last and are written only on success;
+//! - panics are caught and returned as `XCALL_STATUS_PANIC`;
+//! - `xcall_last_error_message()` gives the calling thread's detail.
+
+// The exported names follow C conventions (xcall_status), not Rust's.
+#![allow(non_camel_case_types)]
+
+mod guard;
+
+use std::ffi::c_char;
+
+use guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use static_assertions::{assert_eq_align, assert_eq_size};
+use xcall_core::{DType, Status};
+
+// The header declares these enums as uint32_t typedefs.
+assert_eq_size!(Status, u32);
+assert_eq_align!(Status, u32);
+assert_eq_size!(xcall_core::Platform, u32);
+assert_eq_align!(xcall_core::Platform, u32);
+assert_eq_size!(DType, u32);
+assert_eq_align!(DType, u32);
+
+/// The version of the linked library, for example "0.1.0". Compare with
+/// `XCALL_VERSION_STRING` to detect a header/library mismatch. The string is
+/// static.
+#[no_mangle]
+pub extern "C" fn xcall_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The name of a status code, for example "XCALL_STATUS_NULL_ARGUMENT", or
+/// "XCALL_STATUS_UNKNOWN" for a code this library does not define. The
+/// string is static; never NULL.
+///
+/// `status` is an `xcall_status` value.
+#[no_mangle]
+pub extern "C" fn xcall_status_name(status: u32) -> *const c_char {
+    match Status::from_code(status) {
+        Some(s) => s.c_name().as_ptr(),
+        None => c"XCALL_STATUS_UNKNOWN".as_ptr(),
+    }
+}
+
+/// Detail of the most recent xcall call on the calling thread: empty ("")
+/// when it succeeded, otherwise a message that says what was wrong. Never
+/// NULL. The pointer stays valid until the next xcall call on this thread;
+/// copy the text to keep it.
+#[no_mangle]
+pub extern "C" fn xcall_last_error_message() -> *const c_char {
+    guard::last_error_ptr()
+}
+
+/// Number of devices of `platform` (an `xcall_platform` value) in
+/// `*out_count`: 1 for `XCALL_PLATFORM_HOST`; the CUDA driver's count for
+/// `XCALL_PLATFORM_CUDA`.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT` (out_count), `XCALL_STATUS_INVALID_ARGUMENT`
+/// (unknown platform), `XCALL_STATUS_CUDA_UNAVAILABLE` (no driver or no device;
+/// the message says which). Asking for Host never loads the CUDA driver.
+/// Thread-safe.
+#[no_mangle]
+pub extern "C" fn xcall_device_count(platform: u32, out_count: *mut usize) -> Status {
+    ffi_call!({
+        let out = out_ptr(out_count, "out_count")?;
+        let count = platform_arg(platform)?.device_count()?;
+        *out = count;
+        Ok(())
+    })
+}
+
+/// Whether this process has tried to load the CUDA driver. Host-only use of
+/// xcall leaves it false; the first CUDA request makes it true.
+#[no_mangle]
+pub extern "C" fn xcall_cuda_load_attempted() -> bool {
+    xcall_core::cuda::driver_load_attempted()
+}
+
+/// Size in bytes of one element of `dtype` (an `xcall_dtype` value) in
+/// `*out_size`.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+/// (unknown dtype).
+#[no_mangle]
+pub extern "C" fn xcall_dtype_size(dtype: u32, out_size: *mut usize) -> Status {
+    ffi_call!({
+        let out = out_ptr(out_size, "out_size")?;
+        let dtype = DType::from_code(dtype).ok_or_else(|| {
+            FfiError::new(
+                Status::InvalidArgument,
+                format!("unknown dtype code {dtype}"),
+            )
+        })?;
+        *out = dtype.size_bytes();
+        Ok(())
+    })
+}
+
+/// Short name of `dtype` (an `xcall_dtype` value), for example "bf16", or
+/// NULL for an unknown code. The string is static.
+#[no_mangle]
+pub extern "C" fn xcall_dtype_name(dtype: u32) -> *const c_char {
+    DType::from_code(dtype).map_or(std::ptr::null(), |d| d.c_name().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    fn text(p: *const c_char) -> String {
+        // SAFETY: the functions under test return static or thread-local C strings.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn version_is_the_crate_version() {
+        assert_eq!(text(xcall_version()), env!("CARGO_PKG_VERSION"));
+    }
+
+    #[test]
+    fn status_names() {
+        assert_eq!(text(xcall_status_name(0)), "XCALL_STATUS_OK");
+        assert_eq!(text(xcall_status_name(3)), "XCALL_STATUS_PANIC");
+        assert_eq!(text(xcall_status_name(999)), "XCALL_STATUS_UNKNOWN");
+    }
+
+    #[test]
+    fn outputs_are_untouched_on_failure() {
+        let mut count = 12345usize;
+        assert_eq!(xcall_device_count(7, &mut count), Status::InvalidArgument);
+        assert_eq!(count, 12345);
+        assert!(text(xcall_last_error_message()).contains("unknown platform code 7"));
+        assert_eq!(
+            xcall_device_count(0, std::ptr::null_mut()),
+            Status::NullArgument
+        );
+        assert_eq!(text(xcall_last_error_message()), "out_count is NULL");
+        assert_eq!(xcall_device_count(0, &mut count), Status::Ok);
+        assert_eq!(count, 1);
+        assert_eq!(text(xcall_last_error_message()), "");
+    }
+
+    #[test]
+    fn dtype_sizes_and_names() {
+        let mut size = 0usize;
+        assert_eq!(xcall_dtype_size(DType::Bf16 as u32, &mut size), Status::Ok);
+        assert_eq!(size, 2);
+        assert_eq!(xcall_dtype_size(0, &mut size), Status::InvalidArgument);
+        assert_eq!(size, 2);
+        assert_eq!(text(xcall_dtype_name(DType::F8E4M3 as u32)), "f8e4m3");
+        assert!(xcall_dtype_name(42).is_null());
+    }
+}

@@ -1,0 +1,1 @@
+//! The per-device graph cache: lookup, capture, replay, exec-update, eviction.

@@ -1,0 +1,1 @@
+//! The exact call key: (platform, device, target, attribute digest, buffers).

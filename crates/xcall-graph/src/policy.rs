@@ -1,0 +1,1 @@
+//! Capture policies (Recapture, ExecUpdate, Disabled) and cache limits.

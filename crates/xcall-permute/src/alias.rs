@@ -1,0 +1,1 @@
+//! Alias tables and the overlap check every call runs before writing.

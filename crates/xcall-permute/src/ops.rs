@@ -1,0 +1,1 @@
+//! Permute, unpermute and chunk-sort operations, forward and backward.

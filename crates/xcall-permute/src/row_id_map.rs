@@ -1,0 +1,1 @@
+//! Routing map to row-id map, with token caps and expert padding.

@@ -1,0 +1,1 @@
+//! The symmetric heap and its first-fit allocator.

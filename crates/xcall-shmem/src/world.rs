@@ -1,0 +1,1 @@
+//! A world of processing elements, its lifecycle and peer transports.

@@ -1,0 +1,1 @@
+//! The Host executor: warps as OS threads on a software mbarrier.

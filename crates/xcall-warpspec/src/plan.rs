@@ -1,0 +1,1 @@
+//! The derived pipeline plan: barriers, parities, shared-memory layout, register plan.

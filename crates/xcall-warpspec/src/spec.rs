@@ -1,0 +1,1 @@
+//! Pipeline specifications: stages, async warps and their loads, compute warpgroups, register split.

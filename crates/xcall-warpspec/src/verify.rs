@@ -1,0 +1,1 @@
+//! The explicit-state model checker of barrier protocols.
