@@ -2,12 +2,16 @@
 
 use std::process::Command;
 
+/// The xcall binary: `XCALL_BIN` where a test bundle moved it, else cargo's.
+fn xcall() -> Command {
+    Command::new(
+        std::env::var_os("XCALL_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_xcall").into()),
+    )
+}
+
 #[test]
 fn doctor_reports_platforms_and_exits_zero() {
-    let out = Command::new(env!("CARGO_BIN_EXE_xcall"))
-        .arg("doctor")
-        .output()
-        .expect("run xcall doctor");
+    let out = xcall().arg("doctor").output().expect("run xcall doctor");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -34,7 +38,7 @@ fn doctor_reports_platforms_and_exits_zero() {
 
 #[test]
 fn doctor_without_cuda_says_why_and_exits_zero() {
-    let out = Command::new(env!("CARGO_BIN_EXE_xcall"))
+    let out = xcall()
         .arg("doctor")
         .env(xcall_core::cuda::DISABLE_ENV, "1")
         .output()
@@ -49,10 +53,7 @@ fn doctor_without_cuda_says_why_and_exits_zero() {
 
 #[test]
 fn unknown_command_is_one_clear_error() {
-    let out = Command::new(env!("CARGO_BIN_EXE_xcall"))
-        .arg("frobnicate")
-        .output()
-        .unwrap();
+    let out = xcall().arg("frobnicate").output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unrecognized subcommand 'frobnicate'"));
 }

@@ -35,6 +35,23 @@ fn env_flag(name: &str) -> bool {
     std::env::var_os(name).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
+/// "libcuda.so.1 and N other names tried", from the loader's candidates.
+fn tried_names(lib: &str) -> String {
+    let mut names = cudarc::get_lib_name_candidates(lib);
+    names.sort();
+    names.dedup();
+    let canonical = format!("lib{lib}.so.1");
+    let shown = if names.contains(&canonical) {
+        canonical
+    } else {
+        names.first().cloned().unwrap_or_default()
+    };
+    format!(
+        "{shown} and {} other names tried",
+        names.len().saturating_sub(1)
+    )
+}
+
 fn run_probe() -> std::result::Result<Probe, String> {
     if env_flag(DISABLE_ENV) {
         return Err(format!("disabled by {DISABLE_ENV}"));
@@ -43,10 +60,9 @@ fn run_probe() -> std::result::Result<Probe, String> {
     // SAFETY: only opens (and closes) the driver library by name; no symbol
     // of it is called.
     if !unsafe { sys::is_culib_present() } {
-        let tried = cudarc::get_lib_name_candidates("cuda");
         return Err(format!(
-            "no CUDA driver library could be opened (tried {}; is the NVIDIA driver installed and on the loader path?)",
-            tried.join(", ")
+            "no CUDA driver library could be opened ({}; is the NVIDIA driver installed and on the loader path?)",
+            tried_names("cuda")
         ));
     }
     // cudarc panics when an entry point is missing from an older driver;
@@ -134,8 +150,8 @@ pub(crate) fn nvrtc_present() -> Result<()> {
     } else {
         Err(Error::CudaUnavailable {
             reason: format!(
-                "no NVRTC library could be opened (tried {})",
-                cudarc::get_lib_name_candidates("nvrtc").join(", ")
+                "no NVRTC library could be opened ({})",
+                tried_names("nvrtc")
             ),
         })
     }

@@ -25,8 +25,15 @@ pub fn cuda_devices_or_skip(test: &str) -> Option<usize> {
         Ok(n) => Some(n),
         Err(e) if cuda_required() => panic!("{test}: {REQUIRE_ENV}=1 but {e}"),
         Err(e) => {
-            println!("SKIP {test}: {e}");
+            skip(test, &e.to_string());
             None
         }
     }
+}
+
+/// Prints `SKIP <test>: <reason>` on stderr. It writes to the stream
+/// directly, so the line shows even when the test harness captures output.
+pub fn skip(test: &str, reason: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIP {test}: {reason}");
 }

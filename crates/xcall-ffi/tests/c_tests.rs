@@ -1,0 +1,139 @@
+//! Builds every `c_tests/test_*.c` as its own program against `libxcall.a`
+//! (`-std=c11 -Wall -Wextra -Werror -pedantic`) and runs it; compiles the
+//! header as C++17 with `-Wall -Wextra -Werror` and runs that too.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// System libraries a Rust static library needs on Linux
+/// (`rustc --print native-static-libs`).
+const NATIVE_LIBS: &[&str] = &["-lpthread", "-ldl", "-lm", "-lrt"];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `target/<profile>/libxcall.a`, built by cargo next to this test binary.
+fn static_lib() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    let lib = profile_dir.join("libxcall.a");
+    assert!(
+        lib.exists(),
+        "{} is missing: build xcall-ffi first",
+        lib.display()
+    );
+    lib
+}
+
+fn compiler(cpp: bool) -> cc::Tool {
+    let target = env!("XCALL_BUILD_TARGET");
+    cc::Build::new()
+        .cpp(cpp)
+        .target(target)
+        .host(target)
+        .opt_level(0)
+        .cargo_metadata(false)
+        .try_get_compiler()
+        .expect("a C/C++ compiler (cc crate)")
+}
+
+/// Compiles `source` into `exe` with `flags`, then runs it; returns an error
+/// text with the compiler's or the program's output on failure.
+fn build_and_run(
+    tool: &cc::Tool,
+    flags: &[&str],
+    source: &Path,
+    exe: &Path,
+) -> Result<String, String> {
+    let include = repo().join("include");
+    let harness = repo().join("c_tests");
+    let out = Command::new(tool.path())
+        .args(flags)
+        .arg("-I")
+        .arg(&include)
+        .arg("-I")
+        .arg(&harness)
+        .arg(source)
+        .arg(static_lib())
+        .args(NATIVE_LIBS)
+        .arg("-o")
+        .arg(exe)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", tool.path().display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "compiling {} failed:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let run = Command::new(exe)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    if run.status.success() {
+        Ok(text)
+    } else {
+        Err(format!(
+            "{} exited with {}:\n{text}",
+            exe.display(),
+            run.status
+        ))
+    }
+}
+
+#[test]
+fn c_programs_pass() {
+    let tool = compiler(false);
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_tests");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(repo().join("c_tests"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "c")
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("test_"))
+        })
+        .collect();
+    sources.sort();
+    assert!(
+        sources.len() >= 3,
+        "expected the C tests in c_tests/, found {sources:?}"
+    );
+    let flags = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic"];
+    let mut failures = Vec::new();
+    for source in &sources {
+        let exe = out_dir.join(source.file_stem().unwrap());
+        match build_and_run(&tool, &flags, source, &exe) {
+            Ok(text) => print!("{text}"),
+            Err(e) => failures.push(e),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} C test(s) failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn header_compiles_as_cpp17() {
+    let tool = compiler(true);
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_tests");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let source = repo().join("c_tests/header_cpp.cpp");
+    let flags = ["-std=c++17", "-Wall", "-Wextra", "-Werror"];
+    let text = build_and_run(&tool, &flags, &source, &out_dir.join("header_cpp"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(text.contains("header_cpp: 1 passed, 0 failed"), "{text}");
+}

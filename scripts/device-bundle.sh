@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Builds, in release mode, every test binary of the workspace, every C test,
+# every bench and the xcall command into target/device-bundle/, with a
+# run-all.sh that runs them all (XCALL_REQUIRE_CUDA=1 unless told otherwise)
+# and prints one summary line "N passed, N failed".
+#
+# The bundle needs no Rust toolchain where it runs: carry the folder to a
+# GPU machine and run target/device-bundle/run-all.sh there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=target/device-bundle
+rm -rf "$out"
+mkdir -p "$out/tests" "$out/c_tests" "$out/benches" "$out/bin"
+
+# Rust tests. Two need the source tree and a toolchain, which the bundle
+# does not carry: the header check (runs cbindgen) and the C-test runner
+# (the bundle compiles the C tests itself, below).
+skip_tests="xcall-ffi-header xcall-ffi-c_tests"
+copy_executables() { # <json file> <dest> <kind>
+  python3 - "$1" "$2" "$3" "$skip_tests" <<'PY'
+import json, os, shutil, sys
+src, dest, kind, skip = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
+for line in open(src):
+    msg = json.loads(line)
+    if msg.get("reason") != "compiler-artifact" or not msg.get("executable"):
+        continue
+    if kind == "bench" and "bench" not in msg["target"]["kind"]:
+        continue
+    if kind == "test" and not msg["profile"]["test"]:
+        continue
+    package = os.path.basename(os.path.dirname(msg["manifest_path"]))
+    name = f"{package}-{msg['target']['name']}"
+    if kind == "bench":
+        name = f"bench-{msg['target']['name']}"
+    if name in skip:
+        continue
+    shutil.copy2(msg["executable"], os.path.join(dest, name))
+    print(f"  {dest}/{name}")
+PY
+}
+echo "building test binaries (release)"
+cargo test --workspace --release --no-run --message-format=json >target/device-bundle-tests.json
+copy_executables target/device-bundle-tests.json "$out/tests" test
+echo "building benches (release)"
+cargo bench --workspace --no-run --message-format=json >target/device-bundle-benches.json
+copy_executables target/device-bundle-benches.json "$out/benches" bench
+echo "building xcall and libxcall (release)"
+cargo build --release --package xcall-cli --package xcall-ffi
+cp target/release/xcall "$out/bin/xcall"
+
+echo "building C tests against target/release/libxcall.a"
+cc=${CC:-cc}
+cxx=${CXX:-c++}
+libs="target/release/libxcall.a -lpthread -ldl -lm -lrt"
+for src in c_tests/test_*.c; do
+  name=$(basename "$src" .c)
+  $cc -std=c11 -Wall -Wextra -Werror -pedantic -Iinclude -Ic_tests "$src" $libs -o "$out/c_tests/$name"
+  echo "  $out/c_tests/$name"
+done
+$cxx -std=c++17 -Wall -Wextra -Werror -Iinclude c_tests/header_cpp.cpp $libs -o "$out/c_tests/header_cpp"
+echo "  $out/c_tests/header_cpp"
+
+cat >"$out/run-all.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs every binary of the bundle and prints "N passed, N failed".
+#   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping.
+#   XCALL_BUNDLE_LOGS (default <bundle>/logs): one log per binary.
+#   XCALL_SANITIZERS (e.g. "memcheck racecheck synccheck"): also run the CUDA
+#     test binaries under compute-sanitizer with each tool.
+#   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+export XCALL_REQUIRE_CUDA=${XCALL_REQUIRE_CUDA:-1}
+export XCALL_BIN="$here/bin/xcall"
+logs=${XCALL_BUNDLE_LOGS:-$here/logs}
+bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
+mkdir -p "$logs"
+passed=0
+failed=0
+run() { # <name> <command...>
+  local name=$1
+  shift
+  if "$@" >"$logs/$name.log" 2>&1; then
+    passed=$((passed + 1))
+    echo "PASS $name"
+  else
+    failed=$((failed + 1))
+    echo "FAIL $name (log: $logs/$name.log)"
+    tail -n 30 "$logs/$name.log" | sed 's/^/    /'
+  fi
+}
+doctor() {
+  "$here/bin/xcall" doctor || return 1
+  if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
+    "$here/bin/xcall" doctor | grep -q "cuda  available" || { echo "CUDA required but not available"; return 1; }
+  fi
+}
+run doctor doctor
+for t in "$here"/tests/*; do run "$(basename "$t")" "$t"; done
+for c in "$here"/c_tests/*; do run "$(basename "$c")" "$c"; done
+for tool in ${XCALL_SANITIZERS:-}; do
+  for t in "$here"/tests/*cuda*; do
+    run "$tool-$(basename "$t")" compute-sanitizer --tool "$tool" --error-exitcode 1 "$t" --test-threads 1
+  done
+done
+for b in "$here"/benches/*; do
+  # shellcheck disable=SC2086
+  run "$(basename "$b")" "$b" --bench $bench_args
+done
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
+RUN
+chmod +x "$out/run-all.sh"
+# Debug info would take the bundle past what travels to a GPU machine;
+# symbols stay, so backtraces still name functions.
+find "$out" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-debug {} +
+du -sh "$out"
+echo "bundle ready: $out/run-all.sh"
