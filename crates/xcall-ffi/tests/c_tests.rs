@@ -13,20 +13,22 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// `target/<profile>/libxcall.a`, built by cargo next to this test binary.
+/// The `libxcall.a` that cargo built for this test run. Built as a test
+/// dependency, the static library lands in `target/<profile>/deps/` next to
+/// this binary and is not copied up to `target/<profile>/` (where an older
+/// `cargo build` may have left a stale one), so `deps/` comes first.
 fn static_lib() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let lib = profile_dir.join("libxcall.a");
-    assert!(
-        lib.exists(),
-        "{} is missing: build xcall-ffi first",
-        lib.display()
-    );
-    lib
+    let deps = exe.parent().expect("target/<profile>/deps");
+    let candidates = [
+        deps.join("libxcall.a"),
+        deps.parent().unwrap_or(deps).join("libxcall.a"),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .cloned()
+        .unwrap_or_else(|| panic!("libxcall.a not found in {candidates:?}: build xcall-ffi first"))
 }
 
 fn compiler(cpp: bool) -> cc::Tool {
