@@ -76,6 +76,10 @@ impl<T> Table<T> {
 /// Thread-safe: lookups are lock-free and slots of different devices never
 /// share a lock. Slots are never removed; put a `Mutex` (or any interior
 /// mutability) inside `T` for state that changes.
+///
+/// Memory grows with the largest ordinal used (about twice that many empty
+/// slots at most), so ordinals should come from a validated device
+/// ([`Device::validate`]) or a world size, not from unchecked input.
 pub struct DeviceMap<T> {
     tables: [Table<T>; 2],
     capacity_hint: Option<usize>,

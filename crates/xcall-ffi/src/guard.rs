@@ -46,10 +46,19 @@ pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR.with(|slot| slot.borrow().as_ptr())
 }
 
+fn clear_last_error() {
+    // Every call passes here: allocate nothing when there is nothing to clear.
+    LAST_ERROR.with(|slot| {
+        if !slot.borrow().is_empty() {
+            *slot.borrow_mut() = CString::default();
+        }
+    });
+}
+
 /// Runs an entry point's body: clears the last error, turns `Err` into its
 /// status with the message recorded, and a panic into [`Status::Panic`].
 pub(crate) fn run(body: impl FnOnce() -> Result<(), FfiError>) -> Status {
-    set_last_error("");
+    clear_last_error();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => Status::Ok,
         Ok(Err(e)) => {
