@@ -68,6 +68,11 @@ enum xcall_status
    * The operation is not supported for these arguments (dtype, platform, ...).
    */
   XCALL_STATUS_UNSUPPORTED = 8,
+  /**
+   * A caller-supplied callback (for example a graph cache's record
+   * function) reported failure; the message carries its code.
+   */
+  XCALL_STATUS_CALLBACK_FAILED = 9,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

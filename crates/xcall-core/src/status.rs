@@ -30,13 +30,16 @@ pub enum Status {
     NoSuchDevice = 7,
     /// The operation is not supported for these arguments (dtype, platform, ...).
     Unsupported = 8,
+    /// A caller-supplied callback (for example a graph cache's record
+    /// function) reported failure; the message carries its code.
+    CallbackFailed = 9,
 }
 
 impl Status {
     /// Every status, in code order.
     ///
     /// cbindgen:ignore
-    pub const ALL: [Status; 9] = [
+    pub const ALL: [Status; 10] = [
         Status::Ok,
         Status::NullArgument,
         Status::InvalidArgument,
@@ -46,6 +49,7 @@ impl Status {
         Status::CompileFailed,
         Status::NoSuchDevice,
         Status::Unsupported,
+        Status::CallbackFailed,
     ];
 
     /// The numeric code.
@@ -70,6 +74,7 @@ impl Status {
             Status::CompileFailed => c"XCALL_STATUS_COMPILE_FAILED",
             Status::NoSuchDevice => c"XCALL_STATUS_NO_SUCH_DEVICE",
             Status::Unsupported => c"XCALL_STATUS_UNSUPPORTED",
+            Status::CallbackFailed => c"XCALL_STATUS_CALLBACK_FAILED",
         }
     }
 
@@ -103,6 +108,7 @@ mod tests {
             (6, "XCALL_STATUS_COMPILE_FAILED"),
             (7, "XCALL_STATUS_NO_SUCH_DEVICE"),
             (8, "XCALL_STATUS_UNSUPPORTED"),
+            (9, "XCALL_STATUS_CALLBACK_FAILED"),
         ];
         assert_eq!(Status::ALL.len(), published.len());
         for (code, name) in published {

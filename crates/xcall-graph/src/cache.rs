@@ -1,1 +1,644 @@
-//! The per-device graph cache: lookup, capture, replay, exec-update, eviction.
+//! The per-device graph cache: lookup, capture, replay, exec-update,
+//! eviction.
+//!
+//! Locking: each device has its own shard and lock ([`DeviceMap`]); calls on
+//! different devices never share a lock. A shard's lock is held for lookups,
+//! launches and exec-updates (graph objects must not be used by two threads
+//! at once), never while the caller's record function runs and never while
+//! waiting for another thread. A key being captured is marked pending, so a
+//! second thread with the same key runs eagerly instead of capturing again.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use xcall_core::{Device, DeviceMap, Error, Platform};
+
+use crate::backend::{GraphBackend, StreamState};
+use crate::error::{GraphError, GraphResult};
+use crate::key::CallKey;
+use crate::policy::{Config, Policy};
+
+/// One call: its key, the stream to run on (required for CUDA, ignored on
+/// Host), and objects the cached graph must keep alive (for example the
+/// loaded modules its kernels come from).
+pub struct Call<S> {
+    /// The exact key.
+    pub key: CallKey,
+    /// The caller's stream.
+    pub stream: Option<S>,
+    /// Kept alive as long as a graph captured for this call is cached.
+    pub keep_alive: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+impl<S> Call<S> {
+    /// A call with nothing to keep alive.
+    pub fn new(key: CallKey, stream: Option<S>) -> Self {
+        Call {
+            key,
+            stream,
+            keep_alive: Vec::new(),
+        }
+    }
+}
+
+/// What [`GraphCache::execute`] did (`xcall_graph_outcome` in C).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// A cached graph was launched.
+    Replayed = 0,
+    /// A cached executable was updated to the new buffers and launched.
+    Updated = 1,
+    /// The work was captured into a new graph, instantiated and launched.
+    Captured = 2,
+    /// Host platform: the record function ran directly.
+    EagerHost = 3,
+    /// CUDA, but the record function ran directly on the stream (policy
+    /// disabled, caller already capturing, capture in progress elsewhere,
+    /// key not capturable, or this capture failed; see the stats).
+    EagerFallback = 4,
+}
+
+/// Counters of one device (`xcall_graph_stats` in C).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Calls answered by launching a cached graph.
+    pub hits: u64,
+    /// Successful captures (each followed by an update or an instantiation).
+    pub captures: u64,
+    /// Cached executables updated in place (`cuGraphExecUpdate`).
+    pub updates: u64,
+    /// Exec-updates the driver refused (an instantiation followed).
+    pub update_refusals: u64,
+    /// Executables instantiated.
+    pub instantiations: u64,
+    /// Executables evicted by the LRU capacity or the node limit.
+    pub evictions: u64,
+    /// Executables removed by `invalidate_range` or `clear`.
+    pub invalidations: u64,
+    /// Calls run directly on the Host platform.
+    pub eager_host: u64,
+    /// Eager runs because the policy is `Disabled`.
+    pub eager_disabled: u64,
+    /// Eager runs because the caller's stream was already capturing (the
+    /// work went into the caller's capture).
+    pub eager_caller_capturing: u64,
+    /// Eager runs because another thread was capturing the same key.
+    pub eager_capture_in_progress: u64,
+    /// Eager runs of a key remembered as not capturable.
+    pub eager_not_capturable: u64,
+    /// Eager runs after this call's capture failed.
+    pub eager_capture_failed: u64,
+    /// Graphs currently cached.
+    pub entries: u64,
+    /// Nodes of the graphs currently cached.
+    pub nodes: u64,
+}
+
+struct Entry<B: GraphBackend> {
+    key: CallKey,
+    context: u64,
+    exec: B::Exec,
+    nodes: usize,
+    last_used: u64,
+    _keep_alive: Vec<Arc<dyn Any + Send + Sync>>,
+}
+
+struct Pending {
+    id: u64,
+    key: CallKey,
+    context: u64,
+    /// Set when an overlapping `invalidate_range` or a `clear` ran during
+    /// the capture: the graph may run once but must not be cached.
+    invalidated: bool,
+}
+
+struct Shard<B: GraphBackend> {
+    entries: HashMap<u64, Entry<B>>,
+    exact: HashMap<u64, Vec<u64>>,
+    topology: HashMap<u64, Vec<u64>>,
+    pending: Vec<Pending>,
+    not_capturable: HashMap<(CallKey, u64), u32>,
+    tick: u64,
+    next_id: u64,
+    nodes: usize,
+    stats: Stats,
+}
+
+impl<B: GraphBackend> Shard<B> {
+    fn new() -> Self {
+        Shard {
+            entries: HashMap::new(),
+            exact: HashMap::new(),
+            topology: HashMap::new(),
+            pending: Vec::new(),
+            not_capturable: HashMap::new(),
+            tick: 0,
+            next_id: 0,
+            nodes: 0,
+            stats: Stats::default(),
+        }
+    }
+
+    fn find_exact(&self, key: &CallKey, context: u64) -> Option<u64> {
+        self.exact.get(&key.bucket())?.iter().copied().find(|id| {
+            let e = &self.entries[id];
+            e.context == context && e.key == *key
+        })
+    }
+
+    /// The least recently used entry of `key`'s topology, if there are at
+    /// least `variants` of them.
+    fn update_candidate(&self, key: &CallKey, context: u64, variants: usize) -> Option<u64> {
+        let ids: Vec<u64> = self
+            .topology
+            .get(&key.topology_bucket())?
+            .iter()
+            .copied()
+            .filter(|id| {
+                let e = &self.entries[id];
+                e.context == context && e.key.same_topology(key)
+            })
+            .collect();
+        if ids.len() < variants {
+            return None;
+        }
+        ids.into_iter().min_by_key(|id| self.entries[id].last_used)
+    }
+
+    fn index(&mut self, id: u64) {
+        let key = &self.entries[&id].key;
+        self.exact.entry(key.bucket()).or_default().push(id);
+        self.topology
+            .entry(key.topology_bucket())
+            .or_default()
+            .push(id);
+    }
+
+    fn unindex(&mut self, id: u64) {
+        let key = &self.entries[&id].key;
+        for (map, bucket) in [
+            (&mut self.exact, key.bucket()),
+            (&mut self.topology, key.topology_bucket()),
+        ] {
+            if let Some(ids) = map.get_mut(&bucket) {
+                ids.retain(|x| *x != id);
+                if ids.is_empty() {
+                    map.remove(&bucket);
+                }
+            }
+        }
+    }
+
+    fn insert(&mut self, entry: Entry<B>) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.nodes += entry.nodes;
+        self.entries.insert(id, entry);
+        self.index(id);
+        id
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry<B>> {
+        if !self.entries.contains_key(&id) {
+            return None;
+        }
+        self.unindex(id);
+        let entry = self.entries.remove(&id)?;
+        self.nodes -= entry.nodes;
+        Some(entry)
+    }
+
+    /// Evicts least recently used entries (never `keep`) until the shard is
+    /// within its limits.
+    fn evict_to_limits(&mut self, config: &Config, keep: u64) {
+        loop {
+            let over_capacity = self.entries.len() > config.capacity;
+            let over_nodes = config.max_nodes.is_some_and(|max| self.nodes > max);
+            if !over_capacity && !over_nodes {
+                return;
+            }
+            let victim = self
+                .entries
+                .iter()
+                .filter(|(id, _)| **id != keep)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(id, _)| *id);
+            match victim {
+                Some(id) => {
+                    self.remove(id);
+                    self.stats.evictions += 1;
+                }
+                None => return,
+            }
+        }
+    }
+
+    fn take_pending(&mut self, id: u64) -> Option<Pending> {
+        let at = self.pending.iter().position(|p| p.id == id)?;
+        Some(self.pending.swap_remove(at))
+    }
+
+    fn stats(&self) -> Stats {
+        Stats {
+            entries: self.entries.len() as u64,
+            nodes: self.nodes as u64,
+            ..self.stats
+        }
+    }
+}
+
+struct DeviceState<B: GraphBackend> {
+    shard: Mutex<Shard<B>>,
+    host_runs: AtomicU64,
+}
+
+/// A device-aware cache of captured CUDA graphs for custom calls.
+///
+/// Thread-safe: any method may be called from any thread. Calls on
+/// different devices never contend; calls on one device serialise only for
+/// lookups, launches and exec-updates, never for captures.
+pub struct GraphCache<B: GraphBackend> {
+    backend: B,
+    config: Config,
+    devices: DeviceMap<DeviceState<B>>,
+}
+
+enum Eager {
+    Disabled,
+    CallerCapturing,
+    CaptureInProgress,
+    NotCapturable,
+    CaptureFailed,
+}
+
+impl<B: GraphBackend> GraphCache<B> {
+    /// A cache over `backend` with `config` (checked).
+    pub fn new(backend: B, config: Config) -> Result<Self, Error> {
+        config.validate()?;
+        Ok(GraphCache {
+            backend,
+            config,
+            devices: DeviceMap::new(),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn state(&self, device: Device) -> &DeviceState<B> {
+        self.devices.get_or_init(device, || DeviceState {
+            shard: Mutex::new(Shard::new()),
+            host_runs: AtomicU64::new(0),
+        })
+    }
+
+    fn lock(&self, device: Device) -> MutexGuard<'_, Shard<B>> {
+        // A panic while holding the lock leaves the shard's maps consistent
+        // (every mutation completes before anything that can fail), so a
+        // poisoned lock is safe to keep using.
+        self.state(device)
+            .shard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs a call: on Host, `record(None)` directly; on CUDA, replays the
+    /// cached graph for the call's exact key, or captures `record(Some(stream))`
+    /// into a graph (updating an executable of the same topology where the
+    /// policy says so), or runs it eagerly when capture is not possible.
+    ///
+    /// Returns what happened. Bad input (no buffers, no stream on CUDA, a
+    /// stream of another device) is refused before anything runs. When the
+    /// record function fails during capture, the stream leaves capture mode,
+    /// the function runs again eagerly and its result is returned.
+    pub fn execute<E>(
+        &self,
+        call: &Call<B::Stream>,
+        mut record: impl FnMut(Option<B::Stream>) -> Result<(), E>,
+    ) -> GraphResult<Outcome>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        call.key.validate()?;
+        let device = call.key.device;
+        if device.platform == Platform::Host {
+            if device != Device::HOST {
+                return Err(Error::NoSuchDevice { device, count: 1 }.into());
+            }
+            record(None).map_err(|e| GraphError::Callback(e.into()))?;
+            self.state(device).host_runs.fetch_add(1, Ordering::Relaxed);
+            return Ok(Outcome::EagerHost);
+        }
+        let stream = call
+            .stream
+            .ok_or_else(|| Error::InvalidArgument(format!("a call on {device} needs a stream")))?;
+        let state = self.backend.stream_state(device, stream)?;
+        self.backend.with_context(device, &state, || {
+            self.execute_on_stream(call, stream, state, &mut record)
+        })?
+    }
+
+    fn eager<E>(
+        &self,
+        device: Device,
+        stream: B::Stream,
+        why: Eager,
+        record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
+    ) -> GraphResult<Outcome>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let result = record(Some(stream)).map_err(|e| GraphError::Callback(e.into()));
+        let mut shard = self.lock(device);
+        let counter = match why {
+            Eager::Disabled => &mut shard.stats.eager_disabled,
+            Eager::CallerCapturing => &mut shard.stats.eager_caller_capturing,
+            Eager::CaptureInProgress => &mut shard.stats.eager_capture_in_progress,
+            Eager::NotCapturable => &mut shard.stats.eager_not_capturable,
+            Eager::CaptureFailed => &mut shard.stats.eager_capture_failed,
+        };
+        *counter += 1;
+        result.map(|()| Outcome::EagerFallback)
+    }
+
+    fn execute_on_stream<E>(
+        &self,
+        call: &Call<B::Stream>,
+        stream: B::Stream,
+        state: StreamState,
+        record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
+    ) -> GraphResult<Outcome>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let key = &call.key;
+        let device = key.device;
+        if self.config.policy == Policy::Disabled {
+            return self.eager(device, stream, Eager::Disabled, record);
+        }
+        if state.capturing {
+            return self.eager(device, stream, Eager::CallerCapturing, record);
+        }
+        let mut shard = self.lock(device);
+        shard.tick += 1;
+        let tick = shard.tick;
+        if let Some(id) = shard.find_exact(key, state.context) {
+            let entry = shard.entries.get_mut(&id).expect("indexed entry exists");
+            entry.last_used = tick;
+            self.backend.launch(device, &entry.exec, stream)?;
+            shard.stats.hits += 1;
+            return Ok(Outcome::Replayed);
+        }
+        let not_capturable = (key.clone(), state.context);
+        if let Some(remaining) = shard.not_capturable.get_mut(&not_capturable) {
+            if *remaining > 0 {
+                *remaining -= 1;
+                drop(shard);
+                return self.eager(device, stream, Eager::NotCapturable, record);
+            }
+            shard.not_capturable.remove(&not_capturable);
+        }
+        if shard
+            .pending
+            .iter()
+            .any(|p| p.context == state.context && p.key == *key)
+        {
+            drop(shard);
+            return self.eager(device, stream, Eager::CaptureInProgress, record);
+        }
+        let pending_id = shard.next_id;
+        shard.next_id += 1;
+        shard.pending.push(Pending {
+            id: pending_id,
+            key: key.clone(),
+            context: state.context,
+            invalidated: false,
+        });
+        drop(shard);
+
+        let graph = match self.capture(device, stream, record) {
+            Ok(graph) => graph,
+            Err(_) => {
+                let mut shard = self.lock(device);
+                shard.take_pending(pending_id);
+                shard
+                    .not_capturable
+                    .insert(not_capturable, self.config.retry_after);
+                // Keep the failure memory bounded like the cache itself.
+                while shard.not_capturable.len() > self.config.capacity {
+                    let drop_key = shard.not_capturable.keys().next().cloned();
+                    match drop_key {
+                        Some(k) => shard.not_capturable.remove(&k),
+                        None => break,
+                    };
+                }
+                drop(shard);
+                return self.eager(device, stream, Eager::CaptureFailed, record);
+            }
+        };
+        self.install(call, stream, state, pending_id, graph, tick)
+    }
+
+    /// Captures `record`'s work on `stream`; the stream leaves capture mode
+    /// whatever happens.
+    fn capture<E>(
+        &self,
+        device: Device,
+        stream: B::Stream,
+        record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
+    ) -> Result<B::Graph, ()> {
+        self.backend.begin_capture(device, stream).map_err(|_| ())?;
+        let recorded = record(Some(stream));
+        let ended = self.backend.end_capture(device, stream);
+        match (recorded, ended) {
+            (Ok(()), Ok(graph)) => Ok(graph),
+            _ => Err(()),
+        }
+    }
+
+    fn install(
+        &self,
+        call: &Call<B::Stream>,
+        stream: B::Stream,
+        state: StreamState,
+        pending_id: u64,
+        graph: B::Graph,
+        tick: u64,
+    ) -> GraphResult<Outcome> {
+        let key = &call.key;
+        let device = key.device;
+        let nodes = match self.backend.node_count(device, &graph) {
+            Ok(n) => n,
+            Err(e) => {
+                self.lock(device).take_pending(pending_id);
+                return Err(e.into());
+            }
+        };
+        if self.config.policy == Policy::ExecUpdate {
+            let mut shard = self.lock(device);
+            let still_valid = shard
+                .pending
+                .iter()
+                .any(|p| p.id == pending_id && !p.invalidated);
+            let candidate = still_valid
+                .then(|| {
+                    shard.update_candidate(key, state.context, self.config.variants_per_topology)
+                })
+                .flatten();
+            if let Some(id) = candidate {
+                let entry = shard.entries.get_mut(&id).expect("indexed entry exists");
+                // A driver error here is treated like a refusal: a fresh
+                // instantiation follows.
+                if self
+                    .backend
+                    .update(device, &mut entry.exec, &graph)
+                    .unwrap_or(false)
+                {
+                    shard.unindex(id);
+                    let entry = shard.entries.get_mut(&id).expect("entry exists");
+                    let old_nodes = std::mem::replace(&mut entry.nodes, nodes);
+                    entry.key = key.clone();
+                    entry.last_used = tick;
+                    entry._keep_alive = call.keep_alive.clone();
+                    shard.nodes = shard.nodes - old_nodes + nodes;
+                    shard.index(id);
+                    shard.take_pending(pending_id);
+                    shard.stats.captures += 1;
+                    shard.stats.updates += 1;
+                    shard.evict_to_limits(&self.config, id);
+                    let entry = &shard.entries[&id];
+                    self.backend.launch(device, &entry.exec, stream)?;
+                    return Ok(Outcome::Updated);
+                }
+                shard.stats.update_refusals += 1;
+            }
+        }
+        // Instantiation is the slow step: it runs without the device's lock.
+        let instantiated = self.backend.instantiate(device, &graph);
+        drop(graph);
+        let mut shard = self.lock(device);
+        let pending = shard.take_pending(pending_id);
+        let exec = instantiated?;
+        shard.stats.captures += 1;
+        shard.stats.instantiations += 1;
+        let cacheable = pending.is_some_and(|p| !p.invalidated)
+            && self.config.max_nodes.is_none_or(|max| nodes <= max);
+        if !cacheable {
+            // Run this once; keep nothing that may outlive its memory or
+            // exceed the node limit.
+            self.backend.launch(device, &exec, stream)?;
+            shard.stats.evictions += 1;
+            return Ok(Outcome::Captured);
+        }
+        let id = shard.insert(Entry {
+            key: key.clone(),
+            context: state.context,
+            exec,
+            nodes,
+            last_used: tick,
+            _keep_alive: call.keep_alive.clone(),
+        });
+        shard.evict_to_limits(&self.config, id);
+        self.backend
+            .launch(device, &shard.entries[&id].exec, stream)?;
+        Ok(Outcome::Captured)
+    }
+
+    /// Evicts every graph of `device` whose buffers overlap
+    /// `[address, address + bytes)`. Call it before freeing that memory: no
+    /// graph that uses it can be replayed afterwards. A capture in progress
+    /// that uses the range still runs once but is not cached. Returns the
+    /// number of graphs evicted.
+    pub fn invalidate_range(
+        &self,
+        device: Device,
+        address: u64,
+        bytes: u64,
+    ) -> Result<usize, Error> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "invalidate_range needs bytes > 0".into(),
+            ));
+        }
+        if address.checked_add(bytes).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "range at {address:#x} with {bytes} bytes runs past the end of the address space"
+            )));
+        }
+        let Some(state) = self.devices.get(device) else {
+            return Ok(0);
+        };
+        let mut shard = state.shard.lock().unwrap_or_else(|p| p.into_inner());
+        let victims: Vec<u64> = shard
+            .entries
+            .iter()
+            .filter(|(_, e)| e.key.overlaps(address, bytes))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &victims {
+            shard.remove(*id);
+        }
+        shard.stats.invalidations += victims.len() as u64;
+        for p in shard
+            .pending
+            .iter_mut()
+            .filter(|p| p.key.overlaps(address, bytes))
+        {
+            p.invalidated = true;
+        }
+        shard
+            .not_capturable
+            .retain(|(k, _), _| !k.overlaps(address, bytes));
+        Ok(victims.len())
+    }
+
+    /// Evicts every graph of `device`; returns how many.
+    pub fn clear(&self, device: Device) -> usize {
+        let Some(state) = self.devices.get(device) else {
+            return 0;
+        };
+        let mut shard = state.shard.lock().unwrap_or_else(|p| p.into_inner());
+        let ids: Vec<u64> = shard.entries.keys().copied().collect();
+        for id in &ids {
+            shard.remove(*id);
+        }
+        shard.stats.invalidations += ids.len() as u64;
+        for p in shard.pending.iter_mut() {
+            p.invalidated = true;
+        }
+        shard.not_capturable.clear();
+        ids.len()
+    }
+
+    /// Evicts every graph of every device, one device at a time (each
+    /// device's lock is taken on its own); returns how many.
+    pub fn clear_all(&self) -> usize {
+        let devices: Vec<Device> = self.devices.iter().map(|(d, _)| d).collect();
+        devices.into_iter().map(|d| self.clear(d)).sum()
+    }
+
+    /// Counters of `device` (all zero for a device never used).
+    pub fn stats(&self, device: Device) -> Stats {
+        match self.devices.get(device) {
+            None => Stats::default(),
+            Some(state) => {
+                let shard = state.shard.lock().unwrap_or_else(|p| p.into_inner());
+                Stats {
+                    eager_host: state.host_runs.load(Ordering::Relaxed),
+                    ..shard.stats()
+                }
+            }
+        }
+    }
+}

@@ -1,12 +1,31 @@
-//! Device-aware CUDA graph cache for custom calls: capture once, replay, exec-update on pointer churn; Host runs the call directly.
+//! A device-aware CUDA graph cache for custom calls.
 //!
-//! Platform-neutral types come from [`xcall_core`]; this crate adds
-//! the capability itself, one module per part.
+//! A custom-call handler gets a device, a stream and buffers, and has a
+//! function that enqueues its kernels on a stream. Instead of launching
+//! directly it calls [`GraphCache::execute`]: on CUDA the first call captures
+//! the work into a graph and launches it, later identical calls replay it,
+//! and a call that differs only in buffer addresses updates a cached
+//! executable in place. On Host the function runs directly and nothing
+//! touches CUDA; one code path serves both platforms.
+//!
+//! The key is the full tuple (platform, device, target, attributes,
+//! buffers) compared exactly ([`CallKey`]); state is sharded per device; the
+//! cache is bounded per device; [`GraphCache::invalidate_range`] evicts
+//! graphs before their memory is freed.
 
 #![deny(missing_docs)]
 
+pub mod backend;
 pub mod cache;
+pub mod cuda;
+mod error;
 pub mod key;
 pub mod policy;
+pub mod sim;
 
+pub use backend::{GraphBackend, StreamState};
+pub use cache::{Call, GraphCache, Outcome, Stats};
+pub use error::{GraphError, GraphResult};
+pub use key::{Buffer, BufferRole, CallKey};
+pub use policy::{Config, Policy};
 pub use xcall_core::{Device, Error, Platform, Result};

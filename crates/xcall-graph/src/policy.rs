@@ -1,1 +1,79 @@
-//! Capture policies (Recapture, ExecUpdate, Disabled) and cache limits.
+//! Capture policies and cache limits.
+
+use xcall_core::{Error, Result};
+
+/// What the cache does with a call it has not seen with these exact buffers.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Capture a new graph, and when a cached graph differs only in buffer
+    /// addresses, update its executable with `cuGraphExecUpdate` instead of
+    /// instantiating a new one (falls back to instantiating when refused).
+    ExecUpdate = 0,
+    /// Capture and instantiate a new graph for every new key.
+    Recapture = 1,
+    /// Never capture: every call runs eagerly on its stream.
+    Disabled = 2,
+}
+
+impl Policy {
+    /// The policy with this C code, if any.
+    pub fn from_code(code: u32) -> Option<Policy> {
+        [Policy::ExecUpdate, Policy::Recapture, Policy::Disabled]
+            .into_iter()
+            .find(|p| *p as u32 == code)
+    }
+}
+
+/// Limits and behaviour of a [`crate::GraphCache`]. Every limit applies per
+/// device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Graphs kept per device; the least recently used is evicted (default 64).
+    pub capacity: usize,
+    /// Optional limit on the total nodes of the graphs kept per device.
+    pub max_nodes: Option<usize>,
+    /// Capture policy (default [`Policy::ExecUpdate`]).
+    pub policy: Policy,
+    /// After a failed capture, the key runs eagerly this many times before
+    /// capture is tried again (default 16).
+    pub retry_after: u32,
+    /// Executables kept per topology (key without addresses) before new
+    /// addresses update one in place under [`Policy::ExecUpdate`]
+    /// (default 1; 2 suits ping-pong buffers).
+    pub variants_per_topology: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            capacity: 64,
+            max_nodes: None,
+            policy: Policy::ExecUpdate,
+            retry_after: 16,
+            variants_per_topology: 1,
+        }
+    }
+}
+
+impl Config {
+    /// Checks the limits.
+    pub fn validate(&self) -> Result<()> {
+        if self.capacity == 0 {
+            return Err(Error::InvalidArgument(
+                "graph cache capacity must be at least 1".into(),
+            ));
+        }
+        if self.max_nodes == Some(0) {
+            return Err(Error::InvalidArgument(
+                "max_nodes must be at least 1 when set".into(),
+            ));
+        }
+        if self.variants_per_topology == 0 {
+            return Err(Error::InvalidArgument(
+                "variants_per_topology must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}

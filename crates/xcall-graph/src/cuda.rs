@@ -1,0 +1,193 @@
+//! The CUDA backend: stream capture, instantiation, exec-update and launch
+//! through the driver API.
+
+use xcall_core::cuda::{self, driver_error};
+use xcall_core::{Device, Error, Result};
+
+use cudarc::driver::sys;
+
+use crate::backend::{GraphBackend, StreamState};
+
+/// A CUDA stream handle (`CUstream`) as the caller gave it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CudaStreamHandle(pub sys::CUstream);
+
+// SAFETY: a CUstream is an opaque driver handle; the driver API accepts it
+// from any thread.
+unsafe impl Send for CudaStreamHandle {}
+// SAFETY: as above; the handle is only passed to driver calls.
+unsafe impl Sync for CudaStreamHandle {}
+
+/// A captured graph; destroyed on drop.
+#[derive(Debug)]
+pub struct CudaGraph(sys::CUgraph);
+
+// SAFETY: the cache uses a graph from one thread at a time.
+unsafe impl Send for CudaGraph {}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from cuStreamEndCapture and is destroyed once.
+        let _ = unsafe { sys::cuGraphDestroy(self.0) };
+    }
+}
+
+/// An executable graph; destroyed on drop.
+#[derive(Debug)]
+pub struct CudaExec(sys::CUgraphExec);
+
+// SAFETY: the cache serialises every use of an executable under its
+// device's lock, as the driver requires for graph objects.
+unsafe impl Send for CudaExec {}
+
+impl Drop for CudaExec {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from cuGraphInstantiate and is destroyed once.
+        let _ = unsafe { sys::cuGraphExecDestroy(self.0) };
+    }
+}
+
+/// The CUDA driver backend. Holding it loads nothing; the driver is loaded
+/// by the first CUDA call.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaGraphs;
+
+fn check(call: &'static str, device: Device, r: sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| driver_error(call, device, e))
+}
+
+/// Pops the context pushed by `with_context`, also when the closure panics.
+struct PopContext;
+
+impl Drop for PopContext {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context pushed by with_context on this thread.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
+impl GraphBackend for CudaGraphs {
+    type Stream = CudaStreamHandle;
+    type Graph = CudaGraph;
+    type Exec = CudaExec;
+
+    fn stream_state(&self, device: Device, stream: CudaStreamHandle) -> Result<StreamState> {
+        let ordinal = cuda::check_device(device)?;
+        if stream.0.is_null() {
+            return Err(Error::InvalidArgument(
+                "the legacy default stream (NULL) cannot be captured; pass a created stream".into(),
+            ));
+        }
+        let mut dev: sys::CUdevice = 0;
+        let mut expected: sys::CUdevice = 0;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: each call writes one value through a valid pointer; the
+        // stream handle is the caller's and is only queried.
+        unsafe {
+            check(
+                "cuStreamGetDevice",
+                device,
+                sys::cuStreamGetDevice(stream.0, &mut dev),
+            )?;
+            check(
+                "cuDeviceGet",
+                device,
+                sys::cuDeviceGet(&mut expected, ordinal as i32),
+            )?;
+            check(
+                "cuStreamGetCtx",
+                device,
+                sys::cuStreamGetCtx(stream.0, &mut ctx),
+            )?;
+            check(
+                "cuStreamIsCapturing",
+                device,
+                sys::cuStreamIsCapturing(stream.0, &mut status),
+            )?;
+        }
+        if dev != expected {
+            return Err(Error::InvalidArgument(format!(
+                "the stream belongs to another device than {device} (CUdevice {dev})"
+            )));
+        }
+        Ok(StreamState {
+            context: ctx as u64,
+            capturing: status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        })
+    }
+
+    fn with_context<T>(
+        &self,
+        device: Device,
+        state: &StreamState,
+        f: impl FnOnce() -> T,
+    ) -> Result<T> {
+        let ctx = state.context as sys::CUcontext;
+        // SAFETY: the context is the caller's stream's own; the guard pops it
+        // again, so the caller's current context is restored.
+        unsafe { check("cuCtxPushCurrent", device, sys::cuCtxPushCurrent_v2(ctx))? };
+        let _pop = PopContext;
+        Ok(f())
+    }
+
+    fn begin_capture(&self, device: Device, stream: CudaStreamHandle) -> Result<()> {
+        // Thread-local mode: only this thread's unsafe calls are refused
+        // during the capture, other threads (other devices) are unaffected.
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // SAFETY: begins capture on a valid, non-capturing stream.
+        check("cuStreamBeginCapture", device, unsafe {
+            sys::cuStreamBeginCapture_v2(stream.0, mode)
+        })
+    }
+
+    fn end_capture(&self, device: Device, stream: CudaStreamHandle) -> Result<CudaGraph> {
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun by begin_capture; always leaves
+        // capture mode, returning an error when the capture was invalidated.
+        let r = unsafe { sys::cuStreamEndCapture(stream.0, &mut graph) };
+        let owned = (!graph.is_null()).then_some(CudaGraph(graph));
+        check("cuStreamEndCapture", device, r)?;
+        owned.ok_or_else(|| Error::Unsupported("stream capture produced no graph".into()))
+    }
+
+    fn node_count(&self, device: Device, graph: &CudaGraph) -> Result<usize> {
+        let mut n = 0usize;
+        // SAFETY: with a NULL node array the call only writes the count.
+        check("cuGraphGetNodes", device, unsafe {
+            sys::cuGraphGetNodes(graph.0, std::ptr::null_mut(), &mut n)
+        })?;
+        Ok(n)
+    }
+
+    fn instantiate(&self, device: Device, graph: &CudaGraph) -> Result<CudaExec> {
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: instantiates a valid graph; writes one handle.
+        check("cuGraphInstantiate", device, unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph.0, 0)
+        })?;
+        Ok(CudaExec(exec))
+    }
+
+    fn update(&self, device: Device, exec: &mut CudaExec, graph: &CudaGraph) -> Result<bool> {
+        // SAFETY: the result info is plain data the driver fills in.
+        let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: both handles are valid; the executable is not in use by
+        // another thread (the cache holds the device's lock).
+        let r = unsafe { sys::cuGraphExecUpdate_v2(exec.0, graph.0, &mut info) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => Ok(false),
+            other => check("cuGraphExecUpdate", device, other).map(|()| false),
+        }
+    }
+
+    fn launch(&self, device: Device, exec: &CudaExec, stream: CudaStreamHandle) -> Result<()> {
+        // SAFETY: the executable was instantiated in the stream's context
+        // (the cache only replays within one context).
+        check("cuGraphLaunch", device, unsafe {
+            sys::cuGraphLaunch(exec.0, stream.0)
+        })
+    }
+}

@@ -1,0 +1,548 @@
+//! The cache's logic on the simulated multi-device backend (no GPU needed).
+
+use std::sync::{Arc, Barrier};
+
+use xcall_graph::sim::{SimBackend, SimOp, SimStream};
+use xcall_graph::{
+    Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome, Policy, Stats,
+};
+
+fn stream(ordinal: u32) -> SimStream {
+    SimStream {
+        device: Device::cuda(ordinal),
+        context: 100 + ordinal as u64,
+        id: 1,
+    }
+}
+
+fn key(ordinal: u32, target: u64, addresses: &[u64]) -> CallKey {
+    CallKey {
+        device: Device::cuda(ordinal),
+        target,
+        attributes: 0xa77,
+        buffers: addresses
+            .iter()
+            .map(|&a| Buffer::new(a, 64, BufferRole::InOut))
+            .collect(),
+    }
+}
+
+fn cache(config: Config) -> GraphCache<SimBackend> {
+    GraphCache::new(SimBackend::new(), config).unwrap()
+}
+
+/// Runs `key` on `s`: the work adds `value` to every buffer's first cell.
+fn run(c: &GraphCache<SimBackend>, key: &CallKey, s: SimStream, value: i64) -> Outcome {
+    let call = Call::new(key.clone(), Some(s));
+    c.execute(&call, |stream| {
+        for b in &key.buffers {
+            c.backend().enqueue(
+                stream.unwrap(),
+                SimOp::Add {
+                    address: b.address,
+                    value,
+                },
+            );
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .unwrap()
+}
+
+#[test]
+fn identical_calls_capture_once_then_replay() {
+    let c = cache(Config::default());
+    let k = key(0, 1, &[0x1000, 0x2000]);
+    assert_eq!(run(&c, &k, stream(0), 1), Outcome::Captured);
+    for _ in 0..5 {
+        assert_eq!(run(&c, &k, stream(0), 1), Outcome::Replayed);
+    }
+    // The replays run the captured work: six additions per buffer.
+    assert_eq!(c.backend().read(Device::cuda(0), 0x1000), 6);
+    assert_eq!(c.backend().read(Device::cuda(0), 0x2000), 6);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!(
+        (s.captures, s.instantiations, s.hits, s.entries, s.nodes),
+        (1, 1, 5, 1, 2)
+    );
+}
+
+#[test]
+fn same_addresses_on_two_devices_never_share_a_graph() {
+    // Incident 1: both devices hand out the same virtual address.
+    let c = cache(Config::default());
+    for ordinal in [0, 1] {
+        let k = key(ordinal, 1, &[0x7f00_0000]);
+        assert_eq!(
+            run(&c, &k, stream(ordinal), 10 + ordinal as i64),
+            Outcome::Captured
+        );
+    }
+    for _ in 0..3 {
+        for ordinal in [0, 1] {
+            let k = key(ordinal, 1, &[0x7f00_0000]);
+            assert_eq!(run(&c, &k, stream(ordinal), 999), Outcome::Replayed);
+        }
+    }
+    // Each device replayed its own graph (its own value), on its own memory.
+    assert_eq!(c.backend().read(Device::cuda(0), 0x7f00_0000), 40);
+    assert_eq!(c.backend().read(Device::cuda(1), 0x7f00_0000), 44);
+    assert_eq!(c.backend().violations(), 0);
+    assert_eq!(c.stats(Device::cuda(0)).entries, 1);
+    assert_eq!(c.stats(Device::cuda(1)).entries, 1);
+}
+
+#[test]
+fn a_stream_of_another_device_is_refused_before_anything_runs() {
+    let c = cache(Config::default());
+    let call = Call::new(key(0, 1, &[0x10]), Some(stream(1)));
+    let mut ran = false;
+    let err = c
+        .execute(&call, |_| {
+            ran = true;
+            Ok::<(), std::io::Error>(())
+        })
+        .unwrap_err();
+    assert_eq!(err.status(), xcall_core::Status::InvalidArgument);
+    assert!(
+        err.to_string()
+            .contains("the stream belongs to cuda:1, the call names cuda:0"),
+        "{err}"
+    );
+    assert!(!ran);
+    let no_stream = Call::new(key(0, 1, &[0x10]), None);
+    let err = c
+        .execute(&no_stream, |_| Ok::<(), std::io::Error>(()))
+        .unwrap_err();
+    assert!(err.to_string().contains("needs a stream"), "{err}");
+    let no_buffers = Call::new(key(0, 1, &[]), Some(stream(0)));
+    let err = c
+        .execute(&no_buffers, |_| Ok::<(), std::io::Error>(()))
+        .unwrap_err();
+    assert!(err.to_string().contains("at least one buffer"), "{err}");
+    assert_eq!(c.stats(Device::cuda(0)), Stats::default());
+}
+
+#[test]
+fn pointer_churn_updates_the_executable_in_place() {
+    let c = cache(Config::default());
+    let a = key(0, 1, &[0x100]);
+    let b = key(0, 1, &[0x200]);
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
+    assert_eq!(run(&c, &b, stream(0), 1), Outcome::Updated);
+    assert_eq!(run(&c, &b, stream(0), 1), Outcome::Replayed);
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Updated);
+    // The updated executable writes the new buffer and not the old one.
+    assert_eq!(c.backend().read(Device::cuda(0), 0x100), 2);
+    assert_eq!(c.backend().read(Device::cuda(0), 0x200), 2);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.instantiations, s.updates, s.entries), (1, 2, 1));
+    // Another topology (different size) is never an update candidate.
+    let mut bigger = key(0, 1, &[0x300]);
+    bigger.buffers[0].bytes = 128;
+    assert_eq!(run(&c, &bigger, stream(0), 1), Outcome::Captured);
+}
+
+#[test]
+fn refused_update_instantiates_instead() {
+    let c = cache(Config::default());
+    let a = key(0, 1, &[0x100]);
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
+    // Same key topology, but the work has two nodes now: the update is refused.
+    let b = key(0, 1, &[0x200]);
+    let call = Call::new(b.clone(), Some(stream(0)));
+    let outcome = c
+        .execute(&call, |s| {
+            c.backend().enqueue(
+                s.unwrap(),
+                SimOp::Add {
+                    address: 0x200,
+                    value: 1,
+                },
+            );
+            c.backend().enqueue(
+                s.unwrap(),
+                SimOp::Add {
+                    address: 0x201,
+                    value: 1,
+                },
+            );
+            Ok::<(), std::io::Error>(())
+        })
+        .unwrap();
+    assert_eq!(outcome, Outcome::Captured);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.update_refusals, s.instantiations, s.entries), (1, 2, 2));
+}
+
+#[test]
+fn recapture_policy_and_variants_keep_several_executables() {
+    let c = cache(Config {
+        policy: Policy::Recapture,
+        ..Config::default()
+    });
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x100]), stream(0), 1),
+        Outcome::Captured
+    );
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x200]), stream(0), 1),
+        Outcome::Captured
+    );
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x100]), stream(0), 1),
+        Outcome::Replayed
+    );
+    assert_eq!(c.stats(Device::cuda(0)).updates, 0);
+
+    let c = cache(Config {
+        variants_per_topology: 2,
+        ..Config::default()
+    });
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x100]), stream(0), 1),
+        Outcome::Captured
+    );
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x200]), stream(0), 1),
+        Outcome::Captured
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            run(&c, &key(0, 1, &[0x100]), stream(0), 1),
+            Outcome::Replayed
+        );
+        assert_eq!(
+            run(&c, &key(0, 1, &[0x200]), stream(0), 1),
+            Outcome::Replayed
+        );
+    }
+    // A third address set updates the least recently used variant (0x100).
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x300]), stream(0), 1),
+        Outcome::Updated
+    );
+    assert_eq!(
+        run(&c, &key(0, 1, &[0x200]), stream(0), 1),
+        Outcome::Replayed
+    );
+}
+
+#[test]
+fn disabled_policy_always_runs_eagerly() {
+    let c = cache(Config {
+        policy: Policy::Disabled,
+        ..Config::default()
+    });
+    for _ in 0..3 {
+        assert_eq!(
+            run(&c, &key(0, 1, &[0x100]), stream(0), 1),
+            Outcome::EagerFallback
+        );
+    }
+    assert_eq!(c.backend().read(Device::cuda(0), 0x100), 3);
+    assert_eq!(c.stats(Device::cuda(0)).eager_disabled, 3);
+    assert_eq!(c.backend().launches(), 0);
+}
+
+#[test]
+fn lru_capacity_per_device() {
+    let c = cache(Config {
+        capacity: 2,
+        ..Config::default()
+    });
+    let keys: Vec<CallKey> = (1..=3).map(|t| key(0, t, &[0x100 * t])).collect();
+    run(&c, &keys[0], stream(0), 1);
+    run(&c, &keys[1], stream(0), 1);
+    assert_eq!(run(&c, &keys[0], stream(0), 1), Outcome::Replayed); // keys[1] is now LRU
+    assert_eq!(run(&c, &keys[2], stream(0), 1), Outcome::Captured); // evicts keys[1]
+    assert_eq!(run(&c, &keys[0], stream(0), 1), Outcome::Replayed);
+    assert_eq!(run(&c, &keys[1], stream(0), 1), Outcome::Captured);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.entries, s.evictions), (2, 2));
+    // Another device's capacity is its own.
+    run(&c, &key(1, 1, &[0x100]), stream(1), 1);
+    assert_eq!(c.stats(Device::cuda(1)).evictions, 0);
+}
+
+#[test]
+fn node_limit_per_device() {
+    let c = cache(Config {
+        max_nodes: Some(3),
+        ..Config::default()
+    });
+    let two = key(0, 1, &[0x100, 0x200]);
+    let two_more = key(0, 2, &[0x300, 0x400]);
+    run(&c, &two, stream(0), 1);
+    run(&c, &two_more, stream(0), 1); // 4 nodes > 3: the older graph goes
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.entries, s.nodes, s.evictions), (1, 2, 1));
+    // A graph larger than the limit runs once and is not kept.
+    let four = key(0, 3, &[1, 2, 3, 4]);
+    assert_eq!(run(&c, &four, stream(0), 5), Outcome::Captured);
+    assert_eq!(c.backend().read(Device::cuda(0), 4), 5);
+    assert_eq!(run(&c, &four, stream(0), 5), Outcome::Captured);
+    assert_eq!(c.stats(Device::cuda(0)).entries, 1);
+}
+
+#[test]
+fn invalidate_range_evicts_exactly_the_overlapping_graphs() {
+    let c = cache(Config::default());
+    let a = key(0, 1, &[0x1000]); // [0x1000, 0x1040)
+    let b = key(0, 2, &[0x2000]);
+    run(&c, &a, stream(0), 1);
+    run(&c, &b, stream(0), 1);
+    run(&c, &key(1, 1, &[0x1000]), stream(1), 1);
+    // Adjacent ranges do not overlap.
+    assert_eq!(
+        c.invalidate_range(Device::cuda(0), 0x1040, 0x100).unwrap(),
+        0
+    );
+    assert_eq!(
+        c.invalidate_range(Device::cuda(0), 0x0f00, 0x101).unwrap(),
+        1
+    );
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
+    assert_eq!(run(&c, &b, stream(0), 1), Outcome::Replayed);
+    // Other devices are untouched.
+    assert_eq!(
+        run(&c, &key(1, 1, &[0x1000]), stream(1), 1),
+        Outcome::Replayed
+    );
+    assert!(c.invalidate_range(Device::cuda(0), 0x10, 0).is_err());
+    assert!(c.invalidate_range(Device::cuda(0), u64::MAX, 2).is_err());
+    assert_eq!(c.invalidate_range(Device::cuda(7), 0, 1).unwrap(), 0);
+    assert_eq!(c.clear(Device::cuda(0)), 2);
+    assert_eq!(c.clear_all(), 1);
+    assert_eq!(c.stats(Device::cuda(0)).invalidations, 3);
+}
+
+#[test]
+fn invalidation_during_a_capture_keeps_the_graph_out_of_the_cache() {
+    let c = cache(Config::default());
+    let k = key(0, 1, &[0x1000]);
+    let call = Call::new(k.clone(), Some(stream(0)));
+    // The record function itself frees the memory (no lock is held while it
+    // runs, so this cannot deadlock).
+    let outcome = c
+        .execute(&call, |s| {
+            c.backend().enqueue(
+                s.unwrap(),
+                SimOp::Add {
+                    address: 0x1000,
+                    value: 1,
+                },
+            );
+            c.invalidate_range(Device::cuda(0), 0x1000, 1).map(|_| ())
+        })
+        .unwrap();
+    assert_eq!(outcome, Outcome::Captured);
+    assert_eq!(c.backend().read(Device::cuda(0), 0x1000), 1);
+    assert_eq!(c.stats(Device::cuda(0)).entries, 0);
+    assert_eq!(run(&c, &k, stream(0), 1), Outcome::Captured);
+}
+
+#[test]
+fn failed_captures_run_eagerly_and_retry_later() {
+    let c = cache(Config {
+        retry_after: 2,
+        ..Config::default()
+    });
+    let k = key(0, 1, &[0x100]);
+    let uncapturable = |c: &GraphCache<SimBackend>| {
+        let call = Call::new(k.clone(), Some(stream(0)));
+        c.execute(&call, |s| {
+            c.backend().enqueue(s.unwrap(), SimOp::Uncapturable);
+            c.backend().enqueue(
+                s.unwrap(),
+                SimOp::Add {
+                    address: 0x100,
+                    value: 1,
+                },
+            );
+            Ok::<(), std::io::Error>(())
+        })
+        .unwrap()
+    };
+    assert_eq!(uncapturable(&c), Outcome::EagerFallback); // capture failed, ran eagerly
+    assert_eq!(uncapturable(&c), Outcome::EagerFallback); // remembered
+    assert_eq!(uncapturable(&c), Outcome::EagerFallback); // remembered
+    assert_eq!(uncapturable(&c), Outcome::EagerFallback); // retried, failed again
+                                                          // Every call's work ran exactly once.
+    assert_eq!(c.backend().read(Device::cuda(0), 0x100), 4);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!(
+        (s.eager_capture_failed, s.eager_not_capturable, s.entries),
+        (2, 2, 0)
+    );
+    // The stream left capture mode: a capturable call on it works.
+    assert_eq!(
+        run(&c, &key(0, 2, &[0x200]), stream(0), 1),
+        Outcome::Captured
+    );
+}
+
+#[test]
+fn a_failing_record_function_returns_its_error() {
+    let c = cache(Config::default());
+    let call = Call::new(key(0, 1, &[0x100]), Some(stream(0)));
+    let mut calls = 0;
+    let err = c
+        .execute(&call, |_| {
+            calls += 1;
+            Err(std::io::Error::other("kernel launch refused"))
+        })
+        .unwrap_err();
+    assert_eq!(calls, 2, "once under capture, once eagerly");
+    assert_eq!(err.status(), xcall_core::Status::CallbackFailed);
+    assert!(err.to_string().contains("kernel launch refused"), "{err}");
+    // Fails during capture, succeeds eagerly: the eager result is returned.
+    let mut first = true;
+    let outcome = c
+        .execute(&Call::new(key(0, 2, &[0x200]), Some(stream(0))), |_| {
+            let fail = std::mem::take(&mut first);
+            if fail {
+                Err(std::io::Error::other("transient"))
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap();
+    assert_eq!(outcome, Outcome::EagerFallback);
+}
+
+#[test]
+fn a_stream_the_caller_is_capturing_records_into_the_callers_capture() {
+    let c = cache(Config::default());
+    let s = stream(0);
+    c.backend().begin_caller_capture(s);
+    assert_eq!(run(&c, &key(0, 1, &[0x100]), s, 3), Outcome::EagerFallback);
+    let recorded = c.backend().end_caller_capture(s);
+    assert_eq!(
+        recorded,
+        vec![SimOp::Add {
+            address: 0x100,
+            value: 3
+        }]
+    );
+    assert_eq!(
+        c.backend().read(Device::cuda(0), 0x100),
+        0,
+        "not run, recorded"
+    );
+    let st = c.stats(Device::cuda(0));
+    assert_eq!((st.eager_caller_capturing, st.captures), (1, 0));
+}
+
+#[test]
+fn racing_threads_on_one_new_key_capture_once() {
+    let c = Arc::new(cache(Config::default()));
+    let k = key(0, 1, &[0x100]);
+    let inside = Arc::new(Barrier::new(2));
+    let release = Arc::new(Barrier::new(2));
+    let capturer = {
+        let (c, k, inside, release) = (c.clone(), k.clone(), inside.clone(), release.clone());
+        std::thread::spawn(move || {
+            let call = Call::new(k, Some(stream(0)));
+            c.execute(&call, |s| {
+                c.backend().enqueue(
+                    s.unwrap(),
+                    SimOp::Add {
+                        address: 0x100,
+                        value: 1,
+                    },
+                );
+                inside.wait(); // the capture is in progress...
+                release.wait(); // ...until the other thread has run
+                Ok::<(), std::io::Error>(())
+            })
+            .unwrap()
+        })
+    };
+    inside.wait();
+    let other = SimStream { id: 2, ..stream(0) };
+    assert_eq!(run(&c, &k, other, 1), Outcome::EagerFallback);
+    release.wait();
+    assert_eq!(capturer.join().unwrap(), Outcome::Captured);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.captures, s.eager_capture_in_progress), (1, 1));
+    assert_eq!(c.backend().read(Device::cuda(0), 0x100), 2);
+}
+
+#[test]
+fn stress_8_threads_4_devices_random_keys() {
+    const THREADS: u64 = 8;
+    const DEVICES: u32 = 4;
+    const CALLS: u64 = 2000;
+    let c = Arc::new(cache(Config {
+        capacity: 6,
+        ..Config::default()
+    }));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
+                let mut tally: Vec<[u64; 5]> = vec![[0; 5]; DEVICES as usize];
+                let mut adds = std::collections::HashMap::new();
+                for _ in 0..CALLS {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    let ordinal = (rng % DEVICES as u64) as u32;
+                    let target = (rng >> 8) % 5;
+                    // Addresses are drawn from the same small set on every device.
+                    let address = 0x1000 * ((rng >> 16) % 4 + 1);
+                    let k = key(ordinal, target, &[address]);
+                    let s = SimStream {
+                        id: t,
+                        ..stream(ordinal)
+                    };
+                    let outcome = run(&c, &k, s, 1 + ordinal as i64);
+                    tally[ordinal as usize][outcome as usize] += 1;
+                    *adds.entry((ordinal, address)).or_insert(0i64) += 1 + ordinal as i64;
+                }
+                (tally, adds)
+            })
+        })
+        .collect();
+    let mut tally = vec![[0u64; 5]; DEVICES as usize];
+    let mut expected = std::collections::HashMap::new();
+    for h in handles {
+        let (t, adds) = h.join().unwrap();
+        for d in 0..DEVICES as usize {
+            for o in 0..5 {
+                tally[d][o] += t[d][o];
+            }
+        }
+        for (k, v) in adds {
+            *expected.entry(k).or_insert(0) += v;
+        }
+    }
+    assert_eq!(c.backend().violations(), 0, "a graph ran on another device");
+    // Every call's work ran exactly once, on its own device.
+    for ((ordinal, address), want) in expected {
+        assert_eq!(
+            c.backend().read(Device::cuda(ordinal), address),
+            want,
+            "cuda:{ordinal} {address:#x}"
+        );
+    }
+    // The stats add up with what the calls returned.
+    for d in 0..DEVICES {
+        let s = c.stats(Device::cuda(d));
+        let t = tally[d as usize];
+        assert_eq!(s.hits, t[Outcome::Replayed as usize]);
+        assert_eq!(s.updates, t[Outcome::Updated as usize]);
+        assert_eq!(s.captures - s.updates, t[Outcome::Captured as usize]);
+        let eager = s.eager_disabled
+            + s.eager_caller_capturing
+            + s.eager_capture_in_progress
+            + s.eager_not_capturable
+            + s.eager_capture_failed;
+        assert_eq!(eager, t[Outcome::EagerFallback as usize]);
+        assert!(s.entries <= 6);
+    }
+    let total: u64 = tally.iter().flatten().sum();
+    assert_eq!(total, THREADS * CALLS);
+}
