@@ -160,6 +160,271 @@ typedef uint32_t xcall_dtype;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+/**
+ * What the cache did with a call (`xcall_graph_outcome` in C).
+ */
+enum xcall_graph_outcome
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * A cached graph was launched.
+   */
+  XCALL_GRAPH_OUTCOME_REPLAYED = 0,
+  /**
+   * A cached executable was updated to the new buffers and launched.
+   */
+  XCALL_GRAPH_OUTCOME_UPDATED = 1,
+  /**
+   * The work was captured into a new graph, instantiated and launched.
+   */
+  XCALL_GRAPH_OUTCOME_CAPTURED = 2,
+  /**
+   * Host platform: the record function ran directly.
+   */
+  XCALL_GRAPH_OUTCOME_EAGER_HOST = 3,
+  /**
+   * CUDA, but the record function ran directly on the stream (policy
+   * disabled, caller already capturing, capture in progress elsewhere,
+   * key not capturable, or this capture failed; see the stats).
+   */
+  XCALL_GRAPH_OUTCOME_EAGER_FALLBACK = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_graph_outcome xcall_graph_outcome;
+#else
+typedef uint32_t xcall_graph_outcome;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What the cache does with a call it has not seen with these exact buffers.
+ */
+enum xcall_graph_policy
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Capture a new graph, and when a cached graph differs only in buffer
+   * addresses, update its executable with `cuGraphExecUpdate` instead of
+   * instantiating a new one (falls back to instantiating when refused).
+   */
+  XCALL_GRAPH_POLICY_EXEC_UPDATE = 0,
+  /**
+   * Capture and instantiate a new graph for every new key.
+   */
+  XCALL_GRAPH_POLICY_RECAPTURE = 1,
+  /**
+   * Never capture: every call runs eagerly on its stream.
+   */
+  XCALL_GRAPH_POLICY_DISABLED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_graph_policy xcall_graph_policy;
+#else
+typedef uint32_t xcall_graph_policy;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How a call uses a buffer.
+ */
+enum xcall_buffer_role
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Read only.
+   */
+  XCALL_BUFFER_ROLE_IN = 0,
+  /**
+   * Written only.
+   */
+  XCALL_BUFFER_ROLE_OUT = 1,
+  /**
+   * Read and written.
+   */
+  XCALL_BUFFER_ROLE_IN_OUT = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_buffer_role xcall_buffer_role;
+#else
+typedef uint32_t xcall_buffer_role;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * A device-aware graph cache for custom calls.
+ *
+ * Thread safety: every function taking a cache may be called concurrently
+ * from any number of threads, except `xcall_graph_cache_free`, which must
+ * be the last call on it.
+ */
+typedef struct xcall_graph_cache xcall_graph_cache;
+
+/**
+ * Configuration of a graph cache. Fill it with
+ * `xcall_graph_cache_config_default` and change what you need.
+ */
+typedef struct {
+  /**
+   * Graphs kept per device (least recently used evicted); at least 1.
+   */
+  size_t capacity;
+  /**
+   * Limit on the total graph nodes kept per device; 0 for no limit.
+   */
+  size_t max_nodes;
+  /**
+   * An `xcall_graph_policy` value.
+   */
+  uint32_t policy;
+  /**
+   * After a failed capture, eager runs before capture is tried again.
+   */
+  uint32_t retry_after;
+  /**
+   * Executables kept per topology before new addresses update one in
+   * place (ExecUpdate policy); at least 1.
+   */
+  size_t variants_per_topology;
+} xcall_graph_cache_config;
+
+/**
+ * One buffer of a call.
+ */
+typedef struct {
+  /**
+   * Device address (`CUdeviceptr`, or a host pointer cast to an integer).
+   */
+  uint64_t address;
+  /**
+   * Size in bytes.
+   */
+  uint64_t bytes;
+  /**
+   * An `xcall_buffer_role` value.
+   */
+  uint32_t role;
+} xcall_buffer;
+
+/**
+ * One custom call.
+ */
+typedef struct {
+  /**
+   * An `xcall_platform` value.
+   */
+  uint32_t platform;
+  /**
+   * Device ordinal within the platform (0 on Host).
+   */
+  uint32_t ordinal;
+  /**
+   * The call's `CUstream` on CUDA (not the legacy NULL stream); ignored
+   * on Host.
+   */
+  void *stream;
+  /**
+   * Identifies the custom call target (for example a hash of its name).
+   */
+  uint64_t target;
+  /**
+   * Digest of the call's attributes.
+   */
+  uint64_t attributes;
+  /**
+   * The call's buffers (`num_buffers` of them, at least one).
+   */
+  const xcall_buffer *buffers;
+  /**
+   * Number of buffers.
+   */
+  size_t num_buffers;
+} xcall_call;
+
+/**
+ * The work of a call: enqueue it on `stream` (NULL on Host, where the work
+ * runs directly) and return an `xcall_status` (0 = success; any other
+ * value is reported as `XCALL_STATUS_CALLBACK_FAILED`). On CUDA it may be
+ * called under stream capture: enqueue work only, do not synchronise or
+ * allocate.
+ */
+typedef uint32_t (*xcall_record_fn)(void *user_data, void *stream);
+
+/**
+ * Counters of one device (`xcall_graph_stats` in C).
+ */
+typedef struct {
+  /**
+   * Calls answered by launching a cached graph.
+   */
+  uint64_t hits;
+  /**
+   * Successful captures (each followed by an update or an instantiation).
+   */
+  uint64_t captures;
+  /**
+   * Cached executables updated in place (`cuGraphExecUpdate`).
+   */
+  uint64_t updates;
+  /**
+   * Exec-updates the driver refused (an instantiation followed).
+   */
+  uint64_t update_refusals;
+  /**
+   * Executables instantiated.
+   */
+  uint64_t instantiations;
+  /**
+   * Executables evicted by the LRU capacity or the node limit.
+   */
+  uint64_t evictions;
+  /**
+   * Executables removed by `invalidate_range` or `clear`.
+   */
+  uint64_t invalidations;
+  /**
+   * Calls run directly on the Host platform.
+   */
+  uint64_t eager_host;
+  /**
+   * Eager runs because the policy is `Disabled`.
+   */
+  uint64_t eager_disabled;
+  /**
+   * Eager runs because the caller's stream was already capturing (the
+   * work went into the caller's capture).
+   */
+  uint64_t eager_caller_capturing;
+  /**
+   * Eager runs because another thread was capturing the same key.
+   */
+  uint64_t eager_capture_in_progress;
+  /**
+   * Eager runs of a key remembered as not capturable.
+   */
+  uint64_t eager_not_capturable;
+  /**
+   * Eager runs after this call's capture failed.
+   */
+  uint64_t eager_capture_failed;
+  /**
+   * Graphs currently cached.
+   */
+  uint64_t entries;
+  /**
+   * Nodes of the graphs currently cached.
+   */
+  uint64_t nodes;
+} xcall_graph_stats;
+
 
 
 #ifdef __cplusplus
@@ -222,6 +487,94 @@ xcall_status xcall_dtype_size(uint32_t dtype, size_t *out_size);
  * NULL for an unknown code. The string is static.
  */
 const char *xcall_dtype_name(uint32_t dtype);
+
+/**
+ * Writes the default configuration (capacity 64, no node limit,
+ * `XCALL_GRAPH_POLICY_EXEC_UPDATE`, retry after 16, 1 variant per topology)
+ * to `*out_config`.
+ */
+xcall_status xcall_graph_cache_config_default(xcall_graph_cache_config *out_config);
+
+/**
+ * Creates a graph cache with `config` (NULL for the defaults) in
+ * `*out_cache`. Creating it loads nothing; CUDA is loaded by the first CUDA
+ * call. Free it with `xcall_graph_cache_free`.
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` (a
+ * limit of 0, unknown policy).
+ */
+xcall_status xcall_graph_cache_new(const xcall_graph_cache_config *config,
+                                   xcall_graph_cache **out_cache);
+
+/**
+ * Frees a cache and destroys its executable graphs. NULL is a no-op. No
+ * other call on the cache may be in flight.
+ */
+void xcall_graph_cache_free(xcall_graph_cache *cache);
+
+/**
+ * Runs one call through the cache. On Host, `record(user_data, NULL)` runs
+ * directly. On CUDA, the cached graph for the call's exact key is replayed
+ * on `call->stream`, or `record(user_data, stream)` is captured into a
+ * graph and launched (or updates a cached graph that differs only in buffer
+ * addresses), or runs directly when capture is not possible (policy
+ * disabled, the stream is already being captured by the caller, another
+ * thread is capturing the same key, or capture failed). `*out_outcome`
+ * receives an `xcall_graph_outcome` value.
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` (no
+ * buffers, unknown platform or role, a stream of another device, the NULL
+ * stream on CUDA), `XCALL_STATUS_NO_SUCH_DEVICE`,
+ * `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
+ * `XCALL_STATUS_CALLBACK_FAILED` (`record` returned non-zero when it ran
+ * directly; if it fails under capture it runs once more directly and that
+ * result counts). Thread-safe.
+ */
+xcall_status xcall_graph_cache_execute(const xcall_graph_cache *cache,
+                                       const xcall_call *call,
+                                       xcall_record_fn record,
+                                       void *user_data,
+                                       uint32_t *out_outcome);
+
+/**
+ * Evicts every graph of the device whose buffers overlap
+ * `[address, address + bytes)`; call it before freeing that memory. The
+ * number evicted goes to `*out_evicted`.
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+ * (bytes 0, a range past the end of the address space, unknown platform).
+ * Thread-safe.
+ */
+xcall_status xcall_graph_cache_invalidate_range(const xcall_graph_cache *cache,
+                                                uint32_t platform,
+                                                uint32_t ordinal,
+                                                uint64_t address,
+                                                uint64_t bytes,
+                                                size_t *out_evicted);
+
+/**
+ * Evicts every graph of one device; the number evicted goes to
+ * `*out_evicted`. Thread-safe.
+ */
+xcall_status xcall_graph_cache_clear(const xcall_graph_cache *cache,
+                                     uint32_t platform,
+                                     uint32_t ordinal,
+                                     size_t *out_evicted);
+
+/**
+ * Evicts every graph of every device, one device at a time; the number
+ * evicted goes to `*out_evicted`. Thread-safe.
+ */
+xcall_status xcall_graph_cache_clear_all(const xcall_graph_cache *cache, size_t *out_evicted);
+
+/**
+ * Counters of one device (all zero for a device the cache never saw) in
+ * `*out_stats`. Thread-safe.
+ */
+xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
+                                     uint32_t platform,
+                                     uint32_t ordinal,
+                                     xcall_graph_stats *out_stats);
 
 #ifdef __cplusplus
 }  // extern "C"

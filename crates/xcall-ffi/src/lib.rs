@@ -13,7 +13,10 @@
 // The exported names follow C conventions (xcall_status), not Rust's.
 #![allow(non_camel_case_types)]
 
+mod graph;
 mod guard;
+
+pub use graph::*;
 
 use std::ffi::c_char;
 

@@ -83,7 +83,14 @@ fn header_declares_the_published_constants() {
             "generated header lacks {needle:?}:\n{h}"
         );
     }
-    for absent in ["Device", "_ALL"] {
+    for absent in [
+        "struct Device",
+        "Device Device",
+        "_ALL",
+        "CallKey",
+        "StreamState",
+        "[`",
+    ] {
         assert!(
             !h.contains(absent),
             "Rust-only item {absent:?} leaked into the header"

@@ -43,7 +43,7 @@ impl<S> Call<S> {
     }
 }
 
-/// What [`GraphCache::execute`] did (`xcall_graph_outcome` in C).
+/// What the cache did with a call (`xcall_graph_outcome` in C).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Outcome {

@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use xcall_core::{Device, Error, Result};
+use xcall_core::{Device, DeviceMap, Error, Result};
 
 use crate::backend::{GraphBackend, StreamState};
 
@@ -57,20 +57,27 @@ pub struct SimExec {
     ops: Vec<SimOp>,
 }
 
+/// One simulated device: its memory and its launch counter.
+#[derive(Default)]
+struct SimDevice {
+    memory: Mutex<HashMap<u64, i64>>,
+    launches: AtomicU64,
+}
+
 #[derive(Default)]
 struct Capture {
     ops: Vec<SimOp>,
     invalid: bool,
 }
 
-/// The simulated backend. Thread-safe.
+/// The simulated backend. Thread-safe; devices share no state, like real
+/// GPUs (so per-device scaling can be measured on it).
 #[derive(Default)]
 pub struct SimBackend {
-    memory: Mutex<HashMap<(Device, u64), i64>>,
+    devices: DeviceMap<SimDevice>,
     captures: Mutex<HashMap<SimStream, Capture>>,
     caller_captures: Mutex<HashSet<SimStream>>,
     violations: AtomicU64,
-    launches: AtomicU64,
 }
 
 impl SimBackend {
@@ -79,11 +86,22 @@ impl SimBackend {
         Self::default()
     }
 
+    fn device(&self, device: Device) -> &SimDevice {
+        self.devices.get_or_init(device, SimDevice::default)
+    }
+
     fn run(&self, device: Device, ops: &[SimOp]) {
-        let mut memory = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        if ops.is_empty() {
+            return;
+        }
+        let mut memory = self
+            .device(device)
+            .memory
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         for op in ops {
             if let SimOp::Add { address, value } = *op {
-                *memory.entry((device, address)).or_insert(0) += value;
+                *memory.entry(address).or_insert(0) += value;
             }
         }
     }
@@ -107,8 +125,12 @@ impl SimBackend {
 
     /// The value of a memory cell of `device` (0 when never written).
     pub fn read(&self, device: Device, address: u64) -> i64 {
-        let memory = self.memory.lock().unwrap_or_else(|p| p.into_inner());
-        memory.get(&(device, address)).copied().unwrap_or(0)
+        let memory = self
+            .device(device)
+            .memory
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        memory.get(&address).copied().unwrap_or(0)
     }
 
     /// Launches of an executable on a stream of another device or context.
@@ -116,9 +138,12 @@ impl SimBackend {
         self.violations.load(Ordering::SeqCst)
     }
 
-    /// Graph launches so far.
+    /// Graph launches so far, over all devices.
     pub fn launches(&self) -> u64 {
-        self.launches.load(Ordering::SeqCst)
+        self.devices
+            .iter()
+            .map(|(_, d)| d.launches.load(Ordering::SeqCst))
+            .sum()
     }
 
     /// Simulates the caller (a runtime) capturing `stream` itself: work
@@ -237,7 +262,9 @@ impl GraphBackend for SimBackend {
                 exec.device, stream.device
             )));
         }
-        self.launches.fetch_add(1, Ordering::SeqCst);
+        self.device(stream.device)
+            .launches
+            .fetch_add(1, Ordering::Relaxed);
         self.run(stream.device, &exec.ops);
         Ok(())
     }

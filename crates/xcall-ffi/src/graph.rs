@@ -1,0 +1,345 @@
+//! C ABI of the graph cache (xcall-graph).
+
+use std::ffi::c_void;
+
+use static_assertions::{assert_eq_align, assert_eq_size};
+use xcall_core::{Device, Platform, Status};
+use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
+use xcall_graph::{
+    Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy, Stats,
+};
+
+use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+
+/// A device-aware graph cache for custom calls.
+///
+/// Thread safety: every function taking a cache may be called concurrently
+/// from any number of threads, except `xcall_graph_cache_free`, which must
+/// be the last call on it.
+pub struct xcall_graph_cache {
+    inner: GraphCache<CudaGraphs>,
+}
+
+/// Configuration of a graph cache. Fill it with
+/// `xcall_graph_cache_config_default` and change what you need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_graph_cache_config {
+    /// Graphs kept per device (least recently used evicted); at least 1.
+    pub capacity: usize,
+    /// Limit on the total graph nodes kept per device; 0 for no limit.
+    pub max_nodes: usize,
+    /// An `xcall_graph_policy` value.
+    pub policy: u32,
+    /// After a failed capture, eager runs before capture is tried again.
+    pub retry_after: u32,
+    /// Executables kept per topology before new addresses update one in
+    /// place (ExecUpdate policy); at least 1.
+    pub variants_per_topology: usize,
+}
+
+/// One buffer of a call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_buffer {
+    /// Device address (`CUdeviceptr`, or a host pointer cast to an integer).
+    pub address: u64,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// An `xcall_buffer_role` value.
+    pub role: u32,
+}
+
+/// One custom call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_call {
+    /// An `xcall_platform` value.
+    pub platform: u32,
+    /// Device ordinal within the platform (0 on Host).
+    pub ordinal: u32,
+    /// The call's `CUstream` on CUDA (not the legacy NULL stream); ignored
+    /// on Host.
+    pub stream: *mut c_void,
+    /// Identifies the custom call target (for example a hash of its name).
+    pub target: u64,
+    /// Digest of the call's attributes.
+    pub attributes: u64,
+    /// The call's buffers (`num_buffers` of them, at least one).
+    pub buffers: *const xcall_buffer,
+    /// Number of buffers.
+    pub num_buffers: usize,
+}
+
+/// The work of a call: enqueue it on `stream` (NULL on Host, where the work
+/// runs directly) and return an `xcall_status` (0 = success; any other
+/// value is reported as `XCALL_STATUS_CALLBACK_FAILED`). On CUDA it may be
+/// called under stream capture: enqueue work only, do not synchronise or
+/// allocate.
+pub type xcall_record_fn =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, stream: *mut c_void) -> u32>;
+
+assert_eq_size!(xcall_graph_cache_config, [u64; 4]);
+assert_eq_align!(xcall_graph_cache_config, u64);
+assert_eq_size!(xcall_buffer, [u64; 3]);
+assert_eq_align!(xcall_buffer, u64);
+assert_eq_size!(xcall_call, [u64; 6]);
+assert_eq_align!(xcall_call, u64);
+assert_eq_size!(Stats, [u64; 15]);
+assert_eq_align!(Stats, u64);
+assert_eq_size!(Outcome, u32);
+assert_eq_size!(Policy, u32);
+assert_eq_size!(BufferRole, u32);
+
+#[derive(Debug)]
+struct CallbackStatus(u32);
+
+impl std::fmt::Display for CallbackStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = Status::from_code(self.0).map_or("not an xcall status", Status::name);
+        write!(f, "record_fn returned {} ({name})", self.0)
+    }
+}
+
+impl std::error::Error for CallbackStatus {}
+
+impl From<GraphError> for FfiError {
+    fn from(e: GraphError) -> Self {
+        FfiError::new(e.status(), e.to_string())
+    }
+}
+
+fn cache_ref<'a>(cache: *const xcall_graph_cache) -> Result<&'a xcall_graph_cache, FfiError> {
+    // SAFETY: the caller passes NULL or a cache from xcall_graph_cache_new
+    // that has not been freed; NULL is refused.
+    unsafe { cache.as_ref() }.ok_or_else(|| FfiError::new(Status::NullArgument, "cache is NULL"))
+}
+
+fn device_arg(platform: u32, ordinal: u32) -> Result<Device, FfiError> {
+    Ok(Device::new(platform_arg(platform)?, ordinal))
+}
+
+fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
+    let policy = Policy::from_code(c.policy).ok_or_else(|| {
+        FfiError::new(
+            Status::InvalidArgument,
+            format!("unknown graph policy {}", c.policy),
+        )
+    })?;
+    let config = Config {
+        capacity: c.capacity,
+        max_nodes: (c.max_nodes > 0).then_some(c.max_nodes),
+        policy,
+        retry_after: c.retry_after,
+        variants_per_topology: c.variants_per_topology,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// Writes the default configuration (capacity 64, no node limit,
+/// `XCALL_GRAPH_POLICY_EXEC_UPDATE`, retry after 16, 1 variant per topology)
+/// to `*out_config`.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_config_default(
+    out_config: *mut xcall_graph_cache_config,
+) -> Status {
+    ffi_call!({
+        let out = out_ptr(out_config, "out_config")?;
+        let d = Config::default();
+        *out = xcall_graph_cache_config {
+            capacity: d.capacity,
+            max_nodes: d.max_nodes.unwrap_or(0),
+            policy: d.policy as u32,
+            retry_after: d.retry_after,
+            variants_per_topology: d.variants_per_topology,
+        };
+        Ok(())
+    })
+}
+
+/// Creates a graph cache with `config` (NULL for the defaults) in
+/// `*out_cache`. Creating it loads nothing; CUDA is loaded by the first CUDA
+/// call. Free it with `xcall_graph_cache_free`.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` (a
+/// limit of 0, unknown policy).
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_new(
+    config: *const xcall_graph_cache_config,
+    out_cache: *mut *mut xcall_graph_cache,
+) -> Status {
+    ffi_call!({
+        let out = out_ptr(out_cache, "out_cache")?;
+        // SAFETY: NULL or a valid config, per the documentation.
+        let config = match unsafe { config.as_ref() } {
+            Some(c) => config_arg(c)?,
+            None => Config::default(),
+        };
+        let inner = GraphCache::new(CudaGraphs, config)?;
+        *out = Box::into_raw(Box::new(xcall_graph_cache { inner }));
+        Ok(())
+    })
+}
+
+/// Frees a cache and destroys its executable graphs. NULL is a no-op. No
+/// other call on the cache may be in flight.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
+    if !cache.is_null() {
+        // Destroying driver objects must not unwind into C.
+        let _ = std::panic::catch_unwind(|| {
+            // SAFETY: a non-NULL cache came from xcall_graph_cache_new and is
+            // freed once, by contract.
+            drop(unsafe { Box::from_raw(cache) });
+        });
+    }
+}
+
+/// Runs one call through the cache. On Host, `record(user_data, NULL)` runs
+/// directly. On CUDA, the cached graph for the call's exact key is replayed
+/// on `call->stream`, or `record(user_data, stream)` is captured into a
+/// graph and launched (or updates a cached graph that differs only in buffer
+/// addresses), or runs directly when capture is not possible (policy
+/// disabled, the stream is already being captured by the caller, another
+/// thread is capturing the same key, or capture failed). `*out_outcome`
+/// receives an `xcall_graph_outcome` value.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` (no
+/// buffers, unknown platform or role, a stream of another device, the NULL
+/// stream on CUDA), `XCALL_STATUS_NO_SUCH_DEVICE`,
+/// `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
+/// `XCALL_STATUS_CALLBACK_FAILED` (`record` returned non-zero when it ran
+/// directly; if it fails under capture it runs once more directly and that
+/// result counts). Thread-safe.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_execute(
+    cache: *const xcall_graph_cache,
+    call: *const xcall_call,
+    record: xcall_record_fn,
+    user_data: *mut c_void,
+    out_outcome: *mut u32,
+) -> Status {
+    ffi_call!({
+        let cache = cache_ref(cache)?;
+        // SAFETY: NULL or a valid call, per the documentation.
+        let call = unsafe { call.as_ref() }
+            .ok_or_else(|| FfiError::new(Status::NullArgument, "call is NULL"))?;
+        let record = record.ok_or_else(|| FfiError::new(Status::NullArgument, "record is NULL"))?;
+        let out = out_ptr(out_outcome, "out_outcome")?;
+        let device = device_arg(call.platform, call.ordinal)?;
+        let raw: &[xcall_buffer] = match (call.buffers.is_null(), call.num_buffers) {
+            (_, 0) => &[],
+            (true, _) => return Err(FfiError::new(Status::NullArgument, "call->buffers is NULL")),
+            // SAFETY: the caller promises num_buffers readable entries.
+            (false, n) => unsafe { std::slice::from_raw_parts(call.buffers, n) },
+        };
+        let buffers = raw
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let role = BufferRole::from_code(b.role).ok_or_else(|| {
+                    FfiError::new(
+                        Status::InvalidArgument,
+                        format!("buffer {i} has unknown role {}", b.role),
+                    )
+                })?;
+                Ok(Buffer::new(b.address, b.bytes, role))
+            })
+            .collect::<Result<Vec<_>, FfiError>>()?;
+        let key = CallKey {
+            device,
+            target: call.target,
+            attributes: call.attributes,
+            buffers,
+        };
+        let stream =
+            (device.platform == Platform::Cuda).then_some(CudaStreamHandle(call.stream.cast()));
+        let outcome = cache.inner.execute(&Call::new(key, stream), |stream| {
+            let stream = stream.map_or(std::ptr::null_mut(), |s| s.0.cast());
+            // SAFETY: the caller's callback with the caller's user_data.
+            match unsafe { record(user_data, stream) } {
+                0 => Ok(()),
+                code => Err(CallbackStatus(code)),
+            }
+        })?;
+        *out = outcome as u32;
+        Ok(())
+    })
+}
+
+/// Evicts every graph of the device whose buffers overlap
+/// `[address, address + bytes)`; call it before freeing that memory. The
+/// number evicted goes to `*out_evicted`.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+/// (bytes 0, a range past the end of the address space, unknown platform).
+/// Thread-safe.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_invalidate_range(
+    cache: *const xcall_graph_cache,
+    platform: u32,
+    ordinal: u32,
+    address: u64,
+    bytes: u64,
+    out_evicted: *mut usize,
+) -> Status {
+    ffi_call!({
+        let cache = cache_ref(cache)?;
+        let out = out_ptr(out_evicted, "out_evicted")?;
+        let n = cache
+            .inner
+            .invalidate_range(device_arg(platform, ordinal)?, address, bytes)?;
+        *out = n;
+        Ok(())
+    })
+}
+
+/// Evicts every graph of one device; the number evicted goes to
+/// `*out_evicted`. Thread-safe.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_clear(
+    cache: *const xcall_graph_cache,
+    platform: u32,
+    ordinal: u32,
+    out_evicted: *mut usize,
+) -> Status {
+    ffi_call!({
+        let cache = cache_ref(cache)?;
+        let out = out_ptr(out_evicted, "out_evicted")?;
+        *out = cache.inner.clear(device_arg(platform, ordinal)?);
+        Ok(())
+    })
+}
+
+/// Evicts every graph of every device, one device at a time; the number
+/// evicted goes to `*out_evicted`. Thread-safe.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_clear_all(
+    cache: *const xcall_graph_cache,
+    out_evicted: *mut usize,
+) -> Status {
+    ffi_call!({
+        let cache = cache_ref(cache)?;
+        let out = out_ptr(out_evicted, "out_evicted")?;
+        *out = cache.inner.clear_all();
+        Ok(())
+    })
+}
+
+/// Counters of one device (all zero for a device the cache never saw) in
+/// `*out_stats`. Thread-safe.
+#[no_mangle]
+pub extern "C" fn xcall_graph_cache_stats(
+    cache: *const xcall_graph_cache,
+    platform: u32,
+    ordinal: u32,
+    out_stats: *mut Stats,
+) -> Status {
+    ffi_call!({
+        let cache = cache_ref(cache)?;
+        let out = out_ptr(out_stats, "out_stats")?;
+        *out = cache.inner.stats(device_arg(platform, ordinal)?);
+        Ok(())
+    })
+}
