@@ -14,6 +14,10 @@ use crate::{Device, Platform};
 /// Enough doubling segments to index every `u32` ordinal with a base of 1.
 const SEGMENTS: usize = 33;
 
+/// Aligned to 128 bytes (two cache lines, the span the adjacent-line
+/// prefetcher pulls in) so that devices updating their own state never
+/// share a cache line with a neighbour.
+#[repr(align(128))]
 struct Slot<T> {
     value: OnceLock<T>,
     /// Serialises initialisers of this slot only (so `init` runs once).
@@ -206,6 +210,20 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{mpsc, Arc, Barrier};
     use std::time::Duration;
+
+    #[test]
+    fn neighbouring_slots_never_share_a_cache_line() {
+        let map: DeviceMap<std::sync::atomic::AtomicU64> = DeviceMap::with_capacity(4);
+        let a =
+            map.get_or_init(Device::new(Platform::Host, 0), Default::default) as *const _ as usize;
+        let b =
+            map.get_or_init(Device::new(Platform::Host, 1), Default::default) as *const _ as usize;
+        assert!(
+            a.abs_diff(b) >= 128,
+            "slots {a:#x} and {b:#x} are {} bytes apart",
+            a.abs_diff(b)
+        );
+    }
 
     #[test]
     fn locate_covers_every_ordinal_once() {

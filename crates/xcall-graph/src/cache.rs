@@ -9,10 +9,10 @@
 //! second thread with the same key runs eagerly instead of capturing again.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use rustc_hash::FxHashMap as HashMap;
 use xcall_core::{Device, DeviceMap, Error, Platform};
 
 use crate::backend::{GraphBackend, StreamState};
@@ -131,11 +131,11 @@ struct Shard<B: GraphBackend> {
 impl<B: GraphBackend> Shard<B> {
     fn new() -> Self {
         Shard {
-            entries: HashMap::new(),
-            exact: HashMap::new(),
-            topology: HashMap::new(),
+            entries: HashMap::default(),
+            exact: HashMap::default(),
+            topology: HashMap::default(),
             pending: Vec::new(),
-            not_capturable: HashMap::new(),
+            not_capturable: HashMap::default(),
             tick: 0,
             next_id: 0,
             nodes: 0,

@@ -1,10 +1,12 @@
 //! The exact call key: (platform, device, target, attribute digest, buffers).
 //!
 //! Keys are stored and compared in full. A hash only picks the bucket, so a
-//! hash collision can never replay another call's graph (incident 1).
+//! hash collision can never replay another call's graph (incident 1); that
+//! is also why a fast non-cryptographic hash (FxHash) is enough here.
 
-use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
+
+use rustc_hash::FxHasher;
 
 use xcall_core::{Device, Error, Result};
 
@@ -101,14 +103,14 @@ impl CallKey {
 
     /// Bucket of the exact key.
     pub(crate) fn bucket(&self) -> u64 {
-        let mut h = DefaultHasher::new();
+        let mut h = FxHasher::default();
         self.hash(&mut h);
         h.finish()
     }
 
     /// Bucket of the key without buffer addresses.
     pub(crate) fn topology_bucket(&self) -> u64 {
-        let mut h = DefaultHasher::new();
+        let mut h = FxHasher::default();
         (self.device, self.target, self.attributes).hash(&mut h);
         for b in &self.buffers {
             (b.bytes, b.role).hash(&mut h);

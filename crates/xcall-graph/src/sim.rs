@@ -77,6 +77,9 @@ pub struct SimBackend {
     devices: DeviceMap<SimDevice>,
     captures: Mutex<HashMap<SimStream, Capture>>,
     caller_captures: Mutex<HashSet<SimStream>>,
+    /// Number of caller captures open: lets `stream_state` skip the lock
+    /// (shared by all devices) when there are none.
+    open_caller_captures: AtomicU64,
     violations: AtomicU64,
 }
 
@@ -149,10 +152,14 @@ impl SimBackend {
     /// Simulates the caller (a runtime) capturing `stream` itself: work
     /// enqueued meanwhile is recorded into the caller's capture.
     pub fn begin_caller_capture(&self, stream: SimStream) {
-        self.caller_captures
+        if self
+            .caller_captures
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(stream);
+            .insert(stream)
+        {
+            self.open_caller_captures.fetch_add(1, Ordering::SeqCst);
+        }
         self.captures
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -161,10 +168,14 @@ impl SimBackend {
 
     /// Ends the caller's capture and returns the ops recorded into it.
     pub fn end_caller_capture(&self, stream: SimStream) -> Vec<SimOp> {
-        self.caller_captures
+        if self
+            .caller_captures
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&stream);
+            .remove(&stream)
+        {
+            self.open_caller_captures.fetch_sub(1, Ordering::SeqCst);
+        }
         let mut captures = self.captures.lock().unwrap_or_else(|p| p.into_inner());
         captures.remove(&stream).map(|c| c.ops).unwrap_or_default()
     }
@@ -182,11 +193,12 @@ impl GraphBackend for SimBackend {
                 stream.device
             )));
         }
-        let capturing = self
-            .caller_captures
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&stream);
+        let capturing = self.open_caller_captures.load(Ordering::SeqCst) > 0
+            && self
+                .caller_captures
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&stream);
         Ok(StreamState {
             context: stream.context,
             capturing,

@@ -1,0 +1,95 @@
+//! The graph cache's hit path on the Host (simulated backend, so only the
+//! cache's own work is timed: key build + lookup + an empty launch), and
+//! its throughput with 1/2/4/8 threads on distinct devices.
+
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use xcall_graph::sim::{SimBackend, SimStream};
+use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome};
+
+fn key(ordinal: u32, buffers: usize) -> CallKey {
+    CallKey {
+        device: Device::cuda(ordinal),
+        target: 0xfeed,
+        attributes: 0xbeef,
+        buffers: (0..buffers as u64)
+            .map(|i| Buffer::new(0x7f00_0000_0000 + i * 4096, 4096, BufferRole::InOut))
+            .collect(),
+    }
+}
+
+fn stream(ordinal: u32) -> SimStream {
+    SimStream {
+        device: Device::cuda(ordinal),
+        context: 1,
+        id: ordinal as u64,
+    }
+}
+
+/// One hit, including building the key from the call's buffers.
+fn hit(cache: &GraphCache<SimBackend>, ordinal: u32, buffers: usize) -> Outcome {
+    let call = Call::new(key(ordinal, buffers), Some(stream(ordinal)));
+    cache
+        .execute(&call, |_| Ok::<(), std::io::Error>(()))
+        .unwrap()
+}
+
+fn hit_path(c: &mut Criterion) {
+    let cache = GraphCache::new(SimBackend::new(), Config::default()).unwrap();
+    let mut g = c.benchmark_group("graph_cache_hit");
+    for buffers in [1, 8, 64] {
+        assert_eq!(hit(&cache, 0, buffers), Outcome::Captured);
+        g.bench_with_input(
+            BenchmarkId::from_parameter(format!("{buffers}_buffers")),
+            &buffers,
+            |b, &n| b.iter(|| black_box(hit(&cache, 0, n))),
+        );
+    }
+    g.finish();
+}
+
+/// Hits per thread with `threads` threads, each on its own device.
+fn scaling(c: &mut Criterion) {
+    let cache = Arc::new(GraphCache::new(SimBackend::new(), Config::default()).unwrap());
+    for d in 0..8 {
+        assert_eq!(hit(&cache, d, 8), Outcome::Captured);
+    }
+    let mut g = c.benchmark_group("graph_cache_hit_8_buffers_threads_on_distinct_devices");
+    for threads in [1u32, 2, 4, 8] {
+        g.bench_with_input(
+            BenchmarkId::from_parameter(threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    let start = Arc::new(Barrier::new(threads as usize + 1));
+                    let handles: Vec<_> = (0..threads)
+                        .map(|d| {
+                            let (cache, start) = (cache.clone(), start.clone());
+                            std::thread::spawn(move || {
+                                start.wait();
+                                for _ in 0..iters {
+                                    black_box(hit(&cache, d, 8));
+                                }
+                            })
+                        })
+                        .collect();
+                    let t0 = Instant::now();
+                    start.wait();
+                    for h in handles {
+                        h.join().unwrap();
+                    }
+                    // Time per hit of one thread: flat means linear scaling.
+                    let elapsed: Duration = t0.elapsed();
+                    elapsed
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, hit_path, scaling);
+criterion_main!(benches);

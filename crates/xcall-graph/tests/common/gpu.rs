@@ -1,0 +1,155 @@
+//! GPU fixture shared by the graph cache's GPU tests and benchmark: a
+//! scale-add kernel compiled through the kernel cache, launched raw on the
+//! stream the graph cache hands to the record function.
+
+#![allow(dead_code)] // each user takes what it needs
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError,
+};
+use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::{Device, KernelCache, KernelSource};
+use xcall_graph::cuda::CudaStreamHandle;
+
+pub const SCALE_ADD: KernelSource<'static> = KernelSource {
+    name: "scale_add.cu",
+    code: r#"
+extern "C" __global__ void scale_add(float *x, float a, float b, unsigned long long n) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * a + b;
+}
+"#,
+    options: &[],
+};
+
+/// The coefficients of kernel `i` of a call: x = x * a + b.
+pub fn coefficients(i: usize) -> (f32, f32) {
+    (1.0 + 0.01 * i as f32, 0.5 - 0.1 * i as f32)
+}
+
+/// What `rounds` calls of `kernels` kernels do to `x`, computed on the Host
+/// in f64.
+pub fn reference(x: &[f32], kernels: usize, rounds: usize) -> Vec<f32> {
+    x.iter()
+        .map(|&v| {
+            let mut v = v as f64;
+            for _ in 0..rounds {
+                for i in 0..kernels {
+                    let (a, b) = coefficients(i);
+                    v = v * a as f64 + b as f64;
+                }
+            }
+            v as f32
+        })
+        .collect()
+}
+
+/// Fresh pseudo-random values in [-1, 1), never all zeros.
+pub fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+pub fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "{what}: element {i}: {g} vs {w}"
+        );
+    }
+}
+
+pub struct Gpu {
+    pub device: Device,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub func: CudaFunction,
+    _module: Arc<LoadedModule>,
+}
+
+impl Gpu {
+    pub fn new(kernels: &KernelCache, ordinal: u32) -> Gpu {
+        let device = Device::cuda(ordinal);
+        let ctx = CudaContext::new(ordinal as usize).expect("context");
+        // SAFETY: the tests order their work on one stream themselves; no
+        // event work may land inside a stream capture.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().expect("stream");
+        let module = kernels
+            .module(device, &SCALE_ADD)
+            .expect("compile scale_add");
+        let func = module.function("scale_add").expect("scale_add");
+        Gpu {
+            device,
+            ctx,
+            stream,
+            func,
+            _module: module,
+        }
+    }
+
+    pub fn handle(&self) -> CudaStreamHandle {
+        CudaStreamHandle(self.stream.cu_stream())
+    }
+
+    pub fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
+        self.ctx.bind_to_thread().unwrap();
+        self.stream.clone_htod(data).expect("upload")
+    }
+
+    pub fn download(&self, buf: &CudaSlice<f32>) -> Vec<f32> {
+        self.ctx.bind_to_thread().unwrap();
+        let v = self.stream.clone_dtoh(buf).expect("download");
+        self.stream.synchronize().expect("sync");
+        v
+    }
+
+    pub fn ptr(&self, buf: &CudaSlice<f32>) -> u64 {
+        buf.device_ptr(&self.stream).0
+    }
+
+    /// Enqueues `kernels` scale-add kernels on `stream` over `n` floats at `ptr`.
+    pub fn work(
+        &self,
+        stream: sys::CUstream,
+        ptr: u64,
+        n: u64,
+        kernels: usize,
+    ) -> Result<(), DriverError> {
+        for i in 0..kernels {
+            let (mut a, mut b) = coefficients(i);
+            let (mut p, mut n) = (ptr, n);
+            let mut params: [*mut c_void; 4] = [
+                (&mut p as *mut u64).cast(),
+                (&mut a as *mut f32).cast(),
+                (&mut b as *mut f32).cast(),
+                (&mut n as *mut u64).cast(),
+            ];
+            let blocks = n.div_ceil(256) as u32;
+            // SAFETY: the parameters match scale_add's signature and point to
+            // live locals; `ptr` holds `n` floats.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    self.func.cu_function(),
+                    (blocks, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    stream,
+                    &mut params,
+                )?
+            };
+        }
+        Ok(())
+    }
+}

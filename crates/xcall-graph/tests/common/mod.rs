@@ -1,0 +1,2 @@
+//! Shared fixtures of the integration tests.
+pub mod gpu;

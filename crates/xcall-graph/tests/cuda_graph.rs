@@ -1,0 +1,345 @@
+//! The graph cache on real GPUs. Skips without a GPU unless
+//! XCALL_REQUIRE_CUDA=1; the two-GPU tests skip on one GPU.
+
+mod common;
+
+use common::gpu::{assert_close, random, reference, Gpu};
+use cudarc::driver::sys;
+use xcall_core::testing::{cuda_devices_or_skip, skip};
+use xcall_core::{KernelCache, Status};
+use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
+use xcall_graph::{
+    Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, GraphError, Outcome,
+};
+
+const N: usize = 1 << 16;
+const KERNELS: usize = 10;
+
+fn key(device: Device, address: u64) -> CallKey {
+    CallKey {
+        device,
+        target: 0x5ca1e,
+        attributes: KERNELS as u64,
+        buffers: vec![Buffer::new(address, (N * 4) as u64, BufferRole::InOut)],
+    }
+}
+
+/// Runs the scale-add call on `ptr` through the cache (declaring `declared`
+/// as the buffer address in the key).
+fn run(
+    cache: &GraphCache<CudaGraphs>,
+    gpu: &Gpu,
+    declared: u64,
+    ptr: u64,
+) -> Result<Outcome, GraphError> {
+    let call = Call::new(key(gpu.device, declared), Some(gpu.handle()));
+    cache.execute(&call, |s| gpu.work(s.unwrap().0, ptr, N as u64, KERNELS))
+}
+
+fn capture_status(stream: sys::CUstream) -> sys::CUstreamCaptureStatus {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    // SAFETY: queries a live stream.
+    unsafe { sys::cuStreamIsCapturing(stream, &mut status) }
+        .result()
+        .unwrap();
+    status
+}
+
+#[test]
+fn capture_and_replay_compute_what_eager_launches_compute() {
+    if cuda_devices_or_skip("capture_and_replay_compute_what_eager_launches_compute").is_none() {
+        return;
+    }
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let data = random(N, 1);
+    let (x, y) = (gpu.upload(&data), gpu.upload(&data));
+    let (px, py) = (gpu.ptr(&x), gpu.ptr(&y));
+    let outcomes: Vec<Outcome> = (0..3).map(|_| run(&cache, &gpu, px, px).unwrap()).collect();
+    assert_eq!(
+        outcomes,
+        vec![Outcome::Captured, Outcome::Replayed, Outcome::Replayed]
+    );
+    for _ in 0..3 {
+        gpu.work(gpu.stream.cu_stream(), py, N as u64, KERNELS)
+            .unwrap();
+    }
+    let (gx, gy) = (gpu.download(&x), gpu.download(&y));
+    assert_eq!(gx, gy, "graph and eager launches differ");
+    assert_close(
+        &gx,
+        &reference(&data, KERNELS, 3),
+        "graph vs Host reference",
+    );
+    let s = cache.stats(gpu.device);
+    assert_eq!(
+        (s.captures, s.hits, s.entries, s.nodes),
+        (1, 2, 1, KERNELS as u64)
+    );
+}
+
+#[test]
+fn exec_update_writes_the_new_buffers_and_not_the_old_ones() {
+    if cuda_devices_or_skip("exec_update_writes_the_new_buffers_and_not_the_old_ones").is_none() {
+        return;
+    }
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let (dx, dy) = (random(N, 2), random(N, 3));
+    let (x, y) = (gpu.upload(&dx), gpu.upload(&dy));
+    let (px, py) = (gpu.ptr(&x), gpu.ptr(&y));
+    assert_eq!(run(&cache, &gpu, px, px).unwrap(), Outcome::Captured);
+    let x_after_one = gpu.download(&x);
+    assert_eq!(run(&cache, &gpu, py, py).unwrap(), Outcome::Updated);
+    assert_eq!(
+        gpu.download(&x),
+        x_after_one,
+        "the updated graph still wrote the old buffer"
+    );
+    assert_close(
+        &gpu.download(&y),
+        &reference(&dy, KERNELS, 1),
+        "updated graph on the new buffer",
+    );
+    assert_eq!(run(&cache, &gpu, px, px).unwrap(), Outcome::Updated);
+    assert_close(
+        &gpu.download(&x),
+        &reference(&dx, KERNELS, 2),
+        "updated back",
+    );
+    assert_close(&gpu.download(&y), &reference(&dy, KERNELS, 1), "untouched");
+    let s = cache.stats(gpu.device);
+    assert_eq!((s.instantiations, s.updates, s.entries), (1, 2, 1));
+}
+
+#[test]
+fn a_failing_record_function_leaves_the_stream_usable() {
+    if cuda_devices_or_skip("a_failing_record_function_leaves_the_stream_usable").is_none() {
+        return;
+    }
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let data = random(N, 4);
+    let x = gpu.upload(&data);
+    let px = gpu.ptr(&x);
+    let call = Call::new(key(gpu.device, px), Some(gpu.handle()));
+    let err = cache
+        .execute(&call, |s| {
+            gpu.work(s.unwrap().0, px, N as u64, 1).unwrap();
+            Err(std::io::Error::other("framework refused the call"))
+        })
+        .unwrap_err();
+    assert_eq!(err.status(), Status::CallbackFailed);
+    assert_eq!(
+        capture_status(gpu.stream.cu_stream()),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    );
+    // The captured attempt was discarded; the eager run's kernel ran once.
+    assert_close(
+        &gpu.download(&x),
+        &reference(&data, 1, 1),
+        "one eager kernel",
+    );
+    let y = gpu.upload(&data);
+    let py = gpu.ptr(&y);
+    assert_eq!(run(&cache, &gpu, py, py).unwrap(), Outcome::Captured);
+    assert_close(
+        &gpu.download(&y),
+        &reference(&data, KERNELS, 1),
+        "after the failure",
+    );
+}
+
+#[test]
+fn work_that_cannot_be_captured_runs_eagerly_once() {
+    if cuda_devices_or_skip("work_that_cannot_be_captured_runs_eagerly_once").is_none() {
+        return;
+    }
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(
+        CudaGraphs,
+        Config {
+            retry_after: 1,
+            ..Config::default()
+        },
+    )
+    .unwrap();
+    let data = random(N, 5);
+    let x = gpu.upload(&data);
+    let px = gpu.ptr(&x);
+    let call = Call::new(key(gpu.device, px), Some(gpu.handle()));
+    let record = |s: Option<CudaStreamHandle>| {
+        let s = s.unwrap().0;
+        gpu.work(s, px, N as u64, KERNELS)?;
+        // A synchronisation is illegal under capture: it invalidates it (a
+        // library that ignores the error, as many do).
+        // SAFETY: synchronises a live stream.
+        let _ = unsafe { sys::cuStreamSynchronize(s) };
+        Ok::<(), cudarc::driver::DriverError>(())
+    };
+    assert_eq!(
+        cache.execute(&call, record).unwrap(),
+        Outcome::EagerFallback
+    );
+    assert_eq!(
+        cache.execute(&call, record).unwrap(),
+        Outcome::EagerFallback
+    );
+    assert_eq!(
+        capture_status(gpu.stream.cu_stream()),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    );
+    assert_close(
+        &gpu.download(&x),
+        &reference(&data, KERNELS, 2),
+        "each call's work ran exactly once",
+    );
+    let s = cache.stats(gpu.device);
+    assert_eq!(
+        (s.eager_capture_failed, s.eager_not_capturable, s.entries),
+        (1, 1, 0)
+    );
+}
+
+#[test]
+fn a_stream_the_caller_captures_gets_the_work_recorded() {
+    if cuda_devices_or_skip("a_stream_the_caller_captures_gets_the_work_recorded").is_none() {
+        return;
+    }
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let data = random(N, 6);
+    let x = gpu.upload(&data);
+    let px = gpu.ptr(&x);
+    gpu.stream.synchronize().unwrap();
+    let s = gpu.stream.cu_stream();
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    let mut nodes = 0usize;
+    // SAFETY: the runtime's own capture of a live stream.
+    unsafe { sys::cuStreamBeginCapture_v2(s, mode) }
+        .result()
+        .unwrap();
+    let outcome = run(&cache, &gpu, px, px);
+    // SAFETY: ends the capture begun above and inspects the graph.
+    unsafe {
+        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
+        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes)
+            .result()
+            .unwrap();
+    }
+    assert_eq!(outcome.unwrap(), Outcome::EagerFallback);
+    assert_eq!(nodes, KERNELS, "the work went into the caller's graph");
+    assert_eq!(gpu.download(&x), data, "recorded, not run");
+    // SAFETY: instantiates, launches and destroys the caller's graph.
+    unsafe {
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+            .result()
+            .unwrap();
+        sys::cuGraphLaunch(exec, s).result().unwrap();
+    }
+    assert_close(
+        &gpu.download(&x),
+        &reference(&data, KERNELS, 1),
+        "the caller's graph ran the work",
+    );
+    // SAFETY: destroys the objects created above.
+    unsafe {
+        sys::cuGraphExecDestroy(exec).result().unwrap();
+        sys::cuGraphDestroy(graph).result().unwrap();
+    }
+    assert_eq!(cache.stats(gpu.device).eager_caller_capturing, 1);
+}
+
+#[test]
+fn bad_streams_are_refused_and_the_callers_context_is_restored() {
+    let Some(count) =
+        cuda_devices_or_skip("bad_streams_are_refused_and_the_callers_context_is_restored")
+    else {
+        return;
+    };
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let x = gpu.upload(&random(N, 7));
+    let px = gpu.ptr(&x);
+    let null = Call::new(
+        key(gpu.device, px),
+        Some(CudaStreamHandle(std::ptr::null_mut())),
+    );
+    let err = cache
+        .execute(&null, |_| Ok::<(), std::io::Error>(()))
+        .unwrap_err();
+    assert!(err.to_string().contains("legacy default stream"), "{err}");
+    // Clear the current context: the cache must leave it cleared.
+    // SAFETY: setting no current context is always valid.
+    unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) }
+        .result()
+        .unwrap();
+    run(&cache, &gpu, px, px).unwrap();
+    let mut current: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle.
+    unsafe { sys::cuCtxGetCurrent(&mut current) }
+        .result()
+        .unwrap();
+    assert!(current.is_null(), "the cache left its context current");
+    if count < 2 {
+        skip("stream_of_another_device_is_refused", "needs 2 GPUs");
+        return;
+    }
+    let other = Gpu::new(&kernels, 1);
+    let wrong = Call::new(key(Device::cuda(0), px), Some(other.handle()));
+    let err = cache
+        .execute(&wrong, |_| Ok::<(), std::io::Error>(()))
+        .unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArgument, "{err}");
+}
+
+#[test]
+fn two_gpus_with_identical_keys_each_replay_their_own_graph() {
+    let Some(count) =
+        cuda_devices_or_skip("two_gpus_with_identical_keys_each_replay_their_own_graph")
+    else {
+        return;
+    };
+    if count < 2 {
+        skip(
+            "two_gpus_with_identical_keys_each_replay_their_own_graph",
+            "needs 2 GPUs",
+        );
+        return;
+    }
+    let kernels = KernelCache::new();
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let gpus = [Gpu::new(&kernels, 0), Gpu::new(&kernels, 1)];
+    let data = [random(N, 8), random(N, 9)];
+    let bufs = [gpus[0].upload(&data[0]), gpus[1].upload(&data[1])];
+    // Incident 1: both devices' calls declare the same buffer address.
+    const SAME: u64 = 0x7f00_0000_0000;
+    for round in 0..3 {
+        for d in 0..2 {
+            let outcome = run(&cache, &gpus[d], SAME, gpus[d].ptr(&bufs[d])).unwrap();
+            let want = if round == 0 {
+                Outcome::Captured
+            } else {
+                Outcome::Replayed
+            };
+            assert_eq!(outcome, want, "cuda:{d} round {round}");
+        }
+    }
+    for d in 0..2 {
+        assert_close(
+            &gpus[d].download(&bufs[d]),
+            &reference(&data[d], KERNELS, 3),
+            &format!("cuda:{d}"),
+        );
+        let s = cache.stats(Device::cuda(d as u32));
+        assert_eq!((s.captures, s.hits, s.entries), (1, 2, 1), "cuda:{d}");
+    }
+}
