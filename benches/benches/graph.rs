@@ -1,9 +1,11 @@
 //! The graph cache's hit path on the Host (simulated backend, so only the
 //! cache's own work is timed: key build + lookup + an empty launch), and
-//! its throughput with 1/2/4/8 threads on distinct devices.
+//! its throughput with 1/2/4/8 threads on distinct devices, next to a
+//! reference workload of the same shape that shares nothing (the machine's
+//! own scaling, measured in the same run).
 
 use std::hint::black_box;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -51,6 +53,30 @@ fn hit_path(c: &mut Criterion) {
     g.finish();
 }
 
+/// Runs `work(thread, iters)` on `threads` threads at once; the wall time
+/// is the time per iteration of one thread (flat means linear scaling).
+fn parallel<W>(threads: u32, iters: u64, work: W) -> Duration
+where
+    W: Fn(u32, u64) + Send + Sync + Clone + 'static,
+{
+    let start = Arc::new(Barrier::new(threads as usize + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (start, work) = (start.clone(), work.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                work(t, iters);
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    start.wait();
+    for h in handles {
+        h.join().unwrap();
+    }
+    t0.elapsed()
+}
+
 /// Hits per thread with `threads` threads, each on its own device.
 fn scaling(c: &mut Criterion) {
     let cache = Arc::new(GraphCache::new(SimBackend::new(), Config::default()).unwrap());
@@ -64,26 +90,12 @@ fn scaling(c: &mut Criterion) {
             &threads,
             |b, &threads| {
                 b.iter_custom(|iters| {
-                    let start = Arc::new(Barrier::new(threads as usize + 1));
-                    let handles: Vec<_> = (0..threads)
-                        .map(|d| {
-                            let (cache, start) = (cache.clone(), start.clone());
-                            std::thread::spawn(move || {
-                                start.wait();
-                                for _ in 0..iters {
-                                    black_box(hit(&cache, d, 8));
-                                }
-                            })
-                        })
-                        .collect();
-                    let t0 = Instant::now();
-                    start.wait();
-                    for h in handles {
-                        h.join().unwrap();
-                    }
-                    // Time per hit of one thread: flat means linear scaling.
-                    let elapsed: Duration = t0.elapsed();
-                    elapsed
+                    let cache = cache.clone();
+                    parallel(threads, iters, move |d, iters| {
+                        for _ in 0..iters {
+                            black_box(hit(&cache, d, 8));
+                        }
+                    })
                 })
             },
         );
@@ -91,5 +103,33 @@ fn scaling(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hit_path, scaling);
+/// The reference: per-thread work of the same shape as a hit (build an
+/// 8-buffer key, hash it, look it up, lock and unlock a mutex) with nothing
+/// shared between threads.
+fn reference(c: &mut Criterion) {
+    let mut g = c.benchmark_group("reference_private_work_threads");
+    for threads in [1u32, 2, 4, 8] {
+        g.bench_with_input(
+            BenchmarkId::from_parameter(threads),
+            &threads,
+            |b, &threads| {
+                b.iter_custom(|iters| {
+                    parallel(threads, iters, |t, iters| {
+                        let map: std::collections::HashMap<CallKey, u64> =
+                            [(key(t, 8), 1)].into_iter().collect();
+                        let lock = Mutex::new(0u64);
+                        for _ in 0..iters {
+                            let probe = key(black_box(t), 8);
+                            *lock.lock().unwrap() += map[&probe];
+                        }
+                        black_box(lock.into_inner().unwrap());
+                    })
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(benches, hit_path, scaling, reference);
 criterion_main!(benches);

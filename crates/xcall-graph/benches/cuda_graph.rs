@@ -2,14 +2,17 @@
 //! launches, graph replay, exec-update (buffers alternate every call) and
 //! recapture + instantiate (the cache cleared before every call). Times are
 //! CUDA-event medians per call (the start event is recorded before any CPU
-//! work of the call) and CPU wall-clock medians, after warm-up.
+//! work of the call) and CPU wall-clock medians, after warm-up. Both
+//! exec-update and recapture run the record function under stream capture,
+//! so the driver steps that differ are also timed alone: stream capture,
+//! cuGraphExecUpdate and cuGraphInstantiate.
 
 #[path = "../tests/common/gpu.rs"]
 mod gpu;
 
 use std::time::Instant;
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{sys, CudaStream};
 use gpu::{random, Gpu};
 use xcall_core::KernelCache;
 use xcall_graph::cuda::CudaGraphs;
@@ -50,6 +53,86 @@ fn time(stream: &CudaStream, gpu: &Gpu, mut f: impl FnMut(usize)) -> (f64, f64) 
         events.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
     }
     (median(events), median(walls))
+}
+
+/// Wall-clock median (us) of `f` over `ITERS` runs after warm-up.
+fn wall(mut f: impl FnMut(usize)) -> f64 {
+    for i in 0..WARMUP {
+        f(i);
+    }
+    median(
+        (0..ITERS)
+            .map(|i| {
+                let t0 = Instant::now();
+                f(i);
+                t0.elapsed().as_secs_f64() * 1e6
+            })
+            .collect(),
+    )
+}
+
+/// Captures the call's kernels on `gpu`'s stream into a new graph.
+fn capture(gpu: &Gpu, ptr: u64) -> sys::CUgraph {
+    let s = gpu.stream.cu_stream();
+    let mut graph = std::ptr::null_mut();
+    // SAFETY: a capture of the bench's own stream, ended below.
+    unsafe {
+        sys::cuStreamBeginCapture_v2(
+            s,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+    }
+    .result()
+    .unwrap();
+    gpu.work(s, ptr, N, KERNELS).unwrap();
+    // SAFETY: ends the capture begun above.
+    unsafe { sys::cuStreamEndCapture(s, &mut graph) }
+        .result()
+        .unwrap();
+    graph
+}
+
+/// Driver steps alone: (capture, exec-update, instantiate) wall medians in us.
+fn driver_steps(gpu: &Gpu, ptrs: [u64; 2]) -> (f64, f64, f64) {
+    gpu.ctx.bind_to_thread().unwrap();
+    let graphs = [capture(gpu, ptrs[0]), capture(gpu, ptrs[1])];
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: instantiates a captured graph; destroyed at the end.
+    unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graphs[0], 0) }
+        .result()
+        .unwrap();
+    // SAFETY: the graph returned by capture is destroyed right away.
+    let capture_us = wall(|i| {
+        unsafe { sys::cuGraphDestroy(capture(gpu, ptrs[i % 2])) }
+            .result()
+            .unwrap()
+    });
+    let update_us = wall(|i| {
+        // SAFETY: the result info is plain data the driver fills in.
+        let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: both graphs have the same topology as the executable.
+        unsafe { sys::cuGraphExecUpdate_v2(exec, graphs[i % 2], &mut info) }
+            .result()
+            .unwrap();
+    });
+    let instantiate_us = wall(|i| {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: instantiates and destroys a fresh executable.
+        unsafe {
+            sys::cuGraphInstantiateWithFlags(&mut e, graphs[i % 2], 0)
+                .result()
+                .unwrap();
+            sys::cuGraphExecDestroy(e).result().unwrap();
+        }
+    });
+    // SAFETY: destroys the objects created above.
+    unsafe {
+        sys::cuGraphExecDestroy(exec).result().unwrap();
+        for g in graphs {
+            sys::cuGraphDestroy(g).result().unwrap();
+        }
+    }
+    (capture_us, update_us, instantiate_us)
 }
 
 fn main() {
@@ -107,5 +190,13 @@ fn main() {
     println!(
         "recapture / exec-update (event): {:.2}x",
         recapture.0 / update.0
+    );
+    let (capture_us, update_us, instantiate_us) = driver_steps(&gpu, ptrs);
+    println!(
+        "driver steps alone (wall us): stream capture {capture_us:.2}, cuGraphExecUpdate {update_us:.2}, cuGraphInstantiate+destroy {instantiate_us:.2}"
+    );
+    println!(
+        "instantiate / exec-update (driver steps alone): {:.1}x",
+        instantiate_us / update_us
     );
 }

@@ -28,7 +28,9 @@ pub trait GraphBackend: Send + Sync + 'static {
     type Exec: Send;
 
     /// The state of `stream`, after checking that it belongs to `device`
-    /// (a stream of another device is an error, never a silent replay).
+    /// (a stream of another device is an error, never a silent replay). A
+    /// stream the caller is capturing may be reported as capturing without
+    /// further checks: the cache only records work into it.
     fn stream_state(&self, device: Device, stream: Self::Stream) -> Result<StreamState>;
     /// Runs `f` with the stream's context current, restoring the caller's
     /// current context afterwards.

@@ -344,6 +344,14 @@ impl<B: GraphBackend> GraphCache<B> {
             .stream
             .ok_or_else(|| Error::InvalidArgument(format!("a call on {device} needs a stream")))?;
         let state = self.backend.stream_state(device, stream)?;
+        // These run on the caller's stream as they are: no context switch,
+        // which could disturb a capture the caller has open.
+        if self.config.policy == Policy::Disabled {
+            return self.eager(device, stream, Eager::Disabled, &mut record);
+        }
+        if state.capturing {
+            return self.eager(device, stream, Eager::CallerCapturing, &mut record);
+        }
         self.backend.with_context(device, &state, || {
             self.execute_on_stream(call, stream, state, &mut record)
         })?
@@ -384,12 +392,6 @@ impl<B: GraphBackend> GraphCache<B> {
     {
         let key = &call.key;
         let device = key.device;
-        if self.config.policy == Policy::Disabled {
-            return self.eager(device, stream, Eager::Disabled, record);
-        }
-        if state.capturing {
-            return self.eager(device, stream, Eager::CallerCapturing, record);
-        }
         let mut shard = self.lock(device);
         shard.tick += 1;
         let tick = shard.tick;

@@ -79,10 +79,24 @@ impl GraphBackend for CudaGraphs {
                 "the legacy default stream (NULL) cannot be captured; pass a created stream".into(),
             ));
         }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: writes one value; cuStreamIsCapturing is legal on a
+        // stream under capture.
+        check("cuStreamIsCapturing", device, unsafe {
+            sys::cuStreamIsCapturing(stream.0, &mut status)
+        })?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            // The caller is recording its own graph: any further query could
+            // invalidate that capture, and the cache will only record the
+            // work into it (nothing is cached or launched), so stop here.
+            return Ok(StreamState {
+                context: 0,
+                capturing: true,
+            });
+        }
         let mut dev: sys::CUdevice = 0;
         let mut expected: sys::CUdevice = 0;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: each call writes one value through a valid pointer; the
         // stream handle is the caller's and is only queried.
         unsafe {
@@ -101,11 +115,6 @@ impl GraphBackend for CudaGraphs {
                 device,
                 sys::cuStreamGetCtx(stream.0, &mut ctx),
             )?;
-            check(
-                "cuStreamIsCapturing",
-                device,
-                sys::cuStreamIsCapturing(stream.0, &mut status),
-            )?;
         }
         if dev != expected {
             return Err(Error::InvalidArgument(format!(
@@ -114,7 +123,7 @@ impl GraphBackend for CudaGraphs {
         }
         Ok(StreamState {
             context: ctx as u64,
-            capturing: status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+            capturing: false,
         })
     }
 
