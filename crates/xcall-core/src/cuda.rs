@@ -224,6 +224,17 @@ pub fn with_context<T>(
     }
 }
 
+/// Retains `device`'s primary context for the rest of the process (once;
+/// later calls are a lock-free lookup). Objects that live in that context,
+/// such as cached graphs, can then never outlive it. The caller's current
+/// context is left as it was.
+pub fn retain_primary_context(device: Device) -> Result<()> {
+    if contexts().get(device).is_some() {
+        return Ok(());
+    }
+    with_context(device, |_| Ok(()))
+}
+
 /// What `xcall doctor` and the kernel cache need to know about a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceInfo {

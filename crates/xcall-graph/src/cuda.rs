@@ -94,6 +94,8 @@ impl GraphBackend for CudaGraphs {
                 capturing: true,
             });
         }
+        // Cached executables live in the device's context: keep it alive.
+        cuda::retain_primary_context(device)?;
         let mut dev: sys::CUdevice = 0;
         let mut expected: sys::CUdevice = 0;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
