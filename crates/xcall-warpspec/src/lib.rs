@@ -1,13 +1,26 @@
-//! Plans, model-checks and runs warp-specialized mbarrier pipelines on Host threads and as generated Hopper kernels.
+//! Warp-specialized mbarrier pipelines: plan, model-check, run.
 //!
-//! Platform-neutral types come from [`xcall_core`]; this crate adds
-//! the capability itself, one module per part.
+//! A [`PipelineSpec`] names the stages, the async (producer) warps and their
+//! loads, and the compute warpgroups. The planner derives a
+//! [`PipelinePlan`]: one FULL and one EMPTY barrier per async warp and
+//! stage with init counts equal to the arrivals per phase by construction,
+//! the parities each role waits on, the shared-memory layout and the
+//! register plan. The verifier ([`verify::verify`]) explores every
+//! interleaving of a barrier protocol with PTX mbarrier semantics and
+//! reports deadlocks, early overwrites, reads before loads and phase errors
+//! with a shortest trace; it judges hand-written designs too (incident 5).
 
 #![deny(missing_docs)]
 
+pub mod designs;
+mod error;
 pub mod host;
 pub mod plan;
 pub mod spec;
 pub mod verify;
 
+pub use error::PlanError;
+pub use plan::{BarrierKind, BarrierPlan, PipelinePlan};
+pub use spec::{AsyncWarp, PipelineSpec, RegisterSplit};
+pub use verify::{verify, Protocol, Verdict, Violation, ViolationKind};
 pub use xcall_core::{Device, Error, Platform, Result};

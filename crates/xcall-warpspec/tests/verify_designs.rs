@@ -1,0 +1,150 @@
+//! The verifier's required verdicts (incident 5).
+
+use xcall_warpspec::designs::{prologue_empty_arrive, shared_full_barrier};
+use xcall_warpspec::verify::{verify, DEFAULT_STATE_LIMIT};
+use xcall_warpspec::{PipelinePlan, PipelineSpec, ViolationKind};
+
+#[test]
+fn shared_full_barrier_with_two_producers_is_caught_with_a_trace() {
+    let stages = 2;
+    let v = verify(
+        &shared_full_barrier(stages, 2, 4096, 2 * stages + 1),
+        DEFAULT_STATE_LIMIT,
+    )
+    .unwrap();
+    print!("{}", v.report());
+    let violation = v
+        .violation
+        .expect("the shared FULL barrier design must fail");
+    // The second producer's arrival exceeds the shared barrier's count of 1
+    // while the first producer's bytes are still in flight.
+    assert_eq!(
+        violation.kind,
+        ViolationKind::ExcessArrival,
+        "{violation:?}"
+    );
+    assert!(
+        violation.message.contains("FULL(shared)[s0]"),
+        "{}",
+        violation.message
+    );
+    assert!(violation.trace.len() >= 2);
+    assert!(
+        violation.trace.last().unwrap().starts_with("producer w1"),
+        "{:?}",
+        violation.trace
+    );
+}
+
+#[test]
+fn prologue_arrive_per_async_warp_is_caught_and_the_fixed_prologue_is_clean() {
+    let stages = 2;
+    let iterations = 2 * stages + 1;
+    let v = verify(
+        &prologue_empty_arrive(stages, 2, 1, true, iterations),
+        DEFAULT_STATE_LIMIT,
+    )
+    .unwrap();
+    print!("{}", v.report());
+    let violation = v.violation.expect("the doubled prologue arrive must fail");
+    assert_eq!(violation.kind, ViolationKind::WrongPhase, "{violation:?}");
+    assert!(
+        violation.message.contains("EMPTY(shared)"),
+        "{}",
+        violation.message
+    );
+    let fixed = verify(
+        &prologue_empty_arrive(stages, 2, 1, false, iterations),
+        DEFAULT_STATE_LIMIT,
+    )
+    .unwrap();
+    assert!(fixed.is_clean(), "{}", fixed.report());
+}
+
+#[test]
+fn planner_output_is_clean_for_the_required_grid() {
+    let mut report = String::new();
+    for stages in 1..=4u32 {
+        for warps in 1..=3usize {
+            for wgs in 1..=2u32 {
+                let spec = PipelineSpec::new(stages, &vec![4096; warps], wgs);
+                let plan = PipelinePlan::new(&spec).unwrap();
+                let iterations = 2 * stages + 1;
+                let v = verify(&plan.protocol(iterations), DEFAULT_STATE_LIMIT).unwrap();
+                assert!(
+                    v.is_clean(),
+                    "stages {stages} warps {warps} wgs {wgs}:\n{}",
+                    v.report()
+                );
+                report.push_str(&format!(
+                    "stages {stages} async warps {warps} compute warpgroups {wgs} iterations {iterations}: {} states, {:.3?}\n",
+                    v.states, v.elapsed
+                ));
+            }
+        }
+    }
+    print!("{report}");
+}
+
+#[test]
+fn a_hand_edited_init_count_is_caught() {
+    // The planner's layout with EMPTY barriers initialised for one compute
+    // warpgroup while two release them: the phase flips early.
+    let plan = PipelinePlan::new(&PipelineSpec::new(2, &[1024], 2)).unwrap();
+    let mut protocol = plan.protocol(5);
+    for b in protocol
+        .barriers
+        .iter_mut()
+        .filter(|b| b.name.starts_with("EMPTY"))
+    {
+        b.init_count = 1;
+    }
+    let v = verify(&protocol, DEFAULT_STATE_LIMIT).unwrap();
+    let violation = v.violation.clone().expect("wrong init count must fail");
+    assert!(
+        matches!(
+            violation.kind,
+            ViolationKind::WrongPhase | ViolationKind::Overwrite
+        ),
+        "{}",
+        v.report()
+    );
+    // And one that never completes (init count too high) deadlocks.
+    let mut protocol = plan.protocol(5);
+    for b in protocol
+        .barriers
+        .iter_mut()
+        .filter(|b| b.name.starts_with("EMPTY"))
+    {
+        b.init_count = 3;
+    }
+    let v = verify(&protocol, DEFAULT_STATE_LIMIT).unwrap();
+    let violation = v.violation.clone().expect("unreachable init count must deadlock");
+    assert_eq!(violation.kind, ViolationKind::Deadlock, "{}", v.report());
+    assert!(
+        violation
+            .message
+            .contains("producer w0 (iteration 2): wait EMPTY[w0][s0] phase 0"),
+        "{}",
+        violation.message
+    );
+}
+
+#[test]
+fn malformed_protocols_are_refused() {
+    let plan = PipelinePlan::new(&PipelineSpec::new(2, &[1024], 1)).unwrap();
+    let mut p = plan.protocol(3);
+    p.barrier_groups[0].pop();
+    assert!(verify(&p, DEFAULT_STATE_LIMIT).is_err());
+    let mut p = plan.protocol(3);
+    p.roles[0]
+        .body
+        .push(xcall_warpspec::verify::Step::Read { buffer_group: 9 });
+    assert!(verify(&p, DEFAULT_STATE_LIMIT).is_err());
+    let p = plan.protocol(0);
+    assert!(verify(&p, DEFAULT_STATE_LIMIT).is_err());
+    // The state limit turns a too-large search into an error, not a hang.
+    let big = PipelinePlan::new(&PipelineSpec::new(4, &[1024, 1024, 1024], 2)).unwrap();
+    let err = verify(&big.protocol(9), 1000).unwrap_err();
+    assert!(err.to_string().contains("more than 1000 states"), "{err}");
+}
