@@ -1,1 +1,293 @@
 //! The Host executor: warps as OS threads on a software mbarrier.
+//!
+//! Each async warp of a plan is a thread that streams its source through
+//! its stage buffers; each compute warpgroup is a thread that waits on every
+//! producer's FULL barrier, hands the stage's bytes to the compute closure
+//! and releases the buffers on the EMPTY barriers. The software barrier
+//! follows the PTX rules the verifier models (phase, pending arrivals,
+//! signed tx-count, completion when both reach zero, parity waits). Every
+//! wait has a deadline: a hang becomes an error that lists what every role
+//! was waiting for.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use crate::plan::PipelinePlan;
+
+/// A hang (or a role that failed) turned into an error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HostError {
+    /// Some wait did not complete within the timeout.
+    #[error("pipeline stalled for {timeout:?}; waits: {}", waits.join("; "))]
+    Stalled {
+        /// The watchdog's timeout.
+        timeout: Duration,
+        /// What every role was doing when the watchdog fired.
+        waits: Vec<String>,
+    },
+    /// Inputs that do not fit the plan.
+    #[error("invalid input: {0}")]
+    Input(String),
+}
+
+#[derive(Debug)]
+struct BarrierState {
+    phase: u64,
+    pending: i64,
+    tx: i64,
+}
+
+/// A software mbarrier with PTX semantics.
+#[derive(Debug)]
+pub struct SoftBarrier {
+    init: u32,
+    state: Mutex<BarrierState>,
+    changed: Condvar,
+}
+
+impl SoftBarrier {
+    /// A barrier expecting `init` arrivals per phase, in phase 0.
+    pub fn new(init: u32) -> Self {
+        SoftBarrier {
+            init,
+            state: Mutex::new(BarrierState {
+                phase: 0,
+                pending: init as i64,
+                tx: 0,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn update(&self, f: impl FnOnce(&mut BarrierState)) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut s);
+        if s.pending == 0 && s.tx == 0 {
+            s.phase += 1;
+            s.pending = self.init as i64;
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
+    /// `mbarrier.arrive` (count arrivals).
+    pub fn arrive(&self, count: u32) {
+        self.update(|s| s.pending -= count as i64);
+    }
+
+    /// `mbarrier.arrive.expect_tx`: expect `bytes`, then arrive once.
+    pub fn arrive_expect_tx(&self, bytes: u64) {
+        self.update(|s| {
+            s.tx += bytes as i64;
+            s.pending -= 1;
+        });
+    }
+
+    /// `complete_tx`: an async copy of `bytes` landed.
+    pub fn complete_tx(&self, bytes: u64) {
+        self.update(|s| s.tx -= bytes as i64);
+    }
+
+    /// The current phase (number of completed phases).
+    pub fn phase(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).phase
+    }
+
+    /// `try_wait.parity` in a loop: returns once the phase with `parity` has
+    /// completed (the current phase's parity differs), `false` when
+    /// `deadline` passes or `abort` is raised first.
+    pub fn wait_parity(&self, parity: u32, deadline: Instant, abort: &AtomicBool) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if (s.phase & 1) as u32 != parity {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline || abort.load(Ordering::SeqCst) {
+                return false;
+            }
+            let wait = (deadline - now).min(Duration::from_millis(50));
+            s = self
+                .changed
+                .wait_timeout(s, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// One tile handed to the compute closure.
+pub struct Tile<'a> {
+    /// Tile index (iteration).
+    pub index: usize,
+    /// The calling compute warpgroup.
+    pub warpgroup: u32,
+    /// Compute warpgroups sharing the tile.
+    pub warpgroups: u32,
+    /// The tile's bytes of every async warp's source (shorter for a tail).
+    pub inputs: Vec<&'a [u8]>,
+}
+
+/// Runs `plan` over `sources` (one byte stream per async warp, each split
+/// into tiles of that warp's bytes per stage; all must have the same number
+/// of tiles) and calls `compute` for every tile on every compute warpgroup.
+/// `timeout` bounds every wait.
+pub fn run<F>(
+    plan: &PipelinePlan,
+    sources: &[&[u8]],
+    timeout: Duration,
+    compute: F,
+) -> Result<usize, HostError>
+where
+    F: Fn(Tile<'_>) + Sync,
+{
+    let warps = plan.spec.async_warps.len();
+    if sources.len() != warps {
+        return Err(HostError::Input(format!(
+            "{} sources for {warps} async warps",
+            sources.len()
+        )));
+    }
+    let tiles: Vec<usize> = sources
+        .iter()
+        .zip(&plan.bytes_per_stage)
+        .map(|(s, &b)| s.len().div_ceil(b as usize))
+        .collect();
+    let count = tiles[0];
+    if tiles.iter().any(|&t| t != count) {
+        return Err(HostError::Input(format!(
+            "sources split into different tile counts: {tiles:?}"
+        )));
+    }
+    let stages = plan.spec.stages as usize;
+    let wgs = plan.spec.compute_warpgroups;
+    let barriers: Vec<SoftBarrier> = plan
+        .barriers
+        .iter()
+        .map(|b| SoftBarrier::new(b.init_count))
+        .collect();
+    let buffers: Vec<Vec<RwLock<Vec<u8>>>> = plan
+        .bytes_per_stage
+        .iter()
+        .map(|&b| {
+            (0..stages)
+                .map(|_| RwLock::new(vec![0u8; b as usize]))
+                .collect()
+        })
+        .collect();
+    let roles = warps + wgs as usize;
+    let status: Mutex<Vec<String>> = Mutex::new(vec!["not started".into(); roles]);
+    let abort = AtomicBool::new(false);
+    let deadline_for = || Instant::now() + timeout;
+    let set_status =
+        |role: usize, text: String| status.lock().unwrap_or_else(|p| p.into_inner())[role] = text;
+    let name = |b: usize| {
+        let p = &plan.barriers[b];
+        format!(
+            "{}[w{}][s{}]",
+            format!("{:?}", p.kind).to_uppercase(),
+            p.warp,
+            p.stage
+        )
+    };
+    // Waits on barrier `b`; on timeout raises `abort` and reports.
+    let wait = |role: usize, who: &str, b: usize, parity: u32, i: usize| -> bool {
+        set_status(
+            role,
+            format!(
+                "{who} (iteration {i}) waits {} parity {parity} (barrier in phase {})",
+                name(b),
+                barriers[b].phase()
+            ),
+        );
+        let ok = barriers[b].wait_parity(parity, deadline_for(), &abort);
+        if ok {
+            set_status(role, format!("{who} (iteration {i}) running"));
+        } else {
+            abort.store(true, Ordering::SeqCst);
+        }
+        ok
+    };
+    std::thread::scope(|scope| {
+        for w in 0..warps {
+            let (wait, barriers, buffers, set_status) = (&wait, &barriers, &buffers, &set_status);
+            let source = sources[w];
+            let bytes = plan.bytes_per_stage[w] as usize;
+            scope.spawn(move || {
+                let who = format!("producer w{w}");
+                for i in 0..count {
+                    let s = (i % stages) as u32;
+                    if !wait(w, &who, plan.empty(w, s), plan.producer_parity(i as u64), i) {
+                        return;
+                    }
+                    let chunk = &source[i * bytes..((i + 1) * bytes).min(source.len())];
+                    let full = &barriers[plan.full(w, s)];
+                    full.arrive_expect_tx(chunk.len() as u64);
+                    // The "async copy": data lands, then its bytes complete.
+                    buffers[w][s as usize]
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner())[..chunk.len()]
+                        .copy_from_slice(chunk);
+                    full.complete_tx(chunk.len() as u64);
+                }
+                set_status(w, format!("{who} done"));
+            });
+        }
+        for g in 0..wgs {
+            let (wait, barriers, buffers, set_status, compute) =
+                (&wait, &barriers, &buffers, &set_status, &compute);
+            let role = warps + g as usize;
+            scope.spawn(move || {
+                let who = format!("compute wg{g}");
+                for i in 0..count {
+                    let s = (i % stages) as u32;
+                    for w in 0..warps {
+                        if !wait(
+                            role,
+                            &who,
+                            plan.full(w, s),
+                            plan.consumer_parity(i as u64),
+                            i,
+                        ) {
+                            return;
+                        }
+                    }
+                    {
+                        let guards: Vec<_> = (0..warps)
+                            .map(|w| {
+                                buffers[w][s as usize]
+                                    .read()
+                                    .unwrap_or_else(|p| p.into_inner())
+                            })
+                            .collect();
+                        let inputs: Vec<&[u8]> = (0..warps)
+                            .map(|w| {
+                                let b = plan.bytes_per_stage[w] as usize;
+                                let len = (sources[w].len() - i * b).min(b);
+                                &guards[w][..len]
+                            })
+                            .collect();
+                        compute(Tile {
+                            index: i,
+                            warpgroup: g,
+                            warpgroups: wgs,
+                            inputs,
+                        });
+                    }
+                    for w in 0..warps {
+                        barriers[plan.empty(w, s)].arrive(1);
+                    }
+                }
+                set_status(role, format!("{who} done"));
+            });
+        }
+    });
+    if abort.load(Ordering::SeqCst) {
+        return Err(HostError::Stalled {
+            timeout,
+            waits: status.into_inner().unwrap_or_else(|p| p.into_inner()),
+        });
+    }
+    Ok(count)
+}

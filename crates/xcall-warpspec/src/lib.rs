@@ -15,6 +15,7 @@
 pub mod designs;
 mod error;
 pub mod host;
+pub mod ops;
 pub mod plan;
 pub mod spec;
 pub mod verify;

@@ -119,7 +119,10 @@ fn a_hand_edited_init_count_is_caught() {
         b.init_count = 3;
     }
     let v = verify(&protocol, DEFAULT_STATE_LIMIT).unwrap();
-    let violation = v.violation.clone().expect("unreachable init count must deadlock");
+    let violation = v
+        .violation
+        .clone()
+        .expect("unreachable init count must deadlock");
     assert_eq!(violation.kind, ViolationKind::Deadlock, "{}", v.report());
     assert!(
         violation

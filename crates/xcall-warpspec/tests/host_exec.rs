@@ -1,0 +1,186 @@
+//! The Host executor against plain loops, and its watchdog.
+
+use std::time::Duration;
+
+use half::bf16;
+use xcall_core::DType;
+use xcall_warpspec::host::{self, HostError};
+use xcall_warpspec::ops::{mul_host, silu_scale_f32, silu_scale_host, OpConfig, OpError};
+use xcall_warpspec::{PipelinePlan, PipelineSpec};
+
+fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+        })
+        .collect()
+}
+
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        _ => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
+
+fn decode(dtype: DType, b: &[u8]) -> Vec<f32> {
+    match dtype {
+        DType::F32 => b
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+        _ => b
+            .chunks(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    }
+}
+
+/// The plain-loop reference: decode, compute in f32, round to the dtype.
+fn reference(dtype: DType, inputs: &[&[u8]], f: impl Fn(&[f32]) -> f32) -> Vec<u8> {
+    let decoded: Vec<Vec<f32>> = inputs.iter().map(|b| decode(dtype, b)).collect();
+    let out: Vec<f32> = (0..decoded[0].len())
+        .map(|i| f(&decoded.iter().map(|d| d[i]).collect::<Vec<_>>()))
+        .collect();
+    encode(dtype, &out)
+}
+
+#[test]
+fn mul_and_silu_match_plain_loops_with_tails() {
+    let configs = [
+        OpConfig {
+            stages: 1,
+            tile_bytes: 256,
+            compute_warpgroups: 1,
+        },
+        OpConfig {
+            stages: 2,
+            tile_bytes: 1024,
+            compute_warpgroups: 2,
+        },
+        OpConfig {
+            stages: 4,
+            tile_bytes: 4096,
+            compute_warpgroups: 2,
+        },
+        OpConfig {
+            stages: 3,
+            tile_bytes: 48,
+            compute_warpgroups: 1,
+        },
+    ];
+    let mut seed = 1;
+    for dtype in [DType::F32, DType::Bf16] {
+        for config in &configs {
+            for n in [1usize, 7, 63, 1000, 4099, 20_001] {
+                seed += 1;
+                let a = encode(dtype, &random_f32(n, seed));
+                let b = encode(dtype, &random_f32(n, seed + 100));
+                let mut out = vec![0xa5u8; a.len()]; // poisoned
+                mul_host(dtype, &a, &b, &mut out, config).unwrap();
+                assert_eq!(
+                    out,
+                    reference(dtype, &[&a, &b], |v| v[0] * v[1]),
+                    "mul {dtype} {config:?} n={n}"
+                );
+                let mut out = vec![0xa5u8; a.len()];
+                silu_scale_host(dtype, &a, 0.75, &mut out, config).unwrap();
+                assert_eq!(
+                    out,
+                    reference(dtype, &[&a], |v| silu_scale_f32(v[0], 0.75)),
+                    "silu {dtype} {config:?} n={n}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn silu_definition_matches_an_independent_formula() {
+    for x in [-20.0f32, -3.5, -1.0, -0.0, 0.0, 0.5, 2.0, 30.0] {
+        let sigmoid = 1.0 / (1.0 + (-(x as f64)).exp());
+        let want = (x as f64 * sigmoid * 1.5) as f32;
+        assert!(
+            (silu_scale_f32(x, 1.5) - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "x={x}"
+        );
+    }
+}
+
+#[test]
+fn bad_inputs_are_refused() {
+    let c = OpConfig::default();
+    let mut out = vec![0u8; 8];
+    let err = mul_host(DType::F32, &[0u8; 8], &[0u8; 4], &mut out, &c).unwrap_err();
+    assert!(err.to_string().contains("input 1 has 4 bytes"), "{err}");
+    assert!(matches!(
+        mul_host(DType::I32, &[0u8; 8], &[0u8; 8], &mut out, &c),
+        Err(OpError::Input(_))
+    ));
+    assert!(matches!(
+        silu_scale_host(DType::F32, &[0u8; 6], 1.0, &mut [0u8; 6], &c),
+        Err(OpError::Input(_))
+    ));
+    let odd = OpConfig {
+        tile_bytes: 40,
+        ..c
+    };
+    assert!(matches!(
+        mul_host(DType::F32, &[0u8; 8], &[0u8; 8], &mut out, &odd),
+        Err(OpError::Plan(_))
+    ));
+    // Nothing to do is not an error.
+    mul_host(DType::F32, &[], &[], &mut [], &c).unwrap();
+}
+
+#[test]
+fn the_watchdog_reports_every_roles_wait() {
+    // EMPTY barriers that need 3 arrivals while one warpgroup releases them:
+    // the producer can never reuse a stage.
+    let mut plan = PipelinePlan::new(&PipelineSpec::new(2, &[64], 1)).unwrap();
+    for b in plan
+        .barriers
+        .iter_mut()
+        .filter(|b| b.kind == xcall_warpspec::BarrierKind::Empty)
+    {
+        b.init_count = 3;
+    }
+    let data = vec![1u8; 64 * 6];
+    let err = host::run(&plan, &[&data], Duration::from_millis(300), |_| {}).unwrap_err();
+    let HostError::Stalled { waits, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        waits[0].contains("producer w0 (iteration 2) waits EMPTY[w0][s0] parity 0"),
+        "{err}"
+    );
+    assert!(
+        waits[1].contains("compute wg0 (iteration 2) waits FULL[w0][s0] parity 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn sources_must_fit_the_plan() {
+    let plan = PipelinePlan::new(&PipelineSpec::new(2, &[64, 64], 1)).unwrap();
+    let err = host::run(&plan, &[&[0u8; 64]], Duration::from_secs(1), |_| {}).unwrap_err();
+    assert!(
+        err.to_string().contains("1 sources for 2 async warps"),
+        "{err}"
+    );
+    let err = host::run(
+        &plan,
+        &[&[0u8; 64], &[0u8; 200]],
+        Duration::from_secs(1),
+        |_| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("different tile counts"), "{err}");
+}
