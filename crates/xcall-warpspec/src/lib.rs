@@ -12,6 +12,8 @@
 
 #![deny(missing_docs)]
 
+pub mod codegen;
+pub mod cuda;
 pub mod designs;
 mod error;
 pub mod host;

@@ -1,0 +1,133 @@
+//! `mul` on 256 MiB per operand, side by side in one run: the
+//! warp-specialized kernel with 1..4 stages, the plain vectorized kernel of
+//! the same op and a device-to-device copy. GB/s count bytes read plus
+//! bytes written; times are CUDA-event medians after warm-up.
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr};
+use xcall_core::{cuda, DType, Device, KernelCache};
+use xcall_warpspec::codegen::ElementwiseOp;
+use xcall_warpspec::cuda::{launch, DeviceBuffers, Variant};
+use xcall_warpspec::ops::OpConfig;
+
+const BYTES: u64 = 256 << 20;
+const REPS: usize = 20;
+
+fn median_ms(ctx: &std::sync::Arc<CudaContext>, stream: &CudaStream, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let mut t: Vec<f64> = (0..REPS)
+        .map(|_| {
+            let (a, b) = (ctx.new_event(None).unwrap(), ctx.new_event(None).unwrap());
+            a.record(stream).unwrap();
+            f();
+            b.record(stream).unwrap();
+            b.synchronize().unwrap();
+            a.elapsed_ms(&b).unwrap() as f64
+        })
+        .collect();
+    t.sort_by(|x, y| x.total_cmp(y));
+    t[t.len() / 2]
+}
+
+fn main() {
+    if xcall_core::testing::cuda_devices_or_skip("bench cuda_ws").is_none() {
+        return;
+    }
+    let device = Device::cuda(0);
+    let info = cuda::device_info(device).unwrap();
+    if info.compute_capability.0 != 9 {
+        xcall_core::testing::skip("bench cuda_ws", &format!("{} is not Hopper", info.name));
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: this bench orders its own work on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let n = (BYTES / 4) as usize;
+    let fill: Vec<f32> = (0..n).map(|i| 1.0 + (i % 1000) as f32 * 1e-3).collect();
+    let a = stream.clone_htod(&fill).unwrap();
+    let b = stream.clone_htod(&fill).unwrap();
+    let out = stream.clone_htod(&fill).unwrap();
+    let (pa, pb, po) = (
+        a.device_ptr(&stream).0,
+        b.device_ptr(&stream).0,
+        out.device_ptr(&stream).0,
+    );
+    let kernels = KernelCache::new();
+    let inputs = [pa, pb];
+    let bufs = DeviceBuffers {
+        inputs: &inputs,
+        output: po,
+        bytes: BYTES,
+    };
+    let s = stream.cu_stream();
+    let run = |variant: Variant, config: &OpConfig| {
+        // SAFETY: a live stream of cuda:0; three allocations of BYTES bytes.
+        unsafe {
+            launch(
+                &kernels,
+                device,
+                s,
+                ElementwiseOp::Mul,
+                DType::F32,
+                variant,
+                config,
+                &bufs,
+                1.0,
+            )
+        }
+        .unwrap();
+    };
+    let copy_ms = median_ms(&ctx, &stream, || {
+        // SAFETY: copies between two live allocations of BYTES bytes.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(po, pa, BYTES as usize, s) }
+            .result()
+            .unwrap();
+    });
+    let copy_gbs = 2.0 * BYTES as f64 / copy_ms / 1e6;
+    let gbs = |ms: f64| 3.0 * BYTES as f64 / ms / 1e6;
+    println!(
+        "device: {} ({}), mul f32, {} MiB per operand, CUDA-event medians of {REPS}",
+        info.name,
+        info.arch(),
+        BYTES >> 20
+    );
+    println!(
+        "{:<44} {:>9} {:>9} {:>8}",
+        "kernel", "ms", "GB/s", "vs copy"
+    );
+    println!(
+        "{:<44} {copy_ms:>9.3} {copy_gbs:>9.1} {:>8.3}",
+        "device-to-device copy (read+write)", 1.0
+    );
+    let plain_ms = median_ms(&ctx, &stream, || run(Variant::Plain, &OpConfig::default()));
+    println!(
+        "{:<44} {plain_ms:>9.3} {:>9.1} {:>8.3}",
+        "plain vectorized (16 B loads/stores)",
+        gbs(plain_ms),
+        gbs(plain_ms) / copy_gbs
+    );
+    for stages in 1..=4 {
+        for tile_bytes in [16384u32, 32768] {
+            let config = OpConfig {
+                stages,
+                tile_bytes,
+                compute_warpgroups: 2,
+            };
+            if config.plan(2).is_err() {
+                continue;
+            }
+            let ms = median_ms(&ctx, &stream, || run(Variant::WarpSpecialized, &config));
+            let name = format!(
+                "warp-specialized, {stages} stage(s), {} KiB tiles",
+                tile_bytes / 1024
+            );
+            println!(
+                "{name:<44} {ms:>9.3} {:>9.1} {:>8.3}",
+                gbs(ms),
+                gbs(ms) / copy_gbs
+            );
+        }
+    }
+}
