@@ -18,7 +18,8 @@ fn median_ms(ctx: &std::sync::Arc<CudaContext>, stream: &CudaStream, mut f: impl
     }
     let mut t: Vec<f64> = (0..REPS)
         .map(|_| {
-            let (a, b) = (ctx.new_event(None).unwrap(), ctx.new_event(None).unwrap());
+            let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let (a, b) = (ctx.new_event(timed).unwrap(), ctx.new_event(timed).unwrap());
             a.record(stream).unwrap();
             f();
             b.record(stream).unwrap();

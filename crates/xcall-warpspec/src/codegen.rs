@@ -10,7 +10,8 @@
 //! offsets are the plan's. Tiles that are not a multiple of 16 bytes copy
 //! their 16-byte part in bulk; compute threads read the rest from global
 //! memory. Barriers are initialised and fenced before use and invalidated
-//! before exit.
+//! before exit; a proxy fence orders the compute warps' reads of a stage
+//! before the next bulk copy into it.
 
 use crate::plan::{BarrierKind, PipelinePlan, WARPGROUP_THREADS};
 use xcall_core::DType;
@@ -213,6 +214,9 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
                 const u32 s = (u32)(it % STAGES);
                 const u32 parity = (u32)((it / STAGES) & 1ull) ^ 1u;
                 mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), parity);
+                // The compute warps' generic-proxy reads of this stage are
+                // ordered before the bulk copy's async-proxy writes.
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 const u64 base = t * TILE;
                 const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
                 const u32 bulk = n & ~15u;

@@ -18,6 +18,7 @@ fn generated_source_follows_the_plan() {
     assert_eq!(k.smem_bytes, plan.smem_bytes);
     for needle in [
         "fence.mbarrier_init.release.cluster;",
+        "fence.proxy.async.shared::cta;",
         "mbarrier.inval.shared::cta.b64",
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
         "mbarrier.arrive.expect_tx.shared::cta.b64",
