@@ -73,6 +73,11 @@ enum xcall_status
    * function) reported failure; the message carries its code.
    */
   XCALL_STATUS_CALLBACK_FAILED = 9,
+  /**
+   * A wait did not complete in time (a stalled pipeline, a peer that never
+   * arrived); the message says who waited for what.
+   */
+  XCALL_STATUS_TIMEOUT = 10,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -260,6 +265,31 @@ typedef uint32_t xcall_buffer_role;
 #endif // __cplusplus
 
 /**
+ * A built-in elementwise op (`xcall_ws_op` in C).
+ */
+enum xcall_ws_op
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * `out = a * b` (two async warps, one per operand).
+   */
+  XCALL_WS_OP_MUL = 0,
+  /**
+   * `out = silu(x) * scale` (one async warp).
+   */
+  XCALL_WS_OP_SILU_SCALE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_ws_op xcall_ws_op;
+#else
+typedef uint32_t xcall_ws_op;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A device-aware graph cache for custom calls.
  *
  * Thread safety: every function taking a cache may be called concurrently
@@ -267,6 +297,12 @@ typedef uint32_t xcall_buffer_role;
  * be the last call on it.
  */
 typedef struct xcall_graph_cache xcall_graph_cache;
+
+/**
+ * A derived pipeline plan. Immutable: any function may use it from any
+ * thread; `xcall_ws_plan_free` must be the last call on it.
+ */
+typedef struct xcall_ws_plan xcall_ws_plan;
 
 /**
  * Configuration of a graph cache. Fill it with
@@ -425,6 +461,82 @@ typedef struct {
   uint64_t nodes;
 } xcall_graph_stats;
 
+/**
+ * What a pipeline must do. Each async warp issues one bulk load of
+ * `warp_bytes[w]` bytes per stage.
+ */
+typedef struct {
+  /**
+   * Circular stages (at least 1).
+   */
+  uint32_t stages;
+  /**
+   * Compute warpgroups (128 threads each; at least 1).
+   */
+  uint32_t compute_warpgroups;
+  /**
+   * Bytes each async warp loads per stage (`num_warps` entries).
+   */
+  const uint32_t *warp_bytes;
+  /**
+   * Number of async warps (at least 1).
+   */
+  size_t num_warps;
+  /**
+   * `setmaxnreg` value of the producer warpgroup; 0 with
+   * `consumer_registers` 0 for no register split.
+   */
+  uint32_t producer_registers;
+  /**
+   * `setmaxnreg` value of every compute warpgroup.
+   */
+  uint32_t consumer_registers;
+  /**
+   * Shared memory per block in bytes; 0 for Hopper's 227 KiB.
+   */
+  uint32_t smem_limit;
+} xcall_ws_spec;
+
+/**
+ * Facts of a plan.
+ */
+typedef struct {
+  /**
+   * Dynamic shared memory per block.
+   */
+  uint32_t smem_bytes;
+  /**
+   * Threads per block.
+   */
+  uint32_t threads_per_block;
+  /**
+   * Number of mbarriers (FULL and EMPTY per async warp and stage).
+   */
+  uint32_t barriers;
+  /**
+   * Warpgroups holding the async warps.
+   */
+  uint32_t producer_warpgroups;
+} xcall_ws_plan_info;
+
+/**
+ * Shape of a built-in op's pipeline.
+ */
+typedef struct {
+  /**
+   * Stages.
+   */
+  uint32_t stages;
+  /**
+   * Bytes per tile per operand (a multiple of 16 and of the element size).
+   */
+  uint32_t tile_bytes;
+  /**
+   * Compute warpgroups.
+   */
+  uint32_t compute_warpgroups;
+} xcall_ws_op_config;
+
 
 
 #ifdef __cplusplus
@@ -575,6 +687,88 @@ xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
                                      uint32_t platform,
                                      uint32_t ordinal,
                                      xcall_graph_stats *out_stats);
+
+/**
+ * Plans `spec` into `*out_plan` (free with `xcall_ws_plan_free`).
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` with
+ * the rule the spec breaks (no stages, loads not a multiple of 16 bytes,
+ * shared memory or register file exceeded, bad register values, ...).
+ */
+xcall_status xcall_ws_plan_new(const xcall_ws_spec *spec, xcall_ws_plan **out_plan);
+
+/**
+ * Frees a plan. NULL is a no-op.
+ */
+void xcall_ws_plan_free(xcall_ws_plan *plan);
+
+/**
+ * Facts of a plan in `*out_info`.
+ */
+xcall_status xcall_ws_plan_get_info(const xcall_ws_plan *plan, xcall_ws_plan_info *out_info);
+
+/**
+ * Model-checks the plan's barrier protocol over `iterations` iterations
+ * (0 for 2 x stages + 1). `*out_clean` is true when every interleaving is
+ * free of deadlocks, early overwrites, reads before loads and phase errors.
+ * The readable report (verdict, state count, and for a violation its
+ * shortest trace) goes to `report` as with every text output: pass NULL to
+ * learn the size (NUL included) in `*out_report_len`.
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+ * (report buffer too small, or a search beyond 20 million states).
+ */
+xcall_status xcall_ws_plan_verify(const xcall_ws_plan *plan,
+                                  uint32_t iterations,
+                                  bool *out_clean,
+                                  char *report,
+                                  size_t report_len,
+                                  size_t *out_report_len);
+
+/**
+ * The CUDA C source of `op` (an `xcall_ws_op`) for `dtype` (f32 or bf16)
+ * on `plan`, written like every text output (NULL `source` for the size).
+ */
+xcall_status xcall_ws_generate(const xcall_ws_plan *plan,
+                               uint32_t op,
+                               uint32_t dtype,
+                               char *source,
+                               size_t source_len,
+                               size_t *out_source_len);
+
+/**
+ * Writes the default op configuration (4 stages, 16 KiB tiles, 2 compute
+ * warpgroups) to `*out_config`.
+ */
+xcall_status xcall_ws_op_config_default(xcall_ws_op_config *out_config);
+
+/**
+ * Runs a built-in op: `output = inputs[0] * inputs[1]` (`XCALL_WS_OP_MUL`)
+ * or `output = silu(inputs[0]) * scale` (`XCALL_WS_OP_SILU_SCALE`) over
+ * `bytes` bytes of `dtype` (f32 or bf16), through the warp-specialized
+ * pipeline of `config` (NULL for the defaults). On Host the pointers are
+ * host memory and `stream` is ignored; on CUDA (Hopper only) they are
+ * 16-byte aligned device pointers of device `ordinal` and the kernel is
+ * enqueued on `stream` (a `CUstream`). The output must not overlap an input.
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+ * (sizes, alignment, overlap, operand count, config),
+ * `XCALL_STATUS_UNSUPPORTED` (dtype, non-Hopper GPU),
+ * `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
+ * `XCALL_STATUS_COMPILE_FAILED`, `XCALL_STATUS_TIMEOUT` (a stalled Host
+ * pipeline). Thread-safe.
+ */
+xcall_status xcall_ws_run(uint32_t platform,
+                          uint32_t ordinal,
+                          void *stream,
+                          uint32_t op,
+                          uint32_t dtype,
+                          const xcall_ws_op_config *config,
+                          const void *const *inputs,
+                          size_t num_inputs,
+                          void *output,
+                          size_t bytes,
+                          float scale);
 
 #ifdef __cplusplus
 }  // extern "C"

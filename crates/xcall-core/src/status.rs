@@ -33,13 +33,16 @@ pub enum Status {
     /// A caller-supplied callback (for example a graph cache's record
     /// function) reported failure; the message carries its code.
     CallbackFailed = 9,
+    /// A wait did not complete in time (a stalled pipeline, a peer that never
+    /// arrived); the message says who waited for what.
+    Timeout = 10,
 }
 
 impl Status {
     /// Every status, in code order.
     ///
     /// cbindgen:ignore
-    pub const ALL: [Status; 10] = [
+    pub const ALL: [Status; 11] = [
         Status::Ok,
         Status::NullArgument,
         Status::InvalidArgument,
@@ -50,6 +53,7 @@ impl Status {
         Status::NoSuchDevice,
         Status::Unsupported,
         Status::CallbackFailed,
+        Status::Timeout,
     ];
 
     /// The numeric code.
@@ -75,6 +79,7 @@ impl Status {
             Status::NoSuchDevice => c"XCALL_STATUS_NO_SUCH_DEVICE",
             Status::Unsupported => c"XCALL_STATUS_UNSUPPORTED",
             Status::CallbackFailed => c"XCALL_STATUS_CALLBACK_FAILED",
+            Status::Timeout => c"XCALL_STATUS_TIMEOUT",
         }
     }
 
@@ -109,6 +114,7 @@ mod tests {
             (7, "XCALL_STATUS_NO_SUCH_DEVICE"),
             (8, "XCALL_STATUS_UNSUPPORTED"),
             (9, "XCALL_STATUS_CALLBACK_FAILED"),
+            (10, "XCALL_STATUS_TIMEOUT"),
         ];
         assert_eq!(Status::ALL.len(), published.len());
         for (code, name) in published {

@@ -18,8 +18,10 @@
 
 mod graph;
 mod guard;
+mod warpspec;
 
 pub use graph::*;
+pub use warpspec::*;
 
 use std::ffi::c_char;
 

@@ -16,16 +16,24 @@
 use crate::plan::{BarrierKind, PipelinePlan, WARPGROUP_THREADS};
 use xcall_core::DType;
 
-/// An elementwise op the generator knows.
+/// A built-in elementwise op (`xcall_ws_op` in C).
+#[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ElementwiseOp {
     /// `out = a * b` (two async warps, one per operand).
-    Mul,
+    Mul = 0,
     /// `out = silu(x) * scale` (one async warp).
-    SiluScale,
+    SiluScale = 1,
 }
 
 impl ElementwiseOp {
+    /// The op with this C code, if any.
+    pub fn from_code(code: u32) -> Option<ElementwiseOp> {
+        [ElementwiseOp::Mul, ElementwiseOp::SiluScale]
+            .into_iter()
+            .find(|o| *o as u32 == code)
+    }
+
     /// Number of operands (async warps).
     pub fn operands(self) -> usize {
         match self {

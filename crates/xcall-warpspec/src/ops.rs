@@ -65,6 +65,16 @@ pub enum OpError {
     Input(String),
 }
 
+impl OpError {
+    /// The stable status code of this error.
+    pub fn status(&self) -> xcall_core::Status {
+        match self {
+            OpError::Host(HostError::Stalled { .. }) => xcall_core::Status::Timeout,
+            _ => xcall_core::Status::InvalidArgument,
+        }
+    }
+}
+
 fn element_size(dtype: DType) -> Result<usize, OpError> {
     match dtype {
         DType::F32 | DType::Bf16 => Ok(dtype.size_bytes()),

@@ -1,0 +1,112 @@
+/* Warp-specialization runtime through the C ABI: plan, verify, generate,
+ * and the built-in ops on the Host executor. */
+#include <math.h>
+#include "xcall_test.h"
+
+static float next_value(uint64_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return ((float)(*s >> 40) / (float)(1u << 24) - 0.5f) * 8.0f;
+}
+
+int main(void) {
+  const uint32_t warp_bytes[2] = {8192, 8192};
+  xcall_ws_spec spec = {4, 2, warp_bytes, 2, 40, 232, 0};
+  xcall_ws_plan *plan = NULL;
+  xcall_ws_plan_info info;
+  bool clean = false;
+  size_t len = 0, len2 = 0;
+  char *text;
+  enum { N = 10007 };
+  static float a[N], b[N], out[N];
+  const void *inputs[2] = {a, b};
+  xcall_ws_op_config config;
+  uint64_t seed = 12345;
+  int i, mismatches = 0;
+
+  /* Plan and its facts: 1 producer + 2 compute warpgroups, 2 x 2 x 4 barriers. */
+  CHECK_STATUS(xcall_ws_plan_new(&spec, &plan), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_ws_plan_get_info(plan, &info), XCALL_STATUS_OK);
+  CHECK(info.threads_per_block == 384 && info.barriers == 16 && info.producer_warpgroups == 1);
+  CHECK(info.smem_bytes == 2 * 4 * 8192 + 16 * 8);
+
+  /* Verification: size first, then the report. */
+  CHECK_STATUS(xcall_ws_plan_verify(plan, 0, &clean, NULL, 0, &len), XCALL_STATUS_OK);
+  CHECK(clean && len > 1);
+  text = (char *)malloc(len);
+  CHECK_STATUS(xcall_ws_plan_verify(plan, 0, &clean, text, len - 1, &len2), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "are needed");
+  CHECK_STATUS(xcall_ws_plan_verify(plan, 0, &clean, text, len, &len2), XCALL_STATUS_OK);
+  CHECK(len2 == len && strlen(text) + 1 == len);
+  CHECK_CONTAINS(text, "clean: ");
+  free(text);
+
+  /* Generated source. */
+  CHECK_STATUS(xcall_ws_generate(plan, XCALL_WS_OP_MUL, XCALL_DTYPE_BF16, NULL, 0, &len), XCALL_STATUS_OK);
+  text = (char *)malloc(len);
+  CHECK_STATUS(xcall_ws_generate(plan, XCALL_WS_OP_MUL, XCALL_DTYPE_BF16, text, len, &len2), XCALL_STATUS_OK);
+  CHECK_CONTAINS(text, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes");
+  CHECK_CONTAINS(text, "setmaxnreg.inc.sync.aligned.u32 232;");
+  free(text);
+  CHECK_STATUS(xcall_ws_generate(plan, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, 0, &len),
+               XCALL_STATUS_INVALID_ARGUMENT); /* silu has one operand, the plan two */
+  CHECK_STATUS(xcall_ws_generate(plan, XCALL_WS_OP_MUL, XCALL_DTYPE_I32, NULL, 0, &len), XCALL_STATUS_UNSUPPORTED);
+  xcall_ws_plan_free(plan);
+  xcall_ws_plan_free(NULL);
+
+  /* Bad specs: a specific message each, nothing written. */
+  plan = NULL;
+  spec.stages = 0;
+  CHECK_STATUS(xcall_ws_plan_new(&spec, &plan), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "at least 1 stage");
+  spec.stages = 4;
+  spec.consumer_registers = 236;
+  CHECK_STATUS(xcall_ws_plan_new(&spec, &plan), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "multiple of 8");
+  spec.consumer_registers = 232;
+  spec.warp_bytes = NULL;
+  CHECK_STATUS(xcall_ws_plan_new(&spec, &plan), XCALL_STATUS_NULL_ARGUMENT);
+  CHECK(plan == NULL);
+
+  /* mul and silu on the Host executor, against plain loops. */
+  for (i = 0; i < N; i++) {
+    a[i] = next_value(&seed);
+    b[i] = next_value(&seed);
+    out[i] = NAN; /* poisoned */
+  }
+  CHECK_STATUS(xcall_ws_op_config_default(&config), XCALL_STATUS_OK);
+  config.tile_bytes = 4096;
+  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &config, inputs, 2, out,
+                            sizeof a, 0.0f),
+               XCALL_STATUS_OK);
+  for (i = 0; i < N; i++) mismatches += out[i] != a[i] * b[i];
+  CHECK(mismatches == 0);
+  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1,
+                            out, sizeof a, 0.5f),
+               XCALL_STATUS_OK);
+  mismatches = 0;
+  for (i = 0; i < N; i++) {
+    double want = (double)a[i] / (1.0 + exp(-(double)a[i])) * 0.5;
+    mismatches += fabs(out[i] - want) > 1e-5 * (fabs(want) > 1.0 ? fabs(want) : 1.0);
+  }
+  CHECK(mismatches == 0);
+
+  /* Errors: overlap, operand count, NULLs, unknown op. */
+  inputs[1] = out;
+  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 2, out,
+                            sizeof a, 0.0f),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "overlaps input 1");
+  inputs[1] = b;
+  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 1, out,
+                            sizeof a, 0.0f),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, NULL, 2, out,
+                            sizeof a, 0.0f),
+               XCALL_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, 9, XCALL_DTYPE_F32, NULL, inputs, 2, out, sizeof a, 0.0f),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK(!xcall_cuda_load_attempted());
+  return xt_summary("test_warpspec");
+}

@@ -1,0 +1,422 @@
+//! C ABI of the warp-specialization runtime (xcall-warpspec).
+
+use std::ffi::{c_char, c_void};
+
+use static_assertions::{assert_eq_align, assert_eq_size};
+use xcall_core::{DType, Device, Platform, Status};
+use xcall_warpspec::codegen::{generate, ElementwiseOp};
+use xcall_warpspec::ops::{mul_host, silu_scale_host, OpConfig, OpError};
+use xcall_warpspec::verify::verify;
+use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
+
+use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+
+/// A derived pipeline plan. Immutable: any function may use it from any
+/// thread; `xcall_ws_plan_free` must be the last call on it.
+pub struct xcall_ws_plan {
+    plan: PipelinePlan,
+}
+
+/// What a pipeline must do. Each async warp issues one bulk load of
+/// `warp_bytes[w]` bytes per stage.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_ws_spec {
+    /// Circular stages (at least 1).
+    pub stages: u32,
+    /// Compute warpgroups (128 threads each; at least 1).
+    pub compute_warpgroups: u32,
+    /// Bytes each async warp loads per stage (`num_warps` entries).
+    pub warp_bytes: *const u32,
+    /// Number of async warps (at least 1).
+    pub num_warps: usize,
+    /// `setmaxnreg` value of the producer warpgroup; 0 with
+    /// `consumer_registers` 0 for no register split.
+    pub producer_registers: u32,
+    /// `setmaxnreg` value of every compute warpgroup.
+    pub consumer_registers: u32,
+    /// Shared memory per block in bytes; 0 for Hopper's 227 KiB.
+    pub smem_limit: u32,
+}
+
+/// Facts of a plan.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_ws_plan_info {
+    /// Dynamic shared memory per block.
+    pub smem_bytes: u32,
+    /// Threads per block.
+    pub threads_per_block: u32,
+    /// Number of mbarriers (FULL and EMPTY per async warp and stage).
+    pub barriers: u32,
+    /// Warpgroups holding the async warps.
+    pub producer_warpgroups: u32,
+}
+
+/// Shape of a built-in op's pipeline.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_ws_op_config {
+    /// Stages.
+    pub stages: u32,
+    /// Bytes per tile per operand (a multiple of 16 and of the element size).
+    pub tile_bytes: u32,
+    /// Compute warpgroups.
+    pub compute_warpgroups: u32,
+}
+
+assert_eq_size!(xcall_ws_spec, [u64; 5]);
+assert_eq_align!(xcall_ws_spec, u64);
+assert_eq_size!(xcall_ws_plan_info, [u32; 4]);
+assert_eq_size!(xcall_ws_op_config, [u32; 3]);
+assert_eq_size!(ElementwiseOp, u32);
+
+impl From<PlanError> for FfiError {
+    fn from(e: PlanError) -> Self {
+        FfiError::new(e.status(), e.to_string())
+    }
+}
+
+impl From<OpError> for FfiError {
+    fn from(e: OpError) -> Self {
+        FfiError::new(e.status(), e.to_string())
+    }
+}
+
+fn plan_ref<'a>(plan: *const xcall_ws_plan) -> Result<&'a PipelinePlan, FfiError> {
+    // SAFETY: NULL or a plan from xcall_ws_plan_new not yet freed.
+    unsafe { plan.as_ref() }
+        .map(|p| &p.plan)
+        .ok_or_else(|| FfiError::new(Status::NullArgument, "plan is NULL"))
+}
+
+fn dtype_arg(code: u32) -> Result<DType, FfiError> {
+    DType::from_code(code).ok_or_else(|| {
+        FfiError::new(
+            Status::InvalidArgument,
+            format!("unknown dtype code {code}"),
+        )
+    })
+}
+
+fn op_arg(code: u32) -> Result<ElementwiseOp, FfiError> {
+    ElementwiseOp::from_code(code).ok_or_else(|| {
+        FfiError::new(
+            Status::InvalidArgument,
+            format!("unknown warp-specialized op {code}"),
+        )
+    })
+}
+
+/// Copies `text` and a NUL into `buf` (`len` bytes) and the size it needs,
+/// NUL included, into `*out_len`. With `buf` NULL only the size is written.
+fn write_text(
+    text: &str,
+    buf: *mut c_char,
+    len: usize,
+    out_len: *mut usize,
+) -> Result<(), FfiError> {
+    let out_len = out_ptr(out_len, "out_len")?;
+    let needed = text.len() + 1;
+    if !buf.is_null() {
+        if len < needed {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!("the buffer holds {len} bytes, {needed} are needed"),
+            ));
+        }
+        // SAFETY: `buf` has room for `len >= needed` bytes (the caller's
+        // promise); the source is `text` plus one NUL written separately.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), text.len());
+            *buf.add(text.len()) = 0;
+        }
+    }
+    *out_len = needed;
+    Ok(())
+}
+
+/// Plans `spec` into `*out_plan` (free with `xcall_ws_plan_free`).
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` with
+/// the rule the spec breaks (no stages, loads not a multiple of 16 bytes,
+/// shared memory or register file exceeded, bad register values, ...).
+#[no_mangle]
+pub extern "C" fn xcall_ws_plan_new(
+    spec: *const xcall_ws_spec,
+    out_plan: *mut *mut xcall_ws_plan,
+) -> Status {
+    ffi_call!({
+        // SAFETY: NULL or a valid spec, per the documentation.
+        let spec = unsafe { spec.as_ref() }
+            .ok_or_else(|| FfiError::new(Status::NullArgument, "spec is NULL"))?;
+        let out = out_ptr(out_plan, "out_plan")?;
+        let bytes: &[u32] = match (spec.warp_bytes.is_null(), spec.num_warps) {
+            (_, 0) => &[],
+            (true, _) => {
+                return Err(FfiError::new(
+                    Status::NullArgument,
+                    "spec->warp_bytes is NULL",
+                ))
+            }
+            // SAFETY: the caller promises num_warps readable entries.
+            (false, n) => unsafe { std::slice::from_raw_parts(spec.warp_bytes, n) },
+        };
+        let mut s = PipelineSpec::new(spec.stages, bytes, spec.compute_warpgroups);
+        if spec.producer_registers != 0 || spec.consumer_registers != 0 {
+            s.registers = Some(RegisterSplit {
+                producer: spec.producer_registers,
+                consumer: spec.consumer_registers,
+            });
+        }
+        if spec.smem_limit != 0 {
+            s.smem_limit = spec.smem_limit;
+        }
+        let plan = PipelinePlan::new(&s)?;
+        *out = Box::into_raw(Box::new(xcall_ws_plan { plan }));
+        Ok(())
+    })
+}
+
+/// Frees a plan. NULL is a no-op.
+#[no_mangle]
+pub extern "C" fn xcall_ws_plan_free(plan: *mut xcall_ws_plan) {
+    if !plan.is_null() {
+        // SAFETY: a non-NULL plan came from xcall_ws_plan_new and is freed once.
+        drop(unsafe { Box::from_raw(plan) });
+    }
+}
+
+/// Facts of a plan in `*out_info`.
+#[no_mangle]
+pub extern "C" fn xcall_ws_plan_get_info(
+    plan: *const xcall_ws_plan,
+    out_info: *mut xcall_ws_plan_info,
+) -> Status {
+    ffi_call!({
+        let plan = plan_ref(plan)?;
+        let out = out_ptr(out_info, "out_info")?;
+        *out = xcall_ws_plan_info {
+            smem_bytes: plan.smem_bytes,
+            threads_per_block: plan.threads_per_block,
+            barriers: plan.barriers.len() as u32,
+            producer_warpgroups: plan.producer_warpgroups,
+        };
+        Ok(())
+    })
+}
+
+/// Model-checks the plan's barrier protocol over `iterations` iterations
+/// (0 for 2 x stages + 1). `*out_clean` is true when every interleaving is
+/// free of deadlocks, early overwrites, reads before loads and phase errors.
+/// The readable report (verdict, state count, and for a violation its
+/// shortest trace) goes to `report` as with every text output: pass NULL to
+/// learn the size (NUL included) in `*out_report_len`.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+/// (report buffer too small, or a search beyond 20 million states).
+#[no_mangle]
+pub extern "C" fn xcall_ws_plan_verify(
+    plan: *const xcall_ws_plan,
+    iterations: u32,
+    out_clean: *mut bool,
+    report: *mut c_char,
+    report_len: usize,
+    out_report_len: *mut usize,
+) -> Status {
+    ffi_call!({
+        let plan = plan_ref(plan)?;
+        let clean = out_ptr(out_clean, "out_clean")?;
+        let iterations = if iterations == 0 {
+            2 * plan.spec.stages + 1
+        } else {
+            iterations
+        };
+        let verdict = verify(
+            &plan.protocol(iterations),
+            xcall_warpspec::verify::DEFAULT_STATE_LIMIT,
+        )?;
+        write_text(&verdict.report(), report, report_len, out_report_len)?;
+        *clean = verdict.is_clean();
+        Ok(())
+    })
+}
+
+/// The CUDA C source of `op` (an `xcall_ws_op`) for `dtype` (f32 or bf16)
+/// on `plan`, written like every text output (NULL `source` for the size).
+#[no_mangle]
+pub extern "C" fn xcall_ws_generate(
+    plan: *const xcall_ws_plan,
+    op: u32,
+    dtype: u32,
+    source: *mut c_char,
+    source_len: usize,
+    out_source_len: *mut usize,
+) -> Status {
+    ffi_call!({
+        let plan = plan_ref(plan)?;
+        let (op, dtype) = (op_arg(op)?, dtype_arg(dtype)?);
+        if !matches!(dtype, DType::F32 | DType::Bf16) {
+            return Err(FfiError::new(
+                Status::Unsupported,
+                format!("warp-specialized ops support f32 and bf16, not {dtype}"),
+            ));
+        }
+        if plan.spec.async_warps.len() != op.operands() {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!(
+                    "{op:?} needs {} async warp(s), the plan has {}",
+                    op.operands(),
+                    plan.spec.async_warps.len()
+                ),
+            ));
+        }
+        write_text(
+            &generate(plan, op, dtype).source,
+            source,
+            source_len,
+            out_source_len,
+        )
+    })
+}
+
+/// Writes the default op configuration (4 stages, 16 KiB tiles, 2 compute
+/// warpgroups) to `*out_config`.
+#[no_mangle]
+pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config) -> Status {
+    ffi_call!({
+        let out = out_ptr(out_config, "out_config")?;
+        let d = OpConfig::default();
+        *out = xcall_ws_op_config {
+            stages: d.stages,
+            tile_bytes: d.tile_bytes,
+            compute_warpgroups: d.compute_warpgroups,
+        };
+        Ok(())
+    })
+}
+
+/// Runs a built-in op: `output = inputs[0] * inputs[1]` (`XCALL_WS_OP_MUL`)
+/// or `output = silu(inputs[0]) * scale` (`XCALL_WS_OP_SILU_SCALE`) over
+/// `bytes` bytes of `dtype` (f32 or bf16), through the warp-specialized
+/// pipeline of `config` (NULL for the defaults). On Host the pointers are
+/// host memory and `stream` is ignored; on CUDA (Hopper only) they are
+/// 16-byte aligned device pointers of device `ordinal` and the kernel is
+/// enqueued on `stream` (a `CUstream`). The output must not overlap an input.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
+/// (sizes, alignment, overlap, operand count, config),
+/// `XCALL_STATUS_UNSUPPORTED` (dtype, non-Hopper GPU),
+/// `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
+/// `XCALL_STATUS_COMPILE_FAILED`, `XCALL_STATUS_TIMEOUT` (a stalled Host
+/// pipeline). Thread-safe.
+// The C signature lists every argument of the call explicitly.
+#[allow(clippy::too_many_arguments)]
+#[no_mangle]
+pub extern "C" fn xcall_ws_run(
+    platform: u32,
+    ordinal: u32,
+    stream: *mut c_void,
+    op: u32,
+    dtype: u32,
+    config: *const xcall_ws_op_config,
+    inputs: *const *const c_void,
+    num_inputs: usize,
+    output: *mut c_void,
+    bytes: usize,
+    scale: f32,
+) -> Status {
+    ffi_call!({
+        let device = Device::new(platform_arg(platform)?, ordinal);
+        let (op, dtype) = (op_arg(op)?, dtype_arg(dtype)?);
+        // SAFETY: NULL or a valid config, per the documentation.
+        let config = match unsafe { config.as_ref() } {
+            Some(c) => OpConfig {
+                stages: c.stages,
+                tile_bytes: c.tile_bytes,
+                compute_warpgroups: c.compute_warpgroups,
+            },
+            None => OpConfig::default(),
+        };
+        if inputs.is_null() {
+            return Err(FfiError::new(Status::NullArgument, "inputs is NULL"));
+        }
+        if num_inputs != op.operands() {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!("{op:?} takes {} input(s), got {num_inputs}", op.operands()),
+            ));
+        }
+        // SAFETY: the caller promises num_inputs readable pointers.
+        let ins: Vec<*const c_void> =
+            unsafe { std::slice::from_raw_parts(inputs, num_inputs) }.to_vec();
+        if output.is_null() || ins.iter().any(|p| p.is_null()) {
+            return Err(FfiError::new(
+                Status::NullArgument,
+                "an input or the output is NULL",
+            ));
+        }
+        for (i, &p) in ins.iter().enumerate() {
+            let (a, o) = (p as usize, output as usize);
+            if bytes > 0 && a < o.saturating_add(bytes) && o < a.saturating_add(bytes) {
+                return Err(FfiError::new(
+                    Status::InvalidArgument,
+                    format!("the output overlaps input {i}"),
+                ));
+            }
+        }
+        match device.platform {
+            Platform::Host => {
+                if device != Device::HOST {
+                    return Err(xcall_core::Error::NoSuchDevice { device, count: 1 }.into());
+                }
+                // SAFETY: each pointer holds `bytes` bytes (the caller's
+                // promise); the output overlaps no input (checked above).
+                let slices: Vec<&[u8]> = ins
+                    .iter()
+                    .map(|&p| unsafe { std::slice::from_raw_parts(p.cast::<u8>(), bytes) })
+                    .collect();
+                // SAFETY: as above, for the output.
+                let out = unsafe { std::slice::from_raw_parts_mut(output.cast::<u8>(), bytes) };
+                match op {
+                    ElementwiseOp::Mul => mul_host(dtype, slices[0], slices[1], out, &config)?,
+                    ElementwiseOp::SiluScale => {
+                        silu_scale_host(dtype, slices[0], scale, out, &config)?
+                    }
+                }
+            }
+            Platform::Cuda => {
+                let addrs: Vec<u64> = ins.iter().map(|&p| p as u64).collect();
+                let buffers = xcall_warpspec::cuda::DeviceBuffers {
+                    inputs: &addrs,
+                    output: output as u64,
+                    bytes: bytes as u64,
+                };
+                let kernels = kernel_cache();
+                // SAFETY: the caller promises a live CUstream of the device
+                // and device buffers of `bytes` bytes (documented above).
+                unsafe {
+                    xcall_warpspec::cuda::launch(
+                        kernels,
+                        device,
+                        stream.cast(),
+                        op,
+                        dtype,
+                        xcall_warpspec::cuda::Variant::WarpSpecialized,
+                        &config,
+                        &buffers,
+                        scale,
+                    )
+                }?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The process's kernel cache for the C ABI's CUDA ops (modules per device).
+fn kernel_cache() -> &'static xcall_core::KernelCache {
+    static CACHE: std::sync::OnceLock<xcall_core::KernelCache> = std::sync::OnceLock::new();
+    CACHE.get_or_init(xcall_core::KernelCache::new)
+}
