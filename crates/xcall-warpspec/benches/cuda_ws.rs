@@ -1,7 +1,8 @@
 //! `mul` on 256 MiB per operand, side by side in one run: the
 //! warp-specialized kernel with 1..4 stages, the plain vectorized kernel of
 //! the same op and a device-to-device copy. GB/s count bytes read plus
-//! bytes written; times are CUDA-event medians after warm-up.
+//! bytes written; times are CUDA-event medians of interleaved rounds after
+//! warm-up.
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr};
 use xcall_core::{cuda, DType, Device, KernelCache};
@@ -10,25 +11,41 @@ use xcall_warpspec::cuda::{launch, DeviceBuffers, Variant};
 use xcall_warpspec::ops::OpConfig;
 
 const BYTES: u64 = 256 << 20;
-const REPS: usize = 20;
+const ROUNDS: usize = 100;
 
-fn median_ms(ctx: &std::sync::Arc<CudaContext>, stream: &CudaStream, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
+/// Times every variant once per round, round after round (so clock drift
+/// affects all alike), after a warm-up of a few hundred calls; returns each
+/// variant's CUDA-event median in ms.
+fn interleaved(
+    ctx: &std::sync::Arc<CudaContext>,
+    stream: &CudaStream,
+    variants: &mut [Box<dyn FnMut() + '_>],
+) -> Vec<f64> {
+    for _ in 0..30 {
+        for v in variants.iter_mut() {
+            v();
+        }
     }
-    let mut t: Vec<f64> = (0..REPS)
-        .map(|_| {
-            let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    stream.synchronize().unwrap();
+    let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = vec![Vec::with_capacity(ROUNDS); variants.len()];
+    for _ in 0..ROUNDS {
+        for (v, out) in variants.iter_mut().zip(samples.iter_mut()) {
             let (a, b) = (ctx.new_event(timed).unwrap(), ctx.new_event(timed).unwrap());
             a.record(stream).unwrap();
-            f();
+            v();
             b.record(stream).unwrap();
             b.synchronize().unwrap();
-            a.elapsed_ms(&b).unwrap() as f64
+            out.push(a.elapsed_ms(&b).unwrap() as f64);
+        }
+    }
+    samples
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(|x, y| x.total_cmp(y));
+            t[t.len() / 2]
         })
-        .collect();
-    t.sort_by(|x, y| x.total_cmp(y));
-    t[t.len() / 2]
+        .collect()
 }
 
 fn main() {
@@ -80,35 +97,19 @@ fn main() {
         }
         .unwrap();
     };
-    let copy_ms = median_ms(&ctx, &stream, || {
-        // SAFETY: copies between two live allocations of BYTES bytes.
-        unsafe { sys::cuMemcpyDtoDAsync_v2(po, pa, BYTES as usize, s) }
-            .result()
-            .unwrap();
-    });
-    let copy_gbs = 2.0 * BYTES as f64 / copy_ms / 1e6;
-    let gbs = |ms: f64| 3.0 * BYTES as f64 / ms / 1e6;
-    println!(
-        "device: {} ({}), mul f32, {} MiB per operand, CUDA-event medians of {REPS}",
-        info.name,
-        info.arch(),
-        BYTES >> 20
-    );
-    println!(
-        "{:<44} {:>9} {:>9} {:>8}",
-        "kernel", "ms", "GB/s", "vs copy"
-    );
-    println!(
-        "{:<44} {copy_ms:>9.3} {copy_gbs:>9.1} {:>8.3}",
-        "device-to-device copy (read+write)", 1.0
-    );
-    let plain_ms = median_ms(&ctx, &stream, || run(Variant::Plain, &OpConfig::default()));
-    println!(
-        "{:<44} {plain_ms:>9.3} {:>9.1} {:>8.3}",
-        "plain vectorized (16 B loads/stores)",
-        gbs(plain_ms),
-        gbs(plain_ms) / copy_gbs
-    );
+    let mut names = vec![
+        "device-to-device copy (read+write)".to_string(),
+        "plain vectorized (16 B loads/stores)".to_string(),
+    ];
+    let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
+        Box::new(|| {
+            // SAFETY: copies between two live allocations of BYTES bytes.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(po, pa, BYTES as usize, s) }
+                .result()
+                .unwrap();
+        }),
+        Box::new(|| run(Variant::Plain, &OpConfig::default())),
+    ];
     for stages in 1..=4 {
         for tile_bytes in [16384u32, 32768] {
             let config = OpConfig {
@@ -119,16 +120,31 @@ fn main() {
             if config.plan(2).is_err() {
                 continue;
             }
-            let ms = median_ms(&ctx, &stream, || run(Variant::WarpSpecialized, &config));
-            let name = format!(
+            names.push(format!(
                 "warp-specialized, {stages} stage(s), {} KiB tiles",
                 tile_bytes / 1024
-            );
-            println!(
-                "{name:<44} {ms:>9.3} {:>9.1} {:>8.3}",
-                gbs(ms),
-                gbs(ms) / copy_gbs
-            );
+            ));
+            variants.push(Box::new(move || run(Variant::WarpSpecialized, &config)));
         }
+    }
+    let ms = interleaved(&ctx, &stream, &mut variants);
+    let copy_gbs = 2.0 * BYTES as f64 / ms[0] / 1e6;
+    println!(
+        "device: {} ({}), mul f32, {} MiB per operand, CUDA-event medians of {ROUNDS} interleaved rounds",
+        info.name,
+        info.arch(),
+        BYTES >> 20
+    );
+    println!(
+        "{:<44} {:>9} {:>9} {:>8}",
+        "kernel", "ms", "GB/s", "vs copy"
+    );
+    for (i, (name, t)) in names.iter().zip(&ms).enumerate() {
+        let gbs = if i == 0 {
+            copy_gbs
+        } else {
+            3.0 * BYTES as f64 / t / 1e6
+        };
+        println!("{name:<44} {t:>9.3} {gbs:>9.1} {:>8.3}", gbs / copy_gbs);
     }
 }

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::plan::PipelinePlan;
+use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
 
 /// A hang (or a role that failed) turned into an error.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -276,7 +276,8 @@ where
                         });
                     }
                     for w in 0..warps {
-                        barriers[plan.empty(w, s)].arrive(1);
+                        // The warpgroup's 128 threads each release the stage.
+                        barriers[plan.empty(w, s)].arrive(WARPGROUP_THREADS);
                     }
                 }
                 set_status(role, format!("{who} done"));

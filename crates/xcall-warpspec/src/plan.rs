@@ -4,9 +4,10 @@
 //! Nothing in a plan is hand-written: every FULL barrier is owned by one
 //! async warp and one stage, with an init count equal to that warp's
 //! arrivals per phase (one elected `arrive.expect_tx`); every EMPTY barrier
-//! likewise, with an init count equal to the compute arrivals per phase (one
-//! elected arrival per compute warpgroup). Incident 5 came from breaking
-//! exactly these equalities by hand.
+//! likewise, with an init count equal to the compute arrivals per phase
+//! (every compute thread releases the stage after its own reads, as in
+//! CUTLASS's TMA pipeline: 128 per compute warpgroup). Incident 5 came from
+//! breaking exactly these equalities by hand.
 
 use crate::error::PlanError;
 use crate::spec::PipelineSpec;
@@ -156,7 +157,10 @@ impl PipelinePlan {
             for s in 0..spec.stages {
                 for (kind, init_count) in [
                     (BarrierKind::Full, 1),
-                    (BarrierKind::Empty, spec.compute_warpgroups),
+                    (
+                        BarrierKind::Empty,
+                        spec.compute_warpgroups * WARPGROUP_THREADS,
+                    ),
                 ] {
                     barriers.push(BarrierPlan {
                         kind,
@@ -230,7 +234,7 @@ impl PipelinePlan {
                 empty.push(barriers.len());
                 barriers.push(BarrierDecl {
                     name: format!("EMPTY[w{w}][s{s}]"),
-                    init_count: self.spec.compute_warpgroups,
+                    init_count: self.spec.compute_warpgroups * WARPGROUP_THREADS,
                 });
             }
             barrier_groups.push(full);
@@ -279,7 +283,7 @@ impl PipelinePlan {
             body.extend((0..warps).map(|w| Step::Arrive {
                 group: empty_group(w),
                 phase_offset: 0,
-                count: 1,
+                count: WARPGROUP_THREADS,
             }));
             roles.push(RoleDecl {
                 name: format!("compute wg{g}"),
@@ -311,7 +315,7 @@ mod tests {
         for b in &plan.barriers {
             let want = match b.kind {
                 BarrierKind::Full => 1,
-                BarrierKind::Empty => 2,
+                BarrierKind::Empty => 256,
             };
             assert_eq!(b.init_count, want, "{b:?}");
             assert_eq!(b.offset % 8, 0);

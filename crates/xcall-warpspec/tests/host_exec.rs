@@ -142,7 +142,7 @@ fn bad_inputs_are_refused() {
 
 #[test]
 fn the_watchdog_reports_every_roles_wait() {
-    // EMPTY barriers that need 3 arrivals while one warpgroup releases them:
+    // EMPTY barriers that need 3 warpgroups' arrivals while one releases them:
     // the producer can never reuse a stage.
     let mut plan = PipelinePlan::new(&PipelineSpec::new(2, &[64], 1)).unwrap();
     for b in plan
@@ -150,7 +150,7 @@ fn the_watchdog_reports_every_roles_wait() {
         .iter_mut()
         .filter(|b| b.kind == xcall_warpspec::BarrierKind::Empty)
     {
-        b.init_count = 3;
+        b.init_count = 3 * 128;
     }
     let data = vec![1u8; 64 * 6];
     let err = host::run(&plan, &[&data], Duration::from_millis(300), |_| {}).unwrap_err();

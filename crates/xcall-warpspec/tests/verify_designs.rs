@@ -97,7 +97,7 @@ fn a_hand_edited_init_count_is_caught() {
         .iter_mut()
         .filter(|b| b.name.starts_with("EMPTY"))
     {
-        b.init_count = 1;
+        b.init_count = 128;
     }
     let v = verify(&protocol, DEFAULT_STATE_LIMIT).unwrap();
     let violation = v.violation.clone().expect("wrong init count must fail");
@@ -116,7 +116,7 @@ fn a_hand_edited_init_count_is_caught() {
         .iter_mut()
         .filter(|b| b.name.starts_with("EMPTY"))
     {
-        b.init_count = 3;
+        b.init_count = 3 * 128;
     }
     let v = verify(&protocol, DEFAULT_STATE_LIMIT).unwrap();
     let violation = v
@@ -150,4 +150,18 @@ fn malformed_protocols_are_refused() {
     let big = PipelinePlan::new(&PipelineSpec::new(4, &[1024, 1024, 1024], 2)).unwrap();
     let err = verify(&big.protocol(9), 1000).unwrap_err();
     assert!(err.to_string().contains("more than 1000 states"), "{err}");
+}
+
+#[test]
+fn reports_are_deterministic() {
+    // Callers size a buffer from one call and fill it in the next (C ABI).
+    let plan = PipelinePlan::new(&PipelineSpec::new(3, &[1024, 2048], 2)).unwrap();
+    let a = verify(&plan.protocol(7), DEFAULT_STATE_LIMIT).unwrap();
+    let b = verify(&plan.protocol(7), DEFAULT_STATE_LIMIT).unwrap();
+    assert_eq!(a.report(), b.report());
+    let broken = shared_full_barrier(2, 2, 4096, 5);
+    assert_eq!(
+        verify(&broken, DEFAULT_STATE_LIMIT).unwrap().report(),
+        verify(&broken, DEFAULT_STATE_LIMIT).unwrap().report()
+    );
 }
