@@ -195,6 +195,7 @@ pub fn generate(plan: &PipelinePlan, op: ElementwiseOp, dtype: DType) -> Generat
 #define STAGES {stages}u
 #define WARPS {warps}u
 #define WGS {wgs}u
+#define EMPTY_INIT {empty_init}u
 #define TILE {tile}ull
 #define PRODUCER_THREADS {producer_threads}u
 
@@ -205,7 +206,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
     if (tid == 0) {{
         for (u32 i = 0; i < WARPS * STAGES; ++i) {{
             mbar_init(smem_addr(smem + FULL_OFF[i]), 1u);
-            mbar_init(smem_addr(smem + EMPTY_OFF[i]), WGS * 128u);
+            mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT);
         }}
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }}
@@ -281,6 +282,7 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
 }}
 "#,
         threads = plan.threads_per_block,
+        empty_init = plan.barriers[plan.empty(0, 0)].init_count,
         srcs = srcs.join(", "),
         src_select = if warps == 1 { "src0".to_string() } else { "warp == 0 ? src0 : src1".to_string() },
         vec_loads = (0..warps)

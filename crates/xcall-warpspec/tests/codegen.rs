@@ -25,7 +25,8 @@ fn generated_source_follows_the_plan() {
         "setmaxnreg.inc.sync.aligned.u32 232;",
         "__launch_bounds__(384, 1)",
         "#define STAGES 3u",
-        "mbar_init(smem_addr(smem + EMPTY_OFF[i]), WGS * 128u);",
+        "mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT);",
+        "#define EMPTY_INIT 256u",
         "^ 1u;",
     ] {
         assert!(k.source.contains(needle), "missing {needle:?}");
