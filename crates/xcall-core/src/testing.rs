@@ -37,3 +37,50 @@ pub fn skip(test: &str, reason: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIP {test}: {reason}");
 }
+
+/// Deterministic pseudo-random numbers for tests and benchmarks
+/// (xorshift64): fresh data for every seed, never all zeros.
+#[derive(Clone, Debug)]
+pub struct XorShift(u64);
+
+impl XorShift {
+    /// A generator for `seed` (any value, 0 included).
+    pub fn new(seed: u64) -> Self {
+        XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// The next value, uniform in [-1, 1) on a 2^-23 grid.
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// `n` values uniform in [-1, 1) from `seed`.
+pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut g = XorShift::new(seed);
+    (0..n).map(|_| g.next_f32()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_values_are_reproducible_in_range_and_not_constant() {
+        let a = random_f32(10_000, 3);
+        assert_eq!(a, random_f32(10_000, 3));
+        assert_ne!(a, random_f32(10_000, 4));
+        assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
+        let mean = a.iter().map(|&v| v as f64).sum::<f64>() / a.len() as f64;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        assert!(random_f32(100, 0).iter().any(|&v| v != 0.0));
+    }
+}

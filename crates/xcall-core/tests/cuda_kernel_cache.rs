@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use xcall_core::testing::cuda_devices_or_skip;
+use xcall_core::testing::{cuda_devices_or_skip, random_f32 as random};
 use xcall_core::{cuda, Device, Error, KernelCache, KernelSource, Status};
 
 const SAXPY: KernelSource<'static> = KernelSource {
@@ -19,19 +19,6 @@ extern "C" __global__ void saxpy(float *out, const float *x, const float *y, flo
 "#,
     options: &[],
 };
-
-/// Deterministic xorshift values in [-1, 1): fresh data per seed, never zeros.
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 fn run_saxpy(cache: &KernelCache, device: Device, seed: u64) -> Result<(), Error> {
     let n = 1 << 20;

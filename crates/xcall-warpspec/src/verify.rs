@@ -577,11 +577,10 @@ impl<'a> Model<'a> {
         }
     }
 
-    /// Lands the in-flight copy at index `k` of the copy list.
-    fn land(&self, s: &[u32], k: usize) -> Outcome {
-        let start = self.copies_at();
-        let copy = s[start + k];
-        let (role, i, body_step) = (
+    /// The in-flight copy at index `k` of the copy list.
+    fn in_flight(&self, s: &[u32], k: usize) -> InFlight<'_> {
+        let copy = s[self.copies_at() + k];
+        let (role, i, step) = (
             (copy >> 24) as usize,
             (copy >> 8) & 0xffff,
             (copy & 0xff) as usize,
@@ -591,36 +590,48 @@ impl<'a> Model<'a> {
             buffer_group,
             phase_offset,
             bytes,
-        } = &self.p.roles[role].body[body_step]
+        } = &self.p.roles[role].body[step]
         else {
             unreachable!("in-flight entries are copies");
         };
-        let stage = (i % self.p.stages) as usize;
-        let b = self.p.barrier_groups[*group][stage];
+        InFlight {
+            iteration: i,
+            stage: (i % self.p.stages) as usize,
+            group: *group,
+            buffer_group: *buffer_group,
+            phase_offset: *phase_offset,
+            bytes: *bytes,
+            name: &self.p.roles[role].name,
+        }
+    }
+
+    /// Lands the in-flight copy at index `k` of the copy list.
+    fn land(&self, s: &[u32], k: usize) -> Outcome {
+        let c = self.in_flight(s, k);
+        let b = self.p.barrier_groups[c.group][c.stage];
         let mut n = s.to_vec();
-        n.remove(start + k);
-        let buf = self.buffer_index[*buffer_group][stage];
+        n.remove(self.copies_at() + k);
+        let buf = self.buffer_index[c.buffer_group][c.stage];
         n[self.buf(buf) + 1] -= 1;
-        let phase = self.phase_of(i, *phase_offset);
+        let phase = self.phase_of(c.iteration, c.phase_offset);
         let at = self.bar(b);
         if n[at] as i64 != phase {
             return Outcome::Violation(
                 ViolationKind::WrongPhase,
                 format!(
-                    "copy of {} (iteration {i}) completed {bytes} tx byte(s) meant for phase {phase} in {}",
-                    self.p.roles[role].name,
+                    "copy of {} (iteration {}) completed {} tx byte(s) meant for phase {phase} in {}",
+                    c.name,
+                    c.iteration,
+                    c.bytes,
                     self.describe_barrier(s, b)
                 ),
             );
         }
-        n[at + 2] = (n[at + 2] as i32 as i64 - *bytes as i64) as i32 as u32;
+        n[at + 2] = (n[at + 2] as i32 as i64 - c.bytes as i64) as i32 as u32;
         self.settle(&mut n, b);
         Outcome::Next(n)
     }
 
-    /// The steps of `role`'s block at its program counter, up to and
-    /// including the first one that violates (the whole block otherwise),
-    /// with the role's name and iteration said once per iteration.
     fn describe_block(&self, s: &[u32], role: usize) -> String {
         let mut cur = s.to_vec();
         let end = self.block_end(role, s[role]);
@@ -693,27 +704,14 @@ impl<'a> Model<'a> {
     }
 
     fn describe_land(&self, s: &[u32], k: usize) -> String {
-        let copy = s[self.copies_at() + k];
-        let (role, i, step) = (
-            (copy >> 24) as usize,
-            (copy >> 8) & 0xffff,
-            (copy & 0xff) as usize,
-        );
-        let Step::Copy {
-            group,
-            buffer_group,
-            bytes,
-            ..
-        } = &self.p.roles[role].body[step]
-        else {
-            unreachable!("in-flight entries are copies");
-        };
-        let stage = (i % self.p.stages) as usize;
+        let c = self.in_flight(s, k);
         format!(
-            "copy of {} (iteration {i}) lands: {bytes} B in {}, complete_tx on {}",
-            self.p.roles[role].name,
-            self.p.buffer_groups[*buffer_group][stage],
-            self.p.barriers[self.p.barrier_groups[*group][stage]].name
+            "copy of {} (iteration {}) lands: {} B in {}, complete_tx on {}",
+            c.name,
+            c.iteration,
+            c.bytes,
+            self.p.buffer_groups[c.buffer_group][c.stage],
+            self.p.barriers[self.p.barrier_groups[c.group][c.stage]].name
         )
     }
 
@@ -745,6 +743,19 @@ impl<'a> Model<'a> {
         );
         events
     }
+}
+
+/// A decoded in-flight copy: which role issued it at which iteration, and
+/// its step's fields. Encoded in the state as
+/// `role << 24 | iteration << 8 | body step`.
+struct InFlight<'a> {
+    iteration: u32,
+    stage: usize,
+    group: usize,
+    buffer_group: usize,
+    phase_offset: i32,
+    bytes: u64,
+    name: &'a str,
 }
 
 #[derive(Clone, Copy, Debug)]

@@ -1,42 +1,15 @@
 //! The generated Hopper kernels against the Host executor. Skips without a
 //! GPU unless XCALL_REQUIRE_CUDA=1; skips (loudly) on a non-Hopper GPU.
 
+mod common;
+
+use common::{decode, random_bytes};
 use cudarc::driver::{CudaContext, DevicePtr};
-use half::bf16;
 use xcall_core::testing::{cuda_devices_or_skip, skip};
 use xcall_core::{cuda, DType, Device, KernelCache, Status};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{launch, DeviceBuffers, Variant};
 use xcall_warpspec::ops::{mul_host, silu_scale_host, OpConfig};
-
-fn random_bytes(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .flat_map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let v = ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0;
-            match dtype {
-                DType::F32 => v.to_le_bytes().to_vec(),
-                _ => bf16::from_f32(v).to_le_bytes().to_vec(),
-            }
-        })
-        .collect()
-}
-
-fn values(dtype: DType, b: &[u8]) -> Vec<f32> {
-    match dtype {
-        DType::F32 => b
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        _ => b
-            .chunks(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-    }
-}
 
 fn hopper() -> Option<()> {
     cuda_devices_or_skip("warpspec cuda ops")?;
@@ -136,9 +109,9 @@ fn generated_kernels_equal_the_host_executor() {
                         } else {
                             // expf differs from the Host's exp by an ulp or two.
                             let tol = if dtype == DType::F32 { 4e-6 } else { 8e-3 };
-                            for (i, (g, w)) in values(dtype, &got)
+                            for (i, (g, w)) in decode(dtype, &got)
                                 .iter()
-                                .zip(values(dtype, &want))
+                                .zip(decode(dtype, &want))
                                 .enumerate()
                             {
                                 assert!(

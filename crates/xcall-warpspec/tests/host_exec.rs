@@ -1,47 +1,15 @@
 //! The Host executor against plain loops, and its watchdog.
 
+mod common;
+
 use std::time::Duration;
 
-use half::bf16;
+use common::{decode, encode, random_bytes};
+
 use xcall_core::DType;
 use xcall_warpspec::host::{self, HostError};
 use xcall_warpspec::ops::{mul_host, silu_scale_f32, silu_scale_host, OpConfig, OpError};
 use xcall_warpspec::{PipelinePlan, PipelineSpec};
-
-fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
-        })
-        .collect()
-}
-
-fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        _ => v
-            .iter()
-            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
-            .collect(),
-    }
-}
-
-fn decode(dtype: DType, b: &[u8]) -> Vec<f32> {
-    match dtype {
-        DType::F32 => b
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        _ => b
-            .chunks(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-    }
-}
 
 /// The plain-loop reference: decode, compute in f32, round to the dtype.
 fn reference(dtype: DType, inputs: &[&[u8]], f: impl Fn(&[f32]) -> f32) -> Vec<u8> {
@@ -81,8 +49,8 @@ fn mul_and_silu_match_plain_loops_with_tails() {
         for config in &configs {
             for n in [1usize, 7, 63, 1000, 4099, 20_001] {
                 seed += 1;
-                let a = encode(dtype, &random_f32(n, seed));
-                let b = encode(dtype, &random_f32(n, seed + 100));
+                let a = random_bytes(dtype, n, seed);
+                let b = random_bytes(dtype, n, seed + 100);
                 let mut out = vec![0xa5u8; a.len()]; // poisoned
                 mul_host(dtype, &a, &b, &mut out, config).unwrap();
                 assert_eq!(

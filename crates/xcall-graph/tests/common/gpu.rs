@@ -47,18 +47,7 @@ pub fn reference(x: &[f32], kernels: usize, rounds: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Fresh pseudo-random values in [-1, 1), never all zeros.
-pub fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
+pub use xcall_core::testing::random_f32 as random;
 
 pub fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len());
