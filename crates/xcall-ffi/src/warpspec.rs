@@ -397,8 +397,7 @@ pub extern "C" fn xcall_ws_run(
                 // SAFETY: the caller promises a live CUstream of the device
                 // and device buffers of `bytes` bytes (documented above).
                 unsafe {
-                    xcall_warpspec::cuda::launch(
-                        kernels,
+                    kernels.launch(
                         device,
                         stream.cast(),
                         op,
@@ -415,8 +414,8 @@ pub extern "C" fn xcall_ws_run(
     })
 }
 
-/// The process's kernel cache for the C ABI's CUDA ops (modules per device).
-fn kernel_cache() -> &'static xcall_core::KernelCache {
-    static CACHE: std::sync::OnceLock<xcall_core::KernelCache> = std::sync::OnceLock::new();
-    CACHE.get_or_init(xcall_core::KernelCache::new)
+/// The process's prepared kernels for the C ABI's CUDA ops (per device).
+fn kernel_cache() -> &'static xcall_warpspec::cuda::WsKernels {
+    static CACHE: std::sync::OnceLock<xcall_warpspec::cuda::WsKernels> = std::sync::OnceLock::new();
+    CACHE.get_or_init(xcall_warpspec::cuda::WsKernels::new)
 }

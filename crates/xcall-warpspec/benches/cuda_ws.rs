@@ -5,9 +5,9 @@
 //! warm-up.
 
 use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr};
-use xcall_core::{cuda, DType, Device, KernelCache};
+use xcall_core::{cuda, DType, Device};
 use xcall_warpspec::codegen::ElementwiseOp;
-use xcall_warpspec::cuda::{launch, DeviceBuffers, Variant};
+use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
 use xcall_warpspec::ops::OpConfig;
 
 const BYTES: u64 = 256 << 20;
@@ -72,7 +72,7 @@ fn main() {
         b.device_ptr(&stream).0,
         out.device_ptr(&stream).0,
     );
-    let kernels = KernelCache::new();
+    let kernels = WsKernels::new();
     let inputs = [pa, pb];
     let bufs = DeviceBuffers {
         inputs: &inputs,
@@ -83,8 +83,7 @@ fn main() {
     let run = |variant: Variant, config: &OpConfig| {
         // SAFETY: a live stream of cuda:0; three allocations of BYTES bytes.
         unsafe {
-            launch(
-                &kernels,
+            kernels.launch(
                 device,
                 s,
                 ElementwiseOp::Mul,

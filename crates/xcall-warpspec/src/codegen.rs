@@ -17,7 +17,7 @@ use xcall_core::DType;
 
 /// A built-in elementwise op (`xcall_ws_op` in C).
 #[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ElementwiseOp {
     /// `out = a * b` (two async warps, one per operand).
     Mul = 0,

@@ -1,12 +1,17 @@
 //! The generated kernels on CUDA: compiled with NVRTC for sm_90a through
 //! the core kernel cache (once per device and pipeline shape) and launched
-//! as persistent kernels, one block per SM at most.
+//! as persistent kernels, one block per SM at most. Everything a launch
+//! needs besides the buffers (source, module, function, launch shape) is
+//! prepared once per (device, op, dtype, variant, config) and reused.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaFunction};
 use xcall_core::cuda::{self, driver_error};
-use xcall_core::{DType, Device, Error, KernelCache, KernelSource, Result};
+use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::{DType, Device, DeviceMap, Error, KernelCache, KernelSource, Result};
 
 use crate::codegen::{generate, generate_plain, ElementwiseOp, GeneratedKernel};
 use crate::ops::OpConfig;
@@ -23,7 +28,7 @@ pub struct DeviceBuffers<'a> {
 }
 
 /// Which kernel to run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// The warp-specialized pipeline of the config.
     WarpSpecialized,
@@ -31,15 +36,7 @@ pub enum Variant {
     Plain,
 }
 
-fn check(device: Device, op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>) -> Result<()> {
-    let info = cuda::device_info(device)?;
-    if info.compute_capability.0 != 9 {
-        return Err(Error::Unsupported(format!(
-            "warp-specialized kernels need Hopper (sm_90); {device} is {} ({})",
-            info.name,
-            info.arch()
-        )));
-    }
+fn check(op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>) -> Result<()> {
     if !matches!(dtype, DType::F32 | DType::Bf16) {
         return Err(Error::Unsupported(format!(
             "warp-specialized ops support f32 and bf16, not {dtype}"
@@ -78,69 +75,127 @@ fn check(device: Device, op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>)
     Ok(())
 }
 
-/// Compiles (once per device) and launches `op` on `stream`. Returns the
-/// generated kernel's facts.
-///
-/// # Safety
-/// `stream` must be a live `CUstream` of `device`, and the buffers must be
-/// device allocations of `device` holding `bytes` bytes each, alive until
-/// the launch completes.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn launch(
-    kernels: &KernelCache,
-    device: Device,
-    stream: sys::CUstream,
-    op: ElementwiseOp,
-    dtype: DType,
-    variant: Variant,
-    config: &OpConfig,
-    buffers: &DeviceBuffers<'_>,
-    scale: f32,
-) -> Result<GeneratedKernel> {
-    check(device, op, dtype, buffers)?;
-    let generated = match variant {
-        Variant::WarpSpecialized => {
-            let plan = config
-                .plan(op.operands())
-                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-            generate(&plan, op, dtype)
-        }
-        Variant::Plain => generate_plain(op, dtype),
-    };
-    let options: &[&str] = &["--gpu-architecture=sm_90a", "-std=c++17"];
-    let module = kernels.module(
-        device,
-        &KernelSource {
-            name: &generated.name,
-            code: &generated.source,
-            options,
-        },
-    )?;
-    let f = module.function(&generated.name)?;
-    let info = cuda::device_info(device)?;
-    if buffers.bytes == 0 {
-        return Ok(generated);
+/// A kernel ready to launch on one device.
+struct Prepared {
+    function: CudaFunction,
+    threads: u32,
+    smem_bytes: u32,
+    multiprocessors: u32,
+    _module: Arc<LoadedModule>,
+}
+
+type PreparedKey = (ElementwiseOp, DType, Variant, OpConfig);
+
+/// The warp-specialized ops on CUDA, with their compiled kernels and launch
+/// shapes cached per device. Thread-safe; devices share no lock.
+#[derive(Default)]
+pub struct WsKernels {
+    kernels: KernelCache,
+    prepared: DeviceMap<Mutex<HashMap<PreparedKey, Arc<Prepared>>>>,
+}
+
+impl WsKernels {
+    /// An empty cache; compiles nothing until the first launch.
+    pub fn new() -> Self {
+        Self::default()
     }
-    let grid = match variant {
-        Variant::WarpSpecialized => {
-            let tiles = buffers.bytes.div_ceil(config.tile_bytes as u64);
-            tiles.min(info.multiprocessors as u64) as u32
+
+    fn prepare(&self, device: Device, key: PreparedKey) -> Result<Arc<Prepared>> {
+        let slot = self
+            .prepared
+            .get_or_init(device, || Mutex::new(HashMap::new()));
+        if let Some(p) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(p.clone());
         }
-        Variant::Plain => {
-            (buffers.bytes.div_ceil(16).div_ceil(256)).min(info.multiprocessors as u64 * 8) as u32
+        let (op, dtype, variant, config) = key;
+        let info = cuda::device_info(device)?;
+        if info.compute_capability.0 != 9 {
+            return Err(Error::Unsupported(format!(
+                "warp-specialized kernels need Hopper (sm_90); {device} is {} ({})",
+                info.name,
+                info.arch()
+            )));
         }
-    };
-    cuda::with_context(device, |_| {
-        // SAFETY: sets an attribute of a function loaded in this context.
-        unsafe {
-            sys::cuFuncSetAttribute(
-                f.cu_function(),
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                generated.smem_bytes as i32,
-            )
+        let generated: GeneratedKernel = match variant {
+            Variant::WarpSpecialized => {
+                let plan = config
+                    .plan(op.operands())
+                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                generate(&plan, op, dtype)
+            }
+            Variant::Plain => generate_plain(op, dtype),
+        };
+        let options: &[&str] = &["--gpu-architecture=sm_90a", "-std=c++17"];
+        let module = self.kernels.module(
+            device,
+            &KernelSource {
+                name: &generated.name,
+                code: &generated.source,
+                options,
+            },
+        )?;
+        let function = module.function(&generated.name)?;
+        cuda::with_context(device, |_| {
+            // SAFETY: sets an attribute of a function loaded in this context.
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    function.cu_function(),
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    generated.smem_bytes as i32,
+                )
+            }
+            .result()
+            .map_err(|e| driver_error("cuFuncSetAttribute", device, e))
+        })?;
+        let prepared = Arc::new(Prepared {
+            function,
+            threads: generated.threads,
+            smem_bytes: generated.smem_bytes,
+            multiprocessors: info.multiprocessors as u32,
+            _module: module,
+        });
+        slot.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, prepared.clone());
+        Ok(prepared)
+    }
+
+    /// Launches `op` on `stream` (compiling and preparing it on first use
+    /// for this device and shape).
+    ///
+    /// # Safety
+    /// `stream` must be a live `CUstream` of `device`, and the buffers must be
+    /// device allocations of `device` holding `bytes` bytes each, alive until
+    /// the launch completes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        &self,
+        device: Device,
+        stream: sys::CUstream,
+        op: ElementwiseOp,
+        dtype: DType,
+        variant: Variant,
+        config: &OpConfig,
+        buffers: &DeviceBuffers<'_>,
+        scale: f32,
+    ) -> Result<()> {
+        check(op, dtype, buffers)?;
+        cuda::check_device(device)?;
+        let p = self.prepare(device, (op, dtype, variant, *config))?;
+        if buffers.bytes == 0 {
+            return Ok(());
         }
-        .result()
-        .map_err(|e| driver_error("cuFuncSetAttribute", device, e))?;
+        let grid = match variant {
+            Variant::WarpSpecialized => buffers
+                .bytes
+                .div_ceil(config.tile_bytes as u64)
+                .min(p.multiprocessors as u64),
+            Variant::Plain => buffers
+                .bytes
+                .div_ceil(16)
+                .div_ceil(256)
+                .min(p.multiprocessors as u64 * 8),
+        } as u32;
         let mut ptrs: Vec<u64> = buffers.inputs.to_vec();
         ptrs.push(buffers.output);
         let (mut bytes, mut scale) = (buffers.bytes, scale);
@@ -148,20 +203,21 @@ pub unsafe fn launch(
             ptrs.iter_mut().map(|p| (p as *mut u64).cast()).collect();
         params.push((&mut bytes as *mut u64).cast());
         params.push((&mut scale as *mut f32).cast());
-        // SAFETY: the parameters match the generated signature (operands,
-        // output, bytes, scale) and point to live locals; the buffers were
-        // checked for alignment, overlap and element size.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                (grid, 1, 1),
-                (generated.threads, 1, 1),
-                generated.smem_bytes,
-                stream,
-                &mut params,
-            )
-        }
-        .map_err(|e| driver_error("cuLaunchKernel", device, e))
-    })?;
-    Ok(generated)
+        cuda::with_context(device, |_| {
+            // SAFETY: the parameters match the generated signature
+            // (operands, output, bytes, scale) and point to live locals; the
+            // buffers were checked for alignment, overlap and element size.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    p.function.cu_function(),
+                    (grid, 1, 1),
+                    (p.threads, 1, 1),
+                    p.smem_bytes,
+                    stream,
+                    &mut params,
+                )
+            }
+            .map_err(|e| driver_error("cuLaunchKernel", device, e))
+        })
+    }
 }

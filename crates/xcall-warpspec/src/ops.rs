@@ -14,7 +14,7 @@ use crate::spec::{PipelineSpec, RegisterSplit};
 use crate::PlanError;
 
 /// Shape of an op's pipeline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct OpConfig {
     /// Stages.
     pub stages: u32,

@@ -6,9 +6,9 @@ mod common;
 use common::{decode, random_bytes};
 use cudarc::driver::{CudaContext, DevicePtr};
 use xcall_core::testing::{cuda_devices_or_skip, skip};
-use xcall_core::{cuda, DType, Device, KernelCache, Status};
+use xcall_core::{cuda, DType, Device, Status};
 use xcall_warpspec::codegen::ElementwiseOp;
-use xcall_warpspec::cuda::{launch, DeviceBuffers, Variant};
+use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
 use xcall_warpspec::ops::{mul_host, silu_scale_host, OpConfig};
 
 fn hopper() -> Option<()> {
@@ -31,7 +31,7 @@ fn generated_kernels_equal_the_host_executor() {
     }
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
-    let kernels = KernelCache::new();
+    let kernels = WsKernels::new();
     let configs = [
         OpConfig {
             stages: 1,
@@ -88,8 +88,7 @@ fn generated_kernels_equal_the_host_executor() {
                     for variant in [Variant::WarpSpecialized, Variant::Plain] {
                         // SAFETY: a live stream of cuda:0 and allocations of a.len() bytes.
                         unsafe {
-                            launch(
-                                &kernels,
+                            kernels.launch(
                                 Device::cuda(0),
                                 stream.cu_stream(),
                                 op,
@@ -132,7 +131,7 @@ fn bad_buffers_are_refused() {
     if hopper().is_none() {
         return;
     }
-    let kernels = KernelCache::new();
+    let kernels = WsKernels::new();
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     let c = OpConfig::default();
@@ -144,8 +143,7 @@ fn bad_buffers_are_refused() {
         };
         // SAFETY: every call below is refused before anything launches.
         unsafe {
-            launch(
-                &kernels,
+            kernels.launch(
                 Device::cuda(0),
                 stream.cu_stream(),
                 ElementwiseOp::Mul,
