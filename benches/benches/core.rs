@@ -2,10 +2,13 @@
 //! (the shape of a global registry), measured in the same run; and, on a
 //! GPU machine, the kernel cache's hit path.
 
+mod common;
+
 use std::collections::HashMap;
 use std::hint::black_box;
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+
+use common::parallel;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use xcall_core::{Device, DeviceMap, KernelCache, KernelSource, Platform};
@@ -56,27 +59,14 @@ fn contended(c: &mut Criterion) {
         map.get_or_init(device(o), || o as u64);
         reference.lock().unwrap().insert(device(o), o as u64);
     }
-    let run = |lookup: Arc<dyn Fn(Device) -> u64 + Send + Sync>, iters: u64| -> Duration {
-        let start = Arc::new(Barrier::new(threads as usize + 1));
-        let handles: Vec<_> = (0..threads)
-            .map(|o| {
-                let (lookup, start) = (lookup.clone(), start.clone());
-                std::thread::spawn(move || {
-                    start.wait();
-                    let mut sum = 0;
-                    for _ in 0..iters {
-                        sum += lookup(black_box(device(o)));
-                    }
-                    black_box(sum);
-                })
-            })
-            .collect();
-        let t0 = Instant::now();
-        start.wait();
-        for h in handles {
-            h.join().unwrap();
-        }
-        t0.elapsed()
+    let run = |lookup: Arc<dyn Fn(Device) -> u64 + Send + Sync>, iters: u64| {
+        parallel(threads, iters, move |o, iters| {
+            let mut sum = 0;
+            for _ in 0..iters {
+                sum += lookup(black_box(device(o)));
+            }
+            black_box(sum);
+        })
     };
     let mut g = c.benchmark_group(format!("lookup_{threads}_threads_own_device"));
     let by_map: Arc<dyn Fn(Device) -> u64 + Send + Sync> = Arc::new(move |d| *map.get(d).unwrap());

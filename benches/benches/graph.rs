@@ -4,9 +4,12 @@
 //! reference workload of the same shape that shares nothing (the machine's
 //! own scaling, measured in the same run).
 
+mod common;
+
 use std::hint::black_box;
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+
+use common::parallel;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use xcall_graph::sim::{SimBackend, SimStream};
@@ -51,30 +54,6 @@ fn hit_path(c: &mut Criterion) {
         );
     }
     g.finish();
-}
-
-/// Runs `work(thread, iters)` on `threads` threads at once; the wall time
-/// is the time per iteration of one thread (flat means linear scaling).
-fn parallel<W>(threads: u32, iters: u64, work: W) -> Duration
-where
-    W: Fn(u32, u64) + Send + Sync + Clone + 'static,
-{
-    let start = Arc::new(Barrier::new(threads as usize + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (start, work) = (start.clone(), work.clone());
-            std::thread::spawn(move || {
-                start.wait();
-                work(t, iters);
-            })
-        })
-        .collect();
-    let t0 = Instant::now();
-    start.wait();
-    for h in handles {
-        h.join().unwrap();
-    }
-    t0.elapsed()
 }
 
 /// Hits per thread with `threads` threads, each on its own device.
