@@ -237,6 +237,18 @@ impl<B: GraphBackend> Shard<B> {
         }
     }
 
+    /// Remembers that `key` in `context` could not be captured: it runs
+    /// eagerly for `retry_after` calls. The memory is bounded like the cache.
+    fn remember_not_capturable(&mut self, key: (CallKey, u64), config: &Config) {
+        self.not_capturable.insert(key, config.retry_after);
+        while self.not_capturable.len() > config.capacity {
+            let Some(k) = self.not_capturable.keys().next().cloned() else {
+                break;
+            };
+            self.not_capturable.remove(&k);
+        }
+    }
+
     fn take_pending(&mut self, id: u64) -> Option<Pending> {
         let at = self.pending.iter().position(|p| p.id == id)?;
         Some(self.pending.swap_remove(at))
@@ -434,22 +446,16 @@ impl<B: GraphBackend> GraphCache<B> {
             Err(_) => {
                 let mut shard = self.lock(device);
                 shard.take_pending(pending_id);
-                shard
-                    .not_capturable
-                    .insert(not_capturable, self.config.retry_after);
-                // Keep the failure memory bounded like the cache itself.
-                while shard.not_capturable.len() > self.config.capacity {
-                    let drop_key = shard.not_capturable.keys().next().cloned();
-                    match drop_key {
-                        Some(k) => shard.not_capturable.remove(&k),
-                        None => break,
-                    };
-                }
+                shard.remember_not_capturable(not_capturable, &self.config);
                 drop(shard);
                 return self.eager(device, stream, Eager::CaptureFailed, record);
             }
         };
-        self.install(call, stream, state, pending_id, graph, tick)
+        match self.install(call, stream, state, pending_id, graph, tick)? {
+            Some(outcome) => Ok(outcome),
+            // The graph could not be made executable: nothing ran yet.
+            None => self.eager(device, stream, Eager::CaptureFailed, record),
+        }
     }
 
     /// Captures `record`'s work on `stream`; the stream leaves capture mode
@@ -469,6 +475,9 @@ impl<B: GraphBackend> GraphCache<B> {
         }
     }
 
+    /// Turns a captured graph into a cached (or updated) executable and
+    /// launches it. `Ok(None)` when the graph could not be made executable
+    /// (the key is then remembered as not capturable and nothing has run).
     fn install(
         &self,
         call: &Call<B::Stream>,
@@ -477,15 +486,17 @@ impl<B: GraphBackend> GraphCache<B> {
         pending_id: u64,
         graph: B::Graph,
         tick: u64,
-    ) -> GraphResult<Outcome> {
+    ) -> GraphResult<Option<Outcome>> {
         let key = &call.key;
         let device = key.device;
-        let nodes = match self.backend.node_count(device, &graph) {
-            Ok(n) => n,
-            Err(e) => {
-                self.lock(device).take_pending(pending_id);
-                return Err(e.into());
-            }
+        let give_up = || {
+            let mut shard = self.lock(device);
+            shard.take_pending(pending_id);
+            shard.remember_not_capturable((key.clone(), state.context), &self.config);
+        };
+        let Ok(nodes) = self.backend.node_count(device, &graph) else {
+            give_up();
+            return Ok(None);
         };
         if self.config.policy == Policy::ExecUpdate {
             let mut shard = self.lock(device);
@@ -521,7 +532,7 @@ impl<B: GraphBackend> GraphCache<B> {
                     shard.evict_to_limits(&self.config, id);
                     let entry = &shard.entries[&id];
                     self.backend.launch(device, &entry.exec, stream)?;
-                    return Ok(Outcome::Updated);
+                    return Ok(Some(Outcome::Updated));
                 }
                 shard.stats.update_refusals += 1;
             }
@@ -529,9 +540,12 @@ impl<B: GraphBackend> GraphCache<B> {
         // Instantiation is the slow step: it runs without the device's lock.
         let instantiated = self.backend.instantiate(device, &graph);
         drop(graph);
+        let Ok(exec) = instantiated else {
+            give_up();
+            return Ok(None);
+        };
         let mut shard = self.lock(device);
         let pending = shard.take_pending(pending_id);
-        let exec = instantiated?;
         shard.stats.captures += 1;
         shard.stats.instantiations += 1;
         let cacheable = pending.is_some_and(|p| !p.invalidated)
@@ -541,7 +555,7 @@ impl<B: GraphBackend> GraphCache<B> {
             // exceed the node limit.
             self.backend.launch(device, &exec, stream)?;
             shard.stats.evictions += 1;
-            return Ok(Outcome::Captured);
+            return Ok(Some(Outcome::Captured));
         }
         let id = shard.insert(Entry {
             key: key.clone(),
@@ -554,7 +568,7 @@ impl<B: GraphBackend> GraphCache<B> {
         shard.evict_to_limits(&self.config, id);
         self.backend
             .launch(device, &shard.entries[&id].exec, stream)?;
-        Ok(Outcome::Captured)
+        Ok(Some(Outcome::Captured))
     }
 
     /// Evicts every graph of `device` whose buffers overlap

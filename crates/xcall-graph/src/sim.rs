@@ -39,6 +39,9 @@ pub enum SimOp {
     /// Work the driver refuses to capture (like a synchronous allocation):
     /// runs normally outside capture, invalidates a capture.
     Uncapturable,
+    /// Captures fine, but a graph holding it cannot be instantiated (like
+    /// a driver running out of resources); does nothing when run.
+    FailsInstantiate,
 }
 
 /// A captured simulated graph.
@@ -247,6 +250,9 @@ impl GraphBackend for SimBackend {
     }
 
     fn instantiate(&self, _device: Device, graph: &SimGraph) -> Result<SimExec> {
+        if graph.ops.contains(&SimOp::FailsInstantiate) {
+            return Err(Error::Unsupported("simulated instantiation failure".into()));
+        }
         Ok(SimExec {
             device: graph.device,
             context: graph.context,

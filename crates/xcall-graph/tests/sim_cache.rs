@@ -546,3 +546,49 @@ fn stress_8_threads_4_devices_random_keys() {
     let total: u64 = tally.iter().flatten().sum();
     assert_eq!(total, THREADS * CALLS);
 }
+
+#[test]
+fn a_graph_that_cannot_be_instantiated_runs_eagerly_once() {
+    let c = cache(Config {
+        retry_after: 1,
+        ..Config::default()
+    });
+    let k = key(0, 1, &[0x100]);
+    let run_it = |c: &GraphCache<SimBackend>| {
+        let call = Call::new(k.clone(), Some(stream(0)));
+        c.execute(&call, |s| {
+            c.backend().enqueue(s.unwrap(), SimOp::FailsInstantiate);
+            c.backend().enqueue(
+                s.unwrap(),
+                SimOp::Add {
+                    address: 0x100,
+                    value: 1,
+                },
+            );
+            Ok::<(), std::io::Error>(())
+        })
+        .unwrap()
+    };
+    assert_eq!(run_it(&c), Outcome::EagerFallback); // captured, not instantiable: ran eagerly
+    assert_eq!(run_it(&c), Outcome::EagerFallback); // remembered
+    assert_eq!(
+        c.backend().read(Device::cuda(0), 0x100),
+        2,
+        "each call's work ran exactly once"
+    );
+    let s = c.stats(Device::cuda(0));
+    assert_eq!(
+        (
+            s.eager_capture_failed,
+            s.eager_not_capturable,
+            s.entries,
+            s.instantiations
+        ),
+        (1, 1, 0, 0)
+    );
+    // The key is not stuck as pending: another capturable key works.
+    assert_eq!(
+        run(&c, &key(0, 2, &[0x200]), stream(0), 1),
+        Outcome::Captured
+    );
+}
