@@ -78,6 +78,11 @@ enum xcall_status
    * arrived); the message says who waited for what.
    */
   XCALL_STATUS_TIMEOUT = 10,
+  /**
+   * An output overlaps an input or another output of an op that
+   * publishes no such alias; nothing was written. The message names both.
+   */
+  XCALL_STATUS_ALIASED = 11,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -36,13 +36,16 @@ pub enum Status {
     /// A wait did not complete in time (a stalled pipeline, a peer that never
     /// arrived); the message says who waited for what.
     Timeout = 10,
+    /// An output overlaps an input or another output of an op that
+    /// publishes no such alias; nothing was written. The message names both.
+    Aliased = 11,
 }
 
 impl Status {
     /// Every status, in code order.
     ///
     /// cbindgen:ignore
-    pub const ALL: [Status; 11] = [
+    pub const ALL: [Status; 12] = [
         Status::Ok,
         Status::NullArgument,
         Status::InvalidArgument,
@@ -54,6 +57,7 @@ impl Status {
         Status::Unsupported,
         Status::CallbackFailed,
         Status::Timeout,
+        Status::Aliased,
     ];
 
     /// The numeric code.
@@ -80,6 +84,7 @@ impl Status {
             Status::Unsupported => c"XCALL_STATUS_UNSUPPORTED",
             Status::CallbackFailed => c"XCALL_STATUS_CALLBACK_FAILED",
             Status::Timeout => c"XCALL_STATUS_TIMEOUT",
+            Status::Aliased => c"XCALL_STATUS_ALIASED",
         }
     }
 
@@ -115,6 +120,7 @@ mod tests {
             (8, "XCALL_STATUS_UNSUPPORTED"),
             (9, "XCALL_STATUS_CALLBACK_FAILED"),
             (10, "XCALL_STATUS_TIMEOUT"),
+            (11, "XCALL_STATUS_ALIASED"),
         ];
         assert_eq!(Status::ALL.len(), published.len());
         for (code, name) in published {

@@ -1,12 +1,21 @@
-//! MoE token permutation kernels (permute, unpermute, chunk sort) for Host and CUDA, with published aliasing contracts.
+//! MoE token permutation ops with published aliasing contracts.
 //!
-//! Platform-neutral types come from [`xcall_core`]; this crate adds
-//! the capability itself, one module per part.
+//! `make_row_id_map` turns a `[T, E]` routing map into the row-id map that
+//! drives `permute` (group tokens by expert) and `unpermute` (restore token
+//! order, merging each token's routes). Every op publishes its alias table
+//! ([`alias::alias_table`]: none may alias) and refuses overlapping buffers
+//! before writing anything (incident 4).
+//!
+//! This crate currently provides the Host implementation of the forward
+//! ops; the CUDA kernels, backward ops, chunk sort and the C ABI build on it.
 
 #![deny(missing_docs)]
 
 pub mod alias;
+mod error;
 pub mod ops;
 pub mod row_id_map;
 
+pub use error::PermuteError;
+pub use row_id_map::{make_row_id_map, RowIdMap, RowIdMapOptions};
 pub use xcall_core::{Device, Error, Platform, Result};

@@ -1,1 +1,241 @@
-//! Permute, unpermute and chunk-sort operations, forward and backward.
+//! Permute and unpermute on the Host.
+//!
+//! `permute`: `out[dst] = input[t]` for every kept route (pure data
+//! movement: any dtype), `permuted_probs[dst] = probs[t, e]`,
+//! `permuted_scales[dst] = scales[t]`; rows no route writes (padding, rows
+//! past the routes) are zero. `unpermute`: `out[t] = sum_k input[dst_k] *
+//! merging_probs[t, e_k]` (weight 1 without merging probs), accumulated in
+//! f32 in ascending expert order (deterministic), and
+//! `unpermuted_probs[t, e] = permuted_probs[dst]` (0 where no route).
+//! Every call checks shapes and buffer overlap before writing anything.
+
+use half::{bf16, f16};
+use xcall_core::DType;
+
+use crate::alias::{self, Op, Region};
+use crate::error::{shape, PermuteError};
+use crate::row_id_map::RowIdMap;
+
+fn expect_len(name: &str, len: usize, want: usize) -> Result<(), PermuteError> {
+    if len == want {
+        Ok(())
+    } else {
+        Err(shape(format!("{name} has {len} elements, {want} expected")))
+    }
+}
+
+/// Inputs of [`permute`].
+pub struct PermuteInputs<'a> {
+    /// `[T, H]` of `dtype`, as bytes.
+    pub input: &'a [u8],
+    /// Element type of `input` and `output`.
+    pub dtype: DType,
+    /// Hidden size `H`.
+    pub hidden: usize,
+    /// Optional `[T, E]` routing probabilities.
+    pub probs: Option<&'a [f32]>,
+    /// Optional `[T, S]` scales (for example fp8 scaling factors).
+    pub scales: Option<&'a [f32]>,
+}
+
+/// Outputs of [`permute`].
+pub struct PermuteOutputs<'a> {
+    /// `[out_rows, H]` of `dtype`, as bytes.
+    pub output: &'a mut [u8],
+    /// `[out_rows]`, required when `probs` is given.
+    pub permuted_probs: Option<&'a mut [f32]>,
+    /// `[out_rows, S]`, required when `scales` is given.
+    pub permuted_scales: Option<&'a mut [f32]>,
+}
+
+/// Groups tokens by expert, see the module docs.
+pub fn permute(
+    map: &RowIdMap,
+    inputs: &PermuteInputs<'_>,
+    outputs: &mut PermuteOutputs<'_>,
+) -> Result<(), PermuteError> {
+    let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
+    let row = h * inputs.dtype.size_bytes();
+    expect_len("input (bytes)", inputs.input.len(), t * row)?;
+    expect_len("output (bytes)", outputs.output.len(), n * row)?;
+    let scales_width = match inputs.scales {
+        Some(s) if t > 0 => {
+            if s.len() % t != 0 {
+                return Err(shape(format!(
+                    "scales has {} elements, not a multiple of {t} tokens",
+                    s.len()
+                )));
+            }
+            s.len() / t
+        }
+        _ => 0,
+    };
+    if let Some(p) = inputs.probs {
+        expect_len("probs", p.len(), t * e)?;
+    }
+    match (&inputs.probs, &outputs.permuted_probs) {
+        (Some(_), Some(pp)) => expect_len("permuted_probs", pp.len(), n)?,
+        (Some(_), None) => return Err(shape("probs given without permuted_probs")),
+        (None, Some(_)) => return Err(shape("permuted_probs given without probs")),
+        (None, None) => {}
+    }
+    match (&inputs.scales, &outputs.permuted_scales) {
+        (Some(_), Some(ps)) => expect_len("permuted_scales", ps.len(), n * scales_width)?,
+        (Some(_), None) => return Err(shape("scales given without permuted_scales")),
+        (None, Some(_)) => return Err(shape("permuted_scales given without scales")),
+        (None, None) => {}
+    }
+    let mut ins = vec![Region::of("input", inputs.input)];
+    ins.extend(inputs.probs.map(|p| Region::of("probs", p)));
+    ins.extend(inputs.scales.map(|s| Region::of("scales", s)));
+    let mut outs = vec![Region::of("output", outputs.output)];
+    outs.extend(
+        outputs
+            .permuted_probs
+            .as_deref()
+            .map(|p| Region::of("permuted_probs", p)),
+    );
+    outs.extend(
+        outputs
+            .permuted_scales
+            .as_deref()
+            .map(|s| Region::of("permuted_scales", s)),
+    );
+    alias::check(&ins, &outs, alias::alias_table(Op::Permute))?;
+
+    outputs.output.fill(0);
+    if let Some(pp) = outputs.permuted_probs.as_deref_mut() {
+        pp.fill(0.0);
+    }
+    if let Some(ps) = outputs.permuted_scales.as_deref_mut() {
+        ps.fill(0.0);
+    }
+    for token in 0..t {
+        for (dst, expert) in map.routes(token) {
+            outputs.output[dst * row..(dst + 1) * row]
+                .copy_from_slice(&inputs.input[token * row..(token + 1) * row]);
+            if let (Some(p), Some(pp)) = (inputs.probs, outputs.permuted_probs.as_deref_mut()) {
+                pp[dst] = p[token * e + expert];
+            }
+            if let (Some(sc), Some(ps)) = (inputs.scales, outputs.permuted_scales.as_deref_mut()) {
+                let w = scales_width;
+                ps[dst * w..(dst + 1) * w].copy_from_slice(&sc[token * w..(token + 1) * w]);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn load(dtype: DType, bytes: &[u8], i: usize) -> f32 {
+    match dtype {
+        DType::F32 => f32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ]),
+        DType::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        _ => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+    }
+}
+
+fn store(dtype: DType, bytes: &mut [u8], i: usize, v: f32) {
+    match dtype {
+        DType::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+        DType::F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
+        _ => bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
+    }
+}
+
+/// Inputs of [`unpermute`].
+pub struct UnpermuteInputs<'a> {
+    /// `[out_rows, H]` of `dtype` (f32, f16 or bf16), as bytes.
+    pub input: &'a [u8],
+    /// Element type of `input` and `output`.
+    pub dtype: DType,
+    /// Hidden size `H`.
+    pub hidden: usize,
+    /// Optional `[T, E]` merging weights.
+    pub merging_probs: Option<&'a [f32]>,
+    /// Optional `[out_rows]` probabilities to scatter back to `[T, E]`.
+    pub permuted_probs: Option<&'a [f32]>,
+}
+
+/// Outputs of [`unpermute`].
+pub struct UnpermuteOutputs<'a> {
+    /// `[T, H]` of `dtype`, as bytes.
+    pub output: &'a mut [u8],
+    /// `[T, E]`, required when `permuted_probs` is given.
+    pub unpermuted_probs: Option<&'a mut [f32]>,
+}
+
+/// Restores token order, merging each token's routes; see the module docs.
+pub fn unpermute(
+    map: &RowIdMap,
+    inputs: &UnpermuteInputs<'_>,
+    outputs: &mut UnpermuteOutputs<'_>,
+) -> Result<(), PermuteError> {
+    if !matches!(inputs.dtype, DType::F32 | DType::F16 | DType::Bf16) {
+        return Err(PermuteError::Unsupported(format!(
+            "unpermute accumulates in f32 and supports f32, f16 and bf16, not {}",
+            inputs.dtype
+        )));
+    }
+    let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
+    let size = inputs.dtype.size_bytes();
+    expect_len("input (bytes)", inputs.input.len(), n * h * size)?;
+    expect_len("output (bytes)", outputs.output.len(), t * h * size)?;
+    if let Some(m) = inputs.merging_probs {
+        expect_len("merging_probs", m.len(), t * e)?;
+    }
+    match (&inputs.permuted_probs, &outputs.unpermuted_probs) {
+        (Some(pp), Some(up)) => {
+            expect_len("permuted_probs", pp.len(), n)?;
+            expect_len("unpermuted_probs", up.len(), t * e)?;
+        }
+        (Some(_), None) => return Err(shape("permuted_probs given without unpermuted_probs")),
+        (None, Some(_)) => return Err(shape("unpermuted_probs given without permuted_probs")),
+        (None, None) => {}
+    }
+    let mut ins = vec![Region::of("input", inputs.input)];
+    ins.extend(inputs.merging_probs.map(|m| Region::of("merging_probs", m)));
+    ins.extend(
+        inputs
+            .permuted_probs
+            .map(|p| Region::of("permuted_probs", p)),
+    );
+    let mut outs = vec![Region::of("output", outputs.output)];
+    outs.extend(
+        outputs
+            .unpermuted_probs
+            .as_deref()
+            .map(|u| Region::of("unpermuted_probs", u)),
+    );
+    alias::check(&ins, &outs, alias::alias_table(Op::Unpermute))?;
+
+    let mut acc = vec![0f32; h];
+    for token in 0..t {
+        acc.fill(0.0);
+        for (dst, expert) in map.routes(token) {
+            let w = inputs.merging_probs.map_or(1.0, |m| m[token * e + expert]);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a += load(inputs.dtype, inputs.input, dst * h + j) * w;
+            }
+        }
+        for (j, &a) in acc.iter().enumerate() {
+            store(inputs.dtype, outputs.output, token * h + j, a);
+        }
+    }
+    if let (Some(pp), Some(up)) = (
+        inputs.permuted_probs,
+        outputs.unpermuted_probs.as_deref_mut(),
+    ) {
+        up.fill(0.0);
+        for token in 0..t {
+            for (dst, expert) in map.routes(token) {
+                up[token * e + expert] = pp[dst];
+            }
+        }
+    }
+    Ok(())
+}

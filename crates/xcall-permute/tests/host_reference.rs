@@ -1,0 +1,349 @@
+//! The Host ops against an independent reference that follows the
+//! definitions in facts.md with plain loops (and f64 accumulation), on the
+//! upstream test grid with a reduced hidden size, plus edge cases.
+
+use std::collections::HashMap;
+
+use half::{bf16, f16};
+use xcall_core::testing::XorShift;
+use xcall_core::DType;
+use xcall_permute::ops::{
+    permute, unpermute, PermuteInputs, PermuteOutputs, UnpermuteInputs, UnpermuteOutputs,
+};
+use xcall_permute::{make_row_id_map, PermuteError, RowIdMapOptions};
+
+/// A routing map where every token picks `topk` distinct experts, except
+/// every 97th token, which is routed nowhere.
+fn routing(tokens: usize, experts: usize, topk: usize, seed: u64) -> Vec<u8> {
+    let mut g = XorShift::new(seed);
+    let mut r = vec![0u8; tokens * experts];
+    for t in 0..tokens {
+        if t % 97 == 13 {
+            continue;
+        }
+        let mut picked = 0;
+        while picked < topk.min(experts) {
+            let e = (g.next_u64() % experts as u64) as usize;
+            if r[t * experts + e] == 0 {
+                r[t * experts + e] = 1;
+                picked += 1;
+            }
+        }
+    }
+    r
+}
+
+/// Reference destinations: sort the (expert, token) pairs, walk each
+/// expert's chunk (padded to `align`), drop rows at or past `cap`.
+fn reference_rows(
+    r: &[u8],
+    tokens: usize,
+    experts: usize,
+    cap: Option<usize>,
+    align: usize,
+) -> (HashMap<(usize, usize), usize>, usize) {
+    let mut pairs: Vec<(usize, usize)> = (0..tokens)
+        .flat_map(|t| (0..experts).map(move |e| (e, t)))
+        .filter(|&(e, t)| r[t * experts + e] == 1)
+        .collect();
+    pairs.sort();
+    let mut rows = HashMap::new();
+    let mut next = 0usize;
+    let mut current = usize::MAX;
+    let mut chunk_start = 0usize;
+    for (e, t) in pairs {
+        if e != current {
+            // Close the previous chunk at a multiple of `align`, skip empty experts.
+            let used = next - chunk_start;
+            next = chunk_start + used.div_ceil(align) * align;
+            chunk_start = next;
+            current = e;
+        }
+        if cap.is_none_or(|c| next < c) {
+            rows.insert((t, e), next);
+        }
+        next += 1;
+    }
+    let used = next - chunk_start;
+    let total = chunk_start + used.div_ceil(align) * align;
+    (rows, cap.unwrap_or(total))
+}
+
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        // Pure data movement: any byte pattern is a valid fp8 payload here.
+        DType::F8E4M3 | DType::F8E5M2 => v.iter().map(|x| (x.to_bits() >> 13) as u8).collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+            .collect(),
+        _ => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
+
+fn decode(dtype: DType, b: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::F32 => b
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        DType::F16 => b
+            .chunks(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+        _ => b
+            .chunks(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+            .collect(),
+    }
+}
+
+// One test case: the shape, the options, the dtype and the seed.
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    tokens: usize,
+    experts: usize,
+    hidden: usize,
+    topk: usize,
+    cap: Option<usize>,
+    align: Option<usize>,
+    dtype: DType,
+    seed: u64,
+) {
+    let what = format!(
+        "T={tokens} E={experts} H={hidden} topk={topk} cap={cap:?} align={align:?} {dtype}"
+    );
+    let r = routing(tokens, experts, topk, seed);
+    let map = make_row_id_map(
+        &r,
+        tokens,
+        experts,
+        RowIdMapOptions {
+            num_out_tokens: cap,
+            align,
+        },
+    )
+    .unwrap();
+    let (rows, out_rows) = reference_rows(&r, tokens, experts, cap, align.unwrap_or(1));
+    assert_eq!(map.out_rows, out_rows, "{what}");
+    // The map: routes in ascending expert order, -1 elsewhere, count in 2E.
+    for t in 0..tokens {
+        let want: Vec<(usize, usize)> = (0..experts)
+            .filter_map(|e| rows.get(&(t, e)).map(|&d| (d, e)))
+            .collect();
+        assert_eq!(map.routes(t).collect::<Vec<_>>(), want, "{what} token {t}");
+        let row = &map.map[t * map.width()..(t + 1) * map.width()];
+        assert!(row[want.len()..experts].iter().all(|&v| v == -1));
+        assert!(row[experts + want.len()..2 * experts]
+            .iter()
+            .all(|&v| v == -1));
+    }
+    for e in 0..experts {
+        let kept = rows.keys().filter(|&&(_, x)| x == e).count() as i64;
+        assert_eq!(map.tokens_per_expert[e], kept, "{what} expert {e}");
+    }
+    // permute, with probs and scales.
+    let mut g = XorShift::new(seed + 1);
+    let input_f: Vec<f32> = (0..tokens * hidden).map(|_| g.next_f32() * 3.0).collect();
+    let input = encode(dtype, &input_f);
+    let probs: Vec<f32> = (0..tokens * experts).map(|_| g.next_f32().abs()).collect();
+    let scales: Vec<f32> = (0..tokens * 2).map(|_| g.next_f32()).collect();
+    let row = hidden * dtype.size_bytes();
+    let mut output = vec![0xa5u8; out_rows * row]; // poisoned
+    let mut pp = vec![f32::NAN; out_rows];
+    let mut ps = vec![f32::NAN; out_rows * 2];
+    permute(
+        &map,
+        &PermuteInputs {
+            input: &input,
+            dtype,
+            hidden,
+            probs: Some(&probs),
+            scales: Some(&scales),
+        },
+        &mut PermuteOutputs {
+            output: &mut output,
+            permuted_probs: Some(&mut pp),
+            permuted_scales: Some(&mut ps),
+        },
+    )
+    .unwrap();
+    let mut want = vec![0u8; out_rows * row];
+    let mut want_pp = vec![0f32; out_rows];
+    let mut want_ps = vec![0f32; out_rows * 2];
+    for (&(t, e), &d) in &rows {
+        want[d * row..(d + 1) * row].copy_from_slice(&input[t * row..(t + 1) * row]);
+        want_pp[d] = probs[t * experts + e];
+        want_ps[2 * d..2 * d + 2].copy_from_slice(&scales[2 * t..2 * t + 2]);
+    }
+    assert!(output == want, "{what}: permute output differs");
+    assert_eq!(pp, want_pp, "{what}");
+    assert_eq!(ps, want_ps, "{what}");
+    // unpermute (f32/f16/bf16) with merging probs, and scattering probs back.
+    if dtype != DType::F32 && dtype != DType::F16 && dtype != DType::Bf16 {
+        return;
+    }
+    let mut back = vec![0xa5u8; tokens * row];
+    let mut up = vec![f32::NAN; tokens * experts];
+    unpermute(
+        &map,
+        &UnpermuteInputs {
+            input: &output,
+            dtype,
+            hidden,
+            merging_probs: Some(&probs),
+            permuted_probs: Some(&pp),
+        },
+        &mut UnpermuteOutputs {
+            output: &mut back,
+            unpermuted_probs: Some(&mut up),
+        },
+    )
+    .unwrap();
+    let permuted = decode(dtype, &output);
+    let got = decode(dtype, &back);
+    let tol = match dtype {
+        DType::F32 => 1e-6,
+        DType::F16 => 3e-3,
+        _ => 2e-2,
+    };
+    for t in 0..tokens {
+        for j in 0..hidden {
+            let mut want = 0f64;
+            for e in 0..experts {
+                if let Some(&d) = rows.get(&(t, e)) {
+                    want += permuted[d * hidden + j] * probs[t * experts + e] as f64;
+                }
+            }
+            let g = got[t * hidden + j];
+            assert!(
+                (g - want).abs() <= tol * want.abs().max(1.0),
+                "{what}: token {t} [{j}]: {g} vs {want}"
+            );
+        }
+        for e in 0..experts {
+            let want = rows.get(&(t, e)).map_or(0.0, |&d| want_pp[d]);
+            assert_eq!(up[t * experts + e], want, "{what}");
+        }
+    }
+}
+
+#[test]
+fn upstream_grid_with_reduced_hidden() {
+    let mut seed = 100;
+    for experts in [7, 16] {
+        for topk in [2, 5] {
+            for cap in [None, Some(2039)] {
+                for dtype in [DType::F32, DType::Bf16] {
+                    seed += 1;
+                    check_case(4096, experts, 32, topk, cap, None, dtype, seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn padding_cases_with_reduced_hidden() {
+    for (t, e, h, k, seed) in [
+        (4096, 8, 16, 2, 1),
+        (4096, 64, 8, 6, 2),
+        (1024, 256, 4, 6, 3),
+        (512, 512, 2, 8, 4),
+    ] {
+        check_case(t, e, h, k, None, Some(16), DType::F16, seed);
+        check_case(t, e, h, k, None, Some(3), DType::F32, seed + 10);
+    }
+}
+
+#[test]
+fn edge_shapes_and_dtypes() {
+    check_case(0, 4, 8, 2, None, None, DType::F32, 1); // no tokens
+    check_case(33, 5, 1, 2, None, None, DType::Bf16, 2); // H = 1
+    check_case(40, 3, 7, 3, None, None, DType::F16, 3); // odd H, all experts
+    check_case(50, 6, 5, 2, Some(0), None, DType::F32, 4); // everything dropped
+    check_case(50, 6, 5, 2, Some(1000), None, DType::F32, 5); // cap above the routes
+    check_case(64, 4, 9, 1, None, None, DType::F8E4M3, 6); // fp8: pure data movement
+    check_case(64, 4, 9, 2, None, None, DType::F8E5M2, 7);
+}
+
+#[test]
+fn bad_inputs_are_refused_and_nothing_is_written() {
+    let opts = RowIdMapOptions::default();
+    assert!(
+        matches!(make_row_id_map(&[], 0, 0, opts), Err(PermuteError::Shape(m)) if m.contains("at least 1 expert"))
+    );
+    assert!(make_row_id_map(&[1, 0, 1], 2, 2, opts).is_err());
+    let err = make_row_id_map(&[1, 2], 1, 2, opts).unwrap_err();
+    assert!(err.to_string().contains("entry [0, 1] is 2"), "{err}");
+    assert!(make_row_id_map(
+        &[1, 0],
+        1,
+        2,
+        RowIdMapOptions {
+            align: Some(0),
+            ..opts
+        }
+    )
+    .is_err());
+    assert!(make_row_id_map(
+        &[1, 0],
+        1,
+        2,
+        RowIdMapOptions {
+            align: Some(4),
+            num_out_tokens: Some(4)
+        }
+    )
+    .is_err());
+
+    let map = make_row_id_map(&[1, 1, 0, 1], 2, 2, opts).unwrap();
+    let input = vec![1u8; 2 * 4 * 4];
+    let mut out = vec![0x5au8; 3 * 4 * 4];
+    let probs = [0.5f32; 4];
+    let mut pp = vec![7.0f32; 3];
+    // Wrong output size, probs without permuted_probs, wrong hidden.
+    for (hidden, with_pp, out_len) in [(4, true, 2 * 16), (4, false, 3 * 16), (3, true, 3 * 16)] {
+        let mut o = out[..out_len].to_vec();
+        let before = o.clone();
+        let r = permute(
+            &map,
+            &PermuteInputs {
+                input: &input,
+                dtype: DType::F32,
+                hidden,
+                probs: Some(&probs),
+                scales: None,
+            },
+            &mut PermuteOutputs {
+                output: &mut o,
+                permuted_probs: if with_pp { Some(&mut pp) } else { None },
+                permuted_scales: None,
+            },
+        );
+        assert_eq!(r.unwrap_err().status(), xcall_core::Status::InvalidArgument);
+        assert_eq!(o, before, "nothing written");
+    }
+    assert_eq!(pp, vec![7.0; 3]);
+    let err = unpermute(
+        &map,
+        &UnpermuteInputs {
+            input: &out,
+            dtype: DType::F8E4M3,
+            hidden: 16,
+            merging_probs: None,
+            permuted_probs: None,
+        },
+        &mut UnpermuteOutputs {
+            output: &mut [0u8; 2 * 16],
+            unpermuted_probs: None,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(err.status(), xcall_core::Status::Unsupported);
+    out.fill(0);
+}
