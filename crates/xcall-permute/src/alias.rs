@@ -18,13 +18,21 @@ pub enum Op {
     Permute,
     /// `unpermute`.
     Unpermute,
+    /// `unpermute_backward`.
+    UnpermuteBackward,
+    /// `sort_chunks_by_map`.
+    SortChunksByMap,
 }
 
 /// The (input, output) pairs of `op` that may share memory. Empty for every
 /// op of this crate: outputs must not overlap inputs or each other.
 pub fn alias_table(op: Op) -> &'static [(&'static str, &'static str)] {
     match op {
-        Op::MakeRowIdMap | Op::Permute | Op::Unpermute => &[],
+        Op::MakeRowIdMap
+        | Op::Permute
+        | Op::Unpermute
+        | Op::UnpermuteBackward
+        | Op::SortChunksByMap => &[],
     }
 }
 
@@ -139,7 +147,13 @@ mod tests {
 
     #[test]
     fn no_op_publishes_an_alias() {
-        for op in [Op::MakeRowIdMap, Op::Permute, Op::Unpermute] {
+        for op in [
+            Op::MakeRowIdMap,
+            Op::Permute,
+            Op::Unpermute,
+            Op::UnpermuteBackward,
+            Op::SortChunksByMap,
+        ] {
             assert!(alias_table(op).is_empty(), "{op:?}");
         }
     }

@@ -6,12 +6,14 @@
 //! ([`alias::alias_table`]: none may alias) and refuses overlapping buffers
 //! before writing anything (incident 4).
 //!
-//! This crate currently provides the Host implementation of the forward
-//! ops; the CUDA kernels, backward ops, chunk sort and the C ABI build on it.
+//! This crate currently provides the Host implementation of every op
+//! (forward, backward, chunk sort); the CUDA kernels and the C ABI build on
+//! it.
 
 #![deny(missing_docs)]
 
 pub mod alias;
+pub mod chunks;
 mod error;
 pub mod ops;
 pub mod row_id_map;

@@ -239,3 +239,74 @@ pub fn unpermute(
     }
     Ok(())
 }
+
+/// Inputs of [`unpermute_backward`] (the gradient of `unpermute` with
+/// merging probs).
+pub struct UnpermuteBackwardInputs<'a> {
+    /// `[T, H]` gradient of the unpermuted output, of `dtype`.
+    pub grad: &'a [u8],
+    /// `[out_rows, H]` forward input of `unpermute`, of `dtype`.
+    pub fwd_input: &'a [u8],
+    /// Element type (f32, f16 or bf16).
+    pub dtype: DType,
+    /// Hidden size `H`.
+    pub hidden: usize,
+    /// `[T, E]` merging probs of the forward call.
+    pub merging_probs: &'a [f32],
+}
+
+/// Outputs of [`unpermute_backward`].
+pub struct UnpermuteBackwardOutputs<'a> {
+    /// `[out_rows, H]`: `act_grad[dst] = grad[t] * merging_probs[t, e]`
+    /// (zero where no route writes).
+    pub act_grad: &'a mut [u8],
+    /// `[T, E]`: `dot(fwd_input[dst], grad[t])` in f32 (zero where no route).
+    pub probs_grad: &'a mut [f32],
+}
+
+/// The backward of `unpermute` with merging probs.
+pub fn unpermute_backward(
+    map: &RowIdMap,
+    inputs: &UnpermuteBackwardInputs<'_>,
+    outputs: &mut UnpermuteBackwardOutputs<'_>,
+) -> Result<(), PermuteError> {
+    if !matches!(inputs.dtype, DType::F32 | DType::F16 | DType::Bf16) {
+        return Err(PermuteError::Unsupported(format!(
+            "unpermute_backward supports f32, f16 and bf16, not {}",
+            inputs.dtype
+        )));
+    }
+    let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
+    let size = inputs.dtype.size_bytes();
+    expect_len("grad (bytes)", inputs.grad.len(), t * h * size)?;
+    expect_len("fwd_input (bytes)", inputs.fwd_input.len(), n * h * size)?;
+    expect_len("merging_probs", inputs.merging_probs.len(), t * e)?;
+    expect_len("act_grad (bytes)", outputs.act_grad.len(), n * h * size)?;
+    expect_len("probs_grad", outputs.probs_grad.len(), t * e)?;
+    let ins = [
+        Region::of("grad", inputs.grad),
+        Region::of("fwd_input", inputs.fwd_input),
+        Region::of("merging_probs", inputs.merging_probs),
+    ];
+    let outs = [
+        Region::of("act_grad", outputs.act_grad),
+        Region::of("probs_grad", outputs.probs_grad),
+    ];
+    alias::check(&ins, &outs, alias::alias_table(Op::UnpermuteBackward))?;
+
+    outputs.act_grad.fill(0);
+    outputs.probs_grad.fill(0.0);
+    for token in 0..t {
+        for (dst, expert) in map.routes(token) {
+            let w = inputs.merging_probs[token * e + expert];
+            let mut dot = 0f32;
+            for j in 0..h {
+                let g = load(inputs.dtype, inputs.grad, token * h + j);
+                store(inputs.dtype, outputs.act_grad, dst * h + j, g * w);
+                dot += load(inputs.dtype, inputs.fwd_input, dst * h + j) * g;
+            }
+            outputs.probs_grad[token * e + expert] = dot;
+        }
+    }
+    Ok(())
+}
