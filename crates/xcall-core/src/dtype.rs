@@ -97,6 +97,51 @@ impl DType {
     }
 }
 
+/// Reads and writes the elements of an f32, f16 or bf16 buffer (little
+/// endian) as f32; stores round to nearest, ties to even. Made once per
+/// call (that is where the dtype is checked), then used in the inner loops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FloatCodec(DType);
+
+impl FloatCodec {
+    /// The codec of `dtype`, or `None` unless it is f32, f16 or bf16.
+    pub fn new(dtype: DType) -> Option<FloatCodec> {
+        matches!(dtype, DType::F32 | DType::F16 | DType::Bf16).then_some(FloatCodec(dtype))
+    }
+
+    /// The dtype read and written.
+    pub fn dtype(self) -> DType {
+        self.0
+    }
+
+    /// Element `i` of `bytes` as f32.
+    #[inline]
+    pub fn load(self, bytes: &[u8], i: usize) -> f32 {
+        match self.0 {
+            DType::F32 => f32::from_le_bytes([
+                bytes[4 * i],
+                bytes[4 * i + 1],
+                bytes[4 * i + 2],
+                bytes[4 * i + 3],
+            ]),
+            DType::F16 => half::f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+            _ => half::bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        }
+    }
+
+    /// Writes `v` as element `i` of `bytes`.
+    #[inline]
+    pub fn store(self, bytes: &mut [u8], i: usize, v: f32) {
+        match self.0 {
+            DType::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+            DType::F16 => {
+                bytes[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes())
+            }
+            _ => bytes[2 * i..2 * i + 2].copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+}
+
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -164,6 +209,29 @@ mod tests {
         assert_eq!(DType::from_code(0), None);
         assert_eq!("bfloat16".parse::<DType>().unwrap(), DType::Bf16);
         assert!("f128".parse::<DType>().is_err());
+    }
+
+    #[test]
+    fn float_codec_known_answers() {
+        assert!(FloatCodec::new(DType::I32).is_none());
+        assert!(FloatCodec::new(DType::F8E4M3).is_none());
+        let mut b = [0u8; 8];
+        let bf = FloatCodec::new(DType::Bf16).unwrap();
+        // 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: ties to even.
+        bf.store(&mut b, 0, f32::from_bits(0x3F80_8000));
+        assert_eq!(u16::from_le_bytes([b[0], b[1]]), 0x3F80);
+        // 1.01171875 is halfway between 0x3F81 and 0x3F82: ties to even (0x3F82).
+        bf.store(&mut b, 1, f32::from_bits(0x3F81_8000));
+        assert_eq!(u16::from_le_bytes([b[2], b[3]]), 0x3F82);
+        assert_eq!(bf.load(&b, 1), 1.015625);
+        let h = FloatCodec::new(DType::F16).unwrap();
+        h.store(&mut b, 0, 1.0);
+        assert_eq!(u16::from_le_bytes([b[0], b[1]]), 0x3C00);
+        assert_eq!(h.load(&b, 0), 1.0);
+        let f = FloatCodec::new(DType::F32).unwrap();
+        f.store(&mut b, 1, -2.5);
+        assert_eq!(&b[4..8], &(-2.5f32).to_le_bytes());
+        assert_eq!(f.load(&b, 1), -2.5);
     }
 
     #[test]

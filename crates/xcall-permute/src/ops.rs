@@ -9,8 +9,7 @@
 //! `unpermuted_probs[t, e] = permuted_probs[dst]` (0 where no route).
 //! Every call checks shapes and buffer overlap before writing anything.
 
-use half::{bf16, f16};
-use xcall_core::DType;
+use xcall_core::{DType, FloatCodec};
 
 use crate::alias::{self, Op, Region};
 use crate::error::{shape, PermuteError};
@@ -126,25 +125,13 @@ pub fn permute(
     Ok(())
 }
 
-fn load(dtype: DType, bytes: &[u8], i: usize) -> f32 {
-    match dtype {
-        DType::F32 => f32::from_le_bytes([
-            bytes[4 * i],
-            bytes[4 * i + 1],
-            bytes[4 * i + 2],
-            bytes[4 * i + 3],
-        ]),
-        DType::F16 => f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-        _ => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-    }
-}
-
-fn store(dtype: DType, bytes: &mut [u8], i: usize, v: f32) {
-    match dtype {
-        DType::F32 => bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-        DType::F16 => bytes[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes()),
-        _ => bytes[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
-    }
+/// The codec of an accumulating op's dtype (f32, f16 or bf16).
+fn codec(op: &str, dtype: DType) -> Result<FloatCodec, PermuteError> {
+    FloatCodec::new(dtype).ok_or_else(|| {
+        PermuteError::Unsupported(format!(
+            "{op} accumulates in f32 and supports f32, f16 and bf16, not {dtype}"
+        ))
+    })
 }
 
 /// Inputs of [`unpermute`].
@@ -175,12 +162,7 @@ pub fn unpermute(
     inputs: &UnpermuteInputs<'_>,
     outputs: &mut UnpermuteOutputs<'_>,
 ) -> Result<(), PermuteError> {
-    if !matches!(inputs.dtype, DType::F32 | DType::F16 | DType::Bf16) {
-        return Err(PermuteError::Unsupported(format!(
-            "unpermute accumulates in f32 and supports f32, f16 and bf16, not {}",
-            inputs.dtype
-        )));
-    }
+    let codec = codec("unpermute", inputs.dtype)?;
     let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
     let size = inputs.dtype.size_bytes();
     expect_len("input (bytes)", inputs.input.len(), n * h * size)?;
@@ -219,11 +201,11 @@ pub fn unpermute(
         for (dst, expert) in map.routes(token) {
             let w = inputs.merging_probs.map_or(1.0, |m| m[token * e + expert]);
             for (j, a) in acc.iter_mut().enumerate() {
-                *a += load(inputs.dtype, inputs.input, dst * h + j) * w;
+                *a += codec.load(inputs.input, dst * h + j) * w;
             }
         }
         for (j, &a) in acc.iter().enumerate() {
-            store(inputs.dtype, outputs.output, token * h + j, a);
+            codec.store(outputs.output, token * h + j, a);
         }
     }
     if let (Some(pp), Some(up)) = (
@@ -270,12 +252,7 @@ pub fn unpermute_backward(
     inputs: &UnpermuteBackwardInputs<'_>,
     outputs: &mut UnpermuteBackwardOutputs<'_>,
 ) -> Result<(), PermuteError> {
-    if !matches!(inputs.dtype, DType::F32 | DType::F16 | DType::Bf16) {
-        return Err(PermuteError::Unsupported(format!(
-            "unpermute_backward supports f32, f16 and bf16, not {}",
-            inputs.dtype
-        )));
-    }
+    let codec = codec("unpermute_backward", inputs.dtype)?;
     let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
     let size = inputs.dtype.size_bytes();
     expect_len("grad (bytes)", inputs.grad.len(), t * h * size)?;
@@ -301,9 +278,9 @@ pub fn unpermute_backward(
             let w = inputs.merging_probs[token * e + expert];
             let mut dot = 0f32;
             for j in 0..h {
-                let g = load(inputs.dtype, inputs.grad, token * h + j);
-                store(inputs.dtype, outputs.act_grad, dst * h + j, g * w);
-                dot += load(inputs.dtype, inputs.fwd_input, dst * h + j) * g;
+                let g = codec.load(inputs.grad, token * h + j);
+                codec.store(outputs.act_grad, dst * h + j, g * w);
+                dot += codec.load(inputs.fwd_input, dst * h + j) * g;
             }
             outputs.probs_grad[token * e + expert] = dot;
         }

@@ -5,8 +5,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use half::bf16;
-use xcall_core::DType;
+use xcall_core::{DType, FloatCodec};
 
 use crate::host::{self, HostError};
 use crate::plan::PipelinePlan;
@@ -75,27 +74,15 @@ impl OpError {
     }
 }
 
-fn element_size(dtype: DType) -> Result<usize, OpError> {
-    match dtype {
-        DType::F32 | DType::Bf16 => Ok(dtype.size_bytes()),
-        other => Err(OpError::Input(format!(
-            "warp-specialized ops support f32 and bf16, not {other}"
-        ))),
-    }
-}
-
-fn load(dtype: DType, bytes: &[u8], i: usize) -> f32 {
-    match dtype {
-        DType::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap_or_default()),
-        _ => bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
-    }
-}
-
-fn store(dtype: DType, out: &mut [u8], i: usize, v: f32) {
-    match dtype {
-        DType::F32 => out[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
-        _ => out[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(v).to_le_bytes()),
-    }
+/// The codec of the op's element type (the ops support f32 and bf16).
+fn codec(dtype: DType) -> Result<FloatCodec, OpError> {
+    FloatCodec::new(dtype)
+        .filter(|_| dtype != DType::F16)
+        .ok_or_else(|| {
+            OpError::Input(format!(
+                "warp-specialized ops support f32 and bf16, not {dtype}"
+            ))
+        })
 }
 
 /// `silu(x) * scale` in f32, the definition both platforms follow.
@@ -112,7 +99,8 @@ fn run_elementwise(
     config: &OpConfig,
     f: impl Fn(&[f32]) -> f32 + Sync,
 ) -> Result<(), OpError> {
-    let size = element_size(dtype)?;
+    let codec = codec(dtype)?;
+    let size = dtype.size_bytes();
     if config.tile_bytes as usize % size != 0 {
         return Err(OpError::Input(format!(
             "tile_bytes {} is not a multiple of {size}",
@@ -146,9 +134,9 @@ fn run_elementwise(
         let mut args = vec![0f32; t.inputs.len()];
         for i in lo..hi {
             for (a, input) in args.iter_mut().zip(&t.inputs) {
-                *a = load(dtype, input, i);
+                *a = codec.load(input, i);
             }
-            store(dtype, &mut out, i, f(&args));
+            codec.store(&mut out, i, f(&args));
         }
     })?;
     Ok(())
