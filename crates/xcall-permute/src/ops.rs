@@ -3,7 +3,7 @@
 //! `permute`: `out[dst] = input[t]` for every kept route (pure data
 //! movement: any dtype), `permuted_probs[dst] = probs[t, e]`,
 //! `permuted_scales[dst] = scales[t]`; rows no route writes (padding, rows
-//! past the routes) are zero. `unpermute`: `out[t] = sum_k input[dst_k] *
+//! past the routes) are zero, and only those are written twice. `unpermute`: `out[t] = sum_k input[dst_k] *
 //! merging_probs[t, e_k]` (weight 1 without merging probs), accumulated in
 //! f32 in ascending expert order (deterministic), and
 //! `unpermuted_probs[t, e] = permuted_probs[dst]` (0 where no route).
@@ -102,12 +102,15 @@ pub fn permute(
     );
     alias::check(&ins, &outs, alias::alias_table(Op::Permute))?;
 
-    outputs.output.fill(0);
-    if let Some(pp) = outputs.permuted_probs.as_deref_mut() {
-        pp.fill(0.0);
-    }
-    if let Some(ps) = outputs.permuted_scales.as_deref_mut() {
-        ps.fill(0.0);
+    // Routes write their rows; only the others are zeroed.
+    for rows in map.unwritten_rows() {
+        outputs.output[rows.start * row..rows.end * row].fill(0);
+        if let Some(pp) = outputs.permuted_probs.as_deref_mut() {
+            pp[rows.clone()].fill(0.0);
+        }
+        if let Some(ps) = outputs.permuted_scales.as_deref_mut() {
+            ps[rows.start * scales_width..rows.end * scales_width].fill(0.0);
+        }
     }
     for token in 0..t {
         for (dst, expert) in map.routes(token) {
@@ -271,7 +274,9 @@ pub fn unpermute_backward(
     ];
     alias::check(&ins, &outs, alias::alias_table(Op::UnpermuteBackward))?;
 
-    outputs.act_grad.fill(0);
+    for rows in map.unwritten_rows() {
+        outputs.act_grad[rows.start * h * size..rows.end * h * size].fill(0);
+    }
     outputs.probs_grad.fill(0.0);
     for token in 0..t {
         for (dst, expert) in map.routes(token) {

@@ -44,6 +44,23 @@ impl RowIdMap {
         2 * self.experts + 1
     }
 
+    /// The output rows no route writes, as ranges: each expert chunk's rows
+    /// past its kept routes (its padding), and the rows past the last chunk
+    /// (when `num_out_tokens` exceeds the routes). Ops zero exactly these.
+    pub fn unwritten_rows(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        let rows = self.out_rows;
+        let clamp = move |x: i64| (x.max(0) as usize).min(rows);
+        let chunks = (0..self.experts).map(move |e| {
+            clamp(self.expert_offsets[e] + self.tokens_per_expert[e])
+                ..clamp(self.expert_offsets[e + 1])
+        });
+        chunks
+            .chain(std::iter::once(
+                clamp(self.expert_offsets[self.experts])..rows,
+            ))
+            .filter(|r| !r.is_empty())
+    }
+
     /// The kept routes of token `t` as (destination row, expert), in
     /// ascending expert order.
     pub fn routes(&self, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
@@ -139,4 +156,56 @@ pub fn make_row_id_map(
         expert_offsets: offsets,
         out_rows,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unwritten_rows_are_exactly_the_rows_no_route_writes() {
+        let mut seed = 7u64;
+        for (tokens, experts, cap, align) in [
+            (50, 6, None, None),
+            (50, 6, Some(31), None),
+            (50, 6, Some(200), None),
+            (50, 6, Some(0), None),
+            (50, 6, None, Some(4)),
+            (0, 3, None, Some(8)),
+        ] {
+            let routing: Vec<u8> = (0..tokens * experts)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed % 3 == 0) as u8
+                })
+                .collect();
+            let map = make_row_id_map(
+                &routing,
+                tokens,
+                experts,
+                RowIdMapOptions {
+                    num_out_tokens: cap,
+                    align,
+                },
+            )
+            .unwrap();
+            let mut written = vec![false; map.out_rows];
+            for t in 0..tokens {
+                for (dst, _) in map.routes(t) {
+                    written[dst] = true;
+                }
+            }
+            let mut unwritten = vec![false; map.out_rows];
+            for r in map.unwritten_rows() {
+                unwritten[r].fill(true);
+            }
+            let expected: Vec<bool> = written.iter().map(|w| !w).collect();
+            assert_eq!(
+                unwritten, expected,
+                "T={tokens} E={experts} cap={cap:?} align={align:?}"
+            );
+        }
+    }
 }
