@@ -3,9 +3,10 @@
 //! `permute`: `out[dst] = input[t]` for every kept route (pure data
 //! movement: any dtype), `permuted_probs[dst] = probs[t, e]`,
 //! `permuted_scales[dst] = scales[t]`; rows no route writes (padding, rows
-//! past the routes) are zero, and only those are written twice. `unpermute`: `out[t] = sum_k input[dst_k] *
-//! merging_probs[t, e_k]` (weight 1 without merging probs), accumulated in
-//! f32 in ascending expert order (deterministic), and
+//! past the routes) are zero. Every output row is written once.
+//! `unpermute`: `out[t] = sum_k input[dst_k] * merging_probs[t, e_k]`
+//! (weight 1 without merging probs), accumulated in f32 in ascending
+//! expert order (deterministic), and
 //! `unpermuted_probs[t, e] = permuted_probs[dst]` (0 where no route).
 //! Every call checks shapes and buffer overlap before writing anything.
 
