@@ -31,22 +31,26 @@ fn cache(config: Config) -> GraphCache<SimBackend> {
     GraphCache::new(SimBackend::new(), config).unwrap()
 }
 
-/// Runs `key` on `s`: the work adds `value` to every buffer's first cell.
-fn run(c: &GraphCache<SimBackend>, key: &CallKey, s: SimStream, value: i64) -> Outcome {
+/// Runs `key` on `s` with a record function that enqueues `ops`.
+fn run_ops(c: &GraphCache<SimBackend>, key: &CallKey, s: SimStream, ops: &[SimOp]) -> Outcome {
     let call = Call::new(key.clone(), Some(s));
     c.execute(&call, |stream| {
-        for b in &key.buffers {
-            c.backend().enqueue(
-                stream.unwrap(),
-                SimOp::Add {
-                    address: b.address,
-                    value,
-                },
-            );
+        for &op in ops {
+            c.backend().enqueue(stream.unwrap(), op);
         }
         Ok::<(), std::io::Error>(())
     })
     .unwrap()
+}
+
+fn add(address: u64, value: i64) -> SimOp {
+    SimOp::Add { address, value }
+}
+
+/// Runs `key` on `s`: the work adds `value` to every buffer's first cell.
+fn run(c: &GraphCache<SimBackend>, key: &CallKey, s: SimStream, value: i64) -> Outcome {
+    let ops: Vec<SimOp> = key.buffers.iter().map(|b| add(b.address, value)).collect();
+    run_ops(c, key, s, &ops)
 }
 
 #[test]
@@ -150,26 +154,7 @@ fn refused_update_instantiates_instead() {
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
     // Same key topology, but the work has two nodes now: the update is refused.
     let b = key(0, 1, &[0x200]);
-    let call = Call::new(b.clone(), Some(stream(0)));
-    let outcome = c
-        .execute(&call, |s| {
-            c.backend().enqueue(
-                s.unwrap(),
-                SimOp::Add {
-                    address: 0x200,
-                    value: 1,
-                },
-            );
-            c.backend().enqueue(
-                s.unwrap(),
-                SimOp::Add {
-                    address: 0x201,
-                    value: 1,
-                },
-            );
-            Ok::<(), std::io::Error>(())
-        })
-        .unwrap();
+    let outcome = run_ops(&c, &b, stream(0), &[add(0x200, 1), add(0x201, 1)]);
     assert_eq!(outcome, Outcome::Captured);
     let s = c.stats(Device::cuda(0));
     assert_eq!((s.update_refusals, s.instantiations, s.entries), (1, 2, 2));
@@ -350,25 +335,14 @@ fn failed_captures_run_eagerly_and_retry_later() {
     });
     let k = key(0, 1, &[0x100]);
     let uncapturable = |c: &GraphCache<SimBackend>| {
-        let call = Call::new(k.clone(), Some(stream(0)));
-        c.execute(&call, |s| {
-            c.backend().enqueue(s.unwrap(), SimOp::Uncapturable);
-            c.backend().enqueue(
-                s.unwrap(),
-                SimOp::Add {
-                    address: 0x100,
-                    value: 1,
-                },
-            );
-            Ok::<(), std::io::Error>(())
-        })
-        .unwrap()
+        run_ops(c, &k, stream(0), &[SimOp::Uncapturable, add(0x100, 1)])
     };
     assert_eq!(uncapturable(&c), Outcome::EagerFallback); // capture failed, ran eagerly
     assert_eq!(uncapturable(&c), Outcome::EagerFallback); // remembered
     assert_eq!(uncapturable(&c), Outcome::EagerFallback); // remembered
     assert_eq!(uncapturable(&c), Outcome::EagerFallback); // retried, failed again
-                                                          // Every call's work ran exactly once.
+
+    // Every call's work ran exactly once.
     assert_eq!(c.backend().read(Device::cuda(0), 0x100), 4);
     let s = c.stats(Device::cuda(0));
     assert_eq!(
@@ -555,19 +529,7 @@ fn a_graph_that_cannot_be_instantiated_runs_eagerly_once() {
     });
     let k = key(0, 1, &[0x100]);
     let run_it = |c: &GraphCache<SimBackend>| {
-        let call = Call::new(k.clone(), Some(stream(0)));
-        c.execute(&call, |s| {
-            c.backend().enqueue(s.unwrap(), SimOp::FailsInstantiate);
-            c.backend().enqueue(
-                s.unwrap(),
-                SimOp::Add {
-                    address: 0x100,
-                    value: 1,
-                },
-            );
-            Ok::<(), std::io::Error>(())
-        })
-        .unwrap()
+        run_ops(c, &k, stream(0), &[SimOp::FailsInstantiate, add(0x100, 1)])
     };
     assert_eq!(run_it(&c), Outcome::EagerFallback); // captured, not instantiable: ran eagerly
     assert_eq!(run_it(&c), Outcome::EagerFallback); // remembered
