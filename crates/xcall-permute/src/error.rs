@@ -11,6 +11,12 @@ pub enum PermuteError {
     /// A dtype the op does not support in this direction.
     #[error("{0}")]
     Unsupported(String),
+    /// A NULL address for a buffer that holds data.
+    #[error("{0}")]
+    Null(String),
+    /// An error of the platform: CUDA driver, kernel compilation, device.
+    #[error(transparent)]
+    Platform(#[from] xcall_core::Error),
     /// Two buffers that must not share memory do.
     #[error("{output} overlaps {other}: the op reads row src and writes row dst != src, so it is not in-place safe")]
     Aliased {
@@ -28,6 +34,8 @@ impl PermuteError {
             PermuteError::Shape(_) => Status::InvalidArgument,
             PermuteError::Unsupported(_) => Status::Unsupported,
             PermuteError::Aliased { .. } => Status::Aliased,
+            PermuteError::Null(_) => Status::NullArgument,
+            PermuteError::Platform(e) => e.status(),
         }
     }
 }

@@ -19,5 +19,5 @@ pub mod ops;
 pub mod row_id_map;
 
 pub use error::PermuteError;
-pub use row_id_map::{make_row_id_map, RowIdMap, RowIdMapOptions};
+pub use row_id_map::{make_row_id_map, RowIdMap, RowIdMapOptions, RowIdMapRef};
 pub use xcall_core::{Device, Error, Platform, Result};

@@ -14,13 +14,23 @@ use xcall_core::{DType, FloatCodec};
 
 use crate::alias::{self, Op, Region};
 use crate::error::{shape, PermuteError};
-use crate::row_id_map::RowIdMap;
+use crate::row_id_map::RowIdMapRef;
 
 fn expect_len(name: &str, len: usize, want: usize) -> Result<(), PermuteError> {
     if len == want {
         Ok(())
     } else {
         Err(shape(format!("{name} has {len} elements, {want} expected")))
+    }
+}
+
+fn chunks_known(op: &str, map: &RowIdMapRef<'_>) -> Result<(), PermuteError> {
+    if map.has_chunks() {
+        Ok(())
+    } else {
+        Err(shape(format!(
+            "{op} zeroes the output rows no route writes and needs the map's tokens_per_expert and expert_offsets"
+        )))
     }
 }
 
@@ -50,11 +60,12 @@ pub struct PermuteOutputs<'a> {
 
 /// Groups tokens by expert, see the module docs.
 pub fn permute(
-    map: &RowIdMap,
+    map: RowIdMapRef<'_>,
     inputs: &PermuteInputs<'_>,
     outputs: &mut PermuteOutputs<'_>,
 ) -> Result<(), PermuteError> {
-    let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
+    let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
+    chunks_known("permute", &map)?;
     let row = h * inputs.dtype.size_bytes();
     expect_len("input (bytes)", inputs.input.len(), t * row)?;
     expect_len("output (bytes)", outputs.output.len(), n * row)?;
@@ -162,12 +173,12 @@ pub struct UnpermuteOutputs<'a> {
 
 /// Restores token order, merging each token's routes; see the module docs.
 pub fn unpermute(
-    map: &RowIdMap,
+    map: RowIdMapRef<'_>,
     inputs: &UnpermuteInputs<'_>,
     outputs: &mut UnpermuteOutputs<'_>,
 ) -> Result<(), PermuteError> {
     let codec = codec("unpermute", inputs.dtype)?;
-    let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
+    let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
     let size = inputs.dtype.size_bytes();
     expect_len("input (bytes)", inputs.input.len(), n * h * size)?;
     expect_len("output (bytes)", outputs.output.len(), t * h * size)?;
@@ -246,18 +257,20 @@ pub struct UnpermuteBackwardOutputs<'a> {
     /// `[out_rows, H]`: `act_grad[dst] = grad[t] * merging_probs[t, e]`
     /// (zero where no route writes).
     pub act_grad: &'a mut [u8],
-    /// `[T, E]`: `dot(fwd_input[dst], grad[t])` in f32 (zero where no route).
+    /// `[T, E]`: `dot(fwd_input[dst], grad[t])` in f32, summed in the
+    /// fixed order of [`DOT_SLOTS`] (zero where no route).
     pub probs_grad: &'a mut [f32],
 }
 
 /// The backward of `unpermute` with merging probs.
 pub fn unpermute_backward(
-    map: &RowIdMap,
+    map: RowIdMapRef<'_>,
     inputs: &UnpermuteBackwardInputs<'_>,
     outputs: &mut UnpermuteBackwardOutputs<'_>,
 ) -> Result<(), PermuteError> {
     let codec = codec("unpermute_backward", inputs.dtype)?;
-    let (t, e, h, n) = (map.tokens, map.experts, inputs.hidden, map.out_rows);
+    let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
+    chunks_known("unpermute_backward", &map)?;
     let size = inputs.dtype.size_bytes();
     expect_len("grad (bytes)", inputs.grad.len(), t * h * size)?;
     expect_len("fwd_input (bytes)", inputs.fwd_input.len(), n * h * size)?;
@@ -279,17 +292,41 @@ pub fn unpermute_backward(
         outputs.act_grad[rows.start * h * size..rows.end * h * size].fill(0);
     }
     outputs.probs_grad.fill(0.0);
+    let group = DOT_GROUP_BYTES / size;
+    let mut partial = [0f32; DOT_SLOTS];
     for token in 0..t {
         for (dst, expert) in map.routes(token) {
             let w = inputs.merging_probs[token * e + expert];
-            let mut dot = 0f32;
+            partial.fill(0.0);
             for j in 0..h {
                 let g = codec.load(inputs.grad, token * h + j);
                 codec.store(outputs.act_grad, dst * h + j, g * w);
-                dot += codec.load(inputs.fwd_input, dst * h + j) * g;
+                partial[(j / group) % DOT_SLOTS] += codec.load(inputs.fwd_input, dst * h + j) * g;
             }
-            outputs.probs_grad[token * e + expert] = dot;
+            outputs.probs_grad[token * e + expert] = tree_sum(&mut partial);
         }
     }
     Ok(())
+}
+
+/// The dot products of `unpermute_backward` sum in a fixed order that does
+/// not depend on threads or launch shape, the same on Host and CUDA: the
+/// row splits into groups of `DOT_GROUP_BYTES`; group `q` adds, element by
+/// element, into slot `q % DOT_SLOTS`; the slots then add pairwise
+/// ([`tree_sum`]).
+pub const DOT_SLOTS: usize = 256;
+/// See [`DOT_SLOTS`].
+pub const DOT_GROUP_BYTES: usize = 16;
+
+/// `slots[0] + slots[1] + ...` as a tree: halves fold onto each other,
+/// `s[i] += s[i + width]` for `width = len/2, len/4, .., 1`.
+fn tree_sum(slots: &mut [f32; DOT_SLOTS]) -> f32 {
+    let mut width = DOT_SLOTS / 2;
+    while width > 0 {
+        for i in 0..width {
+            slots[i] += slots[i + width];
+        }
+        width /= 2;
+    }
+    slots[0]
 }

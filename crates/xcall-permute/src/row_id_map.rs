@@ -44,33 +44,173 @@ impl RowIdMap {
         2 * self.experts + 1
     }
 
+    /// A borrowed view, as the ops take it.
+    pub fn view(&self) -> RowIdMapRef<'_> {
+        RowIdMapRef {
+            tokens: self.tokens,
+            experts: self.experts,
+            map: &self.map,
+            chunks: Some((&self.tokens_per_expert, &self.expert_offsets)),
+            out_rows: self.out_rows,
+        }
+    }
+
+    /// See [`RowIdMapRef::unwritten_rows`].
+    pub fn unwritten_rows(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        self.view().unwritten_rows()
+    }
+
+    /// See [`RowIdMapRef::routes`].
+    pub fn routes(&self, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.view().routes(t)
+    }
+}
+
+/// A row-id map borrowed from elsewhere (for example memory a C caller
+/// owns), checked once on construction so the ops can trust every entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowIdMapRef<'a> {
+    tokens: usize,
+    experts: usize,
+    map: &'a [i32],
+    /// (tokens_per_expert, expert_offsets), when known.
+    chunks: Option<(&'a [i64], &'a [i64])>,
+    out_rows: usize,
+}
+
+impl<'a> RowIdMapRef<'a> {
+    /// Checks a map made elsewhere against `out_rows` output rows: lengths,
+    /// route counts, destinations inside `[0, out_rows)` and experts inside
+    /// `[0, E)`, expert chunks well formed. `O(T * E)`.
+    pub fn new(
+        tokens: usize,
+        experts: usize,
+        map: &'a [i32],
+        tokens_per_expert: &'a [i64],
+        expert_offsets: &'a [i64],
+        out_rows: usize,
+    ) -> Result<Self, PermuteError> {
+        let view = Self::routes_only(tokens, experts, map, out_rows)?;
+        if tokens_per_expert.len() != experts || expert_offsets.len() != experts + 1 {
+            return Err(shape(format!(
+                "tokens_per_expert and expert_offsets need {experts} and {} entries, have {} and {}",
+                experts + 1,
+                tokens_per_expert.len(),
+                expert_offsets.len()
+            )));
+        }
+        for e in 0..experts {
+            let (start, end) = (expert_offsets[e], expert_offsets[e + 1]);
+            if start < 0 || end < start || tokens_per_expert[e] < 0 {
+                return Err(shape(format!(
+                    "expert {e}: offsets [{start}, {end}) with {} tokens is not a valid chunk",
+                    tokens_per_expert[e]
+                )));
+            }
+        }
+        Ok(RowIdMapRef {
+            chunks: Some((tokens_per_expert, expert_offsets)),
+            ..view
+        })
+    }
+
+    /// Like [`RowIdMapRef::new`] without the expert chunks: enough for ops
+    /// that only follow routes (`unpermute`), not for ops that zero the
+    /// rows no route writes.
+    pub fn routes_only(
+        tokens: usize,
+        experts: usize,
+        map: &'a [i32],
+        out_rows: usize,
+    ) -> Result<Self, PermuteError> {
+        if experts == 0 {
+            return Err(shape("a row-id map needs at least 1 expert"));
+        }
+        let width = 2 * experts + 1;
+        if map.len() != tokens * width {
+            return Err(shape(format!(
+                "row_id_map has {} entries, [{tokens}, {width}] needs {}",
+                map.len(),
+                tokens * width
+            )));
+        }
+        for t in 0..tokens {
+            let row = &map[t * width..(t + 1) * width];
+            let n = row[2 * experts];
+            if n < 0 || n as usize > experts {
+                return Err(shape(format!(
+                    "row_id_map token {t} has {n} routes, outside [0, {experts}]"
+                )));
+            }
+            for k in 0..n as usize {
+                let (dst, e) = (row[k], row[experts + k]);
+                if dst < 0 || dst as usize >= out_rows || e < 0 || e as usize >= experts {
+                    return Err(shape(format!(
+                        "row_id_map token {t} route {k} is (row {dst}, expert {e}), outside [0, {out_rows}) x [0, {experts})"
+                    )));
+                }
+            }
+        }
+        Ok(RowIdMapRef {
+            tokens,
+            experts,
+            map,
+            chunks: None,
+            out_rows,
+        })
+    }
+
+    /// Whether the expert chunks are known (see [`RowIdMapRef::new`]).
+    pub fn has_chunks(&self) -> bool {
+        self.chunks.is_some()
+    }
+
+    /// Tokens `T`.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Experts `E`.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// Rows of the permuted output.
+    pub fn out_rows(&self) -> usize {
+        self.out_rows
+    }
+
+    /// Row width of the map: `2E + 1`.
+    pub fn width(&self) -> usize {
+        2 * self.experts + 1
+    }
+
     /// The output rows no route writes, as ranges: each expert chunk's rows
     /// past its kept routes (its padding), and the rows past the last chunk
     /// (when `num_out_tokens` exceeds the routes). Ops zero exactly these.
-    pub fn unwritten_rows(&self) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    /// Empty without the expert chunks ([`RowIdMapRef::routes_only`]).
+    pub fn unwritten_rows(&self) -> impl Iterator<Item = std::ops::Range<usize>> + 'a {
         let rows = self.out_rows;
+        let experts = self.experts;
+        let (tpe, offsets): (&[i64], &[i64]) = self.chunks.unwrap_or((&[], &[]));
         let clamp = move |x: i64| (x.max(0) as usize).min(rows);
-        let chunks = (0..self.experts).map(move |e| {
-            clamp(self.expert_offsets[e] + self.tokens_per_expert[e])
-                ..clamp(self.expert_offsets[e + 1])
-        });
-        chunks
-            .chain(std::iter::once(
-                clamp(self.expert_offsets[self.experts])..rows,
-            ))
-            .filter(|r| !r.is_empty())
+        let chunks = (0..tpe.len()).map(move |e| clamp(offsets[e] + tpe[e])..clamp(offsets[e + 1]));
+        let tail = offsets.get(experts).map(|&end| clamp(end)..rows);
+        chunks.chain(tail).filter(|r| !r.is_empty())
     }
 
     /// The kept routes of token `t` as (destination row, expert), in
     /// ascending expert order.
-    pub fn routes(&self, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    pub fn routes(&self, t: usize) -> impl Iterator<Item = (usize, usize)> + 'a {
+        let experts = self.experts;
         let row = &self.map[t * self.width()..(t + 1) * self.width()];
-        let n = row[2 * self.experts] as usize;
-        (0..n).map(move |k| (row[k] as usize, row[self.experts + k] as usize))
+        let n = row[2 * experts] as usize;
+        (0..n).map(move |k| (row[k] as usize, row[experts + k] as usize))
     }
 }
 
-/// Builds the row-id map of `routing` (`[tokens, experts]`, each 0 or 1).
+/// Builds the row-id map of `routing` (`[tokens, experts]` bytes; any
+/// nonzero byte is a route, as a bool mask stored in bytes reads).
 pub fn make_row_id_map(
     routing: &[u8],
     tokens: usize,
@@ -89,14 +229,6 @@ pub fn make_row_id_map(
             routing.len()
         )));
     }
-    if let Some(i) = routing.iter().position(|&v| v > 1) {
-        return Err(shape(format!(
-            "routing map entry [{}, {}] is {}, not 0 or 1",
-            i / experts,
-            i % experts,
-            routing[i]
-        )));
-    }
     if options.align == Some(0) {
         return Err(shape("align must be at least 1"));
     }
@@ -108,7 +240,7 @@ pub fn make_row_id_map(
     let mut counts = vec![0i64; experts];
     for t in 0..tokens {
         for e in 0..experts {
-            counts[e] += routing[t * experts + e] as i64;
+            counts[e] += (routing[t * experts + e] != 0) as i64;
         }
     }
     let align = options.align.unwrap_or(1) as i64;

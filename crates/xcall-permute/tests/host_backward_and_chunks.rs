@@ -49,7 +49,7 @@ fn unpermute_backward_matches_the_definition() {
     let mut act = vec![0xa5u8; n * h * 4];
     let mut pg = vec![f32::NAN; t * e];
     unpermute_backward(
-        &map,
+        map.view(),
         &UnpermuteBackwardInputs {
             grad: &grad_b,
             fwd_input: &fwd_b,

@@ -157,7 +157,7 @@ fn check_case(
     let mut pp = vec![f32::NAN; out_rows];
     let mut ps = vec![f32::NAN; out_rows * 2];
     permute(
-        &map,
+        map.view(),
         &PermuteInputs {
             input: &input,
             dtype,
@@ -190,7 +190,7 @@ fn check_case(
     let mut back = vec![0xa5u8; tokens * row];
     let mut up = vec![f32::NAN; tokens * experts];
     unpermute(
-        &map,
+        map.view(),
         &UnpermuteInputs {
             input: &output,
             dtype,
@@ -278,8 +278,8 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
         matches!(make_row_id_map(&[], 0, 0, opts), Err(PermuteError::Shape(m)) if m.contains("at least 1 expert"))
     );
     assert!(make_row_id_map(&[1, 0, 1], 2, 2, opts).is_err());
-    let err = make_row_id_map(&[1, 2], 1, 2, opts).unwrap_err();
-    assert!(err.to_string().contains("entry [0, 1] is 2"), "{err}");
+    let two = make_row_id_map(&[1, 2], 1, 2, opts).unwrap();
+    assert_eq!(two.routes(0).count(), 2, "any nonzero byte is a route");
     assert!(make_row_id_map(
         &[1, 0],
         1,
@@ -311,7 +311,7 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
         let mut o = out[..out_len].to_vec();
         let before = o.clone();
         let r = permute(
-            &map,
+            map.view(),
             &PermuteInputs {
                 input: &input,
                 dtype: DType::F32,
@@ -330,7 +330,7 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
     }
     assert_eq!(pp, vec![7.0; 3]);
     let err = unpermute(
-        &map,
+        map.view(),
         &UnpermuteInputs {
             input: &out,
             dtype: DType::F8E4M3,
