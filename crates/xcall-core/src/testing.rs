@@ -69,6 +69,43 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| g.next_f32()).collect()
 }
 
+/// Times every variant once per round, round after round (so clock drift
+/// affects all alike), after a warm-up of 30 rounds; returns each
+/// variant's CUDA-event median in ms. The variants enqueue work on
+/// `stream` (of `ctx`) and nothing else.
+pub fn interleaved_medians(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    stream: &cudarc::driver::CudaStream,
+    rounds: usize,
+    variants: &mut [Box<dyn FnMut() + '_>],
+) -> Vec<f64> {
+    for _ in 0..30 {
+        for v in variants.iter_mut() {
+            v();
+        }
+    }
+    stream.synchronize().unwrap();
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = vec![Vec::with_capacity(rounds); variants.len()];
+    for _ in 0..rounds {
+        for (v, out) in variants.iter_mut().zip(samples.iter_mut()) {
+            let (a, b) = (ctx.new_event(timed).unwrap(), ctx.new_event(timed).unwrap());
+            a.record(stream).unwrap();
+            v();
+            b.record(stream).unwrap();
+            b.synchronize().unwrap();
+            out.push(a.elapsed_ms(&b).unwrap() as f64);
+        }
+    }
+    samples
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(|x, y| x.total_cmp(y));
+            t[t.len() / 2]
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

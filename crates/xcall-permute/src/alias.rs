@@ -22,6 +22,20 @@ pub enum Op {
     UnpermuteBackward,
     /// `sort_chunks_by_map`.
     SortChunksByMap,
+    /// `make_chunk_sort_map`.
+    MakeChunkSortMap,
+}
+
+impl Op {
+    /// Every op.
+    pub const ALL: [Op; 6] = [
+        Op::MakeRowIdMap,
+        Op::Permute,
+        Op::Unpermute,
+        Op::UnpermuteBackward,
+        Op::SortChunksByMap,
+        Op::MakeChunkSortMap,
+    ];
 }
 
 /// The (input, output) pairs of `op` that may share memory. Empty for every
@@ -32,7 +46,8 @@ pub fn alias_table(op: Op) -> &'static [(&'static str, &'static str)] {
         | Op::Permute
         | Op::Unpermute
         | Op::UnpermuteBackward
-        | Op::SortChunksByMap => &[],
+        | Op::SortChunksByMap
+        | Op::MakeChunkSortMap => &[],
     }
 }
 
@@ -147,13 +162,7 @@ mod tests {
 
     #[test]
     fn no_op_publishes_an_alias() {
-        for op in [
-            Op::MakeRowIdMap,
-            Op::Permute,
-            Op::Unpermute,
-            Op::UnpermuteBackward,
-            Op::SortChunksByMap,
-        ] {
+        for op in Op::ALL {
             assert!(alias_table(op).is_empty(), "{op:?}");
         }
     }

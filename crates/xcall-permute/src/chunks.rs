@@ -16,6 +16,35 @@ pub fn make_chunk_sort_map(
     sorted_indices: &[i64],
     tokens: usize,
 ) -> Result<Vec<i64>, PermuteError> {
+    check_split(split_sizes, sorted_indices, tokens)?;
+    let chunks = split_sizes.len();
+    // Where each input chunk starts in the input and in the output.
+    let mut in_start = vec![0i64; chunks];
+    for c in 1..chunks {
+        in_start[c] = in_start[c - 1] + split_sizes[c - 1];
+    }
+    let mut out_start = vec![0i64; chunks];
+    let mut at = 0i64;
+    for &c in sorted_indices {
+        out_start[c as usize] = at;
+        at += split_sizes[c as usize];
+    }
+    let mut map: Vec<i64> = (0..tokens as i64).collect();
+    for c in 0..chunks {
+        for k in 0..split_sizes[c] {
+            map[(in_start[c] + k) as usize] = out_start[c] + k;
+        }
+    }
+    Ok(map)
+}
+
+/// Refuses a split whose sizes are negative or sum past `tokens`, or
+/// whose `sorted_indices` is not a permutation of the chunks.
+pub fn check_split(
+    split_sizes: &[i64],
+    sorted_indices: &[i64],
+    tokens: usize,
+) -> Result<(), PermuteError> {
     let chunks = split_sizes.len();
     if sorted_indices.len() != chunks {
         return Err(shape(format!(
@@ -44,24 +73,7 @@ pub fn make_chunk_sort_map(
         }
         seen[c as usize] = true;
     }
-    // Where each input chunk starts in the input and in the output.
-    let mut in_start = vec![0i64; chunks];
-    for c in 1..chunks {
-        in_start[c] = in_start[c - 1] + split_sizes[c - 1];
-    }
-    let mut out_start = vec![0i64; chunks];
-    let mut at = 0i64;
-    for &c in sorted_indices {
-        out_start[c as usize] = at;
-        at += split_sizes[c as usize];
-    }
-    let mut map: Vec<i64> = (0..tokens as i64).collect();
-    for c in 0..chunks {
-        for k in 0..split_sizes[c] {
-            map[(in_start[c] + k) as usize] = out_start[c] + k;
-        }
-    }
-    Ok(map)
+    Ok(())
 }
 
 /// Direction of [`sort_chunks_by_map`].

@@ -6,14 +6,23 @@
 //! ([`alias::alias_table`]: none may alias) and refuses overlapping buffers
 //! before writing anything (incident 4).
 //!
-//! This crate currently provides the Host implementation of every op
-//! (forward, backward, chunk sort); the CUDA kernels and the C ABI build on
-//! it.
+//! Two layers:
+//! - safe Host functions on slices ([`ops`], [`chunks`],
+//!   [`make_row_id_map`]), the reference the CUDA kernels are tested
+//!   against;
+//! - [`call`]: every op on raw addresses for Host and CUDA alike, with the
+//!   full argument checks, the overlap refusal, in-place variants and (on
+//!   CUDA) autotuned kernels ([`cuda`]). The C ABI is a thin layer over it.
+//!
+//! Results are deterministic: no atomics, fixed summation orders, the
+//! same bits on Host and CUDA and for every launch config.
 
 #![deny(missing_docs)]
 
 pub mod alias;
+pub mod call;
 pub mod chunks;
+pub mod cuda;
 mod error;
 pub mod ops;
 pub mod row_id_map;

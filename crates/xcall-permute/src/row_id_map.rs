@@ -209,6 +209,25 @@ impl<'a> RowIdMapRef<'a> {
     }
 }
 
+/// Refuses options that cannot be honoured.
+pub fn check_options(options: RowIdMapOptions) -> Result<(), PermuteError> {
+    if options.align == Some(0) {
+        return Err(shape("align must be at least 1"));
+    }
+    if options.align.is_some() && options.num_out_tokens.is_some() {
+        return Err(shape(
+            "num_out_tokens and align cannot be combined: padding fixes the output size",
+        ));
+    }
+    if options
+        .num_out_tokens
+        .is_some_and(|n| n > i32::MAX as usize)
+    {
+        return Err(shape("num_out_tokens does not fit the i32 row-id map"));
+    }
+    Ok(())
+}
+
 /// Builds the row-id map of `routing` (`[tokens, experts]` bytes; any
 /// nonzero byte is a route, as a bool mask stored in bytes reads).
 pub fn make_row_id_map(
@@ -229,14 +248,7 @@ pub fn make_row_id_map(
             routing.len()
         )));
     }
-    if options.align == Some(0) {
-        return Err(shape("align must be at least 1"));
-    }
-    if options.align.is_some() && options.num_out_tokens.is_some() {
-        return Err(shape(
-            "num_out_tokens and align cannot be combined: padding fixes the output size",
-        ));
-    }
+    check_options(options)?;
     let mut counts = vec![0i64; experts];
     for t in 0..tokens {
         for e in 0..experts {

@@ -4,7 +4,7 @@
 //! bytes written; times are CUDA-event medians of interleaved rounds after
 //! warm-up.
 
-use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaContext, DevicePtr};
 use xcall_core::{cuda, DType, Device};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
@@ -12,41 +12,6 @@ use xcall_warpspec::ops::OpConfig;
 
 const BYTES: u64 = 256 << 20;
 const ROUNDS: usize = 100;
-
-/// Times every variant once per round, round after round (so clock drift
-/// affects all alike), after a warm-up of a few hundred calls; returns each
-/// variant's CUDA-event median in ms.
-fn interleaved(
-    ctx: &std::sync::Arc<CudaContext>,
-    stream: &CudaStream,
-    variants: &mut [Box<dyn FnMut() + '_>],
-) -> Vec<f64> {
-    for _ in 0..30 {
-        for v in variants.iter_mut() {
-            v();
-        }
-    }
-    stream.synchronize().unwrap();
-    let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut samples = vec![Vec::with_capacity(ROUNDS); variants.len()];
-    for _ in 0..ROUNDS {
-        for (v, out) in variants.iter_mut().zip(samples.iter_mut()) {
-            let (a, b) = (ctx.new_event(timed).unwrap(), ctx.new_event(timed).unwrap());
-            a.record(stream).unwrap();
-            v();
-            b.record(stream).unwrap();
-            b.synchronize().unwrap();
-            out.push(a.elapsed_ms(&b).unwrap() as f64);
-        }
-    }
-    samples
-        .into_iter()
-        .map(|mut t| {
-            t.sort_by(|x, y| x.total_cmp(y));
-            t[t.len() / 2]
-        })
-        .collect()
-}
 
 fn main() {
     if xcall_core::testing::cuda_devices_or_skip("bench cuda_ws").is_none() {
@@ -126,7 +91,7 @@ fn main() {
             variants.push(Box::new(move || run(Variant::WarpSpecialized, &config)));
         }
     }
-    let ms = interleaved(&ctx, &stream, &mut variants);
+    let ms = xcall_core::testing::interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
     let copy_gbs = 2.0 * BYTES as f64 / ms[0] / 1e6;
     println!(
         "device: {} ({}), mul f32, {} MiB per operand, CUDA-event medians of {ROUNDS} interleaved rounds",

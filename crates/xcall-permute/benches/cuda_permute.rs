@@ -1,0 +1,209 @@
+//! Every op at the upstream bf16 benchmark cases (T, E, H, topK), side by
+//! side in one run with a device-to-device copy of the permuted tensor's
+//! bytes. GB/s count bytes read plus bytes written once; times are
+//! CUDA-event medians of interleaved rounds after warm-up; every op runs
+//! with its autotuned config (tuned before timing).
+
+use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr};
+use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, XorShift};
+use xcall_core::{cuda, DType, Device, FloatCodec};
+use xcall_permute::call::{
+    self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
+    UnpermuteArgs, UnpermuteBackwardArgs,
+};
+use xcall_permute::chunks::Direction;
+use xcall_permute::RowIdMapOptions;
+
+const ROUNDS: usize = 30;
+
+fn main() {
+    if cuda_devices_or_skip("bench cuda_permute").is_none() {
+        return;
+    }
+    let info = cuda::device_info(Device::cuda(0)).unwrap();
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: this bench orders its own work on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let target = Target {
+        autotune: true,
+        ..Target::cuda(0, stream.cu_stream().cast())
+    };
+    println!(
+        "device: {} ({}), bf16, CUDA-event medians of {ROUNDS} interleaved rounds; copy = cuMemcpyDtoDAsync of the [N, H] tensor",
+        info.name,
+        info.arch()
+    );
+    println!(
+        "{:<28} {:<26} {:>9} {:>9} {:>8}",
+        "case (T,E,H,topK)", "op", "us", "GB/s", "vs copy"
+    );
+    for (t, e, h, k) in [
+        (4096usize, 256usize, 7168usize, 8usize),
+        (16384, 128, 4096, 6),
+        (16384, 4, 7168, 1),
+    ] {
+        let mut g = XorShift::new(7);
+        let mut routing = vec![0u8; t * e];
+        for tok in 0..t {
+            let mut chosen = 0;
+            while chosen < k {
+                let x = (g.next_u64() % e as u64) as usize;
+                if routing[tok * e + x] == 0 {
+                    routing[tok * e + x] = 1;
+                    chosen += 1;
+                }
+            }
+        }
+        let n = t * k;
+        let row = h * 2;
+        let codec = FloatCodec::new(DType::Bf16).unwrap();
+        let mut data = vec![0u8; n.max(t) * row];
+        for i in 0..n.max(t) * h {
+            codec.store(&mut data, i, g.next_f32());
+        }
+        let probs: Vec<f32> = (0..t * e).map(|_| g.next_f32().abs()).collect();
+        let up = |b: &[u8]| -> CudaSlice<u8> { stream.clone_htod(b).unwrap() };
+        let f32b = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let d_routing = up(&routing);
+        let d_map = up(&vec![0u8; t * (2 * e + 1) * 4]);
+        let d_tpe = up(&vec![0u8; e * 8]);
+        let d_off = up(&vec![0u8; (e + 1) * 8]);
+        let d_in = up(&data[..t * row]);
+        let d_probs = up(&f32b(&probs));
+        let d_perm = up(&data[..n * row]);
+        let d_pp = up(&vec![0u8; n * 4]);
+        let d_back = up(&vec![0u8; t * row]);
+        let d_act = up(&vec![0u8; n * row]);
+        let d_pg = up(&vec![0u8; t * e * 4]);
+        let d_sorted = up(&vec![0u8; n * row]);
+        let d_cmap = up(&vec![0u8; n * 8]);
+        // Chunk sort over the permuted rows: E chunks of the expert sizes,
+        // in reversed order.
+        let sizes: Vec<i64> = (0..e)
+            .map(|x| {
+                routing
+                    .iter()
+                    .skip(x)
+                    .step_by(e)
+                    .filter(|&&v| v != 0)
+                    .count() as i64
+            })
+            .collect();
+        let sorted: Vec<i64> = (0..e as i64).rev().collect();
+        let i64b = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let d_sizes = up(&i64b(&sizes));
+        let d_sorted_idx = up(&i64b(&sorted));
+        let p = |s: &CudaSlice<u8>| s.device_ptr(&stream).0;
+        let tensor = |s: &CudaSlice<u8>, dtype: DType, dims: &[usize]| {
+            let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+            Tensor::new(p(s), dtype, &dims)
+        };
+        let rim = MakeRowIdMapArgs {
+            routing: tensor(&d_routing, DType::U8, &[t, e]),
+            options: RowIdMapOptions::default(),
+            row_id_map: tensor(&d_map, DType::I32, &[t, 2 * e + 1]),
+            tokens_per_expert: tensor(&d_tpe, DType::I64, &[e]),
+            expert_offsets: tensor(&d_off, DType::I64, &[e + 1]),
+        };
+        let permute = PermuteArgs {
+            input: tensor(&d_in, DType::Bf16, &[t, h]),
+            row_id_map: rim.row_id_map.clone(),
+            tokens_per_expert: rim.tokens_per_expert.clone(),
+            expert_offsets: rim.expert_offsets.clone(),
+            probs: Some(tensor(&d_probs, DType::F32, &[t, e])),
+            scales: None,
+            output: tensor(&d_perm, DType::Bf16, &[n, h]),
+            permuted_probs: Some(tensor(&d_pp, DType::F32, &[n])),
+            permuted_scales: None,
+            in_place: false,
+        };
+        let unpermute = UnpermuteArgs {
+            input: permute.output.clone(),
+            row_id_map: rim.row_id_map.clone(),
+            merging_probs: permute.probs.clone(),
+            permuted_probs: None,
+            output: tensor(&d_back, DType::Bf16, &[t, h]),
+            unpermuted_probs: None,
+        };
+        let backward = UnpermuteBackwardArgs {
+            grad: unpermute.output.clone(),
+            fwd_input: permute.output.clone(),
+            row_id_map: rim.row_id_map.clone(),
+            tokens_per_expert: rim.tokens_per_expert.clone(),
+            expert_offsets: rim.expert_offsets.clone(),
+            merging_probs: permute.probs.clone().unwrap(),
+            act_grad: tensor(&d_act, DType::Bf16, &[n, h]),
+            probs_grad: tensor(&d_pg, DType::F32, &[t, e]),
+        };
+        let cmap = MakeChunkSortMapArgs {
+            split_sizes: tensor(&d_sizes, DType::I64, &[e]),
+            sorted_indices: tensor(&d_sorted_idx, DType::I64, &[e]),
+            map: tensor(&d_cmap, DType::I64, &[n]),
+        };
+        let sort = SortChunksArgs {
+            input: permute.output.clone(),
+            map: cmap.map.clone(),
+            probs: None,
+            direction: Direction::Forward,
+            output: tensor(&d_sorted, DType::Bf16, &[n, h]),
+            permuted_probs: None,
+            in_place: false,
+        };
+        // SAFETY (all calls below): device allocations of the tensors'
+        // sizes on the bench's stream of cuda:0.
+        unsafe {
+            call::make_row_id_map(&target, &rim).unwrap();
+            call::make_chunk_sort_map(&target, &cmap).unwrap();
+        }
+        let s = stream.cu_stream();
+        let (copy_dst, copy_src) = (p(&d_sorted), p(&d_perm));
+        let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
+            Box::new(|| {
+                // SAFETY: two live allocations of n * row bytes.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(copy_dst, copy_src, n * row, s) }
+                    .result()
+                    .unwrap()
+            }),
+            Box::new(|| unsafe { call::make_row_id_map(&target, &rim).unwrap() }),
+            Box::new(|| unsafe { call::permute(&target, &permute).unwrap() }),
+            Box::new(|| unsafe { call::unpermute(&target, &unpermute).unwrap() }),
+            Box::new(|| unsafe { call::unpermute_backward(&target, &backward).unwrap() }),
+            Box::new(|| unsafe { call::make_chunk_sort_map(&target, &cmap).unwrap() }),
+            Box::new(|| unsafe { call::sort_chunks_by_map(&target, &sort).unwrap() }),
+        ];
+        let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
+        let (tr, nr) = ((t * row) as f64, (n * row) as f64);
+        let rows: [(&str, f64); 7] = [
+            ("d2d copy", 2.0 * nr),
+            (
+                "make_row_id_map",
+                (t * e) as f64 + (t * (2 * e + 1) * 4) as f64,
+            ),
+            ("permute (+probs)", tr + nr + (n * 4) as f64),
+            ("unpermute (merging probs)", nr + tr + (t * e * 4) as f64),
+            ("unpermute_backward", tr + 2.0 * nr + (t * e * 8) as f64),
+            ("make_chunk_sort_map", (n * 8) as f64),
+            ("sort_chunks_by_map", 2.0 * nr),
+        ];
+        let copy_gbs = rows[0].1 / ms[0] / 1e6;
+        let case = format!("({t},{e},{h},{k}) N={n}");
+        for ((name, bytes), t_ms) in rows.iter().zip(&ms) {
+            let gbs = bytes / t_ms / 1e6;
+            println!(
+                "{case:<28} {name:<26} {:>9.1} {gbs:>9.1} {:>8.3}",
+                t_ms * 1e3,
+                gbs / copy_gbs
+            );
+        }
+        println!(
+            "{case:<28} {:<26} {:>9.3}",
+            "make_row_id_map / permute",
+            ms[1] / ms[2]
+        );
+        drop(variants);
+    }
+    for (k, c) in xcall_permute::cuda::cached_configs(Device::cuda(0)) {
+        println!("tuned: {k}: {} threads, unroll {}", c.threads, c.unroll);
+    }
+}

@@ -1,0 +1,475 @@
+// CUDA kernels of xcall-permute, compiled at run time with NVRTC. The Rust
+// side appends the `extern "C"` instantiations a module needs.
+//
+// Every kernel mirrors a Host op of the crate exactly: data movement is
+// bit-exact; arithmetic uses __fmul_rn/__fadd_rn (never contracted into an
+// FMA) in the Host's order, and conversions round to nearest even, so the
+// results are bit-identical to the Host's. Destinations read from a map are
+// bounds-checked: a malformed map never writes out of bounds.
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------- vectors
+template <int V> struct VecT;
+template <> struct VecT<16> { typedef uint4 T; };
+template <> struct VecT<8> { typedef uint2 T; };
+template <> struct VecT<4> { typedef unsigned int T; };
+template <> struct VecT<2> { typedef unsigned short T; };
+template <> struct VecT<1> { typedef unsigned char T; };
+
+// ---------------------------------------------------------------- codecs
+struct F32 {
+    typedef float S;
+    static __device__ __forceinline__ float load(S v) { return v; }
+    static __device__ __forceinline__ S store(float v) { return v; }
+};
+struct F16 {
+    typedef unsigned short S;
+    static __device__ __forceinline__ float load(S v) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+        return f;
+    }
+    static __device__ __forceinline__ S store(float v) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        return h;
+    }
+};
+struct BF16 {
+    typedef unsigned short S;
+    static __device__ __forceinline__ float load(S v) {
+        return __uint_as_float(((unsigned int)v) << 16);
+    }
+    static __device__ __forceinline__ S store(float v) {
+        unsigned short h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        return h;
+    }
+};
+
+// V bytes of elements of codec C, loaded and stored as one vector.
+template <typename C, int V> union Pack {
+    typename VecT<V>::T raw;
+    typename C::S v[V / sizeof(typename C::S)];
+};
+
+// ------------------------------------------------------------ row-id map
+// Phase 1: per-block expert counts over TB tokens, stored at the start of
+// the block's own rows of the map (it holds at least E ints; phase 3
+// overwrites them last).
+__device__ void load_tile(const unsigned char* routing, unsigned char* tile, i64 t0, int nt, int E) {
+    const unsigned char* src = routing + t0 * E;
+    for (i64 i = threadIdx.x; i < (i64)nt * E; i += blockDim.x) tile[i] = src[i] != 0;
+}
+
+extern "C" __global__ void rim_count(const unsigned char* routing, int* map, i64 T, int E, int TB) {
+    extern __shared__ unsigned char tile[];
+    i64 t0 = (i64)blockIdx.x * TB;
+    int nt = (int)min((i64)TB, T - t0);
+    load_tile(routing, tile, t0, nt, E);
+    __syncthreads();
+    int* slot = map + t0 * (2 * E + 1);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int c = 0;
+        for (int i = 0; i < nt; ++i) c += tile[i * E + e];
+        slot[e] = c;
+    }
+}
+
+// Inclusive scan of x over the block (blockDim a multiple of 32, <= 1024);
+// `total` receives the block's sum. Uses `warps[32]` of shared memory.
+__device__ i64 block_scan(i64 x, i64* warps, i64* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int off = 1; off < 32; off <<= 1) {
+        i64 y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    if (lane == 31) warps[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        i64 w = lane < nw ? warps[lane] : 0;
+        for (int off = 1; off < 32; off <<= 1) {
+            i64 y = __shfl_up_sync(0xffffffffu, w, off);
+            if (lane >= off) w += y;
+        }
+        warps[lane] = w;
+    }
+    __syncthreads();
+    i64 incl = x + (warp > 0 ? warps[warp - 1] : 0);
+    *total = warps[nw - 1];
+    __syncthreads();
+    return incl;
+}
+
+// Phase 2: one block per expert turns the block counts into exclusive
+// block bases (in place) and writes the expert's route count to tpe[e].
+extern "C" __global__ void rim_scan_blocks(int* map, i64* tpe, i64 T, int E, int TB, i64 nblocks) {
+    __shared__ i64 warps[32];
+    int e = blockIdx.x;
+    i64 carry = 0;
+    for (i64 base = 0; base < nblocks; base += blockDim.x) {
+        i64 b = base + threadIdx.x;
+        int* slot = map + b * TB * (2 * E + 1) + e;
+        int v = b < nblocks ? *slot : 0;
+        i64 total;
+        i64 incl = block_scan(v, warps, &total);
+        if (b < nblocks) *slot = (int)(carry + incl - v);
+        carry += total;
+    }
+    if (threadIdx.x == 0) tpe[e] = carry;
+}
+
+// Phase 2b, one block: padded expert offsets, and the routes each expert
+// keeps under the cap (tpe holds raw counts on entry, kept on exit).
+extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align, i64 cap) {
+    __shared__ i64 warps[32];
+    i64 carry = 0;
+    for (int base = 0; base < E; base += blockDim.x) {
+        int e = base + threadIdx.x;
+        i64 count = e < E ? tpe[e] : 0;
+        i64 padded = (count + align - 1) / align * align;
+        i64 total;
+        i64 incl = block_scan(padded, warps, &total);
+        if (e < E) {
+            i64 off = carry + incl - padded;
+            offsets[e] = off;
+            tpe[e] = max((i64)0, min(count, cap - off));
+        }
+        carry += total;
+    }
+    if (threadIdx.x == 0) offsets[E] = carry;
+}
+
+// Phase 3: ranks within the block, then one warp per token writes its row.
+extern "C" __global__ void rim_write(const unsigned char* routing, int* map, const i64* offsets, i64 T, int E, int TB, i64 cap) {
+    extern __shared__ i64 start[];  // E values, then the TB x E tile
+    unsigned char* tile = (unsigned char*)(start + E);
+    i64 t0 = (i64)blockIdx.x * TB;
+    int nt = (int)min((i64)TB, T - t0);
+    const int W = 2 * E + 1;
+    int* rows = map + t0 * W;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) start[e] = offsets[e] + rows[e];
+    load_tile(routing, tile, t0, nt, E);
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int r = 0;
+        for (int i = 0; i < nt; ++i) {
+            if (tile[i * E + e]) tile[i * E + e] = (unsigned char)(++r);
+        }
+    }
+    __syncthreads();
+    int lane = threadIdx.x & 31;
+    for (int i = threadIdx.x >> 5; i < nt; i += blockDim.x >> 5) {
+        int* row = rows + (i64)i * W;
+        int n = 0;
+        for (int base = 0; base < E; base += 32) {
+            int e = base + lane;
+            bool kept = false;
+            i64 dst = 0;
+            if (e < E) {
+                int v = tile[i * E + e];
+                if (v) {
+                    dst = start[e] + v - 1;
+                    kept = dst < cap;
+                }
+            }
+            unsigned mask = __ballot_sync(0xffffffffu, kept);
+            if (kept) {
+                int k = n + __popc(mask & ((1u << lane) - 1));
+                row[k] = (int)dst;
+                row[E + k] = e;
+            }
+            n += __popc(mask);
+        }
+        for (int j = n + lane; j < E; j += 32) {
+            row[j] = -1;
+            row[E + j] = -1;
+        }
+        if (lane == 0) row[2 * E] = n;
+    }
+}
+
+// ---------------------------------------------------------- chunk sort map
+// Every block checks the split (sizes >= 0 summing to <= T, indices a
+// permutation) and computes the chunk starts in shared memory; an invalid
+// split leaves the map untouched. Then one thread per row.
+extern "C" __global__ void chunk_map(const i64* sizes, const i64* sorted, i64* map, int S, i64 T) {
+    extern __shared__ i64 in_start[];  // S + 1 values, then S out starts, then S flags
+    i64* out_start = in_start + S + 1;
+    unsigned char* seen = (unsigned char*)(out_start + S);
+    __shared__ int bad;
+    if (threadIdx.x == 0) {
+        bad = 0;
+        for (int c = 0; c < S; ++c) seen[c] = 0;
+        i64 at = 0;
+        for (int c = 0; c < S; ++c) {
+            in_start[c] = at;
+            if (sizes[c] < 0) bad = 1;
+            at += sizes[c];
+        }
+        in_start[S] = at;
+        if (at > T) bad = 1;
+        at = 0;
+        for (int i = 0; i < S && !bad; ++i) {
+            i64 c = sorted[i];
+            if (c < 0 || c >= S || seen[c]) {
+                bad = 1;
+                break;
+            }
+            seen[c] = 1;
+            out_start[c] = at;
+            at += sizes[c];
+        }
+    }
+    __syncthreads();
+    if (bad) return;
+    i64 total = in_start[S];
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (i64)gridDim.x * blockDim.x) {
+        i64 dst = t;
+        if (t < total) {
+            int lo = 0, hi = S - 1;  // last chunk with in_start <= t and a row at t
+            while (lo < hi) {
+                int mid = (lo + hi + 1) / 2;
+                if (in_start[mid] <= t) lo = mid; else hi = mid - 1;
+            }
+            dst = out_start[lo] + (t - in_start[lo]);
+        }
+        map[t] = dst;
+    }
+}
+
+// ------------------------------------------------------------- movement
+// permute: one block per token (grid-stride): its row is read once, U
+// vectors per thread at a time, and written to each of its routes.
+template <int V, int U>
+__device__ void permute_body(const unsigned char* in, const int* map, const float* probs, const float* scales,
+                             unsigned char* out, float* pprobs, float* pscales, i64 T, int E, i64 row, int S, i64 N) {
+    typedef typename VecT<V>::T Vt;
+    const i64 nv = row / V;
+    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = m[2 * E];
+        if (pprobs) {
+            for (int k = threadIdx.x; k < n; k += blockDim.x) {
+                int d = m[k];
+                if (d >= 0 && d < N) pprobs[d] = probs[t * E + m[E + k]];
+            }
+        }
+        if (pscales) {
+            for (i64 i = threadIdx.x; i < (i64)n * S; i += blockDim.x) {
+                int d = m[i / S];
+                if (d >= 0 && d < N) pscales[(i64)d * S + i % S] = scales[t * S + i % S];
+            }
+        }
+        const Vt* src = (const Vt*)(in + t * row);
+        for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
+            Vt r[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * blockDim.x;
+                if (i < nv) r[u] = src[i];
+            }
+            for (int k = 0; k < n; ++k) {
+                int d = m[k];
+                if (d < 0 || d >= N) continue;
+                Vt* dst = (Vt*)(out + (i64)d * row);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    i64 i = base + (i64)u * blockDim.x;
+                    if (i < nv) dst[i] = r[u];
+                }
+            }
+        }
+    }
+}
+
+// Zeroes the rows no route writes: block c < E takes expert c's padding,
+// block E the rows past the last chunk.
+template <int V>
+__device__ void zero_body(unsigned char* out, float* pprobs, float* pscales, const i64* tpe, const i64* offsets,
+                          int E, i64 N, i64 row, int S) {
+    typedef typename VecT<V>::T Vt;
+    int c = blockIdx.x;
+    i64 lo = c < E ? offsets[c] + tpe[c] : offsets[E];
+    i64 hi = c < E ? offsets[c + 1] : N;
+    lo = max((i64)0, min(lo, N));
+    hi = max((i64)0, min(hi, N));
+    if (lo >= hi) return;
+    Vt* o = (Vt*)(out + lo * row);
+    const i64 nv = (hi - lo) * row / V;
+    Vt z;
+    memset(&z, 0, sizeof z);
+    for (i64 i = threadIdx.x; i < nv; i += blockDim.x) o[i] = z;
+    if (pprobs)
+        for (i64 r = lo + threadIdx.x; r < hi; r += blockDim.x) pprobs[r] = 0.0f;
+    if (pscales)
+        for (i64 i = lo * S + threadIdx.x; i < hi * S; i += blockDim.x) pscales[i] = 0.0f;
+}
+
+// sort_chunks_by_map: one block per row; forward scatters, backward gathers.
+template <int V, int U>
+__device__ void sort_body(const unsigned char* in, const i64* map, const float* probs, unsigned char* out,
+                          float* pprobs, i64 T, i64 row, int backward) {
+    typedef typename VecT<V>::T Vt;
+    const i64 nv = row / V;
+    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+        i64 m = map[t];
+        if (m < 0 || m >= T) continue;
+        i64 s = backward ? m : t, d = backward ? t : m;
+        if (pprobs && threadIdx.x == 0) pprobs[d] = probs[s];
+        const Vt* src = (const Vt*)(in + s * row);
+        Vt* dst = (Vt*)(out + d * row);
+        for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
+            Vt r[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * blockDim.x;
+                if (i < nv) r[u] = src[i];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * blockDim.x;
+                if (i < nv) dst[i] = r[u];
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------ arithmetic
+// unpermute: one block per token; each element sums its routes in route
+// order in f32: acc = acc + x * w (weight 1 without merging probs).
+template <typename C, int V, int U>
+__device__ void unpermute_body(const unsigned char* in, const int* map, const float* mprobs, const float* pprobs,
+                               unsigned char* out, float* uprobs, i64 T, int E, i64 H, i64 N) {
+    typedef Pack<C, V> P;
+    const int EV = V / sizeof(typename C::S);
+    const i64 row = H * (i64)sizeof(typename C::S);
+    const i64 nv = row / V;
+    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = m[2 * E];
+        if (uprobs) {
+            for (int e = threadIdx.x; e < E; e += blockDim.x) {
+                float v = 0.0f;
+                for (int k = 0; k < n; ++k) {
+                    int d = m[k];
+                    if (m[E + k] == e && d >= 0 && d < N) v = pprobs[d];
+                }
+                uprobs[t * E + e] = v;
+            }
+        }
+        for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
+            float acc[U][EV];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int j = 0; j < EV; ++j) acc[u][j] = 0.0f;
+            for (int k = 0; k < n; ++k) {
+                int d = m[k];
+                if (d < 0 || d >= N) continue;
+                float w = mprobs ? mprobs[t * E + m[E + k]] : 1.0f;
+                const P* src = (const P*)(in + (i64)d * row);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    i64 i = base + (i64)u * blockDim.x;
+                    if (i < nv) {
+                        P p;
+                        p.raw = src[i].raw;
+#pragma unroll
+                        for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(p.v[j]), w));
+                    }
+                }
+            }
+            P* dst = (P*)(out + t * row);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * blockDim.x;
+                if (i < nv) {
+                    P p;
+#pragma unroll
+                    for (int j = 0; j < EV; ++j) p.v[j] = C::store(acc[u][j]);
+                    dst[i].raw = p.raw;
+                }
+            }
+        }
+    }
+}
+
+// unpermute_backward: one block of 256 / A threads per token. For each
+// route: act_grad[dst] = g * w, and the dot(fwd_input[dst], g) in the
+// crate's fixed order: 16-byte group q adds element by element into slot
+// q % 256, then the 256 slots fold pairwise (see ops::DOT_SLOTS).
+template <typename C, int V, int A>
+__device__ void unpermute_bwd_body(const unsigned char* grad, const unsigned char* fwd, const int* map,
+                                   const float* mprobs, unsigned char* act, float* pgrad, i64 T, int E, i64 H, i64 N) {
+    typedef typename C::S S;
+    typedef Pack<C, V> P;
+    const int GE = 16 / sizeof(S);  // elements per group
+    const int EV = V / sizeof(S);   // elements per vector (divides GE)
+    const i64 groups = (H + GE - 1) / GE;
+    __shared__ float part[256];
+    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = m[2 * E];
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            bool routed = false;
+            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && m[k] >= 0 && m[k] < N;
+            if (!routed) pgrad[t * E + e] = 0.0f;
+        }
+        const S* g = (const S*)(grad + t * H * sizeof(S));
+        for (int k = 0; k < n; ++k) {
+            int d = m[k];
+            if (d < 0 || d >= N) continue;  // uniform across the block
+            float w = mprobs[t * E + m[E + k]];
+            const S* x = (const S*)(fwd + (i64)d * H * sizeof(S));
+            S* a = (S*)(act + (i64)d * H * sizeof(S));
+            float acc[A];
+#pragma unroll
+            for (int s = 0; s < A; ++s) acc[s] = 0.0f;
+            int slot = 0;
+            for (i64 q = threadIdx.x; q < groups; q += blockDim.x) {
+                i64 j0 = q * GE;
+                float sum = acc[0];
+#pragma unroll
+                for (int s = 1; s < A; ++s)
+                    if (slot == s) sum = acc[s];
+                if (j0 + GE <= H) {
+#pragma unroll
+                    for (int v = 0; v < GE / EV; ++v) {
+                        P pg, px, pa;
+                        pg.raw = ((const P*)(g + j0))[v].raw;
+                        px.raw = ((const P*)(x + j0))[v].raw;
+#pragma unroll
+                        for (int j = 0; j < EV; ++j) {
+                            float gv = C::load(pg.v[j]);
+                            pa.v[j] = C::store(__fmul_rn(gv, w));
+                            sum = __fadd_rn(sum, __fmul_rn(C::load(px.v[j]), gv));
+                        }
+                        ((P*)(a + j0))[v].raw = pa.raw;
+                    }
+                } else {
+                    for (i64 j = j0; j < H; ++j) {
+                        float gv = C::load(g[j]);
+                        a[j] = C::store(__fmul_rn(gv, w));
+                        sum = __fadd_rn(sum, __fmul_rn(C::load(x[j]), gv));
+                    }
+                }
+#pragma unroll
+                for (int s = 0; s < A; ++s)
+                    if (slot == s) acc[s] = sum;
+                slot = slot + 1 == A ? 0 : slot + 1;
+            }
+#pragma unroll
+            for (int s = 0; s < A; ++s) part[threadIdx.x + s * blockDim.x] = acc[s];
+            __syncthreads();
+            for (int width = 128; width > 0; width >>= 1) {
+                for (int s = threadIdx.x; s < width; s += blockDim.x) part[s] = __fadd_rn(part[s], part[s + width]);
+                __syncthreads();
+            }
+            if (threadIdx.x == 0) pgrad[t * E + m[E + k]] = part[0];
+            __syncthreads();
+        }
+    }
+}

@@ -1,0 +1,837 @@
+//! Every op on CUDA against the Host path of the same entry points, on
+//! fresh random data with poisoned outputs: bit-identical results expected
+//! (the kernels follow the Host's order and rounding). Also: autotuned vs
+//! untuned, in-place variants, stream capture, device-memory checks. Skips
+//! without a GPU unless XCALL_REQUIRE_CUDA=1.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use xcall_core::testing::{cuda_devices_or_skip, XorShift};
+use xcall_core::{DType, Status};
+use xcall_permute::call::{
+    self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
+    UnpermuteArgs, UnpermuteBackwardArgs,
+};
+use xcall_permute::chunks::Direction;
+use xcall_permute::{PermuteError, RowIdMapOptions};
+
+const POISON: u8 = 0xa5;
+
+struct Gpu {
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    keep: Vec<CudaSlice<u8>>,
+}
+
+impl Gpu {
+    fn new() -> Self {
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        Gpu {
+            _ctx: ctx,
+            stream,
+            keep: Vec::new(),
+        }
+    }
+
+    fn target(&self, autotune: bool) -> Target {
+        Target {
+            autotune,
+            ..Target::cuda(0, self.stream.cu_stream().cast())
+        }
+    }
+
+    /// Uploads `bytes` (at least one byte is allocated) and returns the
+    /// device address; the allocation lives as long as `self`.
+    fn upload(&mut self, bytes: &[u8]) -> u64 {
+        let data = if bytes.is_empty() { &[0u8][..] } else { bytes };
+        let slice = self.stream.clone_htod(data).unwrap();
+        let ptr = slice.device_ptr(&self.stream).0;
+        self.keep.push(slice);
+        ptr
+    }
+
+    fn download(&self, address: u64, bytes: usize) -> Vec<u8> {
+        self.stream.synchronize().unwrap();
+        let mut out = vec![0u8; bytes];
+        if bytes > 0 {
+            // SAFETY: `address` is an allocation of this context of at least
+            // `bytes` bytes; the stream is idle.
+            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), address, bytes) }
+                .result()
+                .unwrap();
+        }
+        out
+    }
+}
+
+/// A host tensor and its device twin, both holding the same bytes.
+struct Pair {
+    host: Vec<u8>,
+    dtype: DType,
+    dims: Vec<u64>,
+    device: u64,
+}
+
+impl Pair {
+    fn new(gpu: &mut Gpu, host: Vec<u8>, dtype: DType, dims: &[u64]) -> Pair {
+        let device = gpu.upload(&host);
+        Pair {
+            host,
+            dtype,
+            dims: dims.to_vec(),
+            device,
+        }
+    }
+
+    fn poisoned(gpu: &mut Gpu, dtype: DType, dims: &[u64]) -> Pair {
+        let n = dims.iter().product::<u64>() as usize * dtype.size_bytes();
+        Self::new(gpu, vec![POISON; n], dtype, dims)
+    }
+
+    fn h(&self) -> Tensor {
+        Tensor::new(self.host.as_ptr() as u64, self.dtype, &self.dims)
+    }
+
+    fn d(&self) -> Tensor {
+        Tensor::new(self.device, self.dtype, &self.dims)
+    }
+
+    fn same(&self, gpu: &Gpu, what: &str) {
+        let got = gpu.download(self.device, self.host.len());
+        if let Some(i) = got.iter().zip(&self.host).position(|(a, b)| a != b) {
+            panic!(
+                "{what}: CUDA differs from Host at byte {i} of {} ({:#04x} vs {:#04x})",
+                got.len(),
+                got[i],
+                self.host[i]
+            );
+        }
+    }
+}
+
+fn routing(t: usize, e: usize, topk: usize, g: &mut XorShift) -> Vec<u8> {
+    let mut r = vec![0u8; t * e];
+    for tok in 0..t {
+        // Some tokens route nowhere; most take topk distinct experts.
+        let k = if g.next_u64() % 11 == 0 {
+            0
+        } else {
+            topk.min(e)
+        };
+        let mut chosen = 0;
+        while chosen < k {
+            let x = (g.next_u64() % e as u64) as usize;
+            if r[tok * e + x] == 0 {
+                r[tok * e + x] = 1 + (g.next_u64() % 3) as u8; // any nonzero byte routes
+                chosen += 1;
+            }
+        }
+    }
+    r
+}
+
+fn random_values(dtype: DType, n: usize, g: &mut XorShift) -> Vec<u8> {
+    let mut out = vec![0u8; n * dtype.size_bytes()];
+    match xcall_core::FloatCodec::new(dtype) {
+        Some(c) => (0..n).for_each(|i| c.store(&mut out, i, g.next_f32() * 4.0)),
+        None => out.iter_mut().for_each(|b| *b = g.next_u64() as u8 & 0x77),
+    }
+    out
+}
+
+fn f32s(n: usize, g: &mut XorShift) -> Vec<u8> {
+    (0..n).flat_map(|_| g.next_f32().to_le_bytes()).collect()
+}
+
+fn both(gpu: &Gpu, autotune: bool, f: impl Fn(&Target, bool) -> Result<(), PermuteError>) {
+    f(&Target::host(), false).unwrap();
+    f(&gpu.target(autotune), true).unwrap();
+}
+
+struct Case {
+    t: usize,
+    e: usize,
+    h: usize,
+    topk: usize,
+    cap: Option<usize>,
+    align: Option<usize>,
+    dtype: DType,
+}
+
+fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
+    let what = format!(
+        "T={} E={} H={} topk={} cap={:?} align={:?} {}",
+        c.t, c.e, c.h, c.topk, c.cap, c.align, c.dtype
+    );
+    let mut g = XorShift::new(seed);
+    let (t, e, h) = (c.t as u64, c.e as u64, c.h as u64);
+    let r = Pair::new(gpu, routing(c.t, c.e, c.topk, &mut g), DType::U8, &[t, e]);
+    let map = Pair::poisoned(gpu, DType::I32, &[t, 2 * e + 1]);
+    let tpe = Pair::poisoned(gpu, DType::I64, &[e]);
+    let off = Pair::poisoned(gpu, DType::I64, &[e + 1]);
+    let options = RowIdMapOptions {
+        num_out_tokens: c.cap,
+        align: c.align,
+    };
+    both(gpu, autotune, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: host vectors and device allocations of the tensors' sizes.
+        unsafe {
+            call::make_row_id_map(
+                tg,
+                &MakeRowIdMapArgs {
+                    routing: pick(&r),
+                    options,
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                },
+            )
+        }
+    });
+    map.same(gpu, &format!("{what}: row_id_map"));
+    tpe.same(gpu, &format!("{what}: tokens_per_expert"));
+    off.same(gpu, &format!("{what}: expert_offsets"));
+    let offsets: Vec<i64> = off
+        .host
+        .chunks(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let n = c.cap.map_or(offsets[c.e] as u64, |x| x as u64);
+
+    // permute with probs and scales.
+    let input = Pair::new(
+        gpu,
+        random_values(c.dtype, c.t * c.h, &mut g),
+        c.dtype,
+        &[t, h],
+    );
+    let probs = Pair::new(gpu, f32s(c.t * c.e, &mut g), DType::F32, &[t, e]);
+    let scales = Pair::new(gpu, f32s(c.t * 3, &mut g), DType::F32, &[t, 3]);
+    let out = Pair::poisoned(gpu, c.dtype, &[n, h]);
+    let pp = Pair::poisoned(gpu, DType::F32, &[n]);
+    let ps = Pair::poisoned(gpu, DType::F32, &[n, 3]);
+    both(gpu, autotune, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: as above.
+        unsafe {
+            call::permute(
+                tg,
+                &PermuteArgs {
+                    input: pick(&input),
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                    probs: Some(pick(&probs)),
+                    scales: Some(pick(&scales)),
+                    output: pick(&out),
+                    permuted_probs: Some(pick(&pp)),
+                    permuted_scales: Some(pick(&ps)),
+                    in_place: false,
+                },
+            )
+        }
+    });
+    out.same(gpu, &format!("{what}: permute output"));
+    pp.same(gpu, &format!("{what}: permuted_probs"));
+    ps.same(gpu, &format!("{what}: permuted_scales"));
+    if !matches!(c.dtype, DType::F32 | DType::F16 | DType::Bf16) {
+        return;
+    }
+
+    // unpermute with merging probs and scattered probs, then without probs.
+    let back = Pair::poisoned(gpu, c.dtype, &[t, h]);
+    let up = Pair::poisoned(gpu, DType::F32, &[t, e]);
+    let plain = Pair::poisoned(gpu, c.dtype, &[t, h]);
+    both(gpu, autotune, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: as above.
+        unsafe {
+            call::unpermute(
+                tg,
+                &UnpermuteArgs {
+                    input: pick(&out),
+                    row_id_map: pick(&map),
+                    merging_probs: Some(pick(&probs)),
+                    permuted_probs: Some(pick(&pp)),
+                    output: pick(&back),
+                    unpermuted_probs: Some(pick(&up)),
+                },
+            )?;
+            call::unpermute(
+                tg,
+                &UnpermuteArgs {
+                    input: pick(&out),
+                    row_id_map: pick(&map),
+                    merging_probs: None,
+                    permuted_probs: None,
+                    output: pick(&plain),
+                    unpermuted_probs: None,
+                },
+            )
+        }
+    });
+    back.same(gpu, &format!("{what}: unpermute output"));
+    up.same(gpu, &format!("{what}: unpermuted_probs"));
+    plain.same(gpu, &format!("{what}: unpermute without probs"));
+
+    // unpermute_backward.
+    let grad = Pair::new(
+        gpu,
+        random_values(c.dtype, c.t * c.h, &mut g),
+        c.dtype,
+        &[t, h],
+    );
+    let act = Pair::poisoned(gpu, c.dtype, &[n, h]);
+    let pg = Pair::poisoned(gpu, DType::F32, &[t, e]);
+    both(gpu, autotune, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: as above.
+        unsafe {
+            call::unpermute_backward(
+                tg,
+                &UnpermuteBackwardArgs {
+                    grad: pick(&grad),
+                    fwd_input: pick(&out),
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                    merging_probs: pick(&probs),
+                    act_grad: pick(&act),
+                    probs_grad: pick(&pg),
+                },
+            )
+        }
+    });
+    act.same(gpu, &format!("{what}: act_grad"));
+    pg.same(gpu, &format!("{what}: probs_grad"));
+}
+
+#[test]
+fn every_op_and_dtype_equals_the_host() {
+    if cuda_devices_or_skip("permute cuda ops").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut seed = 100;
+    let mut cases = Vec::new();
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        cases.extend([
+            Case {
+                t: 4096,
+                e: 7,
+                h: 4096,
+                topk: 2,
+                cap: None,
+                align: None,
+                dtype,
+            },
+            Case {
+                t: 4096,
+                e: 16,
+                h: 1280,
+                topk: 5,
+                cap: Some(2039),
+                align: None,
+                dtype,
+            },
+            Case {
+                t: 1024,
+                e: 64,
+                h: 4096,
+                topk: 6,
+                cap: None,
+                align: Some(16),
+                dtype,
+            },
+            Case {
+                t: 300,
+                e: 256,
+                h: 7168,
+                topk: 8,
+                cap: None,
+                align: Some(128),
+                dtype,
+            },
+            Case {
+                t: 333,
+                e: 5,
+                h: 1029,
+                topk: 3,
+                cap: Some(5000),
+                align: None,
+                dtype,
+            },
+            Case {
+                t: 77,
+                e: 3,
+                h: 1,
+                topk: 2,
+                cap: None,
+                align: None,
+                dtype,
+            },
+            Case {
+                t: 0,
+                e: 4,
+                h: 64,
+                topk: 2,
+                cap: None,
+                align: Some(8),
+                dtype,
+            },
+        ]);
+    }
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        cases.push(Case {
+            t: 512,
+            e: 8,
+            h: 4096,
+            topk: 2,
+            cap: None,
+            align: Some(4),
+            dtype,
+        });
+        cases.push(Case {
+            t: 100,
+            e: 9,
+            h: 33,
+            topk: 3,
+            cap: Some(90),
+            align: None,
+            dtype,
+        });
+    }
+    cases.push(Case {
+        t: 2000,
+        e: 512,
+        h: 256,
+        topk: 8,
+        cap: None,
+        align: None,
+        dtype: DType::Bf16,
+    });
+    for c in &cases {
+        seed += 1;
+        run_case(&mut gpu, c, seed, false);
+    }
+}
+
+#[test]
+fn autotuned_results_equal_untuned_and_tuning_writes_nothing_visible() {
+    if cuda_devices_or_skip("permute autotune").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    // Untuned first, then the same data with tuning on (the first tuned
+    // call per kernel class times candidates on scratch): run_case
+    // compares each against the Host, so both are bit-identical.
+    for (i, dtype) in [DType::Bf16, DType::F32].into_iter().enumerate() {
+        let c = Case {
+            t: 2048,
+            e: 32,
+            h: 2880,
+            topk: 4,
+            cap: None,
+            align: Some(8),
+            dtype,
+        };
+        run_case(&mut gpu, &c, 900 + i as u64, false);
+        run_case(&mut gpu, &c, 900 + i as u64, true);
+    }
+    let tuned = xcall_permute::cuda::cached_configs(xcall_core::Device::cuda(0));
+    eprintln!("tuned configs: {tuned:?}");
+    assert!(tuned.len() >= 4, "tuning ran for the kernels: {tuned:?}");
+}
+
+fn chunk_case(
+    gpu: &mut Gpu,
+    s: usize,
+    t: usize,
+    h: usize,
+    dtype: DType,
+    seed: u64,
+    autotune: bool,
+) {
+    let what = format!("S={s} T={t} H={h} {dtype}");
+    let mut g = XorShift::new(seed);
+    // Random sizes that leave a tail of rows past the chunks.
+    let mut sizes = vec![0i64; s];
+    let mut left = t - t / 10;
+    for (i, size) in sizes.iter_mut().enumerate() {
+        let x = if i + 1 == s {
+            left
+        } else {
+            (g.next_u64() as usize) % (2 * left / (s - i) + 1)
+        };
+        let x = x.min(left);
+        *size = x as i64;
+        left -= x;
+    }
+    let mut sorted: Vec<i64> = (0..s as i64).collect();
+    for i in (1..s).rev() {
+        sorted.swap(i, (g.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let sz = Pair::new(gpu, bytes(&sizes), DType::I64, &[s as u64]);
+    let so = Pair::new(gpu, bytes(&sorted), DType::I64, &[s as u64]);
+    let map = Pair::poisoned(gpu, DType::I64, &[t as u64]);
+    both(gpu, autotune, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: as above.
+        unsafe {
+            call::make_chunk_sort_map(
+                tg,
+                &MakeChunkSortMapArgs {
+                    split_sizes: pick(&sz),
+                    sorted_indices: pick(&so),
+                    map: pick(&map),
+                },
+            )
+        }
+    });
+    map.same(gpu, &format!("{what}: chunk map"));
+    let input = Pair::new(
+        gpu,
+        random_values(dtype, t * h, &mut g),
+        dtype,
+        &[t as u64, h as u64],
+    );
+    let probs = Pair::new(gpu, f32s(t, &mut g), DType::F32, &[t as u64]);
+    for direction in [Direction::Forward, Direction::Backward] {
+        let out = Pair::poisoned(gpu, dtype, &[t as u64, h as u64]);
+        let pp = Pair::poisoned(gpu, DType::F32, &[t as u64]);
+        both(gpu, autotune, |tg, dev| {
+            let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+            // SAFETY: as above.
+            unsafe {
+                call::sort_chunks_by_map(
+                    tg,
+                    &SortChunksArgs {
+                        input: pick(&input),
+                        map: pick(&map),
+                        probs: Some(pick(&probs)),
+                        direction,
+                        output: pick(&out),
+                        permuted_probs: Some(pick(&pp)),
+                        in_place: false,
+                    },
+                )
+            }
+        });
+        out.same(gpu, &format!("{what} {direction:?}: sorted rows"));
+        pp.same(gpu, &format!("{what} {direction:?}: sorted probs"));
+        // In place: the output is the input's own buffer.
+        let inplace = Pair::new(gpu, input.host.clone(), dtype, &[t as u64, h as u64]);
+        let mut host_copy = inplace.host.clone();
+        let host_t = Tensor::new(host_copy.as_mut_ptr() as u64, dtype, &inplace.dims);
+        let args = |x: Tensor| SortChunksArgs {
+            input: x.clone(),
+            map: map.h(),
+            probs: None,
+            direction,
+            output: x,
+            permuted_probs: None,
+            in_place: true,
+        };
+        // SAFETY: as above; in_place allows the overlap.
+        unsafe {
+            call::sort_chunks_by_map(&Target::host(), &args(host_t)).unwrap();
+            let mut dargs = args(inplace.d());
+            dargs.map = map.d();
+            call::sort_chunks_by_map(&gpu.target(autotune), &dargs).unwrap();
+        }
+        assert_eq!(
+            host_copy, out.host,
+            "{what}: Host in-place equals out-of-place"
+        );
+        let got = gpu.download(inplace.device, inplace.host.len());
+        assert!(got == out.host, "{what}: CUDA in-place equals out-of-place");
+    }
+}
+
+#[test]
+fn chunk_sort_equals_the_host_including_in_place() {
+    if cuda_devices_or_skip("permute cuda chunk sort").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut seed = 500;
+    for (s, t, h) in [
+        (8, 4096, 1280),
+        (64, 4096, 4096),
+        (256, 4096, 9216),
+        (3, 17, 5),
+    ] {
+        for dtype in [DType::Bf16, DType::F32, DType::F8E4M3] {
+            seed += 1;
+            chunk_case(&mut gpu, s, t, h, dtype, seed, seed % 2 == 0);
+        }
+    }
+}
+
+#[test]
+fn permute_in_place_equals_out_of_place() {
+    if cuda_devices_or_skip("permute cuda in place").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut g = XorShift::new(77);
+    let (t, e, h, dtype) = (1000usize, 8usize, 2048usize, DType::Bf16);
+    let r = Pair::new(
+        &mut gpu,
+        routing(t, e, 2, &mut g),
+        DType::U8,
+        &[t as u64, e as u64],
+    );
+    let map = Pair::poisoned(&mut gpu, DType::I32, &[t as u64, 2 * e as u64 + 1]);
+    let tpe = Pair::poisoned(&mut gpu, DType::I64, &[e as u64]);
+    let off = Pair::poisoned(&mut gpu, DType::I64, &[e as u64 + 1]);
+    both(&gpu, false, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: as above.
+        unsafe {
+            call::make_row_id_map(
+                tg,
+                &MakeRowIdMapArgs {
+                    routing: pick(&r),
+                    options: RowIdMapOptions::default(),
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                },
+            )
+        }
+    });
+    let n = i64::from_le_bytes(off.host[8 * e..].try_into().unwrap()) as usize;
+    let row = h * dtype.size_bytes();
+    let data = random_values(dtype, t * h, &mut g);
+    // One buffer of max(T, N) rows: input at its start, output over it.
+    let mut buf = vec![POISON; t.max(n) * row];
+    buf[..data.len()].copy_from_slice(&data);
+    let dbuf = gpu.upload(&buf);
+    let dinput = gpu.upload(&data);
+    let dout = gpu.upload(&vec![POISON; n * row]);
+    let args = |input: u64, output: u64, in_place: bool, dev: bool| PermuteArgs {
+        input: Tensor::new(input, dtype, &[t as u64, h as u64]),
+        row_id_map: if dev { map.d() } else { map.h() },
+        tokens_per_expert: if dev { tpe.d() } else { tpe.h() },
+        expert_offsets: if dev { off.d() } else { off.h() },
+        probs: None,
+        scales: None,
+        output: Tensor::new(output, dtype, &[n as u64, h as u64]),
+        permuted_probs: None,
+        permuted_scales: None,
+        in_place,
+    };
+    for autotune in [false, true] {
+        let dbuf2 = gpu.upload(&buf);
+        // SAFETY: buffers of the sizes given.
+        unsafe {
+            let refused = call::permute(&gpu.target(autotune), &args(dbuf, dbuf, false, true));
+            assert_eq!(refused.unwrap_err().status(), Status::Aliased);
+            call::permute(&gpu.target(autotune), &args(dinput, dout, false, true)).unwrap();
+            call::permute(&gpu.target(autotune), &args(dbuf2, dbuf2, true, true)).unwrap();
+        }
+        let want = gpu.download(dout, n * row);
+        let got = gpu.download(dbuf2, n * row);
+        assert!(
+            got == want,
+            "in-place permute equals out-of-place (autotune {autotune})"
+        );
+        assert_eq!(
+            gpu.download(dbuf, buf.len()),
+            buf,
+            "the refused call wrote nothing"
+        );
+    }
+    // And on Host.
+    let mut host_out = vec![POISON; n * row];
+    let mut host_buf = buf.clone();
+    let hb = host_buf.as_mut_ptr() as u64;
+    // SAFETY: host buffers of the sizes given.
+    unsafe {
+        call::permute(
+            &Target::host(),
+            &args(
+                data.as_ptr() as u64,
+                host_out.as_mut_ptr() as u64,
+                false,
+                false,
+            ),
+        )
+        .unwrap();
+        call::permute(&Target::host(), &args(hb, hb, true, false)).unwrap();
+    }
+    assert!(
+        host_buf[..n * row] == host_out[..],
+        "Host in-place equals out-of-place"
+    );
+    assert!(gpu.download(dout, n * row) == host_out, "CUDA equals Host");
+}
+
+#[test]
+fn under_capture_nothing_is_tuned_and_the_graph_replays_correctly() {
+    if cuda_devices_or_skip("permute cuda capture").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut g = XorShift::new(4242);
+    // A row size no other test uses, so no config is cached for it.
+    let (t, e, h, dtype) = (512usize, 8usize, 4000usize, DType::F16);
+    let r = Pair::new(
+        &mut gpu,
+        routing(t, e, 3, &mut g),
+        DType::U8,
+        &[t as u64, e as u64],
+    );
+    let map = Pair::poisoned(&mut gpu, DType::I32, &[t as u64, 2 * e as u64 + 1]);
+    let tpe = Pair::poisoned(&mut gpu, DType::I64, &[e as u64]);
+    let off = Pair::poisoned(&mut gpu, DType::I64, &[e as u64 + 1]);
+    let cap = 1000usize;
+    let input = Pair::new(
+        &mut gpu,
+        random_values(dtype, t * h, &mut g),
+        dtype,
+        &[t as u64, h as u64],
+    );
+    let out = Pair::poisoned(&mut gpu, dtype, &[cap as u64, h as u64]);
+    let sizes: Vec<u8> = [100i64, 200, 150]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let sorted: Vec<u8> = [2i64, 0, 1].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let sz = Pair::new(&mut gpu, sizes, DType::I64, &[3]);
+    let so = Pair::new(&mut gpu, sorted, DType::I64, &[3]);
+    let cmap = Pair::poisoned(&mut gpu, DType::I64, &[t as u64]);
+    let sorted_out = Pair::poisoned(&mut gpu, dtype, &[t as u64, h as u64]);
+    let step = |tg: &Target, dev: bool| -> Result<(), PermuteError> {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: as above.
+        unsafe {
+            call::make_row_id_map(
+                tg,
+                &MakeRowIdMapArgs {
+                    routing: pick(&r),
+                    options: RowIdMapOptions {
+                        num_out_tokens: Some(cap),
+                        align: None,
+                    },
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                },
+            )?;
+            call::permute(
+                tg,
+                &PermuteArgs {
+                    input: pick(&input),
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                    probs: None,
+                    scales: None,
+                    output: pick(&out),
+                    permuted_probs: None,
+                    permuted_scales: None,
+                    in_place: false,
+                },
+            )?;
+            call::make_chunk_sort_map(
+                tg,
+                &MakeChunkSortMapArgs {
+                    split_sizes: pick(&sz),
+                    sorted_indices: pick(&so),
+                    map: pick(&cmap),
+                },
+            )?;
+            call::sort_chunks_by_map(
+                tg,
+                &SortChunksArgs {
+                    input: pick(&input),
+                    map: pick(&cmap),
+                    probs: None,
+                    direction: Direction::Forward,
+                    output: pick(&sorted_out),
+                    permuted_probs: None,
+                    in_place: false,
+                },
+            )
+        }
+    };
+    step(&Target::host(), false).unwrap();
+    let before = xcall_permute::cuda::cached_configs(xcall_core::Device::cuda(0)).len();
+    let stream = gpu.stream.cu_stream();
+    let mut graph = std::ptr::null_mut();
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: capture on a live stream of this context; the graph and its
+    // executable are destroyed below.
+    unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .result()
+        .unwrap();
+        let r = step(&gpu.target(true), true);
+        sys::cuStreamEndCapture(stream, &mut graph)
+            .result()
+            .unwrap();
+        r.unwrap();
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+            .result()
+            .unwrap();
+        sys::cuGraphLaunch(exec, stream).result().unwrap();
+    }
+    let after = xcall_permute::cuda::cached_configs(xcall_core::Device::cuda(0)).len();
+    assert_eq!(before, after, "no autotuning under capture");
+    map.same(&gpu, "captured row_id_map");
+    out.same(&gpu, "captured permute");
+    cmap.same(&gpu, "captured chunk map");
+    sorted_out.same(&gpu, "captured chunk sort");
+    // SAFETY: destroys what was created above after the stream is idle.
+    unsafe {
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
+}
+
+#[test]
+fn host_memory_and_bad_splits_are_refused_on_cuda() {
+    if cuda_devices_or_skip("permute cuda refusals").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let host_input = [1u8; 4 * 8];
+    let dout = gpu.upload(&[POISON; 32]);
+    let dmap = gpu.upload(&[0u8; 32]);
+    let args = SortChunksArgs {
+        input: Tensor::new(host_input.as_ptr() as u64, DType::U8, &[4, 8]),
+        map: Tensor::new(dmap, DType::I64, &[4]),
+        probs: None,
+        direction: Direction::Forward,
+        output: Tensor::new(dout, DType::U8, &[4, 8]),
+        permuted_probs: None,
+        in_place: false,
+    };
+    // SAFETY: the refused call touches nothing.
+    let err = unsafe { call::sort_chunks_by_map(&gpu.target(false), &args) }.unwrap_err();
+    assert!(err.to_string().contains("input at"), "{err}");
+    assert_eq!(gpu.download(dout, 32), vec![POISON; 32]);
+    // A split that is not a permutation: a clear error, map untouched.
+    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let sz = gpu.upload(&bytes(&[1, 1]));
+    let so = gpu.upload(&bytes(&[1, 1]));
+    let m = gpu.upload(&[POISON; 16]);
+    let a = MakeChunkSortMapArgs {
+        split_sizes: Tensor::new(sz, DType::I64, &[2]),
+        sorted_indices: Tensor::new(so, DType::I64, &[2]),
+        map: Tensor::new(m, DType::I64, &[2]),
+    };
+    // SAFETY: device buffers of the sizes given.
+    let err = unsafe { call::make_chunk_sort_map(&gpu.target(false), &a) }.unwrap_err();
+    assert!(err.to_string().contains("not a permutation"), "{err}");
+    assert_eq!(gpu.download(m, 16), vec![POISON; 16]);
+}
