@@ -16,6 +16,29 @@ use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
 
+/// Captures one call of `f` on stream `s` into an executable graph.
+fn capture(s: sys::CUstream, f: &mut Box<dyn FnMut() + '_>) -> sys::CUgraphExec {
+    let mut graph = std::ptr::null_mut();
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: captures work enqueued on a live stream by this thread, then
+    // instantiates it; the graph itself is destroyed once instantiated.
+    unsafe {
+        sys::cuStreamBeginCapture_v2(
+            s,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .result()
+        .unwrap();
+        f();
+        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+            .result()
+            .unwrap();
+        sys::cuGraphDestroy(graph).result().unwrap();
+    }
+    exec
+}
+
 fn main() {
     if cuda_devices_or_skip("bench cuda_permute").is_none() {
         return;
@@ -35,8 +58,8 @@ fn main() {
         info.arch()
     );
     println!(
-        "{:<28} {:<26} {:>9} {:>9} {:>8}",
-        "case (T,E,H,topK)", "op", "us", "GB/s", "vs copy"
+        "{:<28} {:<26} {:>9} {:>9} {:>8} {:>9} {:>9} {:>8}",
+        "case (T,E,H,topK)", "op", "eager us", "GB/s", "vs copy", "graph us", "GB/s", "vs copy"
     );
     for (t, e, h, k) in [
         (4096usize, 256usize, 7168usize, 8usize),
@@ -173,6 +196,20 @@ fn main() {
             Box::new(|| unsafe { call::sort_chunks_by_map(&target, &sort).unwrap() }),
         ];
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
+        // The same ops replayed from CUDA graphs: device time without the
+        // Host's launch and argument checks (how a graph cache runs them).
+        let graphs: Vec<sys::CUgraphExec> = variants.iter_mut().map(|v| capture(s, v)).collect();
+        let mut replays: Vec<Box<dyn FnMut() + '_>> = graphs
+            .iter()
+            .map(|&g| -> Box<dyn FnMut() + '_> {
+                Box::new(move || {
+                    // SAFETY: an executable graph of this stream's context.
+                    unsafe { sys::cuGraphLaunch(g, s) }.result().unwrap()
+                })
+            })
+            .collect();
+        let graph_ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut replays);
+        drop(replays);
         let (tr, nr) = ((t * row) as f64, (n * row) as f64);
         let rows: [(&str, f64); 7] = [
             ("d2d copy", 2.0 * nr),
@@ -188,22 +225,33 @@ fn main() {
         ];
         let copy_gbs = rows[0].1 / ms[0] / 1e6;
         let case = format!("({t},{e},{h},{k}) N={n}");
-        for ((name, bytes), t_ms) in rows.iter().zip(&ms) {
-            let gbs = bytes / t_ms / 1e6;
+        let graph_copy_gbs = rows[0].1 / graph_ms[0] / 1e6;
+        for (((name, bytes), t_ms), g_ms) in rows.iter().zip(&ms).zip(&graph_ms) {
+            let (gbs, ggbs) = (bytes / t_ms / 1e6, bytes / g_ms / 1e6);
             println!(
-                "{case:<28} {name:<26} {:>9.1} {gbs:>9.1} {:>8.3}",
+                "{case:<28} {name:<26} {:>9.1} {gbs:>9.1} {:>8.3} {:>9.1} {ggbs:>9.1} {:>8.3}",
                 t_ms * 1e3,
-                gbs / copy_gbs
+                gbs / copy_gbs,
+                g_ms * 1e3,
+                ggbs / graph_copy_gbs
             );
         }
         println!(
-            "{case:<28} {:<26} {:>9.3}",
+            "{case:<28} {:<26} {:>9.3} {:>28.3}",
             "make_row_id_map / permute",
-            ms[1] / ms[2]
+            ms[1] / ms[2],
+            graph_ms[1] / graph_ms[2]
         );
+        for g in graphs {
+            // SAFETY: no replay is in flight after the timing synchronised.
+            unsafe { sys::cuGraphExecDestroy(g) };
+        }
         drop(variants);
     }
     for (k, c) in xcall_permute::cuda::cached_configs(Device::cuda(0)) {
-        println!("tuned: {k}: {} threads, unroll {}", c.threads, c.unroll);
+        println!(
+            "tuned: {k}: {} threads, unroll {}, waves {}",
+            c.threads, c.unroll, c.waves
+        );
     }
 }

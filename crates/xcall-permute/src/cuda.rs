@@ -46,6 +46,9 @@ pub struct Config {
     /// Vectors in flight per thread (movement, unpermute), or dot slots per
     /// thread (`unpermute_backward`: threads = 256 / slots).
     pub unroll: u32,
+    /// Blocks per multiprocessor, each looping over rows; 0 for one block
+    /// per row.
+    pub waves: u32,
 }
 
 /// Which module a kernel lives in.
@@ -109,12 +112,16 @@ struct Loaded {
 }
 
 type TuneKey = (&'static str, u32, usize, u32);
+type FunctionKey = (Family, String);
 
 #[derive(Default)]
 struct State {
     kernels: KernelCache,
-    functions: DeviceMap<Mutex<HashMap<String, Arc<Loaded>>>>,
+    /// Loaded kernels by (module family, kernel name): the arithmetic
+    /// families share kernel names.
+    functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
     tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
+    multiprocessors: DeviceMap<u64>,
 }
 
 fn state() -> &'static State {
@@ -126,7 +133,8 @@ fn function(device: Device, family: Family, name: &str) -> Result<Arc<Loaded>> {
     let slot = state()
         .functions
         .get_or_init(device, || Mutex::new(HashMap::new()));
-    if let Some(f) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
+    let key = (family, name.to_string());
+    if let Some(f) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(f.clone());
     }
     let code = format!("{SOURCE}\n{}", instantiations(family));
@@ -148,7 +156,7 @@ fn function(device: Device, family: Family, name: &str) -> Result<Arc<Loaded>> {
     });
     slot.lock()
         .unwrap_or_else(|p| p.into_inner())
-        .insert(name.to_string(), loaded.clone());
+        .insert(key, loaded.clone());
     Ok(loaded)
 }
 
@@ -340,14 +348,24 @@ fn default_config(vectors_per_row: u64) -> Config {
     let threads = (vectors_per_row.div_ceil(2))
         .next_power_of_two()
         .clamp(64, 256) as u32;
-    Config { threads, unroll: 2 }
+    Config {
+        threads,
+        unroll: 2,
+        waves: 0,
+    }
 }
 
 fn movement_candidates() -> Vec<Config> {
     let mut c = Vec::new();
     for threads in [128, 256, 512] {
         for unroll in UNROLLS {
-            c.push(Config { threads, unroll });
+            for waves in [0, 4, 8] {
+                c.push(Config {
+                    threads,
+                    unroll,
+                    waves,
+                });
+            }
         }
     }
     c
@@ -469,8 +487,16 @@ fn opt_bytes(t: &Option<Tensor>) -> u64 {
     t.as_ref().map_or(0, Tensor::bytes)
 }
 
-fn grid_for(rows: usize) -> u64 {
-    (rows as u64).min(1 << 20)
+/// Blocks for `rows` rows under `config`.
+fn grid_for(device: Device, rows: usize, config: Config) -> Result<u64> {
+    let rows = (rows as u64).min(1 << 20);
+    if config.waves == 0 {
+        return Ok(rows);
+    }
+    let sms = *state().multiprocessors.get_or_try_init(device, || {
+        cuda::device_info(device).map(|i| i.multiprocessors as u64)
+    })?;
+    Ok(rows.min(sms * config.waves as u64))
 }
 
 /// See [`crate::call::make_row_id_map`]. Deterministic: three passes over
@@ -497,7 +523,9 @@ pub(crate) unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs, d: D
             "{e} experts: the CUDA row-id map supports up to {max_experts}"
         )));
     }
-    let tb = ((SMEM_LIMIT - 8 * e) / e).min(128);
+    // Small blocks of tokens for parallelism (about 512 blocks), at most
+    // what shared memory holds.
+    let tb = ((SMEM_LIMIT - 8 * e) / e).min(t.div_ceil(512).clamp(8, 128));
     let nblocks = t.div_ceil(tb) as u64;
     let align = a.options.align.unwrap_or(1) as i64;
     let cap = a.options.num_out_tokens.map_or(i64::MAX, |c| c as i64);
@@ -604,7 +632,7 @@ pub(crate) unsafe fn permute(target: &Target, a: &PermuteArgs, d: Dims) -> Resul
         launch(
             target,
             &function(dev, Family::Movement, &format!("permute_{v}_{}", c.unroll))?,
-            grid_for(d.tokens),
+            grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
             &[
@@ -673,7 +701,7 @@ pub(crate) unsafe fn unpermute(target: &Target, a: &UnpermuteArgs, d: Dims) -> R
                 Family::Arith(dtype),
                 &format!("unpermute_{v}_{}", c.unroll),
             )?,
-            grid_for(d.tokens),
+            grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
             &[
@@ -758,7 +786,7 @@ pub(crate) unsafe fn unpermute_backward(
                 Family::Arith(dtype),
                 &format!("unpermute_bwd_{v}_{}", c.unroll),
             )?,
-            grid_for(d.tokens),
+            grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
             &[
@@ -777,9 +805,12 @@ pub(crate) unsafe fn unpermute_backward(
     };
     let candidates: Vec<Config> = UNROLLS
         .iter()
-        .map(|&unroll| Config {
-            threads: 256 / unroll,
-            unroll,
+        .flat_map(|&unroll| {
+            [0, 4, 8].map(|waves| Config {
+                threads: 256 / unroll,
+                unroll,
+                waves,
+            })
         })
         .collect();
     let config = choose(
@@ -788,6 +819,7 @@ pub(crate) unsafe fn unpermute_backward(
         Config {
             threads: 128,
             unroll: 2,
+            waves: 0,
         },
         &candidates,
         &[a.act_grad.bytes(), a.probs_grad.bytes()],
@@ -892,7 +924,7 @@ pub(crate) unsafe fn sort_chunks_by_map(
         launch(
             target,
             &function(dev, Family::Movement, &format!("sort_{v}_{}", c.unroll))?,
-            grid_for(d.tokens),
+            grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
             &[
