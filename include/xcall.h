@@ -22,6 +22,11 @@
 #define XCALL_VERSION_STRING "0.1.0"
 
 /**
+ * Largest tensor rank an `xcall_tensor` holds.
+ */
+#define XCALL_TENSOR_MAX_RANK 4
+
+/**
  * Result code of an xcall operation (`xcall_status` in C; 0 means success).
  *
  * Codes are stable across releases and never reused.
@@ -295,6 +300,47 @@ typedef uint32_t xcall_ws_op;
 #endif // __cplusplus
 
 /**
+ * An op of this crate (`xcall_permute_op` in C). Codes are stable.
+ */
+enum xcall_permute_op
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * `make_row_id_map`.
+   */
+  XCALL_PERMUTE_OP_MAKE_ROW_ID_MAP = 0,
+  /**
+   * `permute`.
+   */
+  XCALL_PERMUTE_OP_PERMUTE = 1,
+  /**
+   * `unpermute`.
+   */
+  XCALL_PERMUTE_OP_UNPERMUTE = 2,
+  /**
+   * `unpermute_backward`.
+   */
+  XCALL_PERMUTE_OP_UNPERMUTE_BACKWARD = 3,
+  /**
+   * `sort_chunks_by_map`.
+   */
+  XCALL_PERMUTE_OP_SORT_CHUNKS_BY_MAP = 4,
+  /**
+   * `make_chunk_sort_map`.
+   */
+  XCALL_PERMUTE_OP_MAKE_CHUNK_SORT_MAP = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_permute_op xcall_permute_op;
+#else
+typedef uint32_t xcall_permute_op;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A device-aware graph cache for custom calls.
  *
  * Thread safety: every function taking a cache may be called concurrently
@@ -465,6 +511,69 @@ typedef struct {
    */
   uint64_t nodes;
 } xcall_graph_stats;
+
+/**
+ * One (input, output) pair of an op that may share memory.
+ */
+typedef struct {
+  /**
+   * Input name (static string).
+   */
+  const char *input;
+  /**
+   * Output name (static string).
+   */
+  const char *output;
+} xcall_alias_pair;
+
+/**
+ * Where an op runs.
+ */
+typedef struct {
+  /**
+   * An `xcall_platform` value.
+   */
+  uint32_t platform;
+  /**
+   * Device ordinal within the platform (0 on Host).
+   */
+  uint32_t ordinal;
+  /**
+   * The `CUstream` to enqueue on (CUDA); ignored on Host.
+   */
+  void *stream;
+} xcall_target;
+
+/**
+ * A dense row-major tensor.
+ */
+typedef struct {
+  /**
+   * First element: a host pointer on Host, a `CUdeviceptr` on CUDA. May
+   * be NULL only when the tensor holds no elements.
+   */
+  void *data;
+  /**
+   * Dimensions, outermost first; the first `rank` are used, none negative.
+   */
+  int64_t dims[4];
+  /**
+   * Number of dimensions (at most `XCALL_TENSOR_MAX_RANK`).
+   */
+  uint32_t rank;
+  /**
+   * An `xcall_dtype` value.
+   */
+  uint32_t dtype;
+  /**
+   * Ordinal of the device holding the data; must equal the target's.
+   */
+  uint32_t device;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+} xcall_tensor;
 
 /**
  * What a pipeline must do. Each async warp issues one bulk load of
@@ -692,6 +801,112 @@ xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
                                      uint32_t platform,
                                      uint32_t ordinal,
                                      xcall_graph_stats *out_stats);
+
+/**
+ * The (input, output) pairs of permutation op `op` (an
+ * `xcall_permute_op`) that may share memory: writes up to `capacity`
+ * pairs to `out_pairs` (may be NULL when `capacity` is 0) and the number
+ * of pairs to `out_count`. For every op of this family the table is
+ * empty: no output may overlap an input or another output.
+ */
+xcall_status xcall_permute_alias_table(uint32_t op,
+                                       xcall_alias_pair *out_pairs,
+                                       size_t capacity,
+                                       size_t *out_count);
+
+/**
+ * Builds the row-id map of `routing` (`[T, E]` u8 or bool; any nonzero
+ * byte is a route): `row_id_map` `[T, 2E + 1]` i32, `tokens_per_expert`
+ * `[E]` i64 (routes kept), `expert_offsets` `[E + 1]` i64 (first row of
+ * each expert's chunk, then the end). `num_out_tokens` < 0: no cap;
+ * otherwise routes whose row falls at or past it are dropped. `align` 0:
+ * no padding; otherwise every chunk is padded to a multiple of it (not
+ * combinable with a cap).
+ */
+xcall_status xcall_make_row_id_map(const xcall_target *target,
+                                   const xcall_tensor *routing,
+                                   int64_t num_out_tokens,
+                                   int64_t align,
+                                   const xcall_tensor *row_id_map,
+                                   const xcall_tensor *tokens_per_expert,
+                                   const xcall_tensor *expert_offsets);
+
+/**
+ * Groups tokens by expert: `output[dst] = input[t]` for every route,
+ * `permuted_probs[dst] = probs[t, e]`, `permuted_scales[dst] =
+ * scales[t]`; rows no route writes are zeroed. `input` `[T, H]` (any
+ * dtype), `output` `[N, H]`; `probs` `[T, E]` f32 with `permuted_probs`
+ * `[N]`, `scales` `[T, S]` f32 with `permuted_scales` `[N, S]` (each pair
+ * both NULL or both given). `in_place`: outputs may overlap inputs (the
+ * overlapped inputs are copied to scratch first).
+ */
+xcall_status xcall_permute(const xcall_target *target,
+                           const xcall_tensor *input,
+                           const xcall_tensor *row_id_map,
+                           const xcall_tensor *tokens_per_expert,
+                           const xcall_tensor *expert_offsets,
+                           const xcall_tensor *probs,
+                           const xcall_tensor *scales,
+                           const xcall_tensor *output,
+                           const xcall_tensor *permuted_probs,
+                           const xcall_tensor *permuted_scales,
+                           bool in_place);
+
+/**
+ * Restores token order: `output[t] = sum_k input[dst_k] *
+ * merging_probs[t, e_k]` accumulated in f32 (weight 1 when
+ * `merging_probs` is NULL); `unpermuted_probs[t, e] = permuted_probs[dst]`
+ * (0 where no route). `input` `[N, H]` f32/f16/bf16, `output` `[T, H]`.
+ */
+xcall_status xcall_unpermute(const xcall_target *target,
+                             const xcall_tensor *input,
+                             const xcall_tensor *row_id_map,
+                             const xcall_tensor *merging_probs,
+                             const xcall_tensor *permuted_probs,
+                             const xcall_tensor *output,
+                             const xcall_tensor *unpermuted_probs);
+
+/**
+ * The backward of `xcall_unpermute` with merging probs: `act_grad[dst] =
+ * grad[t] * merging_probs[t, e]` (`[N, H]`, unwritten rows zeroed) and
+ * `probs_grad[t, e] = dot(fwd_input[dst], grad[t])` in f32 (`[T, E]`).
+ */
+xcall_status xcall_unpermute_backward(const xcall_target *target,
+                                      const xcall_tensor *grad,
+                                      const xcall_tensor *fwd_input,
+                                      const xcall_tensor *row_id_map,
+                                      const xcall_tensor *tokens_per_expert,
+                                      const xcall_tensor *expert_offsets,
+                                      const xcall_tensor *merging_probs,
+                                      const xcall_tensor *act_grad,
+                                      const xcall_tensor *probs_grad);
+
+/**
+ * Chunk-sort map: `split_sizes` `[S]` i64 and `sorted_indices` `[S]` i64
+ * (a permutation of the chunks) give `map` `[T]` i64, each row's
+ * destination (rows past the chunks map to themselves). On CUDA the split
+ * is read back and checked (waiting for the stream) unless the stream is
+ * capturing.
+ */
+xcall_status xcall_make_chunk_sort_map(const xcall_target *target,
+                                       const xcall_tensor *split_sizes,
+                                       const xcall_tensor *sorted_indices,
+                                       const xcall_tensor *map);
+
+/**
+ * Reorders rows by a chunk-sort map: `backward` false scatters
+ * (`output[map[t]] = input[t]`), true gathers (`output[t] =
+ * input[map[t]]`); `probs`/`permuted_probs` `[T]` f32 move alike.
+ * `in_place`: outputs may overlap inputs (copied to scratch first).
+ */
+xcall_status xcall_sort_chunks_by_map(const xcall_target *target,
+                                      const xcall_tensor *input,
+                                      const xcall_tensor *map,
+                                      const xcall_tensor *probs,
+                                      bool backward,
+                                      const xcall_tensor *output,
+                                      const xcall_tensor *permuted_probs,
+                                      bool in_place);
 
 /**
  * Plans `spec` into `*out_plan` (free with `xcall_ws_plan_free`).

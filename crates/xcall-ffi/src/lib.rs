@@ -18,9 +18,11 @@
 
 mod graph;
 mod guard;
+mod permute;
 mod warpspec;
 
 pub use graph::*;
+pub use permute::*;
 pub use warpspec::*;
 
 use std::ffi::c_char;

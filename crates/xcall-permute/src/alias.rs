@@ -9,25 +9,28 @@
 
 use crate::error::PermuteError;
 
-/// An op of this crate.
+/// An op of this crate (`xcall_permute_op` in C). Codes are stable.
+#[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
     /// `make_row_id_map`.
-    MakeRowIdMap,
+    MakeRowIdMap = 0,
     /// `permute`.
-    Permute,
+    Permute = 1,
     /// `unpermute`.
-    Unpermute,
+    Unpermute = 2,
     /// `unpermute_backward`.
-    UnpermuteBackward,
+    UnpermuteBackward = 3,
     /// `sort_chunks_by_map`.
-    SortChunksByMap,
+    SortChunksByMap = 4,
     /// `make_chunk_sort_map`.
-    MakeChunkSortMap,
+    MakeChunkSortMap = 5,
 }
 
 impl Op {
     /// Every op.
+    ///
+    /// cbindgen:ignore
     pub const ALL: [Op; 6] = [
         Op::MakeRowIdMap,
         Op::Permute,

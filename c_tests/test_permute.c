@@ -1,0 +1,168 @@
+/* MoE permutation through the C ABI on Host: row-id map, permute and
+ * unpermute round trip against loops written here, chunk sort, the alias
+ * table, the aliasing refusal (nothing written) and bad arguments. */
+#include "xcall_test.h"
+
+enum { T = 6, E = 3, H = 5 };
+
+static xcall_tensor tensor(void *data, xcall_dtype dtype, uint32_t rank, int64_t d0, int64_t d1) {
+  xcall_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = rank;
+  t.dims[0] = d0;
+  t.dims[1] = d1;
+  return t;
+}
+
+int main(void) {
+  const xcall_target host = {XCALL_PLATFORM_HOST, 0, NULL};
+  /* Token t routes to experts (t % 3) and ((t + 1) % 3) when t is even,
+   * to expert 2 only when t is odd; token 5 routes nowhere. */
+  uint8_t routing[T][E] = {{1, 1, 0}, {0, 0, 1}, {0, 1, 1}, {0, 0, 1}, {1, 0, 1}, {0, 0, 0}};
+  int32_t map[T][2 * E + 1];
+  int64_t tpe[E], offsets[E + 1];
+  float input[T][H], probs[T][E], output[16][H], pprobs[16], back[T][H];
+  int64_t counts[E] = {0, 0, 0}, n = 0, start[E], rank[E] = {0, 0, 0};
+  int t, e, j, k, ok;
+  xcall_tensor r_t = tensor(routing, XCALL_DTYPE_U8, 2, T, E);
+  xcall_tensor map_t = tensor(map, XCALL_DTYPE_I32, 2, T, 2 * E + 1);
+  xcall_tensor tpe_t = tensor(tpe, XCALL_DTYPE_I64, 1, E, 0);
+  xcall_tensor off_t = tensor(offsets, XCALL_DTYPE_I64, 1, E + 1, 0);
+  xcall_tensor in_t = tensor(input, XCALL_DTYPE_F32, 2, T, H);
+  xcall_tensor probs_t = tensor(probs, XCALL_DTYPE_F32, 2, T, E);
+  xcall_tensor out_t, pp_t, back_t, bad;
+  xcall_alias_pair pairs[4];
+  size_t count = 99;
+
+  for (t = 0; t < T; t++) {
+    for (j = 0; j < H; j++) input[t][j] = (float)(t * 10 + j) + 0.25f;
+    for (e = 0; e < E; e++) probs[t][e] = 0.5f + 0.125f * (float)((t + e) % 4);
+  }
+  /* Expected destinations: expert-major, tokens ascending within an expert. */
+  for (t = 0; t < T; t++)
+    for (e = 0; e < E; e++) counts[e] += routing[t][e];
+  for (e = 0; e < E; e++) {
+    start[e] = n;
+    n += counts[e];
+  }
+
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_OK);
+  CHECK(offsets[E] == n && n == 8);
+  ok = 1;
+  for (t = 0; t < T; t++) {
+    k = 0;
+    for (e = 0; e < E; e++) {
+      if (!routing[t][e]) continue;
+      ok &= map[t][k] == start[e] + rank[e] && map[t][E + k] == e;
+      rank[e]++;
+      k++;
+    }
+    ok &= map[t][2 * E] == k;
+  }
+  CHECK(ok);
+  for (e = 0; e < E; e++) CHECK(tpe[e] == counts[e] && offsets[e] == start[e]);
+
+  /* permute with probs. */
+  memset(output, 0xa5, sizeof output);
+  out_t = tensor(output, XCALL_DTYPE_F32, 2, n, H);
+  pp_t = tensor(pprobs, XCALL_DTYPE_F32, 1, n, 0);
+  CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, &probs_t, NULL, &out_t, &pp_t, NULL, false),
+               XCALL_STATUS_OK);
+  ok = 1;
+  for (t = 0; t < T; t++)
+    for (k = 0; k < map[t][2 * E]; k++) {
+      int d = map[t][k];
+      ok &= memcmp(output[d], input[t], sizeof input[t]) == 0;
+      ok &= pprobs[d] == probs[t][map[t][E + k]];
+    }
+  CHECK(ok);
+
+  /* unpermute with the same probs as merging weights: sum of weighted copies. */
+  back_t = tensor(back, XCALL_DTYPE_F32, 2, T, H);
+  CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, &probs_t, NULL, &back_t, NULL), XCALL_STATUS_OK);
+  ok = 1;
+  for (t = 0; t < T; t++)
+    for (j = 0; j < H; j++) {
+      float want = 0.0f;
+      for (e = 0; e < E; e++)
+        if (routing[t][e]) want += input[t][j] * probs[t][e];
+      ok &= back[t][j] == want;
+    }
+  CHECK(ok);
+
+  /* Aliasing: output over input is refused, names both, writes nothing. */
+  {
+    float before[T][H];
+    xcall_tensor over = tensor(input, XCALL_DTYPE_F32, 2, n, H);
+    static float big[16][H];
+    memcpy(before, input, sizeof input);
+    CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, NULL, NULL, &over, NULL, NULL, false),
+                 XCALL_STATUS_ALIASED);
+    CHECK_CONTAINS(xcall_last_error_message(), "output overlaps input");
+    CHECK(memcmp(before, input, sizeof input) == 0);
+    /* permuted_probs inside probs. */
+    pp_t = tensor(probs, XCALL_DTYPE_F32, 1, n, 0);
+    CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, &probs_t, NULL, &out_t, &pp_t, NULL, false),
+                 XCALL_STATUS_ALIASED);
+    CHECK_CONTAINS(xcall_last_error_message(), "permuted_probs overlaps probs");
+    /* The in-place variant gives the out-of-place result. */
+    memcpy(big, input, sizeof input);
+    {
+      xcall_tensor src = tensor(big, XCALL_DTYPE_F32, 2, T, H);
+      xcall_tensor dst = tensor(big, XCALL_DTYPE_F32, 2, n, H);
+      CHECK_STATUS(xcall_permute(&host, &src, &map_t, &tpe_t, &off_t, NULL, NULL, &dst, NULL, NULL, true),
+                   XCALL_STATUS_OK);
+      CHECK(memcmp(big, output, (size_t)n * sizeof output[0]) == 0);
+    }
+  }
+
+  /* Chunk sort: chunks of 2, 3, 1 rows emitted in order 2, 0, 1. */
+  {
+    int64_t sizes[3] = {2, 3, 1}, sorted[3] = {2, 0, 1}, cmap[T], want[T] = {1, 2, 3, 4, 5, 0};
+    float rows[T][H], sorted_rows[T][H];
+    xcall_tensor sz = tensor(sizes, XCALL_DTYPE_I64, 1, 3, 0);
+    xcall_tensor so = tensor(sorted, XCALL_DTYPE_I64, 1, 3, 0);
+    xcall_tensor cm = tensor(cmap, XCALL_DTYPE_I64, 1, T, 0);
+    xcall_tensor rt = tensor(rows, XCALL_DTYPE_F32, 2, T, H);
+    xcall_tensor st = tensor(sorted_rows, XCALL_DTYPE_F32, 2, T, H);
+    memcpy(rows, input, sizeof input);
+    CHECK_STATUS(xcall_make_chunk_sort_map(&host, &sz, &so, &cm), XCALL_STATUS_OK);
+    CHECK(memcmp(cmap, want, sizeof want) == 0);
+    CHECK_STATUS(xcall_sort_chunks_by_map(&host, &rt, &cm, NULL, false, &st, NULL, false), XCALL_STATUS_OK);
+    ok = 1;
+    for (t = 0; t < T; t++) ok &= memcmp(sorted_rows[want[t]], rows[t], sizeof rows[t]) == 0;
+    CHECK(ok);
+    sorted[1] = 2; /* not a permutation */
+    CHECK_STATUS(xcall_make_chunk_sort_map(&host, &sz, &so, &cm), XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "not a permutation");
+    CHECK(memcmp(cmap, want, sizeof want) == 0);
+    /* Sorting in place without asking for it is refused. */
+    CHECK_STATUS(xcall_sort_chunks_by_map(&host, &rt, &cm, NULL, false, &rt, NULL, false), XCALL_STATUS_ALIASED);
+  }
+
+  /* Alias tables: every op publishes one, and none allows a pair. */
+  for (k = XCALL_PERMUTE_OP_MAKE_ROW_ID_MAP; k <= XCALL_PERMUTE_OP_MAKE_CHUNK_SORT_MAP; k++) {
+    count = 99;
+    CHECK_STATUS(xcall_permute_alias_table((uint32_t)k, pairs, 4, &count), XCALL_STATUS_OK);
+    CHECK(count == 0);
+  }
+  CHECK_STATUS(xcall_permute_alias_table(77, pairs, 4, &count), XCALL_STATUS_INVALID_ARGUMENT);
+
+  /* Bad arguments: NULL target and tensors, negative dims, E = 0, wrong dtype. */
+  CHECK_STATUS(xcall_make_row_id_map(NULL, &r_t, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(&host, NULL, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
+  bad = tensor(routing, XCALL_DTYPE_U8, 2, -1, E);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "negative");
+  bad = tensor(routing, XCALL_DTYPE_U8, 2, T, 0);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "at least 1 expert");
+  bad = tensor(routing, XCALL_DTYPE_F32, 2, T, E);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_UNSUPPORTED);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 8, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  bad = tensor(NULL, XCALL_DTYPE_F32, 2, T, H);
+  CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, NULL, NULL, &bad, NULL), XCALL_STATUS_NULL_ARGUMENT);
+  return xt_summary("test_permute");
+}

@@ -1,0 +1,400 @@
+//! C ABI of the MoE permutation ops (xcall-permute).
+
+use std::ffi::{c_char, c_void};
+
+use static_assertions::{assert_eq_align, assert_eq_size};
+use xcall_core::{DType, Device, Platform, Status};
+use xcall_permute::alias::{alias_table, Op};
+use xcall_permute::call::{self, Target, Tensor};
+use xcall_permute::chunks::Direction;
+use xcall_permute::{PermuteError, RowIdMapOptions};
+
+use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+
+/// Where an op runs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_target {
+    /// An `xcall_platform` value.
+    pub platform: u32,
+    /// Device ordinal within the platform (0 on Host).
+    pub ordinal: u32,
+    /// The `CUstream` to enqueue on (CUDA); ignored on Host.
+    pub stream: *mut c_void,
+}
+
+/// Largest tensor rank an `xcall_tensor` holds.
+pub const XCALL_TENSOR_MAX_RANK: u32 = 4;
+
+/// A dense row-major tensor.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_tensor {
+    /// First element: a host pointer on Host, a `CUdeviceptr` on CUDA. May
+    /// be NULL only when the tensor holds no elements.
+    pub data: *mut c_void,
+    /// Dimensions, outermost first; the first `rank` are used, none negative.
+    pub dims: [i64; 4],
+    /// Number of dimensions (at most `XCALL_TENSOR_MAX_RANK`).
+    pub rank: u32,
+    /// An `xcall_dtype` value.
+    pub dtype: u32,
+    /// Ordinal of the device holding the data; must equal the target's.
+    pub device: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+/// One (input, output) pair of an op that may share memory.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_alias_pair {
+    /// Input name (static string).
+    pub input: *const c_char,
+    /// Output name (static string).
+    pub output: *const c_char,
+}
+
+assert_eq_size!(xcall_target, [u64; 2]);
+assert_eq_align!(xcall_target, u64);
+assert_eq_size!(xcall_tensor, [u64; 7]);
+assert_eq_align!(xcall_tensor, u64);
+assert_eq_size!(xcall_alias_pair, [u64; 2]);
+assert_eq_size!(Op, u32);
+
+impl From<PermuteError> for FfiError {
+    fn from(e: PermuteError) -> Self {
+        FfiError::new(e.status(), e.to_string())
+    }
+}
+
+/// A NUL-terminated copy of a buffer name, made once per name and kept
+/// for the life of the process (names are few and static).
+fn static_c_name(name: &'static str) -> *const c_char {
+    use std::collections::HashMap;
+    use std::ffi::CString;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashMap<&'static str, &'static std::ffi::CStr>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    names
+        .entry(name)
+        .or_insert_with(|| Box::leak(CString::new(name).unwrap_or_default().into_boxed_c_str()))
+        .as_ptr()
+}
+
+fn target_arg(target: *const xcall_target) -> Result<Target, FfiError> {
+    // SAFETY: NULL or a readable xcall_target (header contract).
+    let t = unsafe { target.as_ref() }
+        .ok_or_else(|| FfiError::new(Status::NullArgument, "target is NULL"))?;
+    let platform = platform_arg(t.platform)?;
+    let device = Device::new(platform, t.ordinal);
+    let device = device.validate()?;
+    Ok(match platform {
+        Platform::Host => Target::host(),
+        Platform::Cuda => Target::cuda(device.ordinal, t.stream),
+    })
+}
+
+fn tensor_arg(name: &str, t: &xcall_tensor, target: &Target) -> Result<Tensor, FfiError> {
+    let bad = |m: String| FfiError::new(Status::InvalidArgument, format!("{name}: {m}"));
+    if t.rank > XCALL_TENSOR_MAX_RANK {
+        return Err(bad(format!(
+            "rank {} exceeds {XCALL_TENSOR_MAX_RANK}",
+            t.rank
+        )));
+    }
+    let dtype =
+        DType::from_code(t.dtype).ok_or_else(|| bad(format!("unknown dtype code {}", t.dtype)))?;
+    let mut dims = Vec::with_capacity(t.rank as usize);
+    for (i, &d) in t.dims[..t.rank as usize].iter().enumerate() {
+        if d < 0 {
+            return Err(bad(format!("dims[{i}] is negative ({d})")));
+        }
+        dims.push(d as u64);
+    }
+    if t.device != target.device.ordinal {
+        return Err(bad(format!(
+            "lives on device {} but the target is {}",
+            t.device, target.device
+        )));
+    }
+    Ok(Tensor::new(t.data as u64, dtype, &dims))
+}
+
+fn required(name: &str, t: *const xcall_tensor, target: &Target) -> Result<Tensor, FfiError> {
+    // SAFETY: NULL or a readable xcall_tensor (header contract).
+    let t = unsafe { t.as_ref() }
+        .ok_or_else(|| FfiError::new(Status::NullArgument, format!("{name} is NULL")))?;
+    tensor_arg(name, t, target)
+}
+
+fn optional(
+    name: &str,
+    t: *const xcall_tensor,
+    target: &Target,
+) -> Result<Option<Tensor>, FfiError> {
+    // SAFETY: NULL or a readable xcall_tensor (header contract).
+    unsafe { t.as_ref() }
+        .map(|t| tensor_arg(name, t, target))
+        .transpose()
+}
+
+/// The (input, output) pairs of permutation op `op` (an
+/// `xcall_permute_op`) that may share memory: writes up to `capacity`
+/// pairs to `out_pairs` (may be NULL when `capacity` is 0) and the number
+/// of pairs to `out_count`. For every op of this family the table is
+/// empty: no output may overlap an input or another output.
+#[no_mangle]
+pub extern "C" fn xcall_permute_alias_table(
+    op: u32,
+    out_pairs: *mut xcall_alias_pair,
+    capacity: usize,
+    out_count: *mut usize,
+) -> Status {
+    ffi_call!({
+        let op = Op::ALL
+            .into_iter()
+            .find(|o| *o as u32 == op)
+            .ok_or_else(|| {
+                FfiError::new(
+                    Status::InvalidArgument,
+                    format!("unknown permutation op code {op}"),
+                )
+            })?;
+        let table = alias_table(op);
+        let count = out_ptr(out_count, "out_count")?;
+        if table.len() > capacity {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!("{} pairs do not fit capacity {capacity}", table.len()),
+            ));
+        }
+        if !table.is_empty() && out_pairs.is_null() {
+            return Err(FfiError::new(Status::NullArgument, "out_pairs is NULL"));
+        }
+        for (i, (input, output)) in table.iter().enumerate() {
+            // SAFETY: out_pairs holds `capacity` >= table.len() pairs.
+            unsafe {
+                *out_pairs.add(i) = xcall_alias_pair {
+                    input: static_c_name(input),
+                    output: static_c_name(output),
+                }
+            };
+        }
+        *count = table.len();
+        Ok(())
+    })
+}
+
+/// Builds the row-id map of `routing` (`[T, E]` u8 or bool; any nonzero
+/// byte is a route): `row_id_map` `[T, 2E + 1]` i32, `tokens_per_expert`
+/// `[E]` i64 (routes kept), `expert_offsets` `[E + 1]` i64 (first row of
+/// each expert's chunk, then the end). `num_out_tokens` < 0: no cap;
+/// otherwise routes whose row falls at or past it are dropped. `align` 0:
+/// no padding; otherwise every chunk is padded to a multiple of it (not
+/// combinable with a cap).
+#[no_mangle]
+pub extern "C" fn xcall_make_row_id_map(
+    target: *const xcall_target,
+    routing: *const xcall_tensor,
+    num_out_tokens: i64,
+    align: i64,
+    row_id_map: *const xcall_tensor,
+    tokens_per_expert: *const xcall_tensor,
+    expert_offsets: *const xcall_tensor,
+) -> Status {
+    ffi_call!({
+        let t = target_arg(target)?;
+        let args = call::MakeRowIdMapArgs {
+            routing: required("routing", routing, &t)?,
+            options: RowIdMapOptions {
+                num_out_tokens: (num_out_tokens >= 0).then_some(num_out_tokens as usize),
+                align: match align {
+                    0 => None,
+                    a if a < 0 => {
+                        return Err(FfiError::new(
+                            Status::InvalidArgument,
+                            format!("align is negative ({a})"),
+                        ))
+                    }
+                    a => Some(a as usize),
+                },
+            },
+            row_id_map: required("row_id_map", row_id_map, &t)?,
+            tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,
+            expert_offsets: required("expert_offsets", expert_offsets, &t)?,
+        };
+        // SAFETY: the header's contract: every tensor's data is valid for
+        // its size on the target's device.
+        unsafe { call::make_row_id_map(&t, &args) }?;
+        Ok(())
+    })
+}
+
+/// Groups tokens by expert: `output[dst] = input[t]` for every route,
+/// `permuted_probs[dst] = probs[t, e]`, `permuted_scales[dst] =
+/// scales[t]`; rows no route writes are zeroed. `input` `[T, H]` (any
+/// dtype), `output` `[N, H]`; `probs` `[T, E]` f32 with `permuted_probs`
+/// `[N]`, `scales` `[T, S]` f32 with `permuted_scales` `[N, S]` (each pair
+/// both NULL or both given). `in_place`: outputs may overlap inputs (the
+/// overlapped inputs are copied to scratch first).
+#[no_mangle]
+pub extern "C" fn xcall_permute(
+    target: *const xcall_target,
+    input: *const xcall_tensor,
+    row_id_map: *const xcall_tensor,
+    tokens_per_expert: *const xcall_tensor,
+    expert_offsets: *const xcall_tensor,
+    probs: *const xcall_tensor,
+    scales: *const xcall_tensor,
+    output: *const xcall_tensor,
+    permuted_probs: *const xcall_tensor,
+    permuted_scales: *const xcall_tensor,
+    in_place: bool,
+) -> Status {
+    ffi_call!({
+        let t = target_arg(target)?;
+        let args = call::PermuteArgs {
+            input: required("input", input, &t)?,
+            row_id_map: required("row_id_map", row_id_map, &t)?,
+            tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,
+            expert_offsets: required("expert_offsets", expert_offsets, &t)?,
+            probs: optional("probs", probs, &t)?,
+            scales: optional("scales", scales, &t)?,
+            output: required("output", output, &t)?,
+            permuted_probs: optional("permuted_probs", permuted_probs, &t)?,
+            permuted_scales: optional("permuted_scales", permuted_scales, &t)?,
+            in_place,
+        };
+        // SAFETY: see xcall_make_row_id_map.
+        unsafe { call::permute(&t, &args) }?;
+        Ok(())
+    })
+}
+
+/// Restores token order: `output[t] = sum_k input[dst_k] *
+/// merging_probs[t, e_k]` accumulated in f32 (weight 1 when
+/// `merging_probs` is NULL); `unpermuted_probs[t, e] = permuted_probs[dst]`
+/// (0 where no route). `input` `[N, H]` f32/f16/bf16, `output` `[T, H]`.
+#[no_mangle]
+pub extern "C" fn xcall_unpermute(
+    target: *const xcall_target,
+    input: *const xcall_tensor,
+    row_id_map: *const xcall_tensor,
+    merging_probs: *const xcall_tensor,
+    permuted_probs: *const xcall_tensor,
+    output: *const xcall_tensor,
+    unpermuted_probs: *const xcall_tensor,
+) -> Status {
+    ffi_call!({
+        let t = target_arg(target)?;
+        let args = call::UnpermuteArgs {
+            input: required("input", input, &t)?,
+            row_id_map: required("row_id_map", row_id_map, &t)?,
+            merging_probs: optional("merging_probs", merging_probs, &t)?,
+            permuted_probs: optional("permuted_probs", permuted_probs, &t)?,
+            output: required("output", output, &t)?,
+            unpermuted_probs: optional("unpermuted_probs", unpermuted_probs, &t)?,
+        };
+        // SAFETY: see xcall_make_row_id_map.
+        unsafe { call::unpermute(&t, &args) }?;
+        Ok(())
+    })
+}
+
+/// The backward of `xcall_unpermute` with merging probs: `act_grad[dst] =
+/// grad[t] * merging_probs[t, e]` (`[N, H]`, unwritten rows zeroed) and
+/// `probs_grad[t, e] = dot(fwd_input[dst], grad[t])` in f32 (`[T, E]`).
+#[no_mangle]
+pub extern "C" fn xcall_unpermute_backward(
+    target: *const xcall_target,
+    grad: *const xcall_tensor,
+    fwd_input: *const xcall_tensor,
+    row_id_map: *const xcall_tensor,
+    tokens_per_expert: *const xcall_tensor,
+    expert_offsets: *const xcall_tensor,
+    merging_probs: *const xcall_tensor,
+    act_grad: *const xcall_tensor,
+    probs_grad: *const xcall_tensor,
+) -> Status {
+    ffi_call!({
+        let t = target_arg(target)?;
+        let args = call::UnpermuteBackwardArgs {
+            grad: required("grad", grad, &t)?,
+            fwd_input: required("fwd_input", fwd_input, &t)?,
+            row_id_map: required("row_id_map", row_id_map, &t)?,
+            tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,
+            expert_offsets: required("expert_offsets", expert_offsets, &t)?,
+            merging_probs: required("merging_probs", merging_probs, &t)?,
+            act_grad: required("act_grad", act_grad, &t)?,
+            probs_grad: required("probs_grad", probs_grad, &t)?,
+        };
+        // SAFETY: see xcall_make_row_id_map.
+        unsafe { call::unpermute_backward(&t, &args) }?;
+        Ok(())
+    })
+}
+
+/// Chunk-sort map: `split_sizes` `[S]` i64 and `sorted_indices` `[S]` i64
+/// (a permutation of the chunks) give `map` `[T]` i64, each row's
+/// destination (rows past the chunks map to themselves). On CUDA the split
+/// is read back and checked (waiting for the stream) unless the stream is
+/// capturing.
+#[no_mangle]
+pub extern "C" fn xcall_make_chunk_sort_map(
+    target: *const xcall_target,
+    split_sizes: *const xcall_tensor,
+    sorted_indices: *const xcall_tensor,
+    map: *const xcall_tensor,
+) -> Status {
+    ffi_call!({
+        let t = target_arg(target)?;
+        let args = call::MakeChunkSortMapArgs {
+            split_sizes: required("split_sizes", split_sizes, &t)?,
+            sorted_indices: required("sorted_indices", sorted_indices, &t)?,
+            map: required("map", map, &t)?,
+        };
+        // SAFETY: see xcall_make_row_id_map.
+        unsafe { call::make_chunk_sort_map(&t, &args) }?;
+        Ok(())
+    })
+}
+
+/// Reorders rows by a chunk-sort map: `backward` false scatters
+/// (`output[map[t]] = input[t]`), true gathers (`output[t] =
+/// input[map[t]]`); `probs`/`permuted_probs` `[T]` f32 move alike.
+/// `in_place`: outputs may overlap inputs (copied to scratch first).
+#[no_mangle]
+pub extern "C" fn xcall_sort_chunks_by_map(
+    target: *const xcall_target,
+    input: *const xcall_tensor,
+    map: *const xcall_tensor,
+    probs: *const xcall_tensor,
+    backward: bool,
+    output: *const xcall_tensor,
+    permuted_probs: *const xcall_tensor,
+    in_place: bool,
+) -> Status {
+    ffi_call!({
+        let t = target_arg(target)?;
+        let args = call::SortChunksArgs {
+            input: required("input", input, &t)?,
+            map: required("map", map, &t)?,
+            probs: optional("probs", probs, &t)?,
+            direction: if backward {
+                Direction::Backward
+            } else {
+                Direction::Forward
+            },
+            output: required("output", output, &t)?,
+            permuted_probs: optional("permuted_probs", permuted_probs, &t)?,
+            in_place,
+        };
+        // SAFETY: see xcall_make_row_id_map.
+        unsafe { call::sort_chunks_by_map(&t, &args) }?;
+        Ok(())
+    })
+}
