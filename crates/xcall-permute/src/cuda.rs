@@ -586,6 +586,37 @@ pub(crate) unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs, d: D
     )
 }
 
+/// Zeroes the rows of `[output, permuted_probs, permuted_scales]` (0 for
+/// an absent one) that no route writes: each expert chunk's padding and the
+/// rows past the last chunk (`d.scales` values per row of scales).
+fn zero_unwritten(
+    target: &Target,
+    outs: [u64; 3],
+    (tokens_per_expert, expert_offsets): (&Tensor, &Tensor),
+    d: Dims,
+    row: u64,
+) -> Result<()> {
+    let v = width(row, &[outs[0]]);
+    launch(
+        target,
+        &function(target.device, Family::Movement, &format!("zero_{v}"))?,
+        d.experts as u64 + 1,
+        256,
+        0,
+        &[
+            Arg::P(outs[0]),
+            Arg::P(outs[1]),
+            Arg::P(outs[2]),
+            Arg::P(tokens_per_expert.address),
+            Arg::P(expert_offsets.address),
+            Arg::I32(d.experts as i32),
+            Arg::I64(d.out_rows as i64),
+            Arg::I64(row as i64),
+            Arg::I32(d.scales as i32),
+        ],
+    )
+}
+
 /// See [`crate::call::permute`].
 pub(crate) unsafe fn permute(target: &Target, a: &PermuteArgs, d: Dims) -> Result<()> {
     check_device_memory(
@@ -604,25 +635,16 @@ pub(crate) unsafe fn permute(target: &Target, a: &PermuteArgs, d: Dims) -> Resul
     )?;
     let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
     let dev = target.device;
-    // Rows no route writes: zero them (a no-op grid when there are none).
-    let zv = width(row, &[a.output.address]);
-    launch(
+    zero_unwritten(
         target,
-        &function(dev, Family::Movement, &format!("zero_{zv}"))?,
-        d.experts as u64 + 1,
-        256,
-        0,
-        &[
-            Arg::P(a.output.address),
-            Arg::P(opt(&a.permuted_probs)),
-            Arg::P(opt(&a.permuted_scales)),
-            Arg::P(a.tokens_per_expert.address),
-            Arg::P(a.expert_offsets.address),
-            Arg::I32(d.experts as i32),
-            Arg::I64(d.out_rows as i64),
-            Arg::I64(row as i64),
-            Arg::I32(d.scales as i32),
+        [
+            a.output.address,
+            opt(&a.permuted_probs),
+            opt(&a.permuted_scales),
         ],
+        (&a.tokens_per_expert, &a.expert_offsets),
+        d,
+        row,
     )?;
     if d.tokens == 0 || (row == 0 && d.scales == 0 && a.probs.is_none()) {
         return Ok(());
@@ -751,24 +773,13 @@ pub(crate) unsafe fn unpermute_backward(
     let dtype = a.grad.dtype;
     let row = (d.hidden * dtype.size_bytes()) as u64;
     let dev = target.device;
-    let zv = width(row, &[a.act_grad.address]);
-    launch(
+    let no_scales = Dims { scales: 0, ..d };
+    zero_unwritten(
         target,
-        &function(dev, Family::Movement, &format!("zero_{zv}"))?,
-        d.experts as u64 + 1,
-        256,
-        0,
-        &[
-            Arg::P(a.act_grad.address),
-            Arg::P(0),
-            Arg::P(0),
-            Arg::P(a.tokens_per_expert.address),
-            Arg::P(a.expert_offsets.address),
-            Arg::I32(d.experts as i32),
-            Arg::I64(d.out_rows as i64),
-            Arg::I64(row as i64),
-            Arg::I32(0),
-        ],
+        [a.act_grad.address, 0, 0],
+        (&a.tokens_per_expert, &a.expert_offsets),
+        no_scales,
+        row,
     )?;
     if d.tokens == 0 {
         return Ok(());
