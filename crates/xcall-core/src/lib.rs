@@ -19,7 +19,7 @@ mod status;
 pub mod testing;
 
 pub use device_map::DeviceMap;
-pub use dtype::{DType, FloatCodec};
+pub use dtype::{fp8_decode, fp8_encode, DType, FloatCodec, Fp8};
 pub use error::{Error, Result};
 pub use kernel_cache::{KernelCache, KernelSource};
 pub use platform::{Device, Platform};

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::{sys, CudaFunction};
 use xcall_core::cuda::{self, driver_error};
 use xcall_core::kernel_cache::LoadedModule;
-use xcall_core::{DType, Device, DeviceMap, KernelCache, KernelSource};
+use xcall_core::{DType, Device, DeviceMap, Fp8, KernelCache, KernelSource};
 
 use crate::call::{
     Dims, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -84,8 +84,13 @@ fn instantiations(family: Family) -> String {
             for v in arith_widths(dtype) {
                 for u in UNROLLS {
                     s += &format!(
-                        "extern \"C\" __global__ void unpermute_{v}_{u}(const unsigned char* in, const int* map, const float* mprobs, const float* pprobs, unsigned char* out, float* uprobs, i64 T, int E, i64 H, i64 N) {{ unpermute_body<{codec}, {v}, {u}>(in, map, mprobs, pprobs, out, uprobs, T, E, H, N); }}\n\
-                         extern \"C\" __global__ void unpermute_bwd_{v}_{u}(const unsigned char* grad, const unsigned char* fwd, const int* map, const float* mprobs, unsigned char* act, float* pgrad, i64 T, int E, i64 H, i64 N) {{ unpermute_bwd_body<{codec}, {v}, {u}>(grad, fwd, map, mprobs, act, pgrad, T, E, H, N); }}\n"
+                        "extern \"C\" __global__ void unpermute_{v}_{u}(const unsigned char* in, const int* map, const float* mprobs, const float* pprobs, unsigned char* out, float* uprobs, i64 T, int E, i64 H, i64 N) {{ unpermute_body<{codec}, {v}, {u}>(in, map, mprobs, pprobs, out, uprobs, T, E, H, N); }}\n"
+                    );
+                    if Fp8::of(dtype).is_some() {
+                        continue; // fp8: unpermute without probs only
+                    }
+                    s += &format!(
+                        "extern \"C\" __global__ void unpermute_bwd_{v}_{u}(const unsigned char* grad, const unsigned char* fwd, const int* map, const float* mprobs, unsigned char* act, float* pgrad, i64 T, int E, i64 H, i64 N) {{ unpermute_bwd_body<{codec}, {v}, {u}>(grad, fwd, map, mprobs, act, pgrad, T, E, H, N); }}\n"
                     );
                 }
             }
@@ -98,6 +103,8 @@ fn codec_name(dtype: DType) -> &'static str {
     match dtype {
         DType::F32 => "F32",
         DType::F16 => "F16",
+        DType::F8E4M3 => "F8E4M3",
+        DType::F8E5M2 => "F8E5M2",
         _ => "BF16",
     }
 }

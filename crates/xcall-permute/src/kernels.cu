@@ -49,6 +49,42 @@ struct BF16 {
     }
 };
 
+// fp8, the steps of xcall_core::fp8_decode / fp8_encode: round to nearest
+// even, finite values saturate to MAXB, any NaN stores as 0x7f.
+__device__ __forceinline__ float pow2f(int k) { return __uint_as_float((unsigned int)(k + 127) << 23); }
+template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
+    typedef unsigned char S;
+    static __device__ __forceinline__ float load(S b) {
+        const float sign = (b & 0x80) ? -1.0f : 1.0f;
+        const int exp = (b & 0x7f) >> MB, man = b & ((1 << MB) - 1), top = (1 << (7 - MB)) - 1;
+        float mag;
+        if (FN && exp == top && man == (1 << MB) - 1) mag = __uint_as_float(0x7fc00000u);
+        else if (!FN && exp == top) mag = man ? __uint_as_float(0x7fc00000u) : __uint_as_float(0x7f800000u);
+        else if (exp == 0) mag = (float)man * pow2f(1 - BIAS - MB);
+        else mag = (float)((1 << MB) + man) * pow2f(exp - BIAS - MB);
+        return sign * mag;
+    }
+    static __device__ __forceinline__ S store(float x) {
+        if (isnan(x)) return 0x7f;
+        const unsigned int sign = (__float_as_uint(x) >> 24) & 0x80;
+        const float a = fabsf(x);
+        const int emin = 1 - BIAS, emax = MAXB >> MB;
+        int bits;
+        if (a < pow2f(emin)) {
+            bits = (int)rintf(a * pow2f(MB - emin));
+        } else {
+            int e = (int)(__float_as_uint(a) >> 23) - 127;
+            if (e > emax - BIAS) return (S)(sign | MAXB);
+            int m = (int)rintf(a * pow2f(MB - e));
+            if (m == (2 << MB)) { e += 1; m = 1 << MB; }
+            bits = ((e + BIAS) << MB) | (m - (1 << MB));
+        }
+        return (S)(sign | (unsigned int)min(bits, MAXB));
+    }
+};
+typedef F8<3, 7, 0x7e, true> F8E4M3;
+typedef F8<2, 15, 0x7b, false> F8E5M2;
+
 // V bytes of elements of codec C, loaded and stored as one vector.
 template <typename C, int V> union Pack {
     typename VecT<V>::T raw;

@@ -151,7 +151,9 @@ fn codec(op: &str, dtype: DType) -> Result<FloatCodec, PermuteError> {
 
 /// Inputs of [`unpermute`].
 pub struct UnpermuteInputs<'a> {
-    /// `[out_rows, H]` of `dtype` (f32, f16 or bf16), as bytes.
+    /// `[out_rows, H]` of `dtype` (f32, f16 or bf16; also f8e4m3 and
+    /// f8e5m2 without `merging_probs`: summed in f32, stored rounded to
+    /// nearest even with saturation, see [`xcall_core::fp8_encode`]).
     pub input: &'a [u8],
     /// Element type of `input` and `output`.
     pub dtype: DType,
@@ -177,7 +179,16 @@ pub fn unpermute(
     inputs: &UnpermuteInputs<'_>,
     outputs: &mut UnpermuteOutputs<'_>,
 ) -> Result<(), PermuteError> {
-    let codec = codec("unpermute", inputs.dtype)?;
+    let codec = match inputs.merging_probs {
+        // Without weights the sum is data movement plus adds: fp8 too.
+        None => FloatCodec::with_fp8(inputs.dtype).ok_or_else(|| {
+            PermuteError::Unsupported(format!(
+                "unpermute supports f32, f16, bf16, f8e4m3 and f8e5m2, not {}",
+                inputs.dtype
+            ))
+        })?,
+        Some(_) => codec("unpermute with merging_probs", inputs.dtype)?,
+    };
     let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
     let size = inputs.dtype.size_bytes();
     expect_len("input (bytes)", inputs.input.len(), n * h * size)?;
@@ -210,18 +221,17 @@ pub fn unpermute(
     );
     alias::check(&ins, &outs, alias::alias_table(Op::Unpermute))?;
 
-    let mut acc = vec![0f32; h];
+    let (mut acc, mut x) = (vec![0f32; h], vec![0f32; h]);
     for token in 0..t {
         acc.fill(0.0);
         for (dst, expert) in map.routes(token) {
             let w = inputs.merging_probs.map_or(1.0, |m| m[token * e + expert]);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a += codec.load(inputs.input, dst * h + j) * w;
+            codec.load_slice(inputs.input, dst * h, &mut x);
+            for (a, v) in acc.iter_mut().zip(&x) {
+                *a += v * w;
             }
         }
-        for (j, &a) in acc.iter().enumerate() {
-            codec.store(outputs.output, token * h + j, a);
-        }
+        codec.store_slice(outputs.output, token * h, &acc);
     }
     if let (Some(pp), Some(up)) = (
         inputs.permuted_probs,
@@ -294,14 +304,22 @@ pub fn unpermute_backward(
     outputs.probs_grad.fill(0.0);
     let group = DOT_GROUP_BYTES / size;
     let mut partial = [0f32; DOT_SLOTS];
+    let (mut g, mut f, mut act) = (vec![0f32; h], vec![0f32; h], vec![0f32; h]);
     for token in 0..t {
+        codec.load_slice(inputs.grad, token * h, &mut g);
         for (dst, expert) in map.routes(token) {
             let w = inputs.merging_probs[token * e + expert];
+            codec.load_slice(inputs.fwd_input, dst * h, &mut f);
+            for (a, gj) in act.iter_mut().zip(&g) {
+                *a = gj * w;
+            }
+            codec.store_slice(outputs.act_grad, dst * h, &act);
             partial.fill(0.0);
-            for j in 0..h {
-                let g = codec.load(inputs.grad, token * h + j);
-                codec.store(outputs.act_grad, dst * h + j, g * w);
-                partial[(j / group) % DOT_SLOTS] += codec.load(inputs.fwd_input, dst * h + j) * g;
+            for (q, (fs, gs)) in f.chunks(group).zip(g.chunks(group)).enumerate() {
+                let slot = &mut partial[q % DOT_SLOTS];
+                for (fj, gj) in fs.iter().zip(gs) {
+                    *slot += fj * gj;
+                }
             }
             outputs.probs_grad[token * e + expert] = tree_sum(&mut partial);
         }

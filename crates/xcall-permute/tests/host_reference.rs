@@ -271,6 +271,118 @@ fn edge_shapes_and_dtypes() {
     check_case(64, 4, 9, 2, None, None, DType::F8E5M2, 7);
 }
 
+/// fp8 by its definition: (exponent bits, mantissa bits, bias).
+fn fp8_value(dtype: DType, b: u8) -> f64 {
+    let (eb, mb, bias) = if dtype == DType::F8E4M3 {
+        (4, 3, 7)
+    } else {
+        (5, 2, 15)
+    };
+    let (e, m) = (
+        (b as i32 >> mb) & ((1 << eb) - 1),
+        b as i32 & ((1 << mb) - 1),
+    );
+    let mag = if e == 0 {
+        m as f64 * 2f64.powi(1 - bias - mb)
+    } else {
+        (1.0 + m as f64 / (1 << mb) as f64) * 2f64.powi(e - bias)
+    };
+    if b & 0x80 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+#[test]
+fn fp8_unpermute_without_probs_sums_in_f32_rounds_and_saturates() {
+    for (dtype, max, mbits) in [(DType::F8E4M3, 448.0, 3), (DType::F8E5M2, 57344.0, 2)] {
+        let (tokens, experts, hidden) = (300, 6, 37);
+        let r = routing(tokens, experts, 4, 11);
+        let map = make_row_id_map(&r, tokens, experts, RowIdMapOptions::default()).unwrap();
+        let n = map.out_rows;
+        let mut g = XorShift::new(12);
+        // Finite encodings only (E4M3 NaN is S.1111.111, E5M2 S.11111.xx
+        // is Inf/NaN); every 50th row is all large values to saturate.
+        let finite = |b: u8| fp8_value(dtype, b).is_finite() && fp8_value(dtype, b).abs() <= max;
+        let input: Vec<u8> = (0..n * hidden)
+            .map(|i| loop {
+                let b = if (i / hidden) % 50 == 0 {
+                    if dtype == DType::F8E4M3 {
+                        0x7d
+                    } else {
+                        0x7a
+                    }
+                } else {
+                    g.next_u64() as u8
+                };
+                if finite(b) {
+                    break b;
+                }
+            })
+            .collect();
+        let mut out = vec![0xa5u8; tokens * hidden];
+        unpermute(
+            map.view(),
+            &UnpermuteInputs {
+                input: &input,
+                dtype,
+                hidden,
+                merging_probs: None,
+                permuted_probs: None,
+            },
+            &mut UnpermuteOutputs {
+                output: &mut out,
+                unpermuted_probs: None,
+            },
+        )
+        .unwrap();
+        let mut saturated = 0;
+        for t in 0..tokens {
+            for j in 0..hidden {
+                let terms: Vec<f64> = map
+                    .routes(t)
+                    .map(|(d, _)| fp8_value(dtype, input[d * hidden + j]))
+                    .collect();
+                let want: f64 = terms.iter().sum();
+                // The f32 accumulation may lose up to 2^-24 of the running
+                // magnitude per add (large terms that cancel).
+                let f32_err = terms.iter().map(|x| x.abs()).sum::<f64>() * 4.0 * 2f64.powi(-24);
+                let clamped = want.clamp(-max, max);
+                saturated += usize::from(clamped != want);
+                let got = fp8_value(dtype, out[t * hidden + j]);
+                // Within half a unit in the last place of the result (and
+                // half the smallest subnormal near zero).
+                let half_ulp =
+                    clamped.abs() * 2f64.powi(-(mbits + 1)) + fp8_value(dtype, 1) / 2.0 + f32_err;
+                assert!(
+                    got.is_finite() && (got - clamped).abs() <= half_ulp,
+                    "{dtype} token {t} [{j}]: {got} vs {want}"
+                );
+            }
+        }
+        assert!(saturated > 0, "{dtype}: the test should reach saturation");
+        // Weighted sums stay f32/f16/bf16 only.
+        let probs = vec![0.5f32; tokens * experts];
+        let err = unpermute(
+            map.view(),
+            &UnpermuteInputs {
+                input: &input,
+                dtype,
+                hidden,
+                merging_probs: Some(&probs),
+                permuted_probs: None,
+            },
+            &mut UnpermuteOutputs {
+                output: &mut out,
+                unpermuted_probs: None,
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, PermuteError::Unsupported(m) if m.contains("merging_probs")));
+    }
+}
+
 #[test]
 fn bad_inputs_are_refused_and_nothing_is_written() {
     let opts = RowIdMapOptions::default();
@@ -333,7 +445,7 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
         map.view(),
         &UnpermuteInputs {
             input: &out,
-            dtype: DType::F8E4M3,
+            dtype: DType::I32,
             hidden: 16,
             merging_probs: None,
             permuted_probs: None,
