@@ -88,6 +88,26 @@ enum xcall_status
    * publishes no such alias; nothing was written. The message names both.
    */
   XCALL_STATUS_ALIASED = 11,
+  /**
+   * The object is not in a state that allows this call (used before
+   * init, initialised twice, used after finalize).
+   */
+  XCALL_STATUS_INVALID_STATE = 12,
+  /**
+   * A memory pool (for example a symmetric heap) has no free block large
+   * enough; the message gives the request, the largest free block and
+   * the total free.
+   */
+  XCALL_STATUS_OUT_OF_MEMORY = 13,
+  /**
+   * The processing elements of a collective call disagree (different
+   * sizes, order or arguments); reported on every one of them.
+   */
+  XCALL_STATUS_COLLECTIVE_MISMATCH = 14,
+  /**
+   * An operating-system call failed (socket, shared memory, mapping).
+   */
+  XCALL_STATUS_SYSTEM = 15,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -39,13 +39,25 @@ pub enum Status {
     /// An output overlaps an input or another output of an op that
     /// publishes no such alias; nothing was written. The message names both.
     Aliased = 11,
+    /// The object is not in a state that allows this call (used before
+    /// init, initialised twice, used after finalize).
+    InvalidState = 12,
+    /// A memory pool (for example a symmetric heap) has no free block large
+    /// enough; the message gives the request, the largest free block and
+    /// the total free.
+    OutOfMemory = 13,
+    /// The processing elements of a collective call disagree (different
+    /// sizes, order or arguments); reported on every one of them.
+    CollectiveMismatch = 14,
+    /// An operating-system call failed (socket, shared memory, mapping).
+    System = 15,
 }
 
 impl Status {
     /// Every status, in code order.
     ///
     /// cbindgen:ignore
-    pub const ALL: [Status; 12] = [
+    pub const ALL: [Status; 16] = [
         Status::Ok,
         Status::NullArgument,
         Status::InvalidArgument,
@@ -58,6 +70,10 @@ impl Status {
         Status::CallbackFailed,
         Status::Timeout,
         Status::Aliased,
+        Status::InvalidState,
+        Status::OutOfMemory,
+        Status::CollectiveMismatch,
+        Status::System,
     ];
 
     /// The numeric code.
@@ -85,6 +101,10 @@ impl Status {
             Status::CallbackFailed => c"XCALL_STATUS_CALLBACK_FAILED",
             Status::Timeout => c"XCALL_STATUS_TIMEOUT",
             Status::Aliased => c"XCALL_STATUS_ALIASED",
+            Status::InvalidState => c"XCALL_STATUS_INVALID_STATE",
+            Status::OutOfMemory => c"XCALL_STATUS_OUT_OF_MEMORY",
+            Status::CollectiveMismatch => c"XCALL_STATUS_COLLECTIVE_MISMATCH",
+            Status::System => c"XCALL_STATUS_SYSTEM",
         }
     }
 
@@ -121,6 +141,10 @@ mod tests {
             (9, "XCALL_STATUS_CALLBACK_FAILED"),
             (10, "XCALL_STATUS_TIMEOUT"),
             (11, "XCALL_STATUS_ALIASED"),
+            (12, "XCALL_STATUS_INVALID_STATE"),
+            (13, "XCALL_STATUS_OUT_OF_MEMORY"),
+            (14, "XCALL_STATUS_COLLECTIVE_MISMATCH"),
+            (15, "XCALL_STATUS_SYSTEM"),
         ];
         assert_eq!(Status::ALL.len(), published.len());
         for (code, name) in published {

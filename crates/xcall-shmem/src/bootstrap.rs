@@ -1,1 +1,502 @@
-//! Rendezvous of processing elements: in-process groups and Unix-socket bootstrap, with timeouts.
+//! Rendezvous of processing elements: in-process groups and Unix-socket
+//! bootstrap, with timeouts.
+//!
+//! A [`Bootstrap`] moves small messages between the PEs of one world
+//! (identities at init, sizes at `malloc`, nothing on the data path). Every
+//! call has a deadline: a PE that never arrives becomes a
+//! [`ShmemError::Timeout`] on every PE that waits for it, naming the
+//! missing ranks, never a hang. After a timeout the bootstrap is failed:
+//! every later call on any PE of the world fails at once with the same
+//! message.
+//!
+//! No lock is held while waiting: the in-process group waits on a condition
+//! variable (which releases its lock), the socket bootstrap blocks in
+//! `read` with a timeout.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, ShmemError};
+
+/// The collectives the PEs of one world use to agree.
+pub trait Bootstrap: Send {
+    /// This PE's rank.
+    fn rank(&self) -> usize;
+    /// The number of PEs.
+    fn size(&self) -> usize;
+    /// Every PE's `data`, indexed by rank. Blocks until all PEs contributed
+    /// or the timeout passed.
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Returns once every PE called it.
+    fn barrier(&mut self) -> Result<()> {
+        self.allgather(&[]).map(|_| ())
+    }
+    /// `data` of PE `root` on every PE.
+    fn broadcast(&mut self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
+        if root >= self.size() {
+            return Err(ShmemError::InvalidArgument(format!(
+                "broadcast root {root} is not a rank of a world of {}",
+                self.size()
+            )));
+        }
+        let mine = if self.rank() == root { data } else { &[] };
+        Ok(self.allgather(mine)?.swap_remove(root))
+    }
+}
+
+fn check_rank(rank: usize, size: usize) -> Result<()> {
+    if size == 0 || rank >= size {
+        return Err(ShmemError::InvalidArgument(format!(
+            "rank {rank} is not in a world of {size} PE(s)"
+        )));
+    }
+    Ok(())
+}
+
+fn missing(arrived: &[bool]) -> Vec<usize> {
+    (0..arrived.len()).filter(|&r| !arrived[r]).collect()
+}
+
+// ------------------------------------------------------------ in process
+
+/// One round of an in-process collective.
+struct Round {
+    data: Vec<Option<Vec<u8>>>,
+    arrived: usize,
+    left: usize,
+}
+
+struct GroupState {
+    joined: Vec<bool>,
+    members: usize,
+    rounds: HashMap<u64, Round>,
+    failed: Option<String>,
+}
+
+struct Group {
+    name: String,
+    size: usize,
+    state: Mutex<GroupState>,
+    changed: Condvar,
+}
+
+impl Group {
+    fn lock(&self) -> MutexGuard<'_, GroupState> {
+        // A panic on another PE's thread must not wedge this one: the state
+        // is only counters and buffers, valid after any interrupted update.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn groups() -> &'static Mutex<HashMap<String, Arc<Group>>> {
+    static GROUPS: OnceLock<Mutex<HashMap<String, Arc<Group>>>> = OnceLock::new();
+    GROUPS.get_or_init(Default::default)
+}
+
+/// Whether in-process group `name` exists (some member is joined).
+pub fn group_alive(name: &str) -> bool {
+    groups()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(name)
+}
+
+/// PEs that are threads of this process, meeting by group name.
+pub struct InProcess {
+    group: Arc<Group>,
+    rank: usize,
+    seq: u64,
+    timeout: Duration,
+}
+
+impl InProcess {
+    /// Joins group `name` of `size` PEs as `rank`. The group exists while
+    /// at least one member is joined; a name is reusable once every member
+    /// left.
+    pub fn join(name: &str, rank: usize, size: usize, timeout: Duration) -> Result<InProcess> {
+        check_rank(rank, size)?;
+        let mut all = groups().lock().unwrap_or_else(|p| p.into_inner());
+        let group = all
+            .entry(name.to_string())
+            .or_insert_with(|| {
+                Arc::new(Group {
+                    name: name.to_string(),
+                    size,
+                    state: Mutex::new(GroupState {
+                        joined: vec![false; size],
+                        members: 0,
+                        rounds: HashMap::new(),
+                        failed: None,
+                    }),
+                    changed: Condvar::new(),
+                })
+            })
+            .clone();
+        if group.size != size {
+            return Err(ShmemError::Mismatch(format!(
+                "group {name:?} has {} PEs, rank {rank} asked for {size}",
+                group.size
+            )));
+        }
+        let mut st = group.lock();
+        if st.joined[rank] {
+            return Err(ShmemError::State(format!(
+                "rank {rank} of group {name:?} is already joined (two PEs with one rank, or init twice)"
+            )));
+        }
+        st.joined[rank] = true;
+        st.members += 1;
+        drop(st);
+        Ok(InProcess {
+            group,
+            rank,
+            seq: 0,
+            timeout,
+        })
+    }
+}
+
+impl Bootstrap for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.group.size
+    }
+
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (g, n, seq) = (&self.group, self.group.size, self.seq);
+        self.seq += 1;
+        let deadline = Instant::now() + self.timeout;
+        let mut st = g.lock();
+        if let Some(f) = &st.failed {
+            return Err(ShmemError::Timeout(f.clone()));
+        }
+        let round = st.rounds.entry(seq).or_insert_with(|| Round {
+            data: vec![None; n],
+            arrived: 0,
+            left: 0,
+        });
+        round.data[self.rank] = Some(data.to_vec());
+        round.arrived += 1;
+        g.changed.notify_all();
+        loop {
+            if st.rounds[&seq].arrived == n {
+                break;
+            }
+            if let Some(f) = &st.failed {
+                return Err(ShmemError::Timeout(f.clone()));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let arrived: Vec<bool> = st.rounds[&seq].data.iter().map(Option::is_some).collect();
+                let msg = format!(
+                    "group {:?}: rank {} waited {:?} in collective #{seq} for rank(s) {:?}, which never arrived",
+                    g.name,
+                    self.rank,
+                    self.timeout,
+                    missing(&arrived)
+                );
+                st.failed = Some(msg.clone());
+                g.changed.notify_all();
+                return Err(ShmemError::Timeout(msg));
+            }
+            st = g
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        let round = st
+            .rounds
+            .get_mut(&seq)
+            .expect("round exists until all left");
+        let out = round
+            .data
+            .iter()
+            .map(|d| d.clone().unwrap_or_default())
+            .collect();
+        round.left += 1;
+        if round.left == n {
+            st.rounds.remove(&seq);
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        let mut all = groups().lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.group.lock();
+        st.joined[self.rank] = false;
+        st.members -= 1;
+        let last = st.members == 0;
+        drop(st);
+        if last
+            && all
+                .get(&self.group.name)
+                .is_some_and(|g| Arc::ptr_eq(g, &self.group))
+        {
+            all.remove(&self.group.name);
+        }
+    }
+}
+
+// --------------------------------------------------------- Unix socket
+
+/// PEs that are processes of one host, meeting at a Unix domain socket:
+/// rank 0 listens at the path (and removes it once every PE connected),
+/// the others connect to it. Collectives go through rank 0.
+pub struct UnixSocket {
+    rank: usize,
+    size: usize,
+    /// Rank 0: the streams of ranks 1.. (index rank - 1). Others: rank 0's.
+    streams: Vec<UnixStream>,
+    timeout: Duration,
+    failed: Option<String>,
+}
+
+const HELLO: u32 = 0x7863_616c; // "xcal"
+
+fn write_frame(s: &mut UnixStream, data: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(data.len() as u64).to_le_bytes())?;
+    s.write_all(data)
+}
+
+fn read_frame(s: &mut UnixStream, deadline: Instant) -> std::io::Result<Vec<u8>> {
+    let remaining = deadline.saturating_duration_since(Instant::now());
+    s.set_read_timeout(Some(remaining.max(Duration::from_millis(1))))?;
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len)?;
+    let len = u64::from_le_bytes(len) as usize;
+    if len > 1 << 30 {
+        return Err(std::io::Error::other(format!("frame of {len} bytes")));
+    }
+    let mut data = vec![0u8; len];
+    s.read_exact(&mut data)?;
+    Ok(data)
+}
+
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+impl UnixSocket {
+    /// Connects rank `rank` of `size` through the socket at `path`.
+    pub fn connect(path: &Path, rank: usize, size: usize, timeout: Duration) -> Result<UnixSocket> {
+        check_rank(rank, size)?;
+        let deadline = Instant::now() + timeout;
+        let streams = if rank == 0 {
+            Self::listen(path, size, deadline, timeout)?
+        } else {
+            vec![Self::dial(path, rank, size, deadline, timeout)?]
+        };
+        Ok(UnixSocket {
+            rank,
+            size,
+            streams,
+            timeout,
+            failed: None,
+        })
+    }
+
+    fn listen(
+        path: &Path,
+        size: usize,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Vec<UnixStream>> {
+        // A socket file left by a crashed run would make bind fail.
+        if std::fs::symlink_metadata(path).is_ok() {
+            std::fs::remove_file(path)
+                .map_err(|e| ShmemError::os(format!("removing stale {path:?}"), e))?;
+        }
+        let listener =
+            UnixListener::bind(path).map_err(|e| ShmemError::os(format!("bind {path:?}"), e))?;
+        let _unlink = Unlink(path.to_path_buf());
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| ShmemError::os("set_nonblocking", e))?;
+        let mut by_rank: Vec<Option<UnixStream>> = (1..size).map(|_| None).collect();
+        while by_rank.iter().any(Option::is_none) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false)
+                        .map_err(|e| ShmemError::os("set_nonblocking", e))?;
+                    let hello = read_frame(&mut s, deadline)
+                        .map_err(|e| ShmemError::os("reading a PE's hello", e))?;
+                    if hello.len() != 16
+                        || u32::from_le_bytes(hello[0..4].try_into().unwrap()) != HELLO
+                    {
+                        continue; // not one of ours
+                    }
+                    let r = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
+                    let n = u64::from_le_bytes(hello[8..16].try_into().unwrap()) as usize;
+                    if n != size {
+                        return Err(ShmemError::Mismatch(format!(
+                            "rank {r} connected to {path:?} for a world of {n} PEs, rank 0 has {size}"
+                        )));
+                    }
+                    if r == 0 || r >= size || by_rank[r - 1].is_some() {
+                        return Err(ShmemError::Mismatch(format!(
+                            "a second PE connected to {path:?} as rank {r} (or rank out of range)"
+                        )));
+                    }
+                    by_rank[r - 1] = Some(s);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let arrived: Vec<bool> = std::iter::once(true)
+                            .chain(by_rank.iter().map(Option::is_some))
+                            .collect();
+                        return Err(ShmemError::Timeout(format!(
+                            "rank 0 waited {timeout:?} at {path:?} for rank(s) {:?}, which never connected",
+                            missing(&arrived)
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(ShmemError::os(format!("accept on {path:?}"), e)),
+            }
+        }
+        Ok(by_rank
+            .into_iter()
+            .map(|s| s.expect("every rank connected"))
+            .collect())
+    }
+
+    fn dial(
+        path: &Path,
+        rank: usize,
+        size: usize,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<UnixStream> {
+        let mut s = loop {
+            match UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e)
+                    if Instant::now() < deadline
+                        && matches!(
+                            e.kind(),
+                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                        ) =>
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => {
+                    return Err(if Instant::now() >= deadline {
+                        ShmemError::Timeout(format!(
+                            "rank {rank} waited {timeout:?} for rank 0 to listen at {path:?} ({e})"
+                        ))
+                    } else {
+                        ShmemError::os(format!("connect {path:?}"), e)
+                    })
+                }
+            }
+        };
+        let mut hello = HELLO.to_le_bytes().to_vec();
+        hello.extend((rank as u32).to_le_bytes());
+        hello.extend((size as u64).to_le_bytes());
+        write_frame(&mut s, &hello).map_err(|e| ShmemError::os("sending hello", e))?;
+        Ok(s)
+    }
+
+    fn fail(&mut self, msg: String) -> ShmemError {
+        self.failed = Some(msg.clone());
+        // Closing tells every peer at once instead of after its own timeout.
+        for s in &self.streams {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        ShmemError::Timeout(msg)
+    }
+}
+
+/// Removes the socket path when rank 0 has every PE connected (or failed).
+struct Unlink(PathBuf);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Bootstrap for UnixSocket {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if let Some(f) = &self.failed {
+            return Err(ShmemError::Timeout(f.clone()));
+        }
+        let deadline = Instant::now() + self.timeout;
+        if self.rank == 0 {
+            let mut all = vec![data.to_vec()];
+            for r in 1..self.size {
+                match read_frame(&mut self.streams[r - 1], deadline) {
+                    Ok(d) => all.push(d),
+                    Err(e) => {
+                        let why = if timed_out(&e) {
+                            format!("never arrived within {:?}", self.timeout)
+                        } else {
+                            format!("left the world ({e})")
+                        };
+                        return Err(self.fail(format!(
+                            "rank 0 waited in a collective for rank {r}, which {why}"
+                        )));
+                    }
+                }
+            }
+            let mut packed = Vec::new();
+            for d in &all {
+                packed.extend((d.len() as u64).to_le_bytes());
+                packed.extend(d);
+            }
+            for r in 1..self.size {
+                if let Err(e) = write_frame(&mut self.streams[r - 1], &packed) {
+                    return Err(self.fail(format!("rank 0 could not answer rank {r} ({e})")));
+                }
+            }
+            Ok(all)
+        } else {
+            let rank = self.rank;
+            let packed = write_frame(&mut self.streams[0], data)
+                .and_then(|()| read_frame(&mut self.streams[0], deadline));
+            let packed = match packed {
+                Ok(p) => p,
+                Err(e) => {
+                    let why = if timed_out(&e) {
+                        format!("no answer within {:?}: a PE never arrived", self.timeout)
+                    } else {
+                        format!("rank 0 closed the bootstrap, a PE failed or never arrived ({e})")
+                    };
+                    return Err(self.fail(format!("rank {rank} in a collective: {why}")));
+                }
+            };
+            let mut all = Vec::with_capacity(self.size);
+            let mut at = 0;
+            while at + 8 <= packed.len() {
+                let len = u64::from_le_bytes(packed[at..at + 8].try_into().unwrap()) as usize;
+                all.push(packed[at + 8..at + 8 + len].to_vec());
+                at += 8 + len;
+            }
+            if all.len() != self.size {
+                return Err(self.fail(format!("rank {rank}: malformed answer from rank 0")));
+            }
+            Ok(all)
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! The CUDA side of a world: device heap, peer mappings (direct pointers
+//! with peer access inside one process, IPC handles across processes),
+//! copies on the copy engine, and the barrier and signal kernels.
+//!
+//! Every driver call runs with the PE's device made current explicitly
+//! (`xcall_core::cuda::with_context`), never the calling thread's.
+
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{sys, CudaFunction};
+use xcall_core::cuda::{self, driver_error};
+use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::{Device, DeviceMap, KernelCache, KernelSource};
+
+use crate::error::{Result, ShmemError};
+
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// The kernels of one device.
+pub(crate) struct Kernels {
+    pub barrier: CudaFunction,
+    pub signal: CudaFunction,
+    _module: Arc<LoadedModule>,
+}
+
+struct State {
+    cache: KernelCache,
+    kernels: DeviceMap<Arc<Kernels>>,
+}
+
+fn state() -> &'static State {
+    static STATE: OnceLock<State> = OnceLock::new();
+    STATE.get_or_init(|| State {
+        cache: KernelCache::new(),
+        kernels: DeviceMap::new(),
+    })
+}
+
+/// The kernels of `device`, compiled once per device.
+pub(crate) fn kernels(device: Device) -> Result<Arc<Kernels>> {
+    let k = state().kernels.get_or_try_init(device, || {
+        let module = state().cache.module(
+            device,
+            &KernelSource {
+                name: "xcall_shmem.cu",
+                code: SOURCE,
+                options: &[],
+            },
+        )?;
+        Ok::<_, xcall_core::Error>(Arc::new(Kernels {
+            barrier: module.function("xcall_shmem_barrier")?,
+            signal: module.function("xcall_shmem_signal")?,
+            _module: module,
+        }))
+    })?;
+    Ok(k.clone())
+}
+
+/// Runs `f` with `device`'s primary context current, mapping driver errors.
+pub(crate) fn on(
+    device: Device,
+    call: &'static str,
+    f: impl FnOnce() -> sys::CUresult,
+) -> Result<()> {
+    cuda::with_context(device, |_| {
+        f().result().map_err(|e| driver_error(call, device, e))
+    })?;
+    Ok(())
+}
+
+/// Device memory of one PE's heap (cuMemAlloc: exportable through IPC).
+pub(crate) struct DeviceHeap {
+    pub device: Device,
+    pub base: u64,
+}
+
+impl DeviceHeap {
+    pub fn new(device: Device, len: usize) -> Result<DeviceHeap> {
+        let mut base = 0;
+        // SAFETY: writes one device pointer through a valid reference.
+        on(device, "cuMemAlloc", || unsafe {
+            sys::cuMemAlloc_v2(&mut base, len)
+        })
+        .map_err(|e| e.context(format!("symmetric heap of {len} bytes")))?;
+        Ok(DeviceHeap { device, base })
+    }
+
+    /// The IPC handle of the heap, as 64 bytes.
+    pub fn ipc_handle(&self) -> Result<Vec<u8>> {
+        // SAFETY: a plain C struct of 64 chars; zero is a valid value.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `base` is a live cuMemAlloc allocation of this device.
+        on(self.device, "cuIpcGetMemHandle", || unsafe {
+            sys::cuIpcGetMemHandle(&mut h, self.base)
+        })?;
+        Ok(h.reserved.iter().map(|&c| c as u8).collect())
+    }
+}
+
+impl Drop for DeviceHeap {
+    fn drop(&mut self) {
+        // SAFETY: frees the allocation made in `new`; peers closed their
+        // mappings of it before (finalize's order).
+        let _ = on(self.device, "cuMemFree", || unsafe {
+            sys::cuMemFree_v2(self.base)
+        });
+    }
+}
+
+/// A peer's heap opened from its IPC handle (closed on drop).
+pub(crate) struct IpcMapping {
+    pub device: Device,
+    pub base: u64,
+}
+
+impl IpcMapping {
+    pub fn open(device: Device, handle: &[u8]) -> Result<IpcMapping> {
+        if handle.len() != 64 {
+            return Err(ShmemError::InvalidArgument(format!(
+                "an IPC handle has 64 bytes, got {}",
+                handle.len()
+            )));
+        }
+        // SAFETY: a plain C struct of 64 chars.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut base = 0;
+        // SAFETY: `h` is a handle another process exported; the mapping is
+        // closed in Drop.
+        on(device, "cuIpcOpenMemHandle", || unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(IpcMapping { device, base })
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from cuIpcOpenMemHandle in this process.
+        let _ = on(self.device, "cuIpcCloseMemHandle", || unsafe {
+            sys::cuIpcCloseMemHandle(self.base)
+        });
+    }
+}
+
+/// Lets `from` access `to`'s memory directly (same process). Already
+/// enabled is fine; a pair without peer access is an error naming it.
+pub(crate) fn enable_peer_access(from: Device, to: Device, ranks: (usize, usize)) -> Result<()> {
+    if from == to {
+        return Ok(());
+    }
+    if !cuda::can_access_peer(from, to)? {
+        return Err(ShmemError::Unsupported(format!(
+            "rank {} ({from}) cannot access rank {} ({to}) directly: no peer access between these GPUs",
+            ranks.0, ranks.1
+        )));
+    }
+    let peer_ctx = cuda::with_context(to, |ctx| Ok(ctx.cu_ctx()))?;
+    cuda::with_context(from, |_| {
+        // SAFETY: `peer_ctx` is `to`'s primary context, retained for the
+        // life of the process by with_context.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            e => Err(driver_error(
+                "cuCtxEnablePeerAccess",
+                from,
+                e.result().unwrap_err(),
+            )),
+        }
+    })?;
+    Ok(())
+}
+
+/// A stream of the PE's own (non-blocking), for blocking copies and polls.
+pub(crate) struct Stream {
+    pub device: Device,
+    pub raw: sys::CUstream,
+}
+
+// SAFETY: a CUstream handle may be used from any thread; the world that
+// owns it serialises its use (&mut self).
+unsafe impl Send for Stream {}
+
+impl Stream {
+    pub fn new(device: Device) -> Result<Stream> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: writes one stream handle.
+        on(device, "cuStreamCreate", || unsafe {
+            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
+        Ok(Stream { device, raw })
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        // SAFETY: a live stream of this device.
+        on(self.device, "cuStreamSynchronize", || unsafe {
+            sys::cuStreamSynchronize(self.raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ = self.sync();
+        // SAFETY: destroys the stream made in `new`, idle now.
+        let _ = on(self.device, "cuStreamDestroy", || unsafe {
+            sys::cuStreamDestroy_v2(self.raw)
+        });
+    }
+}
+
+/// `bytes` from `src` to `dst` on `stream` (any mix of host and device
+/// addresses: unified addressing).
+///
+/// # Safety
+/// Both ranges must be valid for the whole copy.
+pub(crate) unsafe fn copy(
+    device: Device,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    on(device, "cuMemcpyAsync", || unsafe {
+        sys::cuMemcpyAsync(dst, src, bytes, stream)
+    })
+}
+
+/// Launches `f` with one block of `threads` and the given 8-byte params.
+///
+/// # Safety
+/// `params` must match the kernel's signature.
+pub(crate) unsafe fn launch(
+    device: Device,
+    f: &CudaFunction,
+    threads: u32,
+    stream: sys::CUstream,
+    params: &mut [u64],
+) -> Result<()> {
+    let mut ptrs: Vec<*mut c_void> = params.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+    cuda::with_context(device, |_| {
+        // SAFETY: the caller's contract on `params`.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                (1, 1, 1),
+                (threads, 1, 1),
+                0,
+                stream,
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| driver_error("cuLaunchKernel", device, e))
+    })?;
+    Ok(())
+}
+
+/// Waits on `stream` until the 64-bit word at `addr` is >= `value`
+/// (`eq`: == `value`).
+pub(crate) fn wait_value(
+    device: Device,
+    stream: sys::CUstream,
+    addr: u64,
+    value: u64,
+    eq: bool,
+) -> Result<()> {
+    let flag = if eq {
+        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ
+    } else {
+        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ
+    };
+    // SAFETY: `addr` is an 8-byte aligned word of the heap (checked).
+    on(device, "cuStreamWaitValue64", || unsafe {
+        sys::cuStreamWaitValue64_v2(stream, addr, value, flag as u32)
+    })
+}

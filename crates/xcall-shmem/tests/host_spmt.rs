@@ -1,0 +1,330 @@
+//! SPMT worlds on Host: PEs are threads of this process.
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use xcall_core::testing::XorShift;
+use xcall_core::{Device, Platform, Status};
+use xcall_shmem::registry::device_slot;
+use xcall_shmem::{Cmp, Config, Phase, ShmemError, SignalOp, World};
+
+fn host(rank: usize) -> Device {
+    Device::new(Platform::Host, rank as u32)
+}
+
+/// Runs `f(rank, world)` on `n` threads, each with a live world of group
+/// `group`; returns what each returned.
+fn spmt<T: Send + 'static>(
+    group: &str,
+    n: usize,
+    heap: usize,
+    f: impl Fn(usize, &mut World) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (f, group) = (f.clone(), group.to_string());
+            std::thread::spawn(move || {
+                let mut w = World::new();
+                let mut c = Config::in_process(&group, rank, n, host(rank));
+                c.heap_bytes = Some(heap);
+                c.timeout = Duration::from_secs(20);
+                w.init(&c).unwrap();
+                let out = f(rank, &mut w);
+                let report = w.finalize().unwrap();
+                assert!(
+                    report.leaked.is_empty(),
+                    "rank {rank} leaked {:?}",
+                    report.leaked
+                );
+                out
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Every PE puts random data into its right neighbour's object and gets
+/// its left neighbour's; the data must arrive intact, at the same offset.
+fn ring(n: usize) {
+    let results = spmt(&format!("ring{n}"), n, 1 << 20, move |rank, w| {
+        let bytes = 10_000;
+        let buf = w.malloc(bytes).unwrap();
+        let other = w.malloc(64).unwrap();
+        let (base, _) = w.heap().unwrap();
+        let offset = buf - base;
+        let mut g = XorShift::new(100 + rank as u64);
+        let data: Vec<u8> = (0..bytes).map(|_| g.next_u64() as u8).collect();
+        w.barrier_all().unwrap();
+        let right = (rank + 1) % n;
+        // SAFETY: `data` is a live vector of `bytes` bytes.
+        unsafe { w.put(buf, data.as_ptr() as u64, bytes, right) }.unwrap();
+        w.barrier_all().unwrap();
+        // What the left neighbour put is in my object.
+        let left = (rank + n - 1) % n;
+        let mut want = XorShift::new(100 + left as u64);
+        // SAFETY: `buf` is this PE's object of `bytes` bytes.
+        let mine = unsafe { std::slice::from_raw_parts(buf as *const u8, bytes) };
+        assert!(
+            mine.iter().all(|&b| b == want.next_u64() as u8),
+            "rank {rank}: put data"
+        );
+        // get the right neighbour's object (holding my data) back.
+        let mut back = vec![0u8; bytes];
+        // SAFETY: `back` has `bytes` bytes.
+        unsafe { w.get(back.as_mut_ptr() as u64, buf, bytes, right) }.unwrap();
+        assert_eq!(back, data, "rank {rank}: get");
+        // ptr: the peer's address of the same object, offset preserved.
+        let peer = w.ptr(right, buf).unwrap();
+        assert_eq!(peer - w.ptr(right, base).unwrap(), offset);
+        assert_eq!(w.ptr(rank, buf), Some(buf));
+        assert_eq!(w.ptr(n, buf), None);
+        assert_eq!(w.ptr(right, 0x10), None);
+        w.barrier_all().unwrap();
+        w.free(other).unwrap();
+        w.free(buf).unwrap();
+        offset
+    });
+    assert!(
+        results.windows(2).all(|p| p[0] == p[1]),
+        "symmetric offsets"
+    );
+}
+
+#[test]
+fn put_get_ring_with_2_4_8_and_64_pes() {
+    for n in [2, 4, 8, 64] {
+        ring(n);
+    }
+}
+
+#[test]
+fn put_signal_and_wait_until_deliver_data_before_the_signal() {
+    let n = 4;
+    spmt("signals", n, 1 << 20, move |rank, w| {
+        let bytes = 4096;
+        let slots = w.malloc(bytes * n).unwrap();
+        let sig = w.malloc(8 * n).unwrap();
+        // SAFETY: zeroes this PE's own signal words.
+        unsafe { std::ptr::write_bytes(sig as *mut u8, 0, 8 * n) };
+        w.barrier_all().unwrap();
+        let mut g = XorShift::new(rank as u64 + 7);
+        for round in 1..=20u64 {
+            let data: Vec<u8> = (0..bytes).map(|_| g.next_u64() as u8).collect();
+            for pe in 0..n {
+                // My slot on every PE, then signal word `rank` there += 1.
+                // SAFETY: `data` is live for the call.
+                unsafe {
+                    w.put_signal(
+                        slots + (rank * bytes) as u64,
+                        data.as_ptr() as u64,
+                        bytes,
+                        sig + 8 * rank as u64,
+                        1,
+                        SignalOp::Add,
+                        pe,
+                    )
+                }
+                .unwrap();
+            }
+            for src in 0..n {
+                let seen = w.wait_until(sig + 8 * src as u64, Cmp::Ge, round).unwrap();
+                assert!(seen >= round);
+            }
+            w.barrier_all().unwrap();
+            // After the barrier every slot holds its writer's round data.
+            for src in 0..n {
+                let mut want = XorShift::new(src as u64 + 7);
+                for _ in 0..(round - 1) * bytes as u64 {
+                    want.next_u64();
+                }
+                // SAFETY: this PE's own slot.
+                let got = unsafe {
+                    std::slice::from_raw_parts((slots + (src * bytes) as u64) as *const u8, bytes)
+                };
+                assert!(
+                    got.iter().all(|&b| b == want.next_u64() as u8),
+                    "rank {rank} slot {src} round {round}"
+                );
+            }
+            w.barrier_all().unwrap();
+        }
+        // Set, and a wait that times out with a clear message.
+        // SAFETY: 8 bytes of this PE's memory.
+        unsafe { w.put_signal(slots, slots, 0, sig, 42, SignalOp::Set, rank) }.unwrap();
+        assert_eq!(w.wait_until(sig, Cmp::Eq, 42).unwrap(), 42);
+        w.free(sig).unwrap();
+        w.free(slots).unwrap();
+    });
+}
+
+#[test]
+fn wait_until_times_out_clearly() {
+    let mut w = World::new();
+    let mut c = Config::in_process("waiter", 0, 1, host(900));
+    c.heap_bytes = Some(1 << 16);
+    c.timeout = Duration::from_millis(200);
+    w.init(&c).unwrap();
+    let sig = w.malloc(8).unwrap();
+    // SAFETY: this PE's own word.
+    unsafe { (sig as *mut u64).write(3) };
+    let e = w.wait_until(sig, Cmp::Gt, 5).unwrap_err();
+    assert_eq!(e.status(), Status::Timeout);
+    assert!(e.to_string().contains("holds 3"), "{e}");
+    assert!(matches!(
+        w.wait_until(sig + 4, Cmp::Eq, 0),
+        Err(ShmemError::InvalidArgument(_))
+    ));
+    assert!(w.barrier_on_stream(std::ptr::null_mut()).is_err());
+    w.free(sig).unwrap();
+    w.finalize().unwrap();
+}
+
+#[test]
+fn mismatched_malloc_is_reported_on_every_pe() {
+    let errors = spmt("mismatch", 3, 1 << 20, |rank, w| {
+        let a = w.malloc(1024).unwrap();
+        let e = w.malloc(if rank == 1 { 4096 } else { 2048 }).unwrap_err();
+        // The world is still usable and in step afterwards.
+        let b = w.malloc(512).unwrap();
+        w.free(b).unwrap();
+        let f = w.free(if rank == 2 { b } else { a }).unwrap_err();
+        w.free(a).unwrap();
+        (e, f)
+    });
+    for (rank, (e, f)) in errors.iter().enumerate() {
+        assert_eq!(e.status(), Status::CollectiveMismatch, "rank {rank}: {e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("rank 1: malloc #1 of 4096 bytes")
+                && m.contains("rank 0: malloc #1 of 2048 bytes"),
+            "{m}"
+        );
+        assert_eq!(f.status(), Status::CollectiveMismatch, "rank {rank}: {f}");
+    }
+}
+
+#[test]
+fn a_missing_pe_times_out_on_every_other_pe() {
+    let n = 4;
+    let handles: Vec<_> = (0..n - 1)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut w = World::new();
+                let mut c = Config::in_process("missing", rank, n, host(100 + rank));
+                c.heap_bytes = Some(1 << 16);
+                c.timeout = Duration::from_millis(300);
+                let t0 = std::time::Instant::now();
+                let e = w.init(&c).unwrap_err();
+                (e, t0.elapsed(), w.phase())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (e, took, phase) = h.join().unwrap();
+        assert_eq!(e.status(), Status::Timeout, "{e}");
+        assert!(e.to_string().contains("[3]"), "names the missing rank: {e}");
+        assert!(took < Duration::from_secs(5));
+        assert_eq!(phase, Phase::New);
+    }
+    // Nothing left behind: the group and the device bindings are gone.
+    assert!(!xcall_shmem::bootstrap::group_alive("missing"));
+    for r in 0..n - 1 {
+        assert_eq!(device_slot(host(100 + r)).lock().unwrap().bound, None);
+    }
+}
+
+#[test]
+fn lifecycle_errors_are_clear() {
+    let mut w = World::new();
+    let e = w.malloc(8).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidState);
+    assert!(e.to_string().contains("call init first"), "{e}");
+    let mut c = Config::in_process("life", 0, 1, host(500));
+    c.heap_bytes = Some(1 << 16);
+    w.init(&c).unwrap();
+    let e = w.init(&c).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidState);
+    assert!(e.to_string().contains("finalize it first"), "{e}");
+    // A second world on the same device is refused, naming the holder.
+    let mut other = World::new();
+    let mut c2 = Config::in_process("life2", 0, 1, host(500));
+    c2.heap_bytes = Some(1 << 16);
+    let e = other.init(&c2).unwrap_err();
+    assert!(e.to_string().contains("already bound to rank 0"), "{e}");
+    // Leaks are reported and freed.
+    let a = w.malloc(100).unwrap();
+    let _b = w.malloc(300).unwrap();
+    w.free(a).unwrap();
+    let report = w.finalize().unwrap();
+    assert_eq!(report.leaked, vec![(512, 512)]);
+    assert!(w.malloc(8).unwrap_err().to_string().contains("finalized"));
+    assert!(w.finalize().is_err());
+    // Bad configs.
+    let mut bad = Config::in_process("bad", 2, 2, host(501));
+    assert!(matches!(w.init(&bad), Err(ShmemError::InvalidArgument(_))));
+    bad.rank = 0;
+    bad.size = 1;
+    bad.heap_bytes = Some(100);
+    assert!(w.init(&bad).unwrap_err().to_string().contains("too small"));
+    // Bad ranges.
+    w.init(&c).unwrap();
+    let x = w.malloc(64).unwrap();
+    let src = [0u8; 128];
+    // SAFETY: `src` has 128 bytes.
+    let e = unsafe { w.put(x + (1 << 16), src.as_ptr() as u64, 8, 0) }.unwrap_err();
+    assert!(
+        e.to_string().contains("not inside the symmetric heap"),
+        "{e}"
+    );
+    // SAFETY: as above.
+    assert!(unsafe { w.put(x, src.as_ptr() as u64, 8, 1) }.is_err());
+    assert!(w.free(x + 8).is_err());
+    w.free(x).unwrap();
+    w.finalize().unwrap();
+}
+
+#[test]
+fn heap_exhaustion_and_coalescing_through_the_world() {
+    spmt("exhaust", 2, 64 * 1024, |_, w| {
+        let (_, len) = w.heap().unwrap();
+        let a = w.malloc(16 * 1024).unwrap();
+        let b = w.malloc(16 * 1024).unwrap();
+        let c = w.malloc(16 * 1024).unwrap();
+        let e = w.malloc(len).unwrap_err();
+        assert_eq!(e.status(), Status::OutOfMemory);
+        w.free(a).unwrap();
+        w.free(c).unwrap();
+        let e = w.malloc(40 * 1024).unwrap_err();
+        assert!(e.to_string().contains("fragmented"), "{e}");
+        w.free(b).unwrap();
+        let big = w.malloc(40 * 1024).unwrap();
+        assert_eq!(big, a, "freed neighbours coalesce");
+        w.free(big).unwrap();
+    });
+}
+
+#[test]
+fn holding_the_own_device_slot_across_a_barrier_does_not_deadlock() {
+    // The public bug: a process-global lock held across a barrier. Here
+    // every PE holds its own device's slot while in barrier_all.
+    let n = 8;
+    let go = Arc::new(Barrier::new(n));
+    let results = spmt("slots", n, 1 << 16, move |rank, w| {
+        go.wait();
+        let guard = device_slot(host(rank)).lock().unwrap();
+        for _ in 0..10 {
+            w.barrier_all().unwrap();
+        }
+        let bound = guard.bound.clone();
+        drop(guard);
+        bound
+    });
+    for (rank, b) in results.iter().enumerate() {
+        assert_eq!(
+            b.as_ref().map(|x| x.1),
+            Some(rank),
+            "registry knows the rank"
+        );
+    }
+}
