@@ -1,0 +1,287 @@
+//! CUDA worlds: one GPU (a world of one PE), two GPUs in one process
+//! (SPMT, direct pointers + peer access) and two processes (IPC handles).
+//! Skips without a GPU unless XCALL_REQUIRE_CUDA=1; the two-GPU tests skip
+//! on a one-GPU machine with a SKIP line.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use xcall_core::testing::{cuda_devices_or_skip, skip, XorShift};
+use xcall_core::{Device, KernelCache, KernelSource, Status};
+use xcall_shmem::{Cmp, Config, SignalOp, World};
+
+const PE_ENV: &str = "XCALL_SHMEM_CUDA_TEST_PE";
+
+fn two_gpus(test: &str) -> bool {
+    match cuda_devices_or_skip(test) {
+        Some(n) if n >= 2 => true,
+        Some(n) => {
+            skip(test, &format!("needs 2 GPUs, this machine has {n}"));
+            false
+        }
+        None => false,
+    }
+}
+
+fn random(seed: u64, bytes: usize) -> Vec<u8> {
+    let mut g = XorShift::new(seed);
+    (0..bytes).map(|_| g.next_u64() as u8).collect()
+}
+
+fn stream(device: Device) -> (Arc<CudaContext>, Arc<cudarc::driver::CudaStream>) {
+    let ctx = CudaContext::new(device.ordinal as usize).unwrap();
+    let s = ctx.new_stream().unwrap();
+    (ctx, s)
+}
+
+/// Reads `bytes` of this PE's heap at `addr` through `get` from itself.
+fn read_own(w: &mut World, addr: u64, bytes: usize) -> Vec<u8> {
+    let mut v = vec![0xa5u8; bytes];
+    let me = w.rank().unwrap();
+    // SAFETY: `v` has `bytes` bytes.
+    unsafe { w.get(v.as_mut_ptr() as u64, addr, bytes, me) }.unwrap();
+    v
+}
+
+/// The exchange every CUDA world runs: ring put with signal, get back,
+/// barrier_on_stream rounds with stream-ordered puts, and a kernel that
+/// reads a peer's object through `ptr`.
+fn exchange(w: &mut World, rank: usize, n: usize) {
+    let device = w.device_of(rank).unwrap();
+    let (_ctx, s) = stream(device);
+    let raw: *mut c_void = s.cu_stream().cast();
+    let bytes = 3 << 20;
+    let buf = w.malloc(bytes).unwrap();
+    let sig = w.malloc(8).unwrap();
+    let zero = 0u64;
+    // SAFETY: 8 bytes of a live local.
+    unsafe { w.put(sig, &zero as *const u64 as u64, 8, rank) }.unwrap();
+    w.barrier_all().unwrap();
+    let right = (rank + 1) % n;
+    let left = (rank + n - 1) % n;
+    let data = random(50 + rank as u64, bytes);
+    // SAFETY: `data` lives across the blocking call.
+    unsafe {
+        w.put_signal(
+            buf,
+            data.as_ptr() as u64,
+            bytes,
+            sig,
+            1,
+            SignalOp::Add,
+            right,
+        )
+    }
+    .unwrap();
+    assert_eq!(w.wait_until(sig, Cmp::Ge, 1).unwrap(), 1);
+    assert!(
+        read_own(w, buf, bytes) == random(50 + left as u64, bytes),
+        "rank {rank}: put_signal data"
+    );
+    let mut back = vec![0u8; bytes];
+    // SAFETY: `back` has `bytes` bytes.
+    unsafe { w.get(back.as_mut_ptr() as u64, buf, bytes, right) }.unwrap();
+    assert!(back == data, "rank {rank}: get");
+    w.barrier_all().unwrap();
+
+    // Stream-ordered rounds: put_nbi, barrier_on_stream, read back.
+    for round in 0..20u64 {
+        let data = random(1000 * round + rank as u64, bytes);
+        let mut got = vec![0u8; bytes];
+        // SAFETY: `data` and `got` outlive the synchronisation below.
+        unsafe {
+            w.put_nbi(buf, data.as_ptr() as u64, bytes, right, raw)
+                .unwrap();
+            w.barrier_on_stream(raw).unwrap();
+            w.get_nbi(got.as_mut_ptr() as u64, buf, bytes, rank, raw)
+                .unwrap();
+        }
+        s.synchronize().unwrap();
+        assert!(
+            got == random(1000 * round + left as u64, bytes),
+            "rank {rank} round {round}: barrier_on_stream ordering"
+        );
+        // Nobody overwrites `buf` before everyone read it.
+        w.barrier_on_stream(raw).unwrap();
+        s.synchronize().unwrap();
+    }
+    w.quiet().unwrap();
+
+    // A kernel on this PE's GPU reads the right neighbour's `buf` through
+    // the peer pointer and writes its bytes + 1 into this PE's `buf`.
+    let peer = w.ptr(right, buf).unwrap();
+    let cache = KernelCache::new();
+    let module = cache
+        .module(
+            device,
+            &KernelSource {
+                name: "peer_read.cu",
+                code: "extern \"C\" __global__ void peer_read(const unsigned char* peer, unsigned char* out, unsigned long long n) { for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = peer[i] + 1; }",
+                options: &[],
+            },
+        )
+        .unwrap();
+    let f = module.function("peer_read").unwrap();
+    let fresh = random(77 + rank as u64, bytes);
+    // SAFETY: `fresh` lives across the blocking put.
+    unsafe { w.put(buf, fresh.as_ptr() as u64, bytes, rank) }.unwrap();
+    let out = w.malloc(bytes).unwrap();
+    w.barrier_all().unwrap();
+    let mut params = [peer, out, bytes as u64];
+    let mut ptrs: Vec<*mut c_void> = params.iter_mut().map(|p| (p as *mut u64).cast()).collect();
+    xcall_core::cuda::with_context(device, |_| {
+        // SAFETY: matches peer_read's signature; both ranges are `bytes`.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                (64, 1, 1),
+                (256, 1, 1),
+                0,
+                raw.cast(),
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| xcall_core::cuda::driver_error("launch", device, e))
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    let want: Vec<u8> = random(77 + right as u64, bytes)
+        .iter()
+        .map(|b| b.wrapping_add(1))
+        .collect();
+    assert!(
+        read_own(w, out, bytes) == want,
+        "rank {rank}: kernel through the peer pointer"
+    );
+    w.barrier_all().unwrap();
+    w.free(out).unwrap();
+    w.free(sig).unwrap();
+    w.free(buf).unwrap();
+}
+
+fn config(socket: Option<&str>, rank: usize, n: usize) -> Config {
+    let device = Device::cuda(rank as u32);
+    let mut c = match socket {
+        Some(p) => Config::unix_socket(p, rank, n, device),
+        None => Config::in_process("cuda-spmt", rank, n, device),
+    };
+    c.heap_bytes = Some(64 << 20);
+    c.timeout = Duration::from_secs(30);
+    c
+}
+
+#[test]
+fn one_gpu_world_of_one_pe() {
+    if cuda_devices_or_skip("shmem cuda one pe").is_none() {
+        return;
+    }
+    let mut w = World::new();
+    let mut c = Config::in_process("cuda-one", 0, 1, Device::cuda(0));
+    c.heap_bytes = Some(32 << 20);
+    c.timeout = Duration::from_millis(500);
+    w.init(&c).unwrap();
+    exchange(&mut w, 0, 1);
+    // Host memory is not a symmetric address.
+    let x = [0u8; 8];
+    // SAFETY: `x` has 8 bytes.
+    let e = unsafe { w.put(x.as_ptr() as u64, x.as_ptr() as u64, 8, 0) }.unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    assert!(w.finalize().unwrap().leaked.is_empty());
+    // init / finalize cycles on a GPU.
+    for _ in 0..20 {
+        w.init(&c).unwrap();
+        let a = w.malloc(1 << 20).unwrap();
+        w.barrier_all().unwrap();
+        w.free(a).unwrap();
+        w.finalize().unwrap();
+    }
+}
+
+#[test]
+fn two_gpus_one_process() {
+    if !two_gpus("shmem cuda spmt") {
+        return;
+    }
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let mut w = World::new();
+                w.init(&config(None, rank, 2)).unwrap();
+                exchange(&mut w, rank, 2);
+                assert!(w.finalize().unwrap().leaked.is_empty());
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn two_gpus_two_processes() {
+    if let Ok(spec) = std::env::var(PE_ENV) {
+        let mut w = World::new();
+        w.init(&config(Some(&spec), 1, 2)).unwrap();
+        exchange(&mut w, 1, 2);
+        assert!(w.finalize().unwrap().leaked.is_empty());
+        return;
+    }
+    if !two_gpus("shmem cuda multi-process") {
+        return;
+    }
+    let socket = std::env::temp_dir().join(format!("xcall-cuda-{}.sock", std::process::id()));
+    let socket = socket.to_str().unwrap().to_string();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "two_gpus_two_processes", "--nocapture"])
+        .env(PE_ENV, &socket)
+        .spawn()
+        .unwrap();
+    let mut w = World::new();
+    w.init(&config(Some(&socket), 0, 2)).unwrap();
+    exchange(&mut w, 0, 2);
+    assert!(w.finalize().unwrap().leaked.is_empty());
+    assert!(
+        child.wait().unwrap().success(),
+        "rank 1 (child process) failed"
+    );
+}
+
+#[test]
+fn barrier_on_stream_reports_a_pe_that_never_arrives() {
+    if !two_gpus("shmem cuda barrier timeout") {
+        return;
+    }
+    // Rank 1 skips the barrier kernel and waits (outside the world) until
+    // rank 0 saw the timeout, so the bootstrap never times out here.
+    let seen = Arc::new(std::sync::Barrier::new(2));
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let mut w = World::new();
+                let mut c = config(None, rank, 2);
+                c.bootstrap = xcall_shmem::BootstrapKind::InProcess {
+                    group: "cuda-late".into(),
+                };
+                c.timeout = Duration::from_millis(300);
+                w.init(&c).unwrap();
+                let (_ctx, s) = stream(Device::cuda(rank as u32));
+                if rank == 0 {
+                    w.barrier_on_stream(s.cu_stream().cast()).unwrap();
+                    s.synchronize().unwrap();
+                    let e = w.quiet().unwrap_err();
+                    assert_eq!(e.status(), Status::Timeout);
+                    assert!(e.to_string().contains("rank 1 did not arrive"), "{e}");
+                }
+                seen.wait();
+                w.barrier_all().unwrap();
+                w.finalize().unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
