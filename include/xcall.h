@@ -27,6 +27,16 @@
 #define XCALL_TENSOR_MAX_RANK 4
 
 /**
+ * PEs are threads of one process meeting by group name (`address`).
+ */
+#define XCALL_SHMEM_BOOTSTRAP_IN_PROCESS 0
+
+/**
+ * PEs are processes of one host meeting at the Unix socket `address`.
+ */
+#define XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET 1
+
+/**
  * Result code of an xcall operation (`xcall_status` in C; 0 means success).
  *
  * Codes are stable across releases and never reused.
@@ -361,6 +371,72 @@ typedef uint32_t xcall_permute_op;
 #endif // __cplusplus
 
 /**
+ * The comparison `wait_until` waits for.
+ */
+enum xcall_shmem_cmp
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * `*signal == value`.
+   */
+  XCALL_SHMEM_CMP_EQ = 0,
+  /**
+   * `*signal != value`.
+   */
+  XCALL_SHMEM_CMP_NE = 1,
+  /**
+   * `*signal >= value`.
+   */
+  XCALL_SHMEM_CMP_GE = 2,
+  /**
+   * `*signal > value`.
+   */
+  XCALL_SHMEM_CMP_GT = 3,
+  /**
+   * `*signal <= value`.
+   */
+  XCALL_SHMEM_CMP_LE = 4,
+  /**
+   * `*signal < value`.
+   */
+  XCALL_SHMEM_CMP_LT = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_shmem_cmp xcall_shmem_cmp;
+#else
+typedef uint32_t xcall_shmem_cmp;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How `put_signal` updates a signal word.
+ */
+enum xcall_shmem_signal_op
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * `*signal = value`.
+   */
+  XCALL_SHMEM_SIGNAL_OP_SET = 0,
+  /**
+   * `*signal += value`.
+   */
+  XCALL_SHMEM_SIGNAL_OP_ADD = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_shmem_signal_op xcall_shmem_signal_op;
+#else
+typedef uint32_t xcall_shmem_signal_op;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A device-aware graph cache for custom calls.
  *
  * Thread safety: every function taking a cache may be called concurrently
@@ -368,6 +444,12 @@ typedef uint32_t xcall_permute_op;
  * be the last call on it.
  */
 typedef struct xcall_graph_cache xcall_graph_cache;
+
+/**
+ * One PE's handle on a world of symmetric memory. Owned by one PE: calls
+ * on one handle must not run concurrently (each PE thread has its own).
+ */
+typedef struct xcall_shmem_world xcall_shmem_world;
 
 /**
  * A derived pipeline plan. Immutable: any function may use it from any
@@ -594,6 +676,47 @@ typedef struct {
    */
   uint32_t reserved;
 } xcall_tensor;
+
+/**
+ * How a world starts. The device is explicit (never the calling thread's
+ * current device): a CUDA ordinal, or on Host any ordinal naming the PE's
+ * per-device slot (use the rank).
+ */
+typedef struct {
+  /**
+   * This PE's rank in [0, size).
+   */
+  uint32_t rank;
+  /**
+   * Number of PEs.
+   */
+  uint32_t size;
+  /**
+   * An `xcall_platform` value.
+   */
+  uint32_t platform;
+  /**
+   * Device ordinal within the platform.
+   */
+  uint32_t ordinal;
+  /**
+   * `XCALL_SHMEM_BOOTSTRAP_IN_PROCESS` or `XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET`.
+   */
+  uint32_t bootstrap;
+  /**
+   * Group name or socket path (NUL-terminated).
+   */
+  const char *address;
+  /**
+   * Heap bytes per PE; 0: `XCALL_SHMEM_HEAP_BYTES`, else 64 MiB on Host
+   * and 1 GiB on CUDA.
+   */
+  uint64_t heap_bytes;
+  /**
+   * Timeout of every wait on other PEs in ms; 0: 60000.
+   */
+  uint64_t timeout_ms;
+} xcall_shmem_config;
 
 /**
  * What a pipeline must do. Each async warp issues one bulk load of
@@ -927,6 +1050,131 @@ xcall_status xcall_sort_chunks_by_map(const xcall_target *target,
                                       const xcall_tensor *output,
                                       const xcall_tensor *permuted_probs,
                                       bool in_place);
+
+/**
+ * Creates a world handle in phase New into `*out`.
+ */
+xcall_status xcall_shmem_world_new(xcall_shmem_world **out);
+
+/**
+ * Frees a handle (NULL: no-op). A live world is released without the
+ * collective steps of finalize: call `xcall_shmem_finalize` first.
+ */
+void xcall_shmem_world_free(xcall_shmem_world *w);
+
+/**
+ * Joins the world (collective). Errors: `XCALL_STATUS_INVALID_STATE`
+ * (already live), `XCALL_STATUS_TIMEOUT` (a PE never arrived; names it),
+ * `XCALL_STATUS_COLLECTIVE_MISMATCH` (PEs disagree on sizes),
+ * `XCALL_STATUS_UNSUPPORTED` (a peer not directly reachable: names the
+ * pair), `XCALL_STATUS_SYSTEM`, CUDA errors.
+ */
+xcall_status xcall_shmem_init(xcall_shmem_world *w, const xcall_shmem_config *config);
+
+/**
+ * Leaves the world (collective); allocations still live are freed and
+ * their count written to `*leaked` (may be NULL). The world is finalized
+ * even when a step fails; `xcall_shmem_init` may start it again.
+ */
+xcall_status xcall_shmem_finalize(xcall_shmem_world *w, uint64_t *leaked);
+
+/**
+ * This PE's rank and the world size.
+ */
+xcall_status xcall_shmem_rank(xcall_shmem_world *w, uint32_t *rank, uint32_t *size);
+
+/**
+ * Allocates `bytes` on every PE (collective: same order, same sizes;
+ * `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE otherwise); this PE's
+ * address in `*out` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
+ * says whether the heap is exhausted or fragmented.
+ */
+xcall_status xcall_shmem_malloc(xcall_shmem_world *w, uint64_t bytes, void **out);
+
+/**
+ * Frees an object of `xcall_shmem_malloc` on every PE (collective).
+ */
+xcall_status xcall_shmem_free(xcall_shmem_world *w, void *ptr);
+
+/**
+ * PE `pe`'s address of the object at `local` (this PE's address), or
+ * NULL when `local` is not in the heap, `pe` is not a PE, or the world is
+ * not live.
+ */
+void *xcall_shmem_ptr(xcall_shmem_world *w, uint32_t pe, const void *local);
+
+/**
+ * Copies `bytes` from `src` (this PE's memory) to the object at `dest` (a
+ * symmetric address of this PE) on PE `pe`. Blocking.
+ */
+xcall_status xcall_shmem_put(xcall_shmem_world *w,
+                             void *dest,
+                             const void *src,
+                             uint64_t bytes,
+                             uint32_t pe);
+
+/**
+ * Copies `bytes` from the object at `src` (a symmetric address of this
+ * PE) on PE `pe` to `dest` (this PE's memory). Blocking.
+ */
+xcall_status xcall_shmem_get(xcall_shmem_world *w,
+                             void *dest,
+                             const void *src,
+                             uint64_t bytes,
+                             uint32_t pe);
+
+/**
+ * `xcall_shmem_put` ordered on `stream` (a `CUstream` of this PE's
+ * device); returns before the copy completes. On Host: blocking.
+ */
+xcall_status xcall_shmem_put_nbi(xcall_shmem_world *w,
+                                 void *dest,
+                                 const void *src,
+                                 uint64_t bytes,
+                                 uint32_t pe,
+                                 void *stream);
+
+/**
+ * Completes this PE's outstanding operations; reports a
+ * `barrier_on_stream` that timed out.
+ */
+xcall_status xcall_shmem_quiet(xcall_shmem_world *w);
+
+/**
+ * Returns once every PE called it (after quiet). Collective.
+ */
+xcall_status xcall_shmem_barrier_all(xcall_shmem_world *w);
+
+/**
+ * A barrier of all PEs as a kernel on `stream` (CUDA worlds; capturable).
+ */
+xcall_status xcall_shmem_barrier_on_stream(xcall_shmem_world *w, void *stream);
+
+/**
+ * Puts like `xcall_shmem_put`, then updates the 64-bit word `signal` (a
+ * symmetric address) on PE `pe` with `sig_op` (`XCALL_SHMEM_SIGNAL_OP_SET`
+ * or `_ADD`) once the data is visible there. Blocking.
+ */
+xcall_status xcall_shmem_put_signal(xcall_shmem_world *w,
+                                    void *dest,
+                                    const void *src,
+                                    uint64_t bytes,
+                                    uint64_t *signal,
+                                    uint64_t value,
+                                    uint32_t sig_op,
+                                    uint32_t pe);
+
+/**
+ * Waits until this PE's signal word `signal` compares `cmp`
+ * (`XCALL_SHMEM_CMP_EQ`, ...) to `value`; the value seen goes to
+ * `*observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
+ * timeout.
+ */
+xcall_status xcall_shmem_wait_until(xcall_shmem_world *w,
+                                    uint64_t *signal,
+                                    uint32_t cmp,
+                                    uint64_t value,
+                                    uint64_t *observed);
 
 /**
  * Plans `spec` into `*out_plan` (free with `xcall_ws_plan_free`).

@@ -19,10 +19,12 @@
 mod graph;
 mod guard;
 mod permute;
+mod shmem;
 mod warpspec;
 
 pub use graph::*;
 pub use permute::*;
+pub use shmem::*;
 pub use warpspec::*;
 
 use std::ffi::c_char;

@@ -146,7 +146,7 @@ pub enum Phase {
     Finalized,
 }
 
-/// How a signal word is updated by [`World::put_signal`].
+/// How `put_signal` updates a signal word.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SignalOp {
@@ -156,7 +156,7 @@ pub enum SignalOp {
     Add = 1,
 }
 
-/// The comparison [`World::wait_until`] waits for.
+/// The comparison `wait_until` waits for.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cmp {

@@ -1,0 +1,152 @@
+/*
+ * Symmetric memory through the C ABI: an SPMT world of 4 Host PEs made of
+ * pthreads (put / get / put_signal / barrier round trip, collective malloc
+ * with the same offsets), and the error paths.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdint.h>
+
+#include "xcall_test.h"
+
+#define PES 4
+#define BYTES 4096
+
+struct pe {
+  uint32_t rank;
+  int failures; /* counted per thread; checked by the main thread */
+  uint64_t leaked;
+};
+
+#define PE_EXPECT(cond)                                                        \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      p->failures++;                                                           \
+      fprintf(stderr, "rank %u: %s:%d: %s (%s)\n", p->rank, __FILE__,          \
+              __LINE__, #cond, xcall_last_error_message());                    \
+    }                                                                          \
+  } while (0)
+
+static unsigned char pattern(uint32_t rank, size_t i) {
+  return (unsigned char)((i * 131u + rank * 17u + 1u) & 0xffu);
+}
+
+static void *run_pe(void *arg) {
+  struct pe *p = arg;
+  xcall_shmem_world *w = NULL;
+  PE_EXPECT(xcall_shmem_world_new(&w) == XCALL_STATUS_OK);
+  xcall_shmem_config c = {0};
+  c.rank = p->rank;
+  c.size = PES;
+  c.platform = XCALL_PLATFORM_HOST;
+  c.ordinal = 700 + p->rank; /* the PE's registry slot */
+  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  c.address = "c-test-world";
+  c.heap_bytes = 1 << 20;
+  c.timeout_ms = 20000;
+  PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_OK);
+  uint32_t rank = 99, size = 0;
+  PE_EXPECT(xcall_shmem_rank(w, &rank, &size) == XCALL_STATUS_OK);
+  PE_EXPECT(rank == p->rank && size == PES);
+
+  unsigned char *buf = NULL;
+  uint64_t *sig = NULL;
+  PE_EXPECT(xcall_shmem_malloc(w, BYTES, (void **)&buf) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_malloc(w, 8, (void **)&sig) == XCALL_STATUS_OK);
+  *sig = 0;
+  unsigned char *base = xcall_shmem_ptr(w, p->rank, buf);
+  PE_EXPECT(base == buf);
+  PE_EXPECT(xcall_shmem_ptr(w, PES, buf) == NULL);
+  PE_EXPECT(xcall_shmem_barrier_all(w) == XCALL_STATUS_OK);
+
+  unsigned char data[BYTES];
+  for (size_t i = 0; i < BYTES; i++) data[i] = pattern(p->rank, i);
+  uint32_t right = (p->rank + 1) % PES, left = (p->rank + PES - 1) % PES;
+  /* Data to the right neighbour, then its signal word += 1. */
+  PE_EXPECT(xcall_shmem_put_signal(w, buf, data, BYTES, sig, 1,
+                                   XCALL_SHMEM_SIGNAL_OP_ADD,
+                                   right) == XCALL_STATUS_OK);
+  uint64_t seen = 0;
+  PE_EXPECT(xcall_shmem_wait_until(w, sig, XCALL_SHMEM_CMP_GE, 1, &seen) ==
+            XCALL_STATUS_OK);
+  PE_EXPECT(seen == 1);
+  int same = 1;
+  for (size_t i = 0; i < BYTES; i++) same &= buf[i] == pattern(left, i);
+  PE_EXPECT(same);
+  /* get it back from the right neighbour: my own data. */
+  unsigned char back[BYTES];
+  PE_EXPECT(xcall_shmem_get(w, back, buf, BYTES, right) == XCALL_STATUS_OK);
+  PE_EXPECT(memcmp(back, data, BYTES) == 0);
+  PE_EXPECT(xcall_shmem_barrier_all(w) == XCALL_STATUS_OK);
+  /* put to the left neighbour, barrier, check. */
+  PE_EXPECT(xcall_shmem_put(w, buf, data, BYTES, left) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_quiet(w) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_barrier_all(w) == XCALL_STATUS_OK);
+  same = 1;
+  for (size_t i = 0; i < BYTES; i++) same &= buf[i] == pattern(right, i);
+  PE_EXPECT(same);
+
+  /* Errors: outside the heap, bad PE, Host has no stream barrier. */
+  PE_EXPECT(xcall_shmem_put(w, data, data, 8, right) ==
+            XCALL_STATUS_INVALID_ARGUMENT);
+  PE_EXPECT(xcall_shmem_put(w, buf, data, 8, PES) ==
+            XCALL_STATUS_INVALID_ARGUMENT);
+  PE_EXPECT(xcall_shmem_put(w, buf, NULL, 8, right) ==
+            XCALL_STATUS_NULL_ARGUMENT);
+  PE_EXPECT(xcall_shmem_barrier_on_stream(w, NULL) ==
+            XCALL_STATUS_UNSUPPORTED);
+  PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_INVALID_STATE);
+
+  PE_EXPECT((uintptr_t)buf % 256u == 0); /* heap alignment */
+  PE_EXPECT(xcall_shmem_barrier_all(w) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_free(w, sig) == XCALL_STATUS_OK);
+  /* `buf` is left allocated on purpose: finalize reports it. */
+  PE_EXPECT(xcall_shmem_finalize(w, &p->leaked) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_malloc(w, 8, (void **)&buf) ==
+            XCALL_STATUS_INVALID_STATE);
+  xcall_shmem_world_free(w);
+  return NULL;
+}
+
+int main(void) {
+  pthread_t threads[PES];
+  struct pe pes[PES];
+  for (uint32_t r = 0; r < PES; r++) {
+    pes[r] = (struct pe){.rank = r};
+    CHECK(pthread_create(&threads[r], NULL, run_pe, &pes[r]) == 0);
+  }
+  for (uint32_t r = 0; r < PES; r++) {
+    CHECK(pthread_join(threads[r], NULL) == 0);
+    CHECK(pes[r].failures == 0);
+    CHECK(pes[r].leaked == 1);
+  }
+
+  /* Use before init, NULL arguments, bad config. */
+  xcall_shmem_world *w = NULL;
+  CHECK_STATUS(xcall_shmem_world_new(&w), XCALL_STATUS_OK);
+  void *x = NULL;
+  CHECK_STATUS(xcall_shmem_malloc(w, 8, &x), XCALL_STATUS_INVALID_STATE);
+  CHECK(strstr(xcall_last_error_message(), "init first") != NULL);
+  CHECK_STATUS(xcall_shmem_barrier_all(NULL), XCALL_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(xcall_shmem_init(w, NULL), XCALL_STATUS_NULL_ARGUMENT);
+  xcall_shmem_config c = {0};
+  c.size = 2;
+  c.rank = 0;
+  c.platform = XCALL_PLATFORM_HOST;
+  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_NULL_ARGUMENT);
+  c.address = "c-test-alone";
+  c.bootstrap = 9;
+  CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_INVALID_ARGUMENT);
+  /* A world of 2 whose second PE never comes: a timeout, not a hang. */
+  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  c.heap_bytes = 1 << 16;
+  c.timeout_ms = 200;
+  CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_TIMEOUT);
+  CHECK(strstr(xcall_last_error_message(), "[1]") != NULL);
+  CHECK(xcall_shmem_ptr(w, 0, x) == NULL);
+  CHECK_STATUS(xcall_shmem_finalize(w, NULL), XCALL_STATUS_INVALID_STATE);
+  xcall_shmem_world_free(w);
+  xcall_shmem_world_free(NULL);
+  return xt_summary("test_shmem");
+}

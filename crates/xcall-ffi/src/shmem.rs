@@ -1,0 +1,383 @@
+//! C ABI of symmetric memory (xcall-shmem).
+
+use std::ffi::{c_char, c_void, CStr};
+use std::time::Duration;
+
+use static_assertions::{assert_eq_align, assert_eq_size};
+use xcall_core::{Device, Status};
+use xcall_shmem::{BootstrapKind, Cmp, Config, ShmemError, SignalOp, World};
+
+use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+
+assert_eq_size!(Cmp, u32);
+assert_eq_align!(Cmp, u32);
+assert_eq_size!(SignalOp, u32);
+
+impl From<ShmemError> for FfiError {
+    fn from(e: ShmemError) -> Self {
+        FfiError::new(e.status(), e.to_string())
+    }
+}
+
+/// One PE's handle on a world of symmetric memory. Owned by one PE: calls
+/// on one handle must not run concurrently (each PE thread has its own).
+pub struct xcall_shmem_world {
+    inner: World,
+}
+
+/// PEs are threads of one process meeting by group name (`address`).
+pub const XCALL_SHMEM_BOOTSTRAP_IN_PROCESS: u32 = 0;
+/// PEs are processes of one host meeting at the Unix socket `address`.
+pub const XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET: u32 = 1;
+
+/// How a world starts. The device is explicit (never the calling thread's
+/// current device): a CUDA ordinal, or on Host any ordinal naming the PE's
+/// per-device slot (use the rank).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_shmem_config {
+    /// This PE's rank in [0, size).
+    pub rank: u32,
+    /// Number of PEs.
+    pub size: u32,
+    /// An `xcall_platform` value.
+    pub platform: u32,
+    /// Device ordinal within the platform.
+    pub ordinal: u32,
+    /// `XCALL_SHMEM_BOOTSTRAP_IN_PROCESS` or `XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET`.
+    pub bootstrap: u32,
+    /// Group name or socket path (NUL-terminated).
+    pub address: *const c_char,
+    /// Heap bytes per PE; 0: `XCALL_SHMEM_HEAP_BYTES`, else 64 MiB on Host
+    /// and 1 GiB on CUDA.
+    pub heap_bytes: u64,
+    /// Timeout of every wait on other PEs in ms; 0: 60000.
+    pub timeout_ms: u64,
+}
+
+fn world<'a>(w: *mut xcall_shmem_world) -> Result<&'a mut World, FfiError> {
+    // SAFETY: NULL or a handle from xcall_shmem_world_new not yet freed,
+    // used by one thread at a time (documented).
+    unsafe { w.as_mut() }
+        .map(|w| &mut w.inner)
+        .ok_or_else(|| FfiError::new(Status::NullArgument, "world is NULL"))
+}
+
+/// Creates a world handle in phase New into `*out`.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_world_new(out: *mut *mut xcall_shmem_world) -> Status {
+    ffi_call!({
+        let out = out_ptr(out, "out")?;
+        *out = Box::into_raw(Box::new(xcall_shmem_world {
+            inner: World::new(),
+        }));
+        Ok(())
+    })
+}
+
+/// Frees a handle (NULL: no-op). A live world is released without the
+/// collective steps of finalize: call `xcall_shmem_finalize` first.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_world_free(w: *mut xcall_shmem_world) {
+    if !w.is_null() {
+        let _ = ffi_call!({
+            // SAFETY: a handle from xcall_shmem_world_new, freed once.
+            drop(unsafe { Box::from_raw(w) });
+            Ok(())
+        });
+    }
+}
+
+/// Joins the world (collective). Errors: `XCALL_STATUS_INVALID_STATE`
+/// (already live), `XCALL_STATUS_TIMEOUT` (a PE never arrived; names it),
+/// `XCALL_STATUS_COLLECTIVE_MISMATCH` (PEs disagree on sizes),
+/// `XCALL_STATUS_UNSUPPORTED` (a peer not directly reachable: names the
+/// pair), `XCALL_STATUS_SYSTEM`, CUDA errors.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_init(
+    w: *mut xcall_shmem_world,
+    config: *const xcall_shmem_config,
+) -> Status {
+    ffi_call!({
+        let w = world(w)?;
+        // SAFETY: NULL or a valid config, per the documentation.
+        let c = unsafe { config.as_ref() }
+            .ok_or_else(|| FfiError::new(Status::NullArgument, "config is NULL"))?;
+        if c.address.is_null() {
+            return Err(FfiError::new(
+                Status::NullArgument,
+                "config->address is NULL",
+            ));
+        }
+        // SAFETY: a NUL-terminated string, per the documentation.
+        let address = unsafe { CStr::from_ptr(c.address) }
+            .to_str()
+            .map_err(|_| FfiError::new(Status::InvalidArgument, "config->address is not UTF-8"))?
+            .to_string();
+        let bootstrap = match c.bootstrap {
+            XCALL_SHMEM_BOOTSTRAP_IN_PROCESS => BootstrapKind::InProcess { group: address },
+            XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET => BootstrapKind::UnixSocket {
+                path: address.into(),
+            },
+            b => {
+                return Err(FfiError::new(
+                    Status::InvalidArgument,
+                    format!("unknown bootstrap kind {b}"),
+                ))
+            }
+        };
+        let config = Config {
+            rank: c.rank as usize,
+            size: c.size as usize,
+            device: Device::new(platform_arg(c.platform)?, c.ordinal),
+            bootstrap,
+            heap_bytes: (c.heap_bytes > 0).then_some(c.heap_bytes as usize),
+            timeout: if c.timeout_ms == 0 {
+                xcall_shmem::world::DEFAULT_TIMEOUT
+            } else {
+                Duration::from_millis(c.timeout_ms)
+            },
+        };
+        w.init(&config)?;
+        Ok(())
+    })
+}
+
+/// Leaves the world (collective); allocations still live are freed and
+/// their count written to `*leaked` (may be NULL). The world is finalized
+/// even when a step fails; `xcall_shmem_init` may start it again.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_finalize(w: *mut xcall_shmem_world, leaked: *mut u64) -> Status {
+    ffi_call!({
+        let report = world(w)?.finalize()?;
+        // SAFETY: NULL or a writable u64.
+        if let Some(l) = unsafe { leaked.as_mut() } {
+            *l = report.leaked.len() as u64;
+        }
+        Ok(())
+    })
+}
+
+/// This PE's rank and the world size.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_rank(
+    w: *mut xcall_shmem_world,
+    rank: *mut u32,
+    size: *mut u32,
+) -> Status {
+    ffi_call!({
+        let w = world(w)?;
+        let (r, n) = (w.rank()? as u32, w.size()? as u32);
+        let rank = out_ptr(rank, "rank")?;
+        let size = out_ptr(size, "size")?;
+        *rank = r;
+        *size = n;
+        Ok(())
+    })
+}
+
+/// Allocates `bytes` on every PE (collective: same order, same sizes;
+/// `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE otherwise); this PE's
+/// address in `*out` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
+/// says whether the heap is exhausted or fragmented.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_malloc(
+    w: *mut xcall_shmem_world,
+    bytes: u64,
+    out: *mut *mut c_void,
+) -> Status {
+    ffi_call!({
+        let w = world(w)?;
+        let out = out_ptr(out, "out")?;
+        *out = w.malloc(bytes as usize)? as *mut c_void;
+        Ok(())
+    })
+}
+
+/// Frees an object of `xcall_shmem_malloc` on every PE (collective).
+#[no_mangle]
+pub extern "C" fn xcall_shmem_free(w: *mut xcall_shmem_world, ptr: *mut c_void) -> Status {
+    ffi_call!({ Ok(world(w)?.free(ptr as u64)?) })
+}
+
+/// PE `pe`'s address of the object at `local` (this PE's address), or
+/// NULL when `local` is not in the heap, `pe` is not a PE, or the world is
+/// not live.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_ptr(
+    w: *mut xcall_shmem_world,
+    pe: u32,
+    local: *const c_void,
+) -> *mut c_void {
+    let mut out = std::ptr::null_mut();
+    let _ = ffi_call!({
+        out = world(w)?
+            .ptr(pe as usize, local as u64)
+            .map_or(std::ptr::null_mut(), |a| a as *mut c_void);
+        Ok(())
+    });
+    out
+}
+
+/// Copies `bytes` from `src` (this PE's memory) to the object at `dest` (a
+/// symmetric address of this PE) on PE `pe`. Blocking.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_put(
+    w: *mut xcall_shmem_world,
+    dest: *mut c_void,
+    src: *const c_void,
+    bytes: u64,
+    pe: u32,
+) -> Status {
+    ffi_call!({
+        check_src(src, bytes)?;
+        // SAFETY: `src` readable for `bytes`, per the documentation.
+        Ok(unsafe { world(w)?.put(dest as u64, src as u64, bytes as usize, pe as usize) }?)
+    })
+}
+
+/// Copies `bytes` from the object at `src` (a symmetric address of this
+/// PE) on PE `pe` to `dest` (this PE's memory). Blocking.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_get(
+    w: *mut xcall_shmem_world,
+    dest: *mut c_void,
+    src: *const c_void,
+    bytes: u64,
+    pe: u32,
+) -> Status {
+    ffi_call!({
+        check_src(dest, bytes)?;
+        // SAFETY: `dest` writable for `bytes`, per the documentation.
+        Ok(unsafe { world(w)?.get(dest as u64, src as u64, bytes as usize, pe as usize) }?)
+    })
+}
+
+/// `xcall_shmem_put` ordered on `stream` (a `CUstream` of this PE's
+/// device); returns before the copy completes. On Host: blocking.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_put_nbi(
+    w: *mut xcall_shmem_world,
+    dest: *mut c_void,
+    src: *const c_void,
+    bytes: u64,
+    pe: u32,
+    stream: *mut c_void,
+) -> Status {
+    ffi_call!({
+        check_src(src, bytes)?;
+        // SAFETY: `src` readable until the stream ran the copy.
+        Ok(unsafe {
+            world(w)?.put_nbi(dest as u64, src as u64, bytes as usize, pe as usize, stream)
+        }?)
+    })
+}
+
+fn check_src(p: *const c_void, bytes: u64) -> Result<(), FfiError> {
+    if p.is_null() && bytes > 0 {
+        return Err(FfiError::new(
+            Status::NullArgument,
+            "a local buffer is NULL",
+        ));
+    }
+    Ok(())
+}
+
+/// Completes this PE's outstanding operations; reports a
+/// `barrier_on_stream` that timed out.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_quiet(w: *mut xcall_shmem_world) -> Status {
+    ffi_call!({ Ok(world(w)?.quiet()?) })
+}
+
+/// Returns once every PE called it (after quiet). Collective.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_barrier_all(w: *mut xcall_shmem_world) -> Status {
+    ffi_call!({ Ok(world(w)?.barrier_all()?) })
+}
+
+/// A barrier of all PEs as a kernel on `stream` (CUDA worlds; capturable).
+#[no_mangle]
+pub extern "C" fn xcall_shmem_barrier_on_stream(
+    w: *mut xcall_shmem_world,
+    stream: *mut c_void,
+) -> Status {
+    ffi_call!({ Ok(world(w)?.barrier_on_stream(stream)?) })
+}
+
+/// Puts like `xcall_shmem_put`, then updates the 64-bit word `signal` (a
+/// symmetric address) on PE `pe` with `sig_op` (`XCALL_SHMEM_SIGNAL_OP_SET`
+/// or `_ADD`) once the data is visible there. Blocking.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_put_signal(
+    w: *mut xcall_shmem_world,
+    dest: *mut c_void,
+    src: *const c_void,
+    bytes: u64,
+    signal: *mut u64,
+    value: u64,
+    sig_op: u32,
+    pe: u32,
+) -> Status {
+    ffi_call!({
+        check_src(src, bytes)?;
+        let op = match sig_op {
+            0 => SignalOp::Set,
+            1 => SignalOp::Add,
+            o => {
+                return Err(FfiError::new(
+                    Status::InvalidArgument,
+                    format!("unknown signal op {o}"),
+                ))
+            }
+        };
+        // SAFETY: `src` readable for `bytes`.
+        Ok(unsafe {
+            world(w)?.put_signal(
+                dest as u64,
+                src as u64,
+                bytes as usize,
+                signal as u64,
+                value,
+                op,
+                pe as usize,
+            )
+        }?)
+    })
+}
+
+/// Waits until this PE's signal word `signal` compares `cmp`
+/// (`XCALL_SHMEM_CMP_EQ`, ...) to `value`; the value seen goes to
+/// `*observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
+/// timeout.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_wait_until(
+    w: *mut xcall_shmem_world,
+    signal: *mut u64,
+    cmp: u32,
+    value: u64,
+    observed: *mut u64,
+) -> Status {
+    ffi_call!({
+        let cmp = match cmp {
+            0 => Cmp::Eq,
+            1 => Cmp::Ne,
+            2 => Cmp::Ge,
+            3 => Cmp::Gt,
+            4 => Cmp::Le,
+            5 => Cmp::Lt,
+            c => {
+                return Err(FfiError::new(
+                    Status::InvalidArgument,
+                    format!("unknown comparison {c}"),
+                ))
+            }
+        };
+        let seen = world(w)?.wait_until(signal as u64, cmp, value)?;
+        // SAFETY: NULL or a writable u64.
+        if let Some(o) = unsafe { observed.as_mut() } {
+            *o = seen;
+        }
+        Ok(())
+    })
+}
