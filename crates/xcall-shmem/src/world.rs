@@ -400,12 +400,9 @@ impl World {
     /// # Safety
     /// `src` must be readable for `bytes` bytes.
     pub unsafe fn put(&mut self, dest: u64, src: u64, bytes: usize, pe: usize) -> Result<()> {
-        let l = self.live_mut()?;
-        let remote = l.remote(dest, bytes, pe, "put destination")?;
-        // SAFETY: remote range checked inside the peer's heap; src per the
-        // caller.
-        unsafe { l.copy(remote, src, bytes, None) }?;
-        l.quiet()
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, None) }?;
+        self.quiet()
     }
 
     /// Copies `bytes` from the object at `src` (a symmetric address of
@@ -414,11 +411,9 @@ impl World {
     /// # Safety
     /// `dest` must be writable for `bytes` bytes.
     pub unsafe fn get(&mut self, dest: u64, src: u64, bytes: usize, pe: usize) -> Result<()> {
-        let l = self.live_mut()?;
-        let remote = l.remote(src, bytes, pe, "get source")?;
-        // SAFETY: as in put.
-        unsafe { l.copy(dest, remote, bytes, None) }?;
-        l.quiet()
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Get, dest, src, bytes, pe, None) }?;
+        self.quiet()
     }
 
     /// [`World::put`] ordered on the caller's CUDA `stream` (a
@@ -436,10 +431,8 @@ impl World {
         pe: usize,
         stream: *mut std::ffi::c_void,
     ) -> Result<()> {
-        let l = self.live_mut()?;
-        let remote = l.remote(dest, bytes, pe, "put destination")?;
-        // SAFETY: as in put.
-        unsafe { l.copy(remote, src, bytes, Some(stream)) }
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, Some(stream)) }
     }
 
     /// [`World::get`] ordered on the caller's CUDA `stream`.
@@ -454,10 +447,38 @@ impl World {
         pe: usize,
         stream: *mut std::ffi::c_void,
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Get, dest, src, bytes, pe, Some(stream)) }
+    }
+
+    /// Copies between `local` (this PE's memory) and the object at the
+    /// symmetric address `symmetric` on PE `pe`, checked to lie in the heap.
+    ///
+    /// # Safety
+    /// `local` valid for `bytes` (readable for a put, writable for a get)
+    /// as long as the copy runs.
+    unsafe fn transfer(
+        &mut self,
+        dir: Dir,
+        local: u64,
+        symmetric: u64,
+        bytes: usize,
+        pe: usize,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
         let l = self.live_mut()?;
-        let remote = l.remote(src, bytes, pe, "get source")?;
-        // SAFETY: as in get.
-        unsafe { l.copy(dest, remote, bytes, Some(stream)) }
+        // SAFETY: the remote range is checked inside the peer's heap; the
+        // local one is the caller's contract.
+        match dir {
+            Dir::Put => {
+                let remote = l.remote(symmetric, bytes, pe, "put destination")?;
+                unsafe { l.copy(remote, local, bytes, stream) }
+            }
+            Dir::Get => {
+                let remote = l.remote(symmetric, bytes, pe, "get source")?;
+                unsafe { l.copy(local, remote, bytes, stream) }
+            }
+        }
     }
 
     /// Completes every operation this PE issued on its own stream, and
@@ -564,11 +585,10 @@ impl World {
         pe: usize,
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
+        let sig = self.live()?.signal_word(signal, pe)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, stream) }?;
         let l = self.live_mut()?;
-        let remote = l.remote(dest, bytes, pe, "put destination")?;
-        let sig = l.signal_word(signal, pe)?;
-        // SAFETY: ranges checked; src per the caller.
-        unsafe { l.copy(remote, src, bytes, stream) }?;
         match l.device.platform {
             Platform::Host => {
                 // SAFETY: an aligned 8-byte word of a mapped heap; every
@@ -1069,6 +1089,13 @@ impl Live {
             calls.join("; ")
         )))
     }
+}
+
+/// Direction of [`World::transfer`].
+#[derive(Clone, Copy)]
+enum Dir {
+    Put,
+    Get,
 }
 
 fn unique() -> u64 {
