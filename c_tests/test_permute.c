@@ -48,7 +48,7 @@ int main(void) {
     n += counts[e];
   }
 
-  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_OK);
   CHECK(offsets[E] == n && n == 8);
   ok = 1;
   for (t = 0; t < T; t++) {
@@ -151,17 +151,20 @@ int main(void) {
   CHECK_STATUS(xcall_permute_alias_table(77, pairs, 4, &count), XCALL_STATUS_INVALID_ARGUMENT);
 
   /* Bad arguments: NULL target and tensors, negative dims, E = 0, wrong dtype. */
-  CHECK_STATUS(xcall_make_row_id_map(NULL, &r_t, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
-  CHECK_STATUS(xcall_make_row_id_map(&host, NULL, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(NULL, &r_t, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(&host, NULL, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
   bad = tensor(routing, XCALL_DTYPE_U8, 2, -1, E);
-  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "negative");
   bad = tensor(routing, XCALL_DTYPE_U8, 2, T, 0);
-  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "at least 1 expert");
   bad = tensor(routing, XCALL_DTYPE_F32, 2, T, E);
-  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_UNSUPPORTED);
-  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 8, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_UNSUPPORTED);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 8, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  /* a capacity with a cap, and a negative capacity */
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 0, 2, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, -2, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   bad = tensor(NULL, XCALL_DTYPE_F32, 2, T, H);
   CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, NULL, NULL, &bad, NULL), XCALL_STATUS_NULL_ARGUMENT);
   return xt_summary("test_permute");

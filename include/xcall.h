@@ -964,12 +964,18 @@ xcall_status xcall_permute_alias_table(uint32_t op,
  * each expert's chunk, then the end). `num_out_tokens` < 0: no cap;
  * otherwise routes whose row falls at or past it are dropped. `align` 0:
  * no padding; otherwise every chunk is padded to a multiple of it (not
- * combinable with a cap).
+ * combinable with a cap). `capacity` 0: none; otherwise every expert's
+ * chunk is exactly `capacity` rows (expert e starts at row e * capacity,
+ * E * capacity rows in all, whatever the routing: the layout a captured
+ * graph needs), routes past an expert's capacity are dropped (later
+ * tokens first) and free rows are padding (not combinable with a cap or
+ * align).
  */
 xcall_status xcall_make_row_id_map(const xcall_target *target,
                                    const xcall_tensor *routing,
                                    int64_t num_out_tokens,
                                    int64_t align,
+                                   int64_t capacity,
                                    const xcall_tensor *row_id_map,
                                    const xcall_tensor *tokens_per_expert,
                                    const xcall_tensor *expert_offsets);

@@ -189,19 +189,38 @@ pub extern "C" fn xcall_permute_alias_table(
     })
 }
 
+/// `None` for 0, the value for a positive one, an error naming `what` for
+/// a negative one.
+fn non_negative(what: &str, v: i64) -> Result<Option<usize>, FfiError> {
+    match v {
+        0 => Ok(None),
+        v if v < 0 => Err(FfiError::new(
+            Status::InvalidArgument,
+            format!("{what} is negative ({v})"),
+        )),
+        v => Ok(Some(v as usize)),
+    }
+}
+
 /// Builds the row-id map of `routing` (`[T, E]` u8 or bool; any nonzero
 /// byte is a route): `row_id_map` `[T, 2E + 1]` i32, `tokens_per_expert`
 /// `[E]` i64 (routes kept), `expert_offsets` `[E + 1]` i64 (first row of
 /// each expert's chunk, then the end). `num_out_tokens` < 0: no cap;
 /// otherwise routes whose row falls at or past it are dropped. `align` 0:
 /// no padding; otherwise every chunk is padded to a multiple of it (not
-/// combinable with a cap).
+/// combinable with a cap). `capacity` 0: none; otherwise every expert's
+/// chunk is exactly `capacity` rows (expert e starts at row e * capacity,
+/// E * capacity rows in all, whatever the routing: the layout a captured
+/// graph needs), routes past an expert's capacity are dropped (later
+/// tokens first) and free rows are padding (not combinable with a cap or
+/// align).
 #[no_mangle]
 pub extern "C" fn xcall_make_row_id_map(
     target: *const xcall_target,
     routing: *const xcall_tensor,
     num_out_tokens: i64,
     align: i64,
+    capacity: i64,
     row_id_map: *const xcall_tensor,
     tokens_per_expert: *const xcall_tensor,
     expert_offsets: *const xcall_tensor,
@@ -212,16 +231,8 @@ pub extern "C" fn xcall_make_row_id_map(
             routing: required("routing", routing, &t)?,
             options: RowIdMapOptions {
                 num_out_tokens: (num_out_tokens >= 0).then_some(num_out_tokens as usize),
-                align: match align {
-                    0 => None,
-                    a if a < 0 => {
-                        return Err(FfiError::new(
-                            Status::InvalidArgument,
-                            format!("align is negative ({a})"),
-                        ))
-                    }
-                    a => Some(a as usize),
-                },
+                align: non_negative("align", align)?,
+                capacity: non_negative("capacity", capacity)?,
             },
             row_id_map: required("row_id_map", row_id_map, &t)?,
             tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,

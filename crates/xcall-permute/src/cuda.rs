@@ -536,6 +536,7 @@ pub(crate) unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs, d: D
     let nblocks = t.div_ceil(tb) as u64;
     let align = a.options.align.unwrap_or(1) as i64;
     let cap = a.options.num_out_tokens.map_or(i64::MAX, |c| c as i64);
+    let capacity = a.options.capacity.map_or(0, |c| c as i64);
     let (routing, map, tpe, off) = (
         a.routing.address,
         a.row_id_map.address,
@@ -573,7 +574,14 @@ pub(crate) unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs, d: D
         1,
         1024,
         0,
-        &[Arg::P(tpe), Arg::P(off), ei, Arg::I64(align), Arg::I64(cap)],
+        &[
+            Arg::P(tpe),
+            Arg::P(off),
+            ei,
+            Arg::I64(align),
+            Arg::I64(cap),
+            Arg::I64(capacity),
+        ],
     )?;
     launch(
         target,
@@ -589,6 +597,7 @@ pub(crate) unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs, d: D
             ei,
             tbi,
             Arg::I64(cap),
+            Arg::I64(capacity),
         ],
     )
 }

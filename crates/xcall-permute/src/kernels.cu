@@ -158,20 +158,21 @@ extern "C" __global__ void rim_scan_blocks(int* map, i64* tpe, i64 T, int E, int
 }
 
 // Phase 2b, one block: padded expert offsets, and the routes each expert
-// keeps under the cap (tpe holds raw counts on entry, kept on exit).
-extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align, i64 cap) {
+// keeps under the cap and the capacity (tpe holds raw counts on entry, kept
+// on exit). capacity > 0: every chunk is exactly capacity rows.
+extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align, i64 cap, i64 capacity) {
     __shared__ i64 warps[32];
     i64 carry = 0;
     for (int base = 0; base < E; base += blockDim.x) {
         int e = base + threadIdx.x;
         i64 count = e < E ? tpe[e] : 0;
-        i64 padded = (count + align - 1) / align * align;
+        i64 padded = capacity > 0 ? capacity : (count + align - 1) / align * align;
         i64 total;
         i64 incl = block_scan(padded, warps, &total);
         if (e < E) {
             i64 off = carry + incl - padded;
             offsets[e] = off;
-            tpe[e] = max((i64)0, min(count, cap - off));
+            tpe[e] = max((i64)0, min(min(count, cap - off), capacity > 0 ? capacity : count));
         }
         carry += total;
     }
@@ -179,7 +180,7 @@ extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align,
 }
 
 // Phase 3: ranks within the block, then one warp per token writes its row.
-extern "C" __global__ void rim_write(const unsigned char* routing, int* map, const i64* offsets, i64 T, int E, int TB, i64 cap) {
+extern "C" __global__ void rim_write(const unsigned char* routing, int* map, const i64* offsets, i64 T, int E, int TB, i64 cap, i64 capacity) {
     extern __shared__ i64 start[];  // E values, then the TB x E tile
     unsigned char* tile = (unsigned char*)(start + E);
     i64 t0 = (i64)blockIdx.x * TB;
@@ -208,7 +209,7 @@ extern "C" __global__ void rim_write(const unsigned char* routing, int* map, con
                 int v = tile[i * E + e];
                 if (v) {
                     dst = start[e] + v - 1;
-                    kept = dst < cap;
+                    kept = dst < cap && (capacity <= 0 || dst - offsets[e] < capacity);
                 }
             }
             unsigned mask = __ballot_sync(0xffffffffu, kept);

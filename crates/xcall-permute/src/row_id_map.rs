@@ -18,6 +18,13 @@ pub struct RowIdMapOptions {
     /// Pads every expert's chunk to a multiple of this many rows (padded
     /// rows are zeroed by `permute`). Not combinable with a cap.
     pub align: Option<usize>,
+    /// Expert capacity: every expert's chunk is exactly this many rows
+    /// (expert `e` starts at row `e * capacity`, `E * capacity` rows in
+    /// all), so the layout does not depend on the routing. An expert's
+    /// routes past its capacity are dropped (the later tokens); rows left
+    /// free are padding (zeroed by `permute`). Not combinable with
+    /// `num_out_tokens` or `align`.
+    pub capacity: Option<usize>,
 }
 
 /// A row-id map and the facts derived with it.
@@ -225,6 +232,16 @@ pub fn check_options(options: RowIdMapOptions) -> Result<(), PermuteError> {
     {
         return Err(shape("num_out_tokens does not fit the i32 row-id map"));
     }
+    if let Some(c) = options.capacity {
+        if c == 0 {
+            return Err(shape("capacity must be at least 1"));
+        }
+        if options.align.is_some() || options.num_out_tokens.is_some() {
+            return Err(shape(
+                "capacity cannot be combined with num_out_tokens or align: it fixes every chunk",
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -260,7 +277,10 @@ pub fn make_row_id_map(
     let mut at = 0i64;
     for &c in &counts {
         offsets.push(at);
-        at += (c + align - 1) / align * align;
+        at = match options.capacity {
+            Some(capacity) => at.saturating_add(capacity as i64),
+            None => at + (c + align - 1) / align * align,
+        };
     }
     offsets.push(at);
     let out_rows = options.num_out_tokens.unwrap_or(at as usize);
@@ -283,7 +303,7 @@ pub fn make_row_id_map(
             }
             let dst = offsets[e] + rank[e];
             rank[e] += 1;
-            if dst < cap {
+            if dst < cap && options.capacity.is_none_or(|c| rank[e] <= c as i64) {
                 row[n] = dst as i32;
                 row[experts + n] = e as i32;
                 n += 1;
@@ -332,6 +352,7 @@ mod tests {
                 RowIdMapOptions {
                     num_out_tokens: cap,
                     align,
+                    capacity: None,
                 },
             )
             .unwrap();

@@ -164,13 +164,14 @@ struct Case {
     topk: usize,
     cap: Option<usize>,
     align: Option<usize>,
+    capacity: Option<usize>,
     dtype: DType,
 }
 
 fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
     let what = format!(
-        "T={} E={} H={} topk={} cap={:?} align={:?} {}",
-        c.t, c.e, c.h, c.topk, c.cap, c.align, c.dtype
+        "T={} E={} H={} topk={} cap={:?} align={:?} capacity={:?} {}",
+        c.t, c.e, c.h, c.topk, c.cap, c.align, c.capacity, c.dtype
     );
     let mut g = XorShift::new(seed);
     let (t, e, h) = (c.t as u64, c.e as u64, c.h as u64);
@@ -181,6 +182,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
     let options = RowIdMapOptions {
         num_out_tokens: c.cap,
         align: c.align,
+        capacity: c.capacity,
     };
     both(gpu, autotune, |tg, dev| {
         let pick = |p: &Pair| if dev { p.d() } else { p.h() };
@@ -353,6 +355,7 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 2,
                 cap: None,
                 align: None,
+                capacity: None,
                 dtype,
             },
             Case {
@@ -362,6 +365,7 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 5,
                 cap: Some(2039),
                 align: None,
+                capacity: None,
                 dtype,
             },
             Case {
@@ -371,6 +375,7 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 6,
                 cap: None,
                 align: Some(16),
+                capacity: None,
                 dtype,
             },
             Case {
@@ -380,6 +385,7 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 8,
                 cap: None,
                 align: Some(128),
+                capacity: None,
                 dtype,
             },
             Case {
@@ -389,6 +395,7 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 3,
                 cap: Some(5000),
                 align: None,
+                capacity: None,
                 dtype,
             },
             Case {
@@ -398,6 +405,7 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 2,
                 cap: None,
                 align: None,
+                capacity: None,
                 dtype,
             },
             Case {
@@ -407,9 +415,23 @@ fn every_op_and_dtype_equals_the_host() {
                 topk: 2,
                 cap: None,
                 align: Some(8),
+                capacity: None,
                 dtype,
             },
         ]);
+    }
+    // Expert capacity: drops (mean load 1170 > 1000), and padding.
+    for (capacity, dtype) in [(1000, DType::Bf16), (3000, DType::F32)] {
+        cases.push(Case {
+            t: 4096,
+            e: 7,
+            h: 1024,
+            topk: 2,
+            cap: None,
+            align: None,
+            capacity: Some(capacity),
+            dtype,
+        });
     }
     cases.push(Case {
         t: 2000,
@@ -418,6 +440,7 @@ fn every_op_and_dtype_equals_the_host() {
         topk: 8,
         cap: None,
         align: None,
+        capacity: None,
         dtype: DType::Bf16,
     });
     for c in &cases {
@@ -443,6 +466,7 @@ fn fp8_permute_and_unpermute_equal_the_host() {
             topk: 2,
             cap: None,
             align: Some(4),
+            capacity: None,
             dtype,
         });
         cases.push(Case {
@@ -452,6 +476,7 @@ fn fp8_permute_and_unpermute_equal_the_host() {
             topk: 3,
             cap: Some(90),
             align: None,
+            capacity: None,
             dtype,
         });
     }
@@ -477,6 +502,7 @@ fn autotuned_results_equal_untuned_and_tuning_writes_nothing_visible() {
             topk: 4,
             cap: None,
             align: Some(8),
+            capacity: None,
             dtype,
         };
         run_case(&mut gpu, &c, 900 + i as u64, false);
@@ -759,6 +785,7 @@ fn under_capture_nothing_is_tuned_and_the_graph_replays_correctly() {
                     options: RowIdMapOptions {
                         num_out_tokens: Some(cap),
                         align: None,
+                        capacity: None,
                     },
                     row_id_map: pick(&map),
                     tokens_per_expert: pick(&tpe),

@@ -38,6 +38,7 @@ fn unpermute_backward_matches_the_definition() {
         RowIdMapOptions {
             num_out_tokens: Some(500),
             align: None,
+            capacity: None,
         },
     )
     .unwrap();

@@ -69,6 +69,25 @@ fn reference_rows(
     (rows, cap.unwrap_or(total))
 }
 
+/// Reference destinations with an expert capacity: expert `e` owns rows
+/// `[e * capacity, (e + 1) * capacity)`; its routes fill them in token
+/// order and the rest are dropped.
+fn reference_capacity_rows(
+    r: &[u8],
+    tokens: usize,
+    experts: usize,
+    capacity: usize,
+) -> (HashMap<(usize, usize), usize>, usize) {
+    let mut rows = HashMap::new();
+    for e in 0..experts {
+        let routed = (0..tokens).filter(|&t| r[t * experts + e] != 0);
+        for (j, t) in routed.take(capacity).enumerate() {
+            rows.insert((t, e), e * capacity + j);
+        }
+    }
+    (rows, experts * capacity)
+}
+
 fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
     match dtype {
         DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
@@ -111,11 +130,12 @@ fn check_case(
     topk: usize,
     cap: Option<usize>,
     align: Option<usize>,
+    capacity: Option<usize>,
     dtype: DType,
     seed: u64,
 ) {
     let what = format!(
-        "T={tokens} E={experts} H={hidden} topk={topk} cap={cap:?} align={align:?} {dtype}"
+        "T={tokens} E={experts} H={hidden} topk={topk} cap={cap:?} align={align:?} capacity={capacity:?} {dtype}"
     );
     let r = routing(tokens, experts, topk, seed);
     let map = make_row_id_map(
@@ -125,10 +145,14 @@ fn check_case(
         RowIdMapOptions {
             num_out_tokens: cap,
             align,
+            capacity,
         },
     )
     .unwrap();
-    let (rows, out_rows) = reference_rows(&r, tokens, experts, cap, align.unwrap_or(1));
+    let (rows, out_rows) = match capacity {
+        Some(c) => reference_capacity_rows(&r, tokens, experts, c),
+        None => reference_rows(&r, tokens, experts, cap, align.unwrap_or(1)),
+    };
     assert_eq!(map.out_rows, out_rows, "{what}");
     // The map: routes in ascending expert order, -1 elsewhere, count in 2E.
     for t in 0..tokens {
@@ -240,7 +264,7 @@ fn upstream_grid_with_reduced_hidden() {
             for cap in [None, Some(2039)] {
                 for dtype in [DType::F32, DType::Bf16] {
                     seed += 1;
-                    check_case(4096, experts, 32, topk, cap, None, dtype, seed);
+                    check_case(4096, experts, 32, topk, cap, None, None, dtype, seed);
                 }
             }
         }
@@ -255,20 +279,35 @@ fn padding_cases_with_reduced_hidden() {
         (1024, 256, 4, 6, 3),
         (512, 512, 2, 8, 4),
     ] {
-        check_case(t, e, h, k, None, Some(16), DType::F16, seed);
-        check_case(t, e, h, k, None, Some(3), DType::F32, seed + 10);
+        check_case(t, e, h, k, None, Some(16), None, DType::F16, seed);
+        check_case(t, e, h, k, None, Some(3), None, DType::F32, seed + 10);
+    }
+}
+
+#[test]
+fn capacity_cases_with_reduced_hidden() {
+    // Capacity below the mean load (drops), at it, far above (padding),
+    // 1, and fewer tokens than the capacity.
+    for (t, e, h, k, capacity, dtype, seed) in [
+        (1024, 8, 16, 2, 200, DType::Bf16, 1),
+        (1024, 8, 16, 2, 256, DType::F32, 2),
+        (1000, 16, 8, 4, 600, DType::F16, 3),
+        (64, 7, 5, 3, 1, DType::F32, 4),
+        (3, 4, 8, 2, 3, DType::F32, 5),
+    ] {
+        check_case(t, e, h, k, None, None, Some(capacity), dtype, seed);
     }
 }
 
 #[test]
 fn edge_shapes_and_dtypes() {
-    check_case(0, 4, 8, 2, None, None, DType::F32, 1); // no tokens
-    check_case(33, 5, 1, 2, None, None, DType::Bf16, 2); // H = 1
-    check_case(40, 3, 7, 3, None, None, DType::F16, 3); // odd H, all experts
-    check_case(50, 6, 5, 2, Some(0), None, DType::F32, 4); // everything dropped
-    check_case(50, 6, 5, 2, Some(1000), None, DType::F32, 5); // cap above the routes
-    check_case(64, 4, 9, 1, None, None, DType::F8E4M3, 6); // fp8: pure data movement
-    check_case(64, 4, 9, 2, None, None, DType::F8E5M2, 7);
+    check_case(0, 4, 8, 2, None, None, None, DType::F32, 1); // no tokens
+    check_case(33, 5, 1, 2, None, None, None, DType::Bf16, 2); // H = 1
+    check_case(40, 3, 7, 3, None, None, None, DType::F16, 3); // odd H, all experts
+    check_case(50, 6, 5, 2, Some(0), None, None, DType::F32, 4); // everything dropped
+    check_case(50, 6, 5, 2, Some(1000), None, None, DType::F32, 5); // cap above the routes
+    check_case(64, 4, 9, 1, None, None, None, DType::F8E4M3, 6); // fp8: pure data movement
+    check_case(64, 4, 9, 2, None, None, None, DType::F8E5M2, 7);
 }
 
 /// fp8 by its definition: (exponent bits, mantissa bits, bias).
@@ -408,10 +447,22 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
         2,
         RowIdMapOptions {
             align: Some(4),
-            num_out_tokens: Some(4)
+            num_out_tokens: Some(4),
+            capacity: None,
         }
     )
     .is_err());
+    for (capacity, align, cap) in [(0, None, None), (4, Some(2), None), (4, None, Some(8))] {
+        let opts = RowIdMapOptions {
+            num_out_tokens: cap,
+            align,
+            capacity: Some(capacity),
+        };
+        assert!(
+            matches!(make_row_id_map(&[1, 0], 1, 2, opts), Err(PermuteError::Shape(m)) if m.contains("capacity")),
+            "{opts:?}"
+        );
+    }
 
     let map = make_row_id_map(&[1, 1, 0, 1], 2, 2, opts).unwrap();
     let input = vec![1u8; 2 * 4 * 4];
