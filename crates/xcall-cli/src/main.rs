@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod doctor;
+mod moe;
 
 #[derive(Parser)]
 #[command(
@@ -21,15 +22,22 @@ struct Cli {
 enum Command {
     /// Report the platforms and devices xcall can use (exit 0 without a GPU).
     Doctor,
+    /// Run an expert-parallel MoE layer (permute, shmem dispatch and
+    /// combine, warp-specialized experts, graph cache) and check it.
+    Moe(moe::MoeArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Doctor => doctor::run(&mut std::io::stdout().lock()),
+        Command::Doctor => doctor::run(&mut std::io::stdout().lock())
+            .map(|()| true)
+            .map_err(|e| e.to_string()),
+        Command::Moe(args) => moe::run(&args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("xcall: {e}");
             ExitCode::FAILURE

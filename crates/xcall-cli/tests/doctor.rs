@@ -1,13 +1,9 @@
 //! `xcall doctor` runs on every machine and says what it found.
 
-use std::process::Command;
+#[allow(dead_code)]
+mod common;
 
-/// The xcall binary: `XCALL_BIN` where a test bundle moved it, else cargo's.
-fn xcall() -> Command {
-    Command::new(
-        std::env::var_os("XCALL_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_xcall").into()),
-    )
-}
+use common::xcall;
 
 #[test]
 fn doctor_reports_platforms_and_exits_zero() {

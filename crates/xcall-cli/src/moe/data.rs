@@ -1,0 +1,296 @@
+//! The inputs every PE draws for a step, and the reference the outputs are
+//! checked against. The reference shares no code with the pipeline: it
+//! walks tokens and experts with plain loops, keeps routes by its own
+//! capacity count, decodes with `half`, and accumulates in f64.
+
+use half::bf16;
+use xcall_core::testing::XorShift;
+use xcall_core::DType;
+
+/// Shape of the layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shape {
+    /// PEs.
+    pub pes: usize,
+    /// Tokens per PE.
+    pub tokens: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Experts (split evenly over the PEs).
+    pub experts: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Rows each expert takes from each PE.
+    pub capacity: usize,
+    /// f32 or bf16.
+    pub dtype: DType,
+}
+
+impl Shape {
+    /// Experts per PE.
+    pub fn local_experts(&self) -> usize {
+        self.experts / self.pes
+    }
+
+    /// Bytes of one token row.
+    pub fn row_bytes(&self) -> usize {
+        self.hidden * self.dtype.size_bytes()
+    }
+
+    /// `silu(x) * scale_e`'s scale of expert `e`: distinct per expert.
+    pub fn scale(&self, e: usize) -> f32 {
+        0.5 + e as f32 / self.experts as f32
+    }
+}
+
+/// One PE's inputs of one step.
+pub struct Inputs {
+    /// `[T, H]` in the layer's dtype.
+    pub x: Vec<u8>,
+    /// `[T, E]`: 1 where a token routes to an expert.
+    pub routing: Vec<u8>,
+    /// `[T, E]` f32 merging weights: softmax over a token's top-k logits,
+    /// 0 elsewhere.
+    pub probs: Vec<f32>,
+}
+
+/// The stream of random numbers of (seed, step, rank).
+fn generator(seed: u64, step: usize, rank: usize) -> XorShift {
+    XorShift::new(
+        seed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            ^ (rank as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f),
+    )
+}
+
+/// Draws PE `rank`'s tokens and router decisions of step `step`.
+pub fn draw(shape: &Shape, seed: u64, step: usize, rank: usize) -> Inputs {
+    let (t, e, k) = (shape.tokens, shape.experts, shape.topk);
+    let mut g = generator(seed, step, rank);
+    let values: Vec<f32> = (0..t * shape.hidden).map(|_| 3.0 * g.next_f32()).collect();
+    let x = match shape.dtype {
+        DType::Bf16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    let mut routing = vec![0u8; t * e];
+    let mut probs = vec![0f32; t * e];
+    let mut order: Vec<usize> = (0..e).collect();
+    for tok in 0..t {
+        let logits: Vec<f32> = (0..e).map(|_| 4.0 * g.next_f32()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let top = &order[..k];
+        let max = logits[top[0]];
+        let weights: Vec<f64> = top
+            .iter()
+            .map(|&x| ((logits[x] - max) as f64).exp())
+            .collect();
+        let sum: f64 = weights.iter().sum();
+        for (&x, w) in top.iter().zip(&weights) {
+            routing[tok * e + x] = 1;
+            probs[tok * e + x] = (w / sum) as f32;
+        }
+    }
+    Inputs { x, routing, probs }
+}
+
+/// Decodes `[n]` values of `dtype` (f32 or bf16) to f64.
+pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    match dtype {
+        DType::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f64())
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .collect(),
+    }
+}
+
+/// The routes the layer keeps: expert `e` takes the first `capacity`
+/// tokens routed to it, in token order.
+pub fn kept_routes(shape: &Shape, routing: &[u8]) -> Vec<bool> {
+    let (t, e) = (shape.tokens, shape.experts);
+    let mut kept = vec![false; t * e];
+    for expert in 0..e {
+        let mut taken = 0;
+        for tok in 0..t {
+            if routing[tok * e + expert] != 0 && taken < shape.capacity {
+                kept[tok * e + expert] = true;
+                taken += 1;
+            }
+        }
+    }
+    kept
+}
+
+/// What one PE's output looked like against the reference.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Check {
+    /// Elements outside the tolerance.
+    pub mismatches: usize,
+    /// First mismatch: (token, column, got, want).
+    pub first: Option<(usize, usize, f64, f64)>,
+    /// Largest |got - want| / (sum of |terms| + 1e-6).
+    pub max_relative: f64,
+    /// Routes dropped by the capacity.
+    pub dropped: usize,
+}
+
+/// Checks `y` (`[T, H]` in the layer's dtype) against
+/// `sum over kept routes e of probs[t, e] * silu(x[t]) * scale_e`, with a
+/// tolerance of the dtype's two roundings (expert output and result).
+pub fn check(shape: &Shape, inputs: &Inputs, y: &[u8]) -> Check {
+    let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
+    let x = decode(shape.dtype, &inputs.x);
+    let got = decode(shape.dtype, y);
+    let kept = kept_routes(shape, &inputs.routing);
+    let rtol = match shape.dtype {
+        DType::Bf16 => 1e-2,
+        _ => 1e-5,
+    };
+    let mut c = Check {
+        dropped: (0..t * e)
+            .filter(|&i| inputs.routing[i] != 0 && !kept[i])
+            .count(),
+        ..Check::default()
+    };
+    for tok in 0..t {
+        let routes: Vec<(f64, f64)> = (0..e)
+            .filter(|&x| kept[tok * e + x])
+            .map(|x| (inputs.probs[tok * e + x] as f64, shape.scale(x) as f64))
+            .collect();
+        for j in 0..h {
+            let v = x[tok * h + j];
+            let silu = v / (1.0 + (-v).exp());
+            let (mut want, mut magnitude) = (0f64, 0f64);
+            for &(p, s) in &routes {
+                want += p * silu * s;
+                magnitude += (p * silu * s).abs();
+            }
+            let g = got[tok * h + j];
+            let err = (g - want).abs();
+            c.max_relative = c.max_relative.max(err / (magnitude + 1e-6));
+            // A NaN (the poison of an unwritten output) is a mismatch too.
+            if err.is_nan() || err > 1e-6 + rtol * magnitude {
+                c.mismatches += 1;
+                c.first.get_or_insert((tok, j, g, want));
+            }
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(dtype: DType, capacity: usize) -> Shape {
+        Shape {
+            pes: 2,
+            tokens: 64,
+            hidden: 16,
+            experts: 4,
+            topk: 2,
+            capacity,
+            dtype,
+        }
+    }
+
+    /// The layer computed the slow obvious way, rounded to the dtype.
+    fn layer(s: &Shape, inputs: &Inputs) -> Vec<u8> {
+        let x = decode(s.dtype, &inputs.x);
+        let kept = kept_routes(s, &inputs.routing);
+        let mut y = Vec::new();
+        for tok in 0..s.tokens {
+            for j in 0..s.hidden {
+                let v = x[tok * s.hidden + j] as f32;
+                let mut sum = 0f32;
+                for e in 0..s.experts {
+                    if kept[tok * s.experts + e] {
+                        let out = v / (1.0 + (-v).exp()) * s.scale(e);
+                        let out = match s.dtype {
+                            DType::Bf16 => bf16::from_f32(out).to_f32(),
+                            _ => out,
+                        };
+                        sum += inputs.probs[tok * s.experts + e] * out;
+                    }
+                }
+                match s.dtype {
+                    DType::Bf16 => y.extend(bf16::from_f32(sum).to_le_bytes()),
+                    _ => y.extend(sum.to_le_bytes()),
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn draws_are_reproducible_top_k_and_normalised() {
+        let s = shape(DType::F32, 64);
+        let a = draw(&s, 7, 3, 1);
+        let b = draw(&s, 7, 3, 1);
+        assert_eq!((&a.x, &a.routing, &a.probs), (&b.x, &b.routing, &b.probs));
+        assert_ne!(a.x, draw(&s, 7, 4, 1).x, "steps differ");
+        assert_ne!(a.x, draw(&s, 7, 3, 0).x, "ranks differ");
+        for tok in 0..s.tokens {
+            let row = &a.routing[tok * 4..tok * 4 + 4];
+            assert_eq!(row.iter().filter(|&&r| r == 1).count(), 2);
+            let p: f32 = a.probs[tok * 4..tok * 4 + 4].iter().sum();
+            assert!((p - 1.0).abs() < 1e-6);
+        }
+        assert!(decode(DType::F32, &a.x).iter().any(|&v| v.abs() > 1.0));
+    }
+
+    #[test]
+    fn capacity_keeps_the_first_tokens_of_each_expert() {
+        let s = shape(DType::F32, 3);
+        let inputs = draw(&s, 1, 0, 0);
+        let kept = kept_routes(&s, &inputs.routing);
+        for e in 0..4 {
+            let routed: Vec<usize> = (0..64)
+                .filter(|&t| inputs.routing[t * 4 + e] == 1)
+                .collect();
+            let k: Vec<usize> = (0..64).filter(|&t| kept[t * 4 + e]).collect();
+            assert_eq!(k, routed[..3.min(routed.len())]);
+        }
+    }
+
+    #[test]
+    fn the_check_accepts_the_layer_and_catches_errors() {
+        for dtype in [DType::F32, DType::Bf16] {
+            for capacity in [64, 20] {
+                let s = shape(dtype, capacity);
+                let inputs = draw(&s, 11, 0, 1);
+                let y = layer(&s, &inputs);
+                let ok = check(&s, &inputs, &y);
+                assert_eq!(ok.mismatches, 0, "{dtype} {capacity}: {ok:?}");
+                assert_eq!(ok.dropped > 0, capacity == 20);
+                // One element off by 5% (or 0.005 when tiny).
+                let mut bad = y.clone();
+                let size = dtype.size_bytes();
+                let v = decode(dtype, &bad[..size])[0];
+                let v = v + 0.05 * v.abs().max(0.1);
+                match dtype {
+                    DType::Bf16 => bad[..2].copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
+                    _ => bad[..4].copy_from_slice(&(v as f32).to_le_bytes()),
+                }
+                assert_eq!(check(&s, &inputs, &bad).mismatches, 1, "{dtype}");
+                // Every route kept although the capacity drops some.
+                if capacity == 20 {
+                    let all = Shape { capacity: 64, ..s };
+                    let y = layer(&all, &inputs);
+                    assert!(check(&s, &inputs, &y).mismatches > 0);
+                }
+                // Never written (the NaN poison).
+                let poison = vec![0xffu8; y.len()];
+                assert_eq!(check(&s, &inputs, &poison).mismatches, s.tokens * s.hidden);
+                // The outputs of another step.
+                let other = layer(&s, &draw(&s, 11, 1, 1));
+                assert!(check(&s, &inputs, &other).mismatches > s.tokens * s.hidden / 2);
+            }
+        }
+    }
+}

@@ -1,0 +1,392 @@
+//! `xcall moe`: an expert-parallel MoE layer step built from every xcall
+//! crate, run for a number of steps on Host PEs (threads) or one thread
+//! per GPU, every output checked against an f64 reference.
+
+mod data;
+mod pe;
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use xcall_core::{DType, Device, Platform};
+use xcall_graph::cuda::CudaGraphs;
+use xcall_graph::{Config as CacheConfig, GraphCache, Outcome, Stats};
+use xcall_warpspec::cuda::WsKernels;
+
+pub use data::Shape;
+use data::{check, draw, Check};
+use pe::{Pe, Waits};
+
+/// Where the PEs run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PlatformArg {
+    /// Host threads, one per PE.
+    Host,
+    /// One thread per GPU.
+    Cuda,
+}
+
+/// Element type of the tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+}
+
+/// Flags of `xcall moe`.
+#[derive(Args, Debug, Clone)]
+pub struct MoeArgs {
+    /// Where the PEs run.
+    #[arg(long, value_enum, default_value_t = PlatformArg::Host)]
+    platform: PlatformArg,
+    /// PEs [default: 4 on Host; on CUDA every visible GPU].
+    #[arg(long)]
+    pes: Option<usize>,
+    /// Tokens per PE [default: 1024 on Host, 8192 on CUDA].
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// Hidden size, a multiple of 8 [default: 1024 on Host, 4096 on CUDA].
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Experts, split evenly over the PEs.
+    #[arg(long, default_value_t = 8)]
+    experts: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 2)]
+    topk: usize,
+    /// Element type.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
+    dtype: DtypeArg,
+    /// Timed steps (after one untimed warm-up step).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Seed of every PE's tokens and router.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Expert capacity per PE as a multiple of the mean load
+    /// (`ceil(f * tokens * topk / experts)` rows, at most `tokens`).
+    #[arg(long, default_value_t = 1.25)]
+    capacity_factor: f64,
+    /// Also write the figures as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// A checked configuration.
+#[derive(Clone, Debug)]
+struct Run {
+    platform: Platform,
+    shape: Shape,
+    steps: usize,
+    seed: u64,
+    capacity_factor: f64,
+}
+
+fn validate(a: &MoeArgs) -> Result<Run, String> {
+    let platform = match a.platform {
+        PlatformArg::Host => Platform::Host,
+        PlatformArg::Cuda => Platform::Cuda,
+    };
+    let host = platform == Platform::Host;
+    let pes = match (platform, a.pes) {
+        (_, Some(0)) => return Err("--pes must be at least 1".into()),
+        (Platform::Host, p) => p.unwrap_or(4),
+        (Platform::Cuda, p) => {
+            let gpus = match xcall_core::cuda::device_count() {
+                Ok(0) => return Err("--platform cuda: no CUDA device is visible".into()),
+                Ok(n) => n,
+                Err(e) => return Err(format!("--platform cuda: {e}")),
+            };
+            match p {
+                Some(p) if p > gpus => {
+                    return Err(format!(
+                        "--pes {p}: only {gpus} CUDA device(s); one PE per GPU"
+                    ))
+                }
+                p => p.unwrap_or(gpus),
+            }
+        }
+    };
+    let tokens = a.tokens.unwrap_or(if host { 1024 } else { 8192 });
+    let hidden = a.hidden.unwrap_or(if host { 1024 } else { 4096 });
+    let (experts, topk) = (a.experts, a.topk);
+    if tokens == 0 || a.steps == 0 {
+        return Err("--tokens and --steps must be at least 1".into());
+    }
+    if hidden == 0 || hidden % 8 != 0 {
+        return Err(format!(
+            "--hidden {hidden}: must be a positive multiple of 8 (rows of 16-byte multiples)"
+        ));
+    }
+    if experts == 0 || experts % pes != 0 {
+        return Err(format!(
+            "--experts {experts}: must be a positive multiple of the {pes} PE(s)"
+        ));
+    }
+    if topk == 0 || topk > experts {
+        return Err(format!("--topk {topk}: must be in [1, {experts}]"));
+    }
+    let f = a.capacity_factor;
+    if !(f.is_finite() && f > 0.0) {
+        return Err(format!("--capacity-factor {f}: must be positive"));
+    }
+    let mean = tokens as f64 * topk as f64 / experts as f64;
+    let capacity = ((f * mean).ceil() as usize).clamp(1, tokens);
+    let dtype = match a.dtype {
+        DtypeArg::F32 => DType::F32,
+        DtypeArg::Bf16 => DType::Bf16,
+    };
+    let bytes = (experts * capacity * hidden * dtype.size_bytes()) as f64 * 4.0
+        + (tokens * hidden * dtype.size_bytes()) as f64 * 2.0;
+    if bytes > 64.0 * (1u64 << 30) as f64 {
+        return Err(format!(
+            "the buffers of one PE would take {:.1} GiB; reduce --tokens or --hidden",
+            bytes / (1u64 << 30) as f64
+        ));
+    }
+    Ok(Run {
+        platform,
+        shape: Shape {
+            pes,
+            tokens,
+            hidden,
+            experts,
+            topk,
+            capacity,
+            dtype,
+        },
+        steps: a.steps,
+        seed: a.seed,
+        capacity_factor: f,
+    })
+}
+
+/// What one PE saw.
+#[derive(Default)]
+struct PeLog {
+    /// Per timed step: ms and the cache's outcome.
+    steps: Vec<(f64, Outcome)>,
+    /// Per step (warm-up first): the check of the output.
+    checks: Vec<Check>,
+}
+
+fn run_pe(
+    run: &Run,
+    rank: usize,
+    group: &str,
+    cache: &GraphCache<CudaGraphs>,
+    kernels: &WsKernels,
+    bar: &ProgressBar,
+) -> Result<PeLog, String> {
+    let device = Device::new(run.platform, rank as u32);
+    let mut pe = Pe::new(run.shape, rank, device, group, kernels)?;
+    let mut log = PeLog::default();
+    for step in 0..=run.steps {
+        let inputs = draw(&run.shape, run.seed, step, rank);
+        pe.upload(&inputs)?;
+        pe.barrier()?;
+        if step == 0 {
+            // Warm-up: compiles and autotunes outside any capture; waits on
+            // the host so a failing PE times out instead of hanging.
+            pe.step(Waits::Host)?;
+        } else {
+            log.steps.push(pe.timed_step(cache)?);
+        }
+        let y = pe.download()?;
+        log.checks.push(check(&run.shape, &inputs, &y));
+        if rank == 0 && step > 0 {
+            bar.inc(1);
+        }
+    }
+    pe.barrier()?;
+    pe.finish()?;
+    Ok(log)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn stats_json(s: &Stats) -> serde_json::Value {
+    json!({
+        "hits": s.hits, "captures": s.captures, "updates": s.updates,
+        "instantiations": s.instantiations, "entries": s.entries, "nodes": s.nodes,
+        "eager_host": s.eager_host,
+        "eager_fallbacks": s.eager_disabled + s.eager_caller_capturing
+            + s.eager_capture_in_progress + s.eager_not_capturable + s.eager_capture_failed,
+    })
+}
+
+fn stats_line(s: &Stats) -> String {
+    if s.eager_host > 0 {
+        return format!("{} run directly (Host has no graphs)", s.eager_host);
+    }
+    let eager = s.eager_disabled
+        + s.eager_caller_capturing
+        + s.eager_capture_in_progress
+        + s.eager_not_capturable
+        + s.eager_capture_failed;
+    format!(
+        "{} capture(s), {} replay(s), {} instantiation(s), {} eager; {} graph(s) of {} nodes",
+        s.captures, s.hits, s.instantiations, eager, s.entries, s.nodes
+    )
+}
+
+/// Runs `xcall moe`; `Ok(false)` when an output did not match.
+pub fn run(args: &MoeArgs) -> Result<bool, String> {
+    let run = validate(args)?;
+    let s = run.shape;
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).map_err(|e| e.to_string())?;
+    let kernels = WsKernels::new();
+    let group = format!("xcall-moe-{}", std::process::id());
+    let bar = ProgressBar::new(run.steps as u64).with_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!("moe on {} PE(s)", s.pes));
+    let logs: Vec<Mutex<Option<Result<PeLog, String>>>> =
+        (0..s.pes).map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for (rank, slot) in logs.iter().enumerate() {
+            let (run, group, cache, kernels, bar) = (&run, &group, &cache, &kernels, &bar);
+            scope.spawn(move || {
+                let r = run_pe(run, rank, group, cache, kernels, bar);
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut pes = Vec::with_capacity(s.pes);
+    let mut errors = Vec::new();
+    for (rank, slot) in logs.into_iter().enumerate() {
+        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(log)) => pes.push(log),
+            Some(Err(e)) => errors.push(format!("PE {rank}: {e}")),
+            None => errors.push(format!("PE {rank}: its thread panicked")),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors.join("; "));
+    }
+    report(&run, &pes, &cache, args.json.as_ref())
+}
+
+fn report(
+    run: &Run,
+    pes: &[PeLog],
+    cache: &GraphCache<CudaGraphs>,
+    json_path: Option<&PathBuf>,
+) -> Result<bool, String> {
+    let s = run.shape;
+    // A step takes as long as its slowest PE (they start together).
+    let mut times: Vec<f64> = (0..run.steps)
+        .map(|i| pes.iter().map(|p| p.steps[i].0).fold(0.0, f64::max))
+        .collect();
+    let first = times[0];
+    let (min, max) = (
+        times.iter().copied().fold(f64::INFINITY, f64::min),
+        times.iter().copied().fold(0.0, f64::max),
+    );
+    let med = median(&mut times);
+    let tokens_per_s = (s.pes * s.tokens) as f64 / (med / 1e3);
+    let slot = Pe::slot_bytes(&s) as f64;
+    let between = 2.0 * slot * (s.pes * (s.pes - 1)) as f64;
+    let all = 2.0 * slot * (s.pes * s.pes) as f64;
+    let gbps = between / (med / 1e3) / 1e9;
+    let checks: Vec<&Check> = pes.iter().flat_map(|p| &p.checks).collect();
+    let bad: usize = checks.iter().map(|c| c.mismatches).sum();
+    let dropped: usize = checks.iter().map(|c| c.dropped).sum();
+    let routes = (s.pes * s.tokens * s.topk * (run.steps + 1)) as f64;
+    let fill =
+        (routes - dropped as f64) / ((s.pes * s.experts * s.capacity * (run.steps + 1)) as f64);
+    let max_rel = checks.iter().map(|c| c.max_relative).fold(0.0, f64::max);
+    let devices: Vec<Device> = match run.platform {
+        Platform::Host => vec![Device::HOST],
+        Platform::Cuda => (0..s.pes as u32).map(Device::cuda).collect(),
+    };
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    for p in pes {
+        for (_, o) in &p.steps {
+            *outcomes.entry(format!("{o:?}")).or_default() += 1;
+        }
+    }
+    let verdict = if bad == 0 { "PASS" } else { "FAIL" };
+    let platform = run.platform.name();
+    println!(
+        "xcall moe: {platform}, {} PE(s){}, {} tokens/PE, hidden {}, {} experts ({} per PE), top-{}, {}",
+        s.pes,
+        if run.platform == Platform::Host { " (threads)" } else { " (one thread per GPU)" },
+        s.tokens,
+        s.hidden,
+        s.experts,
+        s.local_experts(),
+        s.topk,
+        s.dtype
+    );
+    println!(
+        "  capacity {} rows per expert per PE (factor {}), {} timed steps after 1 warm-up step",
+        s.capacity, run.capacity_factor, run.steps
+    );
+    println!();
+    println!("  step time      median {med:.3} ms   min {min:.3} ms   max {max:.3} ms   (first timed step {first:.3} ms)");
+    println!("  tokens/s       {tokens_per_s:.0}");
+    println!(
+        "  exchange       {:.1} MB/step between PEs ({:.1} MB incl. each PE's own slots), {gbps:.2} GB/s at the median",
+        between / 1e6,
+        all / 1e6
+    );
+    println!(
+        "  capacity fill  {:.1}% of expert rows used, {} route(s) dropped over all steps",
+        fill * 100.0,
+        dropped
+    );
+    for d in &devices {
+        println!("  graph cache    {d}: {}", stats_line(&cache.stats(*d)));
+    }
+    println!(
+        "  verification   {verdict}: {} PE(s) x {} step(s) against the f64 reference, {} mismatching element(s), max relative error {max_rel:.2e}",
+        s.pes,
+        run.steps + 1,
+        bad
+    );
+    if bad > 0 {
+        for (rank, p) in pes.iter().enumerate() {
+            for (step, c) in p.checks.iter().enumerate() {
+                if let Some((t, j, got, want)) = c.first {
+                    println!(
+                        "    PE {rank} step {step}: {} mismatch(es), first at token {t} column {j}: {got} vs {want}",
+                        c.mismatches
+                    );
+                }
+            }
+        }
+    }
+    if let Some(path) = json_path {
+        let doc = json!({
+            "platform": platform,
+            "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
+            "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
+            "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
+            "step_ms": {"median": med, "min": min, "max": max, "first": first},
+            "tokens_per_s": tokens_per_s,
+            "exchange_bytes_per_step": between, "exchange_bytes_incl_self": all,
+            "exchange_gb_per_s": gbps,
+            "capacity_fill": fill, "dropped_routes": dropped,
+            "outcomes": outcomes,
+            "graph_cache": devices.iter()
+                .map(|d| (d.to_string(), stats_json(&cache.stats(*d))))
+                .collect::<serde_json::Map<_, _>>(),
+            "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel},
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("--json {}: {e}", path.display()))?;
+    }
+    Ok(bad == 0)
+}

@@ -1,0 +1,496 @@
+//! One PE of the layer: its world, its symmetric buffers and its step.
+//!
+//! The step on PE `me` (the same code on Host and CUDA; on CUDA every call
+//! is enqueued on the PE's stream, so the graph cache can capture it):
+//! 1. `make_row_id_map` with an expert capacity `C`: expert `e`'s rows
+//!    are `[e*C, (e+1)*C)` whatever the routing, so every copy below has a
+//!    fixed size and offset, and a captured step replays for new data;
+//! 2. `permute` groups the PE's tokens into `send` (`[E*C, H]`), which is
+//!    also `[P][E/P][C]`: one slot per destination PE;
+//! 3. dispatch: slot `q` goes to `recv[me]` on PE `q` (`put_signal`, SET
+//!    `dispatch[me] = 1`); the PE waits for `dispatch[p] == 1` from every
+//!    `p` and clears it;
+//! 4. its experts run `silu(x) * scale_e` (warpspec) from `recv` into
+//!    `out`, one call per (sender, local expert);
+//! 5. combine: `out[p]` goes back to `ret[me]` on PE `p` (`put_signal`,
+//!    `combine[me] = 1`); the PE waits for every `combine[q]`, clears it,
+//!    and `unpermute` with the merging probs writes `y` (`[T, H]`).
+//!
+//! No step needs a barrier: a PE writes into a peer's `recv` only after
+//! that peer's combine of the previous step reached it, which the peer
+//! sends after its experts read `recv`; likewise for `ret` and the
+//! signal words (cleared before the signal that lets the next write
+//! happen is sent).
+
+use std::ffi::c_void;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+use xcall_core::{DType, Device, Platform};
+use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
+use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache, Outcome};
+use xcall_permute::call::{self, MakeRowIdMapArgs, PermuteArgs, Target, Tensor, UnpermuteArgs};
+use xcall_permute::RowIdMapOptions;
+use xcall_shmem::{Cmp, Config, SignalOp, World};
+use xcall_warpspec::codegen::ElementwiseOp;
+use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
+use xcall_warpspec::ops::{silu_scale_host, OpConfig};
+
+use super::data::{Inputs, Shape};
+
+/// The graph-cache target id of the MoE step.
+const TARGET: u64 = 0x6d6f_655f_7374_6570; // "moe_step"
+
+/// How long any PE waits for another.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+type Res<T> = Result<T, String>;
+
+/// Maps any displayable error to a message naming the failed step.
+trait Context<T> {
+    fn context(self, what: &str) -> Res<T>;
+}
+
+impl<T, E: std::fmt::Display> Context<T> for Result<T, E> {
+    fn context(self, what: &str) -> Res<T> {
+        self.map_err(|e| format!("{what}: {e}"))
+    }
+}
+
+/// Where the PE waits for its peers' signals.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Waits {
+    /// The host thread polls (with the world's timeout): the eager
+    /// warm-up step, where a failing peer must not hang the others.
+    Host,
+    /// The PE's CUDA stream waits (`cuStreamWaitValue64`): capturable.
+    Stream,
+}
+
+/// Symmetric buffers (the same offsets on every PE).
+#[derive(Clone, Copy, Debug)]
+struct Buffers {
+    x: u64,
+    routing: u64,
+    probs: u64,
+    map: u64,
+    tpe: u64,
+    offsets: u64,
+    send: u64,
+    recv: u64,
+    out: u64,
+    ret: u64,
+    y: u64,
+    dispatch: u64,
+    combine: u64,
+}
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+/// One PE.
+pub struct Pe<'a> {
+    world: World,
+    shape: Shape,
+    rank: usize,
+    device: Device,
+    b: Buffers,
+    sizes: Vec<(u64, usize, BufferRole)>,
+    gpu: Option<Gpu>,
+    kernels: &'a WsKernels,
+    ops: OpConfig,
+}
+
+impl<'a> Pe<'a> {
+    /// Joins the world `group` as `rank` on `device` and allocates the
+    /// layer's buffers.
+    pub fn new(
+        shape: Shape,
+        rank: usize,
+        device: Device,
+        group: &str,
+        kernels: &'a WsKernels,
+    ) -> Res<Pe<'a>> {
+        let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
+        let s = shape.dtype.size_bytes();
+        let n = e * shape.capacity;
+        let p = shape.pes;
+        let sizes = [
+            (t * h * s, BufferRole::In),
+            (t * e, BufferRole::In),
+            (t * e * 4, BufferRole::In),
+            (t * (2 * e + 1) * 4, BufferRole::InOut),
+            (e * 8, BufferRole::InOut),
+            ((e + 1) * 8, BufferRole::InOut),
+            (n * h * s, BufferRole::InOut),
+            (n * h * s, BufferRole::InOut),
+            (n * h * s, BufferRole::InOut),
+            (n * h * s, BufferRole::InOut),
+            (t * h * s, BufferRole::Out),
+            (p * 8, BufferRole::InOut),
+            (p * 8, BufferRole::InOut),
+        ];
+        let heap = sizes
+            .iter()
+            .map(|(b, _)| b.next_multiple_of(256))
+            .sum::<usize>()
+            + (p + 4) * 16
+            + (1 << 20);
+        let mut config = Config::in_process(group, rank, p, device);
+        config.heap_bytes = Some(heap);
+        config.timeout = TIMEOUT;
+        let mut world = World::new();
+        world.init(&config).context("shmem init")?;
+        let mut addrs = Vec::with_capacity(sizes.len());
+        for (bytes, _) in sizes {
+            addrs.push(world.malloc(bytes.max(1)).context("shmem malloc")?);
+        }
+        let b = Buffers {
+            x: addrs[0],
+            routing: addrs[1],
+            probs: addrs[2],
+            map: addrs[3],
+            tpe: addrs[4],
+            offsets: addrs[5],
+            send: addrs[6],
+            recv: addrs[7],
+            out: addrs[8],
+            ret: addrs[9],
+            y: addrs[10],
+            dispatch: addrs[11],
+            combine: addrs[12],
+        };
+        let gpu = match device.platform {
+            Platform::Host => None,
+            Platform::Cuda => {
+                let ctx = CudaContext::new(device.ordinal as usize).context("CUDA context")?;
+                let stream = ctx.new_stream().context("CUDA stream")?;
+                Some(Gpu { ctx, stream })
+            }
+        };
+        let mut pe = Pe {
+            world,
+            shape,
+            rank,
+            device,
+            b,
+            sizes: addrs
+                .iter()
+                .zip(sizes)
+                .map(|(&a, (bytes, role))| (a, bytes, role))
+                .collect(),
+            gpu,
+            kernels,
+            ops: OpConfig::default(),
+        };
+        let zeros = vec![0u8; p * 8];
+        pe.write(b.dispatch, &zeros)?;
+        pe.write(b.combine, &zeros)?;
+        pe.world.barrier_all().context("shmem barrier")?;
+        Ok(pe)
+    }
+
+    fn stream(&self) -> *mut c_void {
+        self.gpu
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |g| g.stream.cu_stream().cast())
+    }
+
+    /// Copies host bytes into this PE's buffer at `dest` (blocking).
+    fn write(&mut self, dest: u64, bytes: &[u8]) -> Res<()> {
+        let me = self.rank;
+        // SAFETY: `bytes` is a live host slice; the world checks `dest`.
+        unsafe { self.world.put(dest, bytes.as_ptr() as u64, bytes.len(), me) }
+            .context("shmem put (upload)")
+    }
+
+    /// Uploads a step's inputs and poisons `y` (NaN in both dtypes).
+    pub fn upload(&mut self, inputs: &Inputs) -> Res<()> {
+        let probs: Vec<u8> = inputs.probs.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.write(self.b.x, &inputs.x)?;
+        self.write(self.b.routing, &inputs.routing)?;
+        self.write(self.b.probs, &probs)?;
+        let poison = vec![0xffu8; self.shape.tokens * self.shape.row_bytes()];
+        self.write(self.b.y, &poison)
+    }
+
+    /// The PE's output `y` of the last step (after its stream drained).
+    pub fn download(&mut self) -> Res<Vec<u8>> {
+        if let Some(g) = &self.gpu {
+            g.stream.synchronize().context("CUDA stream")?;
+        }
+        let mut y = vec![0u8; self.shape.tokens * self.shape.row_bytes()];
+        let me = self.rank;
+        // SAFETY: `y` holds exactly the bytes read.
+        unsafe { self.world.get(y.as_mut_ptr() as u64, self.b.y, y.len(), me) }
+            .context("shmem get (download)")?;
+        Ok(y)
+    }
+
+    /// Waits for every PE before the next step.
+    pub fn barrier(&mut self) -> Res<()> {
+        self.world.barrier_all().context("shmem barrier")
+    }
+
+    /// Bytes each PE puts per step: dispatch and combine, one slot per PE
+    /// (its own included).
+    pub fn slot_bytes(shape: &Shape) -> usize {
+        shape.local_experts() * shape.capacity * shape.row_bytes()
+    }
+
+    /// The graph-cache key of this PE's step: its device, the shape and
+    /// the peers' addresses as attributes, every buffer it touches.
+    fn key(&self) -> CallKey {
+        let mut h = DefaultHasher::new();
+        let s = &self.shape;
+        (s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity).hash(&mut h);
+        s.dtype.hash(&mut h);
+        self.rank.hash(&mut h);
+        for pe in 0..s.pes {
+            self.world.ptr(pe, self.b.recv).hash(&mut h);
+            self.world.ptr(pe, self.b.ret).hash(&mut h);
+        }
+        CallKey {
+            device: match self.device.platform {
+                Platform::Host => Device::HOST,
+                Platform::Cuda => self.device,
+            },
+            target: TARGET,
+            attributes: h.finish(),
+            buffers: self
+                .sizes
+                .iter()
+                .map(|&(a, bytes, role)| Buffer::new(a, bytes as u64, role))
+                .collect(),
+        }
+    }
+
+    /// Runs one step through the graph cache; returns its time in ms (CUDA
+    /// events on the PE's stream, or the host clock) and what the cache
+    /// did.
+    pub fn timed_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<(f64, Outcome)> {
+        let key = self.key();
+        match self.gpu.as_ref().map(|g| (g.ctx.clone(), g.stream.clone())) {
+            None => {
+                let start = Instant::now();
+                let outcome = cache
+                    .execute(&Call::new(key, None), |_| self.step(Waits::Host))
+                    .context("graph cache")?;
+                Ok((start.elapsed().as_secs_f64() * 1e3, outcome))
+            }
+            Some((ctx, stream)) => {
+                let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+                let a = ctx.new_event(timed).context("CUDA event")?;
+                let z = ctx.new_event(timed).context("CUDA event")?;
+                a.record(&stream).context("CUDA event")?;
+                let handle = CudaStreamHandle(stream.cu_stream());
+                let outcome = cache
+                    .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
+                    .context("graph cache")?;
+                z.record(&stream).context("CUDA event")?;
+                z.synchronize().context("CUDA event")?;
+                Ok((a.elapsed_ms(&z).context("CUDA event")? as f64, outcome))
+            }
+        }
+    }
+
+    /// One step of the layer (see the module docs), enqueued on the PE's
+    /// stream on CUDA.
+    pub fn step(&mut self, waits: Waits) -> Res<()> {
+        let s = self.shape;
+        let (b, me, stream) = (self.b, self.rank, self.stream());
+        let target = match self.device.platform {
+            Platform::Host => Target::host(),
+            Platform::Cuda => Target::cuda(self.device.ordinal, stream),
+        };
+        let (t, h, e) = (s.tokens as u64, s.hidden as u64, s.experts as u64);
+        let n = e * s.capacity as u64;
+        let map = Tensor::new(b.map, DType::I32, &[t, 2 * e + 1]);
+        let tpe = Tensor::new(b.tpe, DType::I64, &[e]);
+        let offsets = Tensor::new(b.offsets, DType::I64, &[e + 1]);
+        // SAFETY (both calls): every tensor is a buffer of this PE's heap
+        // allocated for exactly these dims, alive for the world's life.
+        unsafe {
+            call::make_row_id_map(
+                &target,
+                &MakeRowIdMapArgs {
+                    routing: Tensor::new(b.routing, DType::U8, &[t, e]),
+                    options: RowIdMapOptions {
+                        capacity: Some(s.capacity),
+                        ..RowIdMapOptions::default()
+                    },
+                    row_id_map: map.clone(),
+                    tokens_per_expert: tpe.clone(),
+                    expert_offsets: offsets.clone(),
+                },
+            )
+        }
+        .context("make_row_id_map")?;
+        // SAFETY: as above.
+        unsafe {
+            call::permute(
+                &target,
+                &PermuteArgs {
+                    input: Tensor::new(b.x, s.dtype, &[t, h]),
+                    row_id_map: map.clone(),
+                    tokens_per_expert: tpe,
+                    expert_offsets: offsets,
+                    probs: None,
+                    scales: None,
+                    output: Tensor::new(b.send, s.dtype, &[n, h]),
+                    permuted_probs: None,
+                    permuted_scales: None,
+                    in_place: false,
+                },
+            )
+        }
+        .context("permute")?;
+        let slot = Self::slot_bytes(&s);
+        for q in 0..s.pes {
+            let (dest, src) = (b.recv + (me * slot) as u64, b.send + (q * slot) as u64);
+            // SAFETY: `src` is a slot of this PE's `send`.
+            unsafe {
+                self.world.put_signal_nbi(
+                    dest,
+                    src,
+                    slot,
+                    b.dispatch + 8 * me as u64,
+                    1,
+                    SignalOp::Set,
+                    q,
+                    stream,
+                )
+            }
+            .context("dispatch put_signal")?;
+        }
+        self.await_all(b.dispatch, waits)?;
+        self.experts(stream)?;
+        for p in 0..s.pes {
+            let (dest, src) = (b.ret + (me * slot) as u64, b.out + (p * slot) as u64);
+            // SAFETY: `src` is a slot of this PE's `out`.
+            unsafe {
+                self.world.put_signal_nbi(
+                    dest,
+                    src,
+                    slot,
+                    b.combine + 8 * me as u64,
+                    1,
+                    SignalOp::Set,
+                    p,
+                    stream,
+                )
+            }
+            .context("combine put_signal")?;
+        }
+        self.await_all(b.combine, waits)?;
+        // SAFETY: as for the permute.
+        unsafe {
+            call::unpermute(
+                &target,
+                &UnpermuteArgs {
+                    input: Tensor::new(b.ret, s.dtype, &[n, h]),
+                    row_id_map: map,
+                    merging_probs: Some(Tensor::new(b.probs, DType::F32, &[t, e])),
+                    permuted_probs: None,
+                    output: Tensor::new(b.y, s.dtype, &[t, h]),
+                    unpermuted_probs: None,
+                },
+            )
+        }
+        .context("unpermute")
+    }
+
+    /// Waits until every PE set its word of the signal array at `base`,
+    /// then clears the words (ordered after the wait).
+    fn await_all(&mut self, base: u64, waits: Waits) -> Res<()> {
+        let (me, stream) = (self.rank, self.stream());
+        for p in 0..self.shape.pes {
+            let word = base + 8 * p as u64;
+            if self.device.platform == Platform::Cuda && waits == Waits::Stream {
+                self.world
+                    .wait_until_on_stream(word, Cmp::Eq, 1, stream)
+                    .context("shmem wait")?;
+            } else {
+                self.world
+                    .wait_until(word, Cmp::Eq, 1)
+                    .context("shmem wait")?;
+            }
+            // A zero-byte put to itself whose signal SETs the word to 0.
+            // SAFETY: copies nothing.
+            unsafe {
+                self.world
+                    .put_signal_nbi(word, word, 0, word, 0, SignalOp::Set, me, stream)
+            }
+            .context("shmem signal reset")?;
+        }
+        Ok(())
+    }
+
+    /// `out = silu(recv) * scale_e` for every (sender, local expert)
+    /// block of `C` rows.
+    fn experts(&mut self, stream: *mut c_void) -> Res<()> {
+        let s = self.shape;
+        let block = s.capacity * s.row_bytes();
+        for p in 0..s.pes {
+            for l in 0..s.local_experts() {
+                let at = ((p * s.local_experts() + l) * block) as u64;
+                let scale = s.scale(self.rank * s.local_experts() + l);
+                let (x, y) = (self.b.recv + at, self.b.out + at);
+                match self.device.platform {
+                    Platform::Host => {
+                        // SAFETY: `recv` and `out` are distinct buffers of
+                        // this PE's Host heap; no peer writes `recv` until
+                        // this PE's combine of the step (see the module
+                        // docs) and nobody else touches `out`.
+                        let (x, y) = unsafe {
+                            (
+                                std::slice::from_raw_parts(x as *const u8, block),
+                                std::slice::from_raw_parts_mut(y as *mut u8, block),
+                            )
+                        };
+                        silu_scale_host(s.dtype, x, scale, y, &self.ops).context("experts")?;
+                    }
+                    // SAFETY: device buffers of this PE's heap, `block`
+                    // bytes each, alive as long as the world.
+                    Platform::Cuda => unsafe {
+                        self.kernels.launch(
+                            self.device,
+                            stream.cast(),
+                            ElementwiseOp::SiluScale,
+                            s.dtype,
+                            Variant::WarpSpecialized,
+                            &self.ops,
+                            &DeviceBuffers {
+                                inputs: &[x],
+                                output: y,
+                                bytes: block as u64,
+                            },
+                            scale,
+                        )
+                    }
+                    .context("experts")?,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the buffers and leaves the world; an error on a leak.
+    pub fn finish(mut self) -> Res<()> {
+        if let Some(g) = &self.gpu {
+            g.stream.synchronize().context("CUDA stream")?;
+        }
+        for &(a, _, _) in &self.sizes {
+            self.world.free(a).context("shmem free")?;
+        }
+        let report = self.world.finalize().context("shmem finalize")?;
+        if !report.leaked.is_empty() {
+            return Err(format!("shmem finalize found leaks: {:?}", report.leaked));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,63 @@
+//! `xcall moe --platform cuda` on every visible GPU (one thread per GPU):
+//! matches the reference, captures each PE's step once and replays it.
+
+mod common;
+
+use common::{json_path, read_json, run};
+
+#[test]
+fn cuda_layer_matches_the_reference_and_replays_graphs() {
+    let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe") else {
+        return;
+    };
+    for (dtype, factor) in [("bf16", "1.25"), ("f32", "0.7")] {
+        let path = json_path(&format!("cuda-moe-{dtype}"));
+        let steps = 5;
+        let (out, stdout) = run(&[
+            "moe",
+            "--platform",
+            "cuda",
+            "--tokens",
+            "2048",
+            "--hidden",
+            "1024",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--dtype",
+            dtype,
+            "--capacity-factor",
+            factor,
+            "--steps",
+            &steps.to_string(),
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("{stdout}");
+        let j = read_json(&path);
+        assert_eq!(j["verification"]["verdict"], "PASS", "{dtype}");
+        assert_eq!(j["pes"], gpus as u64);
+        assert_eq!(
+            j["outcomes"]["Captured"], gpus as u64,
+            "{dtype}: {}",
+            j["outcomes"]
+        );
+        assert_eq!(
+            j["outcomes"]["Replayed"],
+            (gpus * (steps - 1)) as u64,
+            "{dtype}: {}",
+            j["outcomes"]
+        );
+        for g in 0..gpus {
+            let s = &j["graph_cache"][format!("cuda:{g}")];
+            assert!(s["hits"].as_u64().unwrap() >= (steps - 1) as u64, "{s}");
+        }
+        assert_eq!(j["dropped_routes"].as_u64().unwrap() > 0, factor == "0.7");
+    }
+}

@@ -1,0 +1,135 @@
+//! `xcall moe` on Host: the layer runs on SPMT PEs, matches the reference,
+//! reports its figures, and refuses bad flags with one line.
+
+mod common;
+
+use common::{json_path, read_json, run};
+
+#[test]
+fn host_layer_matches_the_reference_and_reports_json() {
+    let path = json_path("moe-host");
+    let p = path.to_str().unwrap();
+    let (out, stdout) = run(&[
+        "moe", "--tokens", "300", "--hidden", "64", "--steps", "3", "--json", p,
+    ]);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("4 PE(s) (threads)"), "{stdout}");
+    assert!(stdout.contains("verification   PASS"), "{stdout}");
+    let j = read_json(&path);
+    assert_eq!(j["verification"]["verdict"], "PASS");
+    assert_eq!(j["verification"]["mismatches"], 0);
+    assert_eq!(j["pes"], 4);
+    // ceil(1.25 * 300 * 2 / 8) rows per expert per PE.
+    assert_eq!(j["capacity"], 94);
+    // Every timed step of every PE went through the cache (run directly).
+    assert_eq!(j["outcomes"]["EagerHost"], 12);
+    assert_eq!(j["graph_cache"]["host:0"]["eager_host"], 12);
+    // dispatch + combine: 4 x 3 slots of 2 experts x 94 rows x 128 bytes.
+    assert_eq!(
+        j["exchange_bytes_per_step"],
+        2.0 * 12.0 * 2.0 * 94.0 * 128.0
+    );
+    assert!(j["step_ms"]["median"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn host_layer_with_drops_f32_and_other_pe_counts() {
+    for (pes, experts, topk, factor, dtype) in [
+        ("2", "4", "3", "0.6", "f32"),
+        ("1", "3", "1", "1.5", "bf16"),
+        ("8", "16", "4", "2.0", "bf16"),
+    ] {
+        let path = json_path(&format!("moe-{pes}"));
+        let (out, stdout) = run(&[
+            "moe",
+            "--pes",
+            pes,
+            "--experts",
+            experts,
+            "--topk",
+            topk,
+            "--capacity-factor",
+            factor,
+            "--dtype",
+            dtype,
+            "--tokens",
+            "200",
+            "--hidden",
+            "32",
+            "--steps",
+            "2",
+            "--seed",
+            "9",
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{pes} PEs: {stdout}");
+        let j = read_json(&path);
+        assert_eq!(j["verification"]["verdict"], "PASS", "{pes} PEs");
+        let dropped = j["dropped_routes"].as_u64().unwrap();
+        assert_eq!(dropped > 0, factor == "0.6", "{pes} PEs: {dropped} dropped");
+    }
+}
+
+#[test]
+fn bad_flags_are_one_line_and_a_failure() {
+    for (args, want) in [
+        (
+            vec!["--pes", "3"],
+            "--experts 8: must be a positive multiple of the 3 PE(s)",
+        ),
+        (vec!["--pes", "0"], "--pes must be at least 1"),
+        (
+            vec!["--hidden", "12"],
+            "--hidden 12: must be a positive multiple of 8",
+        ),
+        (vec!["--topk", "9"], "--topk 9: must be in [1, 8]"),
+        (vec!["--steps", "0"], "must be at least 1"),
+        (
+            vec!["--capacity-factor=-1"],
+            "--capacity-factor -1: must be positive",
+        ),
+        (
+            vec!["--tokens", "4000000", "--hidden", "65536"],
+            "reduce --tokens or --hidden",
+        ),
+        (vec!["--dtype", "f16"], "invalid value 'f16'"),
+    ] {
+        let mut all = vec!["moe"];
+        all.extend(&args);
+        let (out, _) = run(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        if !stderr.starts_with("error:") {
+            assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+            assert!(stderr.starts_with("xcall: "), "{stderr}");
+        }
+    }
+}
+
+#[test]
+fn cuda_without_gpus_or_with_too_many_pes_is_refused() {
+    let count = if std::env::var_os("XCALL_DISABLE_CUDA").is_some() {
+        0
+    } else {
+        xcall_core::cuda::device_count().unwrap_or(0)
+    };
+    let too_many = (count + 1).to_string();
+    let (out, _) = run(&["moe", "--platform", "cuda", "--pes", &too_many]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.starts_with("xcall: --p"), "{stderr}");
+    if count == 0 {
+        assert!(stderr.contains("--platform cuda"), "{stderr}");
+    } else {
+        assert!(
+            stderr.contains(&format!("only {count} CUDA device(s)")),
+            "{stderr}"
+        );
+    }
+}
