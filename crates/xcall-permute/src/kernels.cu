@@ -166,7 +166,7 @@ extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align,
     for (int base = 0; base < E; base += blockDim.x) {
         int e = base + threadIdx.x;
         i64 count = e < E ? tpe[e] : 0;
-        i64 padded = capacity > 0 ? capacity : (count + align - 1) / align * align;
+        i64 padded = e >= E ? 0 : capacity > 0 ? capacity : (count + align - 1) / align * align;
         i64 total;
         i64 incl = block_scan(padded, warps, &total);
         if (e < E) {
