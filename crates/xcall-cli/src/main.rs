@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod doctor;
 mod moe;
 
@@ -25,6 +26,9 @@ enum Command {
     /// Run an expert-parallel MoE layer (permute, shmem dispatch and
     /// combine, warp-specialized experts, graph cache) and check it.
     Moe(moe::MoeArgs),
+    /// Run the benchmark set of every crate in one process; every figure
+    /// next to a reference measured in the same run.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +38,7 @@ fn main() -> ExitCode {
             .map(|()| true)
             .map_err(|e| e.to_string()),
         Command::Moe(args) => moe::run(&args),
+        Command::Bench(args) => bench::run(&args),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
