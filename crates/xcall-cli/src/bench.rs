@@ -355,7 +355,10 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
                         std::slice::from_raw_parts_mut(b.dst as *mut u8, (n * row) as usize),
                     )
                 };
-                ctx(silu_scale_host(DType::Bf16, src, 1.5, out, &ops), "silu_scale")
+                ctx(
+                    silu_scale_host(DType::Bf16, src, 1.5, out, &ops),
+                    "silu_scale",
+                )
             }
             // SAFETY: device heap buffers of n * row bytes each.
             Platform::Cuda => ctx(
@@ -525,7 +528,14 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
             Box::new(|| {
                 // SAFETY: live allocations of both contexts, n * row bytes.
                 let r = unsafe {
-                    sys::cuMemcpyPeerAsync(peer, raw1, b.perm, raw0, (n * row) as usize, stream.cast())
+                    sys::cuMemcpyPeerAsync(
+                        peer,
+                        raw1,
+                        b.perm,
+                        raw0,
+                        (n * row) as usize,
+                        stream.cast(),
+                    )
                 };
                 keep(ctx(r.result(), "cuMemcpyPeerAsync"))
             }),
@@ -622,10 +632,15 @@ fn graph_rows(
         device: Device::cuda(0),
         target: 1,
         attributes: 0,
-        buffers: [(b.routing, t * e), (b.x, t * h * 2), (b.perm, n * h * 2), (b.back, t * h * 2)]
-            .iter()
-            .map(|&(a, bytes)| Buffer::new(a, bytes, BufferRole::InOut))
-            .collect(),
+        buffers: [
+            (b.routing, t * e),
+            (b.x, t * h * 2),
+            (b.perm, n * h * 2),
+            (b.back, t * h * 2),
+        ]
+        .iter()
+        .map(|&(a, bytes)| Buffer::new(a, bytes, BufferRole::InOut))
+        .collect(),
     };
     let handle = CudaStreamHandle(s.cu_stream());
     let through_cache = || -> Res<()> {

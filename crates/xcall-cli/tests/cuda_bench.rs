@@ -29,7 +29,10 @@ fn cuda_set_runs_and_the_graph_cache_replays() {
     println!("{stdout}");
     let j = read_json(&path);
     let rows = j["rows"].as_array().unwrap();
-    let item = |name: &str| rows.iter().find(|r| r["item"].as_str().unwrap().starts_with(name));
+    let item = |name: &str| {
+        rows.iter()
+            .find(|r| r["item"].as_str().unwrap().starts_with(name))
+    };
     assert!(item("silu(x)*scale, plain kernel").is_some());
     assert!(item("the same through the graph cache").is_some());
     assert_eq!(item("put GPU 0 -> GPU 1").is_some(), gpus > 1);
