@@ -48,10 +48,15 @@ echo "building xcall and libxcall (release)"
 cargo build --release --package xcall-cli --package xcall-ffi
 cp target/release/xcall "$out/bin/xcall"
 
-echo "building C tests against target/release/libxcall.a"
+# The C tests link the shared library the bundle carries (one copy of
+# xcall instead of one per program keeps the bundle small); CI runs them
+# against libxcall.a.
+echo "building C tests against libxcall.so"
+mkdir -p "$out/lib"
+cp target/release/libxcall.so "$out/lib/"
 cc=${CC:-cc}
 cxx=${CXX:-c++}
-libs="target/release/libxcall.a -lpthread -ldl -lm -lrt"
+libs="-L$out/lib -lxcall -Wl,-rpath,\$ORIGIN/../lib -lpthread -ldl -lm -lrt"
 for src in c_tests/test_*.c; do
   name=$(basename "$src" .c)
   $cc -std=c11 -Wall -Wextra -Werror -pedantic -Iinclude -Ic_tests "$src" $libs -o "$out/c_tests/$name"

@@ -14,6 +14,12 @@ use xcall_shmem::{Cmp, Config, SignalOp, World};
 
 const PE_ENV: &str = "XCALL_SHMEM_CUDA_TEST_PE";
 
+/// Tests of this file bind devices (one live PE per device per process):
+/// they run one at a time, whatever the harness's thread count.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
 fn two_gpus(test: &str) -> bool {
     match cuda_devices_or_skip(test) {
         Some(n) if n >= 2 => true,
@@ -174,6 +180,7 @@ fn config(socket: Option<&str>, rank: usize, n: usize) -> Config {
 
 #[test]
 fn one_gpu_world_of_one_pe() {
+    let _serial = serial();
     if cuda_devices_or_skip("shmem cuda one pe").is_none() {
         return;
     }
@@ -201,6 +208,7 @@ fn one_gpu_world_of_one_pe() {
 
 #[test]
 fn two_gpus_one_process() {
+    let _serial = serial();
     if !two_gpus("shmem cuda spmt") {
         return;
     }
@@ -221,6 +229,7 @@ fn two_gpus_one_process() {
 
 #[test]
 fn two_gpus_two_processes() {
+    let _serial = serial();
     if let Ok(spec) = std::env::var(PE_ENV) {
         let mut w = World::new();
         w.init(&config(Some(&spec), 1, 2)).unwrap();
@@ -250,6 +259,7 @@ fn two_gpus_two_processes() {
 
 #[test]
 fn barrier_on_stream_reports_a_pe_that_never_arrives() {
+    let _serial = serial();
     if !two_gpus("shmem cuda barrier timeout") {
         return;
     }

@@ -8,6 +8,12 @@ use xcall_core::{Device, Platform, Status};
 use xcall_shmem::registry::device_slot;
 use xcall_shmem::{Cmp, Config, Phase, ShmemError, SignalOp, World};
 
+/// Tests of this file bind devices (one live PE per device per process):
+/// they run one at a time, whatever the harness's thread count.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
 fn host(rank: usize) -> Device {
     Device::new(Platform::Host, rank as u32)
 }
@@ -93,6 +99,7 @@ fn ring(n: usize) {
 
 #[test]
 fn put_get_ring_with_2_4_8_and_64_pes() {
+    let _serial = serial();
     for n in [2, 4, 8, 64] {
         ring(n);
     }
@@ -100,6 +107,7 @@ fn put_get_ring_with_2_4_8_and_64_pes() {
 
 #[test]
 fn put_signal_and_wait_until_deliver_data_before_the_signal() {
+    let _serial = serial();
     let n = 4;
     spmt("signals", n, 1 << 20, move |rank, w| {
         let bytes = 4096;
@@ -160,6 +168,7 @@ fn put_signal_and_wait_until_deliver_data_before_the_signal() {
 
 #[test]
 fn wait_until_times_out_clearly() {
+    let _serial = serial();
     let mut w = World::new();
     let mut c = Config::in_process("waiter", 0, 1, host(900));
     c.heap_bytes = Some(1 << 16);
@@ -182,6 +191,7 @@ fn wait_until_times_out_clearly() {
 
 #[test]
 fn mismatched_malloc_is_reported_on_every_pe() {
+    let _serial = serial();
     let errors = spmt("mismatch", 3, 1 << 20, |rank, w| {
         let a = w.malloc(1024).unwrap();
         let e = w.malloc(if rank == 1 { 4096 } else { 2048 }).unwrap_err();
@@ -206,6 +216,7 @@ fn mismatched_malloc_is_reported_on_every_pe() {
 
 #[test]
 fn a_missing_pe_times_out_on_every_other_pe() {
+    let _serial = serial();
     let n = 4;
     let handles: Vec<_> = (0..n - 1)
         .map(|rank| {
@@ -236,6 +247,7 @@ fn a_missing_pe_times_out_on_every_other_pe() {
 
 #[test]
 fn lifecycle_errors_are_clear() {
+    let _serial = serial();
     let mut w = World::new();
     let e = w.malloc(8).unwrap_err();
     assert_eq!(e.status(), Status::InvalidState);
@@ -286,6 +298,7 @@ fn lifecycle_errors_are_clear() {
 
 #[test]
 fn heap_exhaustion_and_coalescing_through_the_world() {
+    let _serial = serial();
     spmt("exhaust", 2, 64 * 1024, |_, w| {
         let (_, len) = w.heap().unwrap();
         let a = w.malloc(16 * 1024).unwrap();
@@ -306,6 +319,7 @@ fn heap_exhaustion_and_coalescing_through_the_world() {
 
 #[test]
 fn holding_the_own_device_slot_across_a_barrier_does_not_deadlock() {
+    let _serial = serial();
     // The public bug: a process-global lock held across a barrier. Here
     // every PE holds its own device's slot while in barrier_all.
     let n = 8;
