@@ -105,10 +105,12 @@ fn bad_flags_are_one_line_and_a_failure() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(want), "{args:?}: {stderr}");
-        if !stderr.starts_with("error:") {
-            assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
-            assert!(stderr.starts_with("xcall: "), "{stderr}");
-        }
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("xcall: "), "{stderr}");
+        assert_eq!(
+            out.status.code(),
+            Some(if want.contains("invalid value") { 2 } else { 1 })
+        );
     }
 }
 

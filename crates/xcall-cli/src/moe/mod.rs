@@ -70,7 +70,7 @@ pub struct MoeArgs {
     seed: u64,
     /// Expert capacity per PE as a multiple of the mean load
     /// (`ceil(f * tokens * topk / experts)` rows, at most `tokens`).
-    #[arg(long, default_value_t = 1.25)]
+    #[arg(long, default_value_t = 1.25, allow_negative_numbers = true)]
     capacity_factor: f64,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
