@@ -22,13 +22,14 @@ use xcall_core::testing::{interleaved_medians, XorShift};
 use xcall_core::{DType, Device, Platform};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache};
-use xcall_permute::call::{self, MakeRowIdMapArgs, PermuteArgs, Target, Tensor, UnpermuteArgs};
+use xcall_permute::call::Target;
 use xcall_permute::RowIdMapOptions;
 use xcall_shmem::{Config, World};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
 use xcall_warpspec::ops::{silu_scale_host, OpConfig};
 
+use crate::layer::{Context, Dims, Layer, Res};
 use crate::moe::PlatformArg;
 
 /// Flags of `xcall bench`.
@@ -44,12 +45,6 @@ pub struct BenchArgs {
     /// Also write the table as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
-}
-
-type Res<T> = Result<T, String>;
-
-fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: &str) -> Res<T> {
-    r.map_err(|e| format!("{what}: {e}"))
 }
 
 /// One figure.
@@ -80,15 +75,26 @@ impl Problem {
 
 /// Symmetric buffers of the set.
 struct Buffers {
-    x: u64,
-    routing: u64,
-    probs: u64,
-    map: u64,
-    tpe: u64,
-    offsets: u64,
+    layer: Layer,
     perm: u64,
     dst: u64,
     back: u64,
+}
+
+/// The first error of the timed closures (which cannot return one).
+#[derive(Default)]
+struct Failure(RefCell<Option<String>>);
+
+impl Failure {
+    fn keep(&self, r: Res<()>) {
+        if let Err(e) = r {
+            self.0.borrow_mut().get_or_insert(e);
+        }
+    }
+
+    fn check(&self) -> Res<()> {
+        self.0.borrow_mut().take().map_or(Ok(()), Err)
+    }
 }
 
 /// Times every variant; medians in ms.
@@ -168,10 +174,10 @@ pub fn run(args: &BenchArgs) -> Res<bool> {
             let c = config(1);
             scope.spawn(move || -> Res<()> {
                 let mut w = World::new();
-                ctx(w.init(&c), "shmem init")?;
+                w.init(&c).context("shmem init")?;
                 allocate(&mut w, problem)?;
-                ctx(w.barrier_all(), "shmem barrier")?;
-                ctx(w.finalize(), "shmem finalize").map(|_| ())
+                w.barrier_all().context("shmem barrier")?;
+                w.finalize().context("shmem finalize").map(|_| ())
             })
         });
         let rows = measure(platform, &config(0), problem, args.rounds);
@@ -202,15 +208,17 @@ fn device_name(platform: Platform) -> String {
 fn allocate(world: &mut World, p: Problem) -> Res<(Buffers, Option<u64>)> {
     let (t, h, e, n) = (p.tokens, p.hidden, p.experts, p.rows());
     let row = h * 2;
-    let peers = ctx(world.size(), "shmem size")? > 1;
-    let mut alloc = |bytes: u64| ctx(world.malloc(bytes as usize), "shmem malloc");
+    let peers = world.size().context("shmem size")? > 1;
+    let mut alloc = |bytes: u64| world.malloc(bytes as usize).context("shmem malloc");
     let b = Buffers {
-        x: alloc(t * row)?,
-        routing: alloc(t * e)?,
-        probs: alloc(t * e * 4)?,
-        map: alloc(t * (2 * e + 1) * 4)?,
-        tpe: alloc(e * 8)?,
-        offsets: alloc((e + 1) * 8)?,
+        layer: Layer {
+            x: alloc(t * row)?,
+            routing: alloc(t * e)?,
+            probs: alloc(t * e * 4)?,
+            map: alloc(t * (2 * e + 1) * 4)?,
+            tpe: alloc(e * 8)?,
+            offsets: alloc((e + 1) * 8)?,
+        },
         perm: alloc(n * row)?,
         dst: alloc(n * row)?,
         back: alloc(t * row)?,
@@ -221,7 +229,7 @@ fn allocate(world: &mut World, p: Problem) -> Res<(Buffers, Option<u64>)> {
 
 fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Res<Vec<Row>> {
     let mut world = World::new();
-    ctx(world.init(config), "shmem init")?;
+    world.init(config).context("shmem init")?;
     let (t, h, e, n) = (p.tokens, p.hidden, p.experts, p.rows());
     let row = h * 2;
     let (b, peer_dst) = allocate(&mut world, p)?;
@@ -246,20 +254,18 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
         .iter()
         .flat_map(|&r| (r as f32 * 0.5).to_le_bytes())
         .collect();
-    for (dest, bytes) in [(b.x, &x), (b.routing, &routing), (b.probs, &probs)] {
+    let l = b.layer;
+    for (dest, bytes) in [(l.x, &x), (l.routing, &routing), (l.probs, &probs)] {
         // SAFETY: host vectors of exactly `bytes.len()` bytes.
-        ctx(
-            unsafe { world.put(dest, bytes.as_ptr() as u64, bytes.len(), 0) },
-            "shmem put",
-        )?;
+        (unsafe { world.put(dest, bytes.as_ptr() as u64, bytes.len(), 0) }).context("shmem put")?;
     }
     let gpu = match platform {
         Platform::Host => None,
         Platform::Cuda => {
-            let c = ctx(CudaContext::new(0), "CUDA context")?;
+            let c = CudaContext::new(0).context("CUDA context")?;
             // SAFETY: the set orders its own work on one stream.
             unsafe { c.disable_event_tracking() };
-            let s = ctx(c.new_stream(), "CUDA stream")?;
+            let s = c.new_stream().context("CUDA stream")?;
             Some((c, s))
         }
     };
@@ -275,75 +281,22 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
     };
     let kernels = WsKernels::new();
     let ops = OpConfig::default();
-    let failure: RefCell<Option<String>> = RefCell::new(None);
-    let keep = |r: Res<()>| {
-        if let Err(e) = r {
-            failure.borrow_mut().get_or_insert(e);
-        }
+    let failure = Failure::default();
+    let keep = |r| failure.keep(r);
+    let d = Dims {
+        tokens: t,
+        hidden: h,
+        experts: e,
+        rows: n,
+        dtype: DType::Bf16,
     };
-    let map = Tensor::new(b.map, DType::I32, &[t, 2 * e + 1]);
-    let tpe = Tensor::new(b.tpe, DType::I64, &[e]);
-    let offsets = Tensor::new(b.offsets, DType::I64, &[e + 1]);
-    let make_map = || -> Res<()> {
-        // SAFETY: heap buffers of exactly these dims.
-        ctx(
-            unsafe {
-                call::make_row_id_map(
-                    &target,
-                    &MakeRowIdMapArgs {
-                        routing: Tensor::new(b.routing, DType::U8, &[t, e]),
-                        options: RowIdMapOptions::default(),
-                        row_id_map: map.clone(),
-                        tokens_per_expert: tpe.clone(),
-                        expert_offsets: offsets.clone(),
-                    },
-                )
-            },
-            "make_row_id_map",
-        )
-    };
-    let permute = || -> Res<()> {
-        // SAFETY: as above.
-        ctx(
-            unsafe {
-                call::permute(
-                    &target,
-                    &PermuteArgs {
-                        input: Tensor::new(b.x, DType::Bf16, &[t, h]),
-                        row_id_map: map.clone(),
-                        tokens_per_expert: tpe.clone(),
-                        expert_offsets: offsets.clone(),
-                        probs: None,
-                        scales: None,
-                        output: Tensor::new(b.perm, DType::Bf16, &[n, h]),
-                        permuted_probs: None,
-                        permuted_scales: None,
-                        in_place: false,
-                    },
-                )
-            },
-            "permute",
-        )
-    };
-    let unpermute = || -> Res<()> {
-        // SAFETY: as above.
-        ctx(
-            unsafe {
-                call::unpermute(
-                    &target,
-                    &UnpermuteArgs {
-                        input: Tensor::new(b.perm, DType::Bf16, &[n, h]),
-                        row_id_map: map.clone(),
-                        merging_probs: Some(Tensor::new(b.probs, DType::F32, &[t, e])),
-                        permuted_probs: None,
-                        output: Tensor::new(b.back, DType::Bf16, &[t, h]),
-                        unpermuted_probs: None,
-                    },
-                )
-            },
-            "unpermute",
-        )
-    };
+    // SAFETY (the three layer calls): heap buffers of exactly these dims,
+    // alive until the world is finalized after the last synchronisation.
+    let make_map = || unsafe { l.make_row_id_map(&target, d, RowIdMapOptions::default()) };
+    // SAFETY: as above.
+    let permute = || unsafe { l.permute(&target, d, b.perm) };
+    // SAFETY: as above.
+    let unpermute = || unsafe { l.unpermute(&target, d, b.perm, b.back) };
     let silu = |variant: Variant| -> Res<()> {
         match platform {
             Platform::Host => {
@@ -355,31 +308,26 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
                         std::slice::from_raw_parts_mut(b.dst as *mut u8, (n * row) as usize),
                     )
                 };
-                ctx(
-                    silu_scale_host(DType::Bf16, src, 1.5, out, &ops),
-                    "silu_scale",
-                )
+                silu_scale_host(DType::Bf16, src, 1.5, out, &ops).context("silu_scale")
             }
             // SAFETY: device heap buffers of n * row bytes each.
-            Platform::Cuda => ctx(
-                unsafe {
-                    kernels.launch(
-                        Device::cuda(0),
-                        stream.cast(),
-                        ElementwiseOp::SiluScale,
-                        DType::Bf16,
-                        variant,
-                        &ops,
-                        &DeviceBuffers {
-                            inputs: &[b.perm],
-                            output: b.dst,
-                            bytes: n * row,
-                        },
-                        1.5,
-                    )
-                },
-                "silu_scale",
-            ),
+            Platform::Cuda => (unsafe {
+                kernels.launch(
+                    Device::cuda(0),
+                    stream.cast(),
+                    ElementwiseOp::SiluScale,
+                    DType::Bf16,
+                    variant,
+                    &ops,
+                    &DeviceBuffers {
+                        inputs: &[b.perm],
+                        output: b.dst,
+                        bytes: n * row,
+                    },
+                    1.5,
+                )
+            })
+            .context("silu_scale"),
         }
     };
     let copy = |dst: u64, src: u64, bytes: u64| -> Res<()> {
@@ -390,11 +338,11 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
                 Ok(())
             },
             // SAFETY: as above, device memory ordered on the stream.
-            Platform::Cuda => ctx(
-                unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, stream.cast()) }
-                    .result(),
-                "cuMemcpyDtoDAsync",
-            ),
+            Platform::Cuda => {
+                (unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, stream.cast()) }
+                    .result())
+                .context("cuMemcpyDtoDAsync")
+            }
         }
     };
     // Everything once, checked, before timing (compiles and autotunes).
@@ -408,14 +356,12 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
     let world = RefCell::new(world);
     let put = |dest: u64, pe: usize| -> Res<()> {
         // SAFETY: `perm` holds n * row bytes.
-        ctx(
-            unsafe {
-                world
-                    .borrow_mut()
-                    .put_nbi(dest, b.perm, (n * row) as usize, pe, stream)
-            },
-            "shmem put",
-        )
+        (unsafe {
+            world
+                .borrow_mut()
+                .put_nbi(dest, b.perm, (n * row) as usize, pe, stream)
+        })
+        .context("shmem put")
     };
     put(b.dst, 0)?;
     let tensor = (n * row) as f64;
@@ -493,9 +439,7 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
     }
     let ms = medians(gpu.as_ref(), rounds, &mut variants);
     drop(variants);
-    if let Some(e) = failure.borrow_mut().take() {
-        return Err(e);
-    }
+    failure.check()?;
     for (r, m) in rows.iter_mut().zip(ms) {
         r.ms = m;
     }
@@ -520,8 +464,8 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
             reference: Some(base),
         });
         let (c0, c1) = (
-            ctx(CudaContext::new(0), "CUDA context")?,
-            ctx(CudaContext::new(1), "CUDA context")?,
+            CudaContext::new(0).context("CUDA context")?,
+            CudaContext::new(1).context("CUDA context")?,
         );
         let (raw0, raw1) = (c0.cu_ctx(), c1.cu_ctx());
         let mut pair: Vec<Box<dyn FnMut() + '_>> = vec![
@@ -537,15 +481,13 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
                         stream.cast(),
                     )
                 };
-                keep(ctx(r.result(), "cuMemcpyPeerAsync"))
+                keep(r.result().context("cuMemcpyPeerAsync"))
             }),
             Box::new(|| keep(put(remote, 1))),
         ];
         let ms = medians(gpu.as_ref(), rounds, &mut pair);
         drop(pair);
-        if let Some(e) = failure.borrow_mut().take() {
-            return Err(e);
-        }
+        failure.check()?;
         rows[base].ms = ms[0];
         rows[base + 1].ms = ms[1];
     }
@@ -553,8 +495,8 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
         rows.extend(graph_rows(c, s, &target, &b, p, rounds)?);
     }
     let mut world = world.into_inner();
-    ctx(world.barrier_all(), "shmem barrier")?;
-    ctx(world.finalize(), "shmem finalize")?;
+    world.barrier_all().context("shmem barrier")?;
+    world.finalize().context("shmem finalize")?;
     Ok(rows)
 }
 
@@ -575,66 +517,33 @@ fn graph_rows(
         autotune: false,
         ..*target
     };
-    let map = Tensor::new(b.map, DType::I32, &[t, 2 * e + 1]);
-    let tpe = Tensor::new(b.tpe, DType::I64, &[e]);
-    let offsets = Tensor::new(b.offsets, DType::I64, &[e + 1]);
-    let calls = || -> Result<(), String> {
+    let d = Dims {
+        tokens: t,
+        hidden: h,
+        experts: e,
+        rows: n,
+        dtype: DType::Bf16,
+    };
+    let l = b.layer;
+    let calls = || -> Res<()> {
         // SAFETY: prefixes of the set's heap buffers, large enough for 64
-        // tokens.
+        // tokens, alive for the whole set.
         unsafe {
-            call::make_row_id_map(
-                &target,
-                &MakeRowIdMapArgs {
-                    routing: Tensor::new(b.routing, DType::U8, &[t, e]),
-                    options: RowIdMapOptions::default(),
-                    row_id_map: map.clone(),
-                    tokens_per_expert: tpe.clone(),
-                    expert_offsets: offsets.clone(),
-                },
-            )
-            .map_err(|x| x.to_string())?;
-            call::permute(
-                &target,
-                &PermuteArgs {
-                    input: Tensor::new(b.x, DType::Bf16, &[t, h]),
-                    row_id_map: map.clone(),
-                    tokens_per_expert: tpe.clone(),
-                    expert_offsets: offsets.clone(),
-                    probs: None,
-                    scales: None,
-                    output: Tensor::new(b.perm, DType::Bf16, &[n, h]),
-                    permuted_probs: None,
-                    permuted_scales: None,
-                    in_place: false,
-                },
-            )
-            .map_err(|x| x.to_string())?;
-            call::unpermute(
-                &target,
-                &UnpermuteArgs {
-                    input: Tensor::new(b.perm, DType::Bf16, &[n, h]),
-                    row_id_map: map.clone(),
-                    merging_probs: Some(Tensor::new(b.probs, DType::F32, &[t, e])),
-                    permuted_probs: None,
-                    output: Tensor::new(b.back, DType::Bf16, &[t, h]),
-                    unpermuted_probs: None,
-                },
-            )
-            .map_err(|x| x.to_string())
+            l.make_row_id_map(&target, d, RowIdMapOptions::default())?;
+            l.permute(&target, d, b.perm)?;
+            l.unpermute(&target, d, b.perm, b.back)
         }
     };
     calls()?;
-    let cache = ctx(
-        GraphCache::new(CudaGraphs, xcall_graph::Config::default()),
-        "graph cache",
-    )?;
+    let cache =
+        GraphCache::new(CudaGraphs, xcall_graph::Config::default()).context("graph cache")?;
     let key = CallKey {
         device: Device::cuda(0),
         target: 1,
         attributes: 0,
         buffers: [
-            (b.routing, t * e),
-            (b.x, t * h * 2),
+            (l.routing, t * e),
+            (l.x, t * h * 2),
             (b.perm, n * h * 2),
             (b.back, t * h * 2),
         ]
@@ -644,28 +553,21 @@ fn graph_rows(
     };
     let handle = CudaStreamHandle(s.cu_stream());
     let through_cache = || -> Res<()> {
-        ctx(
-            cache.execute(&Call::new(key.clone(), Some(handle)), |_| calls()),
-            "graph cache",
-        )
-        .map(|_| ())
+        cache
+            .execute(&Call::new(key.clone(), Some(handle)), |_| calls())
+            .context("graph cache")
+            .map(|_| ())
     };
     through_cache()?;
-    let failure: RefCell<Option<String>> = RefCell::new(None);
-    let keep = |r: Res<()>| {
-        if let Err(e) = r {
-            failure.borrow_mut().get_or_insert(e);
-        }
-    };
+    let failure = Failure::default();
+    let keep = |r| failure.keep(r);
     let mut v: Vec<Box<dyn FnMut() + '_>> = vec![
         Box::new(|| keep(calls())),
         Box::new(|| keep(through_cache())),
     ];
     let ms = interleaved_medians(c, s, rounds, &mut v);
     drop(v);
-    if let Some(e) = failure.into_inner() {
-        return Err(e);
-    }
+    failure.check()?;
     let stats = cache.stats(Device::cuda(0));
     if stats.hits == 0 {
         return Err(format!("the graph cache never replayed: {stats:?}"));

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod doctor;
+mod layer;
 mod moe;
 
 #[derive(Parser)]

@@ -28,10 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
-use xcall_core::{DType, Device, Platform};
+use xcall_core::{Device, Platform};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache, Outcome};
-use xcall_permute::call::{self, MakeRowIdMapArgs, PermuteArgs, Target, Tensor, UnpermuteArgs};
+use xcall_permute::call::Target;
 use xcall_permute::RowIdMapOptions;
 use xcall_shmem::{Cmp, Config, SignalOp, World};
 use xcall_warpspec::codegen::ElementwiseOp;
@@ -39,25 +39,13 @@ use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
 use xcall_warpspec::ops::{silu_scale_host, OpConfig};
 
 use super::data::{Inputs, Shape};
+use crate::layer::{Context, Dims, Layer, Res};
 
 /// The graph-cache target id of the MoE step.
 const TARGET: u64 = 0x6d6f_655f_7374_6570; // "moe_step"
 
 /// How long any PE waits for another.
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-type Res<T> = Result<T, String>;
-
-/// Maps any displayable error to a message naming the failed step.
-trait Context<T> {
-    fn context(self, what: &str) -> Res<T>;
-}
-
-impl<T, E: std::fmt::Display> Context<T> for Result<T, E> {
-    fn context(self, what: &str) -> Res<T> {
-        self.map_err(|e| format!("{what}: {e}"))
-    }
-}
 
 /// Where the PE waits for its peers' signals.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -72,12 +60,7 @@ pub enum Waits {
 /// Symmetric buffers (the same offsets on every PE).
 #[derive(Clone, Copy, Debug)]
 struct Buffers {
-    x: u64,
-    routing: u64,
-    probs: u64,
-    map: u64,
-    tpe: u64,
-    offsets: u64,
+    layer: Layer,
     send: u64,
     recv: u64,
     out: u64,
@@ -150,12 +133,14 @@ impl<'a> Pe<'a> {
             addrs.push(world.malloc(bytes.max(1)).context("shmem malloc")?);
         }
         let b = Buffers {
-            x: addrs[0],
-            routing: addrs[1],
-            probs: addrs[2],
-            map: addrs[3],
-            tpe: addrs[4],
-            offsets: addrs[5],
+            layer: Layer {
+                x: addrs[0],
+                routing: addrs[1],
+                probs: addrs[2],
+                map: addrs[3],
+                tpe: addrs[4],
+                offsets: addrs[5],
+            },
             send: addrs[6],
             recv: addrs[7],
             out: addrs[8],
@@ -211,9 +196,10 @@ impl<'a> Pe<'a> {
     /// Uploads a step's inputs and poisons `y` (NaN in both dtypes).
     pub fn upload(&mut self, inputs: &Inputs) -> Res<()> {
         let probs: Vec<u8> = inputs.probs.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.write(self.b.x, &inputs.x)?;
-        self.write(self.b.routing, &inputs.routing)?;
-        self.write(self.b.probs, &probs)?;
+        let l = self.b.layer;
+        self.write(l.x, &inputs.x)?;
+        self.write(l.routing, &inputs.routing)?;
+        self.write(l.probs, &probs)?;
         let poison = vec![0xffu8; self.shape.tokens * self.shape.row_bytes()];
         self.write(self.b.y, &poison)
     }
@@ -302,106 +288,60 @@ impl<'a> Pe<'a> {
     /// stream on CUDA.
     pub fn step(&mut self, waits: Waits) -> Res<()> {
         let s = self.shape;
-        let (b, me, stream) = (self.b, self.rank, self.stream());
+        let (b, stream) = (self.b, self.stream());
         let target = match self.device.platform {
             Platform::Host => Target::host(),
             Platform::Cuda => Target::cuda(self.device.ordinal, stream),
         };
-        let (t, h, e) = (s.tokens as u64, s.hidden as u64, s.experts as u64);
-        let n = e * s.capacity as u64;
-        let map = Tensor::new(b.map, DType::I32, &[t, 2 * e + 1]);
-        let tpe = Tensor::new(b.tpe, DType::I64, &[e]);
-        let offsets = Tensor::new(b.offsets, DType::I64, &[e + 1]);
-        // SAFETY (both calls): every tensor is a buffer of this PE's heap
-        // allocated for exactly these dims, alive for the world's life.
-        unsafe {
-            call::make_row_id_map(
-                &target,
-                &MakeRowIdMapArgs {
-                    routing: Tensor::new(b.routing, DType::U8, &[t, e]),
-                    options: RowIdMapOptions {
-                        capacity: Some(s.capacity),
-                        ..RowIdMapOptions::default()
-                    },
-                    row_id_map: map.clone(),
-                    tokens_per_expert: tpe.clone(),
-                    expert_offsets: offsets.clone(),
-                },
-            )
-        }
-        .context("make_row_id_map")?;
-        // SAFETY: as above.
-        unsafe {
-            call::permute(
-                &target,
-                &PermuteArgs {
-                    input: Tensor::new(b.x, s.dtype, &[t, h]),
-                    row_id_map: map.clone(),
-                    tokens_per_expert: tpe,
-                    expert_offsets: offsets,
-                    probs: None,
-                    scales: None,
-                    output: Tensor::new(b.send, s.dtype, &[n, h]),
-                    permuted_probs: None,
-                    permuted_scales: None,
-                    in_place: false,
-                },
-            )
-        }
-        .context("permute")?;
-        let slot = Self::slot_bytes(&s);
-        for q in 0..s.pes {
-            let (dest, src) = (b.recv + (me * slot) as u64, b.send + (q * slot) as u64);
-            // SAFETY: `src` is a slot of this PE's `send`.
+        let d = Dims {
+            tokens: s.tokens as u64,
+            hidden: s.hidden as u64,
+            experts: s.experts as u64,
+            rows: (s.experts * s.capacity) as u64,
+            dtype: s.dtype,
+        };
+        let options = RowIdMapOptions {
+            capacity: Some(s.capacity),
+            ..RowIdMapOptions::default()
+        };
+        // SAFETY (the three layer calls): every buffer is this PE's heap
+        // allocation for exactly these dims, alive for the world's life.
+        unsafe { b.layer.make_row_id_map(&target, d, options) }?;
+        // SAFETY: as above; `send` holds [E*C, H].
+        unsafe { b.layer.permute(&target, d, b.send) }?;
+        self.exchange(b.recv, b.send, b.dispatch, stream)
+            .context("dispatch put_signal")?;
+        self.await_all(b.dispatch, waits)?;
+        self.experts(stream)?;
+        self.exchange(b.ret, b.out, b.combine, stream)
+            .context("combine put_signal")?;
+        self.await_all(b.combine, waits)?;
+        // SAFETY: as above; `ret` holds [E*C, H] and `y` [T, H].
+        unsafe { b.layer.unpermute(&target, d, b.ret, b.y) }
+    }
+
+    /// Sends slot `q` of `src` (`[P][E/P][C]` rows) to slot `me` of `dest`
+    /// on PE `q`, for every `q`, each followed by SET `signals[me] = 1`
+    /// there.
+    fn exchange(&mut self, dest: u64, src: u64, signals: u64, stream: *mut c_void) -> Res<()> {
+        let (me, slot) = (self.rank, Self::slot_bytes(&self.shape));
+        for q in 0..self.shape.pes {
+            // SAFETY: `src` is a buffer of this PE's heap of P slots.
             unsafe {
                 self.world.put_signal_nbi(
-                    dest,
-                    src,
+                    dest + (me * slot) as u64,
+                    src + (q * slot) as u64,
                     slot,
-                    b.dispatch + 8 * me as u64,
+                    signals + 8 * me as u64,
                     1,
                     SignalOp::Set,
                     q,
                     stream,
                 )
             }
-            .context("dispatch put_signal")?;
+            .map_err(|e| e.to_string())?;
         }
-        self.await_all(b.dispatch, waits)?;
-        self.experts(stream)?;
-        for p in 0..s.pes {
-            let (dest, src) = (b.ret + (me * slot) as u64, b.out + (p * slot) as u64);
-            // SAFETY: `src` is a slot of this PE's `out`.
-            unsafe {
-                self.world.put_signal_nbi(
-                    dest,
-                    src,
-                    slot,
-                    b.combine + 8 * me as u64,
-                    1,
-                    SignalOp::Set,
-                    p,
-                    stream,
-                )
-            }
-            .context("combine put_signal")?;
-        }
-        self.await_all(b.combine, waits)?;
-        // SAFETY: as for the permute.
-        unsafe {
-            call::unpermute(
-                &target,
-                &UnpermuteArgs {
-                    input: Tensor::new(b.ret, s.dtype, &[n, h]),
-                    row_id_map: map,
-                    merging_probs: Some(Tensor::new(b.probs, DType::F32, &[t, e])),
-                    permuted_probs: None,
-                    output: Tensor::new(b.y, s.dtype, &[t, h]),
-                    unpermuted_probs: None,
-                },
-            )
-        }
-        .context("unpermute")
+        Ok(())
     }
 
     /// Waits until every PE set its word of the signal array at `base`,
