@@ -33,6 +33,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // A closed stdout (`xcall moe | head`) ends the process quietly, as
+    // for any Unix tool, instead of panicking in println!.
+    // SAFETY: sets the default disposition of one signal before any other
+    // thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
