@@ -21,6 +21,10 @@
 /** Version of the xcall library this header belongs to; compare with xcall_version(). */
 #define XCALL_VERSION_STRING "0.1.0"
 
+/* XLA FFI types of the xcall_xla_* handlers (xla/ffi/api/c_api.h). */
+struct XLA_FFI_CallFrame;
+struct XLA_FFI_Error;
+
 /**
  * Largest tensor rank an `xcall_tensor` holds.
  */
@@ -876,8 +880,9 @@ xcall_status xcall_graph_cache_new(const xcall_graph_cache_config *config,
                                    xcall_graph_cache **out_cache);
 
 /**
- * Frees a cache and destroys its executable graphs. NULL is a no-op. No
- * other call on the cache may be in flight.
+ * Frees a cache and destroys its executable graphs. NULL and the XLA
+ * handlers' cache (`xcall_xla_graph_cache()`, owned by the library) are
+ * no-ops. No other call on the cache may be in flight.
  */
 void xcall_graph_cache_free(xcall_graph_cache *cache);
 
@@ -1263,6 +1268,97 @@ xcall_status xcall_ws_run(uint32_t platform,
                           void *output,
                           size_t bytes,
                           float scale);
+
+/**
+ * The graph cache the XLA handlers use for calls with the `graph_cache`
+ * attribute: pass it to `xcall_graph_cache_stats`, `_clear` or
+ * `_invalidate_range`. It lives as long as the process;
+ * `xcall_graph_cache_free` ignores it. Never NULL.
+ */
+const xcall_graph_cache *xcall_xla_graph_cache(void);
+
+/**
+ * XLA FFI handler of `make_row_id_map` for "cpu". Operand: `routing`
+ * `[T, E]` pred/u8. Results: `row_id_map` `[T, 2E + 1]` s32,
+ * `tokens_per_expert` `[E]` s64, `expert_offsets` `[E + 1]` s64.
+ * Attributes (integers, optional): `num_out_tokens` (-1: no cap), `align`
+ * (0: none), `capacity` (0: none), `graph_cache`. See
+ * `xcall_make_row_id_map`.
+ */
+struct XLA_FFI_Error *xcall_xla_make_row_id_map_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_make_row_id_map_host` for "CUDA".
+ */
+struct XLA_FFI_Error *xcall_xla_make_row_id_map_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of `permute` for "cpu". Operands: `input` `[T, H]`,
+ * `row_id_map`, `tokens_per_expert`, `expert_offsets`, then `probs`
+ * `[T, E]` f32 if `has_probs`, then `scales` `[T, S]` f32 if `has_scales`.
+ * Results: `output` `[N, H]`, then `permuted_probs` `[N]` if `has_probs`,
+ * then `permuted_scales` `[N, S]` if `has_scales`. See `xcall_permute`.
+ */
+struct XLA_FFI_Error *xcall_xla_permute_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_permute_host` for "CUDA".
+ */
+struct XLA_FFI_Error *xcall_xla_permute_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of `unpermute` for "cpu". Operands: `input` `[N, H]`,
+ * `row_id_map`, then `merging_probs` `[T, E]` f32 if `has_merging_probs`,
+ * then `permuted_probs` `[N]` f32 if `has_permuted_probs`. Results:
+ * `output` `[T, H]`, then `unpermuted_probs` `[T, E]` f32 if
+ * `has_permuted_probs`. See `xcall_unpermute`.
+ */
+struct XLA_FFI_Error *xcall_xla_unpermute_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_unpermute_host` for "CUDA".
+ */
+struct XLA_FFI_Error *xcall_xla_unpermute_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of `unpermute_backward` for "cpu". Operands: `grad`
+ * `[T, H]`, `fwd_input` `[N, H]`, `row_id_map`, `tokens_per_expert`,
+ * `expert_offsets`, `merging_probs` `[T, E]` f32. Results: `act_grad`
+ * `[N, H]`, `probs_grad` `[T, E]` f32. See `xcall_unpermute_backward`.
+ */
+struct XLA_FFI_Error *xcall_xla_unpermute_backward_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_unpermute_backward_host` for "CUDA".
+ */
+struct XLA_FFI_Error *xcall_xla_unpermute_backward_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of `make_chunk_sort_map` for "cpu". Operands:
+ * `split_sizes` `[S]` s64, `sorted_indices` `[S]` s64. Result: `map` `[T]`
+ * s64. See `xcall_make_chunk_sort_map`.
+ */
+struct XLA_FFI_Error *xcall_xla_make_chunk_sort_map_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_make_chunk_sort_map_host` for "CUDA" (not command-buffer
+ * compatible: outside a capture it reads the split back to check it).
+ */
+struct XLA_FFI_Error *xcall_xla_make_chunk_sort_map_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of `sort_chunks_by_map` for "cpu". Operands: `input`
+ * `[T, H]`, `map` `[T]` s64, then `probs` `[T]` f32 if `has_probs`.
+ * Results: `output` `[T, H]`, then `permuted_probs` `[T]` if `has_probs`.
+ * Attribute `backward` (0: scatter, 1: gather). See
+ * `xcall_sort_chunks_by_map`.
+ */
+struct XLA_FFI_Error *xcall_xla_sort_chunks_by_map_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_sort_chunks_by_map_host` for "CUDA".
+ */
+struct XLA_FFI_Error *xcall_xla_sort_chunks_by_map_cuda(struct XLA_FFI_CallFrame *call_frame);
 
 #ifdef __cplusplus
 }  // extern "C"

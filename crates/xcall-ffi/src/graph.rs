@@ -17,7 +17,7 @@ use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
 /// from any number of threads, except `xcall_graph_cache_free`, which must
 /// be the last call on it.
 pub struct xcall_graph_cache {
-    inner: GraphCache<CudaGraphs>,
+    pub(crate) inner: GraphCache<CudaGraphs>,
 }
 
 /// Configuration of a graph cache. Fill it with
@@ -182,11 +182,12 @@ pub extern "C" fn xcall_graph_cache_new(
     })
 }
 
-/// Frees a cache and destroys its executable graphs. NULL is a no-op. No
-/// other call on the cache may be in flight.
+/// Frees a cache and destroys its executable graphs. NULL and the XLA
+/// handlers' cache (`xcall_xla_graph_cache()`, owned by the library) are
+/// no-ops. No other call on the cache may be in flight.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
-    if !cache.is_null() {
+    if !cache.is_null() && !crate::xla::is_handler_cache(cache) {
         // Destroying driver objects must not unwind into C.
         let _ = std::panic::catch_unwind(|| {
             // SAFETY: a non-NULL cache came from xcall_graph_cache_new and is

@@ -21,11 +21,19 @@ mod guard;
 mod permute;
 mod shmem;
 mod warpspec;
+pub mod xla;
 
 pub use graph::*;
 pub use permute::*;
 pub use shmem::*;
 pub use warpspec::*;
+pub use xla::{
+    xcall_xla_graph_cache, xcall_xla_make_chunk_sort_map_cuda, xcall_xla_make_chunk_sort_map_host,
+    xcall_xla_make_row_id_map_cuda, xcall_xla_make_row_id_map_host, xcall_xla_permute_cuda,
+    xcall_xla_permute_host, xcall_xla_sort_chunks_by_map_cuda, xcall_xla_sort_chunks_by_map_host,
+    xcall_xla_unpermute_backward_cuda, xcall_xla_unpermute_backward_host, xcall_xla_unpermute_cuda,
+    xcall_xla_unpermute_host,
+};
 
 use std::ffi::c_char;
 

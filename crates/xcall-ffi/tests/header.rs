@@ -11,7 +11,10 @@ fn version_macros() -> String {
          /** Minor version of the xcall library this header belongs to. */\n#define XCALL_VERSION_MINOR {}\n\
          /** Patch version of the xcall library this header belongs to. */\n#define XCALL_VERSION_PATCH {}\n\
          /** Version of the xcall library this header belongs to; compare with xcall_version(). */\n\
-         #define XCALL_VERSION_STRING \"{}\"",
+         #define XCALL_VERSION_STRING \"{}\"\n\n\
+         /* XLA FFI types of the xcall_xla_* handlers (xla/ffi/api/c_api.h). */\n\
+         struct XLA_FFI_CallFrame;\n\
+         struct XLA_FFI_Error;",
         env!("CARGO_PKG_VERSION_MAJOR"),
         env!("CARGO_PKG_VERSION_MINOR"),
         env!("CARGO_PKG_VERSION_PATCH"),
