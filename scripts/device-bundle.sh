@@ -65,6 +65,13 @@ done
 $cxx -std=c++17 -Wall -Wextra -Werror -Iinclude c_tests/header_cpp.cpp $libs -o "$out/c_tests/header_cpp"
 echo "  $out/c_tests/header_cpp"
 
+# The JAX suite of the XLA FFI handlers (run with the GPU machine's own
+# jax; the bundle carries no Python packages).
+rm -rf "$out/python"
+mkdir -p "$out/python/tests"
+cp python/xcall_jax.py "$out/python/"
+cp python/tests/test_*.py "$out/python/tests/"
+
 cat >"$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs every binary of the bundle and prints "N passed, N failed".
@@ -75,6 +82,10 @@ cat >"$out/run-all.sh" <<'RUN'
 #     each tool. API errors are not reported: negative tests provoke driver
 #     errors on purpose and assert them themselves.
 #   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
+#   The JAX suite (python/tests) runs when python3 imports jax and pytest,
+#   twice: XLA command buffers off, then on (custom calls recorded). With
+#   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
+#   go to <logs>/jax-report.jsonl.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export XCALL_REQUIRE_CUDA=${XCALL_REQUIRE_CUDA:-1}
@@ -111,6 +122,27 @@ for tool in ${XCALL_SANITIZERS:-}; do
       --error-exitcode 1 "$t" --test-threads 1
   done
 done
+jax_suite() { # <on|off>
+  local flags="--xla_gpu_enable_command_buffer="
+  [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+  local platforms=cpu
+  [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
+  XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 XCALL_LIB="$here/lib/libxcall.so" \
+    XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
+    python3 -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
+  local rc=$?
+  [ $rc -eq 5 ] && echo "pytest collected no tests"
+  return $rc
+}
+if python3 -c "import jax, pytest" 2>/dev/null; then
+  rm -f "$logs/jax-report.jsonl"
+  run jax-command-buffers-off jax_suite off
+  run jax-command-buffers-on jax_suite on
+elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
+  run jax-suite sh -c 'echo "python3 here cannot import jax and pytest"; exit 1'
+else
+  echo "SKIP jax-suite: python3 cannot import jax and pytest"
+fi
 for b in "$here"/benches/*; do
   # shellcheck disable=SC2086
   run "$(basename "$b")" "$b" --bench $bench_args

@@ -733,14 +733,19 @@ fn error_message(spec: &Spec, e: &FfiError) -> String {
     )
 }
 
-/// Creates the runtime's error for `e`; NULL when the frame has no usable
-/// `Error_Create` (nothing else can carry the message then).
+/// Creates the runtime's error for `e`; NULL when the frame has no
+/// `Error_Create` (nothing else could carry the message: XLA always passes
+/// its table outside the metadata query).
 fn to_xla_error(spec: &Spec, frame: &XLA_FFI_CallFrame, e: &FfiError) -> *mut XLA_FFI_Error {
-    let Ok(api) = api_of(frame) else {
+    // Only Error_Create is needed here, which every version's table has at
+    // the same place: an error about the table itself still gets through.
+    // SAFETY: NULL or the runtime's table, valid for the call.
+    let Some(api) = (unsafe { frame.api.as_ref() }) else {
         return std::ptr::null_mut();
     };
-    let Some(create) = api.error_create else {
-        return std::ptr::null_mut();
+    let create = match api.error_create {
+        Some(create) if api.struct_size >= API_SIZE_ERROR_CREATE => create,
+        _ => return std::ptr::null_mut(),
     };
     let message = CString::new(error_message(spec, e).replace('\0', "\\0")).unwrap_or_default();
     let mut args = XLA_FFI_Error_Create_Args {

@@ -1,0 +1,559 @@
+//! The XLA FFI handlers driven with call frames built here, as a runtime
+//! would build them, with a fake API table that records what the handler
+//! asked of it. Host only: no test here loads CUDA (the CUDA handlers are
+//! exercised up to the point where they would).
+
+// The frames point into their parts: each part is boxed so its address
+// stays put while the vectors that own them grow.
+#![allow(clippy::vec_box)]
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use xcall::xla::abi::*;
+use xcall::*;
+
+/// What the fake `Error_Create` made: code and message.
+struct FakeError {
+    code: u32,
+    message: String,
+}
+
+unsafe extern "C" fn fake_error_create(args: *mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler passes a filled struct with a NUL-terminated message.
+    let args = unsafe { &*args };
+    assert_eq!(args.struct_size, 28);
+    // SAFETY: as above.
+    let message = unsafe { CStr::from_ptr(args.message) }
+        .to_string_lossy()
+        .into_owned();
+    Box::into_raw(Box::new(FakeError {
+        code: args.errc,
+        message,
+    }))
+    .cast()
+}
+
+static STREAM_GETS: AtomicUsize = AtomicUsize::new(0);
+static ORDINAL_GETS: AtomicUsize = AtomicUsize::new(0);
+
+/// A Stream_Get that fails (returns an error object).
+unsafe extern "C" fn failing_stream_get(_: *mut XLA_FFI_Stream_Get_Args) -> *mut XLA_FFI_Error {
+    STREAM_GETS.fetch_add(1, Ordering::SeqCst);
+    Box::into_raw(Box::new(FakeError {
+        code: 12,
+        message: "unimplemented".into(),
+    }))
+    .cast()
+}
+
+unsafe extern "C" fn counting_ordinal_get(
+    args: *mut XLA_FFI_DeviceOrdinal_Get_Args,
+) -> *mut XLA_FFI_Error {
+    ORDINAL_GETS.fetch_add(1, Ordering::SeqCst);
+    // SAFETY: a filled struct from the handler.
+    unsafe { (*args).device_ordinal = 0 };
+    std::ptr::null_mut()
+}
+
+fn fake_api(struct_size: usize) -> Box<XLA_FFI_Api> {
+    // SAFETY: every field is an integer, a raw pointer or an Option of a
+    // function pointer: all-zero is a valid value for each.
+    let mut api: Box<XLA_FFI_Api> = Box::new(unsafe { std::mem::zeroed() });
+    api.struct_size = struct_size;
+    api.api_version = XLA_FFI_Api_Version {
+        struct_size: API_VERSION_SIZE,
+        extension_start: std::ptr::null_mut(),
+        major_version: 0,
+        minor_version: 3,
+    };
+    api.error_create = Some(fake_error_create);
+    api.stream_get = Some(failing_stream_get);
+    api.device_ordinal_get = Some(counting_ordinal_get);
+    api
+}
+
+/// One buffer with its dims.
+struct Buf {
+    dims: Vec<i64>,
+    raw: XLA_FFI_Buffer,
+}
+
+fn buf(dtype: u32, data: *mut c_void, dims: &[i64]) -> Box<Buf> {
+    let mut b = Box::new(Buf {
+        dims: dims.to_vec(),
+        // SAFETY: integers and raw pointers; all-zero is valid.
+        raw: unsafe { std::mem::zeroed() },
+    });
+    b.raw = XLA_FFI_Buffer {
+        struct_size: BUFFER_SIZE,
+        extension_start: std::ptr::null_mut(),
+        dtype,
+        data,
+        rank: dims.len() as i64,
+        dims: b.dims.as_mut_ptr(),
+    };
+    b
+}
+
+/// A call frame and everything it points at.
+struct Frame {
+    _api: Box<XLA_FFI_Api>,
+    _bufs: Vec<Box<Buf>>,
+    _types: Vec<Vec<u32>>,
+    _ptrs: Vec<Vec<*mut c_void>>,
+    _names: Vec<Box<XLA_FFI_ByteSpan>>,
+    _name_ptrs: Vec<*mut XLA_FFI_ByteSpan>,
+    _scalars: Vec<Box<(XLA_FFI_Scalar, i64)>>,
+    frame: Box<XLA_FFI_CallFrame>,
+}
+
+const NAMES: &[&str] = &[
+    "align",
+    "backward",
+    "capacity",
+    "capacityy",
+    "graph_cache",
+    "has_probs",
+    "has_scales",
+    "num_out_tokens",
+];
+
+/// Attribute value types the frames carry.
+enum Attr {
+    I64(i64),
+    Pred(bool),
+    F32(f32),
+}
+
+fn frame(
+    api: Box<XLA_FFI_Api>,
+    args: Vec<Box<Buf>>,
+    rets: Vec<Box<Buf>>,
+    attrs: &[(&str, Attr)],
+) -> Frame {
+    let mut attrs: Vec<&(&str, Attr)> = attrs.iter().collect();
+    attrs.sort_by_key(|(n, _)| *n); // XLA sorts attributes by name
+    let mut names: Vec<Box<XLA_FFI_ByteSpan>> = attrs
+        .iter()
+        .map(|(n, _)| {
+            let name = NAMES.iter().find(|k| *k == n).expect("name in NAMES");
+            Box::new(XLA_FFI_ByteSpan {
+                ptr: name.as_ptr() as *const c_char,
+                len: name.len(),
+            })
+        })
+        .collect();
+    let mut scalars: Vec<Box<(XLA_FFI_Scalar, i64)>> = attrs
+        .iter()
+        .map(|(_, v)| {
+            let (dtype, bits) = match v {
+                Attr::I64(v) => (5, *v),
+                Attr::Pred(b) => (1, *b as i64),
+                Attr::F32(f) => (11, f.to_bits() as i64),
+            };
+            let mut s = Box::new((
+                XLA_FFI_Scalar {
+                    dtype,
+                    value: std::ptr::null_mut(),
+                },
+                bits,
+            ));
+            s.0.value = (&mut s.1 as *mut i64).cast();
+            s
+        })
+        .collect();
+    let name_ptrs: Vec<*mut XLA_FFI_ByteSpan> =
+        names.iter_mut().map(|n| &mut **n as *mut _).collect();
+    let mut attr_types = vec![ATTR_SCALAR; attrs.len()];
+    let mut attr_ptrs: Vec<*mut c_void> = scalars
+        .iter_mut()
+        .map(|s| (&mut s.0 as *mut XLA_FFI_Scalar).cast())
+        .collect();
+    let mut bufs = Vec::new();
+    let mut arg_ptrs: Vec<*mut c_void> = Vec::new();
+    let mut ret_ptrs: Vec<*mut c_void> = Vec::new();
+    let (n_args, n_rets) = (args.len(), rets.len());
+    for (b, list) in args
+        .into_iter()
+        .map(|b| (b, 0))
+        .chain(rets.into_iter().map(|b| (b, 1)))
+    {
+        let mut b = b;
+        let p = (&mut b.raw as *mut XLA_FFI_Buffer).cast();
+        if list == 0 {
+            arg_ptrs.push(p)
+        } else {
+            ret_ptrs.push(p)
+        }
+        bufs.push(b);
+    }
+    let mut arg_types = vec![BUFFER; n_args];
+    let mut ret_types = vec![BUFFER; n_rets];
+    let mut name_ptrs = name_ptrs;
+    let frame = Box::new(XLA_FFI_CallFrame {
+        struct_size: CALL_FRAME_SIZE,
+        extension_start: std::ptr::null_mut(),
+        api: &*api,
+        ctx: std::ptr::null_mut(),
+        stage: STAGE_EXECUTE,
+        args: XLA_FFI_Args {
+            struct_size: ARGS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: n_args as i64,
+            types: arg_types.as_mut_ptr(),
+            args: arg_ptrs.as_mut_ptr(),
+        },
+        rets: XLA_FFI_Rets {
+            struct_size: RETS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: n_rets as i64,
+            types: ret_types.as_mut_ptr(),
+            rets: ret_ptrs.as_mut_ptr(),
+        },
+        attrs: XLA_FFI_Attrs {
+            struct_size: ATTRS_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: attrs.len() as i64,
+            types: attr_types.as_mut_ptr(),
+            names: name_ptrs.as_mut_ptr(),
+            attrs: attr_ptrs.as_mut_ptr(),
+        },
+        future: std::ptr::null_mut(),
+    });
+    Frame {
+        _api: api,
+        _bufs: bufs,
+        _types: vec![arg_types, ret_types, attr_types],
+        _ptrs: vec![arg_ptrs, ret_ptrs, attr_ptrs],
+        _names: names,
+        _name_ptrs: name_ptrs,
+        _scalars: scalars,
+        frame,
+    }
+}
+
+type Handler = extern "C" fn(*mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error;
+
+/// Runs a handler; `Err((code, message))` when it returned an error.
+fn call(h: Handler, f: &mut Frame) -> Result<(), (u32, String)> {
+    let e = h(&mut *f.frame);
+    if e.is_null() {
+        return Ok(());
+    }
+    // SAFETY: errors come from fake_error_create.
+    let e = unsafe { Box::from_raw(e as *mut FakeError) };
+    Err((e.code, e.message))
+}
+
+fn ptr<T>(v: &mut [T]) -> *mut c_void {
+    v.as_mut_ptr().cast()
+}
+
+/// Routing of 3 tokens over 2 experts: t0 -> {0, 1}, t1 -> {1}, t2 -> {0}.
+const ROUTING: [u8; 6] = [1, 1, 0, 1, 1, 0];
+
+#[test]
+fn host_make_row_id_map_gives_the_known_map() {
+    let mut routing = ROUTING;
+    let mut map = [99i32; 15];
+    let mut tpe = [99i64; 2];
+    let mut off = [99i64; 3];
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
+        vec![
+            buf(dtype::S32, ptr(&mut map), &[3, 5]),
+            buf(dtype::S64, ptr(&mut tpe), &[2]),
+            buf(dtype::S64, ptr(&mut off), &[3]),
+        ],
+        &[("graph_cache", Attr::Pred(true))],
+    );
+    let before = (
+        STREAM_GETS.load(Ordering::SeqCst),
+        ORDINAL_GETS.load(Ordering::SeqCst),
+    );
+    call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    // Expert 0 gets t0, t2 (rows 0, 1); expert 1 gets t0, t1 (rows 2, 3).
+    assert_eq!(map, [0, 2, 0, 1, 2, 3, -1, 1, -1, 1, 1, -1, 0, -1, 1]);
+    assert_eq!(tpe, [2, 2]);
+    assert_eq!(off, [0, 2, 4]);
+    // The Host handler asked the runtime for no stream and no device.
+    assert_eq!(
+        before,
+        (
+            STREAM_GETS.load(Ordering::SeqCst),
+            ORDINAL_GETS.load(Ordering::SeqCst)
+        )
+    );
+    assert!(!xcall_cuda_load_attempted());
+}
+
+#[test]
+fn host_permute_refuses_an_output_over_its_input() {
+    let mut routing = ROUTING;
+    let mut map = [0i32; 15];
+    let mut tpe = [0i64; 2];
+    let mut off = [0i64; 3];
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
+        vec![
+            buf(dtype::S32, ptr(&mut map), &[3, 5]),
+            buf(dtype::S64, ptr(&mut tpe), &[2]),
+            buf(dtype::S64, ptr(&mut off), &[3]),
+        ],
+        &[],
+    );
+    call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    let mut x: Vec<f32> = (0..12).map(|i| i as f32 + 0.5).collect();
+    let snapshot = x.clone();
+    let xp = ptr(&mut x);
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![
+            buf(dtype::F32, xp, &[3, 4]),
+            buf(dtype::S32, ptr(&mut map), &[3, 5]),
+            buf(dtype::S64, ptr(&mut tpe), &[2]),
+            buf(dtype::S64, ptr(&mut off), &[3]),
+        ],
+        // Output rows 0..3 of 4 floats: the same memory as the input.
+        vec![buf(dtype::F32, xp, &[3, 4])],
+        &[],
+    );
+    let (code, message) = call(xcall_xla_permute_host, &mut f).unwrap_err();
+    assert_eq!(code, 3, "INVALID_ARGUMENT");
+    assert!(
+        message.starts_with("xcall_permute: output overlaps input")
+            && message.ends_with("[XCALL_STATUS_ALIASED]"),
+        "{message}"
+    );
+    assert_eq!(x, snapshot, "nothing written");
+}
+
+#[test]
+fn host_permute_with_probs_runs_and_bad_shapes_are_errors() {
+    let mut routing = ROUTING;
+    let mut map = [0i32; 15];
+    let mut tpe = [0i64; 2];
+    let mut off = [0i64; 3];
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
+        vec![
+            buf(dtype::S32, ptr(&mut map), &[3, 5]),
+            buf(dtype::S64, ptr(&mut tpe), &[2]),
+            buf(dtype::S64, ptr(&mut off), &[3]),
+        ],
+        &[],
+    );
+    call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    let mut x = [1.0f32, 2.0, 3.0];
+    let mut probs = [0.25f32, 0.75, 0.0, 0.5, 0.125, 0.0];
+    let mut out = [f32::NAN; 5];
+    let mut out_probs = [f32::NAN; 5];
+    let (xp, mp, tp, op) = (ptr(&mut x), ptr(&mut map), ptr(&mut tpe), ptr(&mut off));
+    let (pp, outp, outpp) = (ptr(&mut probs), ptr(&mut out), ptr(&mut out_probs));
+    let make = |out_rows: i64, probs_experts: i64, has_probs: bool| {
+        let mut args = vec![
+            buf(dtype::F32, xp, &[3, 1]),
+            buf(dtype::S32, mp, &[3, 5]),
+            buf(dtype::S64, tp, &[2]),
+            buf(dtype::S64, op, &[3]),
+        ];
+        let mut rets = vec![buf(dtype::F32, outp, &[out_rows, 1])];
+        if has_probs {
+            args.push(buf(dtype::F32, pp, &[3, probs_experts]));
+            rets.push(buf(dtype::F32, outpp, &[out_rows]));
+        }
+        frame(
+            fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+            args,
+            rets,
+            &[("has_probs", Attr::Pred(has_probs))],
+        )
+    };
+    call(xcall_xla_permute_host, &mut make(5, 2, true)).unwrap();
+    // Rows: expert 0 <- t0, t2; expert 1 <- t0, t1; row 4 is past the chunks.
+    assert_eq!(out, [1.0, 3.0, 1.0, 2.0, 0.0]);
+    assert_eq!(out_probs, [0.25, 0.125, 0.75, 0.5, 0.0]);
+    let (code, message) = call(xcall_xla_permute_host, &mut make(5, 3, true)).unwrap_err();
+    assert_eq!(code, 3);
+    assert_eq!(
+        message,
+        "xcall_permute: probs dim 1 is 3, expected 2 (experts) [XCALL_STATUS_INVALID_ARGUMENT]"
+    );
+    // has_probs=false but a probs operand: the count is wrong.
+    let mut f = make(5, 2, true);
+    f.frame.attrs.size = 0;
+    let (_, message) = call(xcall_xla_permute_host, &mut f).unwrap_err();
+    assert!(
+        message.contains("xcall_permute takes 4 operands (input, row_id_map, tokens_per_expert, expert_offsets) with these attributes, got 5"),
+        "{message}"
+    );
+}
+
+#[test]
+fn attributes_are_checked() {
+    let mut routing = ROUTING;
+    let mut map = [7i32; 15];
+    let mut tpe = [0i64; 2];
+    let mut off = [0i64; 3];
+    let (rp, mp, tp, op) = (
+        ptr(&mut routing),
+        ptr(&mut map),
+        ptr(&mut tpe),
+        ptr(&mut off),
+    );
+    let run = |attrs: &[(&str, Attr)]| {
+        let mut f = frame(
+            fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+            vec![buf(dtype::PRED, rp, &[3, 2])],
+            vec![
+                buf(dtype::S32, mp, &[3, 5]),
+                buf(dtype::S64, tp, &[2]),
+                buf(dtype::S64, op, &[3]),
+            ],
+            attrs,
+        );
+        call(xcall_xla_make_row_id_map_host, &mut f)
+    };
+    let e = run(&[("capacityy", Attr::I64(4))]).unwrap_err();
+    assert!(e.1.contains("has no attribute \"capacityy\" (it takes: num_out_tokens, align, capacity, graph_cache)"), "{}", e.1);
+    let e = run(&[("capacity", Attr::F32(2.0))]).unwrap_err();
+    assert!(
+        e.1.contains("attribute capacity: expected an integer scalar, got XLA dtype code 11"),
+        "{}",
+        e.1
+    );
+    let e = run(&[("graph_cache", Attr::I64(2))]).unwrap_err();
+    assert!(
+        e.1.contains("attribute graph_cache must be 0 or 1, got 2"),
+        "{}",
+        e.1
+    );
+    let e = run(&[("align", Attr::I64(-3))]).unwrap_err();
+    assert!(e.1.contains("attribute align is negative (-3)"), "{}", e.1);
+    let e = run(&[("align", Attr::I64(4)), ("capacity", Attr::I64(2))]).unwrap_err();
+    assert_eq!(e.0, 3);
+    assert_eq!(map, [7; 15], "failed calls write nothing");
+    // A capacity of 1: t0 keeps expert 0 (row 0) and expert 1 (row 1); t1's
+    // route to expert 1 and t2's to expert 0 are dropped.
+    run(&[("capacity", Attr::I64(1))]).unwrap();
+    assert_eq!(map, [0, 1, 0, 1, 2, -1, -1, -1, -1, 0, -1, -1, -1, -1, 0]);
+    assert_eq!((tpe, off), ([1, 1], [0, 1, 2]));
+}
+
+#[test]
+fn metadata_query_reports_version_and_traits() {
+    let query = |h: Handler, struct_size: usize| {
+        // SAFETY: integers and pointers; all-zero is valid.
+        let mut m: XLA_FFI_Metadata = unsafe { std::mem::zeroed() };
+        m.struct_size = struct_size;
+        m.traits = 0xdead;
+        m.state_type_id = 77;
+        let mut ext = XLA_FFI_Metadata_Extension {
+            extension_base: XLA_FFI_Extension_Base {
+                struct_size: METADATA_EXTENSION_SIZE,
+                kind: EXTENSION_METADATA,
+                next: std::ptr::null_mut(),
+            },
+            metadata: &mut m,
+        };
+        let mut f = frame(fake_api(API_SIZE_DEVICE_ORDINAL_GET), vec![], vec![], &[]);
+        // As XLA builds it: no API table, the extension first in the chain.
+        f.frame.api = std::ptr::null();
+        f.frame.extension_start = &mut ext.extension_base;
+        assert!(h(&mut *f.frame).is_null());
+        (
+            m.api_version.major_version,
+            m.api_version.minor_version,
+            m.api_version.struct_size,
+            m.traits,
+            m.state_type_id,
+        )
+    };
+    assert_eq!(query(xcall_xla_permute_host, 48), (0, 3, 24, 0, 0));
+    assert_eq!(query(xcall_xla_permute_cuda, 48), (0, 3, 24, 1, 0));
+    assert_eq!(
+        query(xcall_xla_unpermute_backward_cuda, 48),
+        (0, 3, 24, 1, 0)
+    );
+    assert_eq!(
+        query(xcall_xla_make_chunk_sort_map_cuda, 48),
+        (0, 3, 24, 0, 0)
+    );
+    // An older runtime's metadata without state_type_id: that field is left alone.
+    assert_eq!(
+        query(xcall_xla_sort_chunks_by_map_cuda, 36),
+        (0, 3, 24, 1, 77)
+    );
+}
+
+#[test]
+fn cuda_handler_checks_the_api_table_before_calling_it() {
+    let mut f = frame(
+        // An API 0.1 table ends after Future_SetError: no DeviceOrdinal_Get.
+        fake_api(API_SIZE_STREAM_GET + 11 * 8),
+        vec![],
+        vec![],
+        &[],
+    );
+    let (code, message) = call(xcall_xla_unpermute_cuda, &mut f).unwrap_err();
+    assert_eq!(code, 12, "UNIMPLEMENTED");
+    assert!(
+        message.contains("has no DeviceOrdinal_Get (needs 192 bytes): xcall's CUDA handlers need XLA FFI API 0.3"),
+        "{message}"
+    );
+    assert!(message.ends_with("[XCALL_STATUS_UNSUPPORTED]"), "{message}");
+    // A full table whose Stream_Get fails (as it does for a handler
+    // registered for the wrong platform): a clear error, no CUDA load.
+    let mut f = frame(fake_api(API_SIZE_DEVICE_ORDINAL_GET), vec![], vec![], &[]);
+    let (_, message) = call(xcall_xla_permute_cuda, &mut f).unwrap_err();
+    assert!(
+        message.contains("the runtime's Stream_Get failed"),
+        "{message}"
+    );
+    // A table of another major version is refused outright.
+    let mut api = fake_api(API_SIZE_DEVICE_ORDINAL_GET);
+    api.api_version.major_version = 1;
+    let mut f = frame(api, vec![], vec![], &[]);
+    let (_, message) = call(xcall_xla_permute_host, &mut f).unwrap_err();
+    assert!(message.contains("XLA FFI API 1.3"), "{message}");
+    assert!(!xcall_cuda_load_attempted());
+}
+
+#[test]
+fn non_execute_stages_do_nothing() {
+    let mut routing = ROUTING;
+    let mut map = [5i32; 15];
+    let mut tpe = [0i64; 2];
+    let mut off = [0i64; 3];
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
+        vec![
+            buf(dtype::S32, ptr(&mut map), &[3, 5]),
+            buf(dtype::S64, ptr(&mut tpe), &[2]),
+            buf(dtype::S64, ptr(&mut off), &[3]),
+        ],
+        &[],
+    );
+    for stage in 0..3 {
+        f.frame.stage = stage;
+        call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    }
+    assert_eq!(map, [5; 15]);
+}
+
+#[test]
+fn the_handler_cache_survives_free() {
+    let cache = xcall_xla_graph_cache();
+    assert!(!cache.is_null());
+    xcall_graph_cache_free(cache as *mut _);
+    let mut stats = xcall_graph::Stats::default();
+    assert_eq!(
+        xcall_graph_cache_stats(cache, 0, 0, &mut stats),
+        xcall_core::Status::Ok
+    );
+}
