@@ -300,10 +300,11 @@ def test_bad_shape_raises_with_xcall_message(device):
     text = str(info.value)
     assert "xcall_permute: probs dim 1 is 3, expected 4 (experts)" in text, text
     assert "XCALL_STATUS_INVALID_ARGUMENT" in text, text
-    # The wrong row count for the map: rows outside the output are refused.
+    y, _ = xj.permute(x, m, tpe, off, num_out_rows=32)
     with pytest.raises(Exception) as info:
-        jax.block_until_ready(xj.unpermute(x[:7], m, tpe, off))
-    assert "xcall_unpermute" in str(info.value)
+        jax.block_until_ready(xj.unpermute(y, m, tpe, off, p_bad))
+    text = str(info.value)
+    assert "xcall_unpermute: merging_probs dim 1 is 3, expected 4 (experts)" in text, text
 
 
 def test_unknown_attribute_is_refused(device):

@@ -140,8 +140,11 @@ def test_two_gpus_run_their_own_graphs(how):
     seen = [delta(b, xj.graph_stats(ordinal(d))) for b, d in zip(before, devices)]
     report(f"two_gpus_{how}", {f"gpu{ordinal(d)}": s for d, s in zip(devices, seen)})
     if MODE == "off":
-        for s in seen:
-            # Every device captured its own graphs for its three ops and
-            # replayed them (the results above say none ran another
-            # device's graph); nothing ran eagerly.
-            assert s["captures"] >= 3 and s["captures"] + s["hits"] == 9, seen
+        for d, s in zip(devices, seen):
+            # Every call of this test was answered from the device's own
+            # graphs (captured now, or by an earlier test with the same
+            # buffers): nothing ran eagerly, and the results above say no
+            # device ran another device's graph.
+            assert s["captures"] + s["hits"] == 9, seen
+            total = xj.graph_stats(ordinal(d))
+            assert total["captures"] >= 3 and total["entries"] >= 3, total
