@@ -2,7 +2,8 @@
 //! - `python/tests` (pytest) through `jax.jit` against this build's
 //!   `libxcall.so`;
 //! - the mirrored ABI (`xcall::xla::abi`) against the `c_api.h` that the
-//!   installed jaxlib ships, compiled here with the C compiler.
+//!   installed jaxlib ships, compiled here with the C compiler together
+//!   with `include/xcall.h` (each handler must be an `XLA_FFI_Handler`).
 //!
 //! Both need a Python with jax and pytest: `$XCALL_PYTHON`, else `python3`.
 //! Without one they print a SKIP line and pass, unless
@@ -93,9 +94,26 @@ fn mirrored_abi_matches_the_installed_jaxlib_header() {
     std::fs::create_dir_all(&dir).unwrap();
     let probe =
         |name: &str, expr: &str| format!("  printf(\"{name} %zu\\n\", (size_t)({expr}));\n");
+    // xcall.h after XLA's header: the two combine, and every handler's
+    // declaration is exactly XLA's handler type.
     let mut source = String::from(
-        "#include <stdio.h>\n#include <stddef.h>\n#include \"xla/ffi/api/c_api.h\"\nint main(void) {\n",
+        "#include <stdio.h>\n#include <stddef.h>\n#include \"xla/ffi/api/c_api.h\"\n#include \"xcall.h\"\n",
     );
+    for op in [
+        "make_row_id_map",
+        "permute",
+        "unpermute",
+        "unpermute_backward",
+        "make_chunk_sort_map",
+        "sort_chunks_by_map",
+    ] {
+        for side in ["host", "cuda"] {
+            source.push_str(&format!(
+                "_Static_assert(__builtin_types_compatible_p(__typeof__(xcall_xla_{op}_{side}), XLA_FFI_Handler), \"xcall_xla_{op}_{side} is an XLA_FFI_Handler\");\n"
+            ));
+        }
+    }
+    source.push_str("int main(void) {\n");
     // (name, C expression, the mirror's value)
     let checks: Vec<(&str, &str, usize)> = vec![
         (
@@ -257,9 +275,11 @@ fn mirrored_abi_matches_the_installed_jaxlib_header() {
         .try_get_compiler()
         .expect("a C compiler");
     let built = Command::new(tool.path())
-        .arg("-std=c11")
+        .args(["-std=c11", "-Wall", "-Werror"])
         .arg("-I")
         .arg(&include)
+        .arg("-I")
+        .arg(repo().join("include"))
         .arg(&c)
         .arg("-o")
         .arg(&exe)
