@@ -69,7 +69,7 @@ echo "  $out/c_tests/header_cpp"
 # jax; the bundle carries no Python packages).
 rm -rf "$out/python"
 mkdir -p "$out/python/tests"
-cp python/xcall_jax.py "$out/python/"
+cp python/xcall_jax.py python/bench_xcall_jax.py "$out/python/"
 cp python/tests/test_*.py "$out/python/tests/"
 
 cat >"$out/run-all.sh" <<'RUN'
@@ -82,8 +82,9 @@ cat >"$out/run-all.sh" <<'RUN'
 #     each tool. API errors are not reported: negative tests provoke driver
 #     errors on purpose and assert them themselves.
 #   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
-#   The JAX suite (python/tests) runs when python3 imports jax and pytest,
-#   twice: XLA command buffers off, then on (custom calls recorded). With
+#   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
+#   imports jax and pytest, twice: XLA command buffers off, then on
+#   (custom calls recorded into XLA's command buffers). With
 #   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
 #   go to <logs>/jax-report.jsonl.
 set -u
@@ -129,19 +130,20 @@ jax_suite() { # <on|off>
   [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
   XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 XCALL_LIB="$here/lib/libxcall.so" \
     XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
-    python3 -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
+    "$py" -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
   local rc=$?
   [ $rc -eq 5 ] && echo "pytest collected no tests"
   return $rc
 }
-if python3 -c "import jax, pytest" 2>/dev/null; then
+py=${XCALL_PYTHON:-python3}
+if "$py" -c "import jax, pytest" 2>/dev/null; then
   rm -f "$logs/jax-report.jsonl"
   run jax-command-buffers-off jax_suite off
   run jax-command-buffers-on jax_suite on
 elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
-  run jax-suite sh -c 'echo "python3 here cannot import jax and pytest"; exit 1'
+  run jax-suite sh -c "echo '$py cannot import jax and pytest'; exit 1"
 else
-  echo "SKIP jax-suite: python3 cannot import jax and pytest"
+  echo "SKIP jax-suite: $py cannot import jax and pytest"
 fi
 for b in "$here"/benches/*; do
   # shellcheck disable=SC2086
