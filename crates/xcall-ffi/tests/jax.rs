@@ -186,6 +186,26 @@ fn mirrored_abi_matches_the_installed_jaxlib_header() {
             ERROR_CREATE_ARGS_SIZE,
         ),
         (
+            "error_get_message_args",
+            "XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE",
+            ERROR_GET_MESSAGE_ARGS_SIZE,
+        ),
+        (
+            "error_destroy_args",
+            "XLA_FFI_Error_Destroy_Args_STRUCT_SIZE",
+            ERROR_DESTROY_ARGS_SIZE,
+        ),
+        (
+            "api_error_get_message",
+            "offsetof(XLA_FFI_Api, XLA_FFI_Error_GetMessage)",
+            offset_of!(XLA_FFI_Api, error_get_message),
+        ),
+        (
+            "api_error_destroy",
+            "offsetof(XLA_FFI_Api, XLA_FFI_Error_Destroy)",
+            offset_of!(XLA_FFI_Api, error_destroy),
+        ),
+        (
             "stream_get_args",
             "XLA_FFI_Stream_Get_Args_STRUCT_SIZE",
             STREAM_GET_ARGS_SIZE,

@@ -34,6 +34,29 @@ unsafe extern "C" fn fake_error_create(args: *mut XLA_FFI_Error_Create_Args) -> 
     .cast()
 }
 
+static ERRORS_DESTROYED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn fake_error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args) {
+    // SAFETY: a filled struct with an error from this file's fakes.
+    let args = unsafe { &mut *args };
+    assert_eq!(args.struct_size, 32);
+    let e = args.error as *mut FakeError;
+    // SAFETY: the error is live; the message is NUL-terminated below.
+    unsafe {
+        (*e).message.push('\0');
+        args.message = (*e).message.as_ptr().cast();
+    }
+}
+
+unsafe extern "C" fn fake_error_destroy(args: *mut XLA_FFI_Error_Destroy_Args) {
+    // SAFETY: a filled struct with an error from this file's fakes.
+    let args = unsafe { &*args };
+    assert_eq!(args.struct_size, 24);
+    // SAFETY: made by Box::into_raw in a fake, destroyed once.
+    drop(unsafe { Box::from_raw(args.error as *mut FakeError) });
+    ERRORS_DESTROYED.fetch_add(1, Ordering::SeqCst);
+}
+
 static STREAM_GETS: AtomicUsize = AtomicUsize::new(0);
 static ORDINAL_GETS: AtomicUsize = AtomicUsize::new(0);
 
@@ -68,6 +91,8 @@ fn fake_api(struct_size: usize) -> Box<XLA_FFI_Api> {
         minor_version: 3,
     };
     api.error_create = Some(fake_error_create);
+    api.error_get_message = Some(fake_error_get_message);
+    api.error_destroy = Some(fake_error_destroy);
     api.stream_get = Some(failing_stream_get);
     api.device_ordinal_get = Some(counting_ordinal_get);
     api
@@ -509,11 +534,14 @@ fn cuda_handler_checks_the_api_table_before_calling_it() {
     // A full table whose Stream_Get fails (as it does for a handler
     // registered for the wrong platform): a clear error, no CUDA load.
     let mut f = frame(fake_api(API_SIZE_DEVICE_ORDINAL_GET), vec![], vec![], &[]);
+    let destroyed = ERRORS_DESTROYED.load(Ordering::SeqCst);
     let (_, message) = call(xcall_xla_permute_cuda, &mut f).unwrap_err();
     assert!(
-        message.contains("the runtime's Stream_Get failed"),
+        message.contains("the runtime's Stream_Get failed: unimplemented"),
         "{message}"
     );
+    // The runtime's error was read and destroyed, not leaked.
+    assert_eq!(ERRORS_DESTROYED.load(Ordering::SeqCst), destroyed + 1);
     // A table of another major version is refused outright.
     let mut api = fake_api(API_SIZE_DEVICE_ORDINAL_GET);
     api.api_version.major_version = 1;

@@ -146,6 +146,33 @@ pub struct XLA_FFI_Error_Create_Args {
     pub errc: u32,
 }
 
+/// `XLA_FFI_Error_GetMessage_Args`.
+#[repr(C)]
+pub struct XLA_FFI_Error_GetMessage_Args {
+    /// Struct size.
+    pub struct_size: usize,
+    /// Extensions (NULL).
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The error to read.
+    pub error: *mut XLA_FFI_Error,
+    /// Out: its NUL-terminated message, owned by the error.
+    pub message: *const c_char,
+}
+
+/// `XLA_FFI_Error_Destroy_Args`.
+#[repr(C)]
+pub struct XLA_FFI_Error_Destroy_Args {
+    /// Struct size.
+    pub struct_size: usize,
+    /// Extensions (NULL).
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The error to destroy.
+    pub error: *mut XLA_FFI_Error,
+}
+
+/// An API entry that returns nothing.
+pub type ApiVoidFn<A> = Option<unsafe extern "C" fn(*mut A)>;
+
 /// `XLA_FFI_Stream_Get_Args`.
 #[repr(C)]
 pub struct XLA_FFI_Stream_Get_Args {
@@ -319,9 +346,9 @@ pub struct XLA_FFI_Api {
     /// `XLA_FFI_Error_Create`.
     pub error_create: ApiFn<XLA_FFI_Error_Create_Args>,
     /// `XLA_FFI_Error_GetMessage`.
-    pub error_get_message: Unused,
+    pub error_get_message: ApiVoidFn<XLA_FFI_Error_GetMessage_Args>,
     /// `XLA_FFI_Error_Destroy`.
-    pub error_destroy: Unused,
+    pub error_destroy: ApiVoidFn<XLA_FFI_Error_Destroy_Args>,
     /// `XLA_FFI_Handler_Register`.
     pub handler_register: Unused,
     /// `XLA_FFI_Stream_Get`.
@@ -358,6 +385,18 @@ pub struct XLA_FFI_Api {
 pub const API_VERSION_SIZE: usize = struct_size!(XLA_FFI_Api_Version, minor_version, i32);
 /// `XLA_FFI_Error_Create_Args_STRUCT_SIZE`.
 pub const ERROR_CREATE_ARGS_SIZE: usize = struct_size!(XLA_FFI_Error_Create_Args, errc, u32);
+/// `XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE`.
+pub const ERROR_GET_MESSAGE_ARGS_SIZE: usize =
+    struct_size!(XLA_FFI_Error_GetMessage_Args, message, *const c_char);
+/// `XLA_FFI_Error_Destroy_Args_STRUCT_SIZE`.
+pub const ERROR_DESTROY_ARGS_SIZE: usize =
+    struct_size!(XLA_FFI_Error_Destroy_Args, error, *mut XLA_FFI_Error);
+/// API table size that includes `Error_Destroy`.
+pub const API_SIZE_ERROR_DESTROY: usize = struct_size!(
+    XLA_FFI_Api,
+    error_destroy,
+    ApiVoidFn<XLA_FFI_Error_Destroy_Args>
+);
 /// `XLA_FFI_Stream_Get_Args_STRUCT_SIZE`.
 pub const STREAM_GET_ARGS_SIZE: usize = struct_size!(XLA_FFI_Stream_Get_Args, stream, *mut c_void);
 /// `XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE`.
@@ -403,6 +442,10 @@ const_assert_eq!(offset_of!(XLA_FFI_Api_Version, major_version), 16);
 const_assert_eq!(API_VERSION_SIZE, 24);
 const_assert_eq!(offset_of!(XLA_FFI_Error_Create_Args, message), 16);
 const_assert_eq!(ERROR_CREATE_ARGS_SIZE, 28);
+const_assert_eq!(ERROR_GET_MESSAGE_ARGS_SIZE, 32);
+const_assert_eq!(ERROR_DESTROY_ARGS_SIZE, 24);
+const_assert_eq!(offset_of!(XLA_FFI_Api, error_get_message), 56);
+const_assert_eq!(API_SIZE_ERROR_DESTROY, 72);
 const_assert_eq!(offset_of!(XLA_FFI_Stream_Get_Args, ctx), 16);
 const_assert_eq!(STREAM_GET_ARGS_SIZE, 32);
 const_assert_eq!(offset_of!(XLA_FFI_DeviceOrdinal_Get_Args, ctx), 16);

@@ -374,14 +374,41 @@ fn require_entry(api: &XLA_FFI_Api, entry: &str, needed: usize) -> Result<(), Ff
     Ok(())
 }
 
-/// Takes the message of an error the runtime returned. The error object
-/// is left to the runtime (xcall does not call `Error_Destroy`), so it is
-/// turned into xcall's own error here without reading it.
-fn runtime_failed(entry: &str) -> FfiError {
+/// An error for a failed runtime entry: the runtime's error `err` (may be
+/// NULL) is read and destroyed, as its caller must.
+fn runtime_failed(api: &XLA_FFI_Api, entry: &str, err: *mut XLA_FFI_Error) -> FfiError {
+    let mut detail = String::new();
+    if !err.is_null() && api.struct_size >= API_SIZE_ERROR_DESTROY {
+        if let Some(get) = api.error_get_message {
+            let mut m = XLA_FFI_Error_GetMessage_Args {
+                struct_size: ERROR_GET_MESSAGE_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                error: err,
+                message: std::ptr::null(),
+            };
+            // SAFETY: the runtime's entry on an error it returned; the
+            // message lives as long as the error.
+            unsafe { get(&mut m) };
+            if !m.message.is_null() {
+                // SAFETY: a NUL-terminated message of the live error.
+                let text = unsafe { std::ffi::CStr::from_ptr(m.message) };
+                detail = format!(": {}", text.to_string_lossy());
+            }
+        }
+        if let Some(destroy) = api.error_destroy {
+            let mut d = XLA_FFI_Error_Destroy_Args {
+                struct_size: ERROR_DESTROY_ARGS_SIZE,
+                extension_start: std::ptr::null_mut(),
+                error: err,
+            };
+            // SAFETY: destroys the error the runtime handed over, once.
+            unsafe { destroy(&mut d) };
+        }
+    }
     FfiError::new(
         Status::InvalidState,
         format!(
-            "the runtime's {entry} failed (is this handler registered for the right platform?)"
+            "the runtime's {entry} failed{detail} (is this handler registered for the right platform?)"
         ),
     )
 }
@@ -390,10 +417,13 @@ fn runtime_failed(entry: &str) -> FfiError {
 fn cuda_target(frame: &XLA_FFI_CallFrame, api: &XLA_FFI_Api) -> Result<Target, FfiError> {
     require_entry(api, "Stream_Get", API_SIZE_STREAM_GET)?;
     require_entry(api, "DeviceOrdinal_Get", API_SIZE_DEVICE_ORDINAL_GET)?;
-    let stream_get = api.stream_get.ok_or_else(|| runtime_failed("Stream_Get"))?;
+    let null = std::ptr::null_mut();
+    let stream_get = api
+        .stream_get
+        .ok_or_else(|| runtime_failed(api, "Stream_Get", null))?;
     let ordinal_get = api
         .device_ordinal_get
-        .ok_or_else(|| runtime_failed("DeviceOrdinal_Get"))?;
+        .ok_or_else(|| runtime_failed(api, "DeviceOrdinal_Get", null))?;
     let mut s = XLA_FFI_Stream_Get_Args {
         struct_size: STREAM_GET_ARGS_SIZE,
         extension_start: std::ptr::null_mut(),
@@ -401,8 +431,9 @@ fn cuda_target(frame: &XLA_FFI_CallFrame, api: &XLA_FFI_Api) -> Result<Target, F
         stream: std::ptr::null_mut(),
     };
     // SAFETY: the runtime's entry with a filled argument struct.
-    if !unsafe { stream_get(&mut s) }.is_null() || s.stream.is_null() {
-        return Err(runtime_failed("Stream_Get"));
+    let err = unsafe { stream_get(&mut s) };
+    if !err.is_null() || s.stream.is_null() {
+        return Err(runtime_failed(api, "Stream_Get", err));
     }
     let mut o = XLA_FFI_DeviceOrdinal_Get_Args {
         struct_size: DEVICE_ORDINAL_GET_ARGS_SIZE,
@@ -411,8 +442,9 @@ fn cuda_target(frame: &XLA_FFI_CallFrame, api: &XLA_FFI_Api) -> Result<Target, F
         device_ordinal: -1,
     };
     // SAFETY: as above.
-    if !unsafe { ordinal_get(&mut o) }.is_null() || o.device_ordinal < 0 {
-        return Err(runtime_failed("DeviceOrdinal_Get"));
+    let err = unsafe { ordinal_get(&mut o) };
+    if !err.is_null() || o.device_ordinal < 0 {
+        return Err(runtime_failed(api, "DeviceOrdinal_Get", err));
     }
     Ok(Target::cuda(o.device_ordinal as u32, s.stream))
 }
