@@ -2,46 +2,14 @@
 //! (`-std=c11 -Wall -Wextra -Werror -pedantic`) and runs it; compiles the
 //! header as C++17 with `-Wall -Wextra -Werror` and runs that too.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// System libraries a Rust static library needs on Linux
 /// (`rustc --print native-static-libs`).
 const NATIVE_LIBS: &[&str] = &["-lpthread", "-ldl", "-lm", "-lrt"];
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The `libxcall.a` that cargo built for this test run. Built as a test
-/// dependency, the static library lands in `target/<profile>/deps/` next to
-/// this binary and is not copied up to `target/<profile>/` (where an older
-/// `cargo build` may have left a stale one), so `deps/` comes first.
-fn static_lib() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let candidates = [
-        deps.join("libxcall.a"),
-        deps.parent().unwrap_or(deps).join("libxcall.a"),
-    ];
-    candidates
-        .iter()
-        .find(|p| p.exists())
-        .cloned()
-        .unwrap_or_else(|| panic!("libxcall.a not found in {candidates:?}: build xcall-ffi first"))
-}
-
-fn compiler(cpp: bool) -> cc::Tool {
-    let target = env!("XCALL_BUILD_TARGET");
-    cc::Build::new()
-        .cpp(cpp)
-        .target(target)
-        .host(target)
-        .opt_level(0)
-        .cargo_metadata(false)
-        .try_get_compiler()
-        .expect("a C/C++ compiler (cc crate)")
-}
 
 /// Compiles `source` into `exe` with `flags`, then runs it; returns an error
 /// text with the compiler's or the program's output on failure.
@@ -51,8 +19,8 @@ fn build_and_run(
     source: &Path,
     exe: &Path,
 ) -> Result<String, String> {
-    let include = repo().join("include");
-    let harness = repo().join("c_tests");
+    let include = common::repo().join("include");
+    let harness = common::repo().join("c_tests");
     let out = Command::new(tool.path())
         .args(flags)
         .arg("-I")
@@ -60,7 +28,7 @@ fn build_and_run(
         .arg("-I")
         .arg(&harness)
         .arg(source)
-        .arg(static_lib())
+        .arg(common::built_library("libxcall.a"))
         .args(NATIVE_LIBS)
         .arg("-o")
         .arg(exe)
@@ -94,10 +62,10 @@ fn build_and_run(
 
 #[test]
 fn c_programs_pass() {
-    let tool = compiler(false);
+    let tool = common::compiler(false);
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_tests");
     std::fs::create_dir_all(&out_dir).unwrap();
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(repo().join("c_tests"))
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(common::repo().join("c_tests"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| {
@@ -130,10 +98,10 @@ fn c_programs_pass() {
 
 #[test]
 fn header_compiles_as_cpp17() {
-    let tool = compiler(true);
+    let tool = common::compiler(true);
     let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_tests");
     std::fs::create_dir_all(&out_dir).unwrap();
-    let source = repo().join("c_tests/header_cpp.cpp");
+    let source = common::repo().join("c_tests/header_cpp.cpp");
     let flags = ["-std=c++17", "-Wall", "-Wextra", "-Werror"];
     let text = build_and_run(&tool, &flags, &source, &out_dir.join("header_cpp"))
         .unwrap_or_else(|e| panic!("{e}"));

@@ -9,15 +9,12 @@
 //! Without one they print a SKIP line and pass, unless
 //! `XCALL_REQUIRE_JAX=1` (CI sets it after installing its pinned jax).
 
+mod common;
+
 use std::mem::offset_of;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use xcall::xla::abi::*;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 /// A Python that imports jax and pytest, or None (after a SKIP line).
 fn python(test: &str) -> Option<String> {
@@ -38,19 +35,6 @@ fn python(test: &str) -> Option<String> {
     None
 }
 
-/// The `libxcall.so` cargo built for this test run (see c_tests.rs).
-fn shared_lib() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    [
-        deps.join("libxcall.so"),
-        deps.parent().unwrap_or(deps).join("libxcall.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .expect("libxcall.so built next to this test")
-}
-
 #[test]
 fn pytest_suite_through_jax() {
     let Some(py) = python("pytest_suite_through_jax") else {
@@ -58,8 +42,8 @@ fn pytest_suite_through_jax() {
     };
     let out = Command::new(&py)
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
-        .arg(repo().join("python/tests"))
-        .env("XCALL_LIB", shared_lib())
+        .arg(common::repo().join("python/tests"))
+        .env("XCALL_LIB", common::built_library("libxcall.so"))
         .env(
             "XCALL_JAX_PLATFORMS",
             std::env::var("XCALL_JAX_PLATFORMS").unwrap_or_else(|_| "cpu".into()),
@@ -287,19 +271,13 @@ fn mirrored_abi_matches_the_installed_jaxlib_header() {
     let c = dir.join("layout.c");
     let exe = dir.join("layout");
     std::fs::write(&c, source).unwrap();
-    let tool = cc::Build::new()
-        .target(env!("XCALL_BUILD_TARGET"))
-        .host(env!("XCALL_BUILD_TARGET"))
-        .opt_level(0)
-        .cargo_metadata(false)
-        .try_get_compiler()
-        .expect("a C compiler");
+    let tool = common::compiler(false);
     let built = Command::new(tool.path())
         .args(["-std=c11", "-Wall", "-Werror"])
         .arg("-I")
         .arg(&include)
         .arg("-I")
-        .arg(repo().join("include"))
+        .arg(common::repo().join("include"))
         .arg(&c)
         .arg("-o")
         .arg(&exe)

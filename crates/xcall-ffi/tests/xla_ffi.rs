@@ -278,31 +278,62 @@ fn ptr<T>(v: &mut [T]) -> *mut c_void {
 /// Routing of 3 tokens over 2 experts: t0 -> {0, 1}, t1 -> {1}, t2 -> {0}.
 const ROUTING: [u8; 6] = [1, 1, 0, 1, 1, 0];
 
+/// The buffers of a make_row_id_map call over [`ROUTING`]: routing [3, 2],
+/// row_id_map [3, 5], tokens_per_expert [2], expert_offsets [3].
+struct MapBufs {
+    routing: [u8; 6],
+    map: [i32; 15],
+    tpe: [i64; 2],
+    off: [i64; 3],
+}
+
+impl MapBufs {
+    /// Routing [`ROUTING`], every output element `fill`.
+    fn new(fill: i32) -> Box<MapBufs> {
+        Box::new(MapBufs {
+            routing: ROUTING,
+            map: [fill; 15],
+            tpe: [fill as i64; 2],
+            off: [fill as i64; 3],
+        })
+    }
+
+    /// row_id_map, tokens_per_expert and expert_offsets as XLA buffers
+    /// (results of make_row_id_map, operands of permute).
+    fn maps(&mut self) -> Vec<Box<Buf>> {
+        vec![
+            buf(dtype::S32, ptr(&mut self.map), &[3, 5]),
+            buf(dtype::S64, ptr(&mut self.tpe), &[2]),
+            buf(dtype::S64, ptr(&mut self.off), &[3]),
+        ]
+    }
+
+    /// A make_row_id_map frame with the routing as `routing_dtype`.
+    fn frame(&mut self, routing_dtype: u32, attrs: &[(&str, Attr)]) -> Frame {
+        let routing = buf(routing_dtype, ptr(&mut self.routing), &[3, 2]);
+        let maps = self.maps();
+        frame(
+            fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+            vec![routing],
+            maps,
+            attrs,
+        )
+    }
+}
+
 #[test]
 fn host_make_row_id_map_gives_the_known_map() {
-    let mut routing = ROUTING;
-    let mut map = [99i32; 15];
-    let mut tpe = [99i64; 2];
-    let mut off = [99i64; 3];
-    let mut f = frame(
-        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
-        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
-        vec![
-            buf(dtype::S32, ptr(&mut map), &[3, 5]),
-            buf(dtype::S64, ptr(&mut tpe), &[2]),
-            buf(dtype::S64, ptr(&mut off), &[3]),
-        ],
-        &[("graph_cache", Attr::Pred(true))],
-    );
+    let mut m = MapBufs::new(99);
+    let mut f = m.frame(dtype::U8, &[("graph_cache", Attr::Pred(true))]);
     let before = (
         STREAM_GETS.load(Ordering::SeqCst),
         ORDINAL_GETS.load(Ordering::SeqCst),
     );
     call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
     // Expert 0 gets t0, t2 (rows 0, 1); expert 1 gets t0, t1 (rows 2, 3).
-    assert_eq!(map, [0, 2, 0, 1, 2, 3, -1, 1, -1, 1, 1, -1, 0, -1, 1]);
-    assert_eq!(tpe, [2, 2]);
-    assert_eq!(off, [0, 2, 4]);
+    assert_eq!(m.map, [0, 2, 0, 1, 2, 3, -1, 1, -1, 1, 1, -1, 0, -1, 1]);
+    assert_eq!(m.tpe, [2, 2]);
+    assert_eq!(m.off, [0, 2, 4]);
     // The Host handler asked the runtime for no stream and no device.
     assert_eq!(
         before,
@@ -316,32 +347,16 @@ fn host_make_row_id_map_gives_the_known_map() {
 
 #[test]
 fn host_permute_refuses_an_output_over_its_input() {
-    let mut routing = ROUTING;
-    let mut map = [0i32; 15];
-    let mut tpe = [0i64; 2];
-    let mut off = [0i64; 3];
-    let mut f = frame(
-        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
-        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
-        vec![
-            buf(dtype::S32, ptr(&mut map), &[3, 5]),
-            buf(dtype::S64, ptr(&mut tpe), &[2]),
-            buf(dtype::S64, ptr(&mut off), &[3]),
-        ],
-        &[],
-    );
-    call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    let mut m = MapBufs::new(0);
+    call(xcall_xla_make_row_id_map_host, &mut m.frame(dtype::U8, &[])).unwrap();
     let mut x: Vec<f32> = (0..12).map(|i| i as f32 + 0.5).collect();
     let snapshot = x.clone();
     let xp = ptr(&mut x);
+    let mut args = vec![buf(dtype::F32, xp, &[3, 4])];
+    args.extend(m.maps());
     let mut f = frame(
         fake_api(API_SIZE_DEVICE_ORDINAL_GET),
-        vec![
-            buf(dtype::F32, xp, &[3, 4]),
-            buf(dtype::S32, ptr(&mut map), &[3, 5]),
-            buf(dtype::S64, ptr(&mut tpe), &[2]),
-            buf(dtype::S64, ptr(&mut off), &[3]),
-        ],
+        args,
         // Output rows 0..3 of 4 floats: the same memory as the input.
         vec![buf(dtype::F32, xp, &[3, 4])],
         &[],
@@ -358,34 +373,21 @@ fn host_permute_refuses_an_output_over_its_input() {
 
 #[test]
 fn host_permute_with_probs_runs_and_bad_shapes_are_errors() {
-    let mut routing = ROUTING;
-    let mut map = [0i32; 15];
-    let mut tpe = [0i64; 2];
-    let mut off = [0i64; 3];
-    let mut f = frame(
-        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
-        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
-        vec![
-            buf(dtype::S32, ptr(&mut map), &[3, 5]),
-            buf(dtype::S64, ptr(&mut tpe), &[2]),
-            buf(dtype::S64, ptr(&mut off), &[3]),
-        ],
-        &[],
-    );
-    call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    let mut m = MapBufs::new(0);
+    call(xcall_xla_make_row_id_map_host, &mut m.frame(dtype::U8, &[])).unwrap();
     let mut x = [1.0f32, 2.0, 3.0];
     let mut probs = [0.25f32, 0.75, 0.0, 0.5, 0.125, 0.0];
     let mut out = [f32::NAN; 5];
     let mut out_probs = [f32::NAN; 5];
-    let (xp, mp, tp, op) = (ptr(&mut x), ptr(&mut map), ptr(&mut tpe), ptr(&mut off));
-    let (pp, outp, outpp) = (ptr(&mut probs), ptr(&mut out), ptr(&mut out_probs));
-    let make = |out_rows: i64, probs_experts: i64, has_probs: bool| {
-        let mut args = vec![
-            buf(dtype::F32, xp, &[3, 1]),
-            buf(dtype::S32, mp, &[3, 5]),
-            buf(dtype::S64, tp, &[2]),
-            buf(dtype::S64, op, &[3]),
-        ];
+    let (xp, pp, outp, outpp) = (
+        ptr(&mut x),
+        ptr(&mut probs),
+        ptr(&mut out),
+        ptr(&mut out_probs),
+    );
+    let mut make = |out_rows: i64, probs_experts: i64, has_probs: bool| {
+        let mut args = vec![buf(dtype::F32, xp, &[3, 1])];
+        args.extend(m.maps());
         let mut rets = vec![buf(dtype::F32, outp, &[out_rows, 1])];
         if has_probs {
             args.push(buf(dtype::F32, pp, &[3, probs_experts]));
@@ -420,53 +422,41 @@ fn host_permute_with_probs_runs_and_bad_shapes_are_errors() {
 
 #[test]
 fn attributes_are_checked() {
-    let mut routing = ROUTING;
-    let mut map = [7i32; 15];
-    let mut tpe = [0i64; 2];
-    let mut off = [0i64; 3];
-    let (rp, mp, tp, op) = (
-        ptr(&mut routing),
-        ptr(&mut map),
-        ptr(&mut tpe),
-        ptr(&mut off),
-    );
-    let run = |attrs: &[(&str, Attr)]| {
-        let mut f = frame(
-            fake_api(API_SIZE_DEVICE_ORDINAL_GET),
-            vec![buf(dtype::PRED, rp, &[3, 2])],
-            vec![
-                buf(dtype::S32, mp, &[3, 5]),
-                buf(dtype::S64, tp, &[2]),
-                buf(dtype::S64, op, &[3]),
-            ],
-            attrs,
-        );
-        call(xcall_xla_make_row_id_map_host, &mut f)
+    let mut m = MapBufs::new(7);
+    let run = |m: &mut MapBufs, attrs: &[(&str, Attr)]| {
+        call(
+            xcall_xla_make_row_id_map_host,
+            &mut m.frame(dtype::PRED, attrs),
+        )
     };
-    let e = run(&[("capacityy", Attr::I64(4))]).unwrap_err();
+    let e = run(&mut m, &[("capacityy", Attr::I64(4))]).unwrap_err();
     assert!(e.1.contains("has no attribute \"capacityy\" (it takes: num_out_tokens, align, capacity, graph_cache)"), "{}", e.1);
-    let e = run(&[("capacity", Attr::F32(2.0))]).unwrap_err();
+    let e = run(&mut m, &[("capacity", Attr::F32(2.0))]).unwrap_err();
     assert!(
         e.1.contains("attribute capacity: expected an integer scalar, got XLA dtype code 11"),
         "{}",
         e.1
     );
-    let e = run(&[("graph_cache", Attr::I64(2))]).unwrap_err();
+    let e = run(&mut m, &[("graph_cache", Attr::I64(2))]).unwrap_err();
     assert!(
         e.1.contains("attribute graph_cache must be 0 or 1, got 2"),
         "{}",
         e.1
     );
-    let e = run(&[("align", Attr::I64(-3))]).unwrap_err();
+    let e = run(&mut m, &[("align", Attr::I64(-3))]).unwrap_err();
     assert!(e.1.contains("attribute align is negative (-3)"), "{}", e.1);
-    let e = run(&[("align", Attr::I64(4)), ("capacity", Attr::I64(2))]).unwrap_err();
+    let e = run(
+        &mut m,
+        &[("align", Attr::I64(4)), ("capacity", Attr::I64(2))],
+    )
+    .unwrap_err();
     assert_eq!(e.0, 3);
-    assert_eq!(map, [7; 15], "failed calls write nothing");
+    assert_eq!(m.map, [7; 15], "failed calls write nothing");
     // A capacity of 1: t0 keeps expert 0 (row 0) and expert 1 (row 1); t1's
     // route to expert 1 and t2's to expert 0 are dropped.
-    run(&[("capacity", Attr::I64(1))]).unwrap();
-    assert_eq!(map, [0, 1, 0, 1, 2, -1, -1, -1, -1, 0, -1, -1, -1, -1, 0]);
-    assert_eq!((tpe, off), ([1, 1], [0, 1, 2]));
+    run(&mut m, &[("capacity", Attr::I64(1))]).unwrap();
+    assert_eq!(m.map, [0, 1, 0, 1, 2, -1, -1, -1, -1, 0, -1, -1, -1, -1, 0]);
+    assert_eq!((m.tpe, m.off), ([1, 1], [0, 1, 2]));
 }
 
 #[test]
@@ -553,25 +543,13 @@ fn cuda_handler_checks_the_api_table_before_calling_it() {
 
 #[test]
 fn non_execute_stages_do_nothing() {
-    let mut routing = ROUTING;
-    let mut map = [5i32; 15];
-    let mut tpe = [0i64; 2];
-    let mut off = [0i64; 3];
-    let mut f = frame(
-        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
-        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
-        vec![
-            buf(dtype::S32, ptr(&mut map), &[3, 5]),
-            buf(dtype::S64, ptr(&mut tpe), &[2]),
-            buf(dtype::S64, ptr(&mut off), &[3]),
-        ],
-        &[],
-    );
+    let mut m = MapBufs::new(5);
+    let mut f = m.frame(dtype::U8, &[]);
     for stage in 0..3 {
         f.frame.stage = stage;
         call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
     }
-    assert_eq!(map, [5; 15]);
+    assert_eq!(m.map, [5; 15]);
 }
 
 #[test]
