@@ -102,9 +102,7 @@ impl Decoded {
 
     /// An operand or result the signature always has.
     fn req(&self, name: &str) -> Tensor {
-        Self::find(&self.args, name)
-            .or_else(|| Self::find(&self.rets, name))
-            .cloned()
+        self.opt(name)
             .unwrap_or_else(|| unreachable!("{name} is in the signature"))
     }
 
@@ -586,20 +584,38 @@ fn scalar(name: &str, ty: u32, ptr: *mut c_void) -> Result<i64, FfiError> {
     }
 }
 
-fn attributes(spec: &Spec, a: &XLA_FFI_Attrs) -> Result<Vec<(String, i64)>, FfiError> {
+/// Whether `name` is a `has_*` flag of `spec`'s signature.
+fn is_slot_flag(spec: &Spec, name: &str) -> bool {
+    spec.args
+        .iter()
+        .chain(spec.rets)
+        .any(|s| s.when == Some(name))
+}
+
+/// Whether `spec` takes attribute `name`.
+fn takes(spec: &Spec, name: &str) -> bool {
+    spec.scalars.contains(&name) || COMMON_ATTRS.contains(&name) || is_slot_flag(spec, name)
+}
+
+/// The attributes `spec` takes, as its error message lists them.
+fn attribute_names(spec: &Spec) -> Vec<&'static str> {
     let flags = spec.args.iter().chain(spec.rets).filter_map(|s| s.when);
-    let known: Vec<&str> = spec
+    let mut names: Vec<&'static str> = Vec::new();
+    for n in spec
         .scalars
         .iter()
         .copied()
         .chain(COMMON_ATTRS)
         .chain(flags)
-        .fold(Vec::new(), |mut v, n| {
-            if !v.contains(&n) {
-                v.push(n);
-            }
-            v
-        });
+    {
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    names
+}
+
+fn attributes(spec: &Spec, a: &XLA_FFI_Attrs) -> Result<Vec<(String, i64)>, FfiError> {
     if a.size < 0 || (a.size > 0 && (a.types.is_null() || a.names.is_null() || a.attrs.is_null())) {
         return Err(invalid("the attribute list is malformed".into()));
     }
@@ -616,23 +632,21 @@ fn attributes(spec: &Spec, a: &XLA_FFI_Attrs) -> Result<Vec<(String, i64)>, FfiE
                 String::from_utf8_lossy(bytes).into_owned()
             })
             .ok_or_else(|| invalid(format!("attribute {i} has no name")))?;
-        if !known.contains(&name.as_str()) {
+        if !takes(spec, &name) {
             return Err(invalid(format!(
                 "{} has no attribute {name:?} (it takes: {})",
                 spec.name,
-                known.join(", ")
+                attribute_names(spec).join(", ")
             )));
         }
         let value = scalar(&name, ty, ptr)?;
-        out.push((name, value));
-    }
-    let flags = spec.args.iter().chain(spec.rets).filter_map(|s| s.when);
-    for flag in flags.chain(BOOL_ATTRS) {
-        if let Some((n, v)) = out.iter().find(|(n, _)| n == flag) {
-            if !matches!(v, 0 | 1) {
-                return Err(invalid(format!("attribute {n} must be 0 or 1, got {v}")));
-            }
+        let is_flag = BOOL_ATTRS.contains(&name.as_str()) || is_slot_flag(spec, &name);
+        if is_flag && !matches!(value, 0 | 1) {
+            return Err(invalid(format!(
+                "attribute {name} must be 0 or 1, got {value}"
+            )));
         }
+        out.push((name, value));
     }
     Ok(out)
 }
