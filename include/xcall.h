@@ -122,6 +122,28 @@ enum xcall_status
    * An operating-system call failed (socket, shared memory, mapping).
    */
   XCALL_STATUS_SYSTEM = 15,
+  /**
+   * A PE of the world left without finalize, or failed in finalize: the
+   * world is failed, and every later transfer, signal, wait or
+   * collective on any of its PEs returns this code without touching
+   * memory. Only finalize (or freeing the handle) remains.
+   */
+  XCALL_STATUS_PEER_FAILED = 16,
+  /**
+   * A handle argument is not a live handle of the expected type (freed
+   * already, or never made by xcall, or a handle of another type).
+   */
+  XCALL_STATUS_INVALID_HANDLE = 17,
+  /**
+   * A bounded piece of work reached its bound (states or memory of the
+   * model checker, a time budget); the message gives the numbers reached.
+   */
+  XCALL_STATUS_LIMIT = 18,
+  /**
+   * The handle is in use by another thread, and it is not safe to share:
+   * nothing was done.
+   */
+  XCALL_STATUS_BUSY = 19,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -450,8 +472,9 @@ typedef uint32_t xcall_shmem_signal_op;
 typedef struct xcall_graph_cache xcall_graph_cache;
 
 /**
- * One PE's handle on a world of symmetric memory. Owned by one PE: calls
- * on one handle must not run concurrently (each PE thread has its own).
+ * One PE's handle on a world of symmetric memory. Owned by one PE (each
+ * PE thread has its own). A call on a handle that another thread is using
+ * at that moment returns `XCALL_STATUS_BUSY` and does nothing.
  */
 typedef struct xcall_shmem_world xcall_shmem_world;
 
@@ -882,7 +905,9 @@ xcall_status xcall_graph_cache_new(const xcall_graph_cache_config *config,
 /**
  * Frees a cache and destroys its executable graphs. NULL and the XLA
  * handlers' cache (`xcall_xla_graph_cache()`, owned by the library) are
- * no-ops. No other call on the cache may be in flight.
+ * no-ops. No other call on the cache may be in flight. A handle that is
+ * not live (freed already, not made by xcall) is left alone and
+ * `xcall_last_error_message()` says so.
  */
 void xcall_graph_cache_free(xcall_graph_cache *cache);
 
@@ -1068,8 +1093,12 @@ xcall_status xcall_sort_chunks_by_map(const xcall_target *target,
 xcall_status xcall_shmem_world_new(xcall_shmem_world **out);
 
 /**
- * Frees a handle (NULL: no-op). A live world is released without the
- * collective steps of finalize: call `xcall_shmem_finalize` first.
+ * Frees a handle (NULL: no-op; a handle that is not live is left alone
+ * and `xcall_last_error_message()` says so). A live world is released
+ * without the collective steps of finalize: the world is marked failed, so
+ * every other PE's later transfers, signals, waits and collectives return
+ * `XCALL_STATUS_PEER_FAILED`, and this PE's heap stays mapped until no
+ * peer of this process can reach it. Call `xcall_shmem_finalize` first.
  */
 void xcall_shmem_world_free(xcall_shmem_world *w);
 
@@ -1197,7 +1226,9 @@ xcall_status xcall_shmem_wait_until(xcall_shmem_world *w,
 xcall_status xcall_ws_plan_new(const xcall_ws_spec *spec, xcall_ws_plan **out_plan);
 
 /**
- * Frees a plan. NULL is a no-op.
+ * Frees a plan. NULL is a no-op; a handle that is not live (freed
+ * already, not made by xcall) is left alone and
+ * `xcall_last_error_message()` says so.
  */
 void xcall_ws_plan_free(xcall_ws_plan *plan);
 

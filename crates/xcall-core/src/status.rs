@@ -51,13 +51,27 @@ pub enum Status {
     CollectiveMismatch = 14,
     /// An operating-system call failed (socket, shared memory, mapping).
     System = 15,
+    /// A PE of the world left without finalize, or failed in finalize: the
+    /// world is failed, and every later transfer, signal, wait or
+    /// collective on any of its PEs returns this code without touching
+    /// memory. Only finalize (or freeing the handle) remains.
+    PeerFailed = 16,
+    /// A handle argument is not a live handle of the expected type (freed
+    /// already, or never made by xcall, or a handle of another type).
+    InvalidHandle = 17,
+    /// A bounded piece of work reached its bound (states or memory of the
+    /// model checker, a time budget); the message gives the numbers reached.
+    Limit = 18,
+    /// The handle is in use by another thread, and it is not safe to share:
+    /// nothing was done.
+    Busy = 19,
 }
 
 impl Status {
     /// Every status, in code order.
     ///
     /// cbindgen:ignore
-    pub const ALL: [Status; 16] = [
+    pub const ALL: [Status; 20] = [
         Status::Ok,
         Status::NullArgument,
         Status::InvalidArgument,
@@ -74,6 +88,10 @@ impl Status {
         Status::OutOfMemory,
         Status::CollectiveMismatch,
         Status::System,
+        Status::PeerFailed,
+        Status::InvalidHandle,
+        Status::Limit,
+        Status::Busy,
     ];
 
     /// The numeric code.
@@ -105,6 +123,10 @@ impl Status {
             Status::OutOfMemory => c"XCALL_STATUS_OUT_OF_MEMORY",
             Status::CollectiveMismatch => c"XCALL_STATUS_COLLECTIVE_MISMATCH",
             Status::System => c"XCALL_STATUS_SYSTEM",
+            Status::PeerFailed => c"XCALL_STATUS_PEER_FAILED",
+            Status::InvalidHandle => c"XCALL_STATUS_INVALID_HANDLE",
+            Status::Limit => c"XCALL_STATUS_LIMIT",
+            Status::Busy => c"XCALL_STATUS_BUSY",
         }
     }
 
@@ -145,6 +167,10 @@ mod tests {
             (13, "XCALL_STATUS_OUT_OF_MEMORY"),
             (14, "XCALL_STATUS_COLLECTIVE_MISMATCH"),
             (15, "XCALL_STATUS_SYSTEM"),
+            (16, "XCALL_STATUS_PEER_FAILED"),
+            (17, "XCALL_STATUS_INVALID_HANDLE"),
+            (18, "XCALL_STATUS_LIMIT"),
+            (19, "XCALL_STATUS_BUSY"),
         ];
         assert_eq!(Status::ALL.len(), published.len());
         for (code, name) in published {

@@ -10,6 +10,7 @@ use xcall_graph::{
 };
 
 use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::handle::{self, Handle};
 
 /// A device-aware graph cache for custom calls.
 ///
@@ -18,6 +19,10 @@ use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
 /// be the last call on it.
 pub struct xcall_graph_cache {
     pub(crate) inner: GraphCache<CudaGraphs>,
+}
+
+impl Handle for xcall_graph_cache {
+    const TYPE: &'static str = "xcall_graph_cache";
 }
 
 /// Configuration of a graph cache. Fill it with
@@ -110,9 +115,7 @@ impl From<GraphError> for FfiError {
 }
 
 fn cache_ref<'a>(cache: *const xcall_graph_cache) -> Result<&'a xcall_graph_cache, FfiError> {
-    // SAFETY: the caller passes NULL or a cache from xcall_graph_cache_new
-    // that has not been freed; NULL is refused.
-    unsafe { cache.as_ref() }.ok_or_else(|| FfiError::new(Status::NullArgument, "cache is NULL"))
+    handle::get(cache, "cache")
 }
 
 fn device_arg(platform: u32, ordinal: u32) -> Result<Device, FfiError> {
@@ -177,24 +180,22 @@ pub extern "C" fn xcall_graph_cache_new(
             None => Config::default(),
         };
         let inner = GraphCache::new(CudaGraphs, config)?;
-        *out = Box::into_raw(Box::new(xcall_graph_cache { inner }));
+        *out = handle::publish(xcall_graph_cache { inner })?;
         Ok(())
     })
 }
 
 /// Frees a cache and destroys its executable graphs. NULL and the XLA
 /// handlers' cache (`xcall_xla_graph_cache()`, owned by the library) are
-/// no-ops. No other call on the cache may be in flight.
+/// no-ops. No other call on the cache may be in flight. A handle that is
+/// not live (freed already, not made by xcall) is left alone and
+/// `xcall_last_error_message()` says so.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
-    if !cache.is_null() && !crate::xla::is_handler_cache(cache) {
-        // Destroying driver objects must not unwind into C.
-        let _ = std::panic::catch_unwind(|| {
-            // SAFETY: a non-NULL cache came from xcall_graph_cache_new and is
-            // freed once, by contract.
-            drop(unsafe { Box::from_raw(cache) });
-        });
-    }
+    let _ = ffi_call!({
+        drop(handle::release(cache, "cache")?);
+        Ok(())
+    });
 }
 
 /// Runs one call through the cache. On Host, `record(user_data, NULL)` runs

@@ -18,6 +18,7 @@
 
 mod graph;
 mod guard;
+mod handle;
 mod permute;
 mod shmem;
 mod warpspec;

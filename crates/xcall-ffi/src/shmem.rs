@@ -1,6 +1,7 @@
 //! C ABI of symmetric memory (xcall-shmem).
 
 use std::ffi::{c_char, c_void, CStr};
+use std::sync::{MutexGuard, TryLockError};
 use std::time::Duration;
 
 use static_assertions::{assert_eq_align, assert_eq_size};
@@ -8,6 +9,7 @@ use xcall_core::{Device, Status};
 use xcall_shmem::{BootstrapKind, Cmp, Config, ShmemError, SignalOp, World};
 
 use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::handle::{self, Handle};
 
 assert_eq_size!(Cmp, u32);
 assert_eq_align!(Cmp, u32);
@@ -19,10 +21,15 @@ impl From<ShmemError> for FfiError {
     }
 }
 
-/// One PE's handle on a world of symmetric memory. Owned by one PE: calls
-/// on one handle must not run concurrently (each PE thread has its own).
+/// One PE's handle on a world of symmetric memory. Owned by one PE (each
+/// PE thread has its own). A call on a handle that another thread is using
+/// at that moment returns `XCALL_STATUS_BUSY` and does nothing.
 pub struct xcall_shmem_world {
-    inner: World,
+    inner: std::sync::Mutex<World>,
+}
+
+impl Handle for xcall_shmem_world {
+    const TYPE: &'static str = "xcall_shmem_world";
 }
 
 /// PEs are threads of one process meeting by group name (`address`).
@@ -55,12 +62,21 @@ pub struct xcall_shmem_config {
     pub timeout_ms: u64,
 }
 
-fn world<'a>(w: *mut xcall_shmem_world) -> Result<&'a mut World, FfiError> {
-    // SAFETY: NULL or a handle from xcall_shmem_world_new not yet freed,
-    // used by one thread at a time (documented).
-    unsafe { w.as_mut() }
-        .map(|w| &mut w.inner)
-        .ok_or_else(|| FfiError::new(Status::NullArgument, "world is NULL"))
+/// The world behind a handle, held for this call: a handle another thread
+/// is using right now is `Busy` (a PE's handle is not shared; this turns
+/// the misuse into an error instead of a data race).
+fn world<'a>(w: *mut xcall_shmem_world) -> Result<MutexGuard<'a, World>, FfiError> {
+    let w = handle::get(w, "world")?;
+    match w.inner.try_lock() {
+        Ok(g) => Ok(g),
+        // A panic caught inside an earlier call on this handle: the world's
+        // own state is what that call left; later calls report its errors.
+        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+        Err(TryLockError::WouldBlock) => Err(FfiError::new(
+            Status::Busy,
+            "world is in use by another thread (a world handle belongs to one PE thread)",
+        )),
+    }
 }
 
 /// Creates a world handle in phase New into `*out`.
@@ -68,24 +84,25 @@ fn world<'a>(w: *mut xcall_shmem_world) -> Result<&'a mut World, FfiError> {
 pub extern "C" fn xcall_shmem_world_new(out: *mut *mut xcall_shmem_world) -> Status {
     ffi_call!({
         let out = out_ptr(out, "out")?;
-        *out = Box::into_raw(Box::new(xcall_shmem_world {
-            inner: World::new(),
-        }));
+        *out = handle::publish(xcall_shmem_world {
+            inner: std::sync::Mutex::new(World::new()),
+        })?;
         Ok(())
     })
 }
 
-/// Frees a handle (NULL: no-op). A live world is released without the
-/// collective steps of finalize: call `xcall_shmem_finalize` first.
+/// Frees a handle (NULL: no-op; a handle that is not live is left alone
+/// and `xcall_last_error_message()` says so). A live world is released
+/// without the collective steps of finalize: the world is marked failed, so
+/// every other PE's later transfers, signals, waits and collectives return
+/// `XCALL_STATUS_PEER_FAILED`, and this PE's heap stays mapped until no
+/// peer of this process can reach it. Call `xcall_shmem_finalize` first.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_world_free(w: *mut xcall_shmem_world) {
-    if !w.is_null() {
-        let _ = ffi_call!({
-            // SAFETY: a handle from xcall_shmem_world_new, freed once.
-            drop(unsafe { Box::from_raw(w) });
-            Ok(())
-        });
-    }
+    let _ = ffi_call!({
+        drop(handle::release(w, "world")?);
+        Ok(())
+    });
 }
 
 /// Joins the world (collective). Errors: `XCALL_STATUS_INVALID_STATE`
@@ -99,7 +116,7 @@ pub extern "C" fn xcall_shmem_init(
     config: *const xcall_shmem_config,
 ) -> Status {
     ffi_call!({
-        let w = world(w)?;
+        let mut w = world(w)?;
         // SAFETY: NULL or a valid config, per the documentation.
         let c = unsafe { config.as_ref() }
             .ok_or_else(|| FfiError::new(Status::NullArgument, "config is NULL"))?;
@@ -187,7 +204,7 @@ pub extern "C" fn xcall_shmem_malloc(
     out: *mut *mut c_void,
 ) -> Status {
     ffi_call!({
-        let w = world(w)?;
+        let mut w = world(w)?;
         let out = out_ptr(out, "out")?;
         *out = w.malloc(bytes as usize)? as *mut c_void;
         Ok(())

@@ -10,11 +10,16 @@ use xcall_warpspec::verify::verify;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
 
 use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::handle::{self, Handle};
 
 /// A derived pipeline plan. Immutable: any function may use it from any
 /// thread; `xcall_ws_plan_free` must be the last call on it.
 pub struct xcall_ws_plan {
     plan: PipelinePlan,
+}
+
+impl Handle for xcall_ws_plan {
+    const TYPE: &'static str = "xcall_ws_plan";
 }
 
 /// What a pipeline must do. Each async warp issues one bulk load of
@@ -84,10 +89,7 @@ impl From<OpError> for FfiError {
 }
 
 fn plan_ref<'a>(plan: *const xcall_ws_plan) -> Result<&'a PipelinePlan, FfiError> {
-    // SAFETY: NULL or a plan from xcall_ws_plan_new not yet freed.
-    unsafe { plan.as_ref() }
-        .map(|p| &p.plan)
-        .ok_or_else(|| FfiError::new(Status::NullArgument, "plan is NULL"))
+    handle::get(plan, "plan").map(|p| &p.plan)
 }
 
 fn dtype_arg(code: u32) -> Result<DType, FfiError> {
@@ -173,18 +175,20 @@ pub extern "C" fn xcall_ws_plan_new(
             s.smem_limit = spec.smem_limit;
         }
         let plan = PipelinePlan::new(&s)?;
-        *out = Box::into_raw(Box::new(xcall_ws_plan { plan }));
+        *out = handle::publish(xcall_ws_plan { plan })?;
         Ok(())
     })
 }
 
-/// Frees a plan. NULL is a no-op.
+/// Frees a plan. NULL is a no-op; a handle that is not live (freed
+/// already, not made by xcall) is left alone and
+/// `xcall_last_error_message()` says so.
 #[no_mangle]
 pub extern "C" fn xcall_ws_plan_free(plan: *mut xcall_ws_plan) {
-    if !plan.is_null() {
-        // SAFETY: a non-NULL plan came from xcall_ws_plan_new and is freed once.
-        drop(unsafe { Box::from_raw(plan) });
-    }
+    let _ = ffi_call!({
+        drop(handle::release(plan, "plan")?);
+        Ok(())
+    });
 }
 
 /// Facts of a plan in `*out_info`.

@@ -15,6 +15,8 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -314,14 +316,14 @@ impl UnixSocket {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Vec<UnixStream>> {
-        // A socket file left by a crashed run would make bind fail.
-        if std::fs::symlink_metadata(path).is_ok() {
-            std::fs::remove_file(path)
-                .map_err(|e| ShmemError::os(format!("removing stale {path:?}"), e))?;
-        }
+        remove_stale_socket(path)?;
         let listener =
             UnixListener::bind(path).map_err(|e| ShmemError::os(format!("bind {path:?}"), e))?;
         let _unlink = Unlink(path.to_path_buf());
+        // Owner only; a connection is admitted only from this user anyway
+        // (checked per connection below), this closes the door earlier.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| ShmemError::os(format!("chmod 0600 {path:?}"), e))?;
         listener
             .set_nonblocking(true)
             .map_err(|e| ShmemError::os("set_nonblocking", e))?;
@@ -329,6 +331,12 @@ impl UnixSocket {
         while by_rank.iter().any(Option::is_none) {
             match listener.accept() {
                 Ok((mut s, _)) => {
+                    if same_user(&s).is_err() {
+                        // Not admitted (a world must not take in strangers):
+                        // the connection is closed; a rank that never gets
+                        // in is named by the timeout.
+                        continue;
+                    }
                     s.set_nonblocking(false)
                         .map_err(|e| ShmemError::os("set_nonblocking", e))?;
                     let hello = read_frame(&mut s, deadline)
@@ -403,6 +411,11 @@ impl UnixSocket {
                 }
             }
         };
+        same_user(&s).map_err(|why| {
+            ShmemError::System(format!(
+                "the listener at {path:?} is not rank 0 of this user: {why}"
+            ))
+        })?;
         let mut hello = HELLO.to_le_bytes().to_vec();
         hello.extend((rank as u32).to_le_bytes());
         hello.extend((size as u64).to_le_bytes());
@@ -418,6 +431,65 @@ impl UnixSocket {
         }
         ShmemError::Timeout(msg)
     }
+}
+
+/// Makes way for rank 0's socket at `path`: nothing there is fine; a socket
+/// nobody listens on (left by a crashed run) is removed; a live socket, or
+/// anything that is not a socket, is an error naming the path (a mistyped
+/// path must never cost a file).
+fn remove_stale_socket(path: &Path) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(ShmemError::os(format!("inspecting {path:?}"), e)),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(ShmemError::InvalidArgument(format!(
+            "{path:?} exists and is not a socket; the bootstrap address must be a free path (nothing was removed)"
+        )));
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(ShmemError::State(format!(
+            "a process is listening at {path:?} already (another world's rank 0?); use another address"
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => std::fs::remove_file(path)
+            .map_err(|e| ShmemError::os(format!("removing the stale socket {path:?}"), e)),
+        Err(e) => Err(ShmemError::os(format!("probing the socket {path:?}"), e)),
+    }
+}
+
+/// Whether the process at the other end of `s` runs as this user
+/// (SO_PEERCRED).
+fn same_user(s: &UnixStream) -> std::result::Result<(), String> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a ucred; the fd is
+    // an open Unix socket owned by `s`.
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(format!("SO_PEERCRED: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid != me {
+        return Err(format!(
+            "pid {} runs as uid {}, this process as uid {me}",
+            cred.pid, cred.uid
+        ));
+    }
+    Ok(())
 }
 
 /// Removes the socket path when rank 0 has every PE connected (or failed).
@@ -498,5 +570,46 @@ impl Bootstrap for UnixSocket {
             }
             Ok(all)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// While rank 0 listens, its socket is owner-only; a same-user rank 1
+    /// is admitted and the collective works.
+    #[test]
+    fn the_listening_socket_is_owner_only_and_admits_this_user() {
+        let path = std::env::temp_dir().join(format!("xcall-perm-{}.sock", std::process::id()));
+        let p0 = path.clone();
+        let zero = std::thread::spawn(move || {
+            let mut b = UnixSocket::connect(&p0, 0, 2, Duration::from_secs(20)).unwrap();
+            b.allgather(b"zero").unwrap()
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mode = loop {
+            // The mode is set right after bind: wait until it shows.
+            if let Ok(m) = std::fs::symlink_metadata(&path) {
+                let mode = m.permissions().mode() & 0o777;
+                if mode == 0o600 || Instant::now() >= deadline {
+                    break mode;
+                }
+            }
+            assert!(Instant::now() < deadline, "watchdog: rank 0 never listened");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(mode, 0o600, "socket mode {mode:o}");
+        let mut one = UnixSocket::connect(&path, 1, 2, Duration::from_secs(20)).unwrap();
+        let all = one.allgather(b"one").unwrap();
+        assert_eq!(all, vec![b"zero".to_vec(), b"one".to_vec()]);
+        assert_eq!(zero.join().unwrap(), all);
+        assert!(!path.exists(), "removed once every PE connected");
+    }
+
+    #[test]
+    fn same_user_accepts_this_process() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert_eq!(same_user(&a), Ok(()));
     }
 }

@@ -27,6 +27,10 @@ pub enum ShmemError {
     /// An operating-system call failed.
     #[error("system error: {0}")]
     System(String),
+    /// A PE of the world left without finalize or failed in finalize:
+    /// nothing more crosses the world; only finalize remains.
+    #[error("peer failed: {0}")]
+    PeerFailed(String),
     /// A platform error (CUDA driver, NVRTC, device ordinal).
     #[error(transparent)]
     Platform(#[from] xcall_core::Error),
@@ -43,6 +47,7 @@ impl ShmemError {
             ShmemError::OutOfMemory(_) => Status::OutOfMemory,
             ShmemError::Unsupported(_) => Status::Unsupported,
             ShmemError::System(_) => Status::System,
+            ShmemError::PeerFailed(_) => Status::PeerFailed,
             ShmemError::Platform(e) => e.status(),
         }
     }
@@ -64,6 +69,7 @@ impl ShmemError {
             ShmemError::OutOfMemory(m) => ShmemError::OutOfMemory(format!("{context}: {m}")),
             ShmemError::Unsupported(m) => ShmemError::Unsupported(format!("{context}: {m}")),
             ShmemError::System(m) => ShmemError::System(format!("{context}: {m}")),
+            ShmemError::PeerFailed(m) => ShmemError::PeerFailed(format!("{context}: {m}")),
             ShmemError::Platform(e) => ShmemError::Platform(e),
         }
     }
@@ -90,6 +96,7 @@ impl ShmemError {
             Some(Status::Unsupported) => ShmemError::Unsupported(msg),
             Some(Status::System) => ShmemError::System(msg),
             Some(Status::InvalidState) => ShmemError::State(msg),
+            Some(Status::PeerFailed) => ShmemError::PeerFailed(msg),
             _ => ShmemError::InvalidArgument(msg),
         }
     }

@@ -3,6 +3,7 @@
 //! process), and peers' heaps mapped from their names.
 
 use std::ffi::CString;
+use std::sync::Mutex;
 
 use crate::error::{Result, ShmemError};
 
@@ -11,7 +12,7 @@ pub(crate) struct HostHeap {
     pub base: u64,
     pub len: usize,
     /// The shared-memory name while it is still linked.
-    name: Option<CString>,
+    name: Mutex<Option<CString>>,
 }
 
 fn last_os_error(what: String) -> ShmemError {
@@ -48,7 +49,7 @@ impl HostHeap {
         Ok(HostHeap {
             base: map(-1, len)?,
             len,
-            name: None,
+            name: Mutex::new(None),
         })
     }
 
@@ -70,7 +71,7 @@ impl HostHeap {
         let mut heap = HostHeap {
             base: 0,
             len,
-            name: Some(c),
+            name: Mutex::new(Some(c)),
         };
         // SAFETY: `fd` is the object just created.
         let sized = unsafe { libc::ftruncate(fd, len as libc::off_t) };
@@ -89,8 +90,9 @@ impl HostHeap {
 
     /// Removes the name (every peer has mapped the heap by now); the
     /// memory lives on until the last mapping goes.
-    pub fn unlink(&mut self) {
-        if let Some(name) = self.name.take() {
+    pub fn unlink(&self) {
+        let name = self.name.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(name) = name {
             // SAFETY: a NUL-terminated name this PE created.
             unsafe { libc::shm_unlink(name.as_ptr()) };
         }

@@ -38,11 +38,14 @@
 pub mod bootstrap;
 mod cuda;
 mod error;
+mod handoff;
 pub mod heap;
 mod host;
 pub mod registry;
 pub mod world;
 
 pub use error::{Result, ShmemError};
-pub use world::{BootstrapKind, Cmp, Config, FinalizeReport, Phase, SignalOp, World};
+pub use world::{
+    BootstrapKind, Cmp, Config, FinalizeReport, Phase, SignalOp, Transport, World, MAX_PES,
+};
 pub use xcall_core::{Device, Platform};

@@ -26,15 +26,27 @@
 //! (reported as leaks); close the mappings of other processes' heaps
 //! (same-process peers are never "closed"); barrier; release the heap,
 //! the stream and the device binding; leave the bootstrap.
+//!
+//! A PE that leaves without finalize (its `World` dropped while live), or
+//! whose finalize fails (a peer never arrived), marks the world failed in
+//! the world's state page, a small page of host memory every PE maps. Every
+//! transfer, signal, wait and collective reads it first and returns
+//! [`ShmemError::PeerFailed`] instead of touching memory. Heaps stay
+//! mapped while a peer can still reach them: a same-process peer holds a
+//! reference to each heap (the memory goes with the last PE of the process
+//! that holds it), and another process's heap stays mapped in this process
+//! until this PE leaves.
 
 use std::path::PathBuf;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use xcall_core::{Device, Platform};
 
 use crate::bootstrap::{Bootstrap, InProcess, UnixSocket};
 use crate::error::{Result, ShmemError};
+use crate::handoff::{self, Offer};
 use crate::heap::{Allocator, ALIGN};
 use crate::host::{host_identity, HostHeap, HostMapping};
 use crate::registry::{self, Binding};
@@ -48,6 +60,12 @@ pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
 pub const DEFAULT_CUDA_HEAP: usize = 1 << 30;
 /// Default timeout of every wait on other PEs.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most PEs a world may have. Rack-scale systems have 72 GPUs and CPU
+/// partitions more; the bound keeps the per-PE tables of init (O(PEs) on
+/// every PE) from growing without limit on a wrong size.
+pub const MAX_PES: usize = 1 << 16;
+/// Bytes of a world's state page.
+const STATE_PAGE: usize = 4096;
 
 /// How the PEs find each other.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,7 +131,7 @@ impl Config {
     }
 
     fn heap(&self) -> Result<usize> {
-        let bytes = match self.heap_bytes {
+        let requested = match self.heap_bytes {
             Some(b) => b,
             None => match std::env::var(HEAP_ENV) {
                 Ok(v) => v.trim().parse().map_err(|_| {
@@ -123,6 +141,7 @@ impl Config {
                 Err(_) => DEFAULT_HOST_HEAP,
             },
         };
+        let bytes = requested;
         let internal = internal_bytes(self.size);
         if bytes < internal + ALIGN {
             return Err(ShmemError::InvalidArgument(format!(
@@ -131,7 +150,16 @@ impl Config {
                 internal + ALIGN
             )));
         }
-        Ok(bytes.next_multiple_of(ALIGN))
+        // The heap's end must stay an address: a size near 2^64 cannot be
+        // mapped anywhere, and rounding it up must not wrap.
+        bytes
+            .checked_next_multiple_of(ALIGN)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                ShmemError::InvalidArgument(format!(
+                    "a heap of {bytes} bytes is larger than an address space"
+                ))
+            })
     }
 }
 
@@ -196,7 +224,7 @@ pub struct FinalizeReport {
 }
 
 /// Bytes reserved at offset 0 of every heap: `n` arrival words, the epoch
-/// word, the error word, `n` peer pointers.
+/// word, the error word, `n` peer pointers. `n` is at most [`MAX_PES`].
 fn internal_bytes(n: usize) -> usize {
     (8 * n + 16 + 8 * n).next_multiple_of(ALIGN)
 }
@@ -206,11 +234,74 @@ enum Memory {
     Cuda(crate::cuda::DeviceHeap),
 }
 
+/// How this PE reaches a peer's heap (a read-only fact for tests and
+/// diagnostics: [`World::transport`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// This PE itself, or a PE of this process: the peer's address as is
+    /// (on CUDA with peer access enabled), never IPC.
+    SameProcess,
+    /// Host heap of another process, mapped from POSIX shared memory.
+    HostSharedMemory,
+    /// CUDA heap of another process, opened from its IPC handle.
+    CudaIpc,
+}
+
 enum PeerMap {
-    /// This PE, or a PE of this process: the address is usable as is.
-    Direct,
+    /// Nothing held (finalize dropped it).
+    Released,
+    /// A PE of this process (this PE included): its heap, held so that it
+    /// stays mapped while this PE can reach it.
+    SameProcess(#[allow(dead_code)] Arc<Memory>),
     Host(#[allow(dead_code)] HostMapping),
     Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
+}
+
+/// Why a world failed, in its state word: `reason << 32 | (rank + 1)`.
+const LEFT_WITHOUT_FINALIZE: u64 = 1;
+const FINALIZE_FAILED: u64 = 2;
+
+/// The world's state page: host memory every PE of the world maps (its
+/// first word is 0 while the world is healthy).
+enum StatePage {
+    SameProcess(Arc<HostHeap>),
+    Mapped(HostMapping),
+}
+
+impl StatePage {
+    fn word(&self) -> &AtomicU64 {
+        let base = match self {
+            StatePage::SameProcess(h) => h.base,
+            StatePage::Mapped(m) => m.base,
+        };
+        // SAFETY: the first 8 bytes of a page-aligned mapping this PE holds
+        // for as long as `self` lives; every access is atomic.
+        unsafe { &*(base as *const AtomicU64) }
+    }
+
+    fn fail(&self, reason: u64, rank: usize) {
+        let code = (reason << 32) | (rank as u64 + 1);
+        // The first failure is the one reported.
+        let _ = self
+            .word()
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn check(&self) -> Result<()> {
+        let code = self.word().load(Ordering::Acquire);
+        if code == 0 {
+            return Ok(());
+        }
+        let rank = (code & 0xffff_ffff).saturating_sub(1);
+        let why = match code >> 32 {
+            LEFT_WITHOUT_FINALIZE => "left the world without finalize",
+            FINALIZE_FAILED => "failed in finalize",
+            _ => "failed",
+        };
+        Err(ShmemError::PeerFailed(format!(
+            "rank {rank} {why}; nothing more crosses this world, only finalize remains"
+        )))
+    }
 }
 
 struct Peer {
@@ -220,6 +311,7 @@ struct Peer {
 }
 
 struct Live {
+    state: StatePage,
     rank: usize,
     size: usize,
     device: Device,
@@ -234,7 +326,7 @@ struct Live {
     peers: Vec<Peer>,
     stream: Option<crate::cuda::Stream>,
     // Dropped last, in this order (fields drop in declaration order).
-    memory: Memory,
+    memory: Arc<Memory>,
     _binding: Binding,
 }
 
@@ -321,6 +413,17 @@ impl World {
         Ok(l.peers[pe].device)
     }
 
+    /// How this PE reaches PE `pe`'s heap.
+    pub fn transport(&self, pe: usize) -> Result<Transport> {
+        let l = self.live()?;
+        l.check_pe(pe)?;
+        Ok(match l.peers[pe].map {
+            PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
+            PeerMap::Host(_) => Transport::HostSharedMemory,
+            PeerMap::Cuda(_) => Transport::CudaIpc,
+        })
+    }
+
     /// This PE's heap: (base address, bytes). User allocations start after
     /// the internal region.
     pub fn heap(&self) -> Result<(u64, usize)> {
@@ -348,6 +451,10 @@ impl World {
     /// Allocations still live are freed and reported. The world is
     /// Finalized afterwards even when a step failed (the first failure is
     /// returned).
+    ///
+    /// On a failed world (a peer left or failed) the collective steps are
+    /// skipped: this PE releases what it holds and the error is
+    /// [`ShmemError::PeerFailed`].
     pub fn finalize(&mut self) -> Result<FinalizeReport> {
         self.live()?;
         let live = self.live.take().expect("checked live");
@@ -385,6 +492,9 @@ impl World {
     /// PE's heap), or `None` when `local` is outside the heap or `pe` is
     /// not a PE. Every PE of a world is directly addressable (init refuses
     /// a world where one is not).
+    ///
+    /// The address stays mapped while this PE is live, even after PE `pe`
+    /// left; xcall checks nothing done through it.
     pub fn ptr(&self, pe: usize, local: u64) -> Option<u64> {
         let l = self.live().ok()?;
         let offset = local
@@ -491,7 +601,7 @@ impl World {
     pub fn barrier_all(&mut self) -> Result<()> {
         let l = self.live_mut()?;
         l.quiet()?;
-        l.boot.barrier()
+        l.collective("barrier_all", 0)
     }
 
     /// A barrier of all PEs as a kernel on the caller's CUDA `stream`:
@@ -506,6 +616,7 @@ impl World {
                 "barrier_on_stream needs a CUDA world; use barrier_all on Host".into(),
             ));
         }
+        l.state.check()?;
         let k = crate::cuda::kernels(l.device)?;
         let n = l.size as u64;
         let mut params = [
@@ -622,6 +733,9 @@ impl World {
         let deadline = Instant::now() + l.timeout;
         let mut spins = 0u32;
         loop {
+            // A peer that left will never signal: say so now, not at the
+            // timeout.
+            l.state.check()?;
             let x = l.read_word(sig)?;
             if cmp.holds(x, value) {
                 return Ok(x);
@@ -669,7 +783,10 @@ impl Drop for World {
     fn drop(&mut self) {
         // Dropping a live world releases this PE's resources without the
         // collective steps (peers may be gone); finalize is the clean way.
+        // The peers learn of it from the state page, and this PE's heap
+        // stays mapped while a same-process peer holds it.
         if let Some(live) = self.live.take() {
+            live.state.fail(LEFT_WITHOUT_FINALIZE, live.rank);
             drop(live);
         }
     }
@@ -681,6 +798,12 @@ impl Live {
             return Err(ShmemError::InvalidArgument(format!(
                 "rank {} is not in a world of {} PE(s)",
                 c.rank, c.size
+            )));
+        }
+        if c.size > MAX_PES {
+            return Err(ShmemError::InvalidArgument(format!(
+                "a world of {} PEs is larger than the limit of {MAX_PES}",
+                c.size
             )));
         }
         if c.timeout.is_zero() {
@@ -769,15 +892,17 @@ impl Live {
         let same_process = |r: usize| ids[r][0] == ids[c.rank][0] && ids[r][1] == ids[c.rank][1];
         let cross = (0..c.size).any(|r| !same_process(r));
 
-        // 4. the heap.
+        // 4. the world's state page (rank 0 makes it), and the heap.
+        let (state, _state_offer) = state_page(boot.as_mut(), c, cross, &same_process)?;
         let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
         let memory = match c.device.platform {
             Platform::Host if cross => HostHeap::shared(&shm_name, len).map(Memory::Host),
             Platform::Host => HostHeap::private(len).map(Memory::Host),
             Platform::Cuda => crate::cuda::DeviceHeap::new(c.device, len).map(Memory::Cuda),
         };
-        let mut memory = agree(boot.as_mut(), memory)?;
-        let (base, export) = match &memory {
+        let memory = Arc::new(agree(boot.as_mut(), memory)?);
+        let heap_offer = handoff::offer(memory.clone());
+        let (base, export) = match &*memory {
             Memory::Host(h) => (h.base, shm_name.clone()),
             Memory::Cuda(d) => {
                 let handle = if cross {
@@ -791,7 +916,7 @@ impl Live {
 
         // 5. peers.
         let descs: Vec<Vec<String>> = boot
-            .allgather(format!("{base}\n{export}").as_bytes())?
+            .allgather(format!("{base}\n{export}\n{}", heap_offer.token).as_bytes())?
             .iter()
             .map(|b| fields(b))
             .collect();
@@ -803,15 +928,25 @@ impl Live {
                 })?;
                 let export = d.get(1).cloned().unwrap_or_default();
                 let device = devices[r];
+                let held = || -> Result<PeerMap> {
+                    let token = d.get(2).and_then(|t| t.parse().ok()).unwrap_or(0);
+                    handoff::take::<Memory>(token)
+                        .map(PeerMap::SameProcess)
+                        .ok_or_else(|| {
+                            ShmemError::Mismatch(format!(
+                                "rank {r}'s heap is not on offer in this process"
+                            ))
+                        })
+                };
                 let (base, map) = match c.device.platform {
-                    Platform::Host if same_process(r) => (their_base, PeerMap::Direct),
+                    Platform::Host if same_process(r) => (their_base, held()?),
                     Platform::Host => {
                         let m = HostMapping::open(&export, len)?;
                         (m.base, PeerMap::Host(m))
                     }
                     Platform::Cuda if same_process(r) => {
                         crate::cuda::enable_peer_access(c.device, device, (c.rank, r))?;
-                        (their_base, PeerMap::Direct)
+                        (their_base, held()?)
                     }
                     Platform::Cuda => {
                         let bytes: Vec<u8> = (0..export.len() / 2)
@@ -827,11 +962,16 @@ impl Live {
         })();
         let peers = agree(boot.as_mut(), peers)?;
 
-        // 6. every peer mapped this heap: drop its name.
+        // 6. every peer mapped this heap: drop its name and the offers.
         boot.barrier()?;
-        if let Memory::Host(h) = &mut memory {
+        if let Memory::Host(h) = &*memory {
             h.unlink();
         }
+        if let StatePage::SameProcess(h) = &state {
+            h.unlink();
+        }
+        drop(heap_offer);
+        drop(_state_offer);
 
         // 7. the internal region.
         let mut alloc = Allocator::new(len);
@@ -844,6 +984,7 @@ impl Live {
         .transpose();
         let stream = agree(boot.as_mut(), stream)?;
         let mut live = Live {
+            state,
             rank: c.rank,
             size: c.size,
             device: c.device,
@@ -876,7 +1017,7 @@ impl Live {
             let at = 8 * n + 16 + 8 * i;
             table[at..at + 8].copy_from_slice(&p.base.to_le_bytes());
         }
-        match &self.memory {
+        match &*self.memory {
             Memory::Host(_) => {
                 // SAFETY: the first `internal` bytes of this PE's heap.
                 unsafe {
@@ -899,6 +1040,10 @@ impl Live {
     }
 
     fn finalize(mut self) -> Result<FinalizeReport> {
+        if let Err(e) = self.state.check() {
+            // The collective steps would wait for a PE that is gone.
+            return Err(e.context(format!("finalize of rank {} (released locally)", self.rank)));
+        }
         let mut first: Option<ShmemError> = None;
         let mut keep = |r: Result<()>| {
             if let Err(e) = r {
@@ -906,7 +1051,7 @@ impl Live {
             }
         };
         keep(self.quiet());
-        keep(self.boot.barrier());
+        keep(self.collective("finalize", 0));
         let leaked: Vec<(usize, usize)> = self
             .alloc
             .live()
@@ -916,12 +1061,16 @@ impl Live {
         for &(o, _) in &leaked {
             keep(self.alloc.free(o).map(|_| ()));
         }
-        // Close other processes' heaps; same-process peers stay as they are.
+        // Close other processes' heaps and let go of same-process ones.
         for p in &mut self.peers {
-            p.map = PeerMap::Direct;
+            p.map = PeerMap::Released;
         }
         keep(self.boot.barrier());
         drop(self.stream.take());
+        if first.is_some() {
+            // A peer may not have arrived: it must not touch this heap.
+            self.state.fail(FINALIZE_FAILED, self.rank);
+        }
         let Live {
             boot,
             memory,
@@ -949,20 +1098,29 @@ impl Live {
 
     /// PE `pe`'s address of `[local, local + bytes)`, checked to lie in the
     /// user part of this PE's heap.
+    /// Checks that the world is healthy first: the one gate every
+    /// transfer and signal passes.
     fn remote(&self, local: u64, bytes: usize, pe: usize, what: &str) -> Result<u64> {
+        self.state.check()?;
         self.check_pe(pe)?;
         let offset = local.checked_sub(self.base).map(|o| o as usize);
-        match offset {
-            Some(o) if o >= self.internal && o.checked_add(bytes).is_some_and(|end| end <= self.len) => {
-                Ok(self.peers[pe].base + o as u64)
-            }
-            _ => Err(ShmemError::InvalidArgument(format!(
+        let o = match offset {
+            Some(o) if o >= self.internal && o.checked_add(bytes).is_some_and(|end| end <= self.len) => o,
+            _ => return Err(ShmemError::InvalidArgument(format!(
                 "{what} [{local:#x}, +{bytes}) is not inside the symmetric heap [{:#x}, {:#x}) of rank {}",
                 self.base + self.internal as u64,
                 self.base + self.len as u64,
                 self.rank
             ))),
+        };
+        // Allocations are symmetric: a block live here is live on every PE.
+        if self.alloc.containing(o, bytes).is_none() {
+            return Err(ShmemError::InvalidArgument(format!(
+                "{what} [{local:#x}, +{bytes}) is not inside one live allocation of rank {} (freed already, or spans two objects)",
+                self.rank
+            )));
         }
+        Ok(self.peers[pe].base + o as u64)
     }
 
     fn signal_word(&self, signal: u64, pe: usize) -> Result<u64> {
@@ -1057,6 +1215,8 @@ impl Live {
     /// argument) must be equal everywhere; a difference is reported on
     /// every PE with every PE's call.
     fn collective(&mut self, what: &str, arg: u64) -> Result<()> {
+        // A failed world has a PE that will never come.
+        self.state.check()?;
         let seq = self.seq;
         self.seq += 1;
         let mine = format!("{what}\n{seq}\n{arg}");
@@ -1067,28 +1227,82 @@ impl Live {
         let calls: Vec<String> = all
             .iter()
             .enumerate()
-            .map(|(r, a)| {
-                let f = fields(a);
-                let arg = match (f[0].as_str(), f.get(2).map(String::as_str)) {
-                    ("free", Some(a)) if a == u64::MAX.to_string() => {
-                        "an address outside the heap".to_string()
-                    }
-                    ("free", Some(a)) => format!("offset {a}"),
-                    (_, Some(a)) => format!("{a} bytes"),
-                    _ => "?".into(),
-                };
-                format!(
-                    "rank {r}: {} #{} of {arg}",
-                    f[0],
-                    f.get(1).map_or("?", |s| s.as_str())
-                )
-            })
+            .map(|(r, a)| format!("rank {r}: {}", describe_call(a)))
             .collect();
         Err(ShmemError::Mismatch(format!(
-            "PEs disagree in collective call #{seq} (malloc/free must be called in the same order with the same sizes on every PE): {}",
+            "PEs disagree in collective call #{seq} (malloc, free, barrier_all and finalize must be called in the same order with the same sizes on every PE): {}",
             calls.join("; ")
         )))
     }
+}
+
+/// One PE's collective call as the others see it ("malloc #3 of 4096
+/// bytes"), from its `what\nseq\narg` record.
+fn describe_call(record: &[u8]) -> String {
+    let f = fields(record);
+    let (what, seq, arg) = match f.as_slice() {
+        [w, s, a] => (w.as_str(), s.as_str(), a.as_str()),
+        _ => return "a call that is not malloc, free, barrier_all or finalize".into(),
+    };
+    match what {
+        "malloc" => format!("malloc #{seq} of {arg} bytes"),
+        "free" if arg == u64::MAX.to_string() => {
+            format!("free #{seq} of an address outside the heap")
+        }
+        "free" => format!("free #{seq} of offset {arg}"),
+        _ => format!("{what} #{seq}"),
+    }
+}
+
+/// Rank 0 makes the world's state page (shared memory when some PE is in
+/// another process); every PE maps it: same-process PEs by a handoff,
+/// others by name. Returns the page and, on rank 0, its offer (withdrawn
+/// once every PE mapped it).
+fn state_page(
+    boot: &mut dyn Bootstrap,
+    c: &Config,
+    cross: bool,
+    same_process: &dyn Fn(usize) -> bool,
+) -> Result<(StatePage, Option<Offer>)> {
+    let made = if c.rank == 0 {
+        let name = format!("/xcall-state-{}-{}", std::process::id(), unique());
+        let page = if cross {
+            HostHeap::shared(&name, STATE_PAGE)
+        } else {
+            HostHeap::private(STATE_PAGE)
+        };
+        page.map(|p| {
+            let p = Arc::new(p);
+            (p.clone(), handoff::offer(p), name)
+        })
+    } else {
+        Err(ShmemError::State("not rank 0".into()))
+    };
+    let (announce, local) = match made {
+        Ok((page, offer, name)) => (Ok(format!("{}\n{name}", offer.token)), Some((page, offer))),
+        Err(e) if c.rank == 0 => (Err(e), None),
+        Err(_) => (Ok(String::new()), None),
+    };
+    let announce = agree(boot, announce)?;
+    let from_zero = fields(&boot.broadcast(0, announce.as_bytes())?);
+    let mapped = match local {
+        Some((page, offer)) => Ok((StatePage::SameProcess(page), Some(offer))),
+        None if same_process(0) => from_zero
+            .first()
+            .and_then(|t| t.parse().ok())
+            .and_then(handoff::take::<HostHeap>)
+            .map(|p| (StatePage::SameProcess(p), None))
+            .ok_or_else(|| {
+                ShmemError::Mismatch("rank 0's state page is not on offer in this process".into())
+            }),
+        None => match from_zero.get(1) {
+            Some(name) => HostMapping::open(name, STATE_PAGE).map(|m| (StatePage::Mapped(m), None)),
+            None => Err(ShmemError::Mismatch(
+                "rank 0 sent a malformed state page name".into(),
+            )),
+        },
+    };
+    agree(boot, mapped)
 }
 
 /// Direction of [`World::transfer`].

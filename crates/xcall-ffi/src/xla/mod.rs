@@ -316,16 +316,16 @@ static SORT_CHUNKS_BY_MAP: Spec = Spec {
 /// The graph cache of the XLA handlers (process-wide, sharded per device).
 fn handler_cache() -> &'static xcall_graph_cache {
     static CACHE: OnceLock<xcall_graph_cache> = OnceLock::new();
-    CACHE.get_or_init(|| xcall_graph_cache {
+    static PUBLISHED: std::sync::Once = std::sync::Once::new();
+    let cache = CACHE.get_or_init(|| xcall_graph_cache {
         inner: GraphCache::new(CudaGraphs, Config::default())
             .unwrap_or_else(|e| unreachable!("the default config is valid: {e}")),
-    })
-}
-
-/// Whether `cache` is the handlers' cache (which `xcall_graph_cache_free`
-/// must leave alone).
-pub(crate) fn is_handler_cache(cache: *const xcall_graph_cache) -> bool {
-    std::ptr::eq(cache, handler_cache())
+    });
+    // A live handle owned by the library: usable with every
+    // xcall_graph_cache_* call, left alone by xcall_graph_cache_free. Once
+    // makes every thread wait until it is recorded.
+    PUBLISHED.call_once(|| crate::handle::publish_static(cache));
+    cache
 }
 
 /// The graph cache the XLA handlers use for calls with the `graph_cache`
@@ -759,7 +759,12 @@ fn error_code(status: Status) -> ErrorCode {
         Status::CudaUnavailable => ErrorCode::Unavailable,
         Status::OutOfMemory => ErrorCode::ResourceExhausted,
         Status::Timeout => ErrorCode::DeadlineExceeded,
-        Status::InvalidState | Status::CollectiveMismatch => ErrorCode::FailedPrecondition,
+        Status::InvalidState
+        | Status::CollectiveMismatch
+        | Status::PeerFailed
+        | Status::InvalidHandle
+        | Status::Busy => ErrorCode::FailedPrecondition,
+        Status::Limit => ErrorCode::ResourceExhausted,
         Status::Panic
         | Status::CudaDriver
         | Status::CompileFailed
