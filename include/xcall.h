@@ -1309,6 +1309,16 @@ xcall_status xcall_ws_run(uint32_t platform,
 const xcall_graph_cache *xcall_xla_graph_cache(void);
 
 /**
+ * The pointer an XLA handler returns for a failure the call frame gives
+ * it no way to report (a NULL frame, no API table, a table too short for
+ * `Error_Create`, or `Error_Create` returning NULL). It is not an error
+ * the runtime made: never pass it to the runtime's `Error_*` functions.
+ * `xcall_last_error_message()` on the handler's thread says what was
+ * wrong. Never NULL; the same value for the life of the process.
+ */
+struct XLA_FFI_Error *xcall_xla_unreportable_error(void);
+
+/**
  * XLA FFI handler of `make_row_id_map` for "cpu". Operand: `routing`
  * `[T, E]` pred/u8. Results: `row_id_map` `[T, 2E + 1]` s32,
  * `tokens_per_expert` `[E]` s64, `expert_offsets` `[E + 1]` s64.

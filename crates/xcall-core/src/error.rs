@@ -47,6 +47,10 @@ pub enum Error {
     /// The operation does not support these arguments.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// Host memory for a caller-sized buffer could not be had; nothing was
+    /// changed.
+    #[error("out of host memory: {0}")]
+    OutOfMemory(String),
 }
 
 impl Error {
@@ -59,6 +63,7 @@ impl Error {
             Error::CompileFailed { .. } => Status::CompileFailed,
             Error::NoSuchDevice { .. } => Status::NoSuchDevice,
             Error::Unsupported(_) => Status::Unsupported,
+            Error::OutOfMemory(_) => Status::OutOfMemory,
         }
     }
 

@@ -9,6 +9,7 @@
 
 #![deny(missing_docs)]
 
+pub mod alloc;
 pub mod cuda;
 mod device_map;
 mod dtype;

@@ -40,6 +40,12 @@ fn set_last_error(message: &str) {
     LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
 }
 
+/// Records `e` as this thread's last error (for paths that report through
+/// something other than a status).
+pub(crate) fn record_error(e: &FfiError) {
+    set_last_error(&e.message);
+}
+
 /// Pointer to this thread's last error message (empty when the last call
 /// succeeded). Valid until the next xcall call on this thread.
 pub(crate) fn last_error_ptr() -> *const c_char {

@@ -33,7 +33,7 @@ pub use xla::{
     xcall_xla_make_row_id_map_cuda, xcall_xla_make_row_id_map_host, xcall_xla_permute_cuda,
     xcall_xla_permute_host, xcall_xla_sort_chunks_by_map_cuda, xcall_xla_sort_chunks_by_map_host,
     xcall_xla_unpermute_backward_cuda, xcall_xla_unpermute_backward_host, xcall_xla_unpermute_cuda,
-    xcall_xla_unpermute_host,
+    xcall_xla_unpermute_host, xcall_xla_unreportable_error,
 };
 
 use std::ffi::c_char;

@@ -563,3 +563,190 @@ fn the_handler_cache_survives_free() {
         xcall_core::Status::Ok
     );
 }
+
+/// The last error message of this thread.
+fn last_error() -> String {
+    // SAFETY: always a valid NUL-terminated string.
+    unsafe { CStr::from_ptr(xcall_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+unsafe extern "C" fn null_error_create(_: *mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error {
+    std::ptr::null_mut()
+}
+
+/// Frames that give the handler no way to report an error still never
+/// read as success: the handler returns the unreportable-error marker, the
+/// thread's last error says why, and nothing is written.
+#[test]
+fn frames_that_cannot_report_get_the_unreportable_marker() {
+    let marker = xcall_xla_unreportable_error();
+    assert!(!marker.is_null());
+    assert_eq!(marker, xcall_xla_unreportable_error(), "one value");
+
+    assert_eq!(
+        xcall_xla_permute_host(std::ptr::null_mut()),
+        marker,
+        "NULL frame"
+    );
+    assert!(
+        last_error().contains("the call frame is NULL"),
+        "{}",
+        last_error()
+    );
+
+    let mut m = MapBufs::new(3);
+    type Spoil = Box<dyn Fn(&mut Frame)>;
+    let cases: Vec<(&str, Spoil, &str)> = vec![
+        (
+            "a frame too short to hold its API table",
+            Box::new(|f: &mut Frame| f.frame.struct_size = 8),
+            "XLA_FFI_CallFrame of 8 bytes",
+        ),
+        (
+            "no API table at the execute stage",
+            Box::new(|f: &mut Frame| f.frame.api = std::ptr::null()),
+            "no XLA FFI API table",
+        ),
+        (
+            "a table too short for Error_Create",
+            Box::new(|f: &mut Frame| {
+                // SAFETY: the frame's table is the Box in f._api.
+                unsafe { (*(f.frame.api as *mut XLA_FFI_Api)).struct_size = 16 }
+            }),
+            "table of 16 bytes",
+        ),
+        (
+            "no Error_Create",
+            Box::new(|f: &mut Frame| {
+                // SAFETY: as above.
+                unsafe { (*(f.frame.api as *mut XLA_FFI_Api)).error_create = None }
+            }),
+            "",
+        ),
+        (
+            "an Error_Create that returns NULL",
+            Box::new(|f: &mut Frame| {
+                // SAFETY: as above.
+                unsafe {
+                    (*(f.frame.api as *mut XLA_FFI_Api)).error_create = Some(null_error_create)
+                }
+            }),
+            "",
+        ),
+    ];
+    for (what, spoil, says) in cases {
+        let mut f = m.frame(dtype::U8, &[]);
+        spoil(&mut f);
+        if says.is_empty() {
+            // A valid frame with a broken reporting path: make it fail.
+            f.frame.stage = 99;
+        }
+        let e = xcall_xla_make_row_id_map_host(&mut *f.frame);
+        assert_eq!(e, marker, "{what}");
+        let wanted = if says.is_empty() {
+            "unknown execution stage 99"
+        } else {
+            says
+        };
+        assert!(last_error().contains(wanted), "{what}: {}", last_error());
+        assert_eq!(m.map, [3; 15], "{what}: nothing written");
+    }
+}
+
+#[test]
+fn malformed_frames_get_an_xla_error_and_write_nothing() {
+    let mut m = MapBufs::new(4);
+    // An unknown stage.
+    let mut f = m.frame(dtype::U8, &[]);
+    f.frame.stage = 99;
+    let e = call(xcall_xla_make_row_id_map_host, &mut f).unwrap_err();
+    assert!(e.1.contains("unknown execution stage 99"), "{}", e.1);
+    // An attribute given twice.
+    let e = call(
+        xcall_xla_make_row_id_map_host,
+        &mut m.frame(
+            dtype::U8,
+            &[("align", Attr::I64(1)), ("align", Attr::I64(2))],
+        ),
+    )
+    .unwrap_err();
+    assert!(
+        e.1.contains("attribute \"align\" is given twice"),
+        "{}",
+        e.1
+    );
+    // An attribute count no op takes: refused before anything is read or
+    // allocated for it.
+    let mut f = m.frame(dtype::U8, &[("align", Attr::I64(1))]);
+    f.frame.attrs.size = 1 << 40;
+    let e = call(xcall_xla_make_row_id_map_host, &mut f).unwrap_err();
+    assert!(e.1.contains("1099511627776 attributes"), "{}", e.1);
+    // A buffer of rank 2 whose dims pointer is NULL.
+    let mut f = m.frame(dtype::U8, &[]);
+    f._bufs[0].raw.dims = std::ptr::null_mut();
+    let e = call(xcall_xla_make_row_id_map_host, &mut f).unwrap_err();
+    assert!(
+        e.1.contains("operand routing has rank 2 but its dims pointer is NULL"),
+        "{}",
+        e.1
+    );
+    assert_eq!(m.map, [4; 15], "nothing written");
+    assert_eq!((m.tpe, m.off), ([4; 2], [4; 3]));
+}
+
+#[test]
+fn malformed_metadata_queries_and_endless_chains_are_not_success() {
+    let marker = xcall_xla_unreportable_error();
+    // SAFETY: integers and pointers; all-zero is valid.
+    let mut meta: XLA_FFI_Metadata = unsafe { std::mem::zeroed() };
+    meta.struct_size = 48;
+    meta.traits = 0xdead;
+    let mut ext = XLA_FFI_Metadata_Extension {
+        extension_base: XLA_FFI_Extension_Base {
+            struct_size: METADATA_EXTENSION_SIZE,
+            kind: EXTENSION_METADATA,
+            next: std::ptr::null_mut(),
+        },
+        metadata: &mut meta,
+    };
+    let query = |spoil: &dyn Fn(&mut XLA_FFI_Metadata_Extension), says: &str| {
+        let mut f = frame(fake_api(API_SIZE_DEVICE_ORDINAL_GET), vec![], vec![], &[]);
+        f.frame.api = std::ptr::null();
+        let mut e = XLA_FFI_Metadata_Extension {
+            extension_base: XLA_FFI_Extension_Base {
+                struct_size: ext.extension_base.struct_size,
+                kind: ext.extension_base.kind,
+                next: std::ptr::null_mut(),
+            },
+            metadata: ext.metadata,
+        };
+        spoil(&mut e);
+        f.frame.extension_start = &mut e.extension_base;
+        assert_eq!(xcall_xla_permute_cuda(&mut *f.frame), marker, "{says}");
+        assert!(last_error().contains(says), "{says}: {}", last_error());
+    };
+    query(
+        &|e| e.extension_base.struct_size = 8,
+        "the metadata extension has 8 bytes",
+    );
+    query(
+        &|e| e.metadata = std::ptr::null_mut(),
+        "has no metadata to fill",
+    );
+    query(
+        // SAFETY: the metadata is `meta`, alive.
+        &|e| unsafe { (*e.metadata).struct_size = 8 },
+        "XLA_FFI_Metadata of 8 bytes",
+    );
+    meta.struct_size = 48;
+    assert_eq!(meta.traits, 0xdead, "nothing written");
+    // A chain whose node points at itself (not a metadata extension).
+    ext.extension_base.kind = 77;
+    let mut f = frame(fake_api(API_SIZE_DEVICE_ORDINAL_GET), vec![], vec![], &[]);
+    ext.extension_base.next = &mut ext.extension_base;
+    f.frame.extension_start = &mut ext.extension_base;
+    let e = call(xcall_xla_permute_host, &mut f).unwrap_err();
+    assert!(e.1.contains("extension chain is longer than 64"), "{}", e.1);
+}

@@ -306,6 +306,11 @@ pub unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs) -> Result<(
     if e == 0 {
         return Err(shape("a routing map needs at least 1 expert"));
     }
+    if e > i32::MAX as u64 {
+        return Err(shape(format!(
+            "routing has {e} experts: expert ids do not fit the i32 row-id map"
+        )));
+    }
     check("row_id_map", &a.row_id_map, &[DType::I32], 2)?;
     dim("row_id_map", &a.row_id_map, 0, t, "tokens")?;
     dim("row_id_map", &a.row_id_map, 1, 2 * e + 1, "2 * experts + 1")?;
@@ -313,7 +318,7 @@ pub unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs) -> Result<(
     dim("tokens_per_expert", &a.tokens_per_expert, 0, e, "experts")?;
     check("expert_offsets", &a.expert_offsets, &[DType::I64], 1)?;
     dim("expert_offsets", &a.expert_offsets, 0, e + 1, "experts + 1")?;
-    row_id_map::check_options(a.options)?;
+    row_id_map::check_layout(a.options, usize_of(t), usize_of(e))?;
     check_overlap(
         Op::MakeRowIdMap,
         &[("routing", &a.routing)],

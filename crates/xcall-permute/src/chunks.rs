@@ -7,6 +7,8 @@
 //! `sort_chunks_by_map` scatters (`out[map[t]] = in[t]`, forward) or
 //! gathers (`out[t] = in[map[t]]`, backward), with optional per-row probs.
 
+use xcall_core::alloc::try_vec;
+
 use crate::alias::{self, Op, Region};
 use crate::error::{shape, PermuteError};
 
@@ -19,17 +21,21 @@ pub fn make_chunk_sort_map(
     check_split(split_sizes, sorted_indices, tokens)?;
     let chunks = split_sizes.len();
     // Where each input chunk starts in the input and in the output.
-    let mut in_start = vec![0i64; chunks];
+    let mut in_start = try_vec(chunks, 0i64, "chunk starts")?;
     for c in 1..chunks {
         in_start[c] = in_start[c - 1] + split_sizes[c - 1];
     }
-    let mut out_start = vec![0i64; chunks];
+    let mut out_start = try_vec(chunks, 0i64, "chunk destinations")?;
     let mut at = 0i64;
     for &c in sorted_indices {
         out_start[c as usize] = at;
         at += split_sizes[c as usize];
     }
-    let mut map: Vec<i64> = (0..tokens as i64).collect();
+    // check_split bounded the sizes' sum by `tokens`: no sum below wraps.
+    let mut map = try_vec(tokens, 0i64, "chunk sort map")?;
+    for (t, m) in map.iter_mut().enumerate() {
+        *m = t as i64;
+    }
     for c in 0..chunks {
         for k in 0..split_sizes[c] {
             map[(in_start[c] + k) as usize] = out_start[c] + k;
@@ -58,13 +64,14 @@ pub fn check_split(
             split_sizes[i]
         )));
     }
-    let total: i64 = split_sizes.iter().sum();
-    if total as u64 > tokens as u64 {
-        return Err(shape(format!(
-            "split_sizes sum to {total}, past the {tokens} rows"
-        )));
-    }
-    let mut seen = vec![false; chunks];
+    // Checked: sizes summing past i64 are past any row count too.
+    let total = split_sizes
+        .iter()
+        .try_fold(0u64, |acc, &s| acc.checked_add(s as u64))
+        .filter(|&t| t <= tokens as u64)
+        .ok_or_else(|| shape(format!("split_sizes sum past the {tokens} rows")))?;
+    debug_assert!(total <= tokens as u64);
+    let mut seen = try_vec(chunks, false, "chunks seen")?;
     for (i, &c) in sorted_indices.iter().enumerate() {
         if c < 0 || c as usize >= chunks || seen[c as usize] {
             return Err(shape(format!(
@@ -97,14 +104,14 @@ pub fn sort_chunks_by_map(
     permuted_probs: Option<&mut [f32]>,
 ) -> Result<(), PermuteError> {
     let tokens = map.len();
-    if input.len() != tokens * row_bytes || output.len() != input.len() {
+    if tokens.checked_mul(row_bytes) != Some(input.len()) || output.len() != input.len() {
         return Err(shape(format!(
             "input and output must hold {tokens} rows of {row_bytes} bytes ({} and {} bytes given)",
             input.len(),
             output.len()
         )));
     }
-    let mut hit = vec![false; tokens];
+    let mut hit = try_vec(tokens, false, "rows hit")?;
     for (t, &d) in map.iter().enumerate() {
         if d < 0 || d as usize >= tokens || std::mem::replace(&mut hit[d as usize], true) {
             return Err(shape(format!(

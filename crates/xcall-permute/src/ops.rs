@@ -10,13 +10,20 @@
 //! `unpermuted_probs[t, e] = permuted_probs[dst]` (0 where no route).
 //! Every call checks shapes and buffer overlap before writing anything.
 
+use xcall_core::alloc::try_vec;
 use xcall_core::{DType, FloatCodec};
 
 use crate::alias::{self, Op, Region};
 use crate::error::{shape, PermuteError};
 use crate::row_id_map::RowIdMapRef;
 
-fn expect_len(name: &str, len: usize, want: usize) -> Result<(), PermuteError> {
+/// `len` must be the product of `dims` (checked: a product past `usize`
+/// is an error, never a wrapped size).
+fn expect_len(name: &str, len: usize, dims: &[usize]) -> Result<(), PermuteError> {
+    let want = dims
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| shape(format!("{name}: dims {dims:?} overflow a size")))?;
     if len == want {
         Ok(())
     } else {
@@ -66,9 +73,11 @@ pub fn permute(
 ) -> Result<(), PermuteError> {
     let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
     chunks_known("permute", &map)?;
-    let row = h * inputs.dtype.size_bytes();
-    expect_len("input (bytes)", inputs.input.len(), t * row)?;
-    expect_len("output (bytes)", outputs.output.len(), n * row)?;
+    let row = h
+        .checked_mul(inputs.dtype.size_bytes())
+        .ok_or_else(|| shape(format!("hidden size {h} overflows a row's bytes")))?;
+    expect_len("input (bytes)", inputs.input.len(), &[t, row])?;
+    expect_len("output (bytes)", outputs.output.len(), &[n, row])?;
     let scales_width = match inputs.scales {
         Some(s) if t > 0 => {
             if s.len() % t != 0 {
@@ -82,16 +91,16 @@ pub fn permute(
         _ => 0,
     };
     if let Some(p) = inputs.probs {
-        expect_len("probs", p.len(), t * e)?;
+        expect_len("probs", p.len(), &[t, e])?;
     }
     match (&inputs.probs, &outputs.permuted_probs) {
-        (Some(_), Some(pp)) => expect_len("permuted_probs", pp.len(), n)?,
+        (Some(_), Some(pp)) => expect_len("permuted_probs", pp.len(), &[n])?,
         (Some(_), None) => return Err(shape("probs given without permuted_probs")),
         (None, Some(_)) => return Err(shape("permuted_probs given without probs")),
         (None, None) => {}
     }
     match (&inputs.scales, &outputs.permuted_scales) {
-        (Some(_), Some(ps)) => expect_len("permuted_scales", ps.len(), n * scales_width)?,
+        (Some(_), Some(ps)) => expect_len("permuted_scales", ps.len(), &[n, scales_width])?,
         (Some(_), None) => return Err(shape("scales given without permuted_scales")),
         (None, Some(_)) => return Err(shape("permuted_scales given without scales")),
         (None, None) => {}
@@ -191,15 +200,15 @@ pub fn unpermute(
     };
     let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
     let size = inputs.dtype.size_bytes();
-    expect_len("input (bytes)", inputs.input.len(), n * h * size)?;
-    expect_len("output (bytes)", outputs.output.len(), t * h * size)?;
+    expect_len("input (bytes)", inputs.input.len(), &[n, h, size])?;
+    expect_len("output (bytes)", outputs.output.len(), &[t, h, size])?;
     if let Some(m) = inputs.merging_probs {
-        expect_len("merging_probs", m.len(), t * e)?;
+        expect_len("merging_probs", m.len(), &[t, e])?;
     }
     match (&inputs.permuted_probs, &outputs.unpermuted_probs) {
         (Some(pp), Some(up)) => {
-            expect_len("permuted_probs", pp.len(), n)?;
-            expect_len("unpermuted_probs", up.len(), t * e)?;
+            expect_len("permuted_probs", pp.len(), &[n])?;
+            expect_len("unpermuted_probs", up.len(), &[t, e])?;
         }
         (Some(_), None) => return Err(shape("permuted_probs given without unpermuted_probs")),
         (None, Some(_)) => return Err(shape("unpermuted_probs given without permuted_probs")),
@@ -221,7 +230,12 @@ pub fn unpermute(
     );
     alias::check(&ins, &outs, alias::alias_table(Op::Unpermute))?;
 
-    let (mut acc, mut x) = (vec![0f32; h], vec![0f32; h]);
+    if t == 0 {
+        return Ok(());
+    }
+    // H is bounded by the checked output (T > 0 rows of H elements).
+    let mut acc = try_vec(h, 0f32, "unpermute accumulator")?;
+    let mut x = try_vec(h, 0f32, "unpermute row")?;
     for token in 0..t {
         acc.fill(0.0);
         for (dst, expert) in map.routes(token) {
@@ -282,11 +296,11 @@ pub fn unpermute_backward(
     let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
     chunks_known("unpermute_backward", &map)?;
     let size = inputs.dtype.size_bytes();
-    expect_len("grad (bytes)", inputs.grad.len(), t * h * size)?;
-    expect_len("fwd_input (bytes)", inputs.fwd_input.len(), n * h * size)?;
-    expect_len("merging_probs", inputs.merging_probs.len(), t * e)?;
-    expect_len("act_grad (bytes)", outputs.act_grad.len(), n * h * size)?;
-    expect_len("probs_grad", outputs.probs_grad.len(), t * e)?;
+    expect_len("grad (bytes)", inputs.grad.len(), &[t, h, size])?;
+    expect_len("fwd_input (bytes)", inputs.fwd_input.len(), &[n, h, size])?;
+    expect_len("merging_probs", inputs.merging_probs.len(), &[t, e])?;
+    expect_len("act_grad (bytes)", outputs.act_grad.len(), &[n, h, size])?;
+    expect_len("probs_grad", outputs.probs_grad.len(), &[t, e])?;
     let ins = [
         Region::of("grad", inputs.grad),
         Region::of("fwd_input", inputs.fwd_input),
@@ -304,7 +318,13 @@ pub fn unpermute_backward(
     outputs.probs_grad.fill(0.0);
     let group = DOT_GROUP_BYTES / size;
     let mut partial = [0f32; DOT_SLOTS];
-    let (mut g, mut f, mut act) = (vec![0f32; h], vec![0f32; h], vec![0f32; h]);
+    if t == 0 {
+        return Ok(());
+    }
+    // H is bounded by the checked grad (T > 0 rows of H elements).
+    let mut g = try_vec(h, 0f32, "unpermute_backward grad row")?;
+    let mut f = try_vec(h, 0f32, "unpermute_backward input row")?;
+    let mut act = try_vec(h, 0f32, "unpermute_backward act row")?;
     for token in 0..t {
         codec.load_slice(inputs.grad, token * h, &mut g);
         for (dst, expert) in map.routes(token) {

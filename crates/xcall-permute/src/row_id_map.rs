@@ -7,7 +7,22 @@
 //! ascending within an expert: `dst = offset[e] + rank of t among the
 //! tokens routed to e`. A route's columns are in ascending expert order.
 
+use xcall_core::alloc::try_vec;
+
 use crate::error::{shape, PermuteError};
+
+/// `2E + 1`, checked.
+fn map_width(experts: usize) -> Result<usize, PermuteError> {
+    if experts > i32::MAX as usize {
+        return Err(shape(format!(
+            "{experts} experts: expert ids do not fit the i32 row-id map"
+        )));
+    }
+    experts
+        .checked_mul(2)
+        .and_then(|w| w.checked_add(1))
+        .ok_or_else(|| shape(format!("{experts} experts overflow the row-id map width")))
+}
 
 /// Options of [`make_row_id_map`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -88,7 +103,13 @@ pub struct RowIdMapRef<'a> {
 impl<'a> RowIdMapRef<'a> {
     /// Checks a map made elsewhere against `out_rows` output rows: lengths,
     /// route counts, destinations inside `[0, out_rows)` and experts inside
-    /// `[0, E)`, expert chunks well formed. `O(T * E)`.
+    /// `[0, E)`, expert chunks well formed (`0 <= offsets[e]`,
+    /// `offsets[e] + tokens_per_expert[e] <= offsets[e + 1]`), every route
+    /// of expert `e` inside its kept rows `[offsets[e], offsets[e] +
+    /// tokens_per_expert[e])`, `tokens_per_expert[e]` routes to expert `e`,
+    /// and no two routes sharing a destination row. Together these say the
+    /// ops that write rows write each kept row exactly once and zero the
+    /// rest. `O(T * E + out_rows)` time, `out_rows` bits of memory.
     pub fn new(
         tokens: usize,
         experts: usize,
@@ -98,7 +119,7 @@ impl<'a> RowIdMapRef<'a> {
         out_rows: usize,
     ) -> Result<Self, PermuteError> {
         let view = Self::routes_only(tokens, experts, map, out_rows)?;
-        if tokens_per_expert.len() != experts || expert_offsets.len() != experts + 1 {
+        if tokens_per_expert.len() != experts || expert_offsets.len() != experts.saturating_add(1) {
             return Err(shape(format!(
                 "tokens_per_expert and expert_offsets need {experts} and {} entries, have {} and {}",
                 experts + 1,
@@ -107,13 +128,42 @@ impl<'a> RowIdMapRef<'a> {
             )));
         }
         for e in 0..experts {
-            let (start, end) = (expert_offsets[e], expert_offsets[e + 1]);
-            if start < 0 || end < start || tokens_per_expert[e] < 0 {
+            let (start, end, kept) = (
+                expert_offsets[e],
+                expert_offsets[e + 1],
+                tokens_per_expert[e],
+            );
+            let kept_end = start.checked_add(kept);
+            if start < 0 || kept < 0 || kept_end.is_none_or(|k| k > end) {
                 return Err(shape(format!(
-                    "expert {e}: offsets [{start}, {end}) with {} tokens is not a valid chunk",
-                    tokens_per_expert[e]
+                    "expert {e}: offsets [{start}, {end}) with {kept} tokens is not a valid chunk"
                 )));
             }
+        }
+        let mut routed = try_vec(experts, 0i64, "routes per expert")?;
+        let mut taken = try_vec(out_rows, false, "destination rows")?;
+        for t in 0..tokens {
+            for (dst, e) in view.routes(t) {
+                let (start, kept) = (expert_offsets[e], tokens_per_expert[e]);
+                if (dst as i64) < start || dst as i64 >= start + kept {
+                    return Err(shape(format!(
+                        "row_id_map token {t} sends expert {e}'s route to row {dst}, outside its kept rows [{start}, {})",
+                        start + kept
+                    )));
+                }
+                if std::mem::replace(&mut taken[dst], true) {
+                    return Err(shape(format!(
+                        "row_id_map token {t} writes row {dst}, which an earlier route writes too: every destination row must be unique"
+                    )));
+                }
+                routed[e] += 1;
+            }
+        }
+        if let Some(e) = (0..experts).find(|&e| routed[e] != tokens_per_expert[e]) {
+            return Err(shape(format!(
+                "tokens_per_expert[{e}] is {}, but the row-id map routes {} token(s) to expert {e}",
+                tokens_per_expert[e], routed[e]
+            )));
         }
         Ok(RowIdMapRef {
             chunks: Some((tokens_per_expert, expert_offsets)),
@@ -133,12 +183,11 @@ impl<'a> RowIdMapRef<'a> {
         if experts == 0 {
             return Err(shape("a row-id map needs at least 1 expert"));
         }
-        let width = 2 * experts + 1;
-        if map.len() != tokens * width {
+        let width = map_width(experts)?;
+        if tokens.checked_mul(width) != Some(map.len()) {
             return Err(shape(format!(
-                "row_id_map has {} entries, [{tokens}, {width}] needs {}",
+                "row_id_map has {} entries, [{tokens}, {width}] needs more or fewer",
                 map.len(),
-                tokens * width
             )));
         }
         for t in 0..tokens {
@@ -245,6 +294,37 @@ pub fn check_options(options: RowIdMapOptions) -> Result<(), PermuteError> {
     Ok(())
 }
 
+/// Refuses options whose layout for `tokens` x `experts` could need rows
+/// past the i32 row-id map, whatever the routing: checked before any work
+/// on both platforms, so a huge `align` or `capacity` is an error, never a
+/// wrapped offset (the CUDA kernels compute offsets without a way to fail).
+pub fn check_layout(
+    options: RowIdMapOptions,
+    tokens: usize,
+    experts: usize,
+) -> Result<(), PermuteError> {
+    check_options(options)?;
+    let rows_max = i32::MAX as u128;
+    let chunk = match (options.capacity, options.align) {
+        (Some(c), _) => c as u128,
+        // The most an expert can hold: every token, padded.
+        (None, Some(a)) => (tokens as u128).div_ceil(a as u128) * a as u128,
+        (None, None) => tokens as u128,
+    };
+    let worst = chunk * experts as u128;
+    if options.num_out_tokens.is_none() && worst > rows_max {
+        let what = match (options.capacity, options.align) {
+            (Some(c), _) => format!("capacity {c}"),
+            (None, Some(a)) => format!("align {a}"),
+            (None, None) => "no cap".to_string(),
+        };
+        return Err(shape(format!(
+            "{experts} experts x {tokens} tokens with {what} may need {worst} rows, past the i32 row-id map ({rows_max}); lower it or set num_out_tokens"
+        )));
+    }
+    Ok(())
+}
+
 /// Builds the row-id map of `routing` (`[tokens, experts]` bytes; any
 /// nonzero byte is a route, as a bool mask stored in bytes reads).
 pub fn make_row_id_map(
@@ -265,24 +345,41 @@ pub fn make_row_id_map(
             routing.len()
         )));
     }
-    check_options(options)?;
-    let mut counts = vec![0i64; experts];
+    check_layout(options, tokens, experts)?;
+    let width = map_width(experts)?;
+    let mut counts = try_vec(experts, 0i64, "routes per expert")?;
     for t in 0..tokens {
         for e in 0..experts {
             counts[e] += (routing[t * experts + e] != 0) as i64;
         }
     }
-    let align = options.align.unwrap_or(1) as i64;
-    let mut offsets = Vec::with_capacity(experts + 1);
+    // Offsets are i64 (and rows i32, checked below): every step is checked
+    // so a huge align or capacity is an error, never a wrapped offset.
+    let too_many = |what: &str| {
+        shape(format!(
+            "{what}: the expert chunks need more rows than an i64 offset holds"
+        ))
+    };
+    let align = i64::try_from(options.align.unwrap_or(1)).map_err(|_| too_many("align"))?;
+    let mut offsets = try_vec(experts + 1, 0i64, "expert offsets")?;
     let mut at = 0i64;
-    for &c in &counts {
-        offsets.push(at);
-        at = match options.capacity {
-            Some(capacity) => at.saturating_add(capacity as i64),
-            None => at + (c + align - 1) / align * align,
+    for (e, &c) in counts.iter().enumerate() {
+        offsets[e] = at;
+        let chunk = match options.capacity {
+            Some(capacity) => i64::try_from(capacity).ok(),
+            None => (c / align + i64::from(c % align != 0)).checked_mul(align),
         };
+        at = chunk
+            .and_then(|chunk| at.checked_add(chunk))
+            .ok_or_else(|| {
+                too_many(if options.capacity.is_some() {
+                    "capacity"
+                } else {
+                    "align"
+                })
+            })?;
     }
-    offsets.push(at);
+    offsets[experts] = at;
     let out_rows = options.num_out_tokens.unwrap_or(at as usize);
     if out_rows > i32::MAX as usize {
         return Err(shape(format!(
@@ -290,10 +387,12 @@ pub fn make_row_id_map(
         )));
     }
     let cap = out_rows as i64;
-    let width = 2 * experts + 1;
-    let mut map = vec![-1i32; tokens * width];
-    let mut rank = vec![0i64; experts];
-    let mut kept = vec![0i64; experts];
+    let entries = tokens
+        .checked_mul(width)
+        .ok_or_else(|| shape(format!("row_id_map [{tokens}, {width}] overflows a size")))?;
+    let mut map = try_vec(entries, -1i32, "row_id_map")?;
+    let mut rank = try_vec(experts, 0i64, "route ranks")?;
+    let mut kept = try_vec(experts, 0i64, "kept routes")?;
     for t in 0..tokens {
         let row = &mut map[t * width..(t + 1) * width];
         let mut n = 0;

@@ -462,6 +462,14 @@ fn dtype_of(code: u32) -> Option<DType> {
     })
 }
 
+/// More attributes than any op takes (checked before anything is
+/// allocated for them).
+const MAX_ATTRS: i64 = 32;
+
+/// Bytes of a call frame up to and including its `api` field: a frame
+/// shorter than this cannot even name the table to report an error with.
+const FRAME_SIZE_WITH_API: usize = std::mem::offset_of!(XLA_FFI_CallFrame, api) + 8;
+
 /// Largest rank accepted (the ops use rank 1 and 2).
 const MAX_RANK: i64 = 8;
 
@@ -490,8 +498,17 @@ fn buffer(kind: &str, name: &str, ty: u32, ptr: *mut c_void) -> Result<Tensor, F
             ),
         )
     })?;
-    if !(0..=MAX_RANK).contains(&b.rank) || (b.rank > 0 && b.dims.is_null()) {
-        return Err(invalid(format!("{kind} {name} has rank {}", b.rank)));
+    if !(0..=MAX_RANK).contains(&b.rank) {
+        return Err(invalid(format!(
+            "{kind} {name} has rank {}, outside [0, {MAX_RANK}]",
+            b.rank
+        )));
+    }
+    if b.rank > 0 && b.dims.is_null() {
+        return Err(invalid(format!(
+            "{kind} {name} has rank {} but its dims pointer is NULL",
+            b.rank
+        )));
     }
     let dims: &[i64] = if b.rank == 0 {
         &[]
@@ -619,7 +636,16 @@ fn attributes(spec: &Spec, a: &XLA_FFI_Attrs) -> Result<Vec<(String, i64)>, FfiE
     if a.size < 0 || (a.size > 0 && (a.types.is_null() || a.names.is_null() || a.attrs.is_null())) {
         return Err(invalid("the attribute list is malformed".into()));
     }
-    let mut out = Vec::with_capacity(a.size as usize);
+    // Every name must be one the op takes, once: no op takes this many.
+    if a.size > MAX_ATTRS {
+        return Err(invalid(format!(
+            "{} attributes: {} takes at most {MAX_ATTRS} (it takes: {})",
+            a.size,
+            spec.name,
+            attribute_names(spec).join(", ")
+        )));
+    }
+    let mut out: Vec<(String, i64)> = Vec::with_capacity(a.size as usize);
     for i in 0..a.size as usize {
         // SAFETY: `size` entries in each array, per the runtime.
         let (ty, name, ptr) = unsafe { (*a.types.add(i), *a.names.add(i), *a.attrs.add(i)) };
@@ -638,6 +664,9 @@ fn attributes(spec: &Spec, a: &XLA_FFI_Attrs) -> Result<Vec<(String, i64)>, FfiE
                 spec.name,
                 attribute_names(spec).join(", ")
             )));
+        }
+        if out.iter().any(|(n, _)| *n == name) {
+            return Err(invalid(format!("attribute {name:?} is given twice")));
         }
         let value = scalar(&name, ty, ptr)?;
         let is_flag = BOOL_ATTRS.contains(&name.as_str()) || is_slot_flag(spec, &name);
@@ -790,13 +819,15 @@ fn error_message(spec: &Spec, e: &FfiError) -> String {
 fn to_xla_error(spec: &Spec, frame: &XLA_FFI_CallFrame, e: &FfiError) -> *mut XLA_FFI_Error {
     // Only Error_Create is needed here, which every version's table has at
     // the same place: an error about the table itself still gets through.
+    // A frame that carries no way to make an error still must not read as
+    // success: the handler returns the unreportable-error marker.
     // SAFETY: NULL or the runtime's table, valid for the call.
     let Some(api) = (unsafe { frame.api.as_ref() }) else {
-        return std::ptr::null_mut();
+        return unreportable(e);
     };
     let create = match api.error_create {
         Some(create) if api.struct_size >= API_SIZE_ERROR_CREATE => create,
-        _ => return std::ptr::null_mut(),
+        _ => return unreportable(e),
     };
     let message = CString::new(error_message(spec, e).replace('\0', "\\0")).unwrap_or_default();
     let mut args = XLA_FFI_Error_Create_Args {
@@ -806,24 +837,76 @@ fn to_xla_error(spec: &Spec, frame: &XLA_FFI_CallFrame, e: &FfiError) -> *mut XL
         errc: error_code(e.status) as u32,
     };
     // SAFETY: the runtime's entry; it copies the message.
-    unsafe { create(&mut args) }
+    let made = unsafe { create(&mut args) };
+    if made.is_null() {
+        // A runtime whose Error_Create gives NULL would turn the failure
+        // into success.
+        return unreportable(e);
+    }
+    made
 }
 
-/// Answers the metadata query when the frame carries one; `true` if it did.
-fn answer_metadata(spec: &Spec, side: Side, frame: &XLA_FFI_CallFrame) -> bool {
+/// What a handler returns for a failure it cannot report through the
+/// runtime (no call frame, no API table, no Error_Create): never NULL, the
+/// same pointer every time, and never dereferenced by xcall. The message
+/// goes to the thread's `xcall_last_error_message()`.
+fn unreportable(e: &FfiError) -> *mut XLA_FFI_Error {
+    crate::guard::record_error(e);
+    xcall_xla_unreportable_error()
+}
+
+/// The pointer an XLA handler returns for a failure the call frame gives
+/// it no way to report (a NULL frame, no API table, a table too short for
+/// `Error_Create`, or `Error_Create` returning NULL). It is not an error
+/// the runtime made: never pass it to the runtime's `Error_*` functions.
+/// `xcall_last_error_message()` on the handler's thread says what was
+/// wrong. Never NULL; the same value for the life of the process.
+#[no_mangle]
+pub extern "C" fn xcall_xla_unreportable_error() -> *mut XLA_FFI_Error {
+    static MARKER: u64 = 0x7863_616c_6c5f_6572; // never read
+    std::ptr::addr_of!(MARKER) as *mut XLA_FFI_Error
+}
+
+/// The most extensions a call frame's chain may hold: the walk stops
+/// there (a chain that points back into itself would never end).
+const MAX_EXTENSIONS: usize = 64;
+
+/// Answers the metadata query when the frame carries one; `Ok(true)` if
+/// it did. A malformed query (a short extension, no metadata, a short
+/// metadata struct) or an endless chain is an error: nothing is written.
+fn answer_metadata(spec: &Spec, side: Side, frame: &XLA_FFI_CallFrame) -> Result<bool, FfiError> {
     let mut ext = frame.extension_start;
     // SAFETY: the chain's nodes are the runtime's extensions, each starting
     // with an XLA_FFI_Extension_Base; sizes are checked before the metadata
     // extension and the metadata are touched.
     unsafe {
+        let mut walked = 0;
         while let Some(base) = ext.as_ref() {
+            walked += 1;
+            if walked > MAX_EXTENSIONS {
+                return Err(invalid(format!(
+                    "the call frame's extension chain is longer than {MAX_EXTENSIONS} (does it point back into itself?)"
+                )));
+            }
             if base.kind == EXTENSION_METADATA {
                 if base.struct_size < METADATA_EXTENSION_SIZE {
-                    return true;
+                    return Err(invalid(format!(
+                        "the metadata extension has {} bytes, expected at least {METADATA_EXTENSION_SIZE}",
+                        base.struct_size
+                    )));
                 }
                 let m = (*(ext as *mut XLA_FFI_Metadata_Extension)).metadata;
-                if let Some(m) = m.as_mut() {
-                    if m.struct_size >= METADATA_SIZE {
+                let m = m.as_mut().ok_or_else(|| {
+                    invalid("the metadata extension has no metadata to fill".into())
+                })?;
+                if m.struct_size < METADATA_SIZE {
+                    return Err(invalid(format!(
+                        "XLA_FFI_Metadata of {} bytes, expected at least {METADATA_SIZE}",
+                        m.struct_size
+                    )));
+                }
+                {
+                    {
                         m.api_version = XLA_FFI_Api_Version {
                             struct_size: API_VERSION_SIZE,
                             extension_start: std::ptr::null_mut(),
@@ -839,12 +922,12 @@ fn answer_metadata(spec: &Spec, side: Side, frame: &XLA_FFI_CallFrame) -> bool {
                         }
                     }
                 }
-                return true;
+                return Ok(true);
             }
             ext = base.next;
         }
     }
-    false
+    Ok(false)
 }
 
 /// Every handler: checks the frame, answers the metadata query, runs the
@@ -852,8 +935,15 @@ fn answer_metadata(spec: &Spec, side: Side, frame: &XLA_FFI_CallFrame) -> bool {
 fn handle(spec: &Spec, side: Side, frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
     // SAFETY: NULL or the runtime's call frame, valid for the call.
     let Some(frame) = (unsafe { frame.as_ref() }) else {
-        return std::ptr::null_mut();
+        return unreportable(&invalid(format!("{}: the call frame is NULL", spec.name)));
     };
+    if frame.struct_size < FRAME_SIZE_WITH_API {
+        // Even the API table's field is past the frame's end.
+        return unreportable(&invalid(format!(
+            "{}: XLA_FFI_CallFrame of {} bytes, expected at least {CALL_FRAME_SIZE}",
+            spec.name, frame.struct_size
+        )));
+    }
     let result = catch_unwind(AssertUnwindSafe(|| {
         if frame.struct_size < CALL_FRAME_SIZE {
             return Err(invalid(format!(
@@ -861,10 +951,17 @@ fn handle(spec: &Spec, side: Side, frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FF
                 frame.struct_size
             )));
         }
-        if answer_metadata(spec, side, frame) || frame.stage != STAGE_EXECUTE {
+        if answer_metadata(spec, side, frame)? {
             return Ok(());
         }
-        execute(spec, side, frame)
+        match frame.stage {
+            STAGE_EXECUTE => execute(spec, side, frame),
+            // Instantiate, prepare, initialize: nothing to do.
+            s if s < STAGE_EXECUTE => Ok(()),
+            s => Err(invalid(format!(
+                "unknown execution stage {s} (instantiate 0, prepare 1, initialize 2, execute 3)"
+            ))),
+        }
     }));
     let e = match result {
         Ok(Ok(())) => return std::ptr::null_mut(),
