@@ -64,13 +64,23 @@ pub fn check_split(
             split_sizes[i]
         )));
     }
-    // Checked: sizes summing past i64 are past any row count too.
-    let total = split_sizes
+    // Checked: sizes summing past u64 are past any row count too.
+    match split_sizes
         .iter()
         .try_fold(0u64, |acc, &s| acc.checked_add(s as u64))
-        .filter(|&t| t <= tokens as u64)
-        .ok_or_else(|| shape(format!("split_sizes sum past the {tokens} rows")))?;
-    debug_assert!(total <= tokens as u64);
+    {
+        Some(total) if total <= tokens as u64 => {}
+        Some(total) => {
+            return Err(shape(format!(
+                "split_sizes sum to {total}, past the {tokens} rows"
+            )))
+        }
+        None => {
+            return Err(shape(format!(
+                "split_sizes sum past 2^64, past the {tokens} rows"
+            )))
+        }
+    }
     let mut seen = try_vec(chunks, false, "chunks seen")?;
     for (i, &c) in sorted_indices.iter().enumerate() {
         if c < 0 || c as usize >= chunks || seen[c as usize] {

@@ -169,6 +169,9 @@ fn chunk_sort_bad_inputs() {
         err.to_string().contains("sum to 6, past the 5 rows"),
         "{err}"
     );
+    // Sizes whose sum wraps i64 are refused, not a panic or a wrapped sum.
+    let err = make_chunk_sort_map(&[i64::MAX, i64::MAX, 4], &[0, 1, 2], 4).unwrap_err();
+    assert!(err.to_string().contains("split_sizes sum"), "{err}");
     let err = make_chunk_sort_map(&[1, 1], &[1, 1], 4).unwrap_err();
     assert!(err.to_string().contains("not a permutation"), "{err}");
     let mut out = vec![9u8; 4];
