@@ -699,7 +699,7 @@ typedef struct {
    */
   uint32_t device;
   /**
-   * Zero.
+   * Must be 0 (`XCALL_STATUS_INVALID_ARGUMENT` otherwise).
    */
   uint32_t reserved;
 } xcall_tensor;
@@ -1245,8 +1245,13 @@ xcall_status xcall_ws_plan_get_info(const xcall_ws_plan *plan, xcall_ws_plan_inf
  * shortest trace) goes to `report` as with every text output: pass NULL to
  * learn the size (NUL included) in `*out_report_len`.
  *
- * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
- * (report buffer too small, or a search beyond 20 million states).
+ * The search is bounded: 20 million states, 2 GiB of its own tables and 60
+ * seconds, whichever comes first, ends it with `XCALL_STATUS_LIMIT` and a
+ * message giving the states, bytes and time reached.
+ *
+ * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_HANDLE`,
+ * `XCALL_STATUS_INVALID_ARGUMENT` (report buffer too small, iterations past
+ * 65535), `XCALL_STATUS_LIMIT`.
  */
 xcall_status xcall_ws_plan_verify(const xcall_ws_plan *plan,
                                   uint32_t iterations,

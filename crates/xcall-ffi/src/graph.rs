@@ -118,8 +118,10 @@ fn cache_ref<'a>(cache: *const xcall_graph_cache) -> Result<&'a xcall_graph_cach
     handle::get(cache, "cache")
 }
 
+/// A device of the platform, checked the same way by every entry point
+/// (Host has one device, `host:0`; a CUDA ordinal must exist).
 fn device_arg(platform: u32, ordinal: u32) -> Result<Device, FfiError> {
-    Ok(Device::new(platform_arg(platform)?, ordinal))
+    Ok(Device::new(platform_arg(platform)?, ordinal).validate()?)
 }
 
 fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {

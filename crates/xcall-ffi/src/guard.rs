@@ -66,7 +66,12 @@ fn clear_last_error() {
 pub(crate) fn run(body: impl FnOnce() -> Result<(), FfiError>) -> Status {
     clear_last_error();
     match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => Status::Ok,
+        // Empty after success, as the header says, even when the body ran a
+        // caller's callback that made a failing xcall call of its own.
+        Ok(Ok(())) => {
+            clear_last_error();
+            Status::Ok
+        }
         Ok(Err(e)) => {
             set_last_error(&e.message);
             e.status

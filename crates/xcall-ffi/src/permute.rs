@@ -41,7 +41,7 @@ pub struct xcall_tensor {
     pub dtype: u32,
     /// Ordinal of the device holding the data; must equal the target's.
     pub device: u32,
-    /// Zero.
+    /// Must be 0 (`XCALL_STATUS_INVALID_ARGUMENT` otherwise).
     pub reserved: u32,
 }
 
@@ -105,6 +105,10 @@ fn tensor_arg(name: &str, t: &xcall_tensor, target: &Target) -> Result<Tensor, F
             "rank {} exceeds {XCALL_TENSOR_MAX_RANK}",
             t.rank
         )));
+    }
+    if t.reserved != 0 {
+        // Refused now so the field can take a meaning later.
+        return Err(bad(format!("reserved is {}, must be 0", t.reserved)));
     }
     let dtype =
         DType::from_code(t.dtype).ok_or_else(|| bad(format!("unknown dtype code {}", t.dtype)))?;

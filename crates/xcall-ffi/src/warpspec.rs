@@ -6,7 +6,7 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{DType, Device, Platform, Status};
 use xcall_warpspec::codegen::{generate, ElementwiseOp};
 use xcall_warpspec::ops::{mul_host, silu_scale_host, OpConfig, OpError};
-use xcall_warpspec::verify::verify;
+use xcall_warpspec::verify::{verify_within, Budget};
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
 
 use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
@@ -217,8 +217,13 @@ pub extern "C" fn xcall_ws_plan_get_info(
 /// shortest trace) goes to `report` as with every text output: pass NULL to
 /// learn the size (NUL included) in `*out_report_len`.
 ///
-/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
-/// (report buffer too small, or a search beyond 20 million states).
+/// The search is bounded: 20 million states, 2 GiB of its own tables and 60
+/// seconds, whichever comes first, ends it with `XCALL_STATUS_LIMIT` and a
+/// message giving the states, bytes and time reached.
+///
+/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_HANDLE`,
+/// `XCALL_STATUS_INVALID_ARGUMENT` (report buffer too small, iterations past
+/// 65535), `XCALL_STATUS_LIMIT`.
 #[no_mangle]
 pub extern "C" fn xcall_ws_plan_verify(
     plan: *const xcall_ws_plan,
@@ -236,10 +241,7 @@ pub extern "C" fn xcall_ws_plan_verify(
         } else {
             iterations
         };
-        let verdict = verify(
-            &plan.protocol(iterations),
-            xcall_warpspec::verify::DEFAULT_STATE_LIMIT,
-        )?;
+        let verdict = verify_within(&plan.protocol(iterations), &Budget::default())?;
         write_text(&verdict.report(), report, report_len, out_report_len)?;
         *clean = verdict.is_clean();
         Ok(())

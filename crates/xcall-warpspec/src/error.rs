@@ -81,11 +81,18 @@ pub enum PlanError {
     /// A hand-written protocol is malformed (an index out of range, ...).
     #[error("malformed protocol: {0}")]
     Protocol(String),
+    /// The model checker reached a bound of its budget (states, memory or
+    /// time) before it finished; the message gives the numbers reached.
+    #[error("verification stopped at its limit: {0}")]
+    Limit(String),
 }
 
 impl PlanError {
     /// The stable status code of this error.
     pub fn status(&self) -> Status {
-        Status::InvalidArgument
+        match self {
+            PlanError::Limit(_) => Status::Limit,
+            _ => Status::InvalidArgument,
+        }
     }
 }

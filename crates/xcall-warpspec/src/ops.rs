@@ -62,6 +62,9 @@ pub enum OpError {
     /// Inputs that do not fit the op.
     #[error("{0}")]
     Input(String),
+    /// Arguments the op does not support (a dtype).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
 }
 
 impl OpError {
@@ -69,6 +72,8 @@ impl OpError {
     pub fn status(&self) -> xcall_core::Status {
         match self {
             OpError::Host(HostError::Stalled { .. }) => xcall_core::Status::Timeout,
+            OpError::Unsupported(_) => xcall_core::Status::Unsupported,
+            OpError::Plan(e) => e.status(),
             _ => xcall_core::Status::InvalidArgument,
         }
     }
@@ -79,7 +84,7 @@ fn codec(dtype: DType) -> Result<FloatCodec, OpError> {
     FloatCodec::new(dtype)
         .filter(|_| dtype != DType::F16)
         .ok_or_else(|| {
-            OpError::Input(format!(
+            OpError::Unsupported(format!(
                 "warp-specialized ops support f32 and bf16, not {dtype}"
             ))
         })

@@ -114,13 +114,28 @@ impl PipelinePlan {
             }
             bytes_per_stage.push(total as u32);
         }
-        let warps = spec.async_warps.len() as u32;
-        let producer_warpgroups = warps.div_ceil(4);
+        // Sizes in u64 from here: no count a caller passes can wrap them.
+        let warps = spec.async_warps.len() as u64;
         let threads =
-            (producer_warpgroups + spec.compute_warpgroups) as u64 * WARPGROUP_THREADS as u64;
+            (warps.div_ceil(4) + spec.compute_warpgroups as u64) * WARPGROUP_THREADS as u64;
         if threads > 1024 {
             return Err(PlanError::TooManyThreads {
-                threads: threads as u32,
+                threads: threads.min(u32::MAX as u64) as u32,
+            });
+        }
+        // At most 8 warpgroups of 128 threads: the counts below fit u32.
+        let producer_warpgroups = warps.div_ceil(4) as u32;
+        // The shared memory the layout below will need, bounded before any
+        // of it is laid out: a huge stage count is refused, not allocated.
+        let least = bytes_per_stage
+            .iter()
+            .map(|&b| u64::from(b) + 16)
+            .sum::<u64>()
+            .saturating_mul(u64::from(spec.stages));
+        if least > spec.smem_limit as u64 {
+            return Err(PlanError::SharedMemory {
+                needed: least,
+                limit: spec.smem_limit,
             });
         }
         if let Some(r) = spec.registers {

@@ -28,11 +28,8 @@
 //! issue no copies (the compute warpgroups) are interchangeable, so states
 //! that differ only by permuting them are explored once.
 
-use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
-
-use rustc_hash::FxHashMap;
 
 use crate::error::PlanError;
 
@@ -162,6 +159,8 @@ pub struct Verdict {
     pub violation: Option<Violation>,
     /// Distinct states explored.
     pub states: u64,
+    /// Bytes the search's tables held at the end.
+    pub bytes: u64,
     /// Time taken.
     pub elapsed: Duration,
 }
@@ -197,6 +196,126 @@ impl Verdict {
 /// Default bound on explored states (a protocol needing more is refused
 /// rather than exhausting memory).
 pub const DEFAULT_STATE_LIMIT: u64 = 20_000_000;
+/// Default bound on the memory of a search (states, their index and the
+/// search tree), in bytes.
+pub const DEFAULT_MEMORY_LIMIT: u64 = 2 << 30;
+/// Default bound on the time of a search.
+pub const DEFAULT_TIME_LIMIT: Duration = Duration::from_secs(60);
+
+/// What one search may spend; reaching any bound is a
+/// [`PlanError::Limit`] that gives the states, bytes and time reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    /// Distinct states.
+    pub states: u64,
+    /// Bytes of the search's own tables.
+    pub bytes: u64,
+    /// Wall-clock time.
+    pub time: Duration,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Budget {
+            states: DEFAULT_STATE_LIMIT,
+            bytes: DEFAULT_MEMORY_LIMIT,
+            time: DEFAULT_TIME_LIMIT,
+        }
+    }
+}
+
+/// The explored states, each stored once: one flat arena of u32 words,
+/// where each state starts, and an open-addressing index of state ids
+/// (compared word for word, never by hash alone). Ids are given in
+/// discovery order, which is also the breadth-first order of the search.
+struct StateSet {
+    arena: Vec<u32>,
+    starts: Vec<u64>,
+    /// `id + 1` per slot, 0 for empty; a power of two long.
+    table: Vec<u32>,
+}
+
+fn hash_words(s: &[u32]) -> u64 {
+    // FNV-1a over the words: fixed, so a search is reproducible.
+    s.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &w| {
+        (h ^ u64::from(w)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl StateSet {
+    fn new() -> Self {
+        StateSet {
+            arena: Vec::new(),
+            starts: vec![0],
+            table: vec![0; 1024],
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.starts.len() - 1
+    }
+
+    fn get(&self, id: u32) -> &[u32] {
+        let (a, b) = (self.starts[id as usize], self.starts[id as usize + 1]);
+        &self.arena[a as usize..b as usize]
+    }
+
+    /// Bytes held by the set's tables.
+    fn bytes(&self) -> u64 {
+        (self.arena.capacity() * 4 + self.starts.capacity() * 8 + self.table.len() * 4) as u64
+    }
+
+    fn slot_of(&self, s: &[u32]) -> (usize, Option<u32>) {
+        let mask = self.table.len() - 1;
+        let mut i = hash_words(s) as usize & mask;
+        loop {
+            match self.table[i] {
+                0 => return (i, None),
+                id if self.get(id - 1) == s => return (i, Some(id - 1)),
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// The id of `s`, and whether it is new. Allocation failures are
+    /// errors (the budget normally stops the search long before).
+    fn insert(&mut self, s: &[u32]) -> Result<(u32, bool), PlanError> {
+        let (slot, found) = self.slot_of(s);
+        if let Some(id) = found {
+            return Ok((id, false));
+        }
+        let held = self.len();
+        self.arena
+            .try_reserve(s.len())
+            .map_err(|_| PlanError::Limit(format!("no memory for a state past {held}")))?;
+        self.starts
+            .try_reserve(1)
+            .map_err(|_| PlanError::Limit("no memory for the state list".into()))?;
+        let id = self.len() as u32;
+        self.arena.extend_from_slice(s);
+        self.starts.push(self.arena.len() as u64);
+        self.table[slot] = id + 1;
+        if self.len() * 2 > self.table.len() {
+            self.grow()?;
+        }
+        Ok((id, true))
+    }
+
+    fn grow(&mut self) -> Result<(), PlanError> {
+        let n = self.table.len() * 2;
+        let mut table = Vec::new();
+        table
+            .try_reserve_exact(n)
+            .map_err(|_| PlanError::Limit(format!("no memory for an index of {n} states")))?;
+        table.resize(n, 0);
+        let old = std::mem::replace(&mut self.table, table);
+        for id in old.into_iter().filter(|&id| id != 0) {
+            let (slot, _) = self.slot_of(self.get(id - 1));
+            self.table[slot] = id;
+        }
+        Ok(())
+    }
+}
 
 // State layout (all u32): [pc per role] [phase, pending, tx per barrier]
 // [version, outstanding, readers per buffer] [in-flight copies, sorted].
@@ -764,19 +883,47 @@ enum Event {
     Land(u16),
 }
 
+/// Bytes of a search's tables: the states and the search tree.
+fn table_bytes(states: &StateSet, parents: &Vec<(u32, Event)>) -> u64 {
+    states.bytes() + (parents.capacity() * std::mem::size_of::<(u32, Event)>()) as u64
+}
+
 /// Explores every interleaving of `protocol` (at most `state_limit` states)
 /// and returns the verdict. Malformed protocols and protocols that exceed
 /// the state limit are errors.
 pub fn verify(protocol: &Protocol, state_limit: u64) -> Result<Verdict, PlanError> {
+    verify_within(
+        protocol,
+        &Budget {
+            states: state_limit,
+            ..Budget::default()
+        },
+    )
+}
+
+/// [`verify`] within `budget`: the search stops with
+/// [`PlanError::Limit`] at the first bound it reaches (states, bytes of its
+/// tables, or time), naming the numbers reached.
+pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, PlanError> {
     let started = Instant::now();
     let model = Model::new(protocol)?;
     let init = model.canonical(model.initial());
-    let mut index: FxHashMap<Box<[u32]>, u32> = FxHashMap::default();
+    let mut states = StateSet::new();
     let mut parents: Vec<(u32, Event)> = Vec::new();
-    let mut queue: VecDeque<(u32, Box<[u32]>)> = VecDeque::new();
-    index.insert(init.clone().into_boxed_slice(), 0);
+    states.insert(&init)?;
     parents.push((u32::MAX, Event::Step(0)));
-    queue.push_back((0, init.clone().into_boxed_slice()));
+    let limit = |what: &str, states: &StateSet, parents: &Vec<(u32, Event)>| {
+        let bytes = table_bytes(states, parents);
+        PlanError::Limit(format!(
+            "{what}: {} states, {bytes} bytes ({} bytes/state), {:.1?} (budget: {} states, {} bytes, {:?}); verify fewer iterations or a smaller pipeline",
+            states.len(),
+            bytes / states.len().max(1) as u64,
+            started.elapsed(),
+            budget.states,
+            budget.bytes,
+            budget.time
+        ))
+    };
     let trace_to = |id: u32, parents: &[(u32, Event)]| -> Vec<Event> {
         let mut events = Vec::new();
         let mut at = id;
@@ -798,7 +945,20 @@ pub fn verify(protocol: &Protocol, state_limit: u64) -> Result<Verdict, PlanErro
         }
         (lines, s)
     };
-    while let Some((id, s)) = queue.pop_front() {
+    // Ids are in breadth-first order: the queue is the ids not yet expanded.
+    let mut next = 0u32;
+    while (next as usize) < states.len() {
+        let id = next;
+        next += 1;
+        if id % 4096 == 0 {
+            if table_bytes(&states, &parents) > budget.bytes {
+                return Err(limit("memory budget reached", &states, &parents));
+            }
+            if started.elapsed() > budget.time {
+                return Err(limit("time budget reached", &states, &parents));
+            }
+        }
+        let s = states.get(id).to_vec();
         let mut moved = false;
         let events = model.events(&s);
         for e in events {
@@ -806,17 +966,15 @@ pub fn verify(protocol: &Protocol, state_limit: u64) -> Result<Verdict, PlanErro
                 Outcome::Blocked => {}
                 Outcome::Next(n) => {
                     moved = true;
-                    let n = model.canonical(n).into_boxed_slice();
-                    if !index.contains_key(&n) {
-                        let nid = parents.len() as u32;
-                        if parents.len() as u64 >= state_limit {
-                            return Err(PlanError::Protocol(format!(
-                                "more than {state_limit} states; verify fewer iterations or a smaller pipeline"
-                            )));
+                    let n = model.canonical(n);
+                    if states.len() as u64 >= budget.states.min(u32::MAX as u64 - 1) {
+                        if states.slot_of(&n).1.is_none() {
+                            return Err(limit("state budget reached", &states, &parents));
                         }
+                        continue;
+                    }
+                    if states.insert(&n)?.1 {
                         parents.push((id, e));
-                        index.insert(n.clone(), nid);
-                        queue.push_back((nid, n));
                     }
                 }
                 Outcome::Violation(kind, message) => {
@@ -830,6 +988,7 @@ pub fn verify(protocol: &Protocol, state_limit: u64) -> Result<Verdict, PlanErro
                             trace,
                         }),
                         states: parents.len() as u64,
+                        bytes: table_bytes(&states, &parents),
                         elapsed: started.elapsed(),
                     });
                 }
@@ -866,6 +1025,7 @@ pub fn verify(protocol: &Protocol, state_limit: u64) -> Result<Verdict, PlanErro
                     trace,
                 }),
                 states: parents.len() as u64,
+                bytes: table_bytes(&states, &parents),
                 elapsed: started.elapsed(),
             });
         }
@@ -873,6 +1033,7 @@ pub fn verify(protocol: &Protocol, state_limit: u64) -> Result<Verdict, PlanErro
     Ok(Verdict {
         violation: None,
         states: parents.len() as u64,
+        bytes: table_bytes(&states, &parents),
         elapsed: started.elapsed(),
     })
 }

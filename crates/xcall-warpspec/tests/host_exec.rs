@@ -88,10 +88,12 @@ fn bad_inputs_are_refused() {
     let mut out = vec![0u8; 8];
     let err = mul_host(DType::F32, &[0u8; 8], &[0u8; 4], &mut out, &c).unwrap_err();
     assert!(err.to_string().contains("input 1 has 4 bytes"), "{err}");
-    assert!(matches!(
-        mul_host(DType::I32, &[0u8; 8], &[0u8; 8], &mut out, &c),
-        Err(OpError::Input(_))
-    ));
+    // A dtype the ops do not take is UNSUPPORTED (f16 too), not a bad input.
+    for dtype in [DType::I32, DType::F16] {
+        let e = mul_host(dtype, &[0u8; 8], &[0u8; 8], &mut out, &c).unwrap_err();
+        assert!(matches!(e, OpError::Unsupported(_)), "{e}");
+        assert_eq!(e.status(), xcall_core::Status::Unsupported);
+    }
     assert!(matches!(
         silu_scale_host(DType::F32, &[0u8; 6], 1.0, &mut [0u8; 6], &c),
         Err(OpError::Input(_))

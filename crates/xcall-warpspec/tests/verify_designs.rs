@@ -1,7 +1,7 @@
 //! The verifier's required verdicts (incident 5).
 
 use xcall_warpspec::designs::{prologue_empty_arrive, shared_full_barrier};
-use xcall_warpspec::verify::{verify, DEFAULT_STATE_LIMIT};
+use xcall_warpspec::verify::{verify, verify_within, Budget, DEFAULT_STATE_LIMIT};
 use xcall_warpspec::{PipelinePlan, PipelineSpec, ViolationKind};
 
 #[test]
@@ -149,7 +149,50 @@ fn malformed_protocols_are_refused() {
     // The state limit turns a too-large search into an error, not a hang.
     let big = PipelinePlan::new(&PipelineSpec::new(4, &[1024, 1024, 1024], 2)).unwrap();
     let err = verify(&big.protocol(9), 1000).unwrap_err();
-    assert!(err.to_string().contains("more than 1000 states"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("state budget reached: 1000 states"),
+        "{err}"
+    );
+    assert_eq!(err.status(), xcall_core::Status::Limit);
+    // The memory and time bounds stop it too, with the numbers reached.
+    for (budget, what) in [
+        (
+            Budget {
+                bytes: 1 << 20,
+                ..Budget::default()
+            },
+            "memory budget reached",
+        ),
+        (
+            Budget {
+                time: std::time::Duration::ZERO,
+                ..Budget::default()
+            },
+            "time budget reached",
+        ),
+    ] {
+        let t0 = std::time::Instant::now();
+        let err = verify_within(&big.protocol(9), &budget).unwrap_err();
+        assert!(err.to_string().contains(what), "{err}");
+        assert!(err.to_string().contains("bytes/state"), "{err}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "bounded");
+    }
+}
+
+#[test]
+fn huge_counts_are_refused_before_anything_is_laid_out() {
+    // Wrapping thread counts: refused, never a plan of 0 threads.
+    let e = PipelinePlan::new(&PipelineSpec::new(2, &[1024], u32::MAX)).unwrap_err();
+    assert!(
+        e.to_string().contains("threads per block exceed 1024"),
+        "{e}"
+    );
+    // A stage count whose layout cannot fit shared memory: refused at once.
+    let t0 = std::time::Instant::now();
+    let e = PipelinePlan::new(&PipelineSpec::new(u32::MAX, &[16; 4], 1)).unwrap_err();
+    assert!(e.to_string().contains("shared memory"), "{e}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(1));
 }
 
 #[test]
