@@ -98,6 +98,16 @@ fn bad_flags_are_one_line_and_a_failure() {
             "reduce --tokens or --hidden",
         ),
         (vec!["--dtype", "f16"], "invalid value 'f16'"),
+        // Thousands of threads are refused at once, with the reason.
+        (
+            vec!["--pes", "1000", "--experts", "1000"],
+            "--pes 1000: at most 64 on Host",
+        ),
+        // A size past usize's products is a size error, not a wrap or a panic.
+        (
+            vec!["--hidden", "9223372036854775808"],
+            "reduce --tokens or --hidden",
+        ),
     ] {
         let mut all = vec!["moe"];
         all.extend(&args);

@@ -87,6 +87,9 @@ struct Run {
     capacity_factor: f64,
 }
 
+/// The most Host PEs a run takes.
+const MAX_HOST_PES: usize = 64;
+
 fn validate(a: &MoeArgs) -> Result<Run, String> {
     let platform = match a.platform {
         PlatformArg::Host => Platform::Host,
@@ -95,6 +98,11 @@ fn validate(a: &MoeArgs) -> Result<Run, String> {
     let host = platform == Platform::Host;
     let pes = match (platform, a.pes) {
         (_, Some(0)) => return Err("--pes must be at least 1".into()),
+        (Platform::Host, Some(p)) if p > MAX_HOST_PES => {
+            return Err(format!(
+                "--pes {p}: at most {MAX_HOST_PES} on Host (PEs are threads that spin while they wait for each other; more would only take turns on this machine's cores)"
+            ))
+        }
         (Platform::Host, p) => p.unwrap_or(4),
         (Platform::Cuda, p) => {
             let gpus = match xcall_core::cuda::device_count() {
@@ -141,8 +149,11 @@ fn validate(a: &MoeArgs) -> Result<Run, String> {
         DtypeArg::F32 => DType::F32,
         DtypeArg::Bf16 => DType::Bf16,
     };
-    let bytes = (experts * capacity * hidden * dtype.size_bytes()) as f64 * 4.0
-        + (tokens * hidden * dtype.size_bytes()) as f64 * 2.0;
+    // In f64: the sizes come from the command line and may be anything; the
+    // bound below keeps every product the run makes later far from usize's.
+    let size = dtype.size_bytes() as f64;
+    let bytes = experts as f64 * capacity as f64 * hidden as f64 * size * 4.0
+        + tokens as f64 * hidden as f64 * size * 2.0;
     if bytes > 64.0 * (1u64 << 30) as f64 {
         return Err(format!(
             "the buffers of one PE would take {:.1} GiB; reduce --tokens or --hidden",
