@@ -107,3 +107,44 @@ fn header_compiles_as_cpp17() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(text.contains("header_cpp: 1 passed, 0 failed"), "{text}");
 }
+
+/// The bad-input harness again, built with AddressSanitizer and
+/// UndefinedBehaviorSanitizer (gcc and clang): no input it throws at the C
+/// ABI may touch memory that is not its own. A compiler without the
+/// sanitizer runtimes skips with a line on stderr, unless
+/// `XCALL_REQUIRE_SANITIZERS=1` (CI) makes that a failure.
+#[test]
+fn bad_input_under_address_and_undefined_sanitizers() {
+    let tool = common::compiler(false);
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("c_tests_asan");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let source = common::repo().join("c_tests/test_bad_input.c");
+    let flags = [
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-pedantic",
+        "-g",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all",
+        "-fno-omit-frame-pointer",
+    ];
+    let exe = out_dir.join("test_bad_input_asan");
+    match build_and_run(&tool, &flags, &source, &exe) {
+        Ok(text) => assert!(
+            text.contains("test_bad_input: ") && text.contains(" 0 failed"),
+            "{text}"
+        ),
+        Err(e)
+            if e.starts_with("compiling")
+                && std::env::var("XCALL_REQUIRE_SANITIZERS").as_deref() != Ok("1") =>
+        {
+            xcall_core::testing::skip(
+                "bad_input_under_address_and_undefined_sanitizers",
+                &format!("the C compiler cannot build with -fsanitize=address,undefined: {e}"),
+            );
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
