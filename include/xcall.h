@@ -468,19 +468,40 @@ typedef uint32_t xcall_shmem_signal_op;
  * Thread safety: every function taking a cache may be called concurrently
  * from any number of threads, except `xcall_graph_cache_free`, which must
  * be the last call on it.
+ *
+ * A cache freed already, or a pointer not made by `xcall_graph_cache_new`,
+ * is `XCALL_STATUS_INVALID_HANDLE` in every function taking a cache (the
+ * check is by address: a freed cache whose address a new cache reuses
+ * names the new one).
  */
 typedef struct xcall_graph_cache xcall_graph_cache;
 
 /**
  * One PE's handle on a world of symmetric memory. Owned by one PE (each
- * PE thread has its own). A call on a handle that another thread is using
- * at that moment returns `XCALL_STATUS_BUSY` and does nothing.
+ * PE thread has its own).
+ *
+ * What every call taking a world may return besides its own errors:
+ * - `XCALL_STATUS_NULL_ARGUMENT` (NULL world), `XCALL_STATUS_INVALID_HANDLE`
+ *   (a world freed already, or not made by `xcall_shmem_world_new`);
+ * - `XCALL_STATUS_BUSY`: another thread is inside a call on this handle
+ *   at that moment; nothing was done;
+ * - `XCALL_STATUS_PEER_FAILED`: a PE of the world freed its handle while
+ *   live, or failed in finalize; transfers, signals, waits, barriers,
+ *   malloc and free refuse without touching memory, and finalize releases
+ *   this PE locally (returning this status once);
+ * - `XCALL_STATUS_INVALID_ARGUMENT` for a transfer or signal whose range
+ *   is not inside one live allocation (freed already, or spanning two).
+ *
+ * Freeing a handle while another thread is inside a call on it is not
+ * detected.
  */
 typedef struct xcall_shmem_world xcall_shmem_world;
 
 /**
  * A derived pipeline plan. Immutable: any function may use it from any
  * thread; `xcall_ws_plan_free` must be the last call on it.
+ * A plan freed already, or a pointer not made by `xcall_ws_plan_new`, is
+ * `XCALL_STATUS_INVALID_HANDLE`.
  */
 typedef struct xcall_ws_plan xcall_ws_plan;
 

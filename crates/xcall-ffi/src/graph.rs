@@ -17,6 +17,11 @@ use crate::handle::{self, Handle};
 /// Thread safety: every function taking a cache may be called concurrently
 /// from any number of threads, except `xcall_graph_cache_free`, which must
 /// be the last call on it.
+///
+/// A cache freed already, or a pointer not made by `xcall_graph_cache_new`,
+/// is `XCALL_STATUS_INVALID_HANDLE` in every function taking a cache (the
+/// check is by address: a freed cache whose address a new cache reuses
+/// names the new one).
 pub struct xcall_graph_cache {
     pub(crate) inner: GraphCache<CudaGraphs>,
 }

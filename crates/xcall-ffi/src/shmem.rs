@@ -22,8 +22,22 @@ impl From<ShmemError> for FfiError {
 }
 
 /// One PE's handle on a world of symmetric memory. Owned by one PE (each
-/// PE thread has its own). A call on a handle that another thread is using
-/// at that moment returns `XCALL_STATUS_BUSY` and does nothing.
+/// PE thread has its own).
+///
+/// What every call taking a world may return besides its own errors:
+/// - `XCALL_STATUS_NULL_ARGUMENT` (NULL world), `XCALL_STATUS_INVALID_HANDLE`
+///   (a world freed already, or not made by `xcall_shmem_world_new`);
+/// - `XCALL_STATUS_BUSY`: another thread is inside a call on this handle
+///   at that moment; nothing was done;
+/// - `XCALL_STATUS_PEER_FAILED`: a PE of the world freed its handle while
+///   live, or failed in finalize; transfers, signals, waits, barriers,
+///   malloc and free refuse without touching memory, and finalize releases
+///   this PE locally (returning this status once);
+/// - `XCALL_STATUS_INVALID_ARGUMENT` for a transfer or signal whose range
+///   is not inside one live allocation (freed already, or spanning two).
+///
+/// Freeing a handle while another thread is inside a call on it is not
+/// detected.
 pub struct xcall_shmem_world {
     inner: std::sync::Mutex<World>,
 }

@@ -14,6 +14,8 @@ use crate::handle::{self, Handle};
 
 /// A derived pipeline plan. Immutable: any function may use it from any
 /// thread; `xcall_ws_plan_free` must be the last call on it.
+/// A plan freed already, or a pointer not made by `xcall_ws_plan_new`, is
+/// `XCALL_STATUS_INVALID_HANDLE`.
 pub struct xcall_ws_plan {
     plan: PipelinePlan,
 }

@@ -750,3 +750,53 @@ fn malformed_metadata_queries_and_endless_chains_are_not_success() {
     let e = call(xcall_xla_permute_host, &mut f).unwrap_err();
     assert!(e.1.contains("extension chain is longer than 64"), "{}", e.1);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 256,
+        failure_persistence: None,
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+
+    /// Random attribute lists on make_row_id_map (names from the pool,
+    /// repeats, odd values): the handler never panics or reports success
+    /// wrongly. A list with a repeated or unknown name, or a flag outside
+    /// 0/1, is an XLA error; an accepted call wrote a map of [`ROUTING`]
+    /// (every route's destination inside its chunk).
+    #[test]
+    fn attribute_lists_are_decoded_or_refused(
+        picks in proptest::collection::vec(
+            (0usize..NAMES.len(), proptest::prelude::prop_oneof![
+                -2i64..6,
+                proptest::prelude::Just(i64::MAX),
+                proptest::prelude::Just(1i64 << 62),
+            ]),
+            0..6,
+        ),
+    ) {
+        let attrs: Vec<(&str, Attr)> = picks.iter().map(|&(n, v)| (NAMES[n], Attr::I64(v))).collect();
+        let mut m = MapBufs::new(-9);
+        let mut f = m.frame(dtype::U8, &attrs);
+        let r = call(xcall_xla_make_row_id_map_host, &mut f);
+        let names: Vec<&str> = attrs.iter().map(|(n, _)| *n).collect();
+        let repeated = names.iter().enumerate().any(|(i, n)| names[..i].contains(n));
+        let unknown = names.iter().any(|n| !["num_out_tokens", "align", "capacity", "graph_cache"].contains(n));
+        let bad_flag = attrs.iter().any(|(n, a)| *n == "graph_cache" && !matches!(a, Attr::I64(0 | 1)));
+        if repeated || unknown || bad_flag {
+            proptest::prop_assert!(r.is_err(), "{:?} accepted", names);
+        }
+        match r {
+            Ok(()) => {
+                for t in 0..3 {
+                    let n = m.map[t * 5 + 4];
+                    proptest::prop_assert!((0..=2).contains(&n));
+                    for k in 0..n as usize {
+                        let (dst, e) = (m.map[t * 5 + k] as i64, m.map[t * 5 + 2 + k] as usize);
+                        proptest::prop_assert!(dst >= m.off[e] && dst < m.off[e] + m.tpe[e]);
+                    }
+                }
+            }
+            Err(_) => proptest::prop_assert_eq!(m.map, [-9; 15], "a refused call wrote"),
+        }
+    }
+}
