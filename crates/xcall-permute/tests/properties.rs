@@ -75,8 +75,8 @@ proptest! {
         let mut from: Vec<Option<usize>> = vec![None; out_rows];
         for t in 0..tokens {
             let row = &map[t * width..(t + 1) * width];
-            for k in 0..row[2 * experts] as usize {
-                let dst = row[k] as usize;
+            for &dst in &row[..row[2 * experts] as usize] {
+                let dst = dst as usize;
                 prop_assert!(from[dst].is_none(), "row {} written twice", dst);
                 from[dst] = Some(t);
             }
