@@ -27,17 +27,6 @@
     }                                                                          \
   } while (0)
 
-static xcall_tensor tensor(void *data, xcall_dtype dtype, uint32_t rank, int64_t d0, int64_t d1) {
-  xcall_tensor t;
-  memset(&t, 0, sizeof t);
-  t.data = data;
-  t.dtype = dtype;
-  t.rank = rank;
-  t.dims[0] = d0;
-  t.dims[1] = d1;
-  return t;
-}
-
 static int all_bytes(const void *p, size_t n, unsigned char v) {
   const unsigned char *b = p;
   for (size_t i = 0; i < n; i++)
@@ -152,20 +141,20 @@ static void permute(void) {
   /* Empty tensors are legal even with a huge hidden size: nothing to do,
    * and nothing is allocated for it. */
   const int64_t huge_h = (int64_t)1 << 40;
-  xcall_tensor in0 = tensor(NULL, XCALL_DTYPE_F32, 2, 0, huge_h);
+  xcall_tensor in0 = xt_tensor(NULL, XCALL_DTYPE_F32, 2, 0, huge_h);
   int32_t map0[1];
-  xcall_tensor map_empty = tensor(map0, XCALL_DTYPE_I32, 2, 0, 5);
-  xcall_tensor out0 = tensor(NULL, XCALL_DTYPE_F32, 2, 0, huge_h);
+  xcall_tensor map_empty = xt_tensor(map0, XCALL_DTYPE_I32, 2, 0, 5);
+  xcall_tensor out0 = xt_tensor(NULL, XCALL_DTYPE_F32, 2, 0, huge_h);
   CHECK_STATUS(xcall_unpermute(&host, &in0, &map_empty, NULL, NULL, &out0, NULL), XCALL_STATUS_OK);
 
   /* 2 tokens, 2 experts: t0 -> e0, t1 -> e1. */
   uint8_t routing[4] = {1, 0, 0, 1};
   int32_t map[2][5];
   int64_t tpe[2], off[3];
-  xcall_tensor r_t = tensor(routing, XCALL_DTYPE_U8, 2, 2, 2);
-  xcall_tensor map_t = tensor(map, XCALL_DTYPE_I32, 2, 2, 5);
-  xcall_tensor tpe_t = tensor(tpe, XCALL_DTYPE_I64, 1, 2, 0);
-  xcall_tensor off_t = tensor(off, XCALL_DTYPE_I64, 1, 3, 0);
+  xcall_tensor r_t = xt_tensor(routing, XCALL_DTYPE_U8, 2, 2, 2);
+  xcall_tensor map_t = xt_tensor(map, XCALL_DTYPE_I32, 2, 2, 5);
+  xcall_tensor tpe_t = xt_tensor(tpe, XCALL_DTYPE_I64, 1, 2, 0);
+  xcall_tensor off_t = xt_tensor(off, XCALL_DTYPE_I64, 1, 3, 0);
   memset(map, 0x5a, sizeof map);
   memset(tpe, 0x5a, sizeof tpe);
   CHECK_ERR(xcall_make_row_id_map(&host, &r_t, -1, (int64_t)1 << 62, 0, &map_t, &tpe_t, &off_t),
@@ -180,19 +169,19 @@ static void permute(void) {
   CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_OK);
 
   float input[2][4] = {{1, 2, 3, 4}, {5, 6, 7, 8}}, output[2][4];
-  xcall_tensor in_t = tensor(input, XCALL_DTYPE_F32, 2, 2, 4);
-  xcall_tensor out_t = tensor(output, XCALL_DTYPE_F32, 2, 2, 4);
+  xcall_tensor in_t = xt_tensor(input, XCALL_DTYPE_F32, 2, 2, 4);
+  xcall_tensor out_t = xt_tensor(output, XCALL_DTYPE_F32, 2, 2, 4);
   /* Two tokens sharing a destination row. */
   int32_t shared[2][5];
   memcpy(shared, map, sizeof map);
   shared[1][0] = shared[0][0];
-  xcall_tensor shared_t = tensor(shared, XCALL_DTYPE_I32, 2, 2, 5);
+  xcall_tensor shared_t = xt_tensor(shared, XCALL_DTYPE_I32, 2, 2, 5);
   memset(output, 0x33, sizeof output);
   CHECK_ERR(xcall_permute(&host, &in_t, &shared_t, &tpe_t, &off_t, NULL, NULL, &out_t, NULL, NULL, false),
             XCALL_STATUS_INVALID_ARGUMENT, "row_id_map token 1");
   /* A count no map can have. */
   int64_t bad_tpe[2] = {INT64_MAX, 1};
-  xcall_tensor bad_tpe_t = tensor(bad_tpe, XCALL_DTYPE_I64, 1, 2, 0);
+  xcall_tensor bad_tpe_t = xt_tensor(bad_tpe, XCALL_DTYPE_I64, 1, 2, 0);
   CHECK_ERR(xcall_permute(&host, &in_t, &map_t, &bad_tpe_t, &off_t, NULL, NULL, &out_t, NULL, NULL, false),
             XCALL_STATUS_INVALID_ARGUMENT, "expert 0");
   /* The output over the input. */
@@ -201,7 +190,7 @@ static void permute(void) {
   CHECK(all_bytes(output, sizeof output, 0x33));
   CHECK(input[0][0] == 1 && input[1][3] == 8);
   /* Wrong dtype, wrong enum, NULL. */
-  xcall_tensor wrong = tensor(map, XCALL_DTYPE_F32, 2, 2, 5);
+  xcall_tensor wrong = xt_tensor(map, XCALL_DTYPE_F32, 2, 2, 5);
   CHECK_ERR(xcall_permute(&host, &in_t, &wrong, &tpe_t, &off_t, NULL, NULL, &out_t, NULL, NULL, false),
             XCALL_STATUS_UNSUPPORTED, "row_id_map");
   wrong.dtype = 99;

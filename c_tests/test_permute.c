@@ -5,17 +5,6 @@
 
 enum { T = 6, E = 3, H = 5 };
 
-static xcall_tensor tensor(void *data, xcall_dtype dtype, uint32_t rank, int64_t d0, int64_t d1) {
-  xcall_tensor t;
-  memset(&t, 0, sizeof t);
-  t.data = data;
-  t.dtype = dtype;
-  t.rank = rank;
-  t.dims[0] = d0;
-  t.dims[1] = d1;
-  return t;
-}
-
 int main(void) {
   const xcall_target host = {XCALL_PLATFORM_HOST, 0, NULL};
   /* Token t routes to experts (t % 3) and ((t + 1) % 3) when t is even,
@@ -26,12 +15,12 @@ int main(void) {
   float input[T][H], probs[T][E], output[16][H], pprobs[16], back[T][H];
   int64_t counts[E] = {0, 0, 0}, n = 0, start[E], rank[E] = {0, 0, 0};
   int t, e, j, k, ok;
-  xcall_tensor r_t = tensor(routing, XCALL_DTYPE_U8, 2, T, E);
-  xcall_tensor map_t = tensor(map, XCALL_DTYPE_I32, 2, T, 2 * E + 1);
-  xcall_tensor tpe_t = tensor(tpe, XCALL_DTYPE_I64, 1, E, 0);
-  xcall_tensor off_t = tensor(offsets, XCALL_DTYPE_I64, 1, E + 1, 0);
-  xcall_tensor in_t = tensor(input, XCALL_DTYPE_F32, 2, T, H);
-  xcall_tensor probs_t = tensor(probs, XCALL_DTYPE_F32, 2, T, E);
+  xcall_tensor r_t = xt_tensor(routing, XCALL_DTYPE_U8, 2, T, E);
+  xcall_tensor map_t = xt_tensor(map, XCALL_DTYPE_I32, 2, T, 2 * E + 1);
+  xcall_tensor tpe_t = xt_tensor(tpe, XCALL_DTYPE_I64, 1, E, 0);
+  xcall_tensor off_t = xt_tensor(offsets, XCALL_DTYPE_I64, 1, E + 1, 0);
+  xcall_tensor in_t = xt_tensor(input, XCALL_DTYPE_F32, 2, T, H);
+  xcall_tensor probs_t = xt_tensor(probs, XCALL_DTYPE_F32, 2, T, E);
   xcall_tensor out_t, pp_t, back_t, bad;
   xcall_alias_pair pairs[4];
   size_t count = 99;
@@ -66,8 +55,8 @@ int main(void) {
 
   /* permute with probs. */
   memset(output, 0xa5, sizeof output);
-  out_t = tensor(output, XCALL_DTYPE_F32, 2, n, H);
-  pp_t = tensor(pprobs, XCALL_DTYPE_F32, 1, n, 0);
+  out_t = xt_tensor(output, XCALL_DTYPE_F32, 2, n, H);
+  pp_t = xt_tensor(pprobs, XCALL_DTYPE_F32, 1, n, 0);
   CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, &probs_t, NULL, &out_t, &pp_t, NULL, false),
                XCALL_STATUS_OK);
   ok = 1;
@@ -80,7 +69,7 @@ int main(void) {
   CHECK(ok);
 
   /* unpermute with the same probs as merging weights: sum of weighted copies. */
-  back_t = tensor(back, XCALL_DTYPE_F32, 2, T, H);
+  back_t = xt_tensor(back, XCALL_DTYPE_F32, 2, T, H);
   CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, &probs_t, NULL, &back_t, NULL), XCALL_STATUS_OK);
   ok = 1;
   for (t = 0; t < T; t++)
@@ -95,7 +84,7 @@ int main(void) {
   /* Aliasing: output over input is refused, names both, writes nothing. */
   {
     float before[T][H];
-    xcall_tensor over = tensor(input, XCALL_DTYPE_F32, 2, n, H);
+    xcall_tensor over = xt_tensor(input, XCALL_DTYPE_F32, 2, n, H);
     static float big[16][H];
     memcpy(before, input, sizeof input);
     CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, NULL, NULL, &over, NULL, NULL, false),
@@ -103,15 +92,15 @@ int main(void) {
     CHECK_CONTAINS(xcall_last_error_message(), "output overlaps input");
     CHECK(memcmp(before, input, sizeof input) == 0);
     /* permuted_probs inside probs. */
-    pp_t = tensor(probs, XCALL_DTYPE_F32, 1, n, 0);
+    pp_t = xt_tensor(probs, XCALL_DTYPE_F32, 1, n, 0);
     CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, &probs_t, NULL, &out_t, &pp_t, NULL, false),
                  XCALL_STATUS_ALIASED);
     CHECK_CONTAINS(xcall_last_error_message(), "permuted_probs overlaps probs");
     /* The in-place variant gives the out-of-place result. */
     memcpy(big, input, sizeof input);
     {
-      xcall_tensor src = tensor(big, XCALL_DTYPE_F32, 2, T, H);
-      xcall_tensor dst = tensor(big, XCALL_DTYPE_F32, 2, n, H);
+      xcall_tensor src = xt_tensor(big, XCALL_DTYPE_F32, 2, T, H);
+      xcall_tensor dst = xt_tensor(big, XCALL_DTYPE_F32, 2, n, H);
       CHECK_STATUS(xcall_permute(&host, &src, &map_t, &tpe_t, &off_t, NULL, NULL, &dst, NULL, NULL, true),
                    XCALL_STATUS_OK);
       CHECK(memcmp(big, output, (size_t)n * sizeof output[0]) == 0);
@@ -122,11 +111,11 @@ int main(void) {
   {
     int64_t sizes[3] = {2, 3, 1}, sorted[3] = {2, 0, 1}, cmap[T], want[T] = {1, 2, 3, 4, 5, 0};
     float rows[T][H], sorted_rows[T][H];
-    xcall_tensor sz = tensor(sizes, XCALL_DTYPE_I64, 1, 3, 0);
-    xcall_tensor so = tensor(sorted, XCALL_DTYPE_I64, 1, 3, 0);
-    xcall_tensor cm = tensor(cmap, XCALL_DTYPE_I64, 1, T, 0);
-    xcall_tensor rt = tensor(rows, XCALL_DTYPE_F32, 2, T, H);
-    xcall_tensor st = tensor(sorted_rows, XCALL_DTYPE_F32, 2, T, H);
+    xcall_tensor sz = xt_tensor(sizes, XCALL_DTYPE_I64, 1, 3, 0);
+    xcall_tensor so = xt_tensor(sorted, XCALL_DTYPE_I64, 1, 3, 0);
+    xcall_tensor cm = xt_tensor(cmap, XCALL_DTYPE_I64, 1, T, 0);
+    xcall_tensor rt = xt_tensor(rows, XCALL_DTYPE_F32, 2, T, H);
+    xcall_tensor st = xt_tensor(sorted_rows, XCALL_DTYPE_F32, 2, T, H);
     memcpy(rows, input, sizeof input);
     CHECK_STATUS(xcall_make_chunk_sort_map(&host, &sz, &so, &cm), XCALL_STATUS_OK);
     CHECK(memcmp(cmap, want, sizeof want) == 0);
@@ -153,19 +142,19 @@ int main(void) {
   /* Bad arguments: NULL target and tensors, negative dims, E = 0, wrong dtype. */
   CHECK_STATUS(xcall_make_row_id_map(NULL, &r_t, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(xcall_make_row_id_map(&host, NULL, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
-  bad = tensor(routing, XCALL_DTYPE_U8, 2, -1, E);
+  bad = xt_tensor(routing, XCALL_DTYPE_U8, 2, -1, E);
   CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "negative");
-  bad = tensor(routing, XCALL_DTYPE_U8, 2, T, 0);
+  bad = xt_tensor(routing, XCALL_DTYPE_U8, 2, T, 0);
   CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "at least 1 expert");
-  bad = tensor(routing, XCALL_DTYPE_F32, 2, T, E);
+  bad = xt_tensor(routing, XCALL_DTYPE_F32, 2, T, E);
   CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_UNSUPPORTED);
   CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 8, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   /* a capacity with a cap, and a negative capacity */
   CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 0, 2, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, -2, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
-  bad = tensor(NULL, XCALL_DTYPE_F32, 2, T, H);
+  bad = xt_tensor(NULL, XCALL_DTYPE_F32, 2, T, H);
   CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, NULL, NULL, &bad, NULL), XCALL_STATUS_NULL_ARGUMENT);
   return xt_summary("test_permute");
 }

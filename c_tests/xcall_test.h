@@ -42,6 +42,18 @@ static int xt_failed;
 #define CHECK_STR_EQ(a, b) CHECK(strcmp((a), (b)) == 0)
 #define CHECK_CONTAINS(haystack, needle) CHECK(strstr((haystack), (needle)) != NULL)
 
+/* A tensor of rank 1 or 2 over `data` (dims beyond `rank` unused). */
+static inline xcall_tensor xt_tensor(void *data, xcall_dtype dtype, uint32_t rank, int64_t d0, int64_t d1) {
+  xcall_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = rank;
+  t.dims[0] = d0;
+  t.dims[1] = d1;
+  return t;
+}
+
 /* Whether XCALL_REQUIRE_CUDA=1: a missing GPU is then a failure, not a skip. */
 static inline int xt_cuda_required(void) {
   const char *v = getenv("XCALL_REQUIRE_CUDA");
