@@ -306,15 +306,6 @@ struct pe {
   int failures;
 };
 
-#define PE_EXPECT(cond)                                                        \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      p->failures++;                                                           \
-      fprintf(stderr, "rank %u: %s:%d: %s (%s)\n", p->rank, __FILE__,          \
-              __LINE__, #cond, xcall_last_error_message());                    \
-    }                                                                          \
-  } while (0)
-
 static volatile int left; /* rank 1 freed its world */
 
 /* Rank 1 frees its world without finalize; rank 0's later transfers are

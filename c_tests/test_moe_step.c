@@ -39,15 +39,6 @@ struct pe {
   uint64_t *dispatch, *combine;
 };
 
-#define PE_EXPECT(cond)                                                        \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      p->failures++;                                                           \
-      fprintf(stderr, "rank %u: %s:%d: %s (%s)\n", p->rank, __FILE__,          \
-              __LINE__, #cond, xcall_last_error_message());                    \
-    }                                                                          \
-  } while (0)
-
 /* Returns from the record function with the failing call's status. */
 #define TRY(call)                                                              \
   do {                                                                         \

@@ -18,15 +18,6 @@ struct pe {
   uint64_t leaked;
 };
 
-#define PE_EXPECT(cond)                                                        \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      p->failures++;                                                           \
-      fprintf(stderr, "rank %u: %s:%d: %s (%s)\n", p->rank, __FILE__,          \
-              __LINE__, #cond, xcall_last_error_message());                    \
-    }                                                                          \
-  } while (0)
-
 static unsigned char pattern(uint32_t rank, size_t i) {
   return (unsigned char)((i * 131u + rank * 17u + 1u) & 0xffu);
 }

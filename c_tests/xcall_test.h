@@ -39,6 +39,18 @@ static int xt_failed;
     }                                                                          \
   } while (0)
 
+/* A check inside a PE thread: needs `p`, a pointer to a struct with
+ * `uint32_t rank` and `int failures` (counted per thread, checked by the
+ * main thread after join). */
+#define PE_EXPECT(cond)                                                        \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      p->failures++;                                                           \
+      fprintf(stderr, "rank %u: %s:%d: %s (%s)\n", p->rank, __FILE__,          \
+              __LINE__, #cond, xcall_last_error_message());                    \
+    }                                                                          \
+  } while (0)
+
 #define CHECK_STR_EQ(a, b) CHECK(strcmp((a), (b)) == 0)
 #define CHECK_CONTAINS(haystack, needle) CHECK(strstr((haystack), (needle)) != NULL)
 
