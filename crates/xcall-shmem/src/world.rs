@@ -1096,10 +1096,9 @@ impl Live {
         Ok(())
     }
 
-    /// PE `pe`'s address of `[local, local + bytes)`, checked to lie in the
-    /// user part of this PE's heap.
-    /// Checks that the world is healthy first: the one gate every
-    /// transfer and signal passes.
+    /// PE `pe`'s address of `[local, local + bytes)`, checked to lie in one
+    /// live allocation of this PE's heap (allocations are symmetric), in a
+    /// healthy world: the one gate every transfer and signal passes.
     fn remote(&self, local: u64, bytes: usize, pe: usize, what: &str) -> Result<u64> {
         self.state.check()?;
         self.check_pe(pe)?;

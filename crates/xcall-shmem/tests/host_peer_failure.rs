@@ -111,6 +111,14 @@ fn assert_world_failed(w: &mut World, buf: u64, sig: u64, n: usize) {
     assert_eq!(w.phase(), Phase::Finalized);
 }
 
+/// Joins SPMT world `group` as `rank` of `n` and makes its objects.
+fn joined(group: &str, rank: usize, n: usize, timeout: Duration) -> (World, u64, u64) {
+    let mut w = World::new();
+    w.init(&spmt_config(group, rank, n, timeout)).unwrap();
+    let (buf, sig) = objects(&mut w);
+    (w, buf, sig)
+}
+
 /// Makes an object of 64 zero bytes and a zero signal word, collectively.
 fn objects(w: &mut World) -> (u64, u64) {
     let buf = w.malloc(64).unwrap();
@@ -131,10 +139,7 @@ fn spmt_a_pe_that_leaves_without_finalize_fails_the_world_for_the_others() {
     let (left_tx, left_rx) = mpsc::channel::<()>();
     let left_rx = std::sync::Mutex::new(left_rx);
     run_ranks(n, move |rank| {
-        let mut w = World::new();
-        w.init(&spmt_config("leave", rank, n, Duration::from_secs(20)))
-            .unwrap();
-        let (buf, sig) = objects(&mut w);
+        let (mut w, buf, sig) = joined("leave", rank, n, Duration::from_secs(20));
         if rank == 2 {
             drop(w); // leaves without finalize: its heap goes away here
             for _ in 0..n - 1 {
@@ -169,10 +174,7 @@ fn spmt_a_late_put_after_a_timed_out_finalize_is_refused() {
     let (done_tx, done_rx) = mpsc::channel::<()>();
     let done_rx = std::sync::Mutex::new(done_rx);
     run_ranks(n, move |rank| {
-        let mut w = World::new();
-        w.init(&spmt_config("late", rank, n, Duration::from_millis(300)))
-            .unwrap();
-        let (buf, sig) = objects(&mut w);
+        let (mut w, buf, sig) = joined("late", rank, n, Duration::from_millis(300));
         if rank == 0 {
             // Rank 1 never comes to finalize: it times out and fails.
             let e = w.finalize().unwrap_err();

@@ -905,22 +905,18 @@ fn answer_metadata(spec: &Spec, side: Side, frame: &XLA_FFI_CallFrame) -> Result
                         m.struct_size
                     )));
                 }
-                {
-                    {
-                        m.api_version = XLA_FFI_Api_Version {
-                            struct_size: API_VERSION_SIZE,
-                            extension_start: std::ptr::null_mut(),
-                            major_version: API_MAJOR,
-                            minor_version: API_MINOR,
-                        };
-                        m.traits = match side {
-                            Side::Host => 0,
-                            Side::Cuda => spec.cuda_traits,
-                        };
-                        if m.struct_size >= METADATA_WITH_STATE_SIZE {
-                            m.state_type_id = 0;
-                        }
-                    }
+                m.api_version = XLA_FFI_Api_Version {
+                    struct_size: API_VERSION_SIZE,
+                    extension_start: std::ptr::null_mut(),
+                    major_version: API_MAJOR,
+                    minor_version: API_MINOR,
+                };
+                m.traits = match side {
+                    Side::Host => 0,
+                    Side::Cuda => spec.cuda_traits,
+                };
+                if m.struct_size >= METADATA_WITH_STATE_SIZE {
+                    m.state_type_id = 0;
                 }
                 return Ok(true);
             }
