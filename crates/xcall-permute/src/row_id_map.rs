@@ -425,6 +425,42 @@ pub fn make_row_id_map(
 mod tests {
     use super::*;
 
+    /// The bounds at their exact edges (known answers).
+    #[test]
+    fn layout_and_width_bounds_at_their_edges() {
+        let max = i32::MAX as usize;
+        assert_eq!(map_width(max).unwrap(), 2 * max + 1);
+        assert!(map_width(max + 1).is_err());
+        assert!(map_width(max + 2).is_err());
+        let none = RowIdMapOptions::default();
+        // Without options the worst case is every token on every expert.
+        assert!(check_layout(none, max, 1).is_ok());
+        assert!(check_layout(none, max + 1, 1).is_err());
+        assert!(check_layout(none, max + 2, 1).is_err());
+        assert!(check_layout(none, 1 << 40, 1).is_err());
+        // align 4 pads 10 tokens to 12 rows per expert: 12 * 178956970 =
+        // 2147483640 rows fit, one more expert does not.
+        let align = RowIdMapOptions {
+            align: Some(4),
+            ..none
+        };
+        assert!(check_layout(align, 10, 178_956_970).is_ok());
+        assert!(check_layout(align, 10, 178_956_971).is_err());
+        // capacity fixes the chunk: capacity * experts rows.
+        let capacity = RowIdMapOptions {
+            capacity: Some(1 << 16),
+            ..none
+        };
+        assert!(check_layout(capacity, 1, (1 << 15) - 1).is_ok());
+        assert!(check_layout(capacity, 1, 1 << 15).is_err());
+        // A cap on the output rows lifts the bound.
+        let capped = RowIdMapOptions {
+            num_out_tokens: Some(100),
+            ..none
+        };
+        assert!(check_layout(capped, 1 << 40, 1).is_ok());
+    }
+
     #[test]
     fn unwritten_rows_are_exactly_the_rows_no_route_writes() {
         let mut seed = 7u64;
