@@ -201,6 +201,17 @@ static void permute(void) {
   CHECK(all_bytes(output, sizeof output, 0x33));
   CHECK_STATUS(xcall_permute(&host, &in_t, &map_t, &tpe_t, &off_t, NULL, NULL, &out_t, NULL, NULL, false), XCALL_STATUS_OK);
   CHECK(output[0][0] == 1 && output[1][0] == 5);
+
+  /* Map faults: the Host refuses bad maps at the call, so none recorded. */
+  uint32_t faults = 99;
+  const xcall_target bad_platform = {7, 0, NULL};
+  CHECK_ERR(xcall_permute_take_faults(NULL, &faults), XCALL_STATUS_NULL_ARGUMENT, "target");
+  CHECK_ERR(xcall_permute_take_faults(&host, NULL), XCALL_STATUS_NULL_ARGUMENT, "out_faults");
+  CHECK_ERR(xcall_permute_take_faults(&bad_platform, &faults), XCALL_STATUS_INVALID_ARGUMENT,
+            "unknown platform code 7");
+  CHECK(faults == 99);
+  CHECK_STATUS(xcall_permute_take_faults(&host, &faults), XCALL_STATUS_OK);
+  CHECK(faults == 0);
 }
 
 /* ------------------------------------------------------------- shmem */

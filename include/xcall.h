@@ -31,6 +31,44 @@ struct XLA_FFI_Error;
 #define XCALL_TENSOR_MAX_RANK 4
 
 /**
+ * Map fault: a token's route count is outside `[0, E]` (see
+ * `xcall_permute_take_faults`).
+ */
+#define XCALL_PERMUTE_FAULT_ROUTE_COUNT 1
+
+/**
+ * Map fault: a route's expert is outside `[0, E)`.
+ */
+#define XCALL_PERMUTE_FAULT_EXPERT 2
+
+/**
+ * Map fault: a route's destination row is outside `[0, N)`.
+ */
+#define XCALL_PERMUTE_FAULT_ROW 4
+
+/**
+ * Map fault (checked mode): a route's row is outside its expert's kept
+ * rows.
+ */
+#define XCALL_PERMUTE_FAULT_CHUNK_ROW 8
+
+/**
+ * Map fault (checked mode): two routes write one row.
+ */
+#define XCALL_PERMUTE_FAULT_DUPLICATE_ROW 16
+
+/**
+ * Map fault (checked mode): an expert chunk is invalid or
+ * `tokens_per_expert` differs from the routes the map sends to it.
+ */
+#define XCALL_PERMUTE_FAULT_COUNTS 32
+
+/**
+ * Map fault: a chunk-sort map entry is outside `[0, T)`.
+ */
+#define XCALL_PERMUTE_FAULT_SORT_MAP 64
+
+/**
  * PEs are threads of one process meeting by group name (`address`).
  */
 #define XCALL_SHMEM_BOOTSTRAP_IN_PROCESS 0
@@ -1007,6 +1045,25 @@ xcall_status xcall_permute_alias_table(uint32_t op,
                                        xcall_alias_pair *out_pairs,
                                        size_t capacity,
                                        size_t *out_count);
+
+/**
+ * Map faults found on the target's device since the last call, as
+ * `XCALL_PERMUTE_FAULT_*` bits in `*out_faults` (then cleared); waits
+ * for the target's stream first. On CUDA a kernel cannot fail a call:
+ * every kernel that follows a row-id or chunk-sort map skips an entry
+ * pointing outside its tensors (nothing is written out of range) and
+ * records the fault here. Checked mode (environment
+ * `XCALL_PERMUTE_CHECK=1`, read at each call) makes `xcall_permute`,
+ * `xcall_unpermute` and `xcall_unpermute_backward` on CUDA check the whole
+ * map on the device first, as the Host does (bounds, kept rows, unique
+ * rows, `tokens_per_expert`), wait for the stream and fail with
+ * `XCALL_STATUS_INVALID_ARGUMENT`, nothing written; under stream capture
+ * the check is captured and its faults are recorded here instead. The
+ * record is per device, shared by its streams. Always 0 on Host, which
+ * refuses a bad map before any work. NULL `target` or `out_faults`:
+ * `XCALL_STATUS_NULL_ARGUMENT`.
+ */
+xcall_status xcall_permute_take_faults(const xcall_target *target, uint32_t *out_faults);
 
 /**
  * Builds the row-id map of `routing` (`[T, E]` u8 or bool; any nonzero

@@ -75,8 +75,11 @@ cp python/tests/test_*.py "$out/python/tests/"
 
 cat >"$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs every binary of the bundle and prints "N passed, N failed".
-#   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping.
+# Runs every binary of the bundle and prints "N passed, N skipped, N
+# failed". A run whose log has a skip line (a test's "SKIP <test>: <why>"
+# on stderr, pytest's "SKIPPED [n] ...") counts as skipped, not passed.
+#   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
+#     and any skipped run counts as failed.
 #   XCALL_BUNDLE_LOGS (default <bundle>/logs): one log per binary.
 #   XCALL_SANITIZERS (e.g. "memcheck racecheck synccheck"): also run the GPU
 #     test binaries (test files named cuda_*.rs) under compute-sanitizer with
@@ -96,13 +99,25 @@ logs=${XCALL_BUNDLE_LOGS:-$here/logs}
 bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
 mkdir -p "$logs"
 passed=0
+skipped=0
 failed=0
 run() { # <name> <command...>
   local name=$1
   shift
   if "$@" >"$logs/$name.log" 2>&1; then
-    passed=$((passed + 1))
-    echo "PASS $name"
+    if grep -qE '^(SKIP |SKIPPED \[)' "$logs/$name.log"; then
+      if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
+        failed=$((failed + 1))
+        echo "FAIL $name (skipped with XCALL_REQUIRE_CUDA=1)"
+      else
+        skipped=$((skipped + 1))
+        echo "SKIP $name"
+      fi
+      grep -E '^(SKIP |SKIPPED \[)' "$logs/$name.log" | sed 's/^/    /'
+    else
+      passed=$((passed + 1))
+      echo "PASS $name"
+    fi
   else
     failed=$((failed + 1))
     echo "FAIL $name (log: $logs/$name.log)"
@@ -144,13 +159,14 @@ if "$py" -c "import jax, pytest" 2>/dev/null; then
 elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
   run jax-suite sh -c "echo '$py cannot import jax and pytest'; exit 1"
 else
+  skipped=$((skipped + 1))
   echo "SKIP jax-suite: $py cannot import jax and pytest"
 fi
 for b in "$here"/benches/*; do
   # shellcheck disable=SC2086
   run "$(basename "$b")" "$b" --bench $bench_args
 done
-echo "$passed passed, $failed failed"
+echo "$passed passed, $skipped skipped, $failed failed"
 [ "$failed" -eq 0 ]
 RUN
 chmod +x "$out/run-all.sh"

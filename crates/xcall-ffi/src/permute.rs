@@ -2,12 +2,12 @@
 
 use std::ffi::{c_char, c_void};
 
-use static_assertions::{assert_eq_align, assert_eq_size};
+use static_assertions::{assert_eq_align, assert_eq_size, const_assert_eq};
 use xcall_core::{DType, Device, Platform, Status};
 use xcall_permute::alias::{alias_table, Op};
 use xcall_permute::call::{self, Target, Tensor};
 use xcall_permute::chunks::Direction;
-use xcall_permute::{PermuteError, RowIdMapOptions};
+use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
 
 use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
 
@@ -61,6 +61,13 @@ assert_eq_size!(xcall_tensor, [u64; 7]);
 assert_eq_align!(xcall_tensor, u64);
 assert_eq_size!(xcall_alias_pair, [u64; 2]);
 assert_eq_size!(Op, u32);
+const_assert_eq!(XCALL_PERMUTE_FAULT_ROUTE_COUNT, MapFaults::ROUTE_COUNT);
+const_assert_eq!(XCALL_PERMUTE_FAULT_EXPERT, MapFaults::EXPERT);
+const_assert_eq!(XCALL_PERMUTE_FAULT_ROW, MapFaults::ROW);
+const_assert_eq!(XCALL_PERMUTE_FAULT_CHUNK_ROW, MapFaults::CHUNK_ROW);
+const_assert_eq!(XCALL_PERMUTE_FAULT_DUPLICATE_ROW, MapFaults::DUPLICATE_ROW);
+const_assert_eq!(XCALL_PERMUTE_FAULT_COUNTS, MapFaults::COUNTS);
+const_assert_eq!(XCALL_PERMUTE_FAULT_SORT_MAP, MapFaults::SORT_MAP);
 
 impl From<PermuteError> for FfiError {
     fn from(e: PermuteError) -> Self {
@@ -189,6 +196,52 @@ pub extern "C" fn xcall_permute_alias_table(
             };
         }
         *count = table.len();
+        Ok(())
+    })
+}
+
+/// Map fault: a token's route count is outside `[0, E]` (see
+/// `xcall_permute_take_faults`).
+pub const XCALL_PERMUTE_FAULT_ROUTE_COUNT: u32 = 1;
+/// Map fault: a route's expert is outside `[0, E)`.
+pub const XCALL_PERMUTE_FAULT_EXPERT: u32 = 2;
+/// Map fault: a route's destination row is outside `[0, N)`.
+pub const XCALL_PERMUTE_FAULT_ROW: u32 = 4;
+/// Map fault (checked mode): a route's row is outside its expert's kept
+/// rows.
+pub const XCALL_PERMUTE_FAULT_CHUNK_ROW: u32 = 8;
+/// Map fault (checked mode): two routes write one row.
+pub const XCALL_PERMUTE_FAULT_DUPLICATE_ROW: u32 = 16;
+/// Map fault (checked mode): an expert chunk is invalid or
+/// `tokens_per_expert` differs from the routes the map sends to it.
+pub const XCALL_PERMUTE_FAULT_COUNTS: u32 = 32;
+/// Map fault: a chunk-sort map entry is outside `[0, T)`.
+pub const XCALL_PERMUTE_FAULT_SORT_MAP: u32 = 64;
+
+/// Map faults found on the target's device since the last call, as
+/// `XCALL_PERMUTE_FAULT_*` bits in `*out_faults` (then cleared); waits
+/// for the target's stream first. On CUDA a kernel cannot fail a call:
+/// every kernel that follows a row-id or chunk-sort map skips an entry
+/// pointing outside its tensors (nothing is written out of range) and
+/// records the fault here. Checked mode (environment
+/// `XCALL_PERMUTE_CHECK=1`, read at each call) makes `xcall_permute`,
+/// `xcall_unpermute` and `xcall_unpermute_backward` on CUDA check the whole
+/// map on the device first, as the Host does (bounds, kept rows, unique
+/// rows, `tokens_per_expert`), wait for the stream and fail with
+/// `XCALL_STATUS_INVALID_ARGUMENT`, nothing written; under stream capture
+/// the check is captured and its faults are recorded here instead. The
+/// record is per device, shared by its streams. Always 0 on Host, which
+/// refuses a bad map before any work. NULL `target` or `out_faults`:
+/// `XCALL_STATUS_NULL_ARGUMENT`.
+#[no_mangle]
+pub extern "C" fn xcall_permute_take_faults(
+    target: *const xcall_target,
+    out_faults: *mut u32,
+) -> Status {
+    ffi_call!({
+        let target = target_arg(target)?;
+        let out = out_ptr(out_faults, "out_faults")?;
+        *out = call::take_faults(&target)?.0;
         Ok(())
     })
 }

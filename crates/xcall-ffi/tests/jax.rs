@@ -6,8 +6,9 @@
 //!   with `include/xcall.h` (each handler must be an `XLA_FFI_Handler`).
 //!
 //! Both need a Python with jax and pytest: `$XCALL_PYTHON`, else `python3`.
-//! Without one they print a SKIP line and pass, unless
-//! `XCALL_REQUIRE_JAX=1` (CI sets it after installing its pinned jax).
+//! Without one they print a SKIP line on stderr and pass, unless
+//! `XCALL_REQUIRE_JAX=1` (CI sets it after installing its pinned jax). A
+//! suite that passes no test at all fails.
 
 mod common;
 
@@ -31,7 +32,7 @@ fn python(test: &str) -> Option<String> {
     if std::env::var("XCALL_REQUIRE_JAX").as_deref() == Ok("1") {
         panic!("XCALL_REQUIRE_JAX=1 but {why}");
     }
-    println!("SKIP {test}: {why}");
+    xcall_core::testing::skip(test, &why);
     None
 }
 
@@ -57,11 +58,39 @@ fn pytest_suite_through_jax() {
     );
     println!("{text}");
     match out.status.code() {
-        Some(0) => {}
+        Some(0) => {
+            let passed = passed_count(&text);
+            assert!(
+                passed > 0,
+                "pytest passed no test in python/tests (all skipped?)"
+            );
+        }
         // pytest's "no tests collected": a suite that ran nothing failed.
         Some(5) => panic!("pytest collected no tests in python/tests"),
         code => panic!("pytest failed ({code:?})"),
     }
+}
+
+/// The `N passed` of pytest's summary line (0 when absent).
+fn passed_count(summary: &str) -> u64 {
+    summary
+        .lines()
+        .rev()
+        .find_map(|line| {
+            let words: Vec<&str> = line.split([' ', ',']).collect();
+            words
+                .windows(2)
+                .find(|w| w[1] == "passed")
+                .and_then(|w| w[0].parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn pytest_summaries_are_read() {
+    assert_eq!(passed_count("....\n12 passed, 3 skipped in 4.2s\n"), 12);
+    assert_eq!(passed_count("sss\n3 skipped in 0.1s\n"), 0);
+    assert_eq!(passed_count("1 failed, 2 passed in 1s"), 2);
 }
 
 #[test]

@@ -50,7 +50,14 @@ fn main() {
     let stream = ctx.new_stream().unwrap();
     let target = Target {
         autotune: true,
+        checked: false,
         ..Target::cuda(0, stream.cu_stream().cast())
+    };
+    // Checked mode: the whole map checked on the device before permute
+    // (eager: plus a wait for the verdict).
+    let checked = Target {
+        checked: true,
+        ..target
     };
     println!(
         "device: {} ({}), bf16, CUDA-event medians of {ROUNDS} interleaved rounds; copy = cuMemcpyDtoDAsync of the [N, H] tensor",
@@ -194,6 +201,7 @@ fn main() {
             Box::new(|| unsafe { call::unpermute_backward(&target, &backward).unwrap() }),
             Box::new(|| unsafe { call::make_chunk_sort_map(&target, &cmap).unwrap() }),
             Box::new(|| unsafe { call::sort_chunks_by_map(&target, &sort).unwrap() }),
+            Box::new(|| unsafe { call::permute(&checked, &permute).unwrap() }),
         ];
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
         // The same ops replayed from CUDA graphs: device time without the
@@ -211,7 +219,7 @@ fn main() {
         let graph_ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut replays);
         drop(replays);
         let (tr, nr) = ((t * row) as f64, (n * row) as f64);
-        let rows: [(&str, f64); 7] = [
+        let rows: [(&str, f64); 8] = [
             ("d2d copy", 2.0 * nr),
             (
                 "make_row_id_map",
@@ -222,6 +230,7 @@ fn main() {
             ("unpermute_backward", tr + 2.0 * nr + (t * e * 8) as f64),
             ("make_chunk_sort_map", (n * 8) as f64),
             ("sort_chunks_by_map", 2.0 * nr),
+            ("permute checked (+probs)", tr + nr + (n * 4) as f64),
         ];
         let copy_gbs = rows[0].1 / ms[0] / 1e6;
         let case = format!("({t},{e},{h},{k}) N={n}");
@@ -241,6 +250,12 @@ fn main() {
             "make_row_id_map / permute",
             ms[1] / ms[2],
             graph_ms[1] / graph_ms[2]
+        );
+        println!(
+            "{case:<28} {:<26} {:>9.3} {:>28.3}",
+            "checked / permute",
+            ms[7] / ms[2],
+            graph_ms[7] / graph_ms[2]
         );
         for g in graphs {
             // SAFETY: no replay is in flight after the timing synchronised.

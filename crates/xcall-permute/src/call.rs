@@ -23,7 +23,7 @@ use crate::alias::{self, Op, Region};
 use crate::chunks::{self, Direction};
 use crate::error::{shape, PermuteError};
 use crate::ops;
-use crate::row_id_map::{self, RowIdMapOptions, RowIdMapRef};
+use crate::row_id_map::{self, MapFaults, RowIdMapOptions, RowIdMapRef};
 
 /// Where an op runs.
 #[derive(Clone, Copy, Debug)]
@@ -35,6 +35,13 @@ pub struct Target {
     /// Whether CUDA launches may autotune (see the crate docs). Defaults
     /// to on unless `XCALL_PERMUTE_AUTOTUNE=0`.
     pub autotune: bool,
+    /// Checked mode on CUDA: ops that follow a row-id map check all of it
+    /// on the device first (bounds, kept rows, unique rows, counts: what
+    /// the Host checks) and, unless the stream is capturing, wait for the
+    /// verdict, failing with nothing written. Under capture the check runs
+    /// in the graph and records [`MapFaults`] for [`take_faults`]. Defaults
+    /// to off unless `XCALL_PERMUTE_CHECK=1`. The Host always checks.
+    pub checked: bool,
 }
 
 impl Target {
@@ -44,6 +51,7 @@ impl Target {
             device: Device::HOST,
             stream: std::ptr::null_mut(),
             autotune: false,
+            checked: true,
         }
     }
 
@@ -53,6 +61,7 @@ impl Target {
             device: Device::cuda(ordinal),
             stream,
             autotune: autotune_default(),
+            checked: checked_default(),
         }
     }
 }
@@ -60,6 +69,22 @@ impl Target {
 /// Autotuning unless `XCALL_PERMUTE_AUTOTUNE` is `0`.
 pub fn autotune_default() -> bool {
     std::env::var("XCALL_PERMUTE_AUTOTUNE").map_or(true, |v| v.trim() != "0")
+}
+
+/// Checked mode when `XCALL_PERMUTE_CHECK` is `1`.
+pub fn checked_default() -> bool {
+    std::env::var("XCALL_PERMUTE_CHECK").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Waits for the target's stream and returns the map faults the device's
+/// kernels recorded since the last call (then clears them). The record is
+/// per device, not per stream. Always empty on Host, which refuses a bad
+/// map before any work.
+pub fn take_faults(target: &Target) -> Result<MapFaults, PermuteError> {
+    match target.device.platform {
+        Platform::Host => Ok(MapFaults(0)),
+        Platform::Cuda => crate::cuda::take_faults(target).map(MapFaults),
+    }
 }
 
 /// A tensor: address (a host pointer or a `CUdeviceptr`), dtype, dims

@@ -26,6 +26,7 @@ use crate::call::{
 };
 use crate::chunks::{self, Direction};
 use crate::error::{shape, PermuteError};
+use crate::MapFaults;
 
 const SOURCE: &str = include_str!("kernels.cu");
 /// Shared memory the kernels may use without opting in.
@@ -129,6 +130,9 @@ struct State {
     functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
     tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
     multiprocessors: DeviceMap<u64>,
+    /// The address of each loaded module's map fault word
+    /// (`xcall_map_faults` in `kernels.cu`).
+    fault_words: DeviceMap<Mutex<HashMap<Family, u64>>>,
 }
 
 fn state() -> &'static State {
@@ -161,10 +165,201 @@ fn function(device: Device, family: Family, name: &str) -> Result<Arc<Loaded>> {
         function: module.function(name)?,
         _module: module,
     });
+    register_fault_word(device, family, &loaded)?;
     slot.lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(key, loaded.clone());
     Ok(loaded)
+}
+
+/// Records the fault word of the module `loaded` belongs to, once per
+/// (device, family).
+fn register_fault_word(device: Device, family: Family, loaded: &Loaded) -> Result<()> {
+    let words = state()
+        .fault_words
+        .get_or_init(device, || Mutex::new(HashMap::new()));
+    if words
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(&family)
+    {
+        return Ok(());
+    }
+    let (mut address, mut bytes) = (0u64, 0usize);
+    cuda::with_context(device, |_| {
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: a function of a module this crate keeps loaded (the
+        // `Loaded` holds it); writes one handle.
+        unsafe { sys::cuFuncGetModule(&mut module, loaded.function.cu_function()) }
+            .result()
+            .map_err(|e| driver_error("cuFuncGetModule", device, e))?;
+        // SAFETY: a loaded module and a NUL-terminated name; writes the
+        // global's address and size.
+        unsafe {
+            sys::cuModuleGetGlobal_v2(
+                &mut address,
+                &mut bytes,
+                module,
+                c"xcall_map_faults".as_ptr(),
+            )
+        }
+        .result()
+        .map_err(|e| driver_error("cuModuleGetGlobal", device, e))
+    })?;
+    if bytes != 4 {
+        return Err(shape(format!(
+            "xcall_map_faults is {bytes} bytes on {device}, expected 4"
+        )));
+    }
+    words
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(family, address);
+    Ok(())
+}
+
+/// Waits for `stream`, then reads (and zeroes) the map faults of every
+/// module of the device that has run.
+pub(crate) fn take_faults(target: &Target) -> Result<u32> {
+    let words: Vec<u64> = state()
+        .fault_words
+        .get(target.device)
+        .map(|w| {
+            w.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .copied()
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut values = vec![0u32; words.len()];
+    let device = target.device;
+    let stream = target.stream as sys::CUstream;
+    cuda::with_context(device, |_| {
+        for (value, &word) in values.iter_mut().zip(&words) {
+            // SAFETY: a 4-byte module global of this device, copied into a
+            // live u32 and then zeroed, in the order of the caller's stream.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2((value as *mut u32).cast(), word, 4, stream)
+                    .result()
+                    .map_err(|e| driver_error("cuMemcpyDtoHAsync", device, e))?;
+                sys::cuMemsetD32Async(word, 0, 1, stream)
+                    .result()
+                    .map_err(|e| driver_error("cuMemsetD32Async", device, e))?;
+            }
+        }
+        // SAFETY: a live stream of the caller.
+        unsafe { sys::cuStreamSynchronize(stream) }
+            .result()
+            .map_err(|e| driver_error("cuStreamSynchronize", device, e))
+    })?;
+    Ok(values.iter().fold(0, |a, v| a | v))
+}
+
+/// Checked mode (see [`Target::checked`]): checks the map on the device
+/// before an op follows it. Outside a capture the op waits for the result
+/// and a fault is this call's error (nothing written); under capture the
+/// check is part of the graph and its faults are recorded for
+/// [`take_faults`].
+fn check_map_on_device(
+    target: &Target,
+    map: &Tensor,
+    chunks: Option<(&Tensor, &Tensor)>,
+    d: Dims,
+) -> Result<()> {
+    if d.tokens == 0 && chunks.is_none() {
+        return Ok(());
+    }
+    let dev = target.device;
+    let capturing = capturing(target)?;
+    // Scratch: the result word, E route counts, N bits of taken rows.
+    let bitmap_words = d.out_rows.div_ceil(32) as u64;
+    let counts = d.experts as u64;
+    let bytes = 8 + counts * 8 + bitmap_words * 4;
+    let scratch = Scratch::alloc(target, bytes)?;
+    let base = scratch.address();
+    cuda::with_context(dev, |_| {
+        // SAFETY: zeroes the scratch just allocated on this stream.
+        unsafe { sys::cuMemsetD8Async(base, 0, bytes as usize, target.stream as sys::CUstream) }
+            .result()
+            .map_err(|e| driver_error("cuMemsetD8Async", dev, e))
+    })?;
+    let word = if capturing { fault_word(dev)? } else { base };
+    let (counts_at, taken_at) = (base + 8, base + 8 + counts * 8);
+    let (tpe, offsets) = chunks.map_or((0, 0), |(t, o)| (t.address, o.address));
+    launch(
+        target,
+        &function(dev, Family::Movement, "rim_check")?,
+        (d.tokens as u64).div_ceil(256).min(1 << 16),
+        256,
+        0,
+        &[
+            Arg::P(map.address),
+            Arg::P(tpe),
+            Arg::P(offsets),
+            Arg::I64(d.tokens as i64),
+            Arg::I32(d.experts as i32),
+            Arg::I64(d.out_rows as i64),
+            Arg::P(taken_at),
+            Arg::P(counts_at),
+            Arg::P(word),
+        ],
+    )?;
+    if chunks.is_some() {
+        launch(
+            target,
+            &function(dev, Family::Movement, "rim_check_counts")?,
+            counts.div_ceil(256),
+            256,
+            0,
+            &[
+                Arg::P(tpe),
+                Arg::P(offsets),
+                Arg::P(counts_at),
+                Arg::I32(d.experts as i32),
+                Arg::P(word),
+            ],
+        )?;
+    }
+    if capturing {
+        return Ok(());
+    }
+    let mut found = 0u32;
+    let stream = target.stream as sys::CUstream;
+    cuda::with_context(dev, |_| {
+        // SAFETY: copies the 4-byte result word of the live scratch into
+        // `found`, then waits for the stream before `found` is read.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2((&mut found as *mut u32).cast(), word, 4, stream)
+                .result()
+                .map_err(|e| driver_error("cuMemcpyDtoHAsync", dev, e))?;
+            sys::cuStreamSynchronize(stream)
+                .result()
+                .map_err(|e| driver_error("cuStreamSynchronize", dev, e))
+        }
+    })?;
+    if found != 0 {
+        return Err(shape(format!(
+            "row_id_map is invalid (checked on {dev}): {}",
+            MapFaults(found)
+        )));
+    }
+    Ok(())
+}
+
+/// The Movement module's fault word of `device` (loading it if needed).
+fn fault_word(device: Device) -> Result<u64> {
+    function(device, Family::Movement, "rim_check")?;
+    state()
+        .fault_words
+        .get(device)
+        .and_then(|w| {
+            w.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&Family::Movement)
+                .copied()
+        })
+        .ok_or_else(|| shape(format!("no map fault word on {device}")))
 }
 
 /// One kernel parameter (each is passed as an 8-byte slot; 32-bit values
@@ -649,6 +844,14 @@ pub(crate) unsafe fn permute(target: &Target, a: &PermuteArgs, d: Dims) -> Resul
             ("permuted_scales", a.permuted_scales.as_ref()),
         ],
     )?;
+    if target.checked {
+        check_map_on_device(
+            target,
+            &a.row_id_map,
+            Some((&a.tokens_per_expert, &a.expert_offsets)),
+            d,
+        )?;
+    }
     let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
     let dev = target.device;
     zero_unwritten(
@@ -724,6 +927,9 @@ pub(crate) unsafe fn unpermute(target: &Target, a: &UnpermuteArgs, d: Dims) -> R
             ("unpermuted_probs", a.unpermuted_probs.as_ref()),
         ],
     )?;
+    if target.checked {
+        check_map_on_device(target, &a.row_id_map, None, d)?;
+    }
     if d.tokens == 0 {
         return Ok(());
     }
@@ -786,6 +992,14 @@ pub(crate) unsafe fn unpermute_backward(
             ("probs_grad", Some(&a.probs_grad)),
         ],
     )?;
+    if target.checked {
+        check_map_on_device(
+            target,
+            &a.row_id_map,
+            Some((&a.tokens_per_expert, &a.expert_offsets)),
+            d,
+        )?;
+    }
     let dtype = a.grad.dtype;
     let row = (d.hidden * dtype.size_bytes()) as u64;
     let dev = target.device;

@@ -10,6 +10,85 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
+// ------------------------------------------------------------ map faults
+// Every kernel that follows a map checks each entry it uses and skips one
+// that points outside its tensors, recording why in this module's fault
+// word (bits of xcall_permute_fault); the Host reads and clears it (see
+// cuda::take_faults). The rim_check kernels set the bits only checking can
+// find (kept rows, duplicate rows, counts).
+__device__ unsigned int xcall_map_faults;
+#define FAULT_ROUTE_COUNT 1u
+#define FAULT_EXPERT 2u
+#define FAULT_ROW 4u
+#define FAULT_CHUNK_ROW 8u
+#define FAULT_DUPLICATE_ROW 16u
+#define FAULT_COUNTS 32u
+#define FAULT_SORT_MAP 64u
+
+
+// The route count of map row m, 0 (recording a fault in *word) outside
+// [0, E].
+__device__ __forceinline__ int route_count(const int* m, int E, unsigned int* word = &xcall_map_faults) {
+    const int n = m[2 * E];
+    if (n < 0 || n > E) {
+        atomicOr(word, FAULT_ROUTE_COUNT);
+        return 0;
+    }
+    return n;
+}
+
+// Whether route k of map row m lies in [0, N) x [0, E); records the fault
+// of a route that does not in *word.
+__device__ __forceinline__ bool route_ok(const int* m, int k, int E, i64 N, unsigned int* word = &xcall_map_faults) {
+    const int d = m[k], e = m[E + k];
+    if (e < 0 || e >= E) {
+        atomicOr(word, FAULT_EXPERT);
+        return false;
+    }
+    if (d < 0 || d >= N) {
+        atomicOr(word, FAULT_ROW);
+        return false;
+    }
+    return true;
+}
+
+// Checked mode, before an op that follows a map (one thread per token):
+// every route in bounds and, with the chunks (tpe not NULL), inside its
+// expert's kept rows [offsets[e], offsets[e] + tpe[e]), no row written
+// twice (taken: N bits, zeroed) and counts[e] (zeroed) the routes of e.
+// Faults go to *word.
+extern "C" __global__ void rim_check(const int* map, const i64* tpe, const i64* offsets, i64 T, int E, i64 N,
+                                     unsigned int* taken, unsigned long long* counts, unsigned int* word) {
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (i64)gridDim.x * blockDim.x) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = route_count(m, E, word);
+        for (int k = 0; k < n; ++k) {
+            if (!route_ok(m, k, E, N, word) || !tpe) continue;
+            const int d = m[k], e = m[E + k];
+            const i64 start = offsets[e], kept = tpe[e];
+            if (start < 0 || kept < 0 || d < start || d - start >= kept) {
+                atomicOr(word, FAULT_CHUNK_ROW);
+                continue;
+            }
+            const unsigned int bit = 1u << (d & 31);
+            if (atomicOr(&taken[d >> 5], bit) & bit) atomicOr(word, FAULT_DUPLICATE_ROW);
+            atomicAdd(&counts[e], 1ull);
+        }
+    }
+}
+
+// Checked mode, after rim_check (one thread per expert): each chunk valid
+// (0 <= start, start + kept <= end) and keeping exactly the routes the
+// map sends to it.
+extern "C" __global__ void rim_check_counts(const i64* tpe, const i64* offsets, const unsigned long long* counts,
+                                            int E, unsigned int* word) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
+        const i64 start = offsets[e], end = offsets[e + 1], kept = tpe[e];
+        if (start < 0 || kept < 0 || end < start || kept > end - start || (i64)counts[e] != kept)
+            atomicOr(word, FAULT_COUNTS);
+    }
+}
+
 // ---------------------------------------------------------------- vectors
 template <int V> struct VecT;
 template <> struct VecT<16> { typedef uint4 T; };
@@ -287,17 +366,16 @@ __device__ void permute_body(const unsigned char* in, const int* map, const floa
     const i64 nv = row / V;
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
-        const int n = m[2 * E];
+        const int n = route_count(m, E);
         if (pprobs) {
             for (int k = threadIdx.x; k < n; k += blockDim.x) {
-                int d = m[k];
-                if (d >= 0 && d < N) pprobs[d] = probs[t * E + m[E + k]];
+                if (route_ok(m, k, E, N)) pprobs[m[k]] = probs[t * E + m[E + k]];
             }
         }
         if (pscales) {
             for (i64 i = threadIdx.x; i < (i64)n * S; i += blockDim.x) {
-                int d = m[i / S];
-                if (d >= 0 && d < N) pscales[(i64)d * S + i % S] = scales[t * S + i % S];
+                int k = (int)(i / S);
+                if (route_ok(m, k, E, N)) pscales[(i64)m[k] * S + i % S] = scales[t * S + i % S];
             }
         }
         const Vt* src = (const Vt*)(in + t * row);
@@ -309,9 +387,8 @@ __device__ void permute_body(const unsigned char* in, const int* map, const floa
                 if (i < nv) r[u] = src[i];
             }
             for (int k = 0; k < n; ++k) {
-                int d = m[k];
-                if (d < 0 || d >= N) continue;
-                Vt* dst = (Vt*)(out + (i64)d * row);
+                if (!route_ok(m, k, E, N)) continue;
+                Vt* dst = (Vt*)(out + (i64)m[k] * row);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * blockDim.x;
@@ -353,7 +430,10 @@ __device__ void sort_body(const unsigned char* in, const i64* map, const float* 
     const i64 nv = row / V;
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         i64 m = map[t];
-        if (m < 0 || m >= T) continue;
+        if (m < 0 || m >= T) {
+            if (threadIdx.x == 0) atomicOr(&xcall_map_faults, FAULT_SORT_MAP);
+            continue;
+        }
         i64 s = backward ? m : t, d = backward ? t : m;
         if (pprobs && threadIdx.x == 0) pprobs[d] = probs[s];
         const Vt* src = (const Vt*)(in + s * row);
@@ -386,13 +466,12 @@ __device__ void unpermute_body(const unsigned char* in, const int* map, const fl
     const i64 nv = row / V;
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
-        const int n = m[2 * E];
+        const int n = route_count(m, E);
         if (uprobs) {
             for (int e = threadIdx.x; e < E; e += blockDim.x) {
                 float v = 0.0f;
                 for (int k = 0; k < n; ++k) {
-                    int d = m[k];
-                    if (m[E + k] == e && d >= 0 && d < N) v = pprobs[d];
+                    if (m[E + k] == e && route_ok(m, k, E, N)) v = pprobs[m[k]];
                 }
                 uprobs[t * E + e] = v;
             }
@@ -404,10 +483,9 @@ __device__ void unpermute_body(const unsigned char* in, const int* map, const fl
 #pragma unroll
                 for (int j = 0; j < EV; ++j) acc[u][j] = 0.0f;
             for (int k = 0; k < n; ++k) {
-                int d = m[k];
-                if (d < 0 || d >= N) continue;
+                if (!route_ok(m, k, E, N)) continue;
                 float w = mprobs ? mprobs[t * E + m[E + k]] : 1.0f;
-                const P* src = (const P*)(in + (i64)d * row);
+                const P* src = (const P*)(in + (i64)m[k] * row);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * blockDim.x;
@@ -449,16 +527,16 @@ __device__ void unpermute_bwd_body(const unsigned char* grad, const unsigned cha
     __shared__ float part[256];
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
-        const int n = m[2 * E];
+        const int n = route_count(m, E);
         for (int e = threadIdx.x; e < E; e += blockDim.x) {
             bool routed = false;
-            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && m[k] >= 0 && m[k] < N;
+            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
             if (!routed) pgrad[t * E + e] = 0.0f;
         }
         const S* g = (const S*)(grad + t * H * sizeof(S));
         for (int k = 0; k < n; ++k) {
-            int d = m[k];
-            if (d < 0 || d >= N) continue;  // uniform across the block
+            if (!route_ok(m, k, E, N)) continue;  // uniform across the block
+            const int d = m[k];
             float w = mprobs[t * E + m[E + k]];
             const S* x = (const S*)(fwd + (i64)d * H * sizeof(S));
             S* a = (S*)(act + (i64)d * H * sizeof(S));

@@ -14,8 +14,16 @@
 //!   full argument checks, the overlap refusal, in-place variants and (on
 //!   CUDA) autotuned kernels ([`cuda`]). The C ABI is a thin layer over it.
 //!
-//! Results are deterministic: no atomics, fixed summation orders, the
-//! same bits on Host and CUDA and for every launch config.
+//! Results are deterministic: no atomics in any result, fixed summation
+//! orders, the same bits on Host and CUDA and for every launch config.
+//!
+//! Maps on CUDA: the Host validates a row-id map fully before an op
+//! follows it; a CUDA kernel cannot return an error, so every kernel that
+//! follows a map checks each entry it uses, skips one that points outside
+//! its tensors (nothing is written out of range) and records the fault on
+//! the device ([`MapFaults`], read with [`call::take_faults`]). Checked mode
+//! ([`call::Target::checked`], `XCALL_PERMUTE_CHECK=1`) runs the Host's
+//! full check on the device first and fails the call, nothing written.
 
 #![deny(missing_docs)]
 
@@ -28,5 +36,5 @@ pub mod ops;
 pub mod row_id_map;
 
 pub use error::PermuteError;
-pub use row_id_map::{make_row_id_map, RowIdMap, RowIdMapOptions, RowIdMapRef};
+pub use row_id_map::{make_row_id_map, MapFaults, RowIdMap, RowIdMapOptions, RowIdMapRef};
 pub use xcall_core::{Device, Error, Platform, Result};

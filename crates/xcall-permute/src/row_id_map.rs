@@ -24,6 +24,70 @@ fn map_width(experts: usize) -> Result<usize, PermuteError> {
         .ok_or_else(|| shape(format!("{experts} experts overflow the row-id map width")))
 }
 
+/// Map faults the CUDA kernels found (bits; see `xcall_permute_fault` in
+/// the C header). A kernel that follows a map skips an entry pointing
+/// outside its tensors and records the first three kinds; checked mode
+/// ([`crate::call::Target::checked`]) finds the rest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapFaults(pub u32);
+
+/// cbindgen:ignore
+impl MapFaults {
+    /// A token's route count is outside `[0, E]`.
+    pub const ROUTE_COUNT: u32 = 1;
+    /// A route's expert is outside `[0, E)`.
+    pub const EXPERT: u32 = 2;
+    /// A route's destination row is outside `[0, N)`.
+    pub const ROW: u32 = 4;
+    /// A route's row is outside its expert's kept rows (checked mode).
+    pub const CHUNK_ROW: u32 = 8;
+    /// Two routes write one row (checked mode).
+    pub const DUPLICATE_ROW: u32 = 16;
+    /// An expert chunk is invalid or `tokens_per_expert` differs from the
+    /// routes the map sends to it (checked mode).
+    pub const COUNTS: u32 = 32;
+    /// A chunk-sort map entry is outside `[0, T)`.
+    pub const SORT_MAP: u32 = 64;
+    /// Every bit.
+    pub const ALL: u32 = 127;
+
+    const NAMES: [(u32, &'static str); 7] = [
+        (Self::ROUTE_COUNT, "a route count outside [0, E]"),
+        (Self::EXPERT, "a route's expert outside [0, E)"),
+        (Self::ROW, "a route's row outside [0, N)"),
+        (Self::CHUNK_ROW, "a route outside its expert's kept rows"),
+        (Self::DUPLICATE_ROW, "two routes to one row"),
+        (
+            Self::COUNTS,
+            "tokens_per_expert or expert_offsets disagreeing with the map",
+        ),
+        (Self::SORT_MAP, "a chunk-sort map entry outside [0, T)"),
+    ];
+
+    /// Whether no fault was found.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl std::fmt::Display for MapFaults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0 == 0 {
+            return f.write_str("no fault");
+        }
+        let names: Vec<&str> = Self::NAMES
+            .iter()
+            .filter(|(bit, _)| self.0 & bit != 0)
+            .map(|(_, name)| *name)
+            .collect();
+        f.write_str(&names.join("; "))?;
+        if self.0 & !Self::ALL != 0 {
+            write!(f, "; unknown bits {:#x}", self.0 & !Self::ALL)?;
+        }
+        Ok(())
+    }
+}
+
 /// Options of [`make_row_id_map`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RowIdMapOptions {
@@ -424,6 +488,33 @@ pub fn make_row_id_map(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn map_faults_name_every_bit_and_unknown_ones() {
+        assert_eq!(MapFaults(0).to_string(), "no fault");
+        assert!(MapFaults(0).is_empty() && !MapFaults(MapFaults::ROW).is_empty());
+        assert_eq!(
+            MapFaults(MapFaults::ROW | MapFaults::DUPLICATE_ROW).to_string(),
+            "a route's row outside [0, N); two routes to one row"
+        );
+        let all = MapFaults(MapFaults::ALL).to_string();
+        assert_eq!(all.split("; ").count(), 7, "{all}");
+        assert_eq!(
+            MapFaults(MapFaults::EXPERT | 0x300).to_string(),
+            "a route's expert outside [0, E); unknown bits 0x300"
+        );
+        let bits = [
+            MapFaults::ROUTE_COUNT,
+            MapFaults::EXPERT,
+            MapFaults::ROW,
+            MapFaults::CHUNK_ROW,
+            MapFaults::DUPLICATE_ROW,
+            MapFaults::COUNTS,
+            MapFaults::SORT_MAP,
+        ];
+        assert_eq!(bits.iter().fold(0, |a, b| a | b), MapFaults::ALL);
+        assert!(bits.iter().all(|b| b.is_power_of_two()));
+    }
 
     /// The bounds at their exact edges (known answers).
     #[test]

@@ -14,7 +14,7 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::{PermuteError, RowIdMapOptions};
+use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
 
 const POISON: u8 = 0xa5;
 
@@ -902,4 +902,454 @@ fn host_memory_and_bad_splits_are_refused_on_cuda() {
     let err = unsafe { call::make_chunk_sort_map(&gpu.target(false), &a) }.unwrap_err();
     assert!(err.to_string().contains("not a permutation"), "{err}");
     assert_eq!(gpu.download(m, 16), vec![POISON; 16]);
+}
+
+/// A fault put into a valid row-id map (host copies of map, tokens per
+/// expert, offsets; E experts; N rows), and the fault bit it is.
+struct BadMap {
+    what: &'static str,
+    fault: u32,
+    /// Whether only the chunks can show it (`unpermute` has none).
+    chunks_only: bool,
+    edit: fn(&mut [i32], &mut [i64], &[i64], usize, usize),
+}
+
+/// Token `t`'s routes as (k, row, expert).
+fn routes_of(map: &[i32], e: usize, t: usize) -> Vec<(usize, i32, i32)> {
+    let row = &map[t * (2 * e + 1)..(t + 1) * (2 * e + 1)];
+    (0..row[2 * e] as usize)
+        .map(|k| (k, row[k], row[e + k]))
+        .collect()
+}
+
+/// The first token with a route, and its first route's expert.
+fn first_routed(map: &[i32], e: usize) -> (usize, usize) {
+    let t = (0..).find(|&t| !routes_of(map, e, t).is_empty()).unwrap();
+    (t, routes_of(map, e, t)[0].2 as usize)
+}
+
+const BAD_MAPS: [BadMap; 8] = [
+    BadMap {
+        what: "route count E + 1",
+        fault: MapFaults::ROUTE_COUNT,
+        chunks_only: false,
+        edit: |m, _, _, e, _| {
+            let (t, _) = first_routed(m, e);
+            m[t * (2 * e + 1) + 2 * e] = e as i32 + 1;
+        },
+    },
+    BadMap {
+        what: "route count -1",
+        fault: MapFaults::ROUTE_COUNT,
+        chunks_only: false,
+        edit: |m, _, _, e, _| m[2 * e] = -1,
+    },
+    BadMap {
+        what: "expert E",
+        fault: MapFaults::EXPERT,
+        chunks_only: false,
+        edit: |m, _, _, e, _| {
+            let (t, _) = first_routed(m, e);
+            m[t * (2 * e + 1) + e] = e as i32;
+        },
+    },
+    BadMap {
+        what: "row N",
+        fault: MapFaults::ROW,
+        chunks_only: false,
+        edit: |m, _, _, e, n| {
+            let (t, _) = first_routed(m, e);
+            m[t * (2 * e + 1)] = n as i32;
+        },
+    },
+    BadMap {
+        what: "row -3",
+        fault: MapFaults::ROW,
+        chunks_only: false,
+        edit: |m, _, _, e, _| {
+            let (t, _) = first_routed(m, e);
+            m[t * (2 * e + 1)] = -3;
+        },
+    },
+    BadMap {
+        what: "a row of another expert's chunk",
+        fault: MapFaults::CHUNK_ROW,
+        chunks_only: true,
+        edit: |m, tpe, off, e, _| {
+            let (t, x) = first_routed(m, e);
+            let other = (0..e).find(|&y| y != x && tpe[y] > 0).unwrap();
+            m[t * (2 * e + 1)] = off[other] as i32;
+        },
+    },
+    BadMap {
+        what: "two tokens writing one row",
+        fault: MapFaults::DUPLICATE_ROW,
+        chunks_only: true,
+        edit: |m, _, _, e, _| {
+            let (t, x) = first_routed(m, e);
+            let row = m[t * (2 * e + 1)];
+            let (u, k) = (t + 1..)
+                .find_map(|u| {
+                    routes_of(m, e, u)
+                        .into_iter()
+                        .find(|r| r.2 as usize == x)
+                        .map(|r| (u, r.0))
+                })
+                .unwrap();
+            m[u * (2 * e + 1) + k] = row;
+        },
+    },
+    BadMap {
+        what: "tokens_per_expert[0] = i64::MAX",
+        fault: MapFaults::COUNTS,
+        chunks_only: true,
+        edit: |_, tpe, _, _, _| tpe[0] = i64::MAX,
+    },
+];
+
+fn i64s(b: &[u8]) -> Vec<i64> {
+    b.chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
+    // SAFETY: plain integers, read as their bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        .to_vec()
+}
+
+/// A poisoned device output with `GUARD` poisoned bytes on either side:
+/// an out-of-range write shows in the guards.
+struct Guarded {
+    base: u64,
+    bytes: usize,
+    dtype: DType,
+    dims: Vec<u64>,
+}
+
+const GUARD: usize = 4096;
+
+impl Guarded {
+    fn new(gpu: &mut Gpu, dtype: DType, dims: &[u64]) -> Guarded {
+        let bytes = dims.iter().product::<u64>() as usize * dtype.size_bytes();
+        Guarded {
+            base: gpu.upload(&vec![POISON; bytes + 2 * GUARD]),
+            bytes,
+            dtype,
+            dims: dims.to_vec(),
+        }
+    }
+
+    fn d(&self) -> Tensor {
+        Tensor::new(self.base + GUARD as u64, self.dtype, &self.dims)
+    }
+
+    fn guards_intact(&self, gpu: &Gpu, what: &str) {
+        let all = gpu.download(self.base, self.bytes + 2 * GUARD);
+        let (head, rest) = all.split_at(GUARD);
+        let tail = &rest[self.bytes..];
+        assert!(
+            head.iter().chain(tail).all(|&b| b == POISON),
+            "{what}: a write landed outside the output"
+        );
+    }
+
+    fn untouched(&self, gpu: &Gpu, what: &str) {
+        let all = gpu.download(self.base, self.bytes + 2 * GUARD);
+        assert!(all.iter().all(|&b| b == POISON), "{what}: output written");
+    }
+}
+
+#[test]
+fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
+    if cuda_devices_or_skip("permute cuda bad maps").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut g = XorShift::new(99);
+    let (t, e, h, topk) = (96usize, 8usize, 24usize, 3usize);
+    let (tu, eu, hu) = (t as u64, e as u64, h as u64);
+    let routing_map = routing(t, e, topk, &mut g);
+    let host_map =
+        xcall_permute::make_row_id_map(&routing_map, t, e, RowIdMapOptions::default()).unwrap();
+    let n = host_map.expert_offsets[e] as usize;
+    let nu = n as u64;
+    let input = Pair::new(&mut gpu, f32s(t * h, &mut g), DType::F32, &[tu, hu]);
+    let probs = Pair::new(&mut gpu, f32s(t * e, &mut g), DType::F32, &[tu, eu]);
+    let fwd = Pair::new(&mut gpu, f32s(n * h, &mut g), DType::F32, &[nu, hu]);
+    let pprobs_in = Pair::new(&mut gpu, f32s(n, &mut g), DType::F32, &[nu]);
+    let grad = Pair::new(&mut gpu, f32s(t * h, &mut g), DType::F32, &[tu, hu]);
+    let checked = Target {
+        checked: true,
+        ..gpu.target(false)
+    };
+    let unchecked = Target {
+        checked: false,
+        ..gpu.target(false)
+    };
+    // Nothing recorded before the cases (earlier tests had valid maps).
+    call::take_faults(&unchecked).unwrap();
+
+    for bad in &BAD_MAPS {
+        let (mut m, mut tpe) = (host_map.map.clone(), host_map.tokens_per_expert.clone());
+        (bad.edit)(&mut m, &mut tpe, &host_map.expert_offsets, e, n);
+        let map = Pair::new(&mut gpu, bytes_of(&m), DType::I32, &[tu, 2 * eu + 1]);
+        let tpe = Pair::new(&mut gpu, bytes_of(&tpe), DType::I64, &[eu]);
+        let off = Pair::new(
+            &mut gpu,
+            bytes_of(&host_map.expert_offsets),
+            DType::I64,
+            &[eu + 1],
+        );
+        // Each op as (name, uses the chunks, call on a target with outputs
+        // `outs`, or on the Host's twins when `outs` is None).
+        type Run<'a> = Box<dyn Fn(&Target, Option<&[Tensor]>) -> Result<(), PermuteError> + 'a>;
+        type Shapes = Vec<(DType, Vec<u64>)>;
+        let ops: Vec<(&str, bool, Shapes, Run)> = vec![
+            (
+                "permute",
+                true,
+                vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![nu])],
+                Box::new(|tg, outs| {
+                    let dev = outs.is_some();
+                    let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+                    let mut host_out = vec![0f32; n * h + n];
+                    let (ho, hp) = host_out.split_at_mut(n * h);
+                    let outs = outs.map(|o| o.to_vec()).unwrap_or_else(|| {
+                        vec![
+                            Tensor::of(ho, DType::F32, &[nu, hu]),
+                            Tensor::of(hp, DType::F32, &[nu]),
+                        ]
+                    });
+                    // SAFETY: host vectors and device allocations of the
+                    // tensors' sizes.
+                    unsafe {
+                        call::permute(
+                            tg,
+                            &PermuteArgs {
+                                input: pick(&input),
+                                row_id_map: pick(&map),
+                                tokens_per_expert: pick(&tpe),
+                                expert_offsets: pick(&off),
+                                probs: Some(pick(&probs)),
+                                scales: None,
+                                output: outs[0].clone(),
+                                permuted_probs: Some(outs[1].clone()),
+                                permuted_scales: None,
+                                in_place: false,
+                            },
+                        )
+                    }
+                }),
+            ),
+            (
+                "unpermute",
+                false,
+                vec![(DType::F32, vec![tu, hu]), (DType::F32, vec![tu, eu])],
+                Box::new(|tg, outs| {
+                    let dev = outs.is_some();
+                    let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+                    let mut host_out = vec![0f32; t * h + t * e];
+                    let (ho, hp) = host_out.split_at_mut(t * h);
+                    let outs = outs.map(|o| o.to_vec()).unwrap_or_else(|| {
+                        vec![
+                            Tensor::of(ho, DType::F32, &[tu, hu]),
+                            Tensor::of(hp, DType::F32, &[tu, eu]),
+                        ]
+                    });
+                    // SAFETY: as above.
+                    unsafe {
+                        call::unpermute(
+                            tg,
+                            &UnpermuteArgs {
+                                input: pick(&fwd),
+                                row_id_map: pick(&map),
+                                merging_probs: Some(pick(&probs)),
+                                permuted_probs: Some(pick(&pprobs_in)),
+                                output: outs[0].clone(),
+                                unpermuted_probs: Some(outs[1].clone()),
+                            },
+                        )
+                    }
+                }),
+            ),
+            (
+                "unpermute_backward",
+                true,
+                vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![tu, eu])],
+                Box::new(|tg, outs| {
+                    let dev = outs.is_some();
+                    let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+                    let mut host_out = vec![0f32; n * h + t * e];
+                    let (ho, hp) = host_out.split_at_mut(n * h);
+                    let outs = outs.map(|o| o.to_vec()).unwrap_or_else(|| {
+                        vec![
+                            Tensor::of(ho, DType::F32, &[nu, hu]),
+                            Tensor::of(hp, DType::F32, &[tu, eu]),
+                        ]
+                    });
+                    // SAFETY: as above.
+                    unsafe {
+                        call::unpermute_backward(
+                            tg,
+                            &UnpermuteBackwardArgs {
+                                grad: pick(&grad),
+                                fwd_input: pick(&fwd),
+                                row_id_map: pick(&map),
+                                tokens_per_expert: pick(&tpe),
+                                expert_offsets: pick(&off),
+                                merging_probs: pick(&probs),
+                                act_grad: outs[0].clone(),
+                                probs_grad: outs[1].clone(),
+                            },
+                        )
+                    }
+                }),
+            ),
+        ];
+        for (op, chunks, shapes, run) in &ops {
+            if bad.chunks_only && !chunks {
+                continue;
+            }
+            let what = format!("{op} with {}", bad.what);
+            let host = run(&Target::host(), None).expect_err(&what);
+            assert_eq!(host.status(), Status::InvalidArgument, "{what}: {host}");
+
+            // Unchecked: the call returns, nothing lands outside the
+            // outputs, and the bounds faults are recorded.
+            let outs: Vec<Guarded> = shapes
+                .iter()
+                .map(|(d, dims)| Guarded::new(&mut gpu, *d, dims))
+                .collect();
+            let tensors: Vec<Tensor> = outs.iter().map(Guarded::d).collect();
+            run(&unchecked, Some(&tensors)).unwrap_or_else(|e| panic!("{what}: {e}"));
+            for o in &outs {
+                o.guards_intact(&gpu, &what);
+            }
+            let seen = call::take_faults(&unchecked).unwrap();
+            let bounds = MapFaults::ROUTE_COUNT | MapFaults::EXPERT | MapFaults::ROW;
+            assert_eq!(seen.0, bad.fault & bounds, "{what}: recorded {seen}");
+            assert!(
+                call::take_faults(&unchecked).unwrap().is_empty(),
+                "{what}: not cleared"
+            );
+
+            // Checked: the Host's status, a message naming the fault,
+            // nothing written, nothing left recorded.
+            let outs: Vec<Guarded> = shapes
+                .iter()
+                .map(|(d, dims)| Guarded::new(&mut gpu, *d, dims))
+                .collect();
+            let tensors: Vec<Tensor> = outs.iter().map(Guarded::d).collect();
+            let err = run(&checked, Some(&tensors)).expect_err(&what);
+            assert_eq!(err.status(), host.status(), "{what}: {err}");
+            let named = MapFaults(bad.fault).to_string();
+            assert!(
+                err.to_string().contains("checked on cuda:0") && err.to_string().contains(&named),
+                "{what}: {err} (want {named})"
+            );
+            for o in &outs {
+                o.untouched(&gpu, &what);
+            }
+            assert!(call::take_faults(&unchecked).unwrap().is_empty(), "{what}");
+        }
+    }
+}
+
+#[test]
+fn checked_mode_passes_valid_maps_and_records_faults_under_capture() {
+    if cuda_devices_or_skip("permute cuda checked mode").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut g = XorShift::new(5);
+    let (t, e, h) = (200usize, 16usize, 40usize);
+    let (tu, eu, hu) = (t as u64, e as u64, h as u64);
+    let rmap = xcall_permute::make_row_id_map(
+        &routing(t, e, 4, &mut g),
+        t,
+        e,
+        RowIdMapOptions {
+            align: Some(8),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let n = rmap.expert_offsets[e] as usize;
+    let nu = n as u64;
+    let map = Pair::new(&mut gpu, bytes_of(&rmap.map), DType::I32, &[tu, 2 * eu + 1]);
+    let tpe = Pair::new(
+        &mut gpu,
+        bytes_of(&rmap.tokens_per_expert),
+        DType::I64,
+        &[eu],
+    );
+    let off = Pair::new(
+        &mut gpu,
+        bytes_of(&rmap.expert_offsets),
+        DType::I64,
+        &[eu + 1],
+    );
+    let input = Pair::new(&mut gpu, f32s(t * h, &mut g), DType::F32, &[tu, hu]);
+    let out = Pair::poisoned(&mut gpu, DType::F32, &[nu, hu]);
+    let args = |dev: bool, map: &Pair| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        PermuteArgs {
+            input: pick(&input),
+            row_id_map: pick(map),
+            tokens_per_expert: pick(&tpe),
+            expert_offsets: pick(&off),
+            probs: None,
+            scales: None,
+            output: pick(&out),
+            permuted_probs: None,
+            permuted_scales: None,
+            in_place: false,
+        }
+    };
+    let checked = Target {
+        checked: true,
+        ..gpu.target(false)
+    };
+    // A valid, padded map passes the device check; results equal the Host.
+    // SAFETY: host vectors and device allocations of the tensors' sizes.
+    unsafe {
+        call::permute(&Target::host(), &args(false, &map)).unwrap();
+        call::permute(&checked, &args(true, &map)).unwrap();
+    }
+    out.same(&gpu, "checked permute");
+    assert!(call::take_faults(&checked).unwrap().is_empty());
+    assert_eq!(i64s(&tpe.host), rmap.tokens_per_expert);
+
+    // Under capture the check is captured and records at replay.
+    let mut bad = rmap.map.clone();
+    let (tok, _) = first_routed(&bad, e);
+    bad[tok * (2 * e + 1)] = n as i32 + 7;
+    let bad = Pair::new(&mut gpu, bytes_of(&bad), DType::I32, &[tu, 2 * eu + 1]);
+    let s: sys::CUstream = gpu.stream.cu_stream();
+    // SAFETY: a live stream of this context; the captured call's buffers
+    // outlive the graph.
+    unsafe {
+        sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            .result()
+            .unwrap();
+        let r = call::permute(&checked, &args(true, &bad));
+        let mut graph = std::ptr::null_mut();
+        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
+        r.unwrap();
+        assert!(
+            call::take_faults(&checked).unwrap().is_empty(),
+            "nothing ran yet"
+        );
+        let mut exec = std::ptr::null_mut();
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+            .result()
+            .unwrap();
+        sys::cuGraphLaunch(exec, s).result().unwrap();
+        let seen = call::take_faults(&checked).unwrap();
+        assert_eq!(seen.0, MapFaults::ROW, "replay recorded {seen}");
+        sys::cuGraphExecDestroy(exec);
+        sys::cuGraphDestroy(graph);
+    }
 }
