@@ -1,10 +1,79 @@
-//! Support for tests that need a GPU.
+//! Support for tests: GPU detection, watchdogs, random data.
 //!
 //! GPU tests detect CUDA at run time. Without a usable GPU they print one
 //! `SKIP` line and pass; with `XCALL_REQUIRE_CUDA=1` a missing GPU is a test
 //! failure, so a GPU run cannot pass by skipping.
+//!
+//! A test that waits on another thread runs the threads under a watchdog
+//! ([`run_threads`], [`within`]): a thread that never finishes fails the
+//! test with a message naming it, instead of hanging the run.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use crate::cuda;
+
+/// How long a test waits for threads before failing: 60 s, or
+/// `XCALL_TEST_WATCHDOG_S` seconds.
+pub fn watchdog() -> Duration {
+    let secs = std::env::var("XCALL_TEST_WATCHDOG_S")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(60);
+    Duration::from_secs(secs)
+}
+
+/// Runs `f(i)` for `i` in `0..n`, each on its own thread, and returns the
+/// results in order. A thread that panics fails the test with its index and
+/// message; threads still running when `limit` has passed fail it with
+/// "watchdog: <what>: thread(s) [..] did not finish" (they are left
+/// behind: a stuck thread cannot be stopped, only reported).
+pub fn run_threads<T: Send + 'static>(
+    what: &str,
+    n: usize,
+    limit: Duration,
+    f: impl Fn(usize) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = std::sync::Arc::new(f);
+    let (tx, rx) = mpsc::channel();
+    for i in 0..n {
+        let (f, tx) = (f.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i)));
+            let _ = tx.send((i, r.map_err(|p| crate::panic_message(&*p))));
+        });
+    }
+    let deadline = Instant::now() + limit;
+    let mut results: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    for _ in 0..n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((i, Ok(v))) => results[i] = Some(v),
+            Ok((i, Err(msg))) => panic!("{what}: thread {i} failed: {msg}"),
+            Err(_) => panic!(
+                "watchdog: {what}: thread(s) {:?} did not finish within {limit:?}",
+                (0..n).filter(|&i| results[i].is_none()).collect::<Vec<_>>()
+            ),
+        }
+    }
+    results.into_iter().flatten().collect()
+}
+
+/// Runs `f` on a thread of its own under the watchdog (see
+/// [`run_threads`]).
+pub fn within<T: Send + 'static>(
+    what: &str,
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let f = std::sync::Mutex::new(Some(f));
+    run_threads(what, 1, limit, move |_| {
+        let f = f.lock().unwrap_or_else(|p| p.into_inner()).take();
+        f.expect("run once")()
+    })
+    .pop()
+    .expect("one result")
+}
 
 /// Environment variable that turns "no GPU" from a skip into a failure.
 pub const REQUIRE_ENV: &str = "XCALL_REQUIRE_CUDA";
@@ -109,6 +178,33 @@ pub fn interleaved_medians(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn watchdogs_return_results_in_order_and_name_stuck_and_failed_threads() {
+        let r = run_threads("squares", 4, Duration::from_secs(10), |i| i * i);
+        assert_eq!(r, vec![0, 1, 4, 9]);
+        assert_eq!(within("one", Duration::from_secs(10), || 7), 7);
+        let stuck = std::panic::catch_unwind(|| {
+            run_threads("stuck", 3, Duration::from_millis(200), |i| {
+                if i == 1 {
+                    std::thread::sleep(Duration::from_secs(5));
+                }
+            })
+        })
+        .unwrap_err();
+        assert_eq!(
+            crate::panic_message(&*stuck),
+            "watchdog: stuck: thread(s) [1] did not finish within 200ms"
+        );
+        let failed = std::panic::catch_unwind(|| {
+            within("boom", Duration::from_secs(10), || panic!("inner"))
+        })
+        .unwrap_err();
+        assert_eq!(
+            crate::panic_message(&*failed),
+            "boom: thread 0 failed: inner"
+        );
+    }
 
     #[test]
     fn random_values_are_reproducible_in_range_and_not_constant() {

@@ -149,6 +149,7 @@ fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
         policy,
         retry_after: c.retry_after,
         variants_per_topology: c.variants_per_topology,
+        ..Config::default()
     };
     config.validate()?;
     Ok(config)

@@ -126,11 +126,14 @@ struct Shard<B: GraphBackend> {
     next_id: u64,
     nodes: usize,
     stats: Stats,
+    /// [`Config::bucket_mask`].
+    mask: u64,
 }
 
 impl<B: GraphBackend> Shard<B> {
-    fn new() -> Self {
+    fn new(mask: u64) -> Self {
         Shard {
+            mask,
             entries: HashMap::default(),
             exact: HashMap::default(),
             topology: HashMap::default(),
@@ -144,10 +147,14 @@ impl<B: GraphBackend> Shard<B> {
     }
 
     fn find_exact(&self, key: &CallKey, context: u64) -> Option<u64> {
-        self.exact.get(&key.bucket())?.iter().copied().find(|id| {
-            let e = &self.entries[id];
-            e.context == context && e.key == *key
-        })
+        self.exact
+            .get(&(key.bucket() & self.mask))?
+            .iter()
+            .copied()
+            .find(|id| {
+                let e = &self.entries[id];
+                e.context == context && e.key == *key
+            })
     }
 
     /// The least recently used entry of `key`'s topology, if there are at
@@ -155,7 +162,7 @@ impl<B: GraphBackend> Shard<B> {
     fn update_candidate(&self, key: &CallKey, context: u64, variants: usize) -> Option<u64> {
         let ids: Vec<u64> = self
             .topology
-            .get(&key.topology_bucket())?
+            .get(&(key.topology_bucket() & self.mask))?
             .iter()
             .copied()
             .filter(|id| {
@@ -171,9 +178,12 @@ impl<B: GraphBackend> Shard<B> {
 
     fn index(&mut self, id: u64) {
         let key = &self.entries[&id].key;
-        self.exact.entry(key.bucket()).or_default().push(id);
+        self.exact
+            .entry(key.bucket() & self.mask)
+            .or_default()
+            .push(id);
         self.topology
-            .entry(key.topology_bucket())
+            .entry(key.topology_bucket() & self.mask)
             .or_default()
             .push(id);
     }
@@ -181,8 +191,8 @@ impl<B: GraphBackend> Shard<B> {
     fn unindex(&mut self, id: u64) {
         let key = &self.entries[&id].key;
         for (map, bucket) in [
-            (&mut self.exact, key.bucket()),
-            (&mut self.topology, key.topology_bucket()),
+            (&mut self.exact, key.bucket() & self.mask),
+            (&mut self.topology, key.topology_bucket() & self.mask),
         ] {
             if let Some(ids) = map.get_mut(&bucket) {
                 ids.retain(|x| *x != id);
@@ -310,7 +320,7 @@ impl<B: GraphBackend> GraphCache<B> {
 
     fn state(&self, device: Device) -> &DeviceState<B> {
         self.devices.get_or_init(device, || DeviceState {
-            shard: Mutex::new(Shard::new()),
+            shard: Mutex::new(Shard::new(self.config.bucket_mask)),
             host_runs: AtomicU64::new(0),
         })
     }

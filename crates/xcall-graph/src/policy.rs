@@ -42,6 +42,10 @@ pub struct Config {
     /// addresses update one in place under [`Policy::ExecUpdate`]
     /// (default 1; 2 suits ping-pong buffers).
     pub variants_per_topology: usize,
+    /// The bits of a key's hash that pick its bucket (default all). A test
+    /// hook: narrowing it forces hash collisions, which lookups must
+    /// survive (keys are compared in full).
+    pub bucket_mask: u64,
 }
 
 impl Default for Config {
@@ -52,6 +56,7 @@ impl Default for Config {
             policy: Policy::ExecUpdate,
             retry_after: 16,
             variants_per_topology: 1,
+            bucket_mask: u64::MAX,
         }
     }
 }

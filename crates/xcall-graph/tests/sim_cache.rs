@@ -2,6 +2,7 @@
 
 use std::sync::{Arc, Barrier};
 
+use xcall_core::testing::{run_threads, watchdog, within};
 use xcall_graph::sim::{SimBackend, SimOp, SimStream};
 use xcall_graph::{
     Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome, Policy, Stats,
@@ -304,27 +305,31 @@ fn invalidate_range_evicts_exactly_the_overlapping_graphs() {
 
 #[test]
 fn invalidation_during_a_capture_keeps_the_graph_out_of_the_cache() {
-    let c = cache(Config::default());
-    let k = key(0, 1, &[0x1000]);
-    let call = Call::new(k.clone(), Some(stream(0)));
-    // The record function itself frees the memory (no lock is held while it
-    // runs, so this cannot deadlock).
-    let outcome = c
-        .execute(&call, |s| {
-            c.backend().enqueue(
-                s.unwrap(),
-                SimOp::Add {
-                    address: 0x1000,
-                    value: 1,
-                },
-            );
-            c.invalidate_range(Device::cuda(0), 0x1000, 1).map(|_| ())
-        })
-        .unwrap();
-    assert_eq!(outcome, Outcome::Captured);
-    assert_eq!(c.backend().read(Device::cuda(0), 0x1000), 1);
-    assert_eq!(c.stats(Device::cuda(0)).entries, 0);
-    assert_eq!(run(&c, &k, stream(0), 1), Outcome::Captured);
+    // Under the watchdog: a lock held across the record function would
+    // deadlock this thread.
+    within("invalidate inside a record function", watchdog(), || {
+        let c = cache(Config::default());
+        let k = key(0, 1, &[0x1000]);
+        let call = Call::new(k.clone(), Some(stream(0)));
+        // The record function itself frees the memory (no lock is held while it
+        // runs, so this cannot deadlock).
+        let outcome = c
+            .execute(&call, |s| {
+                c.backend().enqueue(
+                    s.unwrap(),
+                    SimOp::Add {
+                        address: 0x1000,
+                        value: 1,
+                    },
+                );
+                c.invalidate_range(Device::cuda(0), 0x1000, 1).map(|_| ())
+            })
+            .unwrap();
+        assert_eq!(outcome, Outcome::Captured);
+        assert_eq!(c.backend().read(Device::cuda(0), 0x1000), 1);
+        assert_eq!(c.stats(Device::cuda(0)).entries, 0);
+        assert_eq!(run(&c, &k, stream(0), 1), Outcome::Captured);
+    });
 }
 
 #[test]
@@ -410,37 +415,40 @@ fn a_stream_the_caller_is_capturing_records_into_the_callers_capture() {
 
 #[test]
 fn racing_threads_on_one_new_key_capture_once() {
-    let c = Arc::new(cache(Config::default()));
-    let k = key(0, 1, &[0x100]);
-    let inside = Arc::new(Barrier::new(2));
-    let release = Arc::new(Barrier::new(2));
-    let capturer = {
-        let (c, k, inside, release) = (c.clone(), k.clone(), inside.clone(), release.clone());
-        std::thread::spawn(move || {
-            let call = Call::new(k, Some(stream(0)));
-            c.execute(&call, |s| {
-                c.backend().enqueue(
-                    s.unwrap(),
-                    SimOp::Add {
-                        address: 0x100,
-                        value: 1,
-                    },
-                );
-                inside.wait(); // the capture is in progress...
-                release.wait(); // ...until the other thread has run
-                Ok::<(), std::io::Error>(())
+    // Barriers between two threads: under the watchdog, a hang fails.
+    within("racing capture", watchdog(), || {
+        let c = Arc::new(cache(Config::default()));
+        let k = key(0, 1, &[0x100]);
+        let inside = Arc::new(Barrier::new(2));
+        let release = Arc::new(Barrier::new(2));
+        let capturer = {
+            let (c, k, inside, release) = (c.clone(), k.clone(), inside.clone(), release.clone());
+            std::thread::spawn(move || {
+                let call = Call::new(k, Some(stream(0)));
+                c.execute(&call, |s| {
+                    c.backend().enqueue(
+                        s.unwrap(),
+                        SimOp::Add {
+                            address: 0x100,
+                            value: 1,
+                        },
+                    );
+                    inside.wait(); // the capture is in progress...
+                    release.wait(); // ...until the other thread has run
+                    Ok::<(), std::io::Error>(())
+                })
+                .unwrap()
             })
-            .unwrap()
-        })
-    };
-    inside.wait();
-    let other = SimStream { id: 2, ..stream(0) };
-    assert_eq!(run(&c, &k, other, 1), Outcome::EagerFallback);
-    release.wait();
-    assert_eq!(capturer.join().unwrap(), Outcome::Captured);
-    let s = c.stats(Device::cuda(0));
-    assert_eq!((s.captures, s.eager_capture_in_progress), (1, 1));
-    assert_eq!(c.backend().read(Device::cuda(0), 0x100), 2);
+        };
+        inside.wait();
+        let other = SimStream { id: 2, ..stream(0) };
+        assert_eq!(run(&c, &k, other, 1), Outcome::EagerFallback);
+        release.wait();
+        assert_eq!(capturer.join().unwrap(), Outcome::Captured);
+        let s = c.stats(Device::cuda(0));
+        assert_eq!((s.captures, s.eager_capture_in_progress), (1, 1));
+        assert_eq!(c.backend().read(Device::cuda(0), 0x100), 2);
+    });
 }
 
 #[test]
@@ -452,10 +460,11 @@ fn stress_8_threads_4_devices_random_keys() {
         capacity: 6,
         ..Config::default()
     }));
-    let handles: Vec<_> = (0..THREADS)
-        .map(|t| {
-            let c = c.clone();
-            std::thread::spawn(move || {
+    let results = {
+        let c = c.clone();
+        run_threads("stress", THREADS as usize, watchdog(), move |t| {
+            let t = t as u64;
+            {
                 let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
                 let mut tally: Vec<[u64; 5]> = vec![[0; 5]; DEVICES as usize];
                 let mut adds = std::collections::HashMap::new();
@@ -477,13 +486,12 @@ fn stress_8_threads_4_devices_random_keys() {
                     *adds.entry((ordinal, address)).or_insert(0i64) += 1 + ordinal as i64;
                 }
                 (tally, adds)
-            })
+            }
         })
-        .collect();
+    };
     let mut tally = vec![[0u64; 5]; DEVICES as usize];
     let mut expected = std::collections::HashMap::new();
-    for h in handles {
-        let (t, adds) = h.join().unwrap();
+    for (t, adds) in results {
         for d in 0..DEVICES as usize {
             for o in 0..5 {
                 tally[d][o] += t[d][o];
@@ -553,4 +561,79 @@ fn a_graph_that_cannot_be_instantiated_runs_eagerly_once() {
         run(&c, &key(0, 2, &[0x200]), stream(0), 1),
         Outcome::Captured
     );
+}
+
+#[test]
+fn forced_hash_collisions_never_replay_another_keys_graph() {
+    // bucket_mask 0 puts every key in one bucket: only the full key
+    // comparison tells them apart.
+    for policy in [Policy::Recapture, Policy::ExecUpdate] {
+        let c = cache(Config {
+            bucket_mask: 0,
+            policy,
+            variants_per_topology: 2,
+            ..Config::default()
+        });
+        let keys = [
+            key(0, 1, &[0x1000]),
+            key(0, 1, &[0x2000]),
+            key(0, 2, &[0x1000]),
+            CallKey {
+                attributes: 0xb00,
+                ..key(0, 1, &[0x1000])
+            },
+            key(1, 1, &[0x1000]),
+            key(0, 1, &[0x1000, 0x2000]),
+        ];
+        let mut want = std::collections::HashMap::new();
+        for round in 0..3 {
+            for (i, k) in keys.iter().enumerate() {
+                let value = 1 + 10 * i as i64;
+                let outcome = run(&c, k, stream(k.device.ordinal), value);
+                if round > 0 {
+                    assert_eq!(
+                        outcome,
+                        Outcome::Replayed,
+                        "{policy:?} key {i} round {round}"
+                    );
+                }
+                for b in &k.buffers {
+                    *want.entry((k.device, b.address)).or_insert(0) += value;
+                }
+            }
+        }
+        for ((device, address), v) in want {
+            assert_eq!(
+                c.backend().read(device, address),
+                v,
+                "{policy:?} {device} {address:#x}"
+            );
+        }
+        assert_eq!(c.stats(Device::cuda(0)).entries, 5, "{policy:?}");
+    }
+}
+
+#[test]
+fn the_record_function_runs_without_the_shard_lock() {
+    // While a capture's record function runs, another thread can use the
+    // same device's shard: the lock is not held across the caller's code.
+    let c = Arc::new(cache(Config::default()));
+    let k = key(0, 1, &[0x100]);
+    let outcome = within("capture", watchdog(), {
+        let c = c.clone();
+        move || {
+            let call = Call::new(k, Some(stream(0)));
+            c.execute(&call, |s| {
+                let other = c.clone();
+                within("stats() during a record function", watchdog(), move || {
+                    other.stats(Device::cuda(0))
+                });
+                c.backend().enqueue(s.unwrap(), add(0x100, 1));
+                Ok::<(), std::io::Error>(())
+            })
+            .unwrap()
+        }
+    });
+    assert_eq!(outcome, Outcome::Captured);
+    assert_eq!(c.backend().read(Device::cuda(0), 0x100), 1);
 }

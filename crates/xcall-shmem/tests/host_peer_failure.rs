@@ -36,31 +36,10 @@ fn spmt_config(group: &str, rank: usize, n: usize, timeout: Duration) -> Config 
     c
 }
 
-/// Runs `f(rank)` on `n` threads and joins them under the watchdog: a
-/// thread that does not finish fails the test naming its rank.
+/// Runs `f(rank)` on `n` threads under the watchdog: a thread that does
+/// not finish fails the test naming its rank.
 fn run_ranks(n: usize, f: impl Fn(usize) + Send + Sync + 'static) {
-    let f = std::sync::Arc::new(f);
-    let (tx, rx) = mpsc::channel();
-    for rank in 0..n {
-        let (f, tx) = (f.clone(), tx.clone());
-        std::thread::spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(rank)));
-            let _ = tx.send((rank, r.err().map(|p| xcall_core::panic_message(&*p))));
-        });
-    }
-    let deadline = Instant::now() + WATCHDOG;
-    let mut done = vec![false; n];
-    for _ in 0..n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok((rank, None)) => done[rank] = true,
-            Ok((rank, Some(msg))) => panic!("rank {rank} failed: {msg}"),
-            Err(_) => panic!(
-                "watchdog: rank(s) {:?} did not finish within {WATCHDOG:?}",
-                (0..n).filter(|&r| !done[r]).collect::<Vec<_>>()
-            ),
-        }
-    }
+    xcall_core::testing::run_threads("ranks", n, WATCHDOG, f);
 }
 
 fn status_of<T: std::fmt::Debug>(r: xcall_shmem::Result<T>) -> Status {

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use xcall_core::testing::XorShift;
+use xcall_core::testing::{run_threads, watchdog, XorShift};
 use xcall_core::{Device, Platform, Status};
 use xcall_shmem::registry::device_slot;
 use xcall_shmem::{Cmp, Config, Phase, ShmemError, SignalOp, World};
@@ -18,36 +18,30 @@ fn host(rank: usize) -> Device {
     Device::new(Platform::Host, rank as u32)
 }
 
-/// Runs `f(rank, world)` on `n` threads, each with a live world of group
-/// `group`; returns what each returned.
+/// Runs `f(rank, world)` on `n` threads under the watchdog, each with a
+/// live world of group `group`; returns what each returned.
 fn spmt<T: Send + 'static>(
     group: &str,
     n: usize,
     heap: usize,
     f: impl Fn(usize, &mut World) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let (f, group) = (f.clone(), group.to_string());
-            std::thread::spawn(move || {
-                let mut w = World::new();
-                let mut c = Config::in_process(&group, rank, n, host(rank));
-                c.heap_bytes = Some(heap);
-                c.timeout = Duration::from_secs(20);
-                w.init(&c).unwrap();
-                let out = f(rank, &mut w);
-                let report = w.finalize().unwrap();
-                assert!(
-                    report.leaked.is_empty(),
-                    "rank {rank} leaked {:?}",
-                    report.leaked
-                );
-                out
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let group = group.to_string();
+    run_threads(&format!("spmt {group}"), n, watchdog(), move |rank| {
+        let mut w = World::new();
+        let mut c = Config::in_process(&group, rank, n, host(rank));
+        c.heap_bytes = Some(heap);
+        c.timeout = Duration::from_secs(20);
+        w.init(&c).unwrap();
+        let out = f(rank, &mut w);
+        let report = w.finalize().unwrap();
+        assert!(
+            report.leaked.is_empty(),
+            "rank {rank} leaked {:?}",
+            report.leaked
+        );
+        out
+    })
 }
 
 /// Every PE puts random data into its right neighbour's object and gets
@@ -218,21 +212,16 @@ fn mismatched_malloc_is_reported_on_every_pe() {
 fn a_missing_pe_times_out_on_every_other_pe() {
     let _serial = serial();
     let n = 4;
-    let handles: Vec<_> = (0..n - 1)
-        .map(|rank| {
-            std::thread::spawn(move || {
-                let mut w = World::new();
-                let mut c = Config::in_process("missing", rank, n, host(100 + rank));
-                c.heap_bytes = Some(1 << 16);
-                c.timeout = Duration::from_millis(300);
-                let t0 = std::time::Instant::now();
-                let e = w.init(&c).unwrap_err();
-                (e, t0.elapsed(), w.phase())
-            })
-        })
-        .collect();
-    for h in handles {
-        let (e, took, phase) = h.join().unwrap();
+    let results = run_threads("missing PE", n - 1, watchdog(), move |rank| {
+        let mut w = World::new();
+        let mut c = Config::in_process("missing", rank, n, host(100 + rank));
+        c.heap_bytes = Some(1 << 16);
+        c.timeout = Duration::from_millis(300);
+        let t0 = std::time::Instant::now();
+        let e = w.init(&c).unwrap_err();
+        (e, t0.elapsed(), w.phase())
+    });
+    for (e, took, phase) in results {
         assert_eq!(e.status(), Status::Timeout, "{e}");
         assert!(e.to_string().contains("[3]"), "names the missing rank: {e}");
         assert!(took < Duration::from_secs(5));
