@@ -229,8 +229,10 @@ pub const XCALL_PERMUTE_FAULT_SORT_MAP: u32 = 64;
 /// map on the device first, as the Host does (bounds, kept rows, unique
 /// rows, `tokens_per_expert`), wait for the stream and fail with
 /// `XCALL_STATUS_INVALID_ARGUMENT`, nothing written; under stream capture
-/// the check is captured and its faults are recorded here instead. The
-/// record is per device, shared by its streams. Always 0 on Host, which
+/// the check is captured and its faults are recorded here instead
+/// (waiting for a stream is refused while another thread of the process
+/// captures in `CU_STREAM_CAPTURE_MODE_GLOBAL`). The record is per device,
+/// shared by its streams. Always 0 on Host, which
 /// refuses a bad map before any work. NULL `target` or `out_faults`:
 /// `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]

@@ -33,7 +33,7 @@ use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
-use xcall_core::{DType, Status};
+use xcall_core::{DType, Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, GraphCache};
 use xcall_permute::call::{self, Target, Tensor};
@@ -444,7 +444,19 @@ fn cuda_target(frame: &XLA_FFI_CallFrame, api: &XLA_FFI_Api) -> Result<Target, F
     if !err.is_null() || o.device_ordinal < 0 {
         return Err(runtime_failed(api, "DeviceOrdinal_Get", err));
     }
-    Ok(Target::cuda(o.device_ordinal as u32, s.stream))
+    // The runtime's ordinal, checked before any work: an error names it.
+    let device = Device::cuda(o.device_ordinal as u32)
+        .validate()
+        .map_err(|e| {
+            FfiError::new(
+                e.status(),
+                format!(
+                    "the runtime's device {}: {e}",
+                    Device::cuda(o.device_ordinal as u32)
+                ),
+            )
+        })?;
+    Ok(Target::cuda(device.ordinal, s.stream))
 }
 
 fn dtype_of(code: u32) -> Option<DType> {
