@@ -573,6 +573,22 @@ fn movement_candidates() -> Vec<Config> {
     c
 }
 
+/// See [`set_after_tuning_hook`].
+pub type TuningHook = Box<dyn Fn(&str)>;
+
+thread_local! {
+    static AFTER_TUNING: std::cell::RefCell<Option<TuningHook>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Test hook: `hook(kernel)` runs on this thread after a kernel's tuning
+/// trials and before its real launch (`None` removes it). Tests use it to
+/// check that the trials wrote nothing the caller can see.
+#[doc(hidden)]
+pub fn set_after_tuning_hook(hook: Option<TuningHook>) {
+    AFTER_TUNING.with(|h| *h.borrow_mut() = hook);
+}
+
 /// Times `run` for every candidate on scratch outputs of `out_bytes`; see
 /// the module docs.
 fn choose(
@@ -593,6 +609,11 @@ fn choose(
         return Ok(default);
     }
     let chosen = time_candidates(target, candidates, out_bytes, run)?.unwrap_or(default);
+    AFTER_TUNING.with(|h| {
+        if let Some(hook) = &*h.borrow() {
+            hook(key.0)
+        }
+    });
     slot.lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(key, chosen);

@@ -1361,3 +1361,151 @@ fn checked_mode_passes_valid_maps_and_records_faults_under_capture() {
         sys::cuGraphDestroy(graph);
     }
 }
+
+#[test]
+fn tuning_trials_leave_the_real_outputs_untouched() {
+    if cuda_devices_or_skip("permute tuning trials").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut g = XorShift::new(31);
+    // A row of 280,000 bytes: a size class no other test tunes, so the
+    // first call of each kernel here runs the trials.
+    let (t, e, h) = (48usize, 4usize, 70_000usize);
+    let (tu, eu, hu) = (t as u64, e as u64, h as u64);
+    let rmap =
+        xcall_permute::make_row_id_map(&routing(t, e, 2, &mut g), t, e, RowIdMapOptions::default())
+            .unwrap();
+    let n = rmap.expert_offsets[e] as usize;
+    let nu = n as u64;
+    let map = Pair::new(&mut gpu, bytes_of(&rmap.map), DType::I32, &[tu, 2 * eu + 1]);
+    let tpe = Pair::new(
+        &mut gpu,
+        bytes_of(&rmap.tokens_per_expert),
+        DType::I64,
+        &[eu],
+    );
+    let off = Pair::new(
+        &mut gpu,
+        bytes_of(&rmap.expert_offsets),
+        DType::I64,
+        &[eu + 1],
+    );
+    let input = Pair::new(&mut gpu, f32s(t * h, &mut g), DType::F32, &[tu, hu]);
+    let probs = Pair::new(&mut gpu, f32s(t * e, &mut g), DType::F32, &[tu, eu]);
+    let permuted = Pair::poisoned(&mut gpu, DType::F32, &[nu, hu]);
+    let back = Pair::poisoned(&mut gpu, DType::F32, &[tu, hu]);
+    let act = Pair::poisoned(&mut gpu, DType::F32, &[nu, hu]);
+    let pgrad = Pair::poisoned(&mut gpu, DType::F32, &[tu, eu]);
+    let target = gpu.target(true);
+    let stream = gpu.stream.cu_stream() as usize;
+
+    // After each kernel's trials, before its real launch: the outputs the
+    // caller passed still hold nothing but poison.
+    let watch = |outs: Vec<(u64, usize)>| {
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let log = seen.clone();
+        xcall_permute::cuda::set_after_tuning_hook(Some(Box::new(move |kernel: &str| {
+            for &(address, bytes) in &outs {
+                let mut host = vec![0u8; bytes];
+                // SAFETY: a live allocation of `bytes` bytes of this
+                // context; the copy follows the trials on the stream.
+                unsafe {
+                    sys::cuStreamSynchronize(stream as sys::CUstream)
+                        .result()
+                        .unwrap();
+                    sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), address, bytes)
+                        .result()
+                        .unwrap();
+                }
+                assert!(
+                    host.iter().all(|&b| b == POISON),
+                    "{kernel}: a tuning trial wrote the caller's output at {address:#x}"
+                );
+            }
+            log.borrow_mut().push(kernel.to_string());
+        })));
+        seen
+    };
+    let d = |p: &Pair| (p.device, p.host.len());
+    let permuted_probs = Pair::poisoned(&mut gpu, DType::F32, &[nu]);
+    let seen = watch(vec![d(&permuted), d(&permuted_probs)]);
+    let permute = |tg: &Target, dev: bool| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: host vectors and device allocations of the tensors' sizes.
+        unsafe {
+            call::permute(
+                tg,
+                &PermuteArgs {
+                    input: pick(&input),
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                    probs: Some(pick(&probs)),
+                    scales: None,
+                    output: pick(&permuted),
+                    permuted_probs: Some(pick(&permuted_probs)),
+                    permuted_scales: None,
+                    in_place: false,
+                },
+            )
+        }
+    };
+    permute(&target, true).unwrap();
+    permute(&Target::host(), false).unwrap();
+    permuted.same(&gpu, "tuned permute");
+    permuted_probs.same(&gpu, "tuned permuted_probs");
+
+    let seen_unpermute = watch(vec![d(&back)]);
+    // SAFETY: as above.
+    let unpermute = |tg: &Target, dev: bool| unsafe {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        call::unpermute(
+            tg,
+            &UnpermuteArgs {
+                input: pick(&permuted),
+                row_id_map: pick(&map),
+                merging_probs: Some(pick(&probs)),
+                permuted_probs: None,
+                output: pick(&back),
+                unpermuted_probs: None,
+            },
+        )
+    };
+    unpermute(&target, true).unwrap();
+    unpermute(&Target::host(), false).unwrap();
+    back.same(&gpu, "tuned unpermute");
+
+    let seen_backward = watch(vec![d(&act), d(&pgrad)]);
+    // SAFETY: as above.
+    let backward = |tg: &Target, dev: bool| unsafe {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        call::unpermute_backward(
+            tg,
+            &UnpermuteBackwardArgs {
+                grad: pick(&back),
+                fwd_input: pick(&permuted),
+                row_id_map: pick(&map),
+                tokens_per_expert: pick(&tpe),
+                expert_offsets: pick(&off),
+                merging_probs: pick(&probs),
+                act_grad: pick(&act),
+                probs_grad: pick(&pgrad),
+            },
+        )
+    };
+    backward(&target, true).unwrap();
+    backward(&Target::host(), false).unwrap();
+    act.same(&gpu, "tuned act_grad");
+    pgrad.same(&gpu, "tuned probs_grad");
+    xcall_permute::cuda::set_after_tuning_hook(None);
+    let tuned: Vec<String> = [seen, seen_unpermute, seen_backward]
+        .iter()
+        .flat_map(|s| s.borrow().clone())
+        .collect();
+    assert_eq!(
+        tuned,
+        ["permute", "unpermute", "unpermute_backward"],
+        "each kernel tuned once, here"
+    );
+}
