@@ -357,42 +357,54 @@ extern "C" __global__ void chunk_map(const i64* sizes, const i64* sorted, i64* m
 }
 
 // ------------------------------------------------------------- movement
-// permute: one block per token (grid-stride): its row is read once, U
-// vectors per thread at a time, and written to each of its routes.
+// permute: one block per token (grid-stride): its row is read once per
+// ROUTE_CHUNK routes (once for top-k <= 32), U vectors per thread at a
+// time, and written to each route. The chunk's routes are checked once and
+// staged in shared memory (-1: a route skipped as invalid), so the copy
+// loop reads rows from shared memory and checks nothing.
+#define ROUTE_CHUNK 32
 template <int V, int U>
 __device__ void permute_body(const unsigned char* in, const int* map, const float* probs, const float* scales,
                              unsigned char* out, float* pprobs, float* pscales, i64 T, int E, i64 row, int S, i64 N) {
     typedef typename VecT<V>::T Vt;
+    __shared__ int rows[ROUTE_CHUNK];
     const i64 nv = row / V;
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
-        if (pprobs) {
-            for (int k = threadIdx.x; k < n; k += blockDim.x) {
-                if (route_ok(m, k, E, N)) pprobs[m[k]] = probs[t * E + m[E + k]];
+        for (int k0 = 0; k0 < n; k0 += ROUTE_CHUNK) {
+            const int kn = min(ROUTE_CHUNK, n - k0);
+            __syncthreads();  // the previous chunk's readers are done
+            for (int j = threadIdx.x; j < kn; j += blockDim.x) {
+                const int k = k0 + j;
+                const bool ok = route_ok(m, k, E, N);
+                rows[j] = ok ? m[k] : -1;
+                if (ok && pprobs) pprobs[m[k]] = probs[t * E + m[E + k]];
             }
-        }
-        if (pscales) {
-            for (i64 i = threadIdx.x; i < (i64)n * S; i += blockDim.x) {
-                int k = (int)(i / S);
-                if (route_ok(m, k, E, N)) pscales[(i64)m[k] * S + i % S] = scales[t * S + i % S];
+            __syncthreads();
+            if (pscales) {
+                for (i64 i = threadIdx.x; i < (i64)kn * S; i += blockDim.x) {
+                    const int d = rows[i / S];
+                    if (d >= 0) pscales[(i64)d * S + i % S] = scales[t * S + i % S];
+                }
             }
-        }
-        const Vt* src = (const Vt*)(in + t * row);
-        for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
-            Vt r[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * blockDim.x;
-                if (i < nv) r[u] = src[i];
-            }
-            for (int k = 0; k < n; ++k) {
-                if (!route_ok(m, k, E, N)) continue;
-                Vt* dst = (Vt*)(out + (i64)m[k] * row);
+            const Vt* src = (const Vt*)(in + t * row);
+            for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
+                Vt r[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * blockDim.x;
-                    if (i < nv) dst[i] = r[u];
+                    if (i < nv) r[u] = src[i];
+                }
+                for (int k = 0; k < kn; ++k) {
+                    const int d = rows[k];
+                    if (d < 0) continue;
+                    Vt* dst = (Vt*)(out + (i64)d * row);
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        i64 i = base + (i64)u * blockDim.x;
+                        if (i < nv) dst[i] = r[u];
+                    }
                 }
             }
         }
