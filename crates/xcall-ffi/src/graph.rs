@@ -158,6 +158,8 @@ fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
 /// Writes the default configuration (capacity 64, no node limit,
 /// `XCALL_GRAPH_POLICY_EXEC_UPDATE`, retry after 16, 1 variant per topology)
 /// to `*out_config`.
+///
+/// Bad input: NULL `out_config`: `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_config_default(
     out_config: *mut xcall_graph_cache_config,
@@ -182,6 +184,9 @@ pub extern "C" fn xcall_graph_cache_config_default(
 ///
 /// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` (a
 /// limit of 0, unknown policy).
+///
+/// Bad input: as listed under Errors; `*out_cache` is written only on
+/// success.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_new(
     config: *const xcall_graph_cache_config,
@@ -205,6 +210,10 @@ pub extern "C" fn xcall_graph_cache_new(
 /// no-ops. No other call on the cache may be in flight. A handle that is
 /// not live (freed already, not made by xcall) is left alone and
 /// `xcall_last_error_message()` says so.
+///
+/// Bad input: NULL, a freed or foreign handle and the XLA handlers' cache
+/// are left alone (the function returns no status; a handle that is not
+/// live is named in the last error message).
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
     let _ = ffi_call!({
@@ -229,6 +238,13 @@ pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
 /// `XCALL_STATUS_CALLBACK_FAILED` (`record` returned non-zero when it ran
 /// directly; if it fails under capture it runs once more directly and that
 /// result counts). Thread-safe.
+///
+/// Bad input: NULL cache, call or record: `XCALL_STATUS_NULL_ARGUMENT`; a
+/// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
+/// platform or buffer role, no buffers, a buffer past the end of the
+/// address space, a Host ordinal other than 0, a CUDA device that does not
+/// exist: `XCALL_STATUS_INVALID_ARGUMENT` or `XCALL_STATUS_NO_SUCH_DEVICE`,
+/// before `record` runs.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_execute(
     cache: *const xcall_graph_cache,
@@ -292,6 +308,10 @@ pub extern "C" fn xcall_graph_cache_execute(
 /// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
 /// (bytes 0, a range past the end of the address space, unknown platform).
 /// Thread-safe.
+///
+/// Bad input: a freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; a
+/// Host ordinal other than 0: `XCALL_STATUS_INVALID_ARGUMENT`; nothing is
+/// evicted on an error.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_invalidate_range(
     cache: *const xcall_graph_cache,
@@ -314,6 +334,11 @@ pub extern "C" fn xcall_graph_cache_invalidate_range(
 
 /// Evicts every graph of one device; the number evicted goes to
 /// `*out_evicted`. Thread-safe.
+///
+/// Bad input: NULL cache or `out_evicted`: `XCALL_STATUS_NULL_ARGUMENT`; a
+/// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
+/// platform or a Host ordinal other than 0:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; nothing is evicted on an error.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_clear(
     cache: *const xcall_graph_cache,
@@ -331,6 +356,9 @@ pub extern "C" fn xcall_graph_cache_clear(
 
 /// Evicts every graph of every device, one device at a time; the number
 /// evicted goes to `*out_evicted`. Thread-safe.
+///
+/// Bad input: NULL cache or `out_evicted`: `XCALL_STATUS_NULL_ARGUMENT`; a
+/// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_clear_all(
     cache: *const xcall_graph_cache,
@@ -346,6 +374,12 @@ pub extern "C" fn xcall_graph_cache_clear_all(
 
 /// Counters of one device (all zero for a device the cache never saw) in
 /// `*out_stats`. Thread-safe.
+///
+/// Bad input: NULL cache or `out_stats`: `XCALL_STATUS_NULL_ARGUMENT`; a
+/// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
+/// platform or a Host ordinal other than 0:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; `*out_stats` is written only on
+/// success.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_stats(
     cache: *const xcall_graph_cache,

@@ -53,6 +53,8 @@ assert_eq_align!(DType, u32);
 /// The version of the linked library, for example "0.1.0". Compare with
 /// `XCALL_VERSION_STRING` to detect a header/library mismatch. The string is
 /// static.
+///
+/// Bad input: none (no arguments).
 #[no_mangle]
 pub extern "C" fn xcall_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
@@ -63,6 +65,9 @@ pub extern "C" fn xcall_version() -> *const c_char {
 /// string is static; never NULL.
 ///
 /// `status` is an `xcall_status` value.
+///
+/// Bad input: any code is accepted; one this library does not define gets
+/// "XCALL_STATUS_UNKNOWN".
 #[no_mangle]
 pub extern "C" fn xcall_status_name(status: u32) -> *const c_char {
     match Status::from_code(status) {
@@ -75,6 +80,8 @@ pub extern "C" fn xcall_status_name(status: u32) -> *const c_char {
 /// when it succeeded, otherwise a message that says what was wrong. Never
 /// NULL. The pointer stays valid until the next xcall call on this thread;
 /// copy the text to keep it.
+///
+/// Bad input: none (no arguments).
 #[no_mangle]
 pub extern "C" fn xcall_last_error_message() -> *const c_char {
     guard::last_error_ptr()
@@ -88,6 +95,9 @@ pub extern "C" fn xcall_last_error_message() -> *const c_char {
 /// (unknown platform), `XCALL_STATUS_CUDA_UNAVAILABLE` (no driver or no device;
 /// the message says which). Asking for Host never loads the CUDA driver.
 /// Thread-safe.
+///
+/// Bad input: as listed under Errors; `*out_count` is written only on
+/// success.
 #[no_mangle]
 pub extern "C" fn xcall_device_count(platform: u32, out_count: *mut usize) -> Status {
     ffi_call!({
@@ -100,6 +110,8 @@ pub extern "C" fn xcall_device_count(platform: u32, out_count: *mut usize) -> St
 
 /// Whether this process has tried to load the CUDA driver. Host-only use of
 /// xcall leaves it false; the first CUDA request makes it true.
+///
+/// Bad input: none (no arguments).
 #[no_mangle]
 pub extern "C" fn xcall_cuda_load_attempted() -> bool {
     xcall_core::cuda::driver_load_attempted()
@@ -110,6 +122,9 @@ pub extern "C" fn xcall_cuda_load_attempted() -> bool {
 ///
 /// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
 /// (unknown dtype).
+///
+/// Bad input: as listed under Errors; `*out_size` is written only on
+/// success.
 #[no_mangle]
 pub extern "C" fn xcall_dtype_size(dtype: u32, out_size: *mut usize) -> Status {
     ffi_call!({
@@ -127,6 +142,8 @@ pub extern "C" fn xcall_dtype_size(dtype: u32, out_size: *mut usize) -> Status {
 
 /// Short name of `dtype` (an `xcall_dtype` value), for example "bf16", or
 /// NULL for an unknown code. The string is static.
+///
+/// Bad input: an unknown code gets NULL (no error is recorded).
 #[no_mangle]
 pub extern "C" fn xcall_dtype_name(dtype: u32) -> *const c_char {
     DType::from_code(dtype).map_or(std::ptr::null(), |d| d.c_name().as_ptr())

@@ -158,6 +158,10 @@ fn optional(
 /// pairs to `out_pairs` (may be NULL when `capacity` is 0) and the number
 /// of pairs to `out_count`. For every op of this family the table is
 /// empty: no output may overlap an input or another output.
+///
+/// Bad input: an unknown op or a table larger than `capacity`:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_count` (or NULL `out_pairs`
+/// for a non-empty table): `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_permute_alias_table(
     op: u32,
@@ -235,6 +239,8 @@ pub const XCALL_PERMUTE_FAULT_SORT_MAP: u32 = 64;
 /// shared by its streams. Always 0 on Host, which
 /// refuses a bad map before any work. NULL `target` or `out_faults`:
 /// `XCALL_STATUS_NULL_ARGUMENT`.
+///
+/// Bad input: as described above; `*out_faults` is written only on success.
 #[no_mangle]
 pub extern "C" fn xcall_permute_take_faults(
     target: *const xcall_target,
@@ -273,6 +279,11 @@ fn non_negative(what: &str, v: i64) -> Result<Option<usize>, FfiError> {
 /// graph needs), routes past an expert's capacity are dropped (later
 /// tokens first) and free rows are padding (not combinable with a cap or
 /// align).
+///
+/// Bad input: see the permutation ops' rules above `xcall_permute`; also
+/// `align` or `capacity` so large that a row index or offset would
+/// overflow, `align` combined with a cap, `capacity` with a cap or align:
+/// `XCALL_STATUS_INVALID_ARGUMENT`, nothing written.
 #[no_mangle]
 pub extern "C" fn xcall_make_row_id_map(
     target: *const xcall_target,
@@ -311,6 +322,19 @@ pub extern "C" fn xcall_make_row_id_map(
 /// `[N]`, `scales` `[T, S]` f32 with `permuted_scales` `[N, S]` (each pair
 /// both NULL or both given). `in_place`: outputs may overlap inputs (the
 /// overlapped inputs are copied to scratch first).
+///
+/// Bad input: a NULL required tensor: `XCALL_STATUS_NULL_ARGUMENT` naming
+/// it; a rank, dim or pairing (probs without permuted_probs, ...) that does
+/// not fit: `XCALL_STATUS_INVALID_ARGUMENT` naming the tensor and dim; a
+/// dtype the op does not take: `XCALL_STATUS_UNSUPPORTED`; an unknown dtype
+/// code, `reserved` not 0, a tensor on another device or (CUDA) not device
+/// memory of the target: `XCALL_STATUS_INVALID_ARGUMENT`; an output
+/// overlapping an input or another output (without `in_place`):
+/// `XCALL_STATUS_ALIASED`; a row-id map whose routes leave their tensors,
+/// leave their expert's kept rows, share a row or disagree with
+/// `tokens_per_expert`: `XCALL_STATUS_INVALID_ARGUMENT` on Host, checked
+/// before anything is written (CUDA: see `xcall_permute_take_faults`).
+/// Nothing is written on an error.
 #[no_mangle]
 pub extern "C" fn xcall_permute(
     target: *const xcall_target,
@@ -349,6 +373,9 @@ pub extern "C" fn xcall_permute(
 /// merging_probs[t, e_k]` accumulated in f32 (weight 1 when
 /// `merging_probs` is NULL); `unpermuted_probs[t, e] = permuted_probs[dst]`
 /// (0 where no route). `input` `[N, H]` f32/f16/bf16, `output` `[T, H]`.
+///
+/// Bad input: as `xcall_permute` (the map is checked for bounds: route
+/// counts, rows and experts).
 #[no_mangle]
 pub extern "C" fn xcall_unpermute(
     target: *const xcall_target,
@@ -378,6 +405,8 @@ pub extern "C" fn xcall_unpermute(
 /// The backward of `xcall_unpermute` with merging probs: `act_grad[dst] =
 /// grad[t] * merging_probs[t, e]` (`[N, H]`, unwritten rows zeroed) and
 /// `probs_grad[t, e] = dot(fwd_input[dst], grad[t])` in f32 (`[T, E]`).
+///
+/// Bad input: as `xcall_permute`.
 #[no_mangle]
 pub extern "C" fn xcall_unpermute_backward(
     target: *const xcall_target,
@@ -413,6 +442,12 @@ pub extern "C" fn xcall_unpermute_backward(
 /// destination (rows past the chunks map to themselves). On CUDA the split
 /// is read back and checked (waiting for the stream) unless the stream is
 /// capturing.
+///
+/// Bad input: as `xcall_permute` for the tensors; sizes that are negative
+/// or sum past T, or indices that are not a permutation:
+/// `XCALL_STATUS_INVALID_ARGUMENT`, map untouched (on CUDA under capture
+/// the kernel leaves the map untouched instead and the call cannot report
+/// it).
 #[no_mangle]
 pub extern "C" fn xcall_make_chunk_sort_map(
     target: *const xcall_target,
@@ -437,6 +472,11 @@ pub extern "C" fn xcall_make_chunk_sort_map(
 /// (`output[map[t]] = input[t]`), true gathers (`output[t] =
 /// input[map[t]]`); `probs`/`permuted_probs` `[T]` f32 move alike.
 /// `in_place`: outputs may overlap inputs (copied to scratch first).
+///
+/// Bad input: as `xcall_permute` for the tensors; a map that is not a
+/// permutation of [0, T): `XCALL_STATUS_INVALID_ARGUMENT` on Host, nothing
+/// written; on CUDA an entry outside [0, T) is skipped and recorded (see
+/// `xcall_permute_take_faults`).
 #[no_mangle]
 pub extern "C" fn xcall_sort_chunks_by_map(
     target: *const xcall_target,

@@ -94,6 +94,8 @@ fn world<'a>(w: *mut xcall_shmem_world) -> Result<MutexGuard<'a, World>, FfiErro
 }
 
 /// Creates a world handle in phase New into `*out`.
+///
+/// Bad input: NULL `out`: `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_world_new(out: *mut *mut xcall_shmem_world) -> Status {
     ffi_call!({
@@ -111,6 +113,9 @@ pub extern "C" fn xcall_shmem_world_new(out: *mut *mut xcall_shmem_world) -> Sta
 /// every other PE's later transfers, signals, waits and collectives return
 /// `XCALL_STATUS_PEER_FAILED`, and this PE's heap stays mapped until no
 /// peer of this process can reach it. Call `xcall_shmem_finalize` first.
+///
+/// Bad input: NULL, a freed or foreign handle: left alone (the function
+/// returns nothing; the last error message says what was ignored).
 #[no_mangle]
 pub extern "C" fn xcall_shmem_world_free(w: *mut xcall_shmem_world) {
     let _ = ffi_call!({
@@ -124,6 +129,12 @@ pub extern "C" fn xcall_shmem_world_free(w: *mut xcall_shmem_world) {
 /// `XCALL_STATUS_COLLECTIVE_MISMATCH` (PEs disagree on sizes),
 /// `XCALL_STATUS_UNSUPPORTED` (a peer not directly reachable: names the
 /// pair), `XCALL_STATUS_SYSTEM`, CUDA errors.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; NULL config or config
+/// strings: `XCALL_STATUS_NULL_ARGUMENT`; an unknown platform or bootstrap
+/// kind, rank not below size, size 0 or above 65536, a heap size that
+/// overflows when rounded: `XCALL_STATUS_INVALID_ARGUMENT`, before anything
+/// is allocated.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_init(
     w: *mut xcall_shmem_world,
@@ -177,6 +188,9 @@ pub extern "C" fn xcall_shmem_init(
 /// Leaves the world (collective); allocations still live are freed and
 /// their count written to `*leaked` (may be NULL). The world is finalized
 /// even when a step fails; `xcall_shmem_init` may start it again.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; a world that is not
+/// live: `XCALL_STATUS_INVALID_STATE`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_finalize(w: *mut xcall_shmem_world, leaked: *mut u64) -> Status {
     ffi_call!({
@@ -190,6 +204,10 @@ pub extern "C" fn xcall_shmem_finalize(w: *mut xcall_shmem_world, leaked: *mut u
 }
 
 /// This PE's rank and the world size.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; NULL outputs:
+/// `XCALL_STATUS_NULL_ARGUMENT`; a world that is not live:
+/// `XCALL_STATUS_INVALID_STATE`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_rank(
     w: *mut xcall_shmem_world,
@@ -211,6 +229,11 @@ pub extern "C" fn xcall_shmem_rank(
 /// `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE otherwise); this PE's
 /// address in `*out` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
 /// says whether the heap is exhausted or fragmented.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; a size that overflows
+/// when aligned: `XCALL_STATUS_INVALID_ARGUMENT` (0 bytes gets one minimal
+/// block); a heap too small: `XCALL_STATUS_OUT_OF_MEMORY`; a world that is
+/// not live: `XCALL_STATUS_INVALID_STATE`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_malloc(
     w: *mut xcall_shmem_world,
@@ -226,6 +249,11 @@ pub extern "C" fn xcall_shmem_malloc(
 }
 
 /// Frees an object of `xcall_shmem_malloc` on every PE (collective).
+///
+/// Bad input: the world rules of `xcall_shmem_world`; an address that is
+/// not the start of a live object: `XCALL_STATUS_INVALID_ARGUMENT` on this
+/// PE (the peers then report `XCALL_STATUS_COLLECTIVE_MISMATCH` or a
+/// timeout).
 #[no_mangle]
 pub extern "C" fn xcall_shmem_free(w: *mut xcall_shmem_world, ptr: *mut c_void) -> Status {
     ffi_call!({ Ok(world(w)?.free(ptr as u64)?) })
@@ -234,6 +262,9 @@ pub extern "C" fn xcall_shmem_free(w: *mut xcall_shmem_world, ptr: *mut c_void) 
 /// PE `pe`'s address of the object at `local` (this PE's address), or
 /// NULL when `local` is not in the heap, `pe` is not a PE, or the world is
 /// not live.
+///
+/// Bad input: NULL, never an error status (a NULL world or a handle that is
+/// not live also gets NULL).
 #[no_mangle]
 pub extern "C" fn xcall_shmem_ptr(
     w: *mut xcall_shmem_world,
@@ -252,6 +283,11 @@ pub extern "C" fn xcall_shmem_ptr(
 
 /// Copies `bytes` from `src` (this PE's memory) to the object at `dest` (a
 /// symmetric address of this PE) on PE `pe`. Blocking.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; a NULL `src` with
+/// bytes > 0: `XCALL_STATUS_NULL_ARGUMENT`; `pe` not a PE or a destination
+/// range not inside one live object: `XCALL_STATUS_INVALID_ARGUMENT`,
+/// nothing copied.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_put(
     w: *mut xcall_shmem_world,
@@ -269,6 +305,8 @@ pub extern "C" fn xcall_shmem_put(
 
 /// Copies `bytes` from the object at `src` (a symmetric address of this
 /// PE) on PE `pe` to `dest` (this PE's memory). Blocking.
+///
+/// Bad input: as `xcall_shmem_put` (source range on the peer, NULL `dest`).
 #[no_mangle]
 pub extern "C" fn xcall_shmem_get(
     w: *mut xcall_shmem_world,
@@ -286,6 +324,9 @@ pub extern "C" fn xcall_shmem_get(
 
 /// `xcall_shmem_put` ordered on `stream` (a `CUstream` of this PE's
 /// device); returns before the copy completes. On Host: blocking.
+///
+/// Bad input: as `xcall_shmem_put`; a stream of another device:
+/// `XCALL_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_put_nbi(
     w: *mut xcall_shmem_world,
@@ -316,18 +357,27 @@ fn check_src(p: *const c_void, bytes: u64) -> Result<(), FfiError> {
 
 /// Completes this PE's outstanding operations; reports a
 /// `barrier_on_stream` that timed out.
+///
+/// Bad input: the world rules of `xcall_shmem_world`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_quiet(w: *mut xcall_shmem_world) -> Status {
     ffi_call!({ Ok(world(w)?.quiet()?) })
 }
 
 /// Returns once every PE called it (after quiet). Collective.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; a peer in another
+/// collective: `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE, naming each
+/// PE's call.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_barrier_all(w: *mut xcall_shmem_world) -> Status {
     ffi_call!({ Ok(world(w)?.barrier_all()?) })
 }
 
 /// A barrier of all PEs as a kernel on `stream` (CUDA worlds; capturable).
+///
+/// Bad input: the world rules of `xcall_shmem_world`; a Host world:
+/// `XCALL_STATUS_UNSUPPORTED`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_barrier_on_stream(
     w: *mut xcall_shmem_world,
@@ -339,6 +389,10 @@ pub extern "C" fn xcall_shmem_barrier_on_stream(
 /// Puts like `xcall_shmem_put`, then updates the 64-bit word `signal` (a
 /// symmetric address) on PE `pe` with `sig_op` (`XCALL_SHMEM_SIGNAL_OP_SET`
 /// or `_ADD`) once the data is visible there. Blocking.
+///
+/// Bad input: as `xcall_shmem_put`; a signal word not inside a live object
+/// or not 8-byte aligned, an unknown `sig_op`:
+/// `XCALL_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_put_signal(
     w: *mut xcall_shmem_world,
@@ -381,6 +435,10 @@ pub extern "C" fn xcall_shmem_put_signal(
 /// (`XCALL_SHMEM_CMP_EQ`, ...) to `value`; the value seen goes to
 /// `*observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
 /// timeout.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; a signal word not
+/// inside a live object or not 8-byte aligned, an unknown `cmp`:
+/// `XCALL_STATUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_shmem_wait_until(
     w: *mut xcall_shmem_world,

@@ -145,6 +145,10 @@ fn write_text(
 /// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT` with
 /// the rule the spec breaks (no stages, loads not a multiple of 16 bytes,
 /// shared memory or register file exceeded, bad register values, ...).
+///
+/// Bad input: as listed under Errors, checked before anything is allocated
+/// (thread and shared-memory totals in 64 bits); `*out_plan` is written
+/// only on success.
 #[no_mangle]
 pub extern "C" fn xcall_ws_plan_new(
     spec: *const xcall_ws_spec,
@@ -185,6 +189,9 @@ pub extern "C" fn xcall_ws_plan_new(
 /// Frees a plan. NULL is a no-op; a handle that is not live (freed
 /// already, not made by xcall) is left alone and
 /// `xcall_last_error_message()` says so.
+///
+/// Bad input: NULL, a freed or foreign handle: left alone (the function
+/// returns nothing; the last error message says what was ignored).
 #[no_mangle]
 pub extern "C" fn xcall_ws_plan_free(plan: *mut xcall_ws_plan) {
     let _ = ffi_call!({
@@ -194,6 +201,9 @@ pub extern "C" fn xcall_ws_plan_free(plan: *mut xcall_ws_plan) {
 }
 
 /// Facts of a plan in `*out_info`.
+///
+/// Bad input: NULL plan or `out_info`: `XCALL_STATUS_NULL_ARGUMENT`; a
+/// freed or foreign plan: `XCALL_STATUS_INVALID_HANDLE`.
 #[no_mangle]
 pub extern "C" fn xcall_ws_plan_get_info(
     plan: *const xcall_ws_plan,
@@ -226,6 +236,12 @@ pub extern "C" fn xcall_ws_plan_get_info(
 /// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_HANDLE`,
 /// `XCALL_STATUS_INVALID_ARGUMENT` (report buffer too small, iterations past
 /// 65535), `XCALL_STATUS_LIMIT`.
+///
+/// Bad input: NULL plan or outputs: `XCALL_STATUS_NULL_ARGUMENT`; a freed
+/// or foreign plan: `XCALL_STATUS_INVALID_HANDLE`; a report buffer too
+/// small: `XCALL_STATUS_INVALID_ARGUMENT` with the size needed; a protocol
+/// whose check passes the state, memory or time budget:
+/// `XCALL_STATUS_LIMIT` with the numbers reached.
 #[no_mangle]
 pub extern "C" fn xcall_ws_plan_verify(
     plan: *const xcall_ws_plan,
@@ -252,6 +268,12 @@ pub extern "C" fn xcall_ws_plan_verify(
 
 /// The CUDA C source of `op` (an `xcall_ws_op`) for `dtype` (f32 or bf16)
 /// on `plan`, written like every text output (NULL `source` for the size).
+///
+/// Bad input: NULL plan or `out_len`: `XCALL_STATUS_NULL_ARGUMENT`; a freed
+/// or foreign plan: `XCALL_STATUS_INVALID_HANDLE`; an unknown op:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; a dtype other than f32/bf16:
+/// `XCALL_STATUS_UNSUPPORTED`; a buffer too small:
+/// `XCALL_STATUS_INVALID_ARGUMENT` with the size needed.
 #[no_mangle]
 pub extern "C" fn xcall_ws_generate(
     plan: *const xcall_ws_plan,
@@ -291,6 +313,8 @@ pub extern "C" fn xcall_ws_generate(
 
 /// Writes the default op configuration (4 stages, 16 KiB tiles, 2 compute
 /// warpgroups) to `*out_config`.
+///
+/// Bad input: NULL `out_config`: `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config) -> Status {
     ffi_call!({
@@ -319,6 +343,9 @@ pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config
 /// `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
 /// `XCALL_STATUS_COMPILE_FAILED`, `XCALL_STATUS_TIMEOUT` (a stalled Host
 /// pipeline). Thread-safe.
+///
+/// Bad input: as listed under Errors, each checked before anything runs
+/// (sizes in 64 bits); nothing is written on an error.
 // The C signature lists every argument of the call explicitly.
 #[allow(clippy::too_many_arguments)]
 #[no_mangle]

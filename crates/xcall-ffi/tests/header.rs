@@ -100,3 +100,53 @@ fn header_declares_the_published_constants() {
         );
     }
 }
+
+#[test]
+fn every_function_says_what_bad_input_gets() {
+    // Each declaration's doc comment (the block right above it) has a
+    // "Bad input:" paragraph.
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../include/xcall.h");
+    let header = std::fs::read_to_string(path).unwrap();
+    let mut missing = Vec::new();
+    let mut functions = 0;
+    let mut doc = String::new();
+    let mut in_doc = false;
+    for line in header.lines() {
+        let t = line.trim_start();
+        if t.starts_with("/**") {
+            in_doc = true;
+            doc.clear();
+        }
+        if t.starts_with('*') && !in_doc || t.starts_with("/*") && !t.starts_with("/**") {
+            continue; // the file's plain comments
+        }
+        if in_doc {
+            doc.push_str(t);
+            doc.push(' ');
+            if t.ends_with("*/") {
+                in_doc = false;
+            }
+            continue;
+        }
+        if let Some(name) = t
+            .split('(')
+            .next()
+            .filter(|_| t.contains('('))
+            .and_then(|head| head.split([' ', '*']).rfind(|w| !w.is_empty()))
+            .filter(|name| name.starts_with("xcall_") && !t.starts_with("typedef"))
+        {
+            functions += 1;
+            if !doc.contains("Bad input:") {
+                missing.push(name.to_string());
+            }
+        }
+        if !t.is_empty() {
+            doc.clear();
+        }
+    }
+    assert!(
+        functions >= 50,
+        "found only {functions} function declarations"
+    );
+    assert!(missing.is_empty(), "no \"Bad input:\" for {missing:?}");
+}

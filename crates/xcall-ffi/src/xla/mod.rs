@@ -332,6 +332,8 @@ fn handler_cache() -> &'static xcall_graph_cache {
 /// attribute: pass it to `xcall_graph_cache_stats`, `_clear` or
 /// `_invalidate_range`. It lives as long as the process;
 /// `xcall_graph_cache_free` ignores it. Never NULL.
+///
+/// Bad input: none (no arguments).
 #[no_mangle]
 pub extern "C" fn xcall_xla_graph_cache() -> *const xcall_graph_cache {
     handler_cache()
@@ -873,6 +875,8 @@ fn unreportable(e: &FfiError) -> *mut XLA_FFI_Error {
 /// the runtime made: never pass it to the runtime's `Error_*` functions.
 /// `xcall_last_error_message()` on the handler's thread says what was
 /// wrong. Never NULL; the same value for the life of the process.
+///
+/// Bad input: none (no arguments).
 #[no_mangle]
 pub extern "C" fn xcall_xla_unreportable_error() -> *mut XLA_FFI_Error {
     static MARKER: u64 = 0x7863_616c_6c5f_6572; // never read
@@ -991,6 +995,14 @@ fn handle(spec: &Spec, side: Side, frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FF
 /// Attributes (integers, optional): `num_out_tokens` (-1: no cap), `align`
 /// (0: none), `capacity` (0: none), `graph_cache`. See
 /// `xcall_make_row_id_map`.
+///
+/// Bad input: a malformed call frame (NULL, short structs, an unknown
+/// stage, a NULL or short metadata extension, a looping extension chain,
+/// more than 32 attributes, duplicate or unknown attributes, operands or
+/// results of the wrong count, rank, dims or dtype) gets an XLA error
+/// naming what is wrong and nothing is written; a frame that cannot report
+/// an error gets `xcall_xla_unreportable_error()`. Then the rules of
+/// `xcall_make_row_id_map`.
 #[no_mangle]
 pub extern "C" fn xcall_xla_make_row_id_map_host(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -999,6 +1011,9 @@ pub extern "C" fn xcall_xla_make_row_id_map_host(
 }
 
 /// `xcall_xla_make_row_id_map_host` for "CUDA".
+///
+/// Bad input: as `xcall_xla_make_row_id_map_host`; the runtime's device
+/// ordinal is checked first (an error names the device).
 #[no_mangle]
 pub extern "C" fn xcall_xla_make_row_id_map_cuda(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1011,12 +1026,23 @@ pub extern "C" fn xcall_xla_make_row_id_map_cuda(
 /// `[T, E]` f32 if `has_probs`, then `scales` `[T, S]` f32 if `has_scales`.
 /// Results: `output` `[N, H]`, then `permuted_probs` `[N]` if `has_probs`,
 /// then `permuted_scales` `[N, S]` if `has_scales`. See `xcall_permute`.
+///
+/// Bad input: a malformed call frame (NULL, short structs, an unknown
+/// stage, a NULL or short metadata extension, a looping extension chain,
+/// more than 32 attributes, duplicate or unknown attributes, operands or
+/// results of the wrong count, rank, dims or dtype) gets an XLA error
+/// naming what is wrong and nothing is written; a frame that cannot report
+/// an error gets `xcall_xla_unreportable_error()`. Then the rules of
+/// `xcall_permute`.
 #[no_mangle]
 pub extern "C" fn xcall_xla_permute_host(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
     handle(&PERMUTE, Side::Host, call_frame)
 }
 
 /// `xcall_xla_permute_host` for "CUDA".
+///
+/// Bad input: as `xcall_xla_permute_host`; the runtime's device ordinal is
+/// checked first (an error names the device).
 #[no_mangle]
 pub extern "C" fn xcall_xla_permute_cuda(call_frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
     handle(&PERMUTE, Side::Cuda, call_frame)
@@ -1027,6 +1053,14 @@ pub extern "C" fn xcall_xla_permute_cuda(call_frame: *mut XLA_FFI_CallFrame) -> 
 /// then `permuted_probs` `[N]` f32 if `has_permuted_probs`. Results:
 /// `output` `[T, H]`, then `unpermuted_probs` `[T, E]` f32 if
 /// `has_permuted_probs`. See `xcall_unpermute`.
+///
+/// Bad input: a malformed call frame (NULL, short structs, an unknown
+/// stage, a NULL or short metadata extension, a looping extension chain,
+/// more than 32 attributes, duplicate or unknown attributes, operands or
+/// results of the wrong count, rank, dims or dtype) gets an XLA error
+/// naming what is wrong and nothing is written; a frame that cannot report
+/// an error gets `xcall_xla_unreportable_error()`. Then the rules of
+/// `xcall_unpermute`.
 #[no_mangle]
 pub extern "C" fn xcall_xla_unpermute_host(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1035,6 +1069,9 @@ pub extern "C" fn xcall_xla_unpermute_host(
 }
 
 /// `xcall_xla_unpermute_host` for "CUDA".
+///
+/// Bad input: as `xcall_xla_unpermute_host`; the runtime's device ordinal
+/// is checked first (an error names the device).
 #[no_mangle]
 pub extern "C" fn xcall_xla_unpermute_cuda(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1046,6 +1083,14 @@ pub extern "C" fn xcall_xla_unpermute_cuda(
 /// `[T, H]`, `fwd_input` `[N, H]`, `row_id_map`, `tokens_per_expert`,
 /// `expert_offsets`, `merging_probs` `[T, E]` f32. Results: `act_grad`
 /// `[N, H]`, `probs_grad` `[T, E]` f32. See `xcall_unpermute_backward`.
+///
+/// Bad input: a malformed call frame (NULL, short structs, an unknown
+/// stage, a NULL or short metadata extension, a looping extension chain,
+/// more than 32 attributes, duplicate or unknown attributes, operands or
+/// results of the wrong count, rank, dims or dtype) gets an XLA error
+/// naming what is wrong and nothing is written; a frame that cannot report
+/// an error gets `xcall_xla_unreportable_error()`. Then the rules of
+/// `xcall_unpermute_backward`.
 #[no_mangle]
 pub extern "C" fn xcall_xla_unpermute_backward_host(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1054,6 +1099,9 @@ pub extern "C" fn xcall_xla_unpermute_backward_host(
 }
 
 /// `xcall_xla_unpermute_backward_host` for "CUDA".
+///
+/// Bad input: as `xcall_xla_unpermute_backward_host`; the runtime's device
+/// ordinal is checked first (an error names the device).
 #[no_mangle]
 pub extern "C" fn xcall_xla_unpermute_backward_cuda(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1064,6 +1112,14 @@ pub extern "C" fn xcall_xla_unpermute_backward_cuda(
 /// XLA FFI handler of `make_chunk_sort_map` for "cpu". Operands:
 /// `split_sizes` `[S]` s64, `sorted_indices` `[S]` s64. Result: `map` `[T]`
 /// s64. See `xcall_make_chunk_sort_map`.
+///
+/// Bad input: a malformed call frame (NULL, short structs, an unknown
+/// stage, a NULL or short metadata extension, a looping extension chain,
+/// more than 32 attributes, duplicate or unknown attributes, operands or
+/// results of the wrong count, rank, dims or dtype) gets an XLA error
+/// naming what is wrong and nothing is written; a frame that cannot report
+/// an error gets `xcall_xla_unreportable_error()`. Then the rules of
+/// `xcall_make_chunk_sort_map`.
 #[no_mangle]
 pub extern "C" fn xcall_xla_make_chunk_sort_map_host(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1073,6 +1129,9 @@ pub extern "C" fn xcall_xla_make_chunk_sort_map_host(
 
 /// `xcall_xla_make_chunk_sort_map_host` for "CUDA" (not command-buffer
 /// compatible: outside a capture it reads the split back to check it).
+///
+/// Bad input: as `xcall_xla_make_chunk_sort_map_host`; the runtime's device
+/// ordinal is checked first (an error names the device).
 #[no_mangle]
 pub extern "C" fn xcall_xla_make_chunk_sort_map_cuda(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1085,6 +1144,14 @@ pub extern "C" fn xcall_xla_make_chunk_sort_map_cuda(
 /// Results: `output` `[T, H]`, then `permuted_probs` `[T]` if `has_probs`.
 /// Attribute `backward` (0: scatter, 1: gather). See
 /// `xcall_sort_chunks_by_map`.
+///
+/// Bad input: a malformed call frame (NULL, short structs, an unknown
+/// stage, a NULL or short metadata extension, a looping extension chain,
+/// more than 32 attributes, duplicate or unknown attributes, operands or
+/// results of the wrong count, rank, dims or dtype) gets an XLA error
+/// naming what is wrong and nothing is written; a frame that cannot report
+/// an error gets `xcall_xla_unreportable_error()`. Then the rules of
+/// `xcall_sort_chunks_by_map`.
 #[no_mangle]
 pub extern "C" fn xcall_xla_sort_chunks_by_map_host(
     call_frame: *mut XLA_FFI_CallFrame,
@@ -1093,6 +1160,9 @@ pub extern "C" fn xcall_xla_sort_chunks_by_map_host(
 }
 
 /// `xcall_xla_sort_chunks_by_map_host` for "CUDA".
+///
+/// Bad input: as `xcall_xla_sort_chunks_by_map_host`; the runtime's device
+/// ordinal is checked first (an error names the device).
 #[no_mangle]
 pub extern "C" fn xcall_xla_sort_chunks_by_map_cuda(
     call_frame: *mut XLA_FFI_CallFrame,
