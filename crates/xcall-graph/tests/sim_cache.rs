@@ -637,3 +637,35 @@ fn the_record_function_runs_without_the_shard_lock() {
     assert_eq!(outcome, Outcome::Captured);
     assert_eq!(c.backend().read(Device::cuda(0), 0x100), 1);
 }
+
+#[test]
+fn clear_all_counts_every_device_and_nodes_add_up() {
+    let c = cache(Config::default());
+    run_ops(&c, &key(0, 1, &[0x100]), stream(0), &[add(0x100, 1)]);
+    run_ops(
+        &c,
+        &key(0, 2, &[0x200]),
+        stream(0),
+        &[add(0x200, 1), add(0x200, 2), add(0x200, 3)],
+    );
+    run_ops(
+        &c,
+        &key(1, 1, &[0x100]),
+        stream(1),
+        &[add(0x100, 1), add(0x100, 1)],
+    );
+    assert_eq!(
+        (
+            c.stats(Device::cuda(0)).nodes,
+            c.stats(Device::cuda(1)).nodes
+        ),
+        (4, 2)
+    );
+    assert_eq!(c.clear_all(), 3);
+    for d in [0, 1] {
+        let s = c.stats(Device::cuda(d));
+        assert_eq!((s.entries, s.nodes), (0, 0), "cuda:{d}");
+    }
+    assert_eq!(c.stats(Device::cuda(0)).invalidations, 2);
+    assert_eq!(c.clear_all(), 0);
+}
