@@ -256,8 +256,8 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
     Ok(values.iter().fold(0, |a, v| a | v))
 }
 
-/// Checked mode (see [`Target::checked`]): checks the map on the device
-/// before an op follows it. Outside a capture the op waits for the result
+/// Checked mode (see [`Target::checked`]; nothing to do without it):
+/// checks the map on the device before an op follows it. Outside a capture the op waits for the result
 /// and a fault is this call's error (nothing written); under capture the
 /// check is part of the graph and its faults are recorded for
 /// [`take_faults`].
@@ -267,7 +267,7 @@ fn check_map_on_device(
     chunks: Option<(&Tensor, &Tensor)>,
     d: Dims,
 ) -> Result<()> {
-    if d.tokens == 0 && chunks.is_none() {
+    if !target.checked || d.tokens == 0 && chunks.is_none() {
         return Ok(());
     }
     let dev = target.device;
@@ -865,14 +865,12 @@ pub(crate) unsafe fn permute(target: &Target, a: &PermuteArgs, d: Dims) -> Resul
             ("permuted_scales", a.permuted_scales.as_ref()),
         ],
     )?;
-    if target.checked {
-        check_map_on_device(
-            target,
-            &a.row_id_map,
-            Some((&a.tokens_per_expert, &a.expert_offsets)),
-            d,
-        )?;
-    }
+    check_map_on_device(
+        target,
+        &a.row_id_map,
+        Some((&a.tokens_per_expert, &a.expert_offsets)),
+        d,
+    )?;
     let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
     let dev = target.device;
     zero_unwritten(
@@ -948,9 +946,7 @@ pub(crate) unsafe fn unpermute(target: &Target, a: &UnpermuteArgs, d: Dims) -> R
             ("unpermuted_probs", a.unpermuted_probs.as_ref()),
         ],
     )?;
-    if target.checked {
-        check_map_on_device(target, &a.row_id_map, None, d)?;
-    }
+    check_map_on_device(target, &a.row_id_map, None, d)?;
     if d.tokens == 0 {
         return Ok(());
     }
@@ -1013,14 +1009,12 @@ pub(crate) unsafe fn unpermute_backward(
             ("probs_grad", Some(&a.probs_grad)),
         ],
     )?;
-    if target.checked {
-        check_map_on_device(
-            target,
-            &a.row_id_map,
-            Some((&a.tokens_per_expert, &a.expert_offsets)),
-            d,
-        )?;
-    }
+    check_map_on_device(
+        target,
+        &a.row_id_map,
+        Some((&a.tokens_per_expert, &a.expert_offsets)),
+        d,
+    )?;
     let dtype = a.grad.dtype;
     let row = (d.hidden * dtype.size_bytes()) as u64;
     let dev = target.device;
