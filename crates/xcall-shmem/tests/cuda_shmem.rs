@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
-use xcall_core::testing::{cuda_devices_or_skip, skip, XorShift};
+use xcall_core::testing::{cuda_devices_or_skip, run_threads, skip, watchdog, XorShift};
 use xcall_core::{Device, KernelCache, KernelSource, Status};
 use xcall_shmem::{Cmp, Config, SignalOp, World};
 
@@ -212,19 +212,12 @@ fn two_gpus_one_process() {
     if !two_gpus("shmem cuda spmt") {
         return;
     }
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            std::thread::spawn(move || {
-                let mut w = World::new();
-                w.init(&config(None, rank, 2)).unwrap();
-                exchange(&mut w, rank, 2);
-                assert!(w.finalize().unwrap().leaked.is_empty());
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    run_threads("cuda spmt", 2, watchdog(), |rank| {
+        let mut w = World::new();
+        w.init(&config(None, rank, 2)).unwrap();
+        exchange(&mut w, rank, 2);
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
 }
 
 #[test]
@@ -251,10 +244,21 @@ fn two_gpus_two_processes() {
     w.init(&config(Some(&socket), 0, 2)).unwrap();
     exchange(&mut w, 0, 2);
     assert!(w.finalize().unwrap().leaked.is_empty());
-    assert!(
-        child.wait().unwrap().success(),
-        "rank 1 (child process) failed"
-    );
+    let deadline = std::time::Instant::now() + watchdog();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "watchdog: rank 1 (child process) did not finish within {:?}",
+                watchdog()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "rank 1 (child process) failed");
 }
 
 #[test]
@@ -266,32 +270,24 @@ fn barrier_on_stream_reports_a_pe_that_never_arrives() {
     // Rank 1 skips the barrier kernel and waits (outside the world) until
     // rank 0 saw the timeout, so the bootstrap never times out here.
     let seen = Arc::new(std::sync::Barrier::new(2));
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let seen = seen.clone();
-            std::thread::spawn(move || {
-                let mut w = World::new();
-                let mut c = config(None, rank, 2);
-                c.bootstrap = xcall_shmem::BootstrapKind::InProcess {
-                    group: "cuda-late".into(),
-                };
-                c.timeout = Duration::from_millis(300);
-                w.init(&c).unwrap();
-                let (_ctx, s) = stream(Device::cuda(rank as u32));
-                if rank == 0 {
-                    w.barrier_on_stream(s.cu_stream().cast()).unwrap();
-                    s.synchronize().unwrap();
-                    let e = w.quiet().unwrap_err();
-                    assert_eq!(e.status(), Status::Timeout);
-                    assert!(e.to_string().contains("rank 1 did not arrive"), "{e}");
-                }
-                seen.wait();
-                w.barrier_all().unwrap();
-                w.finalize().unwrap();
-            })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
-    }
+    run_threads("cuda barrier timeout", 2, watchdog(), move |rank| {
+        let mut w = World::new();
+        let mut c = config(None, rank, 2);
+        c.bootstrap = xcall_shmem::BootstrapKind::InProcess {
+            group: "cuda-late".into(),
+        };
+        c.timeout = Duration::from_millis(300);
+        w.init(&c).unwrap();
+        let (_ctx, s) = stream(Device::cuda(rank as u32));
+        if rank == 0 {
+            w.barrier_on_stream(s.cu_stream().cast()).unwrap();
+            s.synchronize().unwrap();
+            let e = w.quiet().unwrap_err();
+            assert_eq!(e.status(), Status::Timeout);
+            assert!(e.to_string().contains("rank 1 did not arrive"), "{e}");
+        }
+        seen.wait();
+        w.barrier_all().unwrap();
+        w.finalize().unwrap();
+    });
 }
