@@ -257,10 +257,10 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
 }
 
 /// Checked mode (see [`Target::checked`]; nothing to do without it):
-/// checks the map on the device before an op follows it. Outside a capture the op waits for the result
-/// and a fault is this call's error (nothing written); under capture the
-/// check is part of the graph and its faults are recorded for
-/// [`take_faults`].
+/// checks the map on the device before an op follows it. Outside a
+/// capture the op waits for the result and a fault is this call's error
+/// (nothing written); under capture the check is part of the graph and its
+/// faults are recorded for [`take_faults`].
 fn check_map_on_device(
     target: &Target,
     map: &Tensor,
