@@ -6,10 +6,11 @@
  *
  * Bad input, for every function (each function's "Bad input:" line adds
  * its own cases):
- * - A status other than XCALL_STATUS_OK means nothing was done: no output
- *   parameter or tensor was written, nothing was allocated or enqueued.
- *   xcall_last_error_message() then names the argument and what is wrong
- *   with it; after a success it is "".
+ * - Bad input is refused before any work: no output parameter or tensor
+ *   is written and nothing the caller can see is allocated or enqueued
+ *   (failures after the checks, in the driver or of a peer, are described
+ *   by each function). xcall_last_error_message() then names the argument
+ *   and what is wrong with it; after a success it is "".
  * - NULL where a pointer is required: XCALL_STATUS_NULL_ARGUMENT.
  * - An enum or flag value the header does not define, a size, count or
  *   offset that does not fit (all arithmetic on them is checked, and done
