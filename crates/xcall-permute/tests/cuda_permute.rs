@@ -1045,6 +1045,16 @@ impl Guarded {
         Tensor::new(self.base + GUARD as u64, self.dtype, &self.dims)
     }
 
+    /// One guarded output per (dtype, dims), and their tensors.
+    fn outputs(gpu: &mut Gpu, shapes: &[(DType, Vec<u64>)]) -> (Vec<Guarded>, Vec<Tensor>) {
+        let outs: Vec<Guarded> = shapes
+            .iter()
+            .map(|(d, dims)| Guarded::new(gpu, *d, dims))
+            .collect();
+        let tensors = outs.iter().map(Guarded::d).collect();
+        (outs, tensors)
+    }
+
     fn guards_intact(&self, gpu: &Gpu, what: &str) {
         let all = gpu.download(self.base, self.bytes + 2 * GUARD);
         let (head, rest) = all.split_at(GUARD);
@@ -1102,26 +1112,17 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
             DType::I64,
             &[eu + 1],
         );
-        // Each op as (name, uses the chunks, call on a target with outputs
-        // `outs`, or on the Host's twins when `outs` is None).
-        type Run<'a> = Box<dyn Fn(&Target, Option<&[Tensor]>) -> Result<(), PermuteError> + 'a>;
+        // Each op as (name, uses the chunks, output shapes, call on a
+        // target: device inputs when `dev`, outputs `outs`).
+        type Run<'a> = Box<dyn Fn(&Target, bool, &[Tensor]) -> Result<(), PermuteError> + 'a>;
         type Shapes = Vec<(DType, Vec<u64>)>;
         let ops: Vec<(&str, bool, Shapes, Run)> = vec![
             (
                 "permute",
                 true,
                 vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![nu])],
-                Box::new(|tg, outs| {
-                    let dev = outs.is_some();
+                Box::new(|tg, dev, outs| {
                     let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-                    let mut host_out = vec![0f32; n * h + n];
-                    let (ho, hp) = host_out.split_at_mut(n * h);
-                    let outs = outs.map(|o| o.to_vec()).unwrap_or_else(|| {
-                        vec![
-                            Tensor::of(ho, DType::F32, &[nu, hu]),
-                            Tensor::of(hp, DType::F32, &[nu]),
-                        ]
-                    });
                     // SAFETY: host vectors and device allocations of the
                     // tensors' sizes.
                     unsafe {
@@ -1147,17 +1148,8 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
                 "unpermute",
                 false,
                 vec![(DType::F32, vec![tu, hu]), (DType::F32, vec![tu, eu])],
-                Box::new(|tg, outs| {
-                    let dev = outs.is_some();
+                Box::new(|tg, dev, outs| {
                     let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-                    let mut host_out = vec![0f32; t * h + t * e];
-                    let (ho, hp) = host_out.split_at_mut(t * h);
-                    let outs = outs.map(|o| o.to_vec()).unwrap_or_else(|| {
-                        vec![
-                            Tensor::of(ho, DType::F32, &[tu, hu]),
-                            Tensor::of(hp, DType::F32, &[tu, eu]),
-                        ]
-                    });
                     // SAFETY: as above.
                     unsafe {
                         call::unpermute(
@@ -1178,17 +1170,8 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
                 "unpermute_backward",
                 true,
                 vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![tu, eu])],
-                Box::new(|tg, outs| {
-                    let dev = outs.is_some();
+                Box::new(|tg, dev, outs| {
                     let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-                    let mut host_out = vec![0f32; n * h + t * e];
-                    let (ho, hp) = host_out.split_at_mut(n * h);
-                    let outs = outs.map(|o| o.to_vec()).unwrap_or_else(|| {
-                        vec![
-                            Tensor::of(ho, DType::F32, &[nu, hu]),
-                            Tensor::of(hp, DType::F32, &[tu, eu]),
-                        ]
-                    });
                     // SAFETY: as above.
                     unsafe {
                         call::unpermute_backward(
@@ -1213,17 +1196,22 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
                 continue;
             }
             let what = format!("{op} with {}", bad.what);
-            let host = run(&Target::host(), None).expect_err(&what);
+            let host_outs: Vec<Vec<f32>> = shapes
+                .iter()
+                .map(|(_, dims)| vec![0f32; dims.iter().product::<u64>() as usize])
+                .collect();
+            let host_tensors: Vec<Tensor> = host_outs
+                .iter()
+                .zip(shapes)
+                .map(|(o, (dtype, dims))| Tensor::of(o, *dtype, dims))
+                .collect();
+            let host = run(&Target::host(), false, &host_tensors).expect_err(&what);
             assert_eq!(host.status(), Status::InvalidArgument, "{what}: {host}");
 
             // Unchecked: the call returns, nothing lands outside the
             // outputs, and the bounds faults are recorded.
-            let outs: Vec<Guarded> = shapes
-                .iter()
-                .map(|(d, dims)| Guarded::new(&mut gpu, *d, dims))
-                .collect();
-            let tensors: Vec<Tensor> = outs.iter().map(Guarded::d).collect();
-            run(&unchecked, Some(&tensors)).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (outs, tensors) = Guarded::outputs(&mut gpu, shapes);
+            run(&unchecked, true, &tensors).unwrap_or_else(|e| panic!("{what}: {e}"));
             for o in &outs {
                 o.guards_intact(&gpu, &what);
             }
@@ -1237,12 +1225,8 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
 
             // Checked: the Host's status, a message naming the fault,
             // nothing written, nothing left recorded.
-            let outs: Vec<Guarded> = shapes
-                .iter()
-                .map(|(d, dims)| Guarded::new(&mut gpu, *d, dims))
-                .collect();
-            let tensors: Vec<Tensor> = outs.iter().map(Guarded::d).collect();
-            let err = run(&checked, Some(&tensors)).expect_err(&what);
+            let (outs, tensors) = Guarded::outputs(&mut gpu, shapes);
+            let err = run(&checked, true, &tensors).expect_err(&what);
             assert_eq!(err.status(), host.status(), "{what}: {err}");
             let named = MapFaults(bad.fault).to_string();
             assert!(
