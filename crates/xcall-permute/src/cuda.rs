@@ -233,27 +233,57 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
         })
         .unwrap_or_default();
     let mut values = vec![0u32; words.len()];
-    let device = target.device;
-    let stream = target.stream as sys::CUstream;
-    cuda::with_context(device, |_| {
-        for (value, &word) in values.iter_mut().zip(&words) {
-            // SAFETY: a 4-byte module global of this device, copied into a
-            // live u32 and then zeroed, in the order of the caller's stream.
-            unsafe {
-                sys::cuMemcpyDtoHAsync_v2((value as *mut u32).cast(), word, 4, stream)
-                    .result()
-                    .map_err(|e| driver_error("cuMemcpyDtoHAsync", device, e))?;
-                sys::cuMemsetD32Async(word, 0, 1, stream)
-                    .result()
-                    .map_err(|e| driver_error("cuMemsetD32Async", device, e))?;
-            }
+    let mut reads: Vec<(&mut [u32], u64)> =
+        values.chunks_mut(1).zip(words.iter().copied()).collect();
+    // The words are zeroed behind the reads, in stream order, before the
+    // wait.
+    read_back(target, &mut reads, |stream| {
+        for &word in &words {
+            // SAFETY: a 4-byte module global of this device.
+            unsafe { sys::cuMemsetD32Async(word, 0, 1, stream) }
+                .result()
+                .map_err(|e| driver_error("cuMemsetD32Async", target.device, e))?;
         }
+        Ok(())
+    })?;
+    Ok(values.iter().fold(0, |a, v| a | v))
+}
+
+/// Copies each `(host, address)` pair (`host.len()` values from device
+/// memory at `address`) in the order of the target's stream, lets `also`
+/// enqueue more work behind the copies, then waits for the stream.
+fn read_back<T: Copy>(
+    target: &Target,
+    reads: &mut [(&mut [T], u64)],
+    also: impl FnOnce(sys::CUstream) -> xcall_core::Result<()>,
+) -> Result<()> {
+    let (device, stream) = (target.device, target.stream as sys::CUstream);
+    cuda::with_context(device, |_| {
+        for (host, address) in reads.iter_mut() {
+            if host.is_empty() {
+                continue;
+            }
+            // SAFETY: `host` is a live buffer of `size_of_val(host)` bytes,
+            // not read before the wait below; `address` holds as many bytes
+            // of this device (checked by the caller).
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    host.as_mut_ptr().cast(),
+                    *address,
+                    std::mem::size_of_val(*host),
+                    stream,
+                )
+            }
+            .result()
+            .map_err(|e| driver_error("cuMemcpyDtoHAsync", device, e))?;
+        }
+        also(stream)?;
         // SAFETY: a live stream of the caller.
         unsafe { sys::cuStreamSynchronize(stream) }
             .result()
             .map_err(|e| driver_error("cuStreamSynchronize", device, e))
     })?;
-    Ok(values.iter().fold(0, |a, v| a | v))
+    Ok(())
 }
 
 /// Checked mode (see [`Target::checked`]; nothing to do without it):
@@ -324,20 +354,9 @@ fn check_map_on_device(
     if capturing {
         return Ok(());
     }
-    let mut found = 0u32;
-    let stream = target.stream as sys::CUstream;
-    cuda::with_context(dev, |_| {
-        // SAFETY: copies the 4-byte result word of the live scratch into
-        // `found`, then waits for the stream before `found` is read.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2((&mut found as *mut u32).cast(), word, 4, stream)
-                .result()
-                .map_err(|e| driver_error("cuMemcpyDtoHAsync", dev, e))?;
-            sys::cuStreamSynchronize(stream)
-                .result()
-                .map_err(|e| driver_error("cuStreamSynchronize", dev, e))
-        }
-    })?;
+    let mut found = [0u32];
+    read_back(target, &mut [(&mut found[..], word)], |_| Ok(()))?;
+    let found = found[0];
     if found != 0 {
         return Err(shape(format!(
             "row_id_map is invalid (checked on {dev}): {}",
@@ -1111,30 +1130,14 @@ pub(crate) unsafe fn make_chunk_sort_map(
         // Read the split back and check it on the Host for a clear error.
         let mut sizes = vec![0i64; s];
         let mut sorted = vec![0i64; s];
-        cuda::with_context(target.device, |_| {
-            // SAFETY: copies `s` i64 values of checked device tensors into
-            // host vectors of that length, then waits for the stream.
-            unsafe {
-                for (host, t) in [
-                    (&mut sizes, &a.split_sizes),
-                    (&mut sorted, &a.sorted_indices),
-                ] {
-                    if s > 0 {
-                        sys::cuMemcpyDtoHAsync_v2(
-                            host.as_mut_ptr().cast(),
-                            t.address,
-                            s * 8,
-                            target.stream as sys::CUstream,
-                        )
-                        .result()
-                        .map_err(|e| driver_error("cuMemcpyDtoHAsync", target.device, e))?;
-                    }
-                }
-                sys::cuStreamSynchronize(target.stream as sys::CUstream)
-                    .result()
-                    .map_err(|e| driver_error("cuStreamSynchronize", target.device, e))
-            }
-        })?;
+        read_back(
+            target,
+            &mut [
+                (&mut sizes[..], a.split_sizes.address),
+                (&mut sorted[..], a.sorted_indices.address),
+            ],
+            |_| Ok(()),
+        )?;
         chunks::check_split(&sizes, &sorted, tokens)?;
     }
     launch(
