@@ -55,6 +55,20 @@ int main(void) {
   xcall_ws_plan_free(plan);
   xcall_ws_plan_free(NULL);
 
+  /* Tiles of different sizes: the kernel's one tile size would overrun the
+   * smaller warp's buffers, so no source is generated. */
+  {
+    const uint32_t uneven_bytes[2] = {8192, 1024};
+    xcall_ws_spec uneven = {2, 1, uneven_bytes, 2, 0, 0, 0};
+    len = 7;
+    CHECK_STATUS(xcall_ws_plan_new(&uneven, &plan), XCALL_STATUS_OK);
+    CHECK_STATUS(xcall_ws_generate(plan, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, 0, &len),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "producer w1");
+    CHECK(len == 7);
+    xcall_ws_plan_free(plan);
+  }
+
   /* Bad specs: a specific message each, nothing written. */
   plan = NULL;
   spec.stages = 0;

@@ -1530,7 +1530,9 @@ xcall_status xcall_ws_plan_verify(const xcall_ws_plan *plan,
  * Bad input: NULL plan or `out_len`: `XCALL_STATUS_NULL_ARGUMENT`; a freed
  * or foreign plan: `XCALL_STATUS_INVALID_HANDLE`; an unknown op:
  * `XCALL_STATUS_INVALID_ARGUMENT`; a dtype other than f32/bf16:
- * `XCALL_STATUS_UNSUPPORTED`; a buffer too small:
+ * `XCALL_STATUS_UNSUPPORTED`; a plan the generated kernel cannot follow
+ * (async warps with more than one load or tiles of different sizes):
+ * `XCALL_STATUS_INVALID_ARGUMENT` naming the role; a buffer too small:
  * `XCALL_STATUS_INVALID_ARGUMENT` with the size needed.
  */
 xcall_status xcall_ws_generate(const xcall_ws_plan *plan,

@@ -272,7 +272,9 @@ pub extern "C" fn xcall_ws_plan_verify(
 /// Bad input: NULL plan or `out_len`: `XCALL_STATUS_NULL_ARGUMENT`; a freed
 /// or foreign plan: `XCALL_STATUS_INVALID_HANDLE`; an unknown op:
 /// `XCALL_STATUS_INVALID_ARGUMENT`; a dtype other than f32/bf16:
-/// `XCALL_STATUS_UNSUPPORTED`; a buffer too small:
+/// `XCALL_STATUS_UNSUPPORTED`; a plan the generated kernel cannot follow
+/// (async warps with more than one load or tiles of different sizes):
+/// `XCALL_STATUS_INVALID_ARGUMENT` naming the role; a buffer too small:
 /// `XCALL_STATUS_INVALID_ARGUMENT` with the size needed.
 #[no_mangle]
 pub extern "C" fn xcall_ws_generate(
@@ -303,7 +305,7 @@ pub extern "C" fn xcall_ws_generate(
             ));
         }
         write_text(
-            &generate(plan, op, dtype).source,
+            &generate(plan, op, dtype)?.source,
             source,
             source_len,
             out_source_len,

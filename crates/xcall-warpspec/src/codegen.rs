@@ -12,7 +12,9 @@
 //! memory. Barriers are initialised and fenced before use and invalidated
 //! before exit.
 
-use crate::plan::{BarrierKind, PipelinePlan, WARPGROUP_THREADS};
+use crate::error::PlanError;
+use crate::pipeline::{Action, RoleKind};
+use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
 use xcall_core::DType;
 
 /// A built-in elementwise op (`xcall_ws_op` in C).
@@ -62,6 +64,11 @@ const PRELUDE: &str = r#"
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
+// A role's walk over the stages (stage index, parity waited on there).
+struct PipeState { u32 index, phase; };
+__device__ __forceinline__ void advance(PipeState &s, u32 stages) {
+    if (++s.index == stages) { s.index = 0; s.phase ^= 1u; }
+}
 __device__ __forceinline__ u32 smem_addr(const void *p) {
     return (u32)__cvta_generic_to_shared(p);
 }
@@ -112,15 +119,122 @@ pub struct GeneratedKernel {
     pub smem_bytes: u32,
 }
 
-/// Generates the kernel of `op` for `dtype` on `plan` (whose async warps
-/// must be the op's operands, each loading `tile_bytes` per stage).
-pub fn generate(plan: &PipelinePlan, op: ElementwiseOp, dtype: DType) -> GeneratedKernel {
+/// What the kernel takes from a plan's roles: per async warp the FULL
+/// group its producer arrives on (and compute waits on) and the EMPTY group
+/// it waits on (and compute releases), and each side's start parity.
+struct Template {
+    full: Vec<usize>,
+    empty: Vec<usize>,
+    tile: u32,
+    producer_phase: u32,
+    consumer_phase: u32,
+}
+
+/// Reads the plan's roles into the kernel's shape, or says where they
+/// differ from it: producers `[wait EMPTY, arrive.expect_tx FULL, one copy
+/// of the tile into its own buffer]`, then compute warpgroups `[wait every
+/// FULL, read every buffer, every thread arrives once on every EMPTY]`,
+/// all starting at stage 0.
+fn template(plan: &PipelinePlan) -> Result<Template, PlanError> {
+    plan.check_tables()?;
+    let warps = plan.spec.async_warps.len();
+    let wgs = plan.spec.compute_warpgroups as usize;
+    let bad = |m: String| Err(PlanError::Codegen(m));
+    if plan.roles.len() != warps + wgs {
+        return bad(format!(
+            "{} roles for {warps} async warps and {wgs} compute warpgroups",
+            plan.roles.len()
+        ));
+    }
+    if plan.roles.iter().any(|r| r.start.index != 0) {
+        return bad("every role must start at stage 0".into());
+    }
+    let tile = plan.bytes_per_stage[0];
+    let (mut full, mut empty) = (Vec::new(), Vec::new());
+    for (w, role) in plan.roles[..warps].iter().enumerate() {
+        match (role.kind, role.body.as_slice()) {
+            (
+                RoleKind::Producer { warp },
+                &[Action::Wait { group: e }, Action::ArriveExpectTx { group: f, bytes }, Action::Copy {
+                    group: f2,
+                    buffer,
+                    bytes: copied,
+                }],
+            ) if warp == w && f2 == f && buffer == w && bytes == copied && copied == u64::from(tile) => {
+                full.push(f);
+                empty.push(e);
+            }
+            _ => {
+                return bad(format!(
+                    "{}: the kernel's producer waits EMPTY, arrive.expect_tx's one {tile}-byte tile on FULL and copies it into its own buffer; the plan has {:?}",
+                    role.name(),
+                    role.body
+                ))
+            }
+        }
+    }
+    let mut compute_body: Vec<Action> = full.iter().map(|&group| Action::Wait { group }).collect();
+    compute_body.extend((0..warps).map(|buffer| Action::Read { buffer }));
+    compute_body.extend(empty.iter().map(|&group| Action::Arrive {
+        group,
+        count: WARPGROUP_THREADS,
+    }));
+    for (g, role) in plan.roles[warps..].iter().enumerate() {
+        if role.kind
+            != (RoleKind::Compute {
+                warpgroup: g as u32,
+            })
+            || role.body != compute_body
+        {
+            return bad(format!(
+                "{}: the kernel's compute warpgroup waits every FULL, reads every buffer and arrives once per thread on every EMPTY ({compute_body:?}); the plan has {:?}",
+                role.name(),
+                role.body
+            ));
+        }
+    }
+    let phase = |roles: &[crate::pipeline::RolePlan]| -> Result<u32, PlanError> {
+        match roles {
+            [first, rest @ ..] if rest.iter().all(|r| r.start == first.start) => {
+                Ok(first.start.phase)
+            }
+            _ => Err(PlanError::Codegen(
+                "roles of one side must start alike".into(),
+            )),
+        }
+    };
+    Ok(Template {
+        producer_phase: phase(&plan.roles[..warps])?,
+        consumer_phase: phase(&plan.roles[warps..])?,
+        full,
+        empty,
+        tile,
+    })
+}
+
+/// Generates the kernel of `op` for `dtype` following `plan`'s roles and
+/// tables (whose async warps must be the op's operands, each loading one
+/// tile of the same size per stage), or says why the kernel cannot follow
+/// that plan.
+pub fn generate(
+    plan: &PipelinePlan,
+    op: ElementwiseOp,
+    dtype: DType,
+) -> Result<GeneratedKernel, PlanError> {
+    let t = template(plan)?;
+    if plan.spec.async_warps.len() != op.operands() {
+        return Err(PlanError::Codegen(format!(
+            "{op:?} takes {} operand(s), the plan has {} async warp(s)",
+            op.operands(),
+            plan.spec.async_warps.len()
+        )));
+    }
     let name = op.kernel_name(dtype);
     let stages = plan.spec.stages;
     let warps = plan.spec.async_warps.len();
     let wgs = plan.spec.compute_warpgroups;
     let producer_threads = plan.producer_warpgroups * WARPGROUP_THREADS;
-    let tile = plan.bytes_per_stage[0];
+    let tile = t.tile;
     let (elem, ctype, load, store) = match dtype {
         DType::Bf16 => (2, "unsigned short", "bf16_to_f32", "f32_to_bf16"),
         _ => (4, "float", "", ""),
@@ -129,21 +243,18 @@ pub fn generate(plan: &PipelinePlan, op: ElementwiseOp, dtype: DType) -> Generat
     let mut s = String::new();
     s.push_str(&format!("// Generated by xcall-warpspec: {name}, {stages} stages, {warps} async warp(s), {wgs} compute warpgroup(s), {tile} B tiles.\n"));
     s.push_str(PRELUDE);
-    // Offsets of the plan.
-    let offsets = |kind: BarrierKind| -> String {
-        let mut v = Vec::new();
-        for w in 0..warps {
-            for st in 0..stages {
-                let b = &plan.barriers[if kind == BarrierKind::Full {
-                    plan.full(w, st)
-                } else {
-                    plan.empty(w, st)
-                }];
-                v.push(b.offset.to_string());
-            }
-        }
-        v.join(", ")
+    // The plan's barriers, in the order of its roles' groups: the offset
+    // and init count of warp `w`'s barrier for stage `s` at `w * STAGES + s`.
+    let table = |groups: &[usize], field: &dyn Fn(usize) -> u32| -> String {
+        groups
+            .iter()
+            .flat_map(|&g| plan.groups[g].barriers.iter())
+            .map(|&b| field(b).to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     };
+    let offset = |b: usize| plan.barriers[b].offset;
+    let init = |b: usize| plan.barriers[b].init_count;
     let buffers: Vec<String> = plan
         .buffer_offsets
         .iter()
@@ -151,10 +262,12 @@ pub fn generate(plan: &PipelinePlan, op: ElementwiseOp, dtype: DType) -> Generat
         .map(|o| o.to_string())
         .collect();
     s.push_str(&format!(
-        "__constant__ u32 FULL_OFF[{n}] = {{{full}}};\n__constant__ u32 EMPTY_OFF[{n}] = {{{empty}}};\n__constant__ u32 BUF_OFF[{n}] = {{{bufs}}};\n",
+        "__constant__ u32 FULL_OFF[{n}] = {{{full}}};\n__constant__ u32 EMPTY_OFF[{n}] = {{{empty}}};\n__constant__ u32 FULL_INIT[{n}] = {{{full_init}}};\n__constant__ u32 EMPTY_INIT[{n}] = {{{empty_init}}};\n__constant__ u32 BUF_OFF[{n}] = {{{bufs}}};\n",
         n = warps as u32 * stages,
-        full = offsets(BarrierKind::Full),
-        empty = offsets(BarrierKind::Empty),
+        full = table(&t.full, &offset),
+        empty = table(&t.empty, &offset),
+        full_init = table(&t.full, &init),
+        empty_init = table(&t.empty, &init),
         bufs = buffers.join(", ")
     ));
     let srcs: Vec<String> = (0..warps)
@@ -195,7 +308,8 @@ pub fn generate(plan: &PipelinePlan, op: ElementwiseOp, dtype: DType) -> Generat
 #define STAGES {stages}u
 #define WARPS {warps}u
 #define WGS {wgs}u
-#define EMPTY_INIT {empty_init}u
+#define PRODUCER_PHASE {producer_phase}u
+#define CONSUMER_PHASE {consumer_phase}u
 #define TILE {tile}ull
 #define PRODUCER_THREADS {producer_threads}u
 
@@ -205,8 +319,8 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
     const u32 tid = threadIdx.x;
     if (tid == 0) {{
         for (u32 i = 0; i < WARPS * STAGES; ++i) {{
-            mbar_init(smem_addr(smem + FULL_OFF[i]), 1u);
-            mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT);
+            mbar_init(smem_addr(smem + FULL_OFF[i]), FULL_INIT[i]);
+            mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT[i]);
         }}
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }}
@@ -217,16 +331,15 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
         const u32 warp = tid / 32, lane = tid % 32;
         if (warp < WARPS && lane == 0) {{
             const unsigned char *src = {src_select};
-            u64 it = 0;
-            for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, ++it) {{
-                const u32 s = (u32)(it % STAGES);
-                const u32 parity = (u32)((it / STAGES) & 1ull) ^ 1u;
+            PipeState st = {{0u, PRODUCER_PHASE}};
+            for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES)) {{
+                const u32 s = st.index;
                 // The EMPTY barrier (release by the compute warps, acquire
                 // here) orders their reads of this stage before the next bulk
                 // copy into it, as in CUTLASS's TMA pipeline. A proxy fence
                 // here cost ~3% bandwidth on H100 (it waits for this
                 // producer's copies in flight) and changed no result.
-                mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), parity);
+                mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), st.phase);
                 const u64 base = t * TILE;
                 const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
                 const u32 bulk = n & ~15u;
@@ -243,11 +356,10 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
         {inc}
         const u32 ct = tid - PRODUCER_THREADS;
         const u32 wg = ct / 128, lt = ct % 128;
-        u64 it = 0;
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, ++it) {{
-            const u32 s = (u32)(it % STAGES);
-            const u32 parity = (u32)((it / STAGES) & 1ull);
-            for (u32 w = 0; w < WARPS; ++w) mbar_wait(smem_addr(smem + FULL_OFF[w * STAGES + s]), parity);
+        PipeState st = {{0u, CONSUMER_PHASE}};
+        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES)) {{
+            const u32 s = st.index;
+            for (u32 w = 0; w < WARPS; ++w) mbar_wait(smem_addr(smem + FULL_OFF[w * STAGES + s]), st.phase);
             const u64 base = t * TILE;
             const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
             const u32 bulk = n & ~15u;
@@ -282,7 +394,8 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
 }}
 "#,
         threads = plan.threads_per_block,
-        empty_init = plan.barriers[plan.empty(0, 0)].init_count,
+        producer_phase = t.producer_phase,
+        consumer_phase = t.consumer_phase,
         srcs = srcs.join(", "),
         src_select = if warps == 1 { "src0".to_string() } else { "warp == 0 ? src0 : src1".to_string() },
         vec_loads = (0..warps)
@@ -291,12 +404,12 @@ extern "C" __global__ void __launch_bounds__({threads}, 1)
             .join(" "),
         expr = op.expression(),
     ));
-    GeneratedKernel {
+    Ok(GeneratedKernel {
         name,
         source: s,
         threads: plan.threads_per_block,
         smem_bytes: plan.smem_bytes,
-    }
+    })
 }
 
 /// A plain grid-stride kernel of the same op with 16-byte vector loads and

@@ -121,7 +121,7 @@ impl WsKernels {
                 let plan = config
                     .plan(op.operands())
                     .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-                generate(&plan, op, dtype)
+                generate(&plan, op, dtype).map_err(|e| Error::InvalidArgument(e.to_string()))?
             }
             Variant::Plain => generate_plain(op, dtype),
         };

@@ -81,6 +81,11 @@ pub enum PlanError {
     /// A hand-written protocol is malformed (an index out of range, ...).
     #[error("malformed protocol: {0}")]
     Protocol(String),
+    /// The plan's protocol has a shape the CUDA generator's kernel does
+    /// not implement (it generates one persistent streaming kernel: one
+    /// load per async warp, every warp's tile the same size).
+    #[error("the CUDA generator cannot follow this plan: {0}")]
+    Codegen(String),
     /// The model checker reached a bound of its budget (states, memory or
     /// time) before it finished; the message gives the numbers reached.
     #[error("verification stopped at its limit: {0}")]

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
+use crate::pipeline::{Action, RoleKind};
+use crate::plan::PipelinePlan;
 
 /// A hang (or a role that failed) turned into an error.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -160,6 +161,8 @@ where
             "sources split into different tile counts: {tiles:?}"
         )));
     }
+    plan.check_tables()
+        .map_err(|e| HostError::Input(e.to_string()))?;
     let stages = plan.spec.stages as usize;
     let wgs = plan.spec.compute_warpgroups;
     let barriers: Vec<SoftBarrier> = plan
@@ -176,32 +179,26 @@ where
                 .collect()
         })
         .collect();
-    let roles = warps + wgs as usize;
-    let status: Mutex<Vec<String>> = Mutex::new(vec!["not started".into(); roles]);
+    // The bytes of warp `w`'s source that iteration `i` moves.
+    let chunk = |w: usize, i: usize| -> &[u8] {
+        let b = plan.bytes_per_stage[w] as usize;
+        &sources[w][i * b..((i + 1) * b).min(sources[w].len())]
+    };
+    let status: Mutex<Vec<String>> = Mutex::new(vec!["not started".into(); plan.roles.len()]);
     let abort = AtomicBool::new(false);
-    let deadline_for = || Instant::now() + timeout;
     let set_status =
         |role: usize, text: String| status.lock().unwrap_or_else(|p| p.into_inner())[role] = text;
-    let name = |b: usize| {
-        let p = &plan.barriers[b];
-        format!(
-            "{}[w{}][s{}]",
-            format!("{:?}", p.kind).to_uppercase(),
-            p.warp,
-            p.stage
-        )
-    };
     // Waits on barrier `b`; on timeout raises `abort` and reports.
     let wait = |role: usize, who: &str, b: usize, parity: u32, i: usize| -> bool {
         set_status(
             role,
             format!(
                 "{who} (iteration {i}) waits {} parity {parity} (barrier in phase {})",
-                name(b),
+                plan.barrier_name(b),
                 barriers[b].phase()
             ),
         );
-        let ok = barriers[b].wait_parity(parity, deadline_for(), &abort);
+        let ok = barriers[b].wait_parity(parity, Instant::now() + timeout, &abort);
         if ok {
             set_status(role, format!("{who} (iteration {i}) running"));
         } else {
@@ -210,77 +207,91 @@ where
         ok
     };
     std::thread::scope(|scope| {
-        for w in 0..warps {
-            let (wait, barriers, buffers, set_status) = (&wait, &barriers, &buffers, &set_status);
-            let source = sources[w];
-            let bytes = plan.bytes_per_stage[w] as usize;
+        for (r, role) in plan.roles.iter().enumerate() {
+            let (wait, barriers, buffers, set_status, chunk, compute) =
+                (&wait, &barriers, &buffers, &set_status, &chunk, &compute);
             scope.spawn(move || {
-                let who = format!("producer w{w}");
+                let who = role.name();
+                let mut state = role.start;
                 for i in 0..count {
-                    let s = (i % stages) as u32;
-                    if !wait(w, &who, plan.empty(w, s), plan.producer_parity(i as u64), i) {
-                        return;
-                    }
-                    let chunk = &source[i * bytes..((i + 1) * bytes).min(source.len())];
-                    let full = &barriers[plan.full(w, s)];
-                    full.arrive_expect_tx(chunk.len() as u64);
-                    // The "async copy": data lands, then its bytes complete.
-                    buffers[w][s as usize]
-                        .write()
-                        .unwrap_or_else(|p| p.into_inner())[..chunk.len()]
-                        .copy_from_slice(chunk);
-                    full.complete_tx(chunk.len() as u64);
-                }
-                set_status(w, format!("{who} done"));
-            });
-        }
-        for g in 0..wgs {
-            let (wait, barriers, buffers, set_status, compute) =
-                (&wait, &barriers, &buffers, &set_status, &compute);
-            let role = warps + g as usize;
-            scope.spawn(move || {
-                let who = format!("compute wg{g}");
-                for i in 0..count {
-                    let s = (i % stages) as u32;
-                    for w in 0..warps {
-                        if !wait(
-                            role,
-                            &who,
-                            plan.full(w, s),
-                            plan.consumer_parity(i as u64),
-                            i,
-                        ) {
-                            return;
+                    let stage = state.index as usize;
+                    let at = |group: usize| plan.groups[group].barriers[stage];
+                    // Where the next copy into each buffer starts in its chunk.
+                    let mut copied = vec![0usize; buffers.len()];
+                    let mut reads = Vec::new();
+                    for (k, action) in role.body.iter().enumerate() {
+                        match *action {
+                            Action::Wait { group } => {
+                                if !wait(r, &who, at(group), state.phase, i) {
+                                    return;
+                                }
+                            }
+                            Action::ArriveExpectTx { group, bytes } => {
+                                // A tail tile expects what its copies move.
+                                let landing: u64 = role.body[k..]
+                                    .iter()
+                                    .filter_map(|a| match *a {
+                                        Action::Copy {
+                                            group: g, buffer, ..
+                                        } if g == group => Some(chunk(buffer, i).len() as u64),
+                                        _ => None,
+                                    })
+                                    .max()
+                                    .unwrap_or(0);
+                                barriers[at(group)].arrive_expect_tx(bytes.min(landing));
+                            }
+                            Action::Copy {
+                                group,
+                                buffer,
+                                bytes,
+                            } => {
+                                // The "async copy": data lands, then its
+                                // bytes complete on the barrier.
+                                let from = chunk(buffer, i);
+                                let start = copied[buffer].min(from.len());
+                                let end = (start + bytes as usize).min(from.len());
+                                buffers[buffer][stage]
+                                    .write()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    [start..end]
+                                    .copy_from_slice(&from[start..end]);
+                                copied[buffer] = end;
+                                barriers[at(group)].complete_tx((end - start) as u64);
+                            }
+                            Action::Read { buffer } => {
+                                reads.push(buffer);
+                                let more =
+                                    matches!(role.body.get(k + 1), Some(Action::Read { .. }));
+                                if let (false, RoleKind::Compute { warpgroup }) = (more, role.kind)
+                                {
+                                    let guards: Vec<_> = reads
+                                        .iter()
+                                        .map(|&b| {
+                                            buffers[b][stage]
+                                                .read()
+                                                .unwrap_or_else(|p| p.into_inner())
+                                        })
+                                        .collect();
+                                    let inputs: Vec<&[u8]> = reads
+                                        .iter()
+                                        .zip(&guards)
+                                        .map(|(&b, g)| &g[..chunk(b, i).len()])
+                                        .collect();
+                                    compute(Tile {
+                                        index: i,
+                                        warpgroup,
+                                        warpgroups: wgs,
+                                        inputs,
+                                    });
+                                    reads.clear();
+                                }
+                            }
+                            Action::Arrive { group, count } => barriers[at(group)].arrive(count),
                         }
                     }
-                    {
-                        let guards: Vec<_> = (0..warps)
-                            .map(|w| {
-                                buffers[w][s as usize]
-                                    .read()
-                                    .unwrap_or_else(|p| p.into_inner())
-                            })
-                            .collect();
-                        let inputs: Vec<&[u8]> = (0..warps)
-                            .map(|w| {
-                                let b = plan.bytes_per_stage[w] as usize;
-                                let len = (sources[w].len() - i * b).min(b);
-                                &guards[w][..len]
-                            })
-                            .collect();
-                        compute(Tile {
-                            index: i,
-                            warpgroup: g,
-                            warpgroups: wgs,
-                            inputs,
-                        });
-                    }
-                    for w in 0..warps {
-                        // The warpgroup's 128 threads each release the stage.
-                        barriers[plan.empty(w, s)].arrive(WARPGROUP_THREADS);
-                    }
+                    state = state.advance(plan.spec.stages);
                 }
-                set_status(role, format!("{who} done"));
+                set_status(r, format!("{who} done"));
             });
         }
     });

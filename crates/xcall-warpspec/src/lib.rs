@@ -4,8 +4,9 @@
 //! loads, and the compute warpgroups. The planner derives a
 //! [`PipelinePlan`]: one FULL and one EMPTY barrier per async warp and
 //! stage with init counts equal to the arrivals per phase by construction,
-//! the parities each role waits on, the shared-memory layout and the
-//! register plan. The verifier ([`verify::verify`]) explores every
+//! every role's actions and start [`PipelineState`] as data (the protocol
+//! the verifier checks, the Host executor runs and the CUDA generator
+//! emits), the shared-memory layout and the register plan. The verifier ([`verify::verify`]) explores every
 //! interleaving of a barrier protocol with PTX mbarrier semantics and
 //! reports deadlocks, early overwrites, reads before loads and phase errors
 //! with a shortest trace; it judges hand-written designs too (incident 5).
@@ -18,11 +19,13 @@ pub mod designs;
 mod error;
 pub mod host;
 pub mod ops;
+pub mod pipeline;
 pub mod plan;
 pub mod spec;
 pub mod verify;
 
 pub use error::PlanError;
+pub use pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};
 pub use plan::{BarrierKind, BarrierPlan, PipelinePlan};
 pub use spec::{AsyncWarp, PipelineSpec, RegisterSplit};
 pub use verify::{verify, Protocol, Verdict, Violation, ViolationKind};

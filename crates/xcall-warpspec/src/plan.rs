@@ -1,5 +1,5 @@
-//! The derived pipeline plan: barriers, parities, shared-memory layout,
-//! register plan, threads and launch bounds.
+//! The derived pipeline plan: barriers, roles and their start states,
+//! shared-memory layout, register plan, threads and launch bounds.
 //!
 //! Nothing in a plan is hand-written: every FULL barrier is owned by one
 //! async warp and one stage, with an init count equal to that warp's
@@ -10,8 +10,8 @@
 //! breaking exactly these equalities by hand.
 
 use crate::error::PlanError;
+use crate::pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};
 use crate::spec::PipelineSpec;
-use crate::verify::{BarrierDecl, Protocol, RoleDecl, Step};
 
 /// Largest transaction count one mbarrier phase can hold (2^20 - 1).
 pub const MAX_TX_BYTES: u64 = (1 << 20) - 1;
@@ -49,9 +49,16 @@ pub struct BarrierPlan {
 pub struct PipelinePlan {
     /// The spec it was derived from.
     pub spec: PipelineSpec,
-    /// Barriers: FULL and EMPTY of warp `w`, stage `s` at
-    /// `2 * (w * stages + s)` and that plus one.
+    /// Every barrier, each with its kind, owner, stage, init count and
+    /// offset.
     pub barriers: Vec<BarrierPlan>,
+    /// The barriers by group (the FULL or EMPTY barriers of one async
+    /// warp, one per stage): what roles' actions name.
+    pub groups: Vec<BarrierGroup>,
+    /// Every role's program: the async warps first, then the compute
+    /// warpgroups. The verifier, the Host executor and the CUDA generator
+    /// all follow these.
+    pub roles: Vec<RolePlan>,
     /// Shared-memory offset of warp `w`'s buffer for stage `s`: `[w][s]`.
     pub buffer_offsets: Vec<Vec<u32>>,
     /// Bytes each warp loads per stage.
@@ -167,26 +174,70 @@ impl PipelinePlan {
             buffer_offsets.push(per_stage);
         }
         offset = align(offset, 8);
+        // One FULL and one EMPTY group per async warp, each a barrier per
+        // stage, and the roles that use them.
         let mut barriers = Vec::new();
+        let mut groups = Vec::new();
         for w in 0..spec.async_warps.len() {
+            for kind in [BarrierKind::Full, BarrierKind::Empty] {
+                groups.push(BarrierGroup {
+                    kind,
+                    warp: w,
+                    barriers: Vec::new(),
+                });
+            }
             for s in 0..spec.stages {
-                for (kind, init_count) in [
-                    (BarrierKind::Full, 1),
-                    (
-                        BarrierKind::Empty,
-                        spec.compute_warpgroups * WARPGROUP_THREADS,
-                    ),
-                ] {
+                for kind in [BarrierKind::Full, BarrierKind::Empty] {
+                    let group = groups.len() - 2 + usize::from(kind == BarrierKind::Empty);
+                    groups[group].barriers.push(barriers.len());
                     barriers.push(BarrierPlan {
                         kind,
                         warp: w,
                         stage: s,
-                        init_count,
+                        init_count: 0,
                         offset: offset as u32,
                     });
                     offset += 8;
                 }
             }
+        }
+        let (full, empty) = (|w: usize| 2 * w, |w: usize| 2 * w + 1);
+        let mut roles = Vec::new();
+        for (w, warp) in spec.async_warps.iter().enumerate() {
+            let mut body = vec![
+                Action::Wait { group: empty(w) },
+                Action::ArriveExpectTx {
+                    group: full(w),
+                    bytes: warp.bytes_per_stage(),
+                },
+            ];
+            body.extend(warp.loads.iter().map(|&bytes| Action::Copy {
+                group: full(w),
+                buffer: w,
+                bytes: u64::from(bytes),
+            }));
+            roles.push(RolePlan {
+                kind: RoleKind::Producer { warp: w },
+                start: PipelineState::PRODUCER_START,
+                body,
+            });
+        }
+        let warps = spec.async_warps.len();
+        for g in 0..spec.compute_warpgroups {
+            let mut body: Vec<Action> = (0..warps)
+                .map(|w| Action::Wait { group: full(w) })
+                .collect();
+            body.extend((0..warps).map(|w| Action::Read { buffer: w }));
+            // Every compute thread releases the stage after its own reads.
+            body.extend((0..warps).map(|w| Action::Arrive {
+                group: empty(w),
+                count: WARPGROUP_THREADS,
+            }));
+            roles.push(RolePlan {
+                kind: RoleKind::Compute { warpgroup: g },
+                start: PipelineState::CONSUMER_START,
+                body,
+            });
         }
         if offset > spec.smem_limit as u64 {
             return Err(PlanError::SharedMemory {
@@ -194,9 +245,11 @@ impl PipelinePlan {
                 limit: spec.smem_limit,
             });
         }
-        Ok(PipelinePlan {
+        let mut plan = PipelinePlan {
             spec: spec.clone(),
             barriers,
+            groups,
+            roles,
             buffer_offsets: buffer_offsets
                 .into_iter()
                 .map(|v| v.into_iter().map(|o| o as u32).collect())
@@ -206,114 +259,13 @@ impl PipelinePlan {
             producer_warpgroups,
             threads_per_block: threads as u32,
             launch_bounds: (threads as u32, 1),
-        })
-    }
-
-    /// Index of warp `w`'s FULL barrier for stage `s`.
-    pub fn full(&self, w: usize, s: u32) -> usize {
-        2 * (w * self.spec.stages as usize + s as usize)
-    }
-
-    /// Index of warp `w`'s EMPTY barrier for stage `s`.
-    pub fn empty(&self, w: usize, s: u32) -> usize {
-        self.full(w, s) + 1
-    }
-
-    /// Parity compute warps wait on (FULL barriers) at iteration `i`.
-    pub fn consumer_parity(&self, i: u64) -> u32 {
-        ((i / self.spec.stages as u64) & 1) as u32
-    }
-
-    /// Parity producers wait on (EMPTY barriers) at iteration `i`: the
-    /// opposite phase, since buffers begin empty (the first wait on a fresh
-    /// barrier's "preceding phase" passes at once).
-    pub fn producer_parity(&self, i: u64) -> u32 {
-        self.consumer_parity(i) ^ 1
-    }
-
-    /// The barrier protocol of this plan, for the verifier, over
-    /// `iterations` iterations.
-    pub fn protocol(&self, iterations: u32) -> Protocol {
-        let stages = self.spec.stages;
-        let warps = self.spec.async_warps.len();
-        let mut barriers = Vec::new();
-        let mut barrier_groups = Vec::new();
-        for w in 0..warps {
-            let (mut full, mut empty) = (Vec::new(), Vec::new());
-            for s in 0..stages {
-                full.push(barriers.len());
-                barriers.push(BarrierDecl {
-                    name: format!("FULL[w{w}][s{s}]"),
-                    init_count: 1,
-                });
-                empty.push(barriers.len());
-                barriers.push(BarrierDecl {
-                    name: format!("EMPTY[w{w}][s{s}]"),
-                    init_count: self.spec.compute_warpgroups * WARPGROUP_THREADS,
-                });
-            }
-            barrier_groups.push(full);
-            barrier_groups.push(empty);
+        };
+        // Init counts are the arrivals per phase the roles make: equal by
+        // construction (at most 8 warpgroups of 128 threads per barrier).
+        for (b, arrivals) in plan.arrivals_per_phase().into_iter().enumerate() {
+            plan.barriers[b].init_count = arrivals as u32;
         }
-        let full_group = |w: usize| 2 * w;
-        let empty_group = |w: usize| 2 * w + 1;
-        let buffer_groups: Vec<Vec<String>> = (0..warps)
-            .map(|w| (0..stages).map(|s| format!("BUF[w{w}][s{s}]")).collect())
-            .collect();
-        let mut roles = Vec::new();
-        for (w, warp) in self.spec.async_warps.iter().enumerate() {
-            let mut body = vec![
-                Step::Wait {
-                    group: empty_group(w),
-                    phase_offset: -1,
-                },
-                Step::ExpectTxArrive {
-                    group: full_group(w),
-                    phase_offset: 0,
-                    bytes: warp.bytes_per_stage(),
-                },
-            ];
-            for &bytes in &warp.loads {
-                body.push(Step::Copy {
-                    group: full_group(w),
-                    buffer_group: w,
-                    phase_offset: 0,
-                    bytes: bytes as u64,
-                });
-            }
-            roles.push(RoleDecl {
-                name: format!("producer w{w}"),
-                prologue: vec![],
-                body,
-            });
-        }
-        for g in 0..self.spec.compute_warpgroups {
-            let mut body: Vec<Step> = (0..warps)
-                .map(|w| Step::Wait {
-                    group: full_group(w),
-                    phase_offset: 0,
-                })
-                .collect();
-            body.extend((0..warps).map(|w| Step::Read { buffer_group: w }));
-            body.extend((0..warps).map(|w| Step::Arrive {
-                group: empty_group(w),
-                phase_offset: 0,
-                count: WARPGROUP_THREADS,
-            }));
-            roles.push(RoleDecl {
-                name: format!("compute wg{g}"),
-                prologue: vec![],
-                body,
-            });
-        }
-        Protocol {
-            stages,
-            barriers,
-            barrier_groups,
-            buffer_groups,
-            roles,
-            iterations,
-        }
+        Ok(plan)
     }
 }
 
@@ -335,17 +287,30 @@ mod tests {
             assert_eq!(b.init_count, want, "{b:?}");
             assert_eq!(b.offset % 8, 0);
         }
+        let at = |kind, w, s: usize| plan.groups[plan.group(kind, w).unwrap()].barriers[s];
+        let full_1_2 = plan.barriers[at(BarrierKind::Full, 1, 2)];
         assert_eq!(
-            plan.barriers[plan.full(1, 2)],
+            full_1_2,
             BarrierPlan {
                 kind: BarrierKind::Full,
                 warp: 1,
                 stage: 2,
                 init_count: 1,
-                offset: plan.barriers[plan.full(1, 2)].offset
+                offset: full_1_2.offset
             }
         );
-        assert_eq!(plan.barriers[plan.empty(1, 2)].kind, BarrierKind::Empty);
+        let empty_1_2 = plan.barriers[at(BarrierKind::Empty, 1, 2)];
+        assert_eq!((empty_1_2.kind, empty_1_2.stage), (BarrierKind::Empty, 2));
+        // Every barrier is in exactly one group, at its own stage.
+        let mut seen = vec![0; plan.barriers.len()];
+        for g in &plan.groups {
+            for (s, &b) in g.barriers.iter().enumerate() {
+                seen[b] += 1;
+                let p = plan.barriers[b];
+                assert_eq!((p.kind, p.warp, p.stage), (g.kind, g.warp, s as u32));
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
         // Buffers are 128-byte aligned, do not overlap, and barriers follow.
         let mut spans: Vec<(u32, u32)> = Vec::new();
         for (w, per_stage) in plan.buffer_offsets.iter().enumerate() {
@@ -367,13 +332,59 @@ mod tests {
         assert_eq!(plan.threads_per_block, 384);
         assert_eq!(plan.launch_bounds, (384, 1));
         // Consumers wait parity 0 in round 0, producers start on parity 1.
+        let producer = plan.roles[0].start;
+        let consumer = plan.roles[2].start;
+        assert_eq!(plan.roles[0].kind, RoleKind::Producer { warp: 0 });
+        assert_eq!(plan.roles[2].kind, RoleKind::Compute { warpgroup: 0 });
         let parities: Vec<(u32, u32)> = (0..7)
-            .map(|i| (plan.consumer_parity(i), plan.producer_parity(i)))
+            .scan((consumer, producer), |(c, p), _| {
+                let now = (c.phase, p.phase);
+                (*c, *p) = (c.advance(3), p.advance(3));
+                Some(now)
+            })
             .collect();
         assert_eq!(
             parities,
             vec![(0, 1), (0, 1), (0, 1), (1, 0), (1, 0), (1, 0), (0, 1)]
         );
+    }
+
+    #[test]
+    fn every_group_has_one_owner_and_init_counts_are_the_arrivals() {
+        for (stages, warps, wgs) in [(1, 1, 1), (3, 2, 2), (4, 3, 1)] {
+            let spec = PipelineSpec::new(stages, &vec![1024; warps], wgs);
+            let plan = PipelinePlan::new(&spec).unwrap();
+            assert_eq!(plan.roles.len(), warps + wgs as usize);
+            for (g, group) in plan.groups.iter().enumerate() {
+                // Exactly one producer arrives on a FULL group (and waits
+                // on no FULL); exactly one waits on an EMPTY group.
+                let producers: Vec<usize> = plan
+                    .roles
+                    .iter()
+                    .filter_map(|r| match r.kind {
+                        RoleKind::Producer { warp } => Some((warp, &r.body)),
+                        _ => None,
+                    })
+                    .filter(|(_, body)| {
+                        body.iter().any(|a| {
+                            matches!(*a, Action::ArriveExpectTx { group, .. } | Action::Wait { group } if group == g)
+                        })
+                    })
+                    .map(|(w, _)| w)
+                    .collect();
+                assert_eq!(producers, vec![group.warp], "{group:?}");
+                // Counted by hand: one elected arrival per phase on FULL,
+                // 128 per compute warpgroup on EMPTY.
+                let want = match group.kind {
+                    BarrierKind::Full => 1,
+                    BarrierKind::Empty => 128 * wgs,
+                };
+                for &b in &group.barriers {
+                    assert_eq!(plan.barriers[b].init_count, want);
+                    assert_eq!(plan.arrivals_per_phase()[b], u64::from(want));
+                }
+            }
+        }
     }
 
     #[test]

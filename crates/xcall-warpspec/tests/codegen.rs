@@ -3,6 +3,7 @@
 use xcall_core::DType;
 use xcall_warpspec::codegen::{generate, generate_plain, ElementwiseOp};
 use xcall_warpspec::ops::OpConfig;
+use xcall_warpspec::{Action, BarrierKind, PipelinePlan, PipelineSpec, PlanError};
 
 #[test]
 fn generated_source_follows_the_plan() {
@@ -12,7 +13,7 @@ fn generated_source_follows_the_plan() {
         compute_warpgroups: 2,
     };
     let plan = config.plan(2).unwrap();
-    let k = generate(&plan, ElementwiseOp::Mul, DType::Bf16);
+    let k = generate(&plan, ElementwiseOp::Mul, DType::Bf16).unwrap();
     assert_eq!(k.name, "xcall_ws_mul_bf16");
     assert_eq!(k.threads, 384);
     assert_eq!(k.smem_bytes, plan.smem_bytes);
@@ -25,16 +26,22 @@ fn generated_source_follows_the_plan() {
         "setmaxnreg.inc.sync.aligned.u32 232;",
         "__launch_bounds__(384, 1)",
         "#define STAGES 3u",
-        "mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT);",
-        "#define EMPTY_INIT 256u",
-        "^ 1u;",
+        "mbar_init(smem_addr(smem + FULL_OFF[i]), FULL_INIT[i]);",
+        "mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT[i]);",
+        "EMPTY_INIT[6] = {256, 256, 256, 256, 256, 256}",
+        "FULL_INIT[6] = {1, 1, 1, 1, 1, 1}",
+        "#define PRODUCER_PHASE 1u",
+        "#define CONSUMER_PHASE 0u",
     ] {
         assert!(k.source.contains(needle), "missing {needle:?}");
     }
     // The plan's barrier offsets are what the kernel uses.
     let full: Vec<String> = (0..2)
         .flat_map(|w| (0..3).map(move |s| (w, s)))
-        .map(|(w, s)| plan.barriers[plan.full(w, s)].offset.to_string())
+        .map(|(w, s)| {
+            let g = plan.group(BarrierKind::Full, w).unwrap();
+            plan.barriers[plan.groups[g].barriers[s]].offset.to_string()
+        })
         .collect();
     assert!(k
         .source
@@ -49,7 +56,8 @@ fn generated_source_follows_the_plan() {
         &one_wg.plan(1).unwrap(),
         ElementwiseOp::SiluScale,
         DType::F32,
-    );
+    )
+    .unwrap();
     assert!(
         !k1.source.contains("setmaxnreg"),
         "no register split without one in the spec"
@@ -96,7 +104,7 @@ fn each_role_issues_its_register_change_waits_and_arrives_exactly_once() {
                 let plan = config.plan(op.operands()).unwrap();
                 for dtype in [DType::F32, DType::Bf16] {
                     let what = format!("{op:?} {dtype} wgs={wgs} stages={stages}");
-                    let k = generate(&plan, op, dtype);
+                    let k = generate(&plan, op, dtype).unwrap();
                     let (body, _) = block(&k.source, "__global__");
                     let role_if = "if (tid < PRODUCER_THREADS)";
                     let prologue = &body[..body.find(role_if).expect("role branch")];
@@ -142,13 +150,25 @@ fn each_role_issues_its_register_change_waits_and_arrives_exactly_once() {
                             count(text, needle)
                         );
                     }
-                    // The producer starts one phase ahead on EMPTY (its first
-                    // wait passes on the fresh barrier); compute waits FULL
-                    // on the plain phase.
-                    assert!(producer.contains("& 1ull) ^ 1u;"), "{what}");
-                    assert!(!compute.contains("^ 1u"), "{what}");
+                    // Each side walks the stages from its own start state:
+                    // the producer one phase ahead on EMPTY (its first wait
+                    // passes on the fresh barrier), compute on the plain
+                    // phase of FULL.
+                    assert_eq!(
+                        count(producer, "PipeState st = {0u, PRODUCER_PHASE};"),
+                        1,
+                        "{what}"
+                    );
+                    assert_eq!(
+                        count(compute, "PipeState st = {0u, CONSUMER_PHASE};"),
+                        1,
+                        "{what}"
+                    );
+                    assert_eq!(count(producer, "st.phase"), 1, "{what}");
+                    assert_eq!(count(compute, "st.phase"), 1, "{what}");
                     // Both role loops walk the same tiles.
-                    let walk = "for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, ++it)";
+                    let walk =
+                        "for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES))";
                     assert_eq!(
                         (count(producer, walk), count(compute, walk)),
                         (1, 1),
@@ -158,4 +178,83 @@ fn each_role_issues_its_register_change_waits_and_arrives_exactly_once() {
             }
         }
     }
+}
+
+#[test]
+fn the_kernel_takes_init_counts_offsets_and_start_phases_from_the_plan() {
+    let plan = OpConfig {
+        stages: 2,
+        tile_bytes: 4096,
+        compute_warpgroups: 1,
+    }
+    .plan(2)
+    .unwrap();
+    let source = |plan: &PipelinePlan| {
+        generate(plan, ElementwiseOp::Mul, DType::F32)
+            .unwrap()
+            .source
+    };
+    let base = source(&plan);
+    // An init count edited in the plan is the one the kernel initialises.
+    let mut edited = plan.clone();
+    let g = edited.group(BarrierKind::Empty, 1).unwrap();
+    let b = edited.groups[g].barriers[1];
+    edited.barriers[b].init_count = 77;
+    assert!(source(&edited).contains("EMPTY_INIT[4] = {128, 128, 128, 77}"));
+    // So are the start phases.
+    let mut edited = plan.clone();
+    for role in &mut edited.roles[..2] {
+        role.start.phase = 0;
+    }
+    let text = source(&edited);
+    assert!(text.contains("#define PRODUCER_PHASE 0u"), "{text}");
+    assert_ne!(text, base);
+    // And a producer pointed at another warp's FULL barriers: the kernel
+    // follows the role's group, not the warp's index.
+    let mut edited = plan.clone();
+    let full0 = edited.group(BarrierKind::Full, 0).unwrap();
+    for action in &mut edited.roles[1].body {
+        if let Action::ArriveExpectTx { group, .. } | Action::Copy { group, .. } = action {
+            *group = full0;
+        }
+    }
+    assert!(
+        matches!(
+            generate(&edited, ElementwiseOp::Mul, DType::F32),
+            Err(PlanError::Codegen(_))
+        ),
+        "compute waits on warp 1's own FULL, which the kernel cannot express then"
+    );
+}
+
+#[test]
+fn plans_the_kernel_cannot_follow_are_refused_with_the_role() {
+    // Tiles of different sizes: one TILE would overrun the smaller buffers.
+    let uneven = PipelinePlan::new(&PipelineSpec::new(2, &[4096, 1024], 1)).unwrap();
+    let err = generate(&uneven, ElementwiseOp::Mul, DType::F32).unwrap_err();
+    assert!(
+        matches!(&err, PlanError::Codegen(m) if m.contains("producer w1")),
+        "{err}"
+    );
+    // Two loads in one warp.
+    let mut spec = PipelineSpec::new(2, &[1024], 1);
+    spec.async_warps[0].loads = vec![512, 512];
+    let two = PipelinePlan::new(&spec).unwrap();
+    assert!(matches!(
+        generate(&two, ElementwiseOp::SiluScale, DType::F32),
+        Err(PlanError::Codegen(_))
+    ));
+    // The wrong operand count.
+    let one = PipelinePlan::new(&PipelineSpec::new(2, &[1024], 1)).unwrap();
+    assert!(matches!(
+        generate(&one, ElementwiseOp::Mul, DType::F32),
+        Err(PlanError::Codegen(_))
+    ));
+    // A table index out of range is an error, not a panic.
+    let mut broken = one.clone();
+    broken.roles[0].body[0] = Action::Wait { group: 99 };
+    assert!(matches!(
+        generate(&broken, ElementwiseOp::SiluScale, DType::F32),
+        Err(PlanError::Protocol(_))
+    ));
 }

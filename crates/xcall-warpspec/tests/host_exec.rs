@@ -9,7 +9,7 @@ use common::{decode, encode, random_bytes};
 use xcall_core::DType;
 use xcall_warpspec::host::{self, HostError};
 use xcall_warpspec::ops::{mul_host, silu_scale_f32, silu_scale_host, OpConfig, OpError};
-use xcall_warpspec::{PipelinePlan, PipelineSpec};
+use xcall_warpspec::{Action, BarrierKind, PipelinePlan, PipelineSpec, PipelineState};
 
 /// The plain-loop reference: decode, compute in f32, round to the dtype.
 fn reference(dtype: DType, inputs: &[&[u8]], f: impl Fn(&[f32]) -> f32) -> Vec<u8> {
@@ -153,4 +153,47 @@ fn sources_must_fit_the_plan() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("different tile counts"), "{err}");
+}
+
+#[test]
+fn the_executor_follows_the_roles_groups_and_starts() {
+    // Warp 1's producer pointed at warp 0's FULL barriers (as a planner
+    // sharing one barrier would): each producer completes a phase of its
+    // own there, the barrier runs a phase ahead of compute's walk, and the
+    // run stalls naming that barrier.
+    let plan = PipelinePlan::new(&PipelineSpec::new(2, &[64, 64], 1)).unwrap();
+    let full0 = plan.group(BarrierKind::Full, 0).unwrap();
+    let mut shared = plan.clone();
+    for action in &mut shared.roles[1].body {
+        if let Action::ArriveExpectTx { group, .. } | Action::Copy { group, .. } = action {
+            *group = full0;
+        }
+    }
+    let data = vec![3u8; 64 * 4];
+    let err = host::run(&shared, &[&data, &data], Duration::from_millis(300), |_| {}).unwrap_err();
+    assert!(matches!(err, HostError::Stalled { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("compute wg0 (iteration 0) waits FULL[w0][s0]"),
+        "{err}"
+    );
+    // Producers starting on the consumers' parity wait for a release of a
+    // fresh EMPTY barrier that only compute could give, and compute waits
+    // for their data: the executor follows the plan's start states.
+    let mut late = plan.clone();
+    for role in &mut late.roles[..2] {
+        role.start = PipelineState::CONSUMER_START;
+    }
+    let err = host::run(&late, &[&data, &data], Duration::from_millis(300), |_| {}).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("producer w0 (iteration 0) waits EMPTY[w0][s0] parity 0"),
+        "{err}"
+    );
+    host::run(&plan, &[&data, &data], Duration::from_secs(10), |_| {}).unwrap();
+    // Tables that index nothing are refused before any thread starts.
+    let mut broken = plan.clone();
+    broken.roles[2].body.push(Action::Read { buffer: 7 });
+    let err = host::run(&broken, &[&data, &data], Duration::from_secs(1), |_| {}).unwrap_err();
+    assert!(matches!(err, HostError::Input(_)), "{err}");
 }

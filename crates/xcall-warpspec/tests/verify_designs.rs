@@ -2,7 +2,9 @@
 
 use xcall_warpspec::designs::{prologue_empty_arrive, shared_full_barrier};
 use xcall_warpspec::verify::{verify, verify_within, Budget, DEFAULT_STATE_LIMIT};
-use xcall_warpspec::{PipelinePlan, PipelineSpec, ViolationKind};
+use xcall_warpspec::{
+    Action, BarrierKind, PipelinePlan, PipelineSpec, PipelineState, RoleKind, ViolationKind,
+};
 
 #[test]
 fn shared_full_barrier_with_two_producers_is_caught_with_a_trace() {
@@ -206,5 +208,93 @@ fn reports_are_deterministic() {
     assert_eq!(
         verify(&broken, DEFAULT_STATE_LIMIT).unwrap().report(),
         verify(&broken, DEFAULT_STATE_LIMIT).unwrap().report()
+    );
+}
+
+/// The first violation of `plan`'s own protocol over 5 iterations.
+fn first_violation(plan: &PipelinePlan) -> xcall_warpspec::Violation {
+    let v = verify(&plan.protocol(5), DEFAULT_STATE_LIMIT).unwrap();
+    v.violation
+        .clone()
+        .unwrap_or_else(|| panic!("the edited plan must fail verification:\n{}", v.report()))
+}
+
+#[test]
+fn the_verifier_judges_the_plans_own_tables() {
+    // Planner mistakes written into a plan's tables, one at a time: the
+    // protocol the verifier checks is read from those tables, so each fails.
+    let plan = PipelinePlan::new(&PipelineSpec::new(2, &[1024, 1024], 2)).unwrap();
+    assert!(verify(&plan.protocol(5), DEFAULT_STATE_LIMIT)
+        .unwrap()
+        .is_clean());
+    let full0 = plan.group(BarrierKind::Full, 0).unwrap();
+    let full1 = plan.group(BarrierKind::Full, 1).unwrap();
+
+    // Both async warps arrive and copy on warp 0's FULL barriers (and the
+    // compute warpgroups wait there).
+    let mut shared = plan.clone();
+    for role in &mut shared.roles {
+        for action in &mut role.body {
+            match action {
+                Action::Wait { group }
+                | Action::ArriveExpectTx { group, .. }
+                | Action::Copy { group, .. }
+                    if *group == full1 =>
+                {
+                    *group = full0
+                }
+                _ => {}
+            }
+        }
+    }
+    let v = first_violation(&shared);
+    assert_eq!(v.kind, ViolationKind::ExcessArrival, "{v:?}");
+    assert!(v.message.contains("FULL[w0]"), "{}", v.message);
+
+    // EMPTY init counts for one compute warpgroup while two release.
+    let mut counts = plan.clone();
+    for b in counts
+        .barriers
+        .iter_mut()
+        .filter(|b| b.kind == BarrierKind::Empty)
+    {
+        b.init_count = 128;
+    }
+    let v = first_violation(&counts);
+    assert!(
+        matches!(v.kind, ViolationKind::WrongPhase | ViolationKind::Overwrite),
+        "{v:?}"
+    );
+
+    // A compute arrival count that does not match the init count.
+    let mut arrivals = plan.clone();
+    if let Some(Action::Arrive { count, .. }) = arrivals.roles[2].body.last_mut() {
+        *count = 64;
+    }
+    assert_eq!(first_violation(&arrivals).kind, ViolationKind::Deadlock);
+
+    // Compute starting on the producers' parity reads before the load.
+    let mut early = plan.clone();
+    for role in &mut early.roles {
+        if matches!(role.kind, RoleKind::Compute { .. }) {
+            role.start = PipelineState::PRODUCER_START;
+        }
+    }
+    assert_eq!(first_violation(&early).kind, ViolationKind::ReadBeforeLoad);
+
+    // Producers starting on the consumers' parity wait for a release that
+    // never comes.
+    let mut late = plan.clone();
+    for role in &mut late.roles {
+        if matches!(role.kind, RoleKind::Producer { .. }) {
+            role.start = PipelineState::CONSUMER_START;
+        }
+    }
+    let v = first_violation(&late);
+    assert_eq!(v.kind, ViolationKind::Deadlock, "{v:?}");
+    assert!(
+        v.message.contains("wait EMPTY[w0][s0] phase 0"),
+        "{}",
+        v.message
     );
 }
