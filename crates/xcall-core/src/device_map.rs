@@ -264,6 +264,48 @@ mod tests {
     }
 
     #[test]
+    fn the_capacity_sizes_the_first_segment_once() {
+        let map: DeviceMap<u8> = DeviceMap::with_capacity(5);
+        map.get_or_init(Device::cuda(4), || 4);
+        assert_eq!(map.tables[Platform::Cuda as usize].base.get(), Some(&5));
+        // Ordinals 0..5 share segment 0; the next five are segment 1.
+        assert!(map.tables[Platform::Cuda as usize].segments[1]
+            .get()
+            .is_none());
+        map.get_or_init(Device::cuda(5), || 5);
+        assert_eq!(
+            map.tables[Platform::Cuda as usize].segments[1]
+                .get()
+                .map(|s| s.len()),
+            Some(10)
+        );
+        // Without a hint the Host's first segment holds its one device.
+        let host: DeviceMap<u8> = DeviceMap::new();
+        host.get_or_init(Device::HOST, || 0);
+        assert_eq!(host.tables[Platform::Host as usize].base.get(), Some(&1));
+        // A zero hint still makes room for a device.
+        let zero: DeviceMap<u8> = DeviceMap::with_capacity(0);
+        zero.get_or_init(Device::cuda(0), || 9);
+        assert_eq!(zero.get(Device::cuda(0)), Some(&9));
+    }
+
+    #[test]
+    fn emptiness_length_and_debug_follow_the_created_slots() {
+        let map: DeviceMap<u32> = DeviceMap::with_capacity(2);
+        assert!(map.is_empty());
+        assert_eq!(map.len(), 0);
+        assert_eq!(format!("{map:?}"), "{}");
+        map.get_or_init(Device::cuda(3), || 30);
+        assert!(!map.is_empty());
+        map.get_or_init(Device::HOST, || 1);
+        assert_eq!(map.len(), 2);
+        assert_eq!(
+            format!("{map:?}"),
+            format!("{{{:?}: 1, {:?}: 30}}", Device::HOST, Device::cuda(3))
+        );
+    }
+
+    #[test]
     fn platforms_have_separate_slots() {
         let map: DeviceMap<&str> = DeviceMap::with_capacity(4);
         map.get_or_init(Device::new(Platform::Host, 0), || "host");

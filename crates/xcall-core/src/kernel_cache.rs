@@ -86,6 +86,9 @@ pub struct KernelCacheStats {
 pub struct KernelCache<L: ModuleLoader = NvrtcLoader> {
     loader: L,
     shards: DeviceMap<Mutex<Shard<L::Module>>>,
+    /// Bits of the hash that pick a bucket: all of them, except in tests
+    /// that force every source into one bucket.
+    bucket_mask: u64,
 }
 
 impl KernelCache<NvrtcLoader> {
@@ -134,6 +137,7 @@ impl<L: ModuleLoader> KernelCache<L> {
         KernelCache {
             loader,
             shards: DeviceMap::new(),
+            bucket_mask: u64::MAX,
         }
     }
 
@@ -172,7 +176,7 @@ impl<L: ModuleLoader> KernelCache<L> {
                 }
             },
         };
-        let bucket = bucket_of(&arch, source.code, &options);
+        let bucket = bucket_of(&arch, source.code, &options) & self.bucket_mask;
         let found = shard.buckets.get(&bucket).and_then(|entries| {
             entries
                 .iter()
@@ -459,6 +463,48 @@ mod tests {
             )
             .unwrap();
         assert!(Arc::ptr_eq(&e, &e2));
+    }
+
+    #[test]
+    fn sources_sharing_a_bucket_are_told_apart_in_full() {
+        // Every key hashes to bucket 0: only the full compare of arch, code
+        // and options keeps one source from getting another's module.
+        let mut cache = KernelCache::with_loader(FakeLoader::default());
+        cache.bucket_mask = 0;
+        let d = Device::cuda(0);
+        let sources = [
+            SRC,
+            KernelSource {
+                code: "extern \"C\" __global__ void k2() {}",
+                ..SRC
+            },
+            KernelSource {
+                options: &["-DN=4"],
+                ..SRC
+            },
+            KernelSource {
+                options: &["--gpu-architecture=sm_90a"],
+                ..SRC
+            },
+            KernelSource {
+                code: "extern \"C\" __global__ void k2() {}",
+                options: &["-DN=4"],
+                ..SRC
+            },
+        ];
+        let first: Vec<_> = sources
+            .iter()
+            .map(|s| cache.module(d, s).unwrap())
+            .collect();
+        let serials: Vec<usize> = first.iter().map(|m| m.serial).collect();
+        assert_eq!(serials, vec![0, 1, 2, 3, 4]);
+        for (source, module) in sources.iter().zip(&first) {
+            let again = cache.module(d, source).unwrap();
+            assert!(Arc::ptr_eq(module, &again), "{source:?}");
+            assert_eq!(again.code, source.code);
+        }
+        assert_eq!(cache.len(d), 5);
+        assert_eq!(cache.stats(d).hits, 5);
     }
 
     #[test]

@@ -89,11 +89,24 @@ fn compile_errors_carry_the_nvrtc_log() {
     let err = cache.module(Device::cuda(0), &bad).unwrap_err();
     assert_eq!(err.status(), Status::CompileFailed);
     let text = err.to_string();
+    // NVRTC's own log names the program by the source's name.
     assert!(
-        text.contains("broken.cu") && text.contains("undeclared_name"),
+        text.contains("broken.cu(1)") && text.contains("undeclared_name"),
         "{text}"
     );
     assert_eq!(cache.len(Device::cuda(0)), 0);
+    // The caller's options reach NVRTC: the macro is defined only by them.
+    let with_define = KernelSource {
+        name: "define.cu",
+        code: "extern \"C\" __global__ void k(float *p) { p[0] = XCALL_TEST_VALUE; }",
+        options: &["-DXCALL_TEST_VALUE=7.0f"],
+    };
+    cache.module(Device::cuda(0), &with_define).unwrap();
+    let without = KernelSource {
+        options: &[],
+        ..with_define
+    };
+    assert!(cache.module(Device::cuda(0), &without).is_err());
 }
 
 #[test]
