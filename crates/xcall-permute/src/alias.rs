@@ -164,6 +164,28 @@ mod tests {
     }
 
     #[test]
+    fn edges_adjacency_on_either_side_and_empty_buffers_inside_others() {
+        let input = r("input", 0x1000, 0x100);
+        // Touching at either end is not overlapping; one byte more is.
+        for (address, bytes, overlap) in [
+            (0x0f00, 0x100, false),
+            (0x1100, 0x100, false),
+            (0x0f00, 0x101, true),
+            (0x10ff, 0x100, true),
+        ] {
+            let out = r("output", address, bytes);
+            assert_eq!(out.overlaps(&input), overlap, "{out:?}");
+            assert_eq!(input.overlaps(&out), overlap, "{out:?}");
+            assert_eq!(check(&[input], &[out], &[]).is_err(), overlap, "{out:?}");
+        }
+        // An empty buffer overlaps nothing, even strictly inside another.
+        let empty = r("permuted_probs", 0x1080, 0);
+        assert!(!empty.overlaps(&input) && !input.overlaps(&empty));
+        assert!(check(&[input], &[empty], &[]).is_ok());
+        assert!(check(&[r("probs", 0x1080, 0)], &[r("output", 0x1000, 0x100)], &[]).is_ok());
+    }
+
+    #[test]
     fn no_op_publishes_an_alias() {
         for op in Op::ALL {
             assert!(alias_table(op).is_empty(), "{op:?}");
