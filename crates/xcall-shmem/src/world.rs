@@ -257,6 +257,40 @@ enum PeerMap {
     Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
 }
 
+/// A step of [`World::finalize`] a test may observe
+/// ([`set_finalize_hook`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinalizeStep {
+    /// This PE let go of its mappings of every peer's heap.
+    PeersReleased,
+    /// This PE is about to release its own heap.
+    HeapReleasing,
+}
+
+/// A finalize hook: `hook(rank, step)`.
+#[doc(hidden)]
+pub type FinalizeHook = fn(usize, FinalizeStep);
+
+thread_local! {
+    static FINALIZE_HOOK: std::cell::Cell<Option<FinalizeHook>> = const { std::cell::Cell::new(None) };
+}
+
+/// Test hook: `hook(rank, step)` runs on this thread at each
+/// [`FinalizeStep`] of a finalize it calls (`None` removes it). Tests use
+/// it to check that no PE releases its heap before every peer released
+/// its mappings of it.
+#[doc(hidden)]
+pub fn set_finalize_hook(hook: Option<FinalizeHook>) {
+    FINALIZE_HOOK.with(|h| h.set(hook));
+}
+
+fn finalize_step(rank: usize, step: FinalizeStep) {
+    if let Some(hook) = FINALIZE_HOOK.with(|h| h.get()) {
+        hook(rank, step);
+    }
+}
+
 /// Why a world failed, in its state word: `reason << 32 | (rank + 1)`.
 const LEFT_WITHOUT_FINALIZE: u64 = 1;
 const FINALIZE_FAILED: u64 = 2;
@@ -1065,12 +1099,15 @@ impl Live {
         for p in &mut self.peers {
             p.map = PeerMap::Released;
         }
+        finalize_step(self.rank, FinalizeStep::PeersReleased);
+        // No PE releases its heap before every peer let go of it.
         keep(self.boot.barrier());
         drop(self.stream.take());
         if first.is_some() {
             // A peer may not have arrived: it must not touch this heap.
             self.state.fail(FINALIZE_FAILED, self.rank);
         }
+        finalize_step(self.rank, FinalizeStep::HeapReleasing);
         let Live {
             boot,
             memory,

@@ -331,3 +331,47 @@ fn holding_the_own_device_slot_across_a_barrier_does_not_deadlock() {
         );
     }
 }
+
+#[test]
+fn no_pe_releases_its_heap_before_every_peer_let_go_of_it() {
+    use xcall_shmem::world::{set_finalize_hook, FinalizeStep};
+    let _serial = serial();
+    static LOG: std::sync::Mutex<Vec<(usize, FinalizeStep)>> = std::sync::Mutex::new(Vec::new());
+    fn hook(rank: usize, step: FinalizeStep) {
+        // The last PE is slow to let go of its peers' heaps: a finalize that
+        // did not wait for it would let the others release theirs meanwhile.
+        if (rank, step) == (3, FinalizeStep::PeersReleased) {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        LOG.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((rank, step));
+    }
+    spmt("finalize-order", 4, 1 << 16, |_, w| {
+        let a = w.malloc(4096).unwrap();
+        w.free(a).unwrap();
+        set_finalize_hook(Some(hook));
+    });
+    let log = LOG.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let of = |step| log.iter().filter(|(_, s)| *s == step).count();
+    assert_eq!(
+        (
+            of(FinalizeStep::PeersReleased),
+            of(FinalizeStep::HeapReleasing)
+        ),
+        (4, 4),
+        "{log:?}"
+    );
+    let last_let_go = log
+        .iter()
+        .rposition(|(_, s)| *s == FinalizeStep::PeersReleased)
+        .unwrap();
+    let first_heap = log
+        .iter()
+        .position(|(_, s)| *s == FinalizeStep::HeapReleasing)
+        .unwrap();
+    assert!(
+        last_let_go < first_heap,
+        "a PE released its heap while a peer still held it: {log:?}"
+    );
+}
