@@ -669,3 +669,131 @@ fn clear_all_counts_every_device_and_nodes_add_up() {
     assert_eq!(c.stats(Device::cuda(0)).invalidations, 2);
     assert_eq!(c.clear_all(), 0);
 }
+
+#[test]
+fn graphs_exactly_at_the_node_limit_are_kept() {
+    let config = Config {
+        max_nodes: Some(4),
+        ..Config::default()
+    };
+    let c = cache(config);
+    assert_eq!(c.config(), &config);
+    run(&c, &key(0, 1, &[0x100, 0x200]), stream(0), 1);
+    run(&c, &key(0, 2, &[0x300, 0x400]), stream(0), 1);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.entries, s.nodes, s.evictions), (2, 4, 0));
+}
+
+#[test]
+fn not_capturable_marks_are_bounded_like_the_cache() {
+    let c = cache(Config {
+        capacity: 2,
+        retry_after: 5,
+        ..Config::default()
+    });
+    let keys: Vec<CallKey> = (1..=3).map(|t| key(0, t, &[0x100 * t])).collect();
+    for k in &keys {
+        let ops = [SimOp::Uncapturable, add(k.buffers[0].address, 1)];
+        assert_eq!(run_ops(&c, k, stream(0), &ops), Outcome::EagerFallback);
+    }
+    // Two marks are remembered (capacity 2): those keys still run eagerly;
+    // the forgotten one captures at once.
+    let outcomes: Vec<Outcome> = keys.iter().map(|k| run(&c, k, stream(0), 1)).collect();
+    let eager = outcomes
+        .iter()
+        .filter(|o| **o == Outcome::EagerFallback)
+        .count();
+    assert_eq!(eager, 2, "{outcomes:?}");
+    assert_eq!(c.stats(Device::cuda(0)).eager_not_capturable, 2);
+}
+
+#[test]
+fn invalidate_range_forgets_the_not_capturable_marks_in_it_only() {
+    let c = cache(Config {
+        retry_after: 5,
+        ..Config::default()
+    });
+    let inside = key(0, 1, &[0x1000]);
+    let outside = key(0, 2, &[0x8000]);
+    for k in [&inside, &outside] {
+        let ops = [SimOp::Uncapturable, add(k.buffers[0].address, 1)];
+        run_ops(&c, k, stream(0), &ops);
+    }
+    assert_eq!(
+        c.invalidate_range(Device::cuda(0), 0x1000, 0x40).unwrap(),
+        0
+    );
+    // The freed range's key may be new memory now: it captures again.
+    assert_eq!(run(&c, &inside, stream(0), 1), Outcome::Captured);
+    assert_eq!(run(&c, &outside, stream(0), 1), Outcome::EagerFallback);
+}
+
+#[test]
+fn an_invalidated_capture_never_updates_a_cached_graph() {
+    // `kept` is cached; `freed` has the same topology (an exec-update
+    // candidate), but its memory is invalidated while it is captured.
+    let c = cache(Config::default());
+    let kept = key(0, 1, &[0x100]);
+    let freed = key(0, 1, &[0x200]);
+    assert_eq!(run(&c, &kept, stream(0), 1), Outcome::Captured);
+    let call = Call::new(freed.clone(), Some(stream(0)));
+    let outcome = c
+        .execute(&call, |s| {
+            c.backend().enqueue(s.unwrap(), add(0x200, 1));
+            c.invalidate_range(Device::cuda(0), 0x200, 1).map(|_| ())
+        })
+        .unwrap();
+    assert_eq!(outcome, Outcome::Captured, "ran once, not cached");
+    // The cached graph still serves `kept`; `freed` captures afresh.
+    assert_eq!(run(&c, &kept, stream(0), 1), Outcome::Replayed);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.updates, s.entries, s.nodes), (0, 1, 1));
+    // A real pointer change updates in place, and the node count stays the
+    // graph's own.
+    let moved = key(0, 1, &[0x300, 0x400]);
+    let wide = key(0, 1, &[0x500, 0x600]);
+    assert_eq!(run(&c, &moved, stream(0), 1), Outcome::Captured);
+    assert_eq!(run(&c, &wide, stream(0), 1), Outcome::Updated);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.updates, s.entries, s.nodes), (1, 2, 3));
+}
+
+#[test]
+fn concurrent_captures_of_two_keys_keep_their_own_pending_state() {
+    // A's capture waits inside its record function while B, another key on
+    // another stream of the same device and context, captures: B must capture (not run eagerly
+    // as if A's capture were its own), and the invalidation of A's memory
+    // must keep A's graph, and only A's, out of the cache.
+    use std::sync::mpsc;
+    let c = Arc::new(cache(Config::default()));
+    let a = key(0, 1, &[0x1000]);
+    let b = key(0, 2, &[0x2000]);
+    let (started_tx, started) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let capture_a = {
+        let (c, a) = (c.clone(), a.clone());
+        std::thread::spawn(move || {
+            let call = Call::new(a, Some(stream(0)));
+            c.execute(&call, |s| {
+                c.backend().enqueue(s.unwrap(), add(0x1000, 1));
+                started_tx.send(()).unwrap();
+                go_rx
+                    .recv_timeout(watchdog())
+                    .map_err(|_| std::io::Error::other("the test never released capture A"))
+            })
+        })
+    };
+    started
+        .recv_timeout(watchdog())
+        .expect("capture A never started");
+    c.invalidate_range(Device::cuda(0), 0x1000, 1).unwrap();
+    let second = SimStream { id: 2, ..stream(0) };
+    assert_eq!(run(&c, &b, second, 1), Outcome::Captured);
+    go.send(()).unwrap();
+    let outcome_a = within("capture A", watchdog(), move || capture_a.join().unwrap()).unwrap();
+    assert_eq!(outcome_a, Outcome::Captured);
+    let s = c.stats(Device::cuda(0));
+    assert_eq!((s.entries, s.eager_capture_in_progress), (1, 0));
+    assert_eq!(run(&c, &b, second, 1), Outcome::Replayed);
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
+}
