@@ -258,3 +258,64 @@ fn plans_the_kernel_cannot_follow_are_refused_with_the_role() {
         Err(PlanError::Protocol(_))
     ));
 }
+
+#[test]
+fn element_types_vector_widths_and_role_split_match_the_dtype_and_plan() {
+    // Known answers per dtype: bf16 is read as 16-bit words, 8 per 16-byte
+    // vector, widened and rounded back; f32 is 4 floats per vector.
+    for (dtype, ctype, per_vec, widen) in [
+        (DType::Bf16, "unsigned short", 8, true),
+        (DType::F32, "float", 4, false),
+    ] {
+        for wgs in [1, 2] {
+            let plan = OpConfig {
+                stages: 2,
+                tile_bytes: 4096,
+                compute_warpgroups: wgs,
+            }
+            .plan(2)
+            .unwrap();
+            let k = generate(&plan, ElementwiseOp::Mul, dtype).unwrap();
+            let plain = generate_plain(ElementwiseOp::Mul, dtype);
+            for (what, src) in [("warp-specialized", &k.source), ("plain", &plain.source)] {
+                assert!(
+                    src.contains(&format!("{ctype} out[{per_vec}];")),
+                    "{what} {dtype}"
+                );
+                assert!(src.contains(&format!("k < {per_vec}u;")), "{what} {dtype}");
+                assert_eq!(
+                    src.contains("= bf16_to_f32(e0[k]);"),
+                    widen,
+                    "{what} {dtype}"
+                );
+                assert_eq!(
+                    src.contains("= f32_to_bf16(v0 * v1);"),
+                    widen,
+                    "{what} {dtype}"
+                );
+            }
+            // One producer warpgroup (two async warps) ahead of the compute ones.
+            assert!(
+                k.source.contains("#define PRODUCER_THREADS 128u"),
+                "{dtype}"
+            );
+            assert!(k.source.contains(&format!("#define WGS {wgs}u")), "{dtype}");
+            // Tail elements: the remaining bytes divided by the element size.
+            let elem = 16 / per_vec;
+            assert!(
+                k.source.contains(&format!("(n - c * 16) / {elem}u")),
+                "{dtype}"
+            );
+            assert!(
+                plain
+                    .source
+                    .contains(&format!("(u32)(bytes - c * 16) / {elem}u")),
+                "{dtype}"
+            );
+        }
+    }
+    // The C codes of the ops.
+    assert_eq!(ElementwiseOp::from_code(0), Some(ElementwiseOp::Mul));
+    assert_eq!(ElementwiseOp::from_code(1), Some(ElementwiseOp::SiluScale));
+    assert_eq!(ElementwiseOp::from_code(2), None);
+}
