@@ -290,8 +290,9 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
         rows: n,
         dtype: DType::Bf16,
     };
-    // SAFETY (the three layer calls): heap buffers of exactly these dims,
-    // alive until the world is finalized after the last synchronisation.
+    // SAFETY: (this and the next two layer calls) heap buffers of exactly
+    // these dims, alive until the world is finalized after the last
+    // synchronisation.
     let make_map = || unsafe { l.make_row_id_map(&target, d, RowIdMapOptions::default()) };
     // SAFETY: as above.
     let permute = || unsafe { l.permute(&target, d, b.perm) };
@@ -337,8 +338,8 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
                 std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize);
                 Ok(())
             },
-            // SAFETY: as above, device memory ordered on the stream.
             Platform::Cuda => {
+                // SAFETY: as above, device memory ordered on the stream.
                 (unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, stream.cast()) }
                     .result())
                 .context("cuMemcpyDtoDAsync")

@@ -101,8 +101,8 @@ fn driver_steps(gpu: &Gpu, ptrs: [u64; 2]) -> (f64, f64, f64) {
     unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graphs[0], 0) }
         .result()
         .unwrap();
-    // SAFETY: the graph returned by capture is destroyed right away.
     let capture_us = wall(|i| {
+        // SAFETY: the graph returned by capture is destroyed right away.
         unsafe { sys::cuGraphDestroy(capture(gpu, ptrs[i % 2])) }
             .result()
             .unwrap()

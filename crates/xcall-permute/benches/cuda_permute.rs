@@ -180,8 +180,8 @@ fn main() {
             permuted_probs: None,
             in_place: false,
         };
-        // SAFETY (all calls below): device allocations of the tensors'
-        // sizes on the bench's stream of cuda:0.
+        // SAFETY: (this and every call below) device allocations of the
+        // tensors' sizes on the bench's stream of cuda:0.
         unsafe {
             call::make_row_id_map(&target, &rim).unwrap();
             call::make_chunk_sort_map(&target, &cmap).unwrap();
@@ -195,12 +195,19 @@ fn main() {
                     .result()
                     .unwrap()
             }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::make_row_id_map(&target, &rim).unwrap() }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::permute(&target, &permute).unwrap() }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::unpermute(&target, &unpermute).unwrap() }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::unpermute_backward(&target, &backward).unwrap() }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::make_chunk_sort_map(&target, &cmap).unwrap() }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::sort_chunks_by_map(&target, &sort).unwrap() }),
+            // SAFETY: as above.
             Box::new(|| unsafe { call::permute(&checked, &permute).unwrap() }),
         ];
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);

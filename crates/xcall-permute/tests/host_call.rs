@@ -122,8 +122,8 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
             "make_row_id_map",
             vec!["routing"],
             vec!["map_out", "tpe_out", "offsets_out"],
+            // SAFETY: (every runner) tensors over live vectors of their sizes.
             |b, m| unsafe {
-                // SAFETY (every runner): tensors over live vectors of their sizes.
                 call::make_row_id_map(
                     &Target::host(),
                     &MakeRowIdMapArgs {
@@ -147,6 +147,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
                 "scales",
             ],
             vec!["output", "permuted_probs", "permuted_scales"],
+            // SAFETY: as the first runner.
             |b, m| unsafe {
                 call::permute(
                     &Target::host(),
@@ -169,6 +170,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
             "unpermute",
             vec!["output", "row_id_map", "probs", "permuted_probs"],
             vec!["back", "unpermuted_probs"],
+            // SAFETY: as the first runner.
             |b, m| unsafe {
                 call::unpermute(
                     &Target::host(),
@@ -194,6 +196,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
                 "probs",
             ],
             vec!["act_grad", "probs_grad"],
+            // SAFETY: as the first runner.
             |b, m| unsafe {
                 call::unpermute_backward(
                     &Target::host(),
@@ -214,6 +217,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
             "make_chunk_sort_map",
             vec!["split_sizes", "sorted_indices"],
             vec!["chunk_map_out"],
+            // SAFETY: as the first runner.
             |b, m| unsafe {
                 call::make_chunk_sort_map(
                     &Target::host(),
@@ -229,6 +233,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
             "sort_chunks_by_map",
             vec!["input", "chunk_map", "row_probs"],
             vec!["sorted", "sorted_probs"],
+            // SAFETY: as the first runner.
             |b, m| unsafe {
                 call::sort_chunks_by_map(
                     &Target::host(),

@@ -611,15 +611,17 @@ impl World {
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
         let l = self.live_mut()?;
-        // SAFETY: the remote range is checked inside the peer's heap; the
-        // local one is the caller's contract.
         match dir {
             Dir::Put => {
                 let remote = l.remote(symmetric, bytes, pe, "put destination")?;
+                // SAFETY: `remote` was just checked to lie in one live
+                // allocation of the peer's heap; `local` is the caller's
+                // contract.
                 unsafe { l.copy(remote, local, bytes, stream) }
             }
             Dir::Get => {
                 let remote = l.remote(symmetric, bytes, pe, "get source")?;
+                // SAFETY: as for a put, with the roles of the ranges swapped.
                 unsafe { l.copy(local, remote, bytes, stream) }
             }
         }

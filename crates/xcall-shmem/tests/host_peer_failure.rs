@@ -136,6 +136,7 @@ fn spmt_a_pe_that_leaves_without_finalize_fails_the_world_for_the_others() {
         let peer = w.ptr(2, buf).unwrap();
         // SAFETY: a same-process peer's heap, held by this PE's world.
         assert_eq!(unsafe { (peer as *const u8).read_volatile() }, 0);
+        // SAFETY: the source is a live 8-byte array.
         let e = unsafe { w.put(buf, [1u8; 8].as_ptr() as u64, 8, 2) }.unwrap_err();
         assert!(
             e.to_string()
@@ -166,6 +167,7 @@ fn spmt_a_late_put_after_a_timed_out_finalize_is_refused() {
             .unwrap()
             .recv_timeout(WATCHDOG)
             .expect("rank 0 finalized");
+        // SAFETY: the source is a live 8-byte array.
         let e = unsafe { w.put(buf, [1u8; 8].as_ptr() as u64, 8, 0) }.unwrap_err();
         assert!(e.to_string().contains("rank 0 failed in finalize"), "{e}");
         assert_world_failed(&mut w, buf, sig, n);

@@ -304,8 +304,8 @@ impl<'a> Pe<'a> {
             capacity: Some(s.capacity),
             ..RowIdMapOptions::default()
         };
-        // SAFETY (the three layer calls): every buffer is this PE's heap
-        // allocation for exactly these dims, alive for the world's life.
+        // SAFETY: (this and the layer calls below) every buffer is this PE's
+        // heap allocation for exactly these dims, alive for the world's life.
         unsafe { b.layer.make_row_id_map(&target, d, options) }?;
         // SAFETY: as above; `send` holds [E*C, H].
         unsafe { b.layer.permute(&target, d, b.send) }?;
