@@ -332,4 +332,37 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn tables_that_index_nothing_are_refused_one_by_one() {
+        use crate::spec::PipelineSpec;
+        let plan = PipelinePlan::new(&PipelineSpec::new(2, &[1024, 1024], 1)).unwrap();
+        assert_eq!(plan.check_tables(), Ok(()));
+        let refused = |edit: &dyn Fn(&mut PipelinePlan)| {
+            let mut p = plan.clone();
+            edit(&mut p);
+            matches!(p.check_tables(), Err(PlanError::Protocol(_)))
+        };
+        assert!(refused(&|p| {
+            p.buffer_offsets.pop();
+        }));
+        assert!(refused(&|p| {
+            p.buffer_offsets[1].pop();
+        }));
+        assert!(refused(&|p| {
+            p.groups[3].barriers.pop();
+        }));
+        assert!(refused(&|p| p.groups[0].barriers[1] = 99));
+        assert!(refused(&|p| p.roles[2].start.index = 2));
+        assert!(refused(&|p| p.roles[0].start.phase = 2));
+        assert!(refused(&|p| p.roles[1].body[0] = Action::Wait { group: 4 }));
+        assert!(refused(&|p| p.roles[2]
+            .body
+            .push(Action::Read { buffer: 2 })));
+        assert!(refused(&|p| p.roles[0].body.push(Action::Copy {
+            group: 0,
+            buffer: 2,
+            bytes: 16
+        })));
+    }
 }

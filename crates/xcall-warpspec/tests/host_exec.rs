@@ -128,11 +128,14 @@ fn the_watchdog_reports_every_roles_wait() {
         panic!("{err}")
     };
     assert!(
-        waits[0].contains("producer w0 (iteration 2) waits EMPTY[w0][s0] parity 0 (barrier in phase 0)"),
+        waits[0].contains(
+            "producer w0 (iteration 2) waits EMPTY[w0][s0] parity 0 (barrier in phase 0)"
+        ),
         "{err}"
     );
     assert!(
-        waits[1].contains("compute wg0 (iteration 2) waits FULL[w0][s0] parity 1 (barrier in phase 1)"),
+        waits[1]
+            .contains("compute wg0 (iteration 2) waits FULL[w0][s0] parity 1 (barrier in phase 1)"),
         "{err}"
     );
 }
