@@ -221,7 +221,6 @@ pub fn generate(
     op: ElementwiseOp,
     dtype: DType,
 ) -> Result<GeneratedKernel, PlanError> {
-    let t = template(plan)?;
     if plan.spec.async_warps.len() != op.operands() {
         return Err(PlanError::Codegen(format!(
             "{op:?} takes {} operand(s), the plan has {} async warp(s)",
@@ -229,6 +228,7 @@ pub fn generate(
             plan.spec.async_warps.len()
         )));
     }
+    let t = template(plan)?;
     let name = op.kernel_name(dtype);
     let stages = plan.spec.stages;
     let warps = plan.spec.async_warps.len();

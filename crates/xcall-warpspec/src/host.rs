@@ -227,18 +227,16 @@ where
                                 }
                             }
                             Action::ArriveExpectTx { group, bytes } => {
-                                // A tail tile expects what its copies move.
-                                let landing: u64 = role.body[k..]
-                                    .iter()
-                                    .filter_map(|a| match *a {
-                                        Action::Copy {
-                                            group: g, buffer, ..
-                                        } if g == group => Some(chunk(buffer, i).len() as u64),
-                                        _ => None,
-                                    })
-                                    .max()
-                                    .unwrap_or(0);
-                                barriers[at(group)].arrive_expect_tx(bytes.min(landing));
+                                // A tail tile expects what its copies move: at
+                                // most the chunk of the buffer they fill.
+                                let landing = role.body[k..].iter().find_map(|a| match *a {
+                                    Action::Copy {
+                                        group: g, buffer, ..
+                                    } if g == group => Some(chunk(buffer, i).len() as u64),
+                                    _ => None,
+                                });
+                                barriers[at(group)]
+                                    .arrive_expect_tx(bytes.min(landing.unwrap_or(0)));
                             }
                             Action::Copy {
                                 group,
