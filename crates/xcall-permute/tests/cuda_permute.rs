@@ -1071,11 +1071,20 @@ impl Guarded {
     }
 }
 
+/// A device's fault record is one word per module, shared by every call on
+/// that device: the tests that read it run one at a time, so one test's bad
+/// maps never show in another's record.
+fn fault_record() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[test]
 fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
     if cuda_devices_or_skip("permute cuda bad maps").is_none() {
         return;
     }
+    let _record = fault_record();
     let mut gpu = Gpu::new();
     let mut g = XorShift::new(99);
     let (t, e, h, topk) = (96usize, 8usize, 24usize, 3usize);
@@ -1246,6 +1255,7 @@ fn checked_mode_passes_valid_maps_and_records_faults_under_capture() {
     if cuda_devices_or_skip("permute cuda checked mode").is_none() {
         return;
     }
+    let _record = fault_record();
     let mut gpu = Gpu::new();
     let mut g = XorShift::new(5);
     let (t, e, h) = (200usize, 16usize, 40usize);
