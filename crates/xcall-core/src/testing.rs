@@ -26,7 +26,7 @@ pub fn watchdog() -> Duration {
 /// Runs `f(i)` for `i` in `0..n`, each on its own thread, and returns the
 /// results in order. A thread that panics fails the test with its index and
 /// message; threads still running when `limit` has passed fail it with
-/// "watchdog: <what>: thread(s) [..] did not finish" (they are left
+/// "watchdog: `<what>`: thread(s) [..] did not finish" (they are left
 /// behind: a stuck thread cannot be stopped, only reported).
 pub fn run_threads<T: Send + 'static>(
     what: &str,

@@ -1,7 +1,7 @@
 //! The CUDA backend: stream capture, instantiation, exec-update and launch
 //! through the driver API.
 
-use xcall_core::cuda::{self, driver_error};
+use xcall_core::cuda::{self, check, ContextGuard};
 use xcall_core::{Device, Error, Result};
 
 use cudarc::driver::sys;
@@ -51,21 +51,6 @@ impl Drop for CudaExec {
 /// by the first CUDA call.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CudaGraphs;
-
-fn check(call: &'static str, device: Device, r: sys::CUresult) -> Result<()> {
-    r.result().map_err(|e| driver_error(call, device, e))
-}
-
-/// Pops the context pushed by `with_context`, also when the closure panics.
-struct PopContext;
-
-impl Drop for PopContext {
-    fn drop(&mut self) {
-        let mut popped: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: pops the context pushed by with_context on this thread.
-        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
-    }
-}
 
 impl GraphBackend for CudaGraphs {
     type Stream = CudaStreamHandle;
@@ -136,11 +121,13 @@ impl GraphBackend for CudaGraphs {
         f: impl FnOnce() -> T,
     ) -> Result<T> {
         let ctx = state.context as sys::CUcontext;
-        // SAFETY: the context is the caller's stream's own; the guard pops it
-        // again, so the caller's current context is restored.
-        unsafe { check("cuCtxPushCurrent", device, sys::cuCtxPushCurrent_v2(ctx))? };
-        let _pop = PopContext;
-        Ok(f())
+        // SAFETY: the context is the caller's stream's own, alive while the
+        // stream is; the guard restores the caller's context after `f`, also
+        // when `f` panics.
+        let guard = unsafe { ContextGuard::enter(device, ctx) }?;
+        let value = f();
+        guard.restore()?;
+        Ok(value)
     }
 
     fn begin_capture(&self, device: Device, stream: CudaStreamHandle) -> Result<()> {

@@ -28,10 +28,13 @@
 #![deny(missing_docs)]
 
 pub mod alias;
+mod args;
 pub mod call;
+mod check;
 pub mod chunks;
 pub mod cuda;
 mod error;
+mod host;
 pub mod ops;
 pub mod row_id_map;
 

@@ -5,11 +5,10 @@
 //! Every driver call runs with the PE's device made current explicitly
 //! (`xcall_core::cuda::with_context`), never the calling thread's.
 
-use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, driver_error};
+use xcall_core::cuda::{self, driver_error, Launch, Params};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{Device, DeviceMap, KernelCache, KernelSource};
 
@@ -57,16 +56,38 @@ pub(crate) fn kernels(device: Device) -> Result<Arc<Kernels>> {
     Ok(k.clone())
 }
 
-/// Runs `f` with `device`'s primary context current, mapping driver errors.
+/// [`cuda::on`] with this crate's error type.
 pub(crate) fn on(
     device: Device,
     call: &'static str,
     f: impl FnOnce() -> sys::CUresult,
 ) -> Result<()> {
-    cuda::with_context(device, |_| {
-        f().result().map_err(|e| driver_error(call, device, e))
+    Ok(cuda::on(device, call, f)?)
+}
+
+/// Writes `bytes` (host memory) to device memory at `dst`, waiting for the
+/// copy.
+///
+/// # Safety
+/// `dst` must be `bytes.len()` writable bytes of `device`.
+pub(crate) unsafe fn write_device(device: Device, dst: u64, bytes: &[u8]) -> Result<()> {
+    // SAFETY: the caller's contract on `dst`; `bytes` is live host memory.
+    on(device, "cuMemcpyHtoD", || unsafe {
+        sys::cuMemcpyHtoD_v2(dst, bytes.as_ptr().cast(), bytes.len())
+    })
+}
+
+/// Reads the 64-bit word at `addr` of `device`, waiting for the copy.
+///
+/// # Safety
+/// `addr` must be 8 readable bytes of `device`.
+pub(crate) unsafe fn read_word(device: Device, addr: u64) -> Result<u64> {
+    let mut v = 0u64;
+    // SAFETY: the caller's contract on `addr`; writes 8 bytes into `v`.
+    on(device, "cuMemcpyDtoH", || unsafe {
+        sys::cuMemcpyDtoH_v2((&mut v as *mut u64).cast(), addr, 8)
     })?;
-    Ok(())
+    Ok(v)
 }
 
 /// Device memory of one PE's heap (cuMemAlloc: exportable through IPC).
@@ -248,23 +269,11 @@ pub(crate) unsafe fn launch(
     f: &CudaFunction,
     threads: u32,
     stream: sys::CUstream,
-    params: &mut [u64],
+    params: &[u64],
 ) -> Result<()> {
-    let mut ptrs: Vec<*mut c_void> = params.iter_mut().map(|p| (p as *mut u64).cast()).collect();
-    cuda::with_context(device, |_| {
-        // SAFETY: the caller's contract on `params`.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                (1, 1, 1),
-                (threads, 1, 1),
-                0,
-                stream,
-                &mut ptrs,
-            )
-        }
-        .map_err(|e| driver_error("cuLaunchKernel", device, e))
-    })?;
+    let mut params = Params::new().u64s(params);
+    // SAFETY: the caller's contract on `params`.
+    unsafe { cuda::launch(device, f, Launch::linear(1, threads, stream), &mut params) }?;
     Ok(())
 }
 

@@ -655,7 +655,7 @@ impl World {
         l.state.check()?;
         let k = crate::cuda::kernels(l.device)?;
         let n = l.size as u64;
-        let mut params = [
+        let params = [
             l.base + 8 * n + 16,
             l.base,
             l.base + 8 * n,
@@ -673,7 +673,7 @@ impl World {
                 &k.barrier,
                 n.next_multiple_of(32).min(1024) as u32,
                 stream.cast(),
-                &mut params,
+                &params,
             )
         }
     }
@@ -752,9 +752,8 @@ impl World {
             Platform::Cuda => {
                 let k = crate::cuda::kernels(l.device)?;
                 let s = l.stream_or(stream);
-                let mut params = [sig, value, op as u64];
                 // SAFETY: matches xcall_shmem_signal(u64*, u64, int).
-                unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &mut params) }
+                unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &[sig, value, op as u64]) }
             }
         }
     }
@@ -1063,14 +1062,8 @@ impl Live {
             }
             Memory::Cuda(_) => {
                 crate::cuda::kernels(self.device)?;
-                // SAFETY: copies into the internal region of the heap.
-                crate::cuda::on(self.device, "cuMemcpyHtoD", || unsafe {
-                    cudarc::driver::sys::cuMemcpyHtoD_v2(
-                        self.base,
-                        table.as_ptr().cast(),
-                        table.len(),
-                    )
-                })
+                // SAFETY: the first `internal` bytes of this PE's heap.
+                unsafe { crate::cuda::write_device(self.device, self.base, &table) }
             }
         }
     }
@@ -1206,12 +1199,8 @@ impl Live {
             // SAFETY: an aligned word of a mapped heap, accessed atomically.
             Platform::Host => Ok(unsafe { &*(addr as *const AtomicU64) }.load(Ordering::Acquire)),
             Platform::Cuda => {
-                let mut v = 0u64;
-                // SAFETY: reads 8 bytes of this PE's heap into `v`.
-                crate::cuda::on(self.device, "cuMemcpyDtoH", || unsafe {
-                    cudarc::driver::sys::cuMemcpyDtoH_v2((&mut v as *mut u64).cast(), addr, 8)
-                })?;
-                Ok(v)
+                // SAFETY: an aligned word of this PE's heap.
+                unsafe { crate::cuda::read_word(self.device, addr) }
             }
         }
     }
@@ -1228,15 +1217,10 @@ impl Live {
                 let e = self.read_word(err_word)?;
                 if e != 0 {
                     // Clear it so the report comes once.
-                    let zero = 0u64;
-                    // SAFETY: writes this PE's error word.
-                    crate::cuda::on(self.device, "cuMemcpyHtoD", || unsafe {
-                        cudarc::driver::sys::cuMemcpyHtoD_v2(
-                            err_word,
-                            (&zero as *const u64).cast(),
-                            8,
-                        )
-                    })?;
+                    // SAFETY: this PE's error word.
+                    unsafe {
+                        crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes())
+                    }?;
                     return Err(ShmemError::Timeout(format!(
                         "barrier_on_stream on rank {}: rank {} did not arrive within {:?}",
                         self.rank,

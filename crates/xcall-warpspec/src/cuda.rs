@@ -5,11 +5,10 @@
 //! prepared once per (device, op, dtype, variant, config) and reused.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, driver_error};
+use xcall_core::cuda::{self, Launch, Params};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{DType, Device, DeviceMap, Error, KernelCache, KernelSource, Result};
 
@@ -135,17 +134,13 @@ impl WsKernels {
             },
         )?;
         let function = module.function(&generated.name)?;
-        cuda::with_context(device, |_| {
-            // SAFETY: sets an attribute of a function loaded in this context.
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    function.cu_function(),
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    generated.smem_bytes as i32,
-                )
-            }
-            .result()
-            .map_err(|e| driver_error("cuFuncSetAttribute", device, e))
+        // SAFETY: sets an attribute of a function loaded in this context.
+        cuda::on(device, "cuFuncSetAttribute", || unsafe {
+            sys::cuFuncSetAttribute(
+                function.cu_function(),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                generated.smem_bytes as i32,
+            )
         })?;
         let prepared = Arc::new(Prepared {
             function,
@@ -196,28 +191,15 @@ impl WsKernels {
                 .div_ceil(256)
                 .min(p.multiprocessors as u64 * 8),
         } as u32;
-        let mut ptrs: Vec<u64> = buffers.inputs.to_vec();
-        ptrs.push(buffers.output);
-        let (mut bytes, mut scale) = (buffers.bytes, scale);
-        let mut params: Vec<*mut c_void> =
-            ptrs.iter_mut().map(|p| (p as *mut u64).cast()).collect();
-        params.push((&mut bytes as *mut u64).cast());
-        params.push((&mut scale as *mut f32).cast());
-        cuda::with_context(device, |_| {
-            // SAFETY: the parameters match the generated signature
-            // (operands, output, bytes, scale) and point to live locals; the
-            // buffers were checked for alignment, overlap and element size.
-            unsafe {
-                cudarc::driver::result::launch_kernel(
-                    p.function.cu_function(),
-                    (grid, 1, 1),
-                    (p.threads, 1, 1),
-                    p.smem_bytes,
-                    stream,
-                    &mut params,
-                )
-            }
-            .map_err(|e| driver_error("cuLaunchKernel", device, e))
-        })
+        let mut params = Params::new()
+            .u64s(buffers.inputs)
+            .u64(buffers.output)
+            .u64(buffers.bytes)
+            .f32(scale);
+        let config = Launch::linear(grid, p.threads, stream).with_shared(p.smem_bytes);
+        // SAFETY: the parameters match the generated signature (operands,
+        // output, bytes, scale); the buffers were checked for alignment,
+        // overlap and element size.
+        unsafe { cuda::launch(device, &p.function, config, &mut params) }
     }
 }

@@ -6,17 +6,35 @@
 //! never a panic. Host-only work never reaches this module.
 //!
 //! Calls that need a context make it current only for their own duration and
-//! restore the caller's context afterwards ([`with_context`]): a framework's
-//! worker thread keeps whatever device it had current.
+//! restore the caller's context afterwards ([`ContextGuard`],
+//! [`with_context`]): a framework's worker thread keeps whatever device it had
+//! current.
+//!
+//! The toolkit every capability crate uses, so none of them reaches for the
+//! driver in its own way:
+//! - [`check`] and [`on`]: a driver call whose failure names the call and
+//!   the device ([`Error::CudaDriver`]);
+//! - [`ContextGuard`]: a context made current until the guard drops (also on
+//!   a panic), then the caller's previous one again;
+//! - [`Event`] and [`StreamAlloc`]: driver objects destroyed or freed on drop;
+//! - [`Params`] and [`launch`]: one way to pass a kernel's parameters.
+
+mod context;
+mod launch;
+mod objects;
+
+pub use context::{retain_primary_context, with_context, ContextGuard};
+pub use launch::{launch, Launch, Params};
+pub use objects::{Event, StreamAlloc};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use cudarc::driver::{result as cu, sys};
 pub use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 
-use crate::{Device, DeviceMap, Error, Platform, Result};
+use crate::{Device, Error, Platform, Result};
 
 /// Environment variable that hides CUDA from xcall when set to anything but
 /// `0` or empty (the library then behaves as on a machine without a GPU).
@@ -179,6 +197,18 @@ pub fn driver_error(call: &'static str, device: Device, e: DriverError) -> Error
     }
 }
 
+/// Turns the result `r` of the driver call `call` on `device` into a
+/// [`Result`] whose error names the call.
+pub fn check(call: &'static str, device: Device, r: sys::CUresult) -> Result<()> {
+    r.result().map_err(|e| driver_error(call, device, e))
+}
+
+/// Runs the driver call `f` (named `call`) with `device`'s primary context
+/// current, then restores the caller's context.
+pub fn on(device: Device, call: &'static str, f: impl FnOnce() -> sys::CUresult) -> Result<()> {
+    with_context(device, |_| check(call, device, f()))
+}
+
 /// Checks that `device` is a CUDA device that exists; returns its ordinal.
 pub fn check_device(device: Device) -> Result<u32> {
     if device.platform != Platform::Cuda {
@@ -187,52 +217,6 @@ pub fn check_device(device: Device) -> Result<u32> {
         )));
     }
     device.validate().map(|d| d.ordinal)
-}
-
-fn contexts() -> &'static DeviceMap<Arc<CudaContext>> {
-    static CONTEXTS: OnceLock<DeviceMap<Arc<CudaContext>>> = OnceLock::new();
-    CONTEXTS.get_or_init(DeviceMap::new)
-}
-
-/// Runs `f` with the primary context of `device` current on this thread, then
-/// makes the caller's previous context current again (also when `f` fails).
-pub fn with_context<T>(
-    device: Device,
-    f: impl FnOnce(&Arc<CudaContext>) -> Result<T>,
-) -> Result<T> {
-    let ordinal = check_device(device)?;
-    let mut previous: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one context handle through a valid pointer.
-    unsafe { sys::cuCtxGetCurrent(&mut previous) }
-        .result()
-        .map_err(|e| driver_error("cuCtxGetCurrent", device, e))?;
-    let ctx = contexts().get_or_try_init(device, || {
-        CudaContext::new(ordinal as usize)
-            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", device, e))
-    })?;
-    let result = ctx
-        .bind_to_thread()
-        .map_err(|e| driver_error("cuCtxSetCurrent", device, e))
-        .and_then(|()| f(ctx));
-    // SAFETY: `previous` is null or a context that was current on this
-    // thread a moment ago; the caller owns its lifetime.
-    let restored = unsafe { sys::cuCtxSetCurrent(previous) }.result();
-    match (result, restored) {
-        (Ok(value), Ok(())) => Ok(value),
-        (Err(e), _) => Err(e),
-        (Ok(_), Err(e)) => Err(driver_error("cuCtxSetCurrent", device, e)),
-    }
-}
-
-/// Retains `device`'s primary context for the rest of the process (once;
-/// later calls are a lock-free lookup). Objects that live in that context,
-/// such as cached graphs, can then never outlive it. The caller's current
-/// context is left as it was.
-pub fn retain_primary_context(device: Device) -> Result<()> {
-    if contexts().get(device).is_some() {
-        return Ok(());
-    }
-    with_context(device, |_| Ok(()))
 }
 
 /// What `xcall doctor` and the kernel cache need to know about a device.

@@ -1,0 +1,177 @@
+//! One way to launch a kernel: its parameters in 8-byte slots, the grid and
+//! block in a [`Launch`], the driver call checked.
+
+use std::ffi::c_void;
+
+use cudarc::driver::{sys, CudaFunction};
+
+use super::{check, ContextGuard};
+use crate::{Device, Result};
+
+/// A kernel's parameters in order, each in its own 8-byte slot. The driver
+/// reads a parameter's size from the kernel's signature at the slot's start:
+/// a 32-bit value sits in the slot's low bytes, which is where a
+/// little-endian host puts it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Params {
+    slots: Vec<u64>,
+}
+
+impl Params {
+    /// No parameters yet.
+    pub fn new() -> Params {
+        Params::default()
+    }
+
+    /// A device pointer (or any 64-bit value).
+    pub fn u64(mut self, value: u64) -> Params {
+        self.slots.push(value);
+        self
+    }
+
+    /// A signed 64-bit value.
+    pub fn i64(self, value: i64) -> Params {
+        self.u64(value as u64)
+    }
+
+    /// A signed 32-bit value.
+    pub fn i32(self, value: i32) -> Params {
+        self.u64(value as u32 as u64)
+    }
+
+    /// A 32-bit float.
+    pub fn f32(self, value: f32) -> Params {
+        self.u64(value.to_bits() as u64)
+    }
+
+    /// Device pointers (or 64-bit values), in order.
+    pub fn u64s(mut self, values: &[u64]) -> Params {
+        self.slots.extend_from_slice(values);
+        self
+    }
+
+    /// How many parameters there are.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
+/// Where and how wide a kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    /// Blocks (x, y, z).
+    pub grid: (u32, u32, u32),
+    /// Threads per block (x, y, z).
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_bytes: u32,
+    /// The stream the launch is ordered on.
+    pub stream: sys::CUstream,
+}
+
+impl Launch {
+    /// `blocks` blocks of `threads` threads in one dimension, no dynamic
+    /// shared memory.
+    pub fn linear(blocks: u32, threads: u32, stream: sys::CUstream) -> Launch {
+        Launch {
+            grid: (blocks, 1, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
+            stream,
+        }
+    }
+
+    /// The same launch with `bytes` of dynamic shared memory per block.
+    pub fn with_shared(self, bytes: u32) -> Launch {
+        Launch {
+            shared_bytes: bytes,
+            ..self
+        }
+    }
+}
+
+/// Launches `function` on `device` (its primary context current for the
+/// call, the caller's restored after it).
+///
+/// # Safety
+/// `params` must match the kernel's signature (count, order, and each
+/// parameter's size at most 8 bytes), every pointer in it must be valid for
+/// what the kernel does with it, and the stream must belong to `device`.
+pub unsafe fn launch(
+    device: Device,
+    function: &CudaFunction,
+    config: Launch,
+    params: &mut Params,
+) -> Result<()> {
+    let mut pointers: Vec<*mut c_void> = params
+        .slots
+        .iter_mut()
+        .map(|slot| (slot as *mut u64).cast())
+        .collect();
+    let guard = ContextGuard::primary(device)?;
+    // SAFETY: the caller's contract on the parameters and the stream; every
+    // slot outlives the call.
+    let launched = unsafe {
+        sys::cuLaunchKernel(
+            function.cu_function(),
+            config.grid.0,
+            config.grid.1,
+            config.grid.2,
+            config.block.0,
+            config.block.1,
+            config.block.2,
+            config.shared_bytes,
+            config.stream,
+            pointers.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    let restored = guard.restore();
+    check("cuLaunchKernel", device, launched)?;
+    restored
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_sit_in_the_low_bytes_of_their_slots() {
+        let p = Params::new()
+            .u64(0x1122_3344_5566_7788)
+            .i64(-2)
+            .i32(-1)
+            .f32(1.5)
+            .u64s(&[7, 9]);
+        assert_eq!(
+            p.slots,
+            vec![
+                0x1122_3344_5566_7788,
+                u64::MAX - 1,
+                0xffff_ffff,
+                0x3fc0_0000,
+                7,
+                9
+            ]
+        );
+        assert_eq!(p.len(), 6);
+        assert!(!p.is_empty());
+        assert!(Params::new().is_empty());
+        // The driver reads a 4-byte parameter from the slot's first bytes.
+        let f = p.slots[3].to_le_bytes();
+        assert_eq!(f32::from_le_bytes([f[0], f[1], f[2], f[3]]), 1.5);
+    }
+
+    #[test]
+    fn linear_launches_fill_one_dimension() {
+        let l = Launch::linear(5, 128, std::ptr::null_mut()).with_shared(1024);
+        assert_eq!(l.grid, (5, 1, 1));
+        assert_eq!(l.block, (128, 1, 1));
+        assert_eq!(l.shared_bytes, 1024);
+    }
+}

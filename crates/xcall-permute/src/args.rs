@@ -1,0 +1,213 @@
+//! The arguments of the ops on raw addresses: where they run ([`Target`]),
+//! the tensors they read and write ([`Tensor`]) and one `*Args` struct per
+//! op. Plain data: the checks live in `check`, the work in the backends.
+
+use std::ffi::c_void;
+
+use xcall_core::{DType, Device};
+
+use crate::alias::Region;
+use crate::chunks::Direction;
+use crate::row_id_map::RowIdMapOptions;
+
+/// Where an op runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Target {
+    /// The device every tensor lives on.
+    pub device: Device,
+    /// The `CUstream` on CUDA (not the legacy NULL stream); ignored on Host.
+    pub stream: *mut c_void,
+    /// Whether CUDA launches may autotune (see the crate docs). Defaults
+    /// to on unless `XCALL_PERMUTE_AUTOTUNE=0`.
+    pub autotune: bool,
+    /// Checked mode on CUDA: ops that follow a row-id map check all of it
+    /// on the device first (bounds, kept rows, unique rows, counts: what
+    /// the Host checks) and, unless the stream is capturing, wait for the
+    /// verdict, failing with nothing written. Under capture the check runs
+    /// in the graph and records [`MapFaults`](crate::MapFaults) for
+    /// [`take_faults`](crate::call::take_faults). Defaults
+    /// to off unless `XCALL_PERMUTE_CHECK=1`. The Host always checks.
+    pub checked: bool,
+}
+
+impl Target {
+    /// The Host.
+    pub fn host() -> Self {
+        Target {
+            device: Device::HOST,
+            stream: std::ptr::null_mut(),
+            autotune: false,
+            checked: true,
+        }
+    }
+
+    /// CUDA device `ordinal`, work enqueued on `stream`.
+    pub fn cuda(ordinal: u32, stream: *mut c_void) -> Self {
+        Target {
+            device: Device::cuda(ordinal),
+            stream,
+            autotune: autotune_default(),
+            checked: checked_default(),
+        }
+    }
+}
+
+/// Autotuning unless `XCALL_PERMUTE_AUTOTUNE` is `0`.
+pub fn autotune_default() -> bool {
+    std::env::var("XCALL_PERMUTE_AUTOTUNE").map_or(true, |v| v.trim() != "0")
+}
+
+/// Checked mode when `XCALL_PERMUTE_CHECK` is `1`.
+pub fn checked_default() -> bool {
+    std::env::var("XCALL_PERMUTE_CHECK").is_ok_and(|v| v.trim() == "1")
+}
+
+/// A tensor: address (a host pointer or a `CUdeviceptr`), dtype, dims
+/// (row-major, dense).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tensor {
+    /// First byte.
+    pub address: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions, outermost first.
+    pub dims: Vec<u64>,
+}
+
+impl Tensor {
+    /// A tensor at `address`.
+    pub fn new(address: u64, dtype: DType, dims: &[u64]) -> Self {
+        Tensor {
+            address,
+            dtype,
+            dims: dims.to_vec(),
+        }
+    }
+
+    /// A tensor over a host slice.
+    pub fn of<T>(data: &[T], dtype: DType, dims: &[u64]) -> Self {
+        Self::new(data.as_ptr() as u64, dtype, dims)
+    }
+
+    /// Bytes, once the checks accepted the tensor.
+    pub fn bytes(&self) -> u64 {
+        self.dims.iter().product::<u64>() * self.dtype.size_bytes() as u64
+    }
+
+    pub(crate) fn region<'a>(&self, name: &'a str) -> Region<'a> {
+        Region {
+            name,
+            address: self.address,
+            bytes: self.bytes(),
+        }
+    }
+}
+
+/// Arguments of [`make_row_id_map`](crate::call::make_row_id_map).
+#[derive(Clone, Debug)]
+pub struct MakeRowIdMapArgs {
+    /// `[T, E]` u8 or bool; any nonzero byte is a route.
+    pub routing: Tensor,
+    /// See [`RowIdMapOptions`].
+    pub options: RowIdMapOptions,
+    /// Output `[T, 2E + 1]` i32.
+    pub row_id_map: Tensor,
+    /// Output `[E]` i64: routes kept per expert.
+    pub tokens_per_expert: Tensor,
+    /// Output `[E + 1]` i64: first row of each expert's (padded) chunk,
+    /// then the end of the last chunk.
+    pub expert_offsets: Tensor,
+}
+
+/// Arguments of [`permute`](crate::call::permute).
+#[derive(Clone, Debug)]
+pub struct PermuteArgs {
+    /// `[T, H]`, any dtype.
+    pub input: Tensor,
+    /// `[T, 2E + 1]` i32.
+    pub row_id_map: Tensor,
+    /// `[E]` i64, from `make_row_id_map`.
+    pub tokens_per_expert: Tensor,
+    /// `[E + 1]` i64, from `make_row_id_map`.
+    pub expert_offsets: Tensor,
+    /// Optional `[T, E]` f32.
+    pub probs: Option<Tensor>,
+    /// Optional `[T, S]` f32.
+    pub scales: Option<Tensor>,
+    /// Output `[N, H]` of the input's dtype.
+    pub output: Tensor,
+    /// Output `[N]` f32, with `probs`.
+    pub permuted_probs: Option<Tensor>,
+    /// Output `[N, S]` f32, with `scales`.
+    pub permuted_scales: Option<Tensor>,
+    /// Outputs may overlap inputs (see [`call`](crate::call)).
+    pub in_place: bool,
+}
+
+/// Arguments of [`unpermute`](crate::call::unpermute).
+#[derive(Clone, Debug)]
+pub struct UnpermuteArgs {
+    /// `[N, H]` f32, f16 or bf16 (f8e4m3/f8e5m2 without merging probs).
+    pub input: Tensor,
+    /// `[T, 2E + 1]` i32.
+    pub row_id_map: Tensor,
+    /// Optional `[T, E]` f32 merging weights.
+    pub merging_probs: Option<Tensor>,
+    /// Optional `[N]` f32 to scatter back.
+    pub permuted_probs: Option<Tensor>,
+    /// Output `[T, H]` of the input's dtype.
+    pub output: Tensor,
+    /// Output `[T, E]` f32, with `permuted_probs`.
+    pub unpermuted_probs: Option<Tensor>,
+}
+
+/// Arguments of [`unpermute_backward`](crate::call::unpermute_backward).
+#[derive(Clone, Debug)]
+pub struct UnpermuteBackwardArgs {
+    /// `[T, H]` f32, f16 or bf16.
+    pub grad: Tensor,
+    /// `[N, H]`, the forward input of `unpermute`.
+    pub fwd_input: Tensor,
+    /// `[T, 2E + 1]` i32.
+    pub row_id_map: Tensor,
+    /// `[E]` i64.
+    pub tokens_per_expert: Tensor,
+    /// `[E + 1]` i64.
+    pub expert_offsets: Tensor,
+    /// `[T, E]` f32.
+    pub merging_probs: Tensor,
+    /// Output `[N, H]`.
+    pub act_grad: Tensor,
+    /// Output `[T, E]` f32.
+    pub probs_grad: Tensor,
+}
+
+/// Arguments of [`make_chunk_sort_map`](crate::call::make_chunk_sort_map).
+#[derive(Clone, Debug)]
+pub struct MakeChunkSortMapArgs {
+    /// `[S]` i64 rows per chunk.
+    pub split_sizes: Tensor,
+    /// `[S]` i64, a permutation of `0..S`: the output order of the chunks.
+    pub sorted_indices: Tensor,
+    /// Output `[T]` i64.
+    pub map: Tensor,
+}
+
+/// Arguments of [`sort_chunks_by_map`](crate::call::sort_chunks_by_map).
+#[derive(Clone, Debug)]
+pub struct SortChunksArgs {
+    /// `[T, H]`, any dtype.
+    pub input: Tensor,
+    /// `[T]` i64, a permutation of `0..T` (from `make_chunk_sort_map`).
+    pub map: Tensor,
+    /// Optional `[T]` f32.
+    pub probs: Option<Tensor>,
+    /// Scatter (forward) or gather (backward).
+    pub direction: Direction,
+    /// Output `[T, H]` of the input's dtype.
+    pub output: Tensor,
+    /// Output `[T]` f32, with `probs`.
+    pub permuted_probs: Option<Tensor>,
+    /// Outputs may overlap inputs (see [`call`](crate::call)).
+    pub in_place: bool,
+}

@@ -1,0 +1,535 @@
+//! The CUDA path: kernels from `kernels.cu`, compiled with NVRTC once per
+//! device and module family, launched on the caller's stream.
+//!
+//! Autotuning: movement and arithmetic kernels have a launch config
+//! (threads per block, vectors in flight per thread). The first call per
+//! (device, kernel, dtype, vector width, row-size class) with autotuning on
+//! and a stream that is not capturing times every candidate on scratch
+//! outputs (stream-ordered allocations freed right after; nothing the
+//! caller can see is written), waits for the stream once, and caches the
+//! fastest config for the device. Under capture, or with autotuning off,
+//! the cached config or the default is used. Every config computes the
+//! same bits (the summation order never depends on the config).
+//!
+//! `module` builds and loads the kernels, `tune` picks launch configs; the
+//! ops below check device memory, launch and never return to the caller's
+//! modules.
+
+mod module;
+mod tune;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use xcall_core::cuda::Params;
+use xcall_core::{DeviceMap, KernelCache};
+
+use crate::args::{
+    MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
+    UnpermuteArgs, UnpermuteBackwardArgs,
+};
+use crate::check::{Checked, Dims};
+use crate::chunks::{self, Direction};
+use crate::error::PermuteError;
+use module::{
+    capturing, check_device_memory, check_map_on_device, function, launch, read_back, Family,
+    FunctionKey, Loaded, SMEM_LIMIT,
+};
+pub(crate) use module::{copy_of, take_faults};
+use tune::{
+    arith_width, choose, default_config, grid_for, movement_candidates, row_class, width, TuneKey,
+};
+pub use tune::{cached_configs, set_after_tuning_hook, Config, TuningHook};
+
+type Result<T> = std::result::Result<T, PermuteError>;
+
+const MOVE_WIDTHS: [usize; 5] = [16, 8, 4, 2, 1];
+const UNROLLS: [u32; 3] = [1, 2, 4];
+
+#[derive(Default)]
+struct State {
+    kernels: KernelCache,
+    /// Loaded kernels by (module family, kernel name): the arithmetic
+    /// families share kernel names.
+    functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
+    tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
+    multiprocessors: DeviceMap<u64>,
+    /// The address of each loaded module's map fault word
+    /// (`xcall_map_faults` in `kernels.cu`).
+    fault_words: DeviceMap<Mutex<HashMap<Family, u64>>>,
+}
+
+fn state() -> &'static State {
+    static STATE: OnceLock<State> = OnceLock::new();
+    STATE.get_or_init(State::default)
+}
+
+fn opt(t: &Option<Tensor>) -> u64 {
+    t.as_ref().map_or(0, |t| t.address)
+}
+
+fn opt_bytes(t: &Option<Tensor>) -> u64 {
+    t.as_ref().map_or(0, Tensor::bytes)
+}
+
+/// See [`crate::call::make_row_id_map`]. Deterministic: three passes over
+/// blocks of tokens, block prefix sums, no atomics.
+pub(crate) unsafe fn make_row_id_map(target: &Target, c: &Checked<MakeRowIdMapArgs>) -> Result<()> {
+    let (a, d) = (c.args(), c.dims());
+    check_device_memory(
+        target,
+        &[
+            ("routing", Some(&a.routing)),
+            ("row_id_map", Some(&a.row_id_map)),
+            ("tokens_per_expert", Some(&a.tokens_per_expert)),
+            ("expert_offsets", Some(&a.expert_offsets)),
+        ],
+    )?;
+    let (t, e) = (d.tokens, d.experts);
+    if t > i32::MAX as usize {
+        return Err(PermuteError::Unsupported(format!(
+            "{t} tokens: the CUDA row-id map supports up to 2^31 - 1"
+        )));
+    }
+    let max_experts = SMEM_LIMIT / 9;
+    if e > max_experts {
+        return Err(PermuteError::Unsupported(format!(
+            "{e} experts: the CUDA row-id map supports up to {max_experts}"
+        )));
+    }
+    // Small blocks of tokens for parallelism (about 512 blocks), at most
+    // what shared memory holds.
+    let tb = ((SMEM_LIMIT - 8 * e) / e).min(t.div_ceil(512).clamp(8, 128));
+    let nblocks = t.div_ceil(tb) as u64;
+    let align = a.options.align.unwrap_or(1) as i64;
+    let cap = a.options.num_out_tokens.map_or(i64::MAX, |c| c as i64);
+    let capacity = a.options.capacity.map_or(0, |c| c as i64);
+    let (routing, map, tpe, off) = (
+        a.routing.address,
+        a.row_id_map.address,
+        a.tokens_per_expert.address,
+        a.expert_offsets.address,
+    );
+    let (ti, ei, tbi) = (t as i64, e as i32, tb as i32);
+    let dev = target.device;
+    launch(
+        target,
+        &function(dev, Family::Movement, "rim_count")?,
+        nblocks,
+        256,
+        tb * e,
+        Params::new().u64(routing).u64(map).i64(ti).i32(ei).i32(tbi),
+    )?;
+    launch(
+        target,
+        &function(dev, Family::Movement, "rim_scan_blocks")?,
+        e as u64,
+        256,
+        0,
+        Params::new()
+            .u64(map)
+            .u64(tpe)
+            .i64(ti)
+            .i32(ei)
+            .i32(tbi)
+            .i64(nblocks as i64),
+    )?;
+    launch(
+        target,
+        &function(dev, Family::Movement, "rim_offsets")?,
+        1,
+        1024,
+        0,
+        Params::new()
+            .u64(tpe)
+            .u64(off)
+            .i32(ei)
+            .i64(align)
+            .i64(cap)
+            .i64(capacity),
+    )?;
+    launch(
+        target,
+        &function(dev, Family::Movement, "rim_write")?,
+        nblocks,
+        256,
+        8 * e + tb * e,
+        Params::new()
+            .u64(routing)
+            .u64(map)
+            .u64(off)
+            .i64(ti)
+            .i32(ei)
+            .i32(tbi)
+            .i64(cap)
+            .i64(capacity),
+    )
+}
+
+/// Zeroes the rows of `[output, permuted_probs, permuted_scales]` (0 for
+/// an absent one) that no route writes: each expert chunk's padding and the
+/// rows past the last chunk (`d.scales` values per row of scales).
+fn zero_unwritten(
+    target: &Target,
+    outs: [u64; 3],
+    (tokens_per_expert, expert_offsets): (&Tensor, &Tensor),
+    d: Dims,
+    row: u64,
+) -> Result<()> {
+    let v = width(row, &[outs[0]]);
+    launch(
+        target,
+        &function(target.device, Family::Movement, &format!("zero_{v}"))?,
+        d.experts as u64 + 1,
+        256,
+        0,
+        Params::new()
+            .u64(outs[0])
+            .u64(outs[1])
+            .u64(outs[2])
+            .u64(tokens_per_expert.address)
+            .u64(expert_offsets.address)
+            .i32(d.experts as i32)
+            .i64(d.out_rows as i64)
+            .i64(row as i64)
+            .i32(d.scales as i32),
+    )
+}
+
+/// See [`crate::call::permute`].
+pub(crate) unsafe fn permute(target: &Target, c: &Checked<PermuteArgs>) -> Result<()> {
+    let (a, d) = (c.args(), c.dims());
+    check_device_memory(
+        target,
+        &[
+            ("input", Some(&a.input)),
+            ("row_id_map", Some(&a.row_id_map)),
+            ("tokens_per_expert", Some(&a.tokens_per_expert)),
+            ("expert_offsets", Some(&a.expert_offsets)),
+            ("probs", a.probs.as_ref()),
+            ("scales", a.scales.as_ref()),
+            ("output", Some(&a.output)),
+            ("permuted_probs", a.permuted_probs.as_ref()),
+            ("permuted_scales", a.permuted_scales.as_ref()),
+        ],
+    )?;
+    check_map_on_device(
+        target,
+        &a.row_id_map,
+        Some((&a.tokens_per_expert, &a.expert_offsets)),
+        d,
+    )?;
+    let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
+    let dev = target.device;
+    zero_unwritten(
+        target,
+        [
+            a.output.address,
+            opt(&a.permuted_probs),
+            opt(&a.permuted_scales),
+        ],
+        (&a.tokens_per_expert, &a.expert_offsets),
+        d,
+        row,
+    )?;
+    if d.tokens == 0 || (row == 0 && d.scales == 0 && a.probs.is_none()) {
+        return Ok(());
+    }
+    let v = width(row, &[a.input.address, a.output.address]);
+    let run = |c: Config, outs: &[u64]| -> Result<()> {
+        launch(
+            target,
+            &function(dev, Family::Movement, &format!("permute_{v}_{}", c.unroll))?,
+            grid_for(dev, d.tokens, c)?,
+            c.threads,
+            0,
+            Params::new()
+                .u64(a.input.address)
+                .u64(a.row_id_map.address)
+                .u64(opt(&a.probs))
+                .u64(opt(&a.scales))
+                .u64(outs[0])
+                .u64(outs[1])
+                .u64(outs[2])
+                .i64(d.tokens as i64)
+                .i32(d.experts as i32)
+                .i64(row as i64)
+                .i32(d.scales as i32)
+                .i64(d.out_rows as i64),
+        )
+    };
+    let config = choose(
+        target,
+        ("permute", 0, v, row_class(row)),
+        default_config(row / v as u64),
+        &movement_candidates(),
+        &[
+            a.output.bytes(),
+            opt_bytes(&a.permuted_probs),
+            opt_bytes(&a.permuted_scales),
+        ],
+        &run,
+    )?;
+    run(
+        config,
+        &[
+            a.output.address,
+            opt(&a.permuted_probs),
+            opt(&a.permuted_scales),
+        ],
+    )
+}
+
+/// See [`crate::call::unpermute`].
+pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<UnpermuteArgs>) -> Result<()> {
+    let (a, d) = (c.args(), c.dims());
+    check_device_memory(
+        target,
+        &[
+            ("input", Some(&a.input)),
+            ("row_id_map", Some(&a.row_id_map)),
+            ("merging_probs", a.merging_probs.as_ref()),
+            ("permuted_probs", a.permuted_probs.as_ref()),
+            ("output", Some(&a.output)),
+            ("unpermuted_probs", a.unpermuted_probs.as_ref()),
+        ],
+    )?;
+    check_map_on_device(target, &a.row_id_map, None, d)?;
+    if d.tokens == 0 {
+        return Ok(());
+    }
+    let dtype = a.input.dtype;
+    let row = (d.hidden * dtype.size_bytes()) as u64;
+    let v = arith_width(dtype, row, &[a.input.address, a.output.address]);
+    let dev = target.device;
+    let run = |c: Config, outs: &[u64]| -> Result<()> {
+        launch(
+            target,
+            &function(
+                dev,
+                Family::Arith(dtype),
+                &format!("unpermute_{v}_{}", c.unroll),
+            )?,
+            grid_for(dev, d.tokens, c)?,
+            c.threads,
+            0,
+            Params::new()
+                .u64(a.input.address)
+                .u64(a.row_id_map.address)
+                .u64(opt(&a.merging_probs))
+                .u64(opt(&a.permuted_probs))
+                .u64(outs[0])
+                .u64(outs[1])
+                .i64(d.tokens as i64)
+                .i32(d.experts as i32)
+                .i64(d.hidden as i64)
+                .i64(d.out_rows as i64),
+        )
+    };
+    let config = choose(
+        target,
+        ("unpermute", dtype as u32, v, row_class(row)),
+        default_config(row / v as u64),
+        &movement_candidates(),
+        &[a.output.bytes(), opt_bytes(&a.unpermuted_probs)],
+        &run,
+    )?;
+    run(config, &[a.output.address, opt(&a.unpermuted_probs)])
+}
+
+/// See [`crate::call::unpermute_backward`].
+pub(crate) unsafe fn unpermute_backward(
+    target: &Target,
+    c: &Checked<UnpermuteBackwardArgs>,
+) -> Result<()> {
+    let (a, d) = (c.args(), c.dims());
+    check_device_memory(
+        target,
+        &[
+            ("grad", Some(&a.grad)),
+            ("fwd_input", Some(&a.fwd_input)),
+            ("row_id_map", Some(&a.row_id_map)),
+            ("tokens_per_expert", Some(&a.tokens_per_expert)),
+            ("expert_offsets", Some(&a.expert_offsets)),
+            ("merging_probs", Some(&a.merging_probs)),
+            ("act_grad", Some(&a.act_grad)),
+            ("probs_grad", Some(&a.probs_grad)),
+        ],
+    )?;
+    check_map_on_device(
+        target,
+        &a.row_id_map,
+        Some((&a.tokens_per_expert, &a.expert_offsets)),
+        d,
+    )?;
+    let dtype = a.grad.dtype;
+    let row = (d.hidden * dtype.size_bytes()) as u64;
+    let dev = target.device;
+    let no_scales = Dims { scales: 0, ..d };
+    zero_unwritten(
+        target,
+        [a.act_grad.address, 0, 0],
+        (&a.tokens_per_expert, &a.expert_offsets),
+        no_scales,
+        row,
+    )?;
+    if d.tokens == 0 {
+        return Ok(());
+    }
+    let v = arith_width(
+        dtype,
+        row,
+        &[a.grad.address, a.fwd_input.address, a.act_grad.address],
+    );
+    let run = |c: Config, outs: &[u64]| -> Result<()> {
+        launch(
+            target,
+            &function(
+                dev,
+                Family::Arith(dtype),
+                &format!("unpermute_bwd_{v}_{}", c.unroll),
+            )?,
+            grid_for(dev, d.tokens, c)?,
+            c.threads,
+            0,
+            Params::new()
+                .u64(a.grad.address)
+                .u64(a.fwd_input.address)
+                .u64(a.row_id_map.address)
+                .u64(a.merging_probs.address)
+                .u64(outs[0])
+                .u64(outs[1])
+                .i64(d.tokens as i64)
+                .i32(d.experts as i32)
+                .i64(d.hidden as i64)
+                .i64(d.out_rows as i64),
+        )
+    };
+    let candidates: Vec<Config> = UNROLLS
+        .iter()
+        .flat_map(|&unroll| {
+            [0, 4, 8].map(|waves| Config {
+                threads: 256 / unroll,
+                unroll,
+                waves,
+            })
+        })
+        .collect();
+    let config = choose(
+        target,
+        ("unpermute_backward", dtype as u32, v, row_class(row)),
+        Config {
+            threads: 128,
+            unroll: 2,
+            waves: 0,
+        },
+        &candidates,
+        &[a.act_grad.bytes(), a.probs_grad.bytes()],
+        &run,
+    )?;
+    run(config, &[a.act_grad.address, a.probs_grad.address])
+}
+
+/// Largest chunk count the CUDA chunk map holds in shared memory.
+pub const MAX_CUDA_CHUNKS: usize = (SMEM_LIMIT - 8) / 17;
+
+/// See [`crate::call::make_chunk_sort_map`].
+pub(crate) unsafe fn make_chunk_sort_map(
+    target: &Target,
+    c: &Checked<MakeChunkSortMapArgs>,
+) -> Result<()> {
+    let (a, tokens) = (c.args(), c.dims().tokens);
+    check_device_memory(
+        target,
+        &[
+            ("split_sizes", Some(&a.split_sizes)),
+            ("sorted_indices", Some(&a.sorted_indices)),
+            ("map", Some(&a.map)),
+        ],
+    )?;
+    let s = a.split_sizes.dims[0] as usize;
+    if s > MAX_CUDA_CHUNKS {
+        return Err(PermuteError::Unsupported(format!(
+            "{s} chunks: the CUDA chunk map supports up to {MAX_CUDA_CHUNKS}"
+        )));
+    }
+    if !capturing(target)? {
+        // Read the split back and check it on the Host for a clear error.
+        let mut sizes = vec![0i64; s];
+        let mut sorted = vec![0i64; s];
+        read_back(
+            target,
+            &mut [
+                (&mut sizes[..], a.split_sizes.address),
+                (&mut sorted[..], a.sorted_indices.address),
+            ],
+            |_| Ok(()),
+        )?;
+        chunks::check_split(&sizes, &sorted, tokens)?;
+    }
+    launch(
+        target,
+        &function(target.device, Family::Movement, "chunk_map")?,
+        (tokens as u64).div_ceil(256).clamp(1, 1 << 16),
+        256,
+        (2 * s + 1) * 8 + s,
+        Params::new()
+            .u64(a.split_sizes.address)
+            .u64(a.sorted_indices.address)
+            .u64(a.map.address)
+            .i32(s as i32)
+            .i64(tokens as i64),
+    )
+}
+
+/// See [`crate::call::sort_chunks_by_map`].
+pub(crate) unsafe fn sort_chunks_by_map(
+    target: &Target,
+    c: &Checked<SortChunksArgs>,
+) -> Result<()> {
+    let (a, d) = (c.args(), c.dims());
+    check_device_memory(
+        target,
+        &[
+            ("input", Some(&a.input)),
+            ("map", Some(&a.map)),
+            ("probs", a.probs.as_ref()),
+            ("output", Some(&a.output)),
+            ("permuted_probs", a.permuted_probs.as_ref()),
+        ],
+    )?;
+    let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
+    if d.tokens == 0 {
+        return Ok(());
+    }
+    let v = width(row, &[a.input.address, a.output.address]);
+    let dev = target.device;
+    let backward = matches!(a.direction, Direction::Backward) as i32;
+    let run = |c: Config, outs: &[u64]| -> Result<()> {
+        launch(
+            target,
+            &function(dev, Family::Movement, &format!("sort_{v}_{}", c.unroll))?,
+            grid_for(dev, d.tokens, c)?,
+            c.threads,
+            0,
+            Params::new()
+                .u64(a.input.address)
+                .u64(a.map.address)
+                .u64(opt(&a.probs))
+                .u64(outs[0])
+                .u64(outs[1])
+                .i64(d.tokens as i64)
+                .i64(row as i64)
+                .i32(backward),
+        )
+    };
+    let config = choose(
+        target,
+        ("sort_chunks", 0, v, row_class(row)),
+        default_config(row / v as u64),
+        &movement_candidates(),
+        &[a.output.bytes(), opt_bytes(&a.permuted_probs)],
+        &run,
+    )?;
+    run(config, &[a.output.address, opt(&a.permuted_probs)])
+}

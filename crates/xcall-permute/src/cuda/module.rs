@@ -1,0 +1,404 @@
+//! The kernels' modules: `kernels.cu` with the instantiations a module
+//! family needs, compiled once per device; the map fault word of each
+//! module; the launch, scratch and device-memory helpers every op uses.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaFunction};
+use xcall_core::cuda::{self, Launch, Params, StreamAlloc};
+use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::{DType, Device, Fp8, KernelSource};
+
+use super::{state, Result, MOVE_WIDTHS, UNROLLS};
+use crate::args::{Target, Tensor};
+use crate::check::Dims;
+use crate::error::shape;
+use crate::MapFaults;
+
+const SOURCE: &str = include_str!("../kernels.cu");
+/// Shared memory the kernels may use without opting in.
+pub(super) const SMEM_LIMIT: usize = 48 * 1024;
+
+/// Which module a kernel lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Family {
+    /// Row-id map, chunk map, permute, zero fill, chunk sort.
+    Movement,
+    /// unpermute and its backward for one float dtype.
+    Arith(DType),
+}
+
+fn instantiations(family: Family) -> String {
+    let mut s = String::new();
+    match family {
+        Family::Movement => {
+            for v in MOVE_WIDTHS {
+                for u in UNROLLS {
+                    s += &format!(
+                        "extern \"C\" __global__ void permute_{v}_{u}(const unsigned char* in, const int* map, const float* probs, const float* scales, unsigned char* out, float* pprobs, float* pscales, i64 T, int E, i64 row, int S, i64 N) {{ permute_body<{v}, {u}>(in, map, probs, scales, out, pprobs, pscales, T, E, row, S, N); }}\n\
+                         extern \"C\" __global__ void sort_{v}_{u}(const unsigned char* in, const i64* map, const float* probs, unsigned char* out, float* pprobs, i64 T, i64 row, int backward) {{ sort_body<{v}, {u}>(in, map, probs, out, pprobs, T, row, backward); }}\n"
+                    );
+                }
+                s += &format!(
+                    "extern \"C\" __global__ void zero_{v}(unsigned char* out, float* pprobs, float* pscales, const i64* tpe, const i64* offsets, int E, i64 N, i64 row, int S) {{ zero_body<{v}>(out, pprobs, pscales, tpe, offsets, E, N, row, S); }}\n"
+                );
+            }
+        }
+        Family::Arith(dtype) => {
+            let codec = codec_name(dtype);
+            for v in arith_widths(dtype) {
+                for u in UNROLLS {
+                    s += &format!(
+                        "extern \"C\" __global__ void unpermute_{v}_{u}(const unsigned char* in, const int* map, const float* mprobs, const float* pprobs, unsigned char* out, float* uprobs, i64 T, int E, i64 H, i64 N) {{ unpermute_body<{codec}, {v}, {u}>(in, map, mprobs, pprobs, out, uprobs, T, E, H, N); }}\n"
+                    );
+                    if Fp8::of(dtype).is_some() {
+                        continue; // fp8: unpermute without probs only
+                    }
+                    s += &format!(
+                        "extern \"C\" __global__ void unpermute_bwd_{v}_{u}(const unsigned char* grad, const unsigned char* fwd, const int* map, const float* mprobs, unsigned char* act, float* pgrad, i64 T, int E, i64 H, i64 N) {{ unpermute_bwd_body<{codec}, {v}, {u}>(grad, fwd, map, mprobs, act, pgrad, T, E, H, N); }}\n"
+                    );
+                }
+            }
+        }
+    }
+    s
+}
+
+fn codec_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "F32",
+        DType::F16 => "F16",
+        DType::F8E4M3 => "F8E4M3",
+        DType::F8E5M2 => "F8E5M2",
+        _ => "BF16",
+    }
+}
+
+fn arith_widths(dtype: DType) -> [usize; 2] {
+    [16, dtype.size_bytes()]
+}
+
+pub(super) struct Loaded {
+    pub(super) function: CudaFunction,
+    _module: Arc<LoadedModule>,
+}
+
+pub(super) type FunctionKey = (Family, String);
+
+pub(super) fn function(device: Device, family: Family, name: &str) -> Result<Arc<Loaded>> {
+    let slot = state()
+        .functions
+        .get_or_init(device, || Mutex::new(HashMap::new()));
+    let key = (family, name.to_string());
+    if let Some(f) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        return Ok(f.clone());
+    }
+    let code = format!("{SOURCE}\n{}", instantiations(family));
+    let program = match family {
+        Family::Movement => "xcall_permute_movement.cu".to_string(),
+        Family::Arith(d) => format!("xcall_permute_{d}.cu"),
+    };
+    let module = state().kernels.module(
+        device,
+        &KernelSource {
+            name: &program,
+            code: &code,
+            options: &["-std=c++17"],
+        },
+    )?;
+    let loaded = Arc::new(Loaded {
+        function: module.function(name)?,
+        _module: module,
+    });
+    register_fault_word(device, family, &loaded)?;
+    slot.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(key, loaded.clone());
+    Ok(loaded)
+}
+
+/// Records the fault word of the module `loaded` belongs to, once per
+/// (device, family).
+fn register_fault_word(device: Device, family: Family, loaded: &Loaded) -> Result<()> {
+    let words = state()
+        .fault_words
+        .get_or_init(device, || Mutex::new(HashMap::new()));
+    if words
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(&family)
+    {
+        return Ok(());
+    }
+    let (mut address, mut bytes) = (0u64, 0usize);
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: a function of a module this crate keeps loaded (the `Loaded`
+    // holds it); writes one handle.
+    cuda::on(device, "cuFuncGetModule", || unsafe {
+        sys::cuFuncGetModule(&mut module, loaded.function.cu_function())
+    })?;
+    // SAFETY: a loaded module and a NUL-terminated name; writes the global's
+    // address and size.
+    cuda::on(device, "cuModuleGetGlobal", || unsafe {
+        sys::cuModuleGetGlobal_v2(
+            &mut address,
+            &mut bytes,
+            module,
+            c"xcall_map_faults".as_ptr(),
+        )
+    })?;
+    if bytes != 4 {
+        return Err(shape(format!(
+            "xcall_map_faults is {bytes} bytes on {device}, expected 4"
+        )));
+    }
+    words
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(family, address);
+    Ok(())
+}
+
+/// Waits for `stream`, then reads (and zeroes) the map faults of every
+/// module of the device that has run.
+pub(crate) fn take_faults(target: &Target) -> Result<u32> {
+    let words: Vec<u64> = state()
+        .fault_words
+        .get(target.device)
+        .map(|w| {
+            w.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .copied()
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut values = vec![0u32; words.len()];
+    let mut reads: Vec<(&mut [u32], u64)> =
+        values.chunks_mut(1).zip(words.iter().copied()).collect();
+    // The words are zeroed behind the reads, in stream order, before the
+    // wait.
+    read_back(target, &mut reads, |stream| {
+        for &word in &words {
+            // SAFETY: a 4-byte module global of this device.
+            cuda::check("cuMemsetD32Async", target.device, unsafe {
+                sys::cuMemsetD32Async(word, 0, 1, stream)
+            })?;
+        }
+        Ok(())
+    })?;
+    Ok(values.iter().fold(0, |a, v| a | v))
+}
+
+/// Copies each `(host, address)` pair (`host.len()` values from device
+/// memory at `address`) in the order of the target's stream, lets `also`
+/// enqueue more work behind the copies, then waits for the stream.
+pub(super) fn read_back<T: Copy>(
+    target: &Target,
+    reads: &mut [(&mut [T], u64)],
+    also: impl FnOnce(sys::CUstream) -> xcall_core::Result<()>,
+) -> Result<()> {
+    let (device, stream) = (target.device, target.stream as sys::CUstream);
+    cuda::with_context(device, |_| {
+        for (host, address) in reads.iter_mut() {
+            if host.is_empty() {
+                continue;
+            }
+            let bytes = std::mem::size_of_val(*host);
+            // SAFETY: `host` is a live buffer of `bytes` bytes, not read
+            // before the wait below; `address` holds as many bytes of this
+            // device (checked by the caller).
+            cuda::check("cuMemcpyDtoHAsync", device, unsafe {
+                sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), *address, bytes, stream)
+            })?;
+        }
+        also(stream)?;
+        // SAFETY: a live stream of the caller.
+        cuda::check("cuStreamSynchronize", device, unsafe {
+            sys::cuStreamSynchronize(stream)
+        })
+    })?;
+    Ok(())
+}
+
+/// Checked mode (see [`Target::checked`]; nothing to do without it):
+/// checks the map on the device before an op follows it. Outside a
+/// capture the op waits for the result and a fault is this call's error
+/// (nothing written); under capture the check is part of the graph and its
+/// faults are recorded for [`take_faults`].
+pub(super) fn check_map_on_device(
+    target: &Target,
+    map: &Tensor,
+    chunks: Option<(&Tensor, &Tensor)>,
+    d: Dims,
+) -> Result<()> {
+    if !target.checked || d.tokens == 0 && chunks.is_none() {
+        return Ok(());
+    }
+    let dev = target.device;
+    let capturing = capturing(target)?;
+    // Scratch: the result word, E route counts, N bits of taken rows.
+    let bitmap_words = d.out_rows.div_ceil(32) as u64;
+    let counts = d.experts as u64;
+    let bytes = 8 + counts * 8 + bitmap_words * 4;
+    let scratch = scratch(target, bytes)?;
+    let base = scratch.address();
+    // SAFETY: zeroes the scratch just allocated on this stream.
+    cuda::on(dev, "cuMemsetD8Async", || unsafe {
+        sys::cuMemsetD8Async(base, 0, bytes as usize, target.stream as sys::CUstream)
+    })?;
+    let word = if capturing { fault_word(dev)? } else { base };
+    let (counts_at, taken_at) = (base + 8, base + 8 + counts * 8);
+    let (tpe, offsets) = chunks.map_or((0, 0), |(t, o)| (t.address, o.address));
+    launch(
+        target,
+        &function(dev, Family::Movement, "rim_check")?,
+        (d.tokens as u64).div_ceil(256).min(1 << 16),
+        256,
+        0,
+        Params::new()
+            .u64(map.address)
+            .u64(tpe)
+            .u64(offsets)
+            .i64(d.tokens as i64)
+            .i32(d.experts as i32)
+            .i64(d.out_rows as i64)
+            .u64(taken_at)
+            .u64(counts_at)
+            .u64(word),
+    )?;
+    if chunks.is_some() {
+        launch(
+            target,
+            &function(dev, Family::Movement, "rim_check_counts")?,
+            counts.div_ceil(256),
+            256,
+            0,
+            Params::new()
+                .u64(tpe)
+                .u64(offsets)
+                .u64(counts_at)
+                .i32(d.experts as i32)
+                .u64(word),
+        )?;
+    }
+    if capturing {
+        return Ok(());
+    }
+    let mut found = [0u32];
+    read_back(target, &mut [(&mut found[..], word)], |_| Ok(()))?;
+    let found = found[0];
+    if found != 0 {
+        return Err(shape(format!(
+            "row_id_map is invalid (checked on {dev}): {}",
+            MapFaults(found)
+        )));
+    }
+    Ok(())
+}
+
+/// The Movement module's fault word of `device` (loading it if needed).
+fn fault_word(device: Device) -> Result<u64> {
+    function(device, Family::Movement, "rim_check")?;
+    state()
+        .fault_words
+        .get(device)
+        .and_then(|w| {
+            w.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&Family::Movement)
+                .copied()
+        })
+        .ok_or_else(|| shape(format!("no map fault word on {device}")))
+}
+
+pub(super) fn launch(
+    target: &Target,
+    f: &Arc<Loaded>,
+    grid: u64,
+    threads: u32,
+    smem: usize,
+    mut params: Params,
+) -> Result<()> {
+    if grid == 0 {
+        return Ok(());
+    }
+    let grid = grid.min(i32::MAX as u64) as u32;
+    let config =
+        Launch::linear(grid, threads, target.stream as sys::CUstream).with_shared(smem as u32);
+    // SAFETY: every caller builds `params` in the order and widths of the
+    // kernel's signature in kernels.cu, and checked every buffer against
+    // its shape and the device.
+    unsafe { cuda::launch(target.device, &f.function, config, &mut params) }?;
+    Ok(())
+}
+
+/// `bytes` of stream-ordered device scratch on the target's stream.
+pub(super) fn scratch(target: &Target, bytes: u64) -> Result<StreamAlloc> {
+    // SAFETY: the target's stream is a live stream of its device (the
+    // caller's contract on every op) and outlives the op that uses it.
+    Ok(unsafe {
+        StreamAlloc::new(
+            target.device,
+            target.stream as sys::CUstream,
+            bytes as usize,
+        )
+    }?)
+}
+
+/// Scratch holding a copy of `bytes` bytes at `src` (stream-ordered), for
+/// staging an in-place call's input.
+pub(crate) fn copy_of(target: &Target, src: u64, bytes: usize) -> Result<StreamAlloc> {
+    let copy = scratch(target, bytes as u64)?;
+    // SAFETY: `src` is `bytes` of device memory of the target's device
+    // (checked by the caller); the scratch was just made that long.
+    unsafe { copy.copy_from(src, bytes) }?;
+    Ok(copy)
+}
+
+/// Whether the target's stream is capturing.
+pub(super) fn capturing(target: &Target) -> Result<bool> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: queries a live stream of the caller; writes one value.
+    let r = unsafe { sys::cuStreamIsCapturing(target.stream as sys::CUstream, &mut status) };
+    cuda::check("cuStreamIsCapturing", target.device, r)?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Refuses tensors that are not device memory of the target's device.
+pub(super) fn check_device_memory(
+    target: &Target,
+    tensors: &[(&str, Option<&Tensor>)],
+) -> Result<()> {
+    let ordinal = cuda::check_device(target.device)?;
+    cuda::retain_primary_context(target.device)?;
+    for (name, t) in tensors {
+        let Some(t) = t else { continue };
+        if t.bytes() == 0 {
+            continue;
+        }
+        let mut dev: i32 = -1;
+        // SAFETY: writes one int; any address value is legal to query.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut dev as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                t.address,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS || dev != ordinal as i32 {
+            return Err(shape(format!(
+                "{name} at {:#x} is not device memory of {} ({})",
+                t.address,
+                target.device,
+                if r == sys::CUresult::CUDA_SUCCESS {
+                    format!("it belongs to cuda:{dev}")
+                } else {
+                    cuda::describe(cudarc::driver::DriverError(r))
+                }
+            )));
+        }
+    }
+    Ok(())
+}
