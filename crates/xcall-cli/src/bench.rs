@@ -26,8 +26,9 @@ use xcall_permute::call::Target;
 use xcall_permute::RowIdMapOptions;
 use xcall_shmem::{Config, World};
 use xcall_warpspec::codegen::ElementwiseOp;
-use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
-use xcall_warpspec::ops::{silu_scale_host, OpConfig};
+use xcall_warpspec::cuda::Variant;
+use xcall_warpspec::ops::OpConfig;
+use xcall_warpspec::OpCall;
 
 use crate::layer::{Context, Dims, Layer, Res};
 use crate::moe::PlatformArg;
@@ -279,7 +280,6 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
             ..Target::cuda(0, stream)
         },
     };
-    let kernels = WsKernels::new();
     let ops = OpConfig::default();
     let failure = Failure::default();
     let keep = |r| failure.keep(r);
@@ -299,37 +299,22 @@ fn measure(platform: Platform, config: &Config, p: Problem, rounds: usize) -> Re
     // SAFETY: as above.
     let unpermute = || unsafe { l.unpermute(&target, d, b.perm, b.back) };
     let silu = |variant: Variant| -> Res<()> {
-        match platform {
-            Platform::Host => {
-                // SAFETY: `perm` and `dst` are distinct Host heap buffers of
-                // n * row bytes; nothing else touches them meanwhile.
-                let (src, out) = unsafe {
-                    (
-                        std::slice::from_raw_parts(b.perm as *const u8, (n * row) as usize),
-                        std::slice::from_raw_parts_mut(b.dst as *mut u8, (n * row) as usize),
-                    )
-                };
-                silu_scale_host(DType::Bf16, src, 1.5, out, &ops).context("silu_scale")
-            }
-            // SAFETY: device heap buffers of n * row bytes each.
-            Platform::Cuda => (unsafe {
-                kernels.launch(
-                    Device::cuda(0),
-                    stream.cast(),
-                    ElementwiseOp::SiluScale,
-                    DType::Bf16,
-                    variant,
-                    &ops,
-                    &DeviceBuffers {
-                        inputs: &[b.perm],
-                        output: b.dst,
-                        bytes: n * row,
-                    },
-                    1.5,
-                )
-            })
-            .context("silu_scale"),
-        }
+        let call = OpCall {
+            device: Device::new(platform, 0),
+            stream,
+            op: ElementwiseOp::SiluScale,
+            dtype: DType::Bf16,
+            config: ops,
+            variant,
+            inputs: &[b.perm],
+            output: b.dst,
+            bytes: n * row,
+            scale: 1.5,
+        };
+        // SAFETY: `perm` and `dst` are distinct heap buffers of n * row
+        // bytes of the platform's device; nothing else touches them
+        // meanwhile (on CUDA: ordered on the stream).
+        (unsafe { xcall_warpspec::run(&call) }).context("silu_scale")
     };
     let copy = |dst: u64, src: u64, bytes: u64| -> Res<()> {
         match platform {

@@ -1,5 +1,6 @@
-//! Host-only work never loads the CUDA driver (incident 2: the Host path
-//! must not touch CUDA). This file is its own test process, so nothing else
+//! Host-only work never loads the CUDA driver (a Host-only
+//! program must run on machines without a GPU and never pay for, or fail
+//! in, the driver). This file is its own test process, so nothing else
 //! can have loaded the driver first.
 
 use xcall_core::{cuda, DType, Device, DeviceMap, KernelCache, Platform};

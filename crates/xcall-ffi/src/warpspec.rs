@@ -3,10 +3,11 @@
 use std::ffi::{c_char, c_void};
 
 use static_assertions::{assert_eq_align, assert_eq_size};
-use xcall_core::{DType, Device, Platform, Status};
+use xcall_core::{DType, Device, Status};
 use xcall_warpspec::codegen::{generate, ElementwiseOp};
-use xcall_warpspec::ops::{mul_host, silu_scale_host, OpConfig, OpError};
+use xcall_warpspec::ops::{OpConfig, OpError};
 use xcall_warpspec::verify::{verify_within, Budget};
+use xcall_warpspec::OpCall;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
 
 use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
@@ -376,74 +377,26 @@ pub extern "C" fn xcall_ws_run(
                 format!("{op:?} takes {} input(s), got {num_inputs}", op.operands()),
             ));
         }
-        // SAFETY: the caller promises num_inputs readable pointers.
-        let ins: Vec<*const c_void> =
-            unsafe { std::slice::from_raw_parts(inputs, num_inputs) }.to_vec();
-        if output.is_null() || ins.iter().any(|p| p.is_null()) {
-            return Err(FfiError::new(
-                Status::NullArgument,
-                "an input or the output is NULL",
-            ));
-        }
-        for (i, &p) in ins.iter().enumerate() {
-            let (a, o) = (p as usize, output as usize);
-            if bytes > 0 && a < o.saturating_add(bytes) && o < a.saturating_add(bytes) {
-                return Err(FfiError::new(
-                    Status::InvalidArgument,
-                    format!("the output overlaps input {i}"),
-                ));
-            }
-        }
-        match device.platform {
-            Platform::Host => {
-                if device != Device::HOST {
-                    return Err(xcall_core::Error::NoSuchDevice { device, count: 1 }.into());
-                }
-                // SAFETY: each pointer holds `bytes` bytes (the caller's
-                // promise); the output overlaps no input (checked above).
-                let slices: Vec<&[u8]> = ins
-                    .iter()
-                    .map(|&p| unsafe { std::slice::from_raw_parts(p.cast::<u8>(), bytes) })
-                    .collect();
-                // SAFETY: as above, for the output.
-                let out = unsafe { std::slice::from_raw_parts_mut(output.cast::<u8>(), bytes) };
-                match op {
-                    ElementwiseOp::Mul => mul_host(dtype, slices[0], slices[1], out, &config)?,
-                    ElementwiseOp::SiluScale => {
-                        silu_scale_host(dtype, slices[0], scale, out, &config)?
-                    }
-                }
-            }
-            Platform::Cuda => {
-                let addrs: Vec<u64> = ins.iter().map(|&p| p as u64).collect();
-                let buffers = xcall_warpspec::cuda::DeviceBuffers {
-                    inputs: &addrs,
-                    output: output as u64,
-                    bytes: bytes as u64,
-                };
-                let kernels = kernel_cache();
-                // SAFETY: the caller promises a live CUstream of the device
-                // and device buffers of `bytes` bytes (documented above).
-                unsafe {
-                    kernels.launch(
-                        device,
-                        stream.cast(),
-                        op,
-                        dtype,
-                        xcall_warpspec::cuda::Variant::WarpSpecialized,
-                        &config,
-                        &buffers,
-                        scale,
-                    )
-                }?;
-            }
-        }
-        Ok(())
+        // SAFETY: the caller promises num_inputs readable pointers (and the
+        // count was checked against the op before the read).
+        let inputs: Vec<u64> = unsafe { std::slice::from_raw_parts(inputs, num_inputs) }
+            .iter()
+            .map(|&p| p as u64)
+            .collect();
+        let call = OpCall {
+            device,
+            stream,
+            op,
+            dtype,
+            config,
+            variant: xcall_warpspec::cuda::Variant::WarpSpecialized,
+            inputs: &inputs,
+            output: output as u64,
+            bytes: bytes as u64,
+            scale,
+        };
+        // SAFETY: the caller's promises on the buffers and the stream, as
+        // documented above.
+        Ok(unsafe { xcall_warpspec::run(&call) }?)
     })
-}
-
-/// The process's prepared kernels for the C ABI's CUDA ops (per device).
-fn kernel_cache() -> &'static xcall_warpspec::cuda::WsKernels {
-    static CACHE: std::sync::OnceLock<xcall_warpspec::cuda::WsKernels> = std::sync::OnceLock::new();
-    CACHE.get_or_init(xcall_warpspec::cuda::WsKernels::new)
 }

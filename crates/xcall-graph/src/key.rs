@@ -1,7 +1,8 @@
 //! The exact call key: (platform, device, target, attribute digest, buffers).
 //!
 //! Keys are stored and compared in full. A hash only picks the bucket, so a
-//! hash collision can never replay another call's graph (incident 1); that
+//! hash collision can never replay another call's graph (a graph recorded
+//! for other buffers or another device would read and write them); that
 //! is also why a fast non-cryptographic hash (FxHash) is enough here.
 
 use std::hash::{Hash, Hasher};

@@ -320,7 +320,8 @@ fn two_gpus_with_identical_keys_each_replay_their_own_graph() {
     let gpus = [Gpu::new(&kernels, 0), Gpu::new(&kernels, 1)];
     let data = [random(N, 8), random(N, 9)];
     let bufs = [gpus[0].upload(&data[0]), gpus[1].upload(&data[1])];
-    // Incident 1: both devices' calls declare the same buffer address.
+    // Both devices' calls declare the same buffer address: the key's device
+    // must keep their graphs apart.
     const SAME: u64 = 0x7f00_0000_0000;
     for round in 0..3 {
         for d in 0..2 {

@@ -1,5 +1,5 @@
 //! The Host path runs the record function directly and never loads CUDA
-//! (incident 2). Its own test process, so nothing else loaded the driver.
+//! (a Host-only program must not need, or fail in, the driver). Its own test process, so nothing else loaded the driver.
 
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{

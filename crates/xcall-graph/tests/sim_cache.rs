@@ -74,7 +74,8 @@ fn identical_calls_capture_once_then_replay() {
 
 #[test]
 fn same_addresses_on_two_devices_never_share_a_graph() {
-    // Incident 1: both devices hand out the same virtual address.
+    // Both devices hand out the same virtual address: the key's device
+    // must keep their graphs apart.
     let c = cache(Config::default());
     for ordinal in [0, 1] {
         let k = key(ordinal, 1, &[0x7f00_0000]);

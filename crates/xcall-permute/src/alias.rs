@@ -2,7 +2,7 @@
 //!
 //! Permutation kernels read row `src` and write row `dst != src` across
 //! thread blocks that run in waves, so an output sharing memory with an
-//! input is corrupted silently (incident 4). Every op publishes which
+//! input is corrupted silently. Every op publishes which
 //! (input, output) pairs may alias: for these ops none may. A runtime
 //! reads the table to declare its aliases; every call checks its address
 //! ranges and refuses an overlap before anything is written.

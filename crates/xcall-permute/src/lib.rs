@@ -4,7 +4,8 @@
 //! drives `permute` (group tokens by expert) and `unpermute` (restore token
 //! order, merging each token's routes). Every op publishes its alias table
 //! ([`alias::alias_table`]: none may alias) and refuses overlapping buffers
-//! before writing anything (incident 4).
+//! before writing anything (an output that shares memory with an input
+//! would be corrupted silently; see [`alias`]).
 //!
 //! Two layers:
 //! - safe Host functions on slices ([`ops`], [`chunks`],

@@ -1,5 +1,7 @@
-//! Hand-written barrier designs the verifier judges: the two broken designs
-//! of incident 5 and a correct prologue-based variant for contrast.
+//! Hand-written barrier designs the verifier judges: two broken designs of
+//! a two-producer pipeline (a FULL barrier shared between producers, and an
+//! EMPTY prologue arrive emitted once per producer) and a correct
+//! prologue-based variant for contrast.
 
 use crate::verify::{BarrierDecl, Protocol, RoleDecl, Step};
 
@@ -23,7 +25,8 @@ fn buffers(stages: u32, warps: usize) -> Vec<Vec<String>> {
 
 /// Two (or more) producer warps share ONE FULL barrier per stage with init
 /// count 1: each producer's `arrive.expect_tx` counts toward it, so the
-/// first producer's data completes the phase alone (incident 5's hang).
+/// first producer's data completes the phase alone, so compute reads the other producer's stage
+/// before it lands, and the extra arrival later hangs the pipeline.
 pub fn shared_full_barrier(stages: u32, warps: usize, bytes: u64, iterations: u32) -> Protocol {
     let mut barriers = Vec::new();
     let mut barrier_groups = vec![groups(stages, &mut barriers, "FULL(shared)", 1)];
@@ -81,8 +84,8 @@ pub fn shared_full_barrier(stages: u32, warps: usize, bytes: u64, iterations: u3
 /// Buffers start "empty" through a consumer prologue that arrives once on
 /// every stage's EMPTY barrier (shared by the producers), and producers wait
 /// on the same parity as consumers. With `arrive_per_async_warp` the
-/// prologue arrive is emitted once per async warp (incident 5's confirmed
-/// cause): the EMPTY barrier advances two phases instead of one.
+/// prologue arrive is emitted once per async warp (one copy per producer
+/// warp in the generated loop): the EMPTY barrier advances two phases instead of one.
 pub fn prologue_empty_arrive(
     stages: u32,
     warps: usize,

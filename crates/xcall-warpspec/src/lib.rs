@@ -9,7 +9,8 @@
 //! emits), the shared-memory layout and the register plan. The verifier ([`verify::verify`]) explores every
 //! interleaving of a barrier protocol with PTX mbarrier semantics and
 //! reports deadlocks, early overwrites, reads before loads and phase errors
-//! with a shortest trace; it judges hand-written designs too (incident 5).
+//! with a shortest trace; it judges hand-written designs too
+//! ([`designs`]: the broken ones deadlock or flip a phase early).
 
 #![deny(missing_docs)]
 
@@ -21,12 +22,14 @@ pub mod host;
 pub mod ops;
 pub mod pipeline;
 pub mod plan;
+mod run;
 pub mod spec;
 pub mod verify;
 
 pub use error::PlanError;
 pub use pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};
 pub use plan::{BarrierKind, BarrierPlan, PipelinePlan};
+pub use run::{run, shared_kernels, OpCall};
 pub use spec::{AsyncWarp, PipelineSpec, RegisterSplit};
 pub use verify::{verify, Protocol, Verdict, Violation, ViolationKind};
 pub use xcall_core::{Device, Error, Platform, Result};

@@ -1,5 +1,6 @@
 //! Built-in warp-specialized ops: `mul(a, b)` with two async warps (one per
-//! operand: incident 5's kernel) and `silu(x) * scale` with one; f32 and
+//! operand, the shape whose hand-written barriers hang when two producers
+//! share one FULL barrier) and `silu(x) * scale` with one; f32 and
 //! bf16. This module runs them on the Host executor.
 
 use std::sync::Mutex;
@@ -65,6 +66,12 @@ pub enum OpError {
     /// Arguments the op does not support (a dtype).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A NULL address where memory is needed.
+    #[error("{0}")]
+    Null(String),
+    /// The device or the CUDA layer refused.
+    #[error(transparent)]
+    Platform(#[from] xcall_core::Error),
 }
 
 impl OpError {
@@ -74,6 +81,8 @@ impl OpError {
             OpError::Host(HostError::Stalled { .. }) => xcall_core::Status::Timeout,
             OpError::Unsupported(_) => xcall_core::Status::Unsupported,
             OpError::Plan(e) => e.status(),
+            OpError::Null(_) => xcall_core::Status::NullArgument,
+            OpError::Platform(e) => e.status(),
             _ => xcall_core::Status::InvalidArgument,
         }
     }

@@ -6,8 +6,9 @@
 //! arrivals per phase (one elected `arrive.expect_tx`); every EMPTY barrier
 //! likewise, with an init count equal to the compute arrivals per phase
 //! (every compute thread releases the stage after its own reads, as in
-//! CUTLASS's TMA pipeline: 128 per compute warpgroup). Incident 5 came from
-//! breaking exactly these equalities by hand.
+//! CUTLASS's TMA pipeline: 128 per compute warpgroup). Breaking exactly these
+//! equalities by hand is what makes a pipeline hang or read early
+//! ([`crate::designs`]).
 
 use crate::error::PlanError;
 use crate::pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};

@@ -13,7 +13,7 @@
 //!
 //! Every step names the phase it is meant for (the iteration's round plus
 //! an offset), so an arrival or a transaction that lands in another phase
-//! (a barrier that flipped early or late: incident 5) is caught where it
+//! (a barrier that flipped early or late) is caught where it
 //! happens. The explorer also reports deadlocks, stage buffers overwritten
 //! before every reader released them, reads before a buffer's load
 //! completed, and arrivals beyond the init count. The search is breadth-first,

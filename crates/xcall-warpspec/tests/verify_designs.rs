@@ -1,4 +1,5 @@
-//! The verifier's required verdicts (incident 5).
+//! The verifier's required verdicts on the hand-written designs and the
+//! planner's own tables.
 
 use xcall_warpspec::designs::{prologue_empty_arrive, shared_full_barrier};
 use xcall_warpspec::verify::{verify, verify_within, Budget, DEFAULT_STATE_LIMIT};

@@ -14,7 +14,6 @@ use serde_json::json;
 use xcall_core::{DType, Device, Platform};
 use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Config as CacheConfig, GraphCache, Outcome, Stats};
-use xcall_warpspec::cuda::WsKernels;
 
 pub use data::Shape;
 use data::{check, draw, Check};
@@ -191,11 +190,10 @@ fn run_pe(
     rank: usize,
     group: &str,
     cache: &GraphCache<CudaGraphs>,
-    kernels: &WsKernels,
     bar: &ProgressBar,
 ) -> Result<PeLog, String> {
     let device = Device::new(run.platform, rank as u32);
-    let mut pe = Pe::new(run.shape, rank, device, group, kernels)?;
+    let mut pe = Pe::new(run.shape, rank, device, group)?;
     let mut log = PeLog::default();
     for step in 0..=run.steps {
         let inputs = draw(&run.shape, run.seed, step, rank);
@@ -254,7 +252,6 @@ pub fn run(args: &MoeArgs) -> Result<bool, String> {
     let run = validate(args)?;
     let s = run.shape;
     let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).map_err(|e| e.to_string())?;
-    let kernels = WsKernels::new();
     let group = format!("xcall-moe-{}", std::process::id());
     let bar = ProgressBar::new(run.steps as u64).with_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps {elapsed}")
@@ -266,9 +263,9 @@ pub fn run(args: &MoeArgs) -> Result<bool, String> {
         (0..s.pes).map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
         for (rank, slot) in logs.iter().enumerate() {
-            let (run, group, cache, kernels, bar) = (&run, &group, &cache, &kernels, &bar);
+            let (run, group, cache, bar) = (&run, &group, &cache, &bar);
             scope.spawn(move || {
-                let r = run_pe(run, rank, group, cache, kernels, bar);
+                let r = run_pe(run, rank, group, cache, bar);
                 *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             });
         }

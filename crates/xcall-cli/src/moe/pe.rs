@@ -35,8 +35,9 @@ use xcall_permute::call::Target;
 use xcall_permute::RowIdMapOptions;
 use xcall_shmem::{Cmp, Config, SignalOp, World};
 use xcall_warpspec::codegen::ElementwiseOp;
-use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
-use xcall_warpspec::ops::{silu_scale_host, OpConfig};
+use xcall_warpspec::cuda::Variant;
+use xcall_warpspec::ops::OpConfig;
+use xcall_warpspec::OpCall;
 
 use super::data::{Inputs, Shape};
 use crate::layer::{Context, Dims, Layer, Res};
@@ -76,7 +77,7 @@ struct Gpu {
 }
 
 /// One PE.
-pub struct Pe<'a> {
+pub struct Pe {
     world: World,
     shape: Shape,
     rank: usize,
@@ -84,20 +85,13 @@ pub struct Pe<'a> {
     b: Buffers,
     sizes: Vec<(u64, usize, BufferRole)>,
     gpu: Option<Gpu>,
-    kernels: &'a WsKernels,
     ops: OpConfig,
 }
 
-impl<'a> Pe<'a> {
+impl Pe {
     /// Joins the world `group` as `rank` on `device` and allocates the
     /// layer's buffers.
-    pub fn new(
-        shape: Shape,
-        rank: usize,
-        device: Device,
-        group: &str,
-        kernels: &'a WsKernels,
-    ) -> Res<Pe<'a>> {
+    pub fn new(shape: Shape, rank: usize, device: Device, group: &str) -> Res<Pe> {
         let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
         let s = shape.dtype.size_bytes();
         let n = e * shape.capacity;
@@ -169,7 +163,6 @@ impl<'a> Pe<'a> {
                 .map(|(&a, (bytes, role))| (a, bytes, role))
                 .collect(),
             gpu,
-            kernels,
             ops: OpConfig::default(),
         };
         let zeros = vec![0u8; p * 8];
@@ -380,40 +373,23 @@ impl<'a> Pe<'a> {
                 let at = ((p * s.local_experts() + l) * block) as u64;
                 let scale = s.scale(self.rank * s.local_experts() + l);
                 let (x, y) = (self.b.recv + at, self.b.out + at);
-                match self.device.platform {
-                    Platform::Host => {
-                        // SAFETY: `recv` and `out` are distinct buffers of
-                        // this PE's Host heap; no peer writes `recv` until
-                        // this PE's combine of the step (see the module
-                        // docs) and nobody else touches `out`.
-                        let (x, y) = unsafe {
-                            (
-                                std::slice::from_raw_parts(x as *const u8, block),
-                                std::slice::from_raw_parts_mut(y as *mut u8, block),
-                            )
-                        };
-                        silu_scale_host(s.dtype, x, scale, y, &self.ops).context("experts")?;
-                    }
-                    // SAFETY: device buffers of this PE's heap, `block`
-                    // bytes each, alive as long as the world.
-                    Platform::Cuda => unsafe {
-                        self.kernels.launch(
-                            self.device,
-                            stream.cast(),
-                            ElementwiseOp::SiluScale,
-                            s.dtype,
-                            Variant::WarpSpecialized,
-                            &self.ops,
-                            &DeviceBuffers {
-                                inputs: &[x],
-                                output: y,
-                                bytes: block as u64,
-                            },
-                            scale,
-                        )
-                    }
-                    .context("experts")?,
-                }
+                let call = OpCall {
+                    device: self.device,
+                    stream,
+                    op: ElementwiseOp::SiluScale,
+                    dtype: s.dtype,
+                    config: self.ops,
+                    variant: Variant::WarpSpecialized,
+                    inputs: &[x],
+                    output: y,
+                    bytes: block as u64,
+                    scale,
+                };
+                // SAFETY: `recv` and `out` are distinct buffers of this PE's
+                // heap, `block` bytes each, alive as long as the world; no
+                // peer writes `recv` until this PE's combine of the step
+                // (see the module docs) and nobody else touches `out`.
+                unsafe { xcall_warpspec::run(&call) }.context("experts")?;
             }
         }
         Ok(())

@@ -123,20 +123,20 @@ pub struct XLA_FFI_Extension_Base {
 /// `XLA_FFI_Api_Version`.
 #[repr(C)]
 pub struct XLA_FFI_Api_Version {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (NULL).
     pub extension_start: *mut XLA_FFI_Extension_Base,
-    /// Major version.
+    /// API major version (a change breaks the layout).
     pub major_version: i32,
-    /// Minor version.
+    /// API minor version (adds fields at the end).
     pub minor_version: i32,
 }
 
 /// `XLA_FFI_Error_Create_Args`.
 #[repr(C)]
 pub struct XLA_FFI_Error_Create_Args {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (NULL).
     pub extension_start: *mut XLA_FFI_Extension_Base,
@@ -149,7 +149,7 @@ pub struct XLA_FFI_Error_Create_Args {
 /// `XLA_FFI_Error_GetMessage_Args`.
 #[repr(C)]
 pub struct XLA_FFI_Error_GetMessage_Args {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (NULL).
     pub extension_start: *mut XLA_FFI_Extension_Base,
@@ -162,7 +162,7 @@ pub struct XLA_FFI_Error_GetMessage_Args {
 /// `XLA_FFI_Error_Destroy_Args`.
 #[repr(C)]
 pub struct XLA_FFI_Error_Destroy_Args {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (NULL).
     pub extension_start: *mut XLA_FFI_Extension_Base,
@@ -176,7 +176,7 @@ pub type ApiVoidFn<A> = Option<unsafe extern "C" fn(*mut A)>;
 /// `XLA_FFI_Stream_Get_Args`.
 #[repr(C)]
 pub struct XLA_FFI_Stream_Get_Args {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (NULL).
     pub extension_start: *mut XLA_FFI_Extension_Base,
@@ -189,7 +189,7 @@ pub struct XLA_FFI_Stream_Get_Args {
 /// `XLA_FFI_DeviceOrdinal_Get_Args`.
 #[repr(C)]
 pub struct XLA_FFI_DeviceOrdinal_Get_Args {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (NULL).
     pub extension_start: *mut XLA_FFI_Extension_Base,
@@ -202,9 +202,9 @@ pub struct XLA_FFI_DeviceOrdinal_Get_Args {
 /// `XLA_FFI_Buffer`.
 #[repr(C)]
 pub struct XLA_FFI_Buffer {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
-    /// Extensions.
+    /// Optional extensions, a linked list (NULL when none).
     pub extension_start: *mut XLA_FFI_Extension_Base,
     /// `XLA_FFI_DataType`.
     pub dtype: u32,
@@ -219,9 +219,9 @@ pub struct XLA_FFI_Buffer {
 /// `XLA_FFI_Args`.
 #[repr(C)]
 pub struct XLA_FFI_Args {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
-    /// Extensions.
+    /// Optional extensions, a linked list (NULL when none).
     pub extension_start: *mut XLA_FFI_Extension_Base,
     /// Number of arguments.
     pub size: i64,
@@ -234,9 +234,9 @@ pub struct XLA_FFI_Args {
 /// `XLA_FFI_Rets`.
 #[repr(C)]
 pub struct XLA_FFI_Rets {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
-    /// Extensions.
+    /// Optional extensions, a linked list (NULL when none).
     pub extension_start: *mut XLA_FFI_Extension_Base,
     /// Number of results.
     pub size: i64,
@@ -267,9 +267,9 @@ pub struct XLA_FFI_Scalar {
 /// `XLA_FFI_Attrs` (sorted by name).
 #[repr(C)]
 pub struct XLA_FFI_Attrs {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
-    /// Extensions.
+    /// Optional extensions, a linked list (NULL when none).
     pub extension_start: *mut XLA_FFI_Extension_Base,
     /// Number of attributes.
     pub size: i64,
@@ -284,7 +284,7 @@ pub struct XLA_FFI_Attrs {
 /// `XLA_FFI_CallFrame`.
 #[repr(C)]
 pub struct XLA_FFI_CallFrame {
-    /// Struct size.
+    /// `sizeof` the struct as its filler built it: fields past it are absent.
     pub struct_size: usize,
     /// Extensions (the metadata query puts its extension here).
     pub extension_start: *mut XLA_FFI_Extension_Base,
@@ -294,11 +294,11 @@ pub struct XLA_FFI_CallFrame {
     pub ctx: *mut XLA_FFI_ExecutionContext,
     /// `XLA_FFI_ExecutionStage`.
     pub stage: u32,
-    /// Arguments.
+    /// The call's input buffers.
     pub args: XLA_FFI_Args,
-    /// Results.
+    /// The call's output buffers.
     pub rets: XLA_FFI_Rets,
-    /// Attributes.
+    /// The call's named attributes.
     pub attrs: XLA_FFI_Attrs,
     /// Out: a future for asynchronous handlers (xcall leaves it NULL).
     pub future: *mut c_void,
@@ -337,7 +337,7 @@ pub type Unused = *const c_void;
 pub struct XLA_FFI_Api {
     /// Struct size: which entries this runtime has.
     pub struct_size: usize,
-    /// Extensions.
+    /// Optional extensions, a linked list (NULL when none).
     pub extension_start: *mut XLA_FFI_Extension_Base,
     /// The runtime's API version.
     pub api_version: XLA_FFI_Api_Version,

@@ -1,0 +1,148 @@
+//! What `init` needs, and the small enums of the API.
+
+use super::*;
+
+/// How the PEs find each other.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BootstrapKind {
+    /// Threads of this process, meeting by group name (SPMT).
+    InProcess {
+        /// The group's name; unique per live world.
+        group: String,
+    },
+    /// Processes of this host, meeting at a Unix domain socket (rank 0
+    /// listens at `path`).
+    UnixSocket {
+        /// Socket path; rank 0 removes it once every PE connected.
+        path: PathBuf,
+    },
+}
+
+/// What `init` needs. The device is explicit: never inferred from the
+/// calling thread.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// This PE's rank in `[0, size)`.
+    pub rank: usize,
+    /// Number of PEs.
+    pub size: usize,
+    /// The PE's device: a CUDA device, or on Host any ordinal, which names
+    /// the PE's slot in this process's registry (use the rank).
+    pub device: Device,
+    /// How the PEs meet.
+    pub bootstrap: BootstrapKind,
+    /// Heap bytes per PE; `None`: [`HEAP_ENV`], else the platform default.
+    pub heap_bytes: Option<usize>,
+    /// Timeout of every wait on other PEs.
+    pub timeout: Duration,
+}
+
+impl Config {
+    /// An SPMT config: PEs are threads meeting in group `group`.
+    pub fn in_process(group: &str, rank: usize, size: usize, device: Device) -> Config {
+        Config {
+            rank,
+            size,
+            device,
+            bootstrap: BootstrapKind::InProcess {
+                group: group.to_string(),
+            },
+            heap_bytes: None,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// A multi-process config: PEs meet at the Unix socket `path`.
+    pub fn unix_socket(
+        path: impl Into<PathBuf>,
+        rank: usize,
+        size: usize,
+        device: Device,
+    ) -> Config {
+        Config {
+            bootstrap: BootstrapKind::UnixSocket { path: path.into() },
+            ..Config::in_process("", rank, size, device)
+        }
+    }
+
+    pub(super) fn heap(&self) -> Result<usize> {
+        let requested = match self.heap_bytes {
+            Some(b) => b,
+            None => match std::env::var(HEAP_ENV) {
+                Ok(v) => v.trim().parse().map_err(|_| {
+                    ShmemError::InvalidArgument(format!("{HEAP_ENV}={v:?} is not a byte count"))
+                })?,
+                Err(_) if self.device.platform == Platform::Cuda => DEFAULT_CUDA_HEAP,
+                Err(_) => DEFAULT_HOST_HEAP,
+            },
+        };
+        let bytes = requested;
+        let internal = internal_bytes(self.size);
+        if bytes < internal + ALIGN {
+            return Err(ShmemError::InvalidArgument(format!(
+                "a heap of {bytes} bytes is too small for {} PEs (at least {} bytes)",
+                self.size,
+                internal + ALIGN
+            )));
+        }
+        // The heap's end must stay an address: a size near 2^64 cannot be
+        // mapped anywhere, and rounding it up must not wrap.
+        bytes
+            .checked_next_multiple_of(ALIGN)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                ShmemError::InvalidArgument(format!(
+                    "a heap of {bytes} bytes is larger than an address space"
+                ))
+            })
+    }
+}
+
+/// How `put_signal` updates a signal word.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalOp {
+    /// `*signal = value`.
+    Set = 0,
+    /// `*signal += value`.
+    Add = 1,
+}
+
+/// The comparison `wait_until` waits for.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cmp {
+    /// `*signal == value`.
+    Eq = 0,
+    /// `*signal != value`.
+    Ne = 1,
+    /// `*signal >= value`.
+    Ge = 2,
+    /// `*signal > value`.
+    Gt = 3,
+    /// `*signal <= value`.
+    Le = 4,
+    /// `*signal < value`.
+    Lt = 5,
+}
+
+impl Cmp {
+    pub(super) fn holds(self, x: u64, v: u64) -> bool {
+        match self {
+            Cmp::Eq => x == v,
+            Cmp::Ne => x != v,
+            Cmp::Ge => x >= v,
+            Cmp::Gt => x > v,
+            Cmp::Le => x <= v,
+            Cmp::Lt => x < v,
+        }
+    }
+}
+
+/// What finalize found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FinalizeReport {
+    /// Allocations still live at finalize (offset in the heap, bytes),
+    /// freed by it: leaks of the program.
+    pub leaked: Vec<(usize, usize)>,
+}

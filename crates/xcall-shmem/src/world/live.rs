@@ -1,0 +1,538 @@
+//! A live world: init step by step, finalize, and the internals every
+//! transfer and collective uses.
+
+use super::*;
+
+/// Bytes reserved at offset 0 of every heap: `n` arrival words, the epoch
+/// word, the error word, `n` peer pointers. `n` is at most [`MAX_PES`].
+pub(super) fn internal_bytes(n: usize) -> usize {
+    (8 * n + 16 + 8 * n).next_multiple_of(ALIGN)
+}
+
+pub(super) enum Memory {
+    Host(HostHeap),
+    Cuda(crate::cuda::DeviceHeap),
+}
+
+pub(super) enum PeerMap {
+    /// Nothing held (finalize dropped it).
+    Released,
+    /// A PE of this process (this PE included): its heap, held so that it
+    /// stays mapped while this PE can reach it.
+    SameProcess(#[allow(dead_code)] Arc<Memory>),
+    Host(#[allow(dead_code)] HostMapping),
+    Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
+}
+
+pub(super) struct Peer {
+    pub(super) device: Device,
+    pub(super) base: u64,
+    pub(super) map: PeerMap,
+}
+
+pub(super) struct Live {
+    pub(super) state: StatePage,
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    pub(super) device: Device,
+    pub(super) name: String,
+    pub(super) timeout: Duration,
+    pub(super) boot: Box<dyn Bootstrap>,
+    pub(super) base: u64,
+    pub(super) len: usize,
+    pub(super) alloc: Allocator,
+    pub(super) internal: usize,
+    pub(super) seq: u64,
+    pub(super) peers: Vec<Peer>,
+    pub(super) stream: Option<crate::cuda::Stream>,
+    // Dropped last, in this order (fields drop in declaration order).
+    pub(super) memory: Arc<Memory>,
+    pub(super) _binding: Binding,
+}
+
+/// Sends this PE's result to every PE; every PE returns the first failure
+/// (its own first), so a step that fails anywhere fails everywhere.
+pub(super) fn agree<T>(boot: &mut dyn Bootstrap, local: Result<T>) -> Result<T> {
+    let msg = match &local {
+        Ok(_) => Vec::new(),
+        Err(e) => e.encode(),
+    };
+    let all = boot.allgather(&msg)?;
+    let local = local?;
+    match all.iter().position(|m| !m.is_empty()) {
+        Some(r) => Err(ShmemError::decode(r, &all[r])),
+        None => Ok(local),
+    }
+}
+
+pub(super) fn fields(bytes: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(bytes)
+        .split('\n')
+        .map(str::to_string)
+        .collect()
+}
+
+impl Live {
+    pub(super) fn init(c: &Config) -> Result<Live> {
+        if c.size == 0 || c.rank >= c.size {
+            return Err(ShmemError::InvalidArgument(format!(
+                "rank {} is not in a world of {} PE(s)",
+                c.rank, c.size
+            )));
+        }
+        if c.size > MAX_PES {
+            return Err(ShmemError::InvalidArgument(format!(
+                "a world of {} PEs is larger than the limit of {MAX_PES}",
+                c.size
+            )));
+        }
+        if c.timeout.is_zero() {
+            return Err(ShmemError::InvalidArgument(
+                "timeout must be above zero".into(),
+            ));
+        }
+        let len = c.heap()?;
+        if c.device.platform == Platform::Cuda {
+            c.device.validate()?;
+        }
+        let name = match &c.bootstrap {
+            BootstrapKind::InProcess { group } => format!("group {group}"),
+            BootstrapKind::UnixSocket { path } => format!("socket {}", path.display()),
+        };
+        let binding = registry::bind(c.device, &name, c.rank)?;
+        let mut boot: Box<dyn Bootstrap> = match &c.bootstrap {
+            BootstrapKind::InProcess { group } => {
+                Box::new(InProcess::join(group, c.rank, c.size, c.timeout)?)
+            }
+            BootstrapKind::UnixSocket { path } => {
+                Box::new(UnixSocket::connect(path, c.rank, c.size, c.timeout)?)
+            }
+        };
+
+        // 3. identities.
+        let me = format!(
+            "{}\n{}\n{}\n{}\n{}",
+            host_identity(),
+            std::process::id(),
+            c.device.platform as u32,
+            c.device.ordinal,
+            len
+        );
+        let ids: Vec<Vec<String>> = boot
+            .allgather(me.as_bytes())?
+            .iter()
+            .map(|b| fields(b))
+            .collect();
+        let devices = check_identities(&ids, c, len);
+        let devices = agree(boot.as_mut(), devices)?;
+        let same_process = |r: usize| ids[r][0] == ids[c.rank][0] && ids[r][1] == ids[c.rank][1];
+        let cross = (0..c.size).any(|r| !same_process(r));
+
+        // 4. the world's state page (rank 0 makes it), and the heap.
+        let (state, _state_offer) = state_page(boot.as_mut(), c, cross, &same_process)?;
+        let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
+        let memory = match c.device.platform {
+            Platform::Host if cross => HostHeap::shared(&shm_name, len).map(Memory::Host),
+            Platform::Host => HostHeap::private(len).map(Memory::Host),
+            Platform::Cuda => crate::cuda::DeviceHeap::new(c.device, len).map(Memory::Cuda),
+        };
+        let memory = Arc::new(agree(boot.as_mut(), memory)?);
+        let heap_offer = handoff::offer(memory.clone());
+        let (base, export) = match &*memory {
+            Memory::Host(h) => (h.base, shm_name.clone()),
+            Memory::Cuda(d) => {
+                let handle = if cross {
+                    agree(boot.as_mut(), d.ipc_handle())?
+                } else {
+                    agree(boot.as_mut(), Ok(Vec::new()))?
+                };
+                (d.base, handle.iter().map(|b| format!("{b:02x}")).collect())
+            }
+        };
+
+        // 5. peers.
+        let descs: Vec<Vec<String>> = boot
+            .allgather(format!("{base}\n{export}\n{}", heap_offer.token).as_bytes())?
+            .iter()
+            .map(|b| fields(b))
+            .collect();
+        let peers = map_peers(&descs, &devices, c, len, &same_process);
+        let peers = agree(boot.as_mut(), peers)?;
+
+        // 6. every peer mapped this heap: drop its name and the offers.
+        boot.barrier()?;
+        if let Memory::Host(h) = &*memory {
+            h.unlink();
+        }
+        if let StatePage::SameProcess(h) = &state {
+            h.unlink();
+        }
+        drop(heap_offer);
+        drop(_state_offer);
+
+        // 7. the internal region.
+        let mut alloc = Allocator::new(len);
+        let internal = alloc.alloc(internal_bytes(c.size))?;
+        debug_assert_eq!(internal, 0);
+        let stream = match c.device.platform {
+            Platform::Cuda => Some(crate::cuda::Stream::new(c.device)),
+            Platform::Host => None,
+        }
+        .transpose();
+        let stream = agree(boot.as_mut(), stream)?;
+        let mut live = Live {
+            state,
+            rank: c.rank,
+            size: c.size,
+            device: c.device,
+            name,
+            timeout: c.timeout,
+            boot,
+            base,
+            len,
+            alloc,
+            internal: internal_bytes(c.size),
+            seq: 0,
+            peers,
+            stream,
+            memory,
+            _binding: binding,
+        };
+        let zeroed = live.init_internal();
+        agree(live.boot.as_mut(), zeroed)?;
+        live.boot.barrier()?;
+        Ok(live)
+    }
+
+    /// Zeroes the internal region and writes the peer arrival-pointer
+    /// table; loads the kernels on CUDA.
+    pub(super) fn init_internal(&mut self) -> Result<()> {
+        let n = self.size;
+        let mut table = vec![0u8; self.internal];
+        for (i, p) in self.peers.iter().enumerate() {
+            // Peer i's arrival words, in this PE's address space.
+            let at = 8 * n + 16 + 8 * i;
+            table[at..at + 8].copy_from_slice(&p.base.to_le_bytes());
+        }
+        match &*self.memory {
+            Memory::Host(_) => {
+                // SAFETY: the first `internal` bytes of this PE's heap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(table.as_ptr(), self.base as *mut u8, table.len())
+                };
+                Ok(())
+            }
+            Memory::Cuda(_) => {
+                crate::cuda::kernels(self.device)?;
+                // SAFETY: the first `internal` bytes of this PE's heap.
+                unsafe { crate::cuda::write_device(self.device, self.base, &table) }
+            }
+        }
+    }
+
+    pub(super) fn finalize(mut self) -> Result<FinalizeReport> {
+        if let Err(e) = self.state.check() {
+            // The collective steps would wait for a PE that is gone.
+            return Err(e.context(format!("finalize of rank {} (released locally)", self.rank)));
+        }
+        let mut first: Option<ShmemError> = None;
+        let mut keep = |r: Result<()>| {
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        };
+        keep(self.quiet());
+        keep(self.collective("finalize", 0));
+        let leaked: Vec<(usize, usize)> = self
+            .alloc
+            .live()
+            .into_iter()
+            .filter(|&(o, _)| o != 0)
+            .collect();
+        for &(o, _) in &leaked {
+            keep(self.alloc.free(o).map(|_| ()));
+        }
+        // Close other processes' heaps and let go of same-process ones.
+        for p in &mut self.peers {
+            p.map = PeerMap::Released;
+        }
+        finalize_step(self.rank, FinalizeStep::PeersReleased);
+        // No PE releases its heap before every peer let go of it.
+        keep(self.boot.barrier());
+        drop(self.stream.take());
+        if first.is_some() {
+            // A peer may not have arrived: it must not touch this heap.
+            self.state.fail(FINALIZE_FAILED, self.rank);
+        }
+        finalize_step(self.rank, FinalizeStep::HeapReleasing);
+        let Live {
+            boot,
+            memory,
+            _binding,
+            ..
+        } = self;
+        drop(memory);
+        drop(_binding);
+        drop(boot);
+        match first {
+            Some(e) => Err(e.context("finalize")),
+            None => Ok(FinalizeReport { leaked }),
+        }
+    }
+
+    pub(super) fn check_pe(&self, pe: usize) -> Result<()> {
+        if pe >= self.size {
+            return Err(ShmemError::InvalidArgument(format!(
+                "PE {pe} is not in a world of {} PEs",
+                self.size
+            )));
+        }
+        Ok(())
+    }
+
+    /// PE `pe`'s address of `[local, local + bytes)`, checked to lie in one
+    /// live allocation of this PE's heap (allocations are symmetric), in a
+    /// healthy world: the one gate every transfer and signal passes.
+    pub(super) fn remote(&self, local: u64, bytes: usize, pe: usize, what: &str) -> Result<u64> {
+        self.state.check()?;
+        self.check_pe(pe)?;
+        let offset = local.checked_sub(self.base).map(|o| o as usize);
+        let o = match offset {
+            Some(o) if o >= self.internal && o.checked_add(bytes).is_some_and(|end| end <= self.len) => o,
+            _ => return Err(ShmemError::InvalidArgument(format!(
+                "{what} [{local:#x}, +{bytes}) is not inside the symmetric heap [{:#x}, {:#x}) of rank {}",
+                self.base + self.internal as u64,
+                self.base + self.len as u64,
+                self.rank
+            ))),
+        };
+        // Allocations are symmetric: a block live here is live on every PE.
+        if self.alloc.containing(o, bytes).is_none() {
+            return Err(ShmemError::InvalidArgument(format!(
+                "{what} [{local:#x}, +{bytes}) is not inside one live allocation of rank {} (freed already, or spans two objects)",
+                self.rank
+            )));
+        }
+        Ok(self.peers[pe].base + o as u64)
+    }
+
+    pub(super) fn signal_word(&self, signal: u64, pe: usize) -> Result<u64> {
+        if signal % 8 != 0 {
+            return Err(ShmemError::InvalidArgument(format!(
+                "signal {signal:#x} is not 8-byte aligned"
+            )));
+        }
+        self.remote(signal, 8, pe, "signal word")
+    }
+
+    pub(super) fn stream_or(
+        &self,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> cudarc::driver::sys::CUstream {
+        match stream {
+            Some(s) => s.cast(),
+            None => self.stream.as_ref().map_or(std::ptr::null_mut(), |s| s.raw),
+        }
+    }
+
+    /// # Safety
+    /// Both ranges valid for `bytes`.
+    pub(super) unsafe fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        match self.device.platform {
+            Platform::Host => {
+                // SAFETY: the caller's contract; `copy` allows overlap (a
+                // put to oneself).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                fence(Ordering::Release);
+                Ok(())
+            }
+            // SAFETY: the caller's contract.
+            Platform::Cuda => unsafe {
+                crate::cuda::copy(self.device, dst, src, bytes, self.stream_or(stream))
+            },
+        }
+    }
+
+    pub(super) fn read_word(&self, addr: u64) -> Result<u64> {
+        match self.device.platform {
+            // SAFETY: an aligned word of a mapped heap, accessed atomically.
+            Platform::Host => Ok(unsafe { &*(addr as *const AtomicU64) }.load(Ordering::Acquire)),
+            Platform::Cuda => {
+                // SAFETY: an aligned word of this PE's heap.
+                unsafe { crate::cuda::read_word(self.device, addr) }
+            }
+        }
+    }
+
+    pub(super) fn quiet(&mut self) -> Result<()> {
+        match &self.stream {
+            None => {
+                fence(Ordering::SeqCst);
+                Ok(())
+            }
+            Some(s) => {
+                s.sync()?;
+                let err_word = self.base + 8 * self.size as u64 + 8;
+                let e = self.read_word(err_word)?;
+                if e != 0 {
+                    // Clear it so the report comes once.
+                    // SAFETY: this PE's error word.
+                    unsafe {
+                        crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes())
+                    }?;
+                    return Err(ShmemError::Timeout(format!(
+                        "barrier_on_stream on rank {}: rank {} did not arrive within {:?}",
+                        self.rank,
+                        e - 1,
+                        self.timeout
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks that every PE makes the same collective call: (what, seq,
+    /// argument) must be equal everywhere; a difference is reported on
+    /// every PE with every PE's call.
+    pub(super) fn collective(&mut self, what: &str, arg: u64) -> Result<()> {
+        // A failed world has a PE that will never come.
+        self.state.check()?;
+        let seq = self.seq;
+        self.seq += 1;
+        let mine = format!("{what}\n{seq}\n{arg}");
+        let all = self.boot.allgather(mine.as_bytes())?;
+        if all.iter().all(|a| a == mine.as_bytes()) {
+            return Ok(());
+        }
+        let calls: Vec<String> = all
+            .iter()
+            .enumerate()
+            .map(|(r, a)| format!("rank {r}: {}", describe_call(a)))
+            .collect();
+        Err(ShmemError::Mismatch(format!(
+            "PEs disagree in collective call #{seq} (malloc, free, barrier_all and finalize must be called in the same order with the same sizes on every PE): {}",
+            calls.join("; ")
+        )))
+    }
+}
+
+/// One PE's collective call as the others see it ("malloc #3 of 4096
+/// bytes"), from its `what\nseq\narg` record.
+pub(super) fn describe_call(record: &[u8]) -> String {
+    let f = fields(record);
+    let (what, seq, arg) = match f.as_slice() {
+        [w, s, a] => (w.as_str(), s.as_str(), a.as_str()),
+        _ => return "a call that is not malloc, free, barrier_all or finalize".into(),
+    };
+    match what {
+        "malloc" => format!("malloc #{seq} of {arg} bytes"),
+        "free" if arg == u64::MAX.to_string() => {
+            format!("free #{seq} of an address outside the heap")
+        }
+        "free" => format!("free #{seq} of offset {arg}"),
+        _ => format!("{what} #{seq}"),
+    }
+}
+
+/// Step 3: the devices of every rank, from their identities (`host`, `pid`,
+/// platform, ordinal, heap bytes); refuses what a world cannot hold.
+fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<Device>> {
+    let mut devices = Vec::with_capacity(c.size);
+    for (r, f) in ids.iter().enumerate() {
+        if f.len() != 5 {
+            return Err(ShmemError::Mismatch(format!(
+                "rank {r} sent a malformed identity"
+            )));
+        }
+        let platform = f[2].parse().ok().and_then(Platform::from_code);
+        let ordinal: Option<u32> = f[3].parse().ok();
+        let (Some(platform), Some(ordinal)) = (platform, ordinal) else {
+            return Err(ShmemError::Mismatch(format!(
+                "rank {r} sent a malformed device"
+            )));
+        };
+        devices.push(Device::new(platform, ordinal));
+        if platform != c.device.platform {
+            return Err(ShmemError::Mismatch(format!(
+                "rank {r} is on {} and rank {} on {}: one platform per world",
+                devices[r], c.rank, c.device
+            )));
+        }
+        if f[4] != len.to_string() {
+            return Err(ShmemError::Mismatch(format!(
+                "rank {r} has a heap of {} bytes, rank {} of {len}",
+                f[4], c.rank
+            )));
+        }
+        if f[0] != ids[c.rank][0] {
+            return Err(ShmemError::Unsupported(format!(
+                    "rank {r} is on another host ({}); worlds span one host (see the crate docs for multi-node)",
+                    f[0]
+                )));
+        }
+        for (q, g) in ids.iter().enumerate().take(r) {
+            if g[0] == f[0] && g[1] == f[1] && g[2] == f[2] && g[3] == f[3] {
+                return Err(ShmemError::Mismatch(format!(
+                    "ranks {q} and {r} are one process on one device ({})",
+                    devices[r]
+                )));
+            }
+        }
+    }
+    Ok(devices)
+}
+
+/// Step 5: maps every peer's heap from its descriptor (`base`, export,
+/// offer token): same process by the offer (CUDA: after enabling peer
+/// access), another process by name (Host) or IPC handle (CUDA).
+fn map_peers(
+    descs: &[Vec<String>],
+    devices: &[Device],
+    c: &Config,
+    len: usize,
+    same_process: &dyn Fn(usize) -> bool,
+) -> Result<Vec<Peer>> {
+    let mut peers = Vec::with_capacity(c.size);
+    for (r, d) in descs.iter().enumerate() {
+        let their_base: u64 = d.first().and_then(|b| b.parse().ok()).ok_or_else(|| {
+            ShmemError::Mismatch(format!("rank {r} sent a malformed heap descriptor"))
+        })?;
+        let export = d.get(1).cloned().unwrap_or_default();
+        let device = devices[r];
+        let held = || -> Result<PeerMap> {
+            let token = d.get(2).and_then(|t| t.parse().ok()).unwrap_or(0);
+            handoff::take::<Memory>(token)
+                .map(PeerMap::SameProcess)
+                .ok_or_else(|| {
+                    ShmemError::Mismatch(format!("rank {r}'s heap is not on offer in this process"))
+                })
+        };
+        let (base, map) = match c.device.platform {
+            Platform::Host if same_process(r) => (their_base, held()?),
+            Platform::Host => {
+                let m = HostMapping::open(&export, len)?;
+                (m.base, PeerMap::Host(m))
+            }
+            Platform::Cuda if same_process(r) => {
+                crate::cuda::enable_peer_access(c.device, device, (c.rank, r))?;
+                (their_base, held()?)
+            }
+            Platform::Cuda => {
+                let bytes: Vec<u8> = (0..export.len() / 2)
+                    .filter_map(|i| u8::from_str_radix(&export[2 * i..2 * i + 2], 16).ok())
+                    .collect();
+                let m = crate::cuda::IpcMapping::open(c.device, &bytes)?;
+                (m.base, PeerMap::Cuda(m))
+            }
+        };
+        peers.push(Peer { device, base, map });
+    }
+    Ok(peers)
+}

@@ -1,0 +1,549 @@
+//! A world of processing elements, its lifecycle and peer transports.
+//!
+//! Lifecycle: `World::new()` is New; [`World::init`] makes it Live;
+//! [`World::finalize`] makes it Finalized, and `init` may run again. Any
+//! other call outside Live, and `init` on a Live world, is an
+//! [`ShmemError::State`] that says what to do.
+//!
+//! Init, step by step (every step that can fail on one PE is agreed on, so
+//! a failure is reported on every PE, never a hang):
+//! 1. bind the device in this process's registry (one live PE per device);
+//! 2. bootstrap (in-process group or Unix socket);
+//! 3. exchange identities (host, pid, device, heap size): mismatched heap
+//!    sizes or platforms, two PEs of one process on one device, and peers on
+//!    other hosts are refused;
+//! 4. allocate the heap: Host, one process: anonymous memory; Host, some
+//!    peer in another process: POSIX shared memory; CUDA: `cuMemAlloc`
+//!    (plus an IPC handle when some peer is in another process);
+//! 5. map every peer: same process: its address as is (CUDA: after
+//!    enabling peer access; never IPC inside one process); other process:
+//!    `shm_open` + `mmap` / `cuIpcOpenMemHandle`;
+//! 6. barrier, then remove the shared-memory names (nothing is left in
+//!    /dev/shm even if a process dies later);
+//! 7. reserve the internal region at offset 0 (barrier words) and zero it.
+//!
+//! Finalize mirrors it: quiet and barrier; free what is still allocated
+//! (reported as leaks); close the mappings of other processes' heaps
+//! (same-process peers are never "closed"); barrier; release the heap,
+//! the stream and the device binding; leave the bootstrap.
+//!
+//! A PE that leaves without finalize (its `World` dropped while live), or
+//! whose finalize fails (a peer never arrived), marks the world failed in
+//! the world's state page, a small page of host memory every PE maps. Every
+//! transfer, signal, wait and collective reads it first and returns
+//! [`ShmemError::PeerFailed`] instead of touching memory. Heaps stay
+//! mapped while a peer can still reach them: a same-process peer holds a
+//! reference to each heap (the memory goes with the last PE of the process
+//! that holds it), and another process's heap stays mapped in this process
+//! until this PE leaves.
+
+use std::path::PathBuf;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use xcall_core::{Device, Platform};
+
+use crate::bootstrap::{Bootstrap, InProcess, UnixSocket};
+use crate::error::{Result, ShmemError};
+use crate::handoff::{self, Offer};
+use crate::heap::{Allocator, ALIGN};
+use crate::host::{host_identity, HostHeap, HostMapping};
+use crate::registry::{self, Binding};
+
+/// Environment variable with the heap size in bytes (when the config gives
+/// none).
+pub const HEAP_ENV: &str = "XCALL_SHMEM_HEAP_BYTES";
+/// Default Host heap: 64 MiB per PE.
+pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
+/// Default CUDA heap: 1 GiB per PE (NVSHMEM's default too).
+pub const DEFAULT_CUDA_HEAP: usize = 1 << 30;
+/// Default timeout of every wait on other PEs.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most PEs a world may have. Rack-scale systems have 72 GPUs and CPU
+/// partitions more; the bound keeps the per-PE tables of init (O(PEs) on
+/// every PE) from growing without limit on a wrong size.
+pub const MAX_PES: usize = 1 << 16;
+/// Bytes of a world's state page.
+const STATE_PAGE: usize = 4096;
+
+mod config;
+mod live;
+mod state;
+
+pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, SignalOp};
+use live::{agree, fields, internal_bytes, Live, PeerMap};
+use state::{finalize_step, state_page, unique, StatePage, FINALIZE_FAILED, LEFT_WITHOUT_FINALIZE};
+pub use state::{set_finalize_hook, FinalizeHook, FinalizeStep};
+
+/// Lifecycle phase of a [`World`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Created, never initialised.
+    New,
+    /// Initialised and usable.
+    Live,
+    /// Finalized; `init` may start it again.
+    Finalized,
+}
+
+/// How this PE reaches a peer's heap (a read-only fact for tests and
+/// diagnostics: [`World::transport`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// This PE itself, or a PE of this process: the peer's address as is
+    /// (on CUDA with peer access enabled), never IPC.
+    SameProcess,
+    /// Host heap of another process, mapped from POSIX shared memory.
+    HostSharedMemory,
+    /// CUDA heap of another process, opened from its IPC handle.
+    CudaIpc,
+}
+
+/// One PE's handle on a world of symmetric memory. Not shared between
+/// threads: each PE (thread or process) owns its own `World`.
+pub struct World {
+    phase: Phase,
+    live: Option<Live>,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        World::new()
+    }
+}
+
+impl World {
+    /// A world in phase New.
+    pub fn new() -> World {
+        World {
+            phase: Phase::New,
+            live: None,
+        }
+    }
+
+    /// The lifecycle phase.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    fn live(&self) -> Result<&Live> {
+        match (self.phase, &self.live) {
+            (Phase::Live, Some(l)) => Ok(l),
+            (Phase::Finalized, _) => Err(ShmemError::State(
+                "the world is finalized; call init to start it again".into(),
+            )),
+            _ => Err(ShmemError::State(
+                "the world is not initialised; call init first".into(),
+            )),
+        }
+    }
+
+    fn live_mut(&mut self) -> Result<&mut Live> {
+        self.live()?;
+        Ok(self.live.as_mut().expect("checked live"))
+    }
+
+    /// This PE's rank.
+    pub fn rank(&self) -> Result<usize> {
+        Ok(self.live()?.rank)
+    }
+
+    /// The number of PEs.
+    pub fn size(&self) -> Result<usize> {
+        Ok(self.live()?.size)
+    }
+
+    /// The device of PE `pe` (the rank -> device registry).
+    pub fn device_of(&self, pe: usize) -> Result<Device> {
+        let l = self.live()?;
+        l.check_pe(pe)?;
+        Ok(l.peers[pe].device)
+    }
+
+    /// How this PE reaches PE `pe`'s heap.
+    pub fn transport(&self, pe: usize) -> Result<Transport> {
+        let l = self.live()?;
+        l.check_pe(pe)?;
+        Ok(match l.peers[pe].map {
+            PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
+            PeerMap::Host(_) => Transport::HostSharedMemory,
+            PeerMap::Cuda(_) => Transport::CudaIpc,
+        })
+    }
+
+    /// This PE's heap: (base address, bytes). User allocations start after
+    /// the internal region.
+    pub fn heap(&self) -> Result<(u64, usize)> {
+        let l = self.live()?;
+        Ok((l.base, l.len))
+    }
+
+    /// Joins the world described by `config`; collective over all PEs.
+    pub fn init(&mut self, config: &Config) -> Result<()> {
+        if self.phase == Phase::Live {
+            let l = self.live()?;
+            return Err(ShmemError::State(format!(
+                "init on a live world (rank {} of {:?}); finalize it first",
+                l.rank, l.name
+            )));
+        }
+        let live =
+            Live::init(config).map_err(|e| e.context(format!("init of rank {}", config.rank)))?;
+        self.live = Some(live);
+        self.phase = Phase::Live;
+        Ok(())
+    }
+
+    /// Leaves the world (collective); see the module docs for the order.
+    /// Allocations still live are freed and reported. The world is
+    /// Finalized afterwards even when a step failed (the first failure is
+    /// returned).
+    ///
+    /// On a failed world (a peer left or failed) the collective steps are
+    /// skipped: this PE releases what it holds and the error is
+    /// [`ShmemError::PeerFailed`].
+    pub fn finalize(&mut self) -> Result<FinalizeReport> {
+        self.live()?;
+        let live = self.live.take().expect("checked live");
+        self.phase = Phase::Finalized;
+        live.finalize()
+    }
+
+    /// Allocates `bytes` on every PE (collective: same order and sizes on
+    /// every PE, checked); returns this PE's address of the object. Device
+    /// memory on CUDA, contents unspecified.
+    pub fn malloc(&mut self, bytes: usize) -> Result<u64> {
+        let l = self.live_mut()?;
+        l.collective("malloc", bytes as u64)?;
+        let offset = l.alloc.alloc(bytes)?;
+        Ok(l.base + offset as u64)
+    }
+
+    /// Frees an object of [`World::malloc`] on every PE (collective).
+    pub fn free(&mut self, address: u64) -> Result<()> {
+        let l = self.live_mut()?;
+        let offset = address
+            .checked_sub(l.base)
+            .filter(|&o| (o as usize) < l.len && o as usize >= l.internal)
+            .unwrap_or(u64::MAX);
+        l.collective("free", offset)?;
+        if offset == u64::MAX {
+            return Err(ShmemError::InvalidArgument(format!(
+                "{address:#x} is not in this PE's symmetric heap"
+            )));
+        }
+        l.alloc.free(offset as usize).map(|_| ())
+    }
+
+    /// PE `pe`'s address of the object at `local` (an address in this
+    /// PE's heap), or `None` when `local` is outside the heap or `pe` is
+    /// not a PE. Every PE of a world is directly addressable (init refuses
+    /// a world where one is not).
+    ///
+    /// The address stays mapped while this PE is live, even after PE `pe`
+    /// left; xcall checks nothing done through it.
+    pub fn ptr(&self, pe: usize, local: u64) -> Option<u64> {
+        let l = self.live().ok()?;
+        let offset = local
+            .checked_sub(l.base)
+            .filter(|&o| (o as usize) < l.len)?;
+        l.peers.get(pe).map(|p| p.base + offset)
+    }
+
+    /// Copies `bytes` from `src` (this PE's memory: Host memory, or on
+    /// CUDA any address the device can read) to the object at `dest` (a
+    /// symmetric address of this PE) on PE `pe`. Blocking.
+    ///
+    /// # Safety
+    /// `src` must be readable for `bytes` bytes.
+    pub unsafe fn put(&mut self, dest: u64, src: u64, bytes: usize, pe: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, None) }?;
+        self.quiet()
+    }
+
+    /// Copies `bytes` from the object at `src` (a symmetric address of
+    /// this PE) on PE `pe` to `dest` (this PE's memory). Blocking.
+    ///
+    /// # Safety
+    /// `dest` must be writable for `bytes` bytes.
+    pub unsafe fn get(&mut self, dest: u64, src: u64, bytes: usize, pe: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Get, dest, src, bytes, pe, None) }?;
+        self.quiet()
+    }
+
+    /// [`World::put`] ordered on the caller's CUDA `stream` (a
+    /// `CUstream` of this PE's device), returning before it completes; on
+    /// Host it is the blocking put. Complete it with the stream (or
+    /// [`World::quiet`] for this PE's own stream).
+    ///
+    /// # Safety
+    /// As [`World::put`], for as long as the stream runs the copy.
+    pub unsafe fn put_nbi(
+        &mut self,
+        dest: u64,
+        src: u64,
+        bytes: usize,
+        pe: usize,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, Some(stream)) }
+    }
+
+    /// [`World::get`] ordered on the caller's CUDA `stream`.
+    ///
+    /// # Safety
+    /// As [`World::get`], for as long as the stream runs the copy.
+    pub unsafe fn get_nbi(
+        &mut self,
+        dest: u64,
+        src: u64,
+        bytes: usize,
+        pe: usize,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Get, dest, src, bytes, pe, Some(stream)) }
+    }
+
+    /// Copies between `local` (this PE's memory) and the object at the
+    /// symmetric address `symmetric` on PE `pe`, checked to lie in the heap.
+    ///
+    /// # Safety
+    /// `local` valid for `bytes` (readable for a put, writable for a get)
+    /// as long as the copy runs.
+    unsafe fn transfer(
+        &mut self,
+        dir: Dir,
+        local: u64,
+        symmetric: u64,
+        bytes: usize,
+        pe: usize,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        let l = self.live_mut()?;
+        match dir {
+            Dir::Put => {
+                let remote = l.remote(symmetric, bytes, pe, "put destination")?;
+                // SAFETY: `remote` was just checked to lie in one live
+                // allocation of the peer's heap; `local` is the caller's
+                // contract.
+                unsafe { l.copy(remote, local, bytes, stream) }
+            }
+            Dir::Get => {
+                let remote = l.remote(symmetric, bytes, pe, "get source")?;
+                // SAFETY: as for a put, with the roles of the ranges swapped.
+                unsafe { l.copy(local, remote, bytes, stream) }
+            }
+        }
+    }
+
+    /// Completes every operation this PE issued on its own stream, and
+    /// reports a `barrier_on_stream` that timed out.
+    pub fn quiet(&mut self) -> Result<()> {
+        self.live_mut()?.quiet()
+    }
+
+    /// Waits until every PE called it (after [`World::quiet`]); collective.
+    pub fn barrier_all(&mut self) -> Result<()> {
+        let l = self.live_mut()?;
+        l.quiet()?;
+        l.collective("barrier_all", 0)
+    }
+
+    /// A barrier of all PEs as a kernel on the caller's CUDA `stream`:
+    /// work after it on the stream starts once every PE's stream reached
+    /// its own barrier. Capturable into a graph (the epoch lives in device
+    /// memory). A PE that never arrives makes the kernel give up after the
+    /// world's timeout; the next quiet or barrier_all reports it.
+    pub fn barrier_on_stream(&mut self, stream: *mut std::ffi::c_void) -> Result<()> {
+        let l = self.live_mut()?;
+        if l.device.platform != Platform::Cuda {
+            return Err(ShmemError::Unsupported(
+                "barrier_on_stream needs a CUDA world; use barrier_all on Host".into(),
+            ));
+        }
+        l.state.check()?;
+        let k = crate::cuda::kernels(l.device)?;
+        let n = l.size as u64;
+        let params = [
+            l.base + 8 * n + 16,
+            l.base,
+            l.base + 8 * n,
+            l.base + 8 * n + 8,
+            l.rank as u64,
+            n,
+            l.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        ];
+        // SAFETY: the parameters match xcall_shmem_barrier's signature; the
+        // addresses are this PE's internal region (pointer table filled at
+        // init).
+        unsafe {
+            crate::cuda::launch(
+                l.device,
+                &k.barrier,
+                n.next_multiple_of(32).min(1024) as u32,
+                stream.cast(),
+                &params,
+            )
+        }
+    }
+
+    /// Copies like [`World::put`], then updates the 64-bit signal word at
+    /// `signal` (a symmetric address, 8-byte aligned) on PE `pe` with
+    /// `op`, once the data is visible there. Blocking.
+    ///
+    /// # Safety
+    /// As [`World::put`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn put_signal(
+        &mut self,
+        dest: u64,
+        src: u64,
+        bytes: usize,
+        signal: u64,
+        value: u64,
+        op: SignalOp,
+        pe: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.put_signal_on(dest, src, bytes, signal, value, op, pe, None) }?;
+        self.quiet()
+    }
+
+    /// [`World::put_signal`] ordered on the caller's CUDA `stream`.
+    ///
+    /// # Safety
+    /// As [`World::put_nbi`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn put_signal_nbi(
+        &mut self,
+        dest: u64,
+        src: u64,
+        bytes: usize,
+        signal: u64,
+        value: u64,
+        op: SignalOp,
+        pe: usize,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.put_signal_on(dest, src, bytes, signal, value, op, pe, Some(stream)) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn put_signal_on(
+        &mut self,
+        dest: u64,
+        src: u64,
+        bytes: usize,
+        signal: u64,
+        value: u64,
+        op: SignalOp,
+        pe: usize,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        let sig = self.live()?.signal_word(signal, pe)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, stream) }?;
+        let l = self.live_mut()?;
+        match l.device.platform {
+            Platform::Host => {
+                // SAFETY: an aligned 8-byte word of a mapped heap; every
+                // access to signal words is atomic.
+                let word = unsafe { &*(sig as *const AtomicU64) };
+                match op {
+                    SignalOp::Set => word.store(value, Ordering::Release),
+                    SignalOp::Add => {
+                        word.fetch_add(value, Ordering::Release);
+                    }
+                }
+                Ok(())
+            }
+            Platform::Cuda => {
+                let k = crate::cuda::kernels(l.device)?;
+                let s = l.stream_or(stream);
+                // SAFETY: matches xcall_shmem_signal(u64*, u64, int).
+                unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &[sig, value, op as u64]) }
+            }
+        }
+    }
+
+    /// Waits until the signal word at `signal` (a symmetric address of
+    /// this PE) satisfies `cmp` against `value`; returns the value seen.
+    /// Gives up after the world's timeout.
+    pub fn wait_until(&mut self, signal: u64, cmp: Cmp, value: u64) -> Result<u64> {
+        let l = self.live_mut()?;
+        let rank = l.rank;
+        let sig = l.signal_word(signal, rank)?;
+        let deadline = Instant::now() + l.timeout;
+        let mut spins = 0u32;
+        loop {
+            // A peer that left will never signal: say so now, not at the
+            // timeout.
+            l.state.check()?;
+            let x = l.read_word(sig)?;
+            if cmp.holds(x, value) {
+                return Ok(x);
+            }
+            if Instant::now() >= deadline {
+                return Err(ShmemError::Timeout(format!(
+                    "rank {rank} waited {:?} for signal {signal:#x} {cmp:?} {value}; it holds {x}",
+                    l.timeout
+                )));
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Makes the caller's CUDA `stream` wait until the signal word at
+    /// `signal` is `== value` ([`Cmp::Eq`]) or `>= value` ([`Cmp::Ge`]).
+    pub fn wait_until_on_stream(
+        &mut self,
+        signal: u64,
+        cmp: Cmp,
+        value: u64,
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        let l = self.live_mut()?;
+        if l.device.platform != Platform::Cuda {
+            return Err(ShmemError::Unsupported(
+                "wait_until_on_stream needs a CUDA world".into(),
+            ));
+        }
+        if !matches!(cmp, Cmp::Eq | Cmp::Ge) {
+            return Err(ShmemError::Unsupported(format!(
+                "wait_until_on_stream supports Eq and Ge, not {cmp:?}"
+            )));
+        }
+        let rank = l.rank;
+        let sig = l.signal_word(signal, rank)?;
+        crate::cuda::wait_value(l.device, stream.cast(), sig, value, cmp == Cmp::Eq)
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        // Dropping a live world releases this PE's resources without the
+        // collective steps (peers may be gone); finalize is the clean way.
+        // The peers learn of it from the state page, and this PE's heap
+        // stays mapped while a same-process peer holds it.
+        if let Some(live) = self.live.take() {
+            live.state.fail(LEFT_WITHOUT_FINALIZE, live.rank);
+            drop(live);
+        }
+    }
+}
+
+/// Direction of [`World::transfer`].
+#[derive(Clone, Copy)]
+enum Dir {
+    Put,
+    Get,
+}

@@ -1,0 +1,141 @@
+//! The world's state page (how a PE learns that a peer failed) and the
+//! finalize hook tests observe.
+
+use super::*;
+
+/// A step of [`World::finalize`] a test may observe
+/// ([`set_finalize_hook`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinalizeStep {
+    /// This PE let go of its mappings of every peer's heap.
+    PeersReleased,
+    /// This PE is about to release its own heap.
+    HeapReleasing,
+}
+
+/// A finalize hook: `hook(rank, step)`.
+#[doc(hidden)]
+pub type FinalizeHook = fn(usize, FinalizeStep);
+
+thread_local! {
+    static FINALIZE_HOOK: std::cell::Cell<Option<FinalizeHook>> = const { std::cell::Cell::new(None) };
+}
+
+/// Test hook: `hook(rank, step)` runs on this thread at each
+/// [`FinalizeStep`] of a finalize it calls (`None` removes it). Tests use
+/// it to check that no PE releases its heap before every peer released
+/// its mappings of it.
+#[doc(hidden)]
+pub fn set_finalize_hook(hook: Option<FinalizeHook>) {
+    FINALIZE_HOOK.with(|h| h.set(hook));
+}
+
+pub(super) fn finalize_step(rank: usize, step: FinalizeStep) {
+    if let Some(hook) = FINALIZE_HOOK.with(|h| h.get()) {
+        hook(rank, step);
+    }
+}
+
+/// Why a world failed, in its state word: `reason << 32 | (rank + 1)`.
+pub(super) const LEFT_WITHOUT_FINALIZE: u64 = 1;
+pub(super) const FINALIZE_FAILED: u64 = 2;
+
+/// The world's state page: host memory every PE of the world maps (its
+/// first word is 0 while the world is healthy).
+pub(super) enum StatePage {
+    SameProcess(Arc<HostHeap>),
+    Mapped(HostMapping),
+}
+
+impl StatePage {
+    pub(super) fn word(&self) -> &AtomicU64 {
+        let base = match self {
+            StatePage::SameProcess(h) => h.base,
+            StatePage::Mapped(m) => m.base,
+        };
+        // SAFETY: the first 8 bytes of a page-aligned mapping this PE holds
+        // for as long as `self` lives; every access is atomic.
+        unsafe { &*(base as *const AtomicU64) }
+    }
+
+    pub(super) fn fail(&self, reason: u64, rank: usize) {
+        let code = (reason << 32) | (rank as u64 + 1);
+        // The first failure is the one reported.
+        let _ = self
+            .word()
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    pub(super) fn check(&self) -> Result<()> {
+        let code = self.word().load(Ordering::Acquire);
+        if code == 0 {
+            return Ok(());
+        }
+        let rank = (code & 0xffff_ffff).saturating_sub(1);
+        let why = match code >> 32 {
+            LEFT_WITHOUT_FINALIZE => "left the world without finalize",
+            FINALIZE_FAILED => "failed in finalize",
+            _ => "failed",
+        };
+        Err(ShmemError::PeerFailed(format!(
+            "rank {rank} {why}; nothing more crosses this world, only finalize remains"
+        )))
+    }
+}
+
+/// Rank 0 makes the world's state page (shared memory when some PE is in
+/// another process); every PE maps it: same-process PEs by a handoff,
+/// others by name. Returns the page and, on rank 0, its offer (withdrawn
+/// once every PE mapped it).
+pub(super) fn state_page(
+    boot: &mut dyn Bootstrap,
+    c: &Config,
+    cross: bool,
+    same_process: &dyn Fn(usize) -> bool,
+) -> Result<(StatePage, Option<Offer>)> {
+    let made = if c.rank == 0 {
+        let name = format!("/xcall-state-{}-{}", std::process::id(), unique());
+        let page = if cross {
+            HostHeap::shared(&name, STATE_PAGE)
+        } else {
+            HostHeap::private(STATE_PAGE)
+        };
+        page.map(|p| {
+            let p = Arc::new(p);
+            (p.clone(), handoff::offer(p), name)
+        })
+    } else {
+        Err(ShmemError::State("not rank 0".into()))
+    };
+    let (announce, local) = match made {
+        Ok((page, offer, name)) => (Ok(format!("{}\n{name}", offer.token)), Some((page, offer))),
+        Err(e) if c.rank == 0 => (Err(e), None),
+        Err(_) => (Ok(String::new()), None),
+    };
+    let announce = agree(boot, announce)?;
+    let from_zero = fields(&boot.broadcast(0, announce.as_bytes())?);
+    let mapped = match local {
+        Some((page, offer)) => Ok((StatePage::SameProcess(page), Some(offer))),
+        None if same_process(0) => from_zero
+            .first()
+            .and_then(|t| t.parse().ok())
+            .and_then(handoff::take::<HostHeap>)
+            .map(|p| (StatePage::SameProcess(p), None))
+            .ok_or_else(|| {
+                ShmemError::Mismatch("rank 0's state page is not on offer in this process".into())
+            }),
+        None => match from_zero.get(1) {
+            Some(name) => HostMapping::open(name, STATE_PAGE).map(|m| (StatePage::Mapped(m), None)),
+            None => Err(ShmemError::Mismatch(
+                "rank 0 sent a malformed state page name".into(),
+            )),
+        },
+    };
+    agree(boot, mapped)
+}
+
+pub(super) fn unique() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
