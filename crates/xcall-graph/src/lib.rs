@@ -20,6 +20,7 @@ pub mod cache;
 pub mod cuda;
 mod error;
 pub mod key;
+mod op;
 pub mod policy;
 pub mod sim;
 
@@ -27,5 +28,6 @@ pub use backend::{GraphBackend, StreamState};
 pub use cache::{Call, GraphCache, Outcome, Stats};
 pub use error::{GraphError, GraphResult};
 pub use key::{Buffer, BufferRole, CallKey};
+pub use op::OpFailure;
 pub use policy::{Config, Policy};
 pub use xcall_core::{Device, Error, Platform, Result};

@@ -798,3 +798,54 @@ fn concurrent_captures_of_two_keys_keep_their_own_pending_state() {
     assert_eq!(run(&c, &b, second, 1), Outcome::Replayed);
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
 }
+
+/// An op's error type for `execute_op`: not boxable into the cache's error
+/// without losing its code.
+#[derive(Debug, PartialEq, Eq)]
+struct OpCode(u32);
+
+impl std::fmt::Display for OpCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "op code {}", self.0)
+    }
+}
+
+#[test]
+fn execute_op_returns_the_ops_own_error_whole() {
+    use xcall_graph::OpFailure;
+    let c = cache(Config::default());
+    // Fails under capture (code 1) and eagerly (code 2): the last error.
+    let mut code = 0;
+    let err = c
+        .execute_op(&Call::new(key(0, 1, &[0x100]), Some(stream(0))), |_| {
+            code += 1;
+            Err(OpCode(code))
+        })
+        .unwrap_err();
+    assert!(matches!(err, OpFailure::Op(OpCode(2))), "{err:?}");
+    // Fails under capture only: the eager run's success counts.
+    let mut first = true;
+    let outcome = c.execute_op(&Call::new(key(0, 2, &[0x200]), Some(stream(0))), |s| {
+        if std::mem::take(&mut first) {
+            return Err(OpCode(7));
+        }
+        c.backend().enqueue(s.unwrap(), add(0x200, 1));
+        Ok(())
+    });
+    assert_eq!(outcome.unwrap(), Outcome::EagerFallback);
+    assert_eq!(c.backend().read(Device::cuda(0), 0x200), 1);
+    // A refusal of the cache itself (no stream on CUDA) never reaches the op.
+    let err = c
+        .execute_op(&Call::new(key(0, 3, &[0x300]), None), |_| Err(OpCode(9)))
+        .unwrap_err();
+    match err {
+        OpFailure::Cache(e) => assert_eq!(e.status(), xcall_core::Status::InvalidArgument),
+        other => panic!("expected the cache's refusal, got {other:?}"),
+    }
+    // Success passes the outcome through.
+    let outcome = c.execute_op(&Call::new(key(0, 4, &[0x400]), Some(stream(0))), |s| {
+        c.backend().enqueue(s.unwrap(), add(0x400, 3));
+        Ok::<(), OpCode>(())
+    });
+    assert_eq!(outcome.unwrap(), Outcome::Captured);
+}

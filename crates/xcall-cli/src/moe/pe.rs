@@ -373,8 +373,14 @@ impl Pe {
                 let at = ((p * s.local_experts() + l) * block) as u64;
                 let scale = s.scale(self.rank * s.local_experts() + l);
                 let (x, y) = (self.b.recv + at, self.b.out + at);
+                // A Host PE's device names its slot in the world
+                // (host:rank); the op itself runs on the one Host device.
+                let device = match self.device.platform {
+                    Platform::Host => Device::HOST,
+                    Platform::Cuda => self.device,
+                };
                 let call = OpCall {
-                    device: self.device,
+                    device,
                     stream,
                     op: ElementwiseOp::SiluScale,
                     dtype: s.dtype,
