@@ -10,7 +10,7 @@ use crate::args::{
     MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Tensor, UnpermuteArgs,
     UnpermuteBackwardArgs,
 };
-use crate::check::{usize_of, Checked};
+use crate::check::{usize_of, Checked, Dims};
 use crate::error::PermuteError;
 use crate::row_id_map::{self, RowIdMapRef};
 use crate::{chunks, ops};
@@ -38,6 +38,27 @@ unsafe fn host_slice_mut<'a, T>(t: &Tensor) -> &'a mut [T] {
     }
 }
 
+/// The row-id map with its expert chunks, over checked tensors; see the
+/// module docs.
+unsafe fn chunked_map<'a>(
+    dims: Dims,
+    map: &Tensor,
+    tokens_per_expert: &Tensor,
+    expert_offsets: &Tensor,
+) -> Result<RowIdMapRef<'a>, PermuteError> {
+    // SAFETY: the caller's contract (checked tensors).
+    unsafe {
+        RowIdMapRef::new(
+            dims.tokens,
+            dims.experts,
+            host_slice(map),
+            host_slice(tokens_per_expert),
+            host_slice(expert_offsets),
+            dims.out_rows,
+        )
+    }
+}
+
 /// See [`row_id_map::make_row_id_map`] and the module docs.
 pub(crate) unsafe fn make_row_id_map(c: &Checked<MakeRowIdMapArgs>) -> Result<(), PermuteError> {
     let (a, dims) = (c.args(), c.dims());
@@ -58,14 +79,7 @@ pub(crate) unsafe fn permute(c: &Checked<PermuteArgs>) -> Result<(), PermuteErro
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked (and staged) tensors, see the module docs.
     unsafe {
-        let map = RowIdMapRef::new(
-            dims.tokens,
-            dims.experts,
-            host_slice(&a.row_id_map),
-            host_slice(&a.tokens_per_expert),
-            host_slice(&a.expert_offsets),
-            dims.out_rows,
-        )?;
+        let map = chunked_map(dims, &a.row_id_map, &a.tokens_per_expert, &a.expert_offsets)?;
         ops::permute(
             map,
             &ops::PermuteInputs {
@@ -119,14 +133,7 @@ pub(crate) unsafe fn unpermute_backward(
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked (and staged) tensors, see the module docs.
     unsafe {
-        let map = RowIdMapRef::new(
-            dims.tokens,
-            dims.experts,
-            host_slice(&a.row_id_map),
-            host_slice(&a.tokens_per_expert),
-            host_slice(&a.expert_offsets),
-            dims.out_rows,
-        )?;
+        let map = chunked_map(dims, &a.row_id_map, &a.tokens_per_expert, &a.expert_offsets)?;
         ops::unpermute_backward(
             map,
             &ops::UnpermuteBackwardInputs {
