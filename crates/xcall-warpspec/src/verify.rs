@@ -1037,3 +1037,41 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
         elapsed: started.elapsed(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_sets_bytes_count_every_table() {
+        let mut set = StateSet::new();
+        // Empty: one start offset (8 bytes) and the 1024-slot index.
+        assert_eq!(set.bytes(), 8 + 1024 * 4);
+        // 1000 states of 10 words each: at least the words themselves, one
+        // start per state and an index of at least two slots per state.
+        for i in 0..1000u32 {
+            let state: Vec<u32> = (0..10).map(|w| i * 10 + w).collect();
+            assert_eq!(set.insert(&state).unwrap(), (i, true));
+        }
+        assert_eq!(
+            set.insert(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap(),
+            (0, false)
+        );
+        let least = 1000 * 10 * 4 + 1001 * 8 + 2048 * 4;
+        assert!(set.bytes() >= least, "{} < {least}", set.bytes());
+        // ... and not wildly more (amortized growth at most doubles each).
+        assert!(set.bytes() <= 2 * least, "{} > 2 x {least}", set.bytes());
+    }
+
+    #[test]
+    fn a_verdict_is_clean_exactly_without_a_violation() {
+        let broken = crate::designs::shared_full_barrier(2, 2, 1024, 3);
+        let v = verify(&broken, DEFAULT_STATE_LIMIT).unwrap();
+        assert!(v.violation.is_some());
+        assert!(!v.is_clean());
+        let good = crate::designs::prologue_empty_arrive(2, 2, 1, false, 3);
+        let v = verify(&good, DEFAULT_STATE_LIMIT).unwrap();
+        assert!(v.violation.is_none(), "{}", v.report());
+        assert!(v.is_clean());
+    }
+}
