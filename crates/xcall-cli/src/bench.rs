@@ -1,3 +1,4 @@
+// Over 600 lines: one benchmark set over every crate in one process; `measure` still runs its steps inline.
 //! `xcall bench`: one benchmark set over every crate, in one process, each
 //! figure next to a reference measured in the same run (a copy of the same
 //! bytes on the same device, the peer copy for transfers between GPUs,

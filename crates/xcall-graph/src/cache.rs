@@ -1,3 +1,4 @@
+// Over 600 lines: the cache's one state machine (lookup, capture, update, evict) under one lock per device.
 //! The per-device graph cache: lookup, capture, replay, exec-update,
 //! eviction.
 //!

@@ -1,3 +1,4 @@
+// Over 600 lines: every behaviour of the cache on the simulated backend, sharing its fixtures.
 //! The cache's logic on the simulated multi-device backend (no GPU needed).
 
 use std::sync::{Arc, Barrier};

@@ -1,3 +1,4 @@
+// Over 600 lines: one NVRTC program, whose kernels share the map-fault word, the codecs and the vector types.
 // CUDA kernels of xcall-permute, compiled at run time with NVRTC. The Rust
 // side appends the `extern "C"` instantiations a module needs.
 //

@@ -1,3 +1,4 @@
+// Over 600 lines: the map's layout, its Host builder and the checks every consumer of a map runs, which must agree.
 //! Routing map to row-id map, with token caps and expert padding.
 //!
 //! Layout (as TransformerEngine's): `row_id_map` is `[T, 2E + 1]` of i32.

@@ -1,3 +1,4 @@
+// Over 600 lines: every op on CUDA against the Host reference, sharing the device fixtures and the random cases.
 //! Every op on CUDA against the Host path of the same entry points, on
 //! fresh random data with poisoned outputs: bit-identical results expected
 //! (the kernels follow the Host's order and rounding). Also: autotuned vs

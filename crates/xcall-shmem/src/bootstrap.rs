@@ -1,3 +1,4 @@
+// Over 600 lines: the two bootstraps behind one trait, with the framing and timeouts they share.
 //! Rendezvous of processing elements: in-process groups and Unix-socket
 //! bootstrap, with timeouts.
 //!

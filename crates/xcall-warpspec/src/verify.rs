@@ -1,3 +1,4 @@
+// Over 600 lines: one search, whose state encoding, step semantics and trace reports depend on each other's layout.
 //! The explicit-state model checker of barrier protocols.
 //!
 //! A [`Protocol`] is a set of roles (producer warps, compute warpgroups),
