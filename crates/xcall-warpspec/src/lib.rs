@@ -24,6 +24,7 @@ pub mod pipeline;
 pub mod plan;
 mod run;
 pub mod spec;
+mod tables;
 pub mod verify;
 
 pub use error::PlanError;

@@ -2,16 +2,21 @@
 //! on, arrives on, copies into and reads what, per stage, and where each
 //! role's stage/phase walk starts.
 //!
-//! The planner writes these tables once ([`PipelinePlan::new`]); the
-//! verifier ([`PipelinePlan::protocol`]), the Host executor and the CUDA
+//! The planner writes these tables once ([`PipelinePlan::new`](crate::PipelinePlan::new)); the
+//! verifier ([`PipelinePlan::protocol`](crate::PipelinePlan::protocol)), the Host executor and the CUDA
 //! generator all read them, so the protocol that is model-checked is the
 //! protocol that runs. A planner mistake (two warps sharing a barrier, an
 //! init count that does not match the arrivals) therefore shows in the
 //! verifier's verdict, not only in a kernel that hangs.
 
-use crate::error::PlanError;
-use crate::plan::{BarrierKind, PipelinePlan};
-use crate::verify::{BarrierDecl, Protocol, RoleDecl, Step};
+/// FULL (data landed) or EMPTY (buffer released).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BarrierKind {
+    /// Completed by the producer's arrive.expect_tx and its copies landing.
+    Full,
+    /// Completed by every compute warpgroup's release.
+    Empty,
+}
 
 /// Where a role's walk over the circular stages stands: the stage buffer
 /// it uses next and the parity of the barrier phase it waits for there
@@ -60,13 +65,13 @@ pub struct BarrierGroup {
     pub kind: BarrierKind,
     /// The async warp whose buffers it guards.
     pub warp: usize,
-    /// Index into [`PipelinePlan::barriers`] per stage.
+    /// Index into [`PipelinePlan::barriers`](crate::PipelinePlan::barriers) per stage.
     pub barriers: Vec<usize>,
 }
 
 /// One operation of a role's iteration. `group` indexes
-/// [`PipelinePlan::groups`] and `buffer` the async warps' buffers
-/// ([`PipelinePlan::buffer_offsets`]); both at the stage of the role's
+/// [`PipelinePlan::groups`](crate::PipelinePlan::groups) and `buffer` the async warps' buffers
+/// ([`PipelinePlan::buffer_offsets`](crate::PipelinePlan::buffer_offsets)); both at the stage of the role's
 /// [`PipelineState`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
@@ -143,177 +148,11 @@ impl RolePlan {
     }
 }
 
-impl PipelinePlan {
-    /// The group of `kind` barriers of async warp `warp`, if the plan has one.
-    pub fn group(&self, kind: BarrierKind, warp: usize) -> Option<usize> {
-        self.groups
-            .iter()
-            .position(|g| g.kind == kind && g.warp == warp)
-    }
-
-    /// Checks that the tables index each other within range (a plan's
-    /// fields are public, so one may have been edited by hand): every
-    /// group has a barrier per stage, every action names an existing group
-    /// and buffer, every start state a stage and a parity.
-    pub fn check_tables(&self) -> Result<(), PlanError> {
-        let stages = self.spec.stages as usize;
-        let buffers = self.bytes_per_stage.len();
-        let bad = |m: String| Err(PlanError::Protocol(m));
-        if self.buffer_offsets.len() != buffers
-            || self.buffer_offsets.iter().any(|b| b.len() != stages)
-        {
-            return bad(format!(
-                "{buffers} buffer sizes but offsets for {} buffers, or not one per stage",
-                self.buffer_offsets.len()
-            ));
-        }
-        for (g, group) in self.groups.iter().enumerate() {
-            if group.barriers.len() != stages
-                || group.barriers.iter().any(|&b| b >= self.barriers.len())
-            {
-                return bad(format!(
-                    "barrier group {g} needs one valid barrier per stage"
-                ));
-            }
-        }
-        for role in &self.roles {
-            if role.start.index as usize >= stages || role.start.phase > 1 {
-                return bad(format!(
-                    "{}: start state {:?} out of range",
-                    role.name(),
-                    role.start
-                ));
-            }
-            for action in &role.body {
-                let (group, buffer) = match *action {
-                    Action::Wait { group }
-                    | Action::ArriveExpectTx { group, .. }
-                    | Action::Arrive { group, .. } => (Some(group), None),
-                    Action::Copy { group, buffer, .. } => (Some(group), Some(buffer)),
-                    Action::Read { buffer } => (None, Some(buffer)),
-                };
-                if group.is_some_and(|g| g >= self.groups.len())
-                    || buffer.is_some_and(|b| b >= buffers)
-                {
-                    return bad(format!(
-                        "{}: {action:?} names no group or buffer of the plan",
-                        role.name()
-                    ));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The name of barrier `b` (`FULL[w0][s1]`).
-    pub fn barrier_name(&self, b: usize) -> String {
-        let p = &self.barriers[b];
-        let kind = match p.kind {
-            BarrierKind::Full => "FULL",
-            BarrierKind::Empty => "EMPTY",
-        };
-        format!("{kind}[w{}][s{}]", p.warp, p.stage)
-    }
-
-    /// The barrier protocol of this plan's tables, for the verifier, over
-    /// `iterations` iterations. Nothing is re-derived from the spec: the
-    /// barriers, their init counts, the groups and every role's actions are
-    /// the plan's own. A wait names the phase its start parity implies
-    /// (producers, starting on parity 1, wait for the phase before the
-    /// round's); every arrival and copy is meant for the round's phase.
-    pub fn protocol(&self, iterations: u32) -> Protocol {
-        let barriers = (0..self.barriers.len())
-            .map(|b| BarrierDecl {
-                name: self.barrier_name(b),
-                init_count: self.barriers[b].init_count,
-            })
-            .collect();
-        let barrier_groups = self.groups.iter().map(|g| g.barriers.clone()).collect();
-        let buffer_groups = (0..self.buffer_offsets.len())
-            .map(|w| {
-                (0..self.spec.stages)
-                    .map(|s| format!("BUF[w{w}][s{s}]"))
-                    .collect()
-            })
-            .collect();
-        let roles = self
-            .roles
-            .iter()
-            .map(|role| {
-                let wait_offset = -(role.start.phase as i32);
-                let body = role
-                    .body
-                    .iter()
-                    .map(|&action| match action {
-                        Action::Wait { group } => Step::Wait {
-                            group,
-                            phase_offset: wait_offset,
-                        },
-                        Action::ArriveExpectTx { group, bytes } => Step::ExpectTxArrive {
-                            group,
-                            phase_offset: 0,
-                            bytes,
-                        },
-                        Action::Copy {
-                            group,
-                            buffer,
-                            bytes,
-                        } => Step::Copy {
-                            group,
-                            buffer_group: buffer,
-                            phase_offset: 0,
-                            bytes,
-                        },
-                        Action::Read { buffer } => Step::Read {
-                            buffer_group: buffer,
-                        },
-                        Action::Arrive { group, count } => Step::Arrive {
-                            group,
-                            phase_offset: 0,
-                            count,
-                        },
-                    })
-                    .collect();
-                RoleDecl {
-                    name: role.name(),
-                    prologue: vec![],
-                    body,
-                }
-            })
-            .collect();
-        Protocol {
-            stages: self.spec.stages,
-            barriers,
-            barrier_groups,
-            buffer_groups,
-            roles,
-            iterations,
-        }
-    }
-
-    /// Arrivals per phase on every barrier, counted from the roles' actions
-    /// (each role runs its body once per phase of a stage's barriers).
-    pub fn arrivals_per_phase(&self) -> Vec<u64> {
-        let mut arrivals = vec![0u64; self.barriers.len()];
-        for role in &self.roles {
-            for action in &role.body {
-                let (group, count) = match *action {
-                    Action::ArriveExpectTx { group, .. } => (group, 1),
-                    Action::Arrive { group, count } => (group, u64::from(count)),
-                    _ => continue,
-                };
-                for &b in &self.groups[group].barriers {
-                    arrivals[b] += count;
-                }
-            }
-        }
-        arrivals
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::PlanError;
+    use crate::plan::PipelinePlan;
 
     #[test]
     fn the_walk_wraps_and_flips_like_the_closed_form() {

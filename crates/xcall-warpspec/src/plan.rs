@@ -11,6 +11,7 @@
 //! ([`crate::designs`]).
 
 use crate::error::PlanError;
+pub use crate::pipeline::BarrierKind;
 use crate::pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};
 use crate::spec::PipelineSpec;
 
@@ -20,15 +21,6 @@ pub const MAX_TX_BYTES: u64 = (1 << 20) - 1;
 pub const BUFFER_ALIGN: u32 = 128;
 /// Threads of a warpgroup.
 pub const WARPGROUP_THREADS: u32 = 128;
-
-/// FULL (data landed) or EMPTY (buffer released).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BarrierKind {
-    /// Completed by the producer's arrive.expect_tx and its copies landing.
-    Full,
-    /// Completed by every compute warpgroup's release.
-    Empty,
-}
 
 /// One barrier of the plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
