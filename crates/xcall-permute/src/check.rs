@@ -5,6 +5,8 @@
 //! both buffers). A call that passes them becomes a [`Checked`], the only
 //! thing the backends accept.
 
+use std::borrow::Cow;
+
 use xcall_core::DType;
 
 use crate::alias::{self, Op, Region};
@@ -31,23 +33,21 @@ pub struct Dims {
 }
 
 /// A call's arguments that passed every check of its op, with the dims the
-/// checks found. Made only by this module's functions.
+/// checks found. Made only by this module's functions. It borrows the
+/// caller's arguments; only staging (in-place calls) makes its own copy.
 #[derive(Clone, Debug)]
-pub struct Checked<A> {
-    args: A,
+pub struct Checked<'a, A: Clone> {
+    args: Cow<'a, A>,
     dims: Dims,
 }
 
-impl<A: Clone> Checked<A> {
-    fn new(args: &A, dims: Dims) -> Checked<A> {
+impl<'a, A: Clone> Checked<'a, A> {
+    fn new(args: &'a A, dims: Dims) -> Checked<'a, A> {
         Checked {
-            args: args.clone(),
+            args: Cow::Borrowed(args),
             dims,
         }
     }
-}
-
-impl<A> Checked<A> {
     /// The checked arguments.
     pub fn args(&self) -> &A {
         &self.args
@@ -62,7 +62,7 @@ impl<A> Checked<A> {
     /// that overlaps an output by a copy of the same bytes, which keeps
     /// every check true.
     pub(crate) fn args_mut(&mut self) -> &mut A {
-        &mut self.args
+        self.args.to_mut()
     }
 }
 
@@ -147,7 +147,9 @@ fn check_overlap(
 }
 
 /// Checks a `make_row_id_map` call.
-pub fn make_row_id_map(a: &MakeRowIdMapArgs) -> Result<Checked<MakeRowIdMapArgs>, PermuteError> {
+pub fn make_row_id_map(
+    a: &MakeRowIdMapArgs,
+) -> Result<Checked<'_, MakeRowIdMapArgs>, PermuteError> {
     check("routing", &a.routing, &[DType::U8, DType::Bool], 2)?;
     let (t, e) = (a.routing.dims[0], a.routing.dims[1]);
     if e == 0 {
@@ -220,7 +222,7 @@ fn check_chunks(tpe: &Tensor, offsets: &Tensor, e: u64) -> Result<(), PermuteErr
 }
 
 /// Checks a `permute` call.
-pub fn permute(a: &PermuteArgs) -> Result<Checked<PermuteArgs>, PermuteError> {
+pub fn permute(a: &PermuteArgs) -> Result<Checked<'_, PermuteArgs>, PermuteError> {
     check("input", &a.input, &DType::ALL, 2)?;
     let (t, h) = (a.input.dims[0], a.input.dims[1]);
     let e = check_map(&a.row_id_map, t)?;
@@ -277,7 +279,7 @@ pub fn permute(a: &PermuteArgs) -> Result<Checked<PermuteArgs>, PermuteError> {
 }
 
 /// Checks an `unpermute` call.
-pub fn unpermute(a: &UnpermuteArgs) -> Result<Checked<UnpermuteArgs>, PermuteError> {
+pub fn unpermute(a: &UnpermuteArgs) -> Result<Checked<'_, UnpermuteArgs>, PermuteError> {
     let dtypes: &[DType] = if a.merging_probs.is_some() {
         &[DType::F32, DType::F16, DType::Bf16]
     } else {
@@ -336,7 +338,7 @@ pub fn unpermute(a: &UnpermuteArgs) -> Result<Checked<UnpermuteArgs>, PermuteErr
 /// Checks an `unpermute_backward` call.
 pub fn unpermute_backward(
     a: &UnpermuteBackwardArgs,
-) -> Result<Checked<UnpermuteBackwardArgs>, PermuteError> {
+) -> Result<Checked<'_, UnpermuteBackwardArgs>, PermuteError> {
     check("grad", &a.grad, &[DType::F32, DType::F16, DType::Bf16], 2)?;
     let (t, h) = (a.grad.dims[0], a.grad.dims[1]);
     check("fwd_input", &a.fwd_input, &[a.grad.dtype], 2)?;
@@ -381,7 +383,7 @@ pub fn unpermute_backward(
 /// Checks a `make_chunk_sort_map` call (`dims.tokens` is the map's length).
 pub fn make_chunk_sort_map(
     a: &MakeChunkSortMapArgs,
-) -> Result<Checked<MakeChunkSortMapArgs>, PermuteError> {
+) -> Result<Checked<'_, MakeChunkSortMapArgs>, PermuteError> {
     check("split_sizes", &a.split_sizes, &[DType::I64], 1)?;
     check("sorted_indices", &a.sorted_indices, &[DType::I64], 1)?;
     dim(
@@ -414,7 +416,7 @@ pub fn make_chunk_sort_map(
 }
 
 /// Checks a `sort_chunks_by_map` call.
-pub fn sort_chunks_by_map(a: &SortChunksArgs) -> Result<Checked<SortChunksArgs>, PermuteError> {
+pub fn sort_chunks_by_map(a: &SortChunksArgs) -> Result<Checked<'_, SortChunksArgs>, PermuteError> {
     check("input", &a.input, &DType::ALL, 2)?;
     let (t, h) = (a.input.dims[0], a.input.dims[1]);
     check("map", &a.map, &[DType::I64], 1)?;

@@ -60,7 +60,9 @@ unsafe fn chunked_map<'a>(
 }
 
 /// See [`row_id_map::make_row_id_map`] and the module docs.
-pub(crate) unsafe fn make_row_id_map(c: &Checked<MakeRowIdMapArgs>) -> Result<(), PermuteError> {
+pub(crate) unsafe fn make_row_id_map(
+    c: &Checked<'_, MakeRowIdMapArgs>,
+) -> Result<(), PermuteError> {
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked tensors, see the module docs.
     let routing = unsafe { host_slice::<u8>(&a.routing) };
@@ -75,7 +77,7 @@ pub(crate) unsafe fn make_row_id_map(c: &Checked<MakeRowIdMapArgs>) -> Result<()
 }
 
 /// See [`ops::permute`] and the module docs.
-pub(crate) unsafe fn permute(c: &Checked<PermuteArgs>) -> Result<(), PermuteError> {
+pub(crate) unsafe fn permute(c: &Checked<'_, PermuteArgs>) -> Result<(), PermuteError> {
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked (and staged) tensors, see the module docs.
     unsafe {
@@ -99,7 +101,7 @@ pub(crate) unsafe fn permute(c: &Checked<PermuteArgs>) -> Result<(), PermuteErro
 }
 
 /// See [`ops::unpermute`] and the module docs.
-pub(crate) unsafe fn unpermute(c: &Checked<UnpermuteArgs>) -> Result<(), PermuteError> {
+pub(crate) unsafe fn unpermute(c: &Checked<'_, UnpermuteArgs>) -> Result<(), PermuteError> {
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked (and staged) tensors, see the module docs.
     unsafe {
@@ -128,7 +130,7 @@ pub(crate) unsafe fn unpermute(c: &Checked<UnpermuteArgs>) -> Result<(), Permute
 
 /// See [`ops::unpermute_backward`] and the module docs.
 pub(crate) unsafe fn unpermute_backward(
-    c: &Checked<UnpermuteBackwardArgs>,
+    c: &Checked<'_, UnpermuteBackwardArgs>,
 ) -> Result<(), PermuteError> {
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked (and staged) tensors, see the module docs.
@@ -152,7 +154,9 @@ pub(crate) unsafe fn unpermute_backward(
 }
 
 /// See [`chunks::sort_chunks_by_map`] and the module docs.
-pub(crate) unsafe fn sort_chunks_by_map(c: &Checked<SortChunksArgs>) -> Result<(), PermuteError> {
+pub(crate) unsafe fn sort_chunks_by_map(
+    c: &Checked<'_, SortChunksArgs>,
+) -> Result<(), PermuteError> {
     let (a, dims) = (c.args(), c.dims());
     // SAFETY: checked (and staged) tensors, see the module docs.
     unsafe {
@@ -170,7 +174,7 @@ pub(crate) unsafe fn sort_chunks_by_map(c: &Checked<SortChunksArgs>) -> Result<(
 
 /// See [`chunks::make_chunk_sort_map`] and the module docs.
 pub(crate) unsafe fn make_chunk_sort_map(
-    c: &Checked<MakeChunkSortMapArgs>,
+    c: &Checked<'_, MakeChunkSortMapArgs>,
 ) -> Result<(), PermuteError> {
     let (a, tokens) = (c.args(), c.dims().tokens);
     // SAFETY: checked tensors, see the module docs.

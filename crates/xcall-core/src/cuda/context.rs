@@ -112,7 +112,8 @@ pub fn with_context<T>(
     f: impl FnOnce(&Arc<CudaContext>) -> Result<T>,
 ) -> Result<T> {
     let ctx = primary(device)?;
-    let guard = ContextGuard::primary(device)?;
+    // SAFETY: the primary context is retained for the life of the process.
+    let guard = unsafe { ContextGuard::enter(device, ctx.cu_ctx()) }?;
     let result = f(ctx);
     let restored = guard.restore();
     match (result, restored) {

@@ -3,7 +3,7 @@
 
 use cudarc::driver::sys;
 
-use super::{check, on, ContextGuard};
+use super::on;
 use crate::{Device, Result};
 
 /// A CUDA event of one device, destroyed on drop.
@@ -125,13 +125,10 @@ impl Drop for StreamAlloc {
         }
         // A failure leaves the allocation to the pool's release at context
         // teardown; there is no caller to report it to.
-        if let Ok(guard) = ContextGuard::primary(self.device) {
-            // SAFETY: frees an allocation made on this stream, after the
-            // work enqueued on it so far.
-            let _ = check("cuMemFreeAsync", self.device, unsafe {
-                sys::cuMemFreeAsync(self.address, self.stream)
-            });
-            let _ = guard.restore();
-        }
+        // SAFETY: frees an allocation made on this stream, after the work
+        // enqueued on it so far.
+        let _ = on(self.device, "cuMemFreeAsync", || unsafe {
+            sys::cuMemFreeAsync(self.address, self.stream)
+        });
     }
 }

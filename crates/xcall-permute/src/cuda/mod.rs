@@ -74,7 +74,10 @@ fn opt_bytes(t: &Option<Tensor>) -> u64 {
 
 /// See [`crate::call::make_row_id_map`]. Deterministic: three passes over
 /// blocks of tokens, block prefix sums, no atomics.
-pub(crate) unsafe fn make_row_id_map(target: &Target, c: &Checked<MakeRowIdMapArgs>) -> Result<()> {
+pub(crate) unsafe fn make_row_id_map(
+    target: &Target,
+    c: &Checked<'_, MakeRowIdMapArgs>,
+) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(
         target,
@@ -197,7 +200,7 @@ fn zero_unwritten(
 }
 
 /// See [`crate::call::permute`].
-pub(crate) unsafe fn permute(target: &Target, c: &Checked<PermuteArgs>) -> Result<()> {
+pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(
         target,
@@ -281,7 +284,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<PermuteArgs>) -> Resul
 }
 
 /// See [`crate::call::unpermute`].
-pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<UnpermuteArgs>) -> Result<()> {
+pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(
         target,
@@ -340,7 +343,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<UnpermuteArgs>) -> R
 /// See [`crate::call::unpermute_backward`].
 pub(crate) unsafe fn unpermute_backward(
     target: &Target,
-    c: &Checked<UnpermuteBackwardArgs>,
+    c: &Checked<'_, UnpermuteBackwardArgs>,
 ) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(
@@ -436,7 +439,7 @@ pub const MAX_CUDA_CHUNKS: usize = (SMEM_LIMIT - 8) / 17;
 /// See [`crate::call::make_chunk_sort_map`].
 pub(crate) unsafe fn make_chunk_sort_map(
     target: &Target,
-    c: &Checked<MakeChunkSortMapArgs>,
+    c: &Checked<'_, MakeChunkSortMapArgs>,
 ) -> Result<()> {
     let (a, tokens) = (c.args(), c.dims().tokens);
     check_device_memory(
@@ -485,7 +488,7 @@ pub(crate) unsafe fn make_chunk_sort_map(
 /// See [`crate::call::sort_chunks_by_map`].
 pub(crate) unsafe fn sort_chunks_by_map(
     target: &Target,
-    c: &Checked<SortChunksArgs>,
+    c: &Checked<'_, SortChunksArgs>,
 ) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(
