@@ -1,6 +1,9 @@
 // Over 600 lines: one NVRTC program, whose kernels share the map-fault word, the codecs and the vector types.
-// CUDA kernels of xcall-permute, compiled at run time with NVRTC. The Rust
-// side appends the `extern "C"` instantiations a module needs.
+// CUDA kernels of xcall-permute, compiled at run time with NVRTC. Each kernel
+// takes one parameter struct by value; the structs (`RowIdMapParams`, ...)
+// are defined in cuda/params.rs and their C definitions, checked field by
+// field with static_assert, come before this file. The Rust side appends
+// the `extern "C"` instantiations a module needs.
 //
 // Every kernel mirrors a Host op of the crate exactly: data movement is
 // bit-exact; arithmetic uses __fmul_rn/__fadd_rn (never contracted into an
@@ -58,22 +61,26 @@ __device__ __forceinline__ bool route_ok(const int* m, int k, int E, i64 N, unsi
 // expert's kept rows [offsets[e], offsets[e] + tpe[e]), no row written
 // twice (taken: N bits, zeroed) and counts[e] (zeroed) the routes of e.
 // Faults go to *word.
-extern "C" __global__ void rim_check(const int* map, const i64* tpe, const i64* offsets, i64 T, int E, i64 N,
-                                     unsigned int* taken, unsigned long long* counts, unsigned int* word) {
+extern "C" __global__ void rim_check(const MapCheckParams p) {
+    const int* map = p.map;
+    const i64* tpe = p.tpe;
+    const i64 T = p.tokens, N = p.out_rows;
+    const int E = (int)p.experts;
+    unsigned int* word = p.word;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (i64)gridDim.x * blockDim.x) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E, word);
         for (int k = 0; k < n; ++k) {
             if (!route_ok(m, k, E, N, word) || !tpe) continue;
             const int d = m[k], e = m[E + k];
-            const i64 start = offsets[e], kept = tpe[e];
+            const i64 start = p.offsets[e], kept = tpe[e];
             if (start < 0 || kept < 0 || d < start || d - start >= kept) {
                 atomicOr(word, FAULT_CHUNK_ROW);
                 continue;
             }
             const unsigned int bit = 1u << (d & 31);
-            if (atomicOr(&taken[d >> 5], bit) & bit) atomicOr(word, FAULT_DUPLICATE_ROW);
-            atomicAdd(&counts[e], 1ull);
+            if (atomicOr(&p.taken[d >> 5], bit) & bit) atomicOr(word, FAULT_DUPLICATE_ROW);
+            atomicAdd(&p.counts[e], 1ull);
         }
     }
 }
@@ -81,12 +88,11 @@ extern "C" __global__ void rim_check(const int* map, const i64* tpe, const i64* 
 // Checked mode, after rim_check (one thread per expert): each chunk valid
 // (0 <= start, start + kept <= end) and keeping exactly the routes the
 // map sends to it.
-extern "C" __global__ void rim_check_counts(const i64* tpe, const i64* offsets, const unsigned long long* counts,
-                                            int E, unsigned int* word) {
-    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
-        const i64 start = offsets[e], end = offsets[e + 1], kept = tpe[e];
-        if (start < 0 || kept < 0 || end < start || kept > end - start || (i64)counts[e] != kept)
-            atomicOr(word, FAULT_COUNTS);
+extern "C" __global__ void rim_check_counts(const MapCheckParams p) {
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < p.experts; e += gridDim.x * blockDim.x) {
+        const i64 start = p.offsets[e], end = p.offsets[e + 1], kept = p.tpe[e];
+        if (start < 0 || kept < 0 || end < start || kept > end - start || (i64)p.counts[e] != kept)
+            atomicOr(p.word, FAULT_COUNTS);
     }
 }
 
@@ -180,13 +186,14 @@ __device__ void load_tile(const unsigned char* routing, unsigned char* tile, i64
     for (i64 i = threadIdx.x; i < (i64)nt * E; i += blockDim.x) tile[i] = src[i] != 0;
 }
 
-extern "C" __global__ void rim_count(const unsigned char* routing, int* map, i64 T, int E, int TB) {
+extern "C" __global__ void rim_count(const RowIdMapParams p) {
     extern __shared__ unsigned char tile[];
+    const int E = (int)p.experts, TB = (int)p.block_tokens;
     i64 t0 = (i64)blockIdx.x * TB;
-    int nt = (int)min((i64)TB, T - t0);
-    load_tile(routing, tile, t0, nt, E);
+    int nt = (int)min((i64)TB, p.tokens - t0);
+    load_tile(p.routing, tile, t0, nt, E);
     __syncthreads();
-    int* slot = map + t0 * (2 * E + 1);
+    int* slot = p.map + t0 * (2 * E + 1);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int c = 0;
         for (int i = 0; i < nt; ++i) c += tile[i * E + e];
@@ -221,8 +228,11 @@ __device__ i64 block_scan(i64 x, i64* warps, i64* total) {
 
 // Phase 2: one block per expert turns the block counts into exclusive
 // block bases (in place) and writes the expert's route count to tpe[e].
-extern "C" __global__ void rim_scan_blocks(int* map, i64* tpe, i64 T, int E, int TB, i64 nblocks) {
+extern "C" __global__ void rim_scan_blocks(const RowIdMapParams p) {
     __shared__ i64 warps[32];
+    const int E = (int)p.experts, TB = (int)p.block_tokens;
+    const i64 nblocks = p.blocks;
+    int* map = p.map;
     int e = blockIdx.x;
     i64 carry = 0;
     for (i64 base = 0; base < nblocks; base += blockDim.x) {
@@ -234,14 +244,18 @@ extern "C" __global__ void rim_scan_blocks(int* map, i64* tpe, i64 T, int E, int
         if (b < nblocks) *slot = (int)(carry + incl - v);
         carry += total;
     }
-    if (threadIdx.x == 0) tpe[e] = carry;
+    if (threadIdx.x == 0) p.tpe[e] = carry;
 }
 
 // Phase 2b, one block: padded expert offsets, and the routes each expert
 // keeps under the cap and the capacity (tpe holds raw counts on entry, kept
 // on exit). capacity > 0: every chunk is exactly capacity rows.
-extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align, i64 cap, i64 capacity) {
+extern "C" __global__ void rim_offsets(const RowIdMapParams p) {
     __shared__ i64 warps[32];
+    i64* tpe = p.tpe;
+    i64* offsets = p.offsets;
+    const int E = (int)p.experts;
+    const i64 align = p.align, cap = p.cap, capacity = p.capacity;
     i64 carry = 0;
     for (int base = 0; base < E; base += blockDim.x) {
         int e = base + threadIdx.x;
@@ -260,15 +274,18 @@ extern "C" __global__ void rim_offsets(i64* tpe, i64* offsets, int E, i64 align,
 }
 
 // Phase 3: ranks within the block, then one warp per token writes its row.
-extern "C" __global__ void rim_write(const unsigned char* routing, int* map, const i64* offsets, i64 T, int E, int TB, i64 cap, i64 capacity) {
+extern "C" __global__ void rim_write(const RowIdMapParams p) {
     extern __shared__ i64 start[];  // E values, then the TB x E tile
+    const i64* offsets = p.offsets;
+    const int E = (int)p.experts, TB = (int)p.block_tokens;
+    const i64 T = p.tokens, cap = p.cap, capacity = p.capacity;
     unsigned char* tile = (unsigned char*)(start + E);
     i64 t0 = (i64)blockIdx.x * TB;
     int nt = (int)min((i64)TB, T - t0);
     const int W = 2 * E + 1;
-    int* rows = map + t0 * W;
+    int* rows = p.map + t0 * W;
     for (int e = threadIdx.x; e < E; e += blockDim.x) start[e] = offsets[e] + rows[e];
-    load_tile(routing, tile, t0, nt, E);
+    load_tile(p.routing, tile, t0, nt, E);
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int r = 0;
@@ -312,8 +329,12 @@ extern "C" __global__ void rim_write(const unsigned char* routing, int* map, con
 // Every block checks the split (sizes >= 0 summing to <= T, indices a
 // permutation) and computes the chunk starts in shared memory; an invalid
 // split leaves the map untouched. Then one thread per row.
-extern "C" __global__ void chunk_map(const i64* sizes, const i64* sorted, i64* map, int S, i64 T) {
+extern "C" __global__ void chunk_map(const ChunkMapParams p) {
     extern __shared__ i64 in_start[];  // S + 1 values, then S out starts, then S flags
+    const i64* sizes = p.sizes;
+    const i64* sorted = p.sorted;
+    const int S = (int)p.chunks;
+    const i64 T = p.tokens;
     i64* out_start = in_start + S + 1;
     unsigned char* seen = (unsigned char*)(out_start + S);
     __shared__ int bad;
@@ -353,7 +374,7 @@ extern "C" __global__ void chunk_map(const i64* sizes, const i64* sorted, i64* m
             }
             dst = out_start[lo] + (t - in_start[lo]);
         }
-        map[t] = dst;
+        p.map[t] = dst;
     }
 }
 
@@ -365,9 +386,14 @@ extern "C" __global__ void chunk_map(const i64* sizes, const i64* sorted, i64* m
 // loop reads rows from shared memory and checks nothing.
 #define ROUTE_CHUNK 32
 template <int V, int U>
-__device__ void permute_body(const unsigned char* in, const int* map, const float* probs, const float* scales,
-                             unsigned char* out, float* pprobs, float* pscales, i64 T, int E, i64 row, int S, i64 N) {
+__device__ void permute_body(const PermuteParams& p) {
     typedef typename VecT<V>::T Vt;
+    const unsigned char* in = p.input;
+    const int* map = p.map;
+    float* pprobs = p.pprobs;
+    float* pscales = p.pscales;
+    const i64 T = p.tokens, row = p.row, N = p.out_rows;
+    const int E = (int)p.experts, S = (int)p.nscales;
     __shared__ int rows[ROUTE_CHUNK];
     const i64 nv = row / V;
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
@@ -380,13 +406,13 @@ __device__ void permute_body(const unsigned char* in, const int* map, const floa
                 const int k = k0 + j;
                 const bool ok = route_ok(m, k, E, N);
                 rows[j] = ok ? m[k] : -1;
-                if (ok && pprobs) pprobs[m[k]] = probs[t * E + m[E + k]];
+                if (ok && pprobs) pprobs[m[k]] = p.probs[t * E + m[E + k]];
             }
             __syncthreads();
             if (pscales) {
                 for (i64 i = threadIdx.x; i < (i64)kn * S; i += blockDim.x) {
                     const int d = rows[i / S];
-                    if (d >= 0) pscales[(i64)d * S + i % S] = scales[t * S + i % S];
+                    if (d >= 0) pscales[(i64)d * S + i % S] = p.scales[t * S + i % S];
                 }
             }
             const Vt* src = (const Vt*)(in + t * row);
@@ -400,7 +426,7 @@ __device__ void permute_body(const unsigned char* in, const int* map, const floa
                 for (int k = 0; k < kn; ++k) {
                     const int d = rows[k];
                     if (d < 0) continue;
-                    Vt* dst = (Vt*)(out + (i64)d * row);
+                    Vt* dst = (Vt*)(p.out + (i64)d * row);
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         i64 i = base + (i64)u * blockDim.x;
@@ -415,42 +441,45 @@ __device__ void permute_body(const unsigned char* in, const int* map, const floa
 // Zeroes the rows no route writes: block c < E takes expert c's padding,
 // block E the rows past the last chunk.
 template <int V>
-__device__ void zero_body(unsigned char* out, float* pprobs, float* pscales, const i64* tpe, const i64* offsets,
-                          int E, i64 N, i64 row, int S) {
+__device__ void zero_body(const PermuteParams& p) {
     typedef typename VecT<V>::T Vt;
+    const i64* tpe = p.tpe;
+    const i64* offsets = p.offsets;
+    const i64 N = p.out_rows, row = p.row, S = p.nscales;
+    const int E = (int)p.experts;
     int c = blockIdx.x;
     i64 lo = c < E ? offsets[c] + tpe[c] : offsets[E];
     i64 hi = c < E ? offsets[c + 1] : N;
     lo = max((i64)0, min(lo, N));
     hi = max((i64)0, min(hi, N));
     if (lo >= hi) return;
-    Vt* o = (Vt*)(out + lo * row);
+    Vt* o = (Vt*)(p.out + lo * row);
     const i64 nv = (hi - lo) * row / V;
     Vt z;
     memset(&z, 0, sizeof z);
     for (i64 i = threadIdx.x; i < nv; i += blockDim.x) o[i] = z;
-    if (pprobs)
-        for (i64 r = lo + threadIdx.x; r < hi; r += blockDim.x) pprobs[r] = 0.0f;
-    if (pscales)
-        for (i64 i = lo * S + threadIdx.x; i < hi * S; i += blockDim.x) pscales[i] = 0.0f;
+    if (p.pprobs)
+        for (i64 r = lo + threadIdx.x; r < hi; r += blockDim.x) p.pprobs[r] = 0.0f;
+    if (p.pscales)
+        for (i64 i = lo * S + threadIdx.x; i < hi * S; i += blockDim.x) p.pscales[i] = 0.0f;
 }
 
 // sort_chunks_by_map: one block per row; forward scatters, backward gathers.
 template <int V, int U>
-__device__ void sort_body(const unsigned char* in, const i64* map, const float* probs, unsigned char* out,
-                          float* pprobs, i64 T, i64 row, int backward) {
+__device__ void sort_body(const SortParams& p) {
     typedef typename VecT<V>::T Vt;
+    const i64 T = p.tokens, row = p.row;
     const i64 nv = row / V;
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
-        i64 m = map[t];
+        i64 m = p.map[t];
         if (m < 0 || m >= T) {
             if (threadIdx.x == 0) atomicOr(&xcall_map_faults, FAULT_SORT_MAP);
             continue;
         }
-        i64 s = backward ? m : t, d = backward ? t : m;
-        if (pprobs && threadIdx.x == 0) pprobs[d] = probs[s];
-        const Vt* src = (const Vt*)(in + s * row);
-        Vt* dst = (Vt*)(out + d * row);
+        i64 s = p.backward ? m : t, d = p.backward ? t : m;
+        if (p.pprobs && threadIdx.x == 0) p.pprobs[d] = p.probs[s];
+        const Vt* src = (const Vt*)(p.input + s * row);
+        Vt* dst = (Vt*)(p.out + d * row);
         for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
             Vt r[U];
 #pragma unroll
@@ -471,9 +500,14 @@ __device__ void sort_body(const unsigned char* in, const i64* map, const float* 
 // unpermute: one block per token; each element sums its routes in route
 // order in f32: acc = acc + x * w (weight 1 without merging probs).
 template <typename C, int V, int U>
-__device__ void unpermute_body(const unsigned char* in, const int* map, const float* mprobs, const float* pprobs,
-                               unsigned char* out, float* uprobs, i64 T, int E, i64 H, i64 N) {
+__device__ void unpermute_body(const UnpermuteParams& p) {
     typedef Pack<C, V> P;
+    const unsigned char* in = p.input;
+    const int* map = p.map;
+    const float* mprobs = p.mprobs;
+    float* uprobs = p.oprobs;
+    const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
+    const int E = (int)p.experts;
     const int EV = V / sizeof(typename C::S);
     const i64 row = H * (i64)sizeof(typename C::S);
     const i64 nv = row / V;
@@ -484,7 +518,7 @@ __device__ void unpermute_body(const unsigned char* in, const int* map, const fl
             for (int e = threadIdx.x; e < E; e += blockDim.x) {
                 float v = 0.0f;
                 for (int k = 0; k < n; ++k) {
-                    if (m[E + k] == e && route_ok(m, k, E, N)) v = pprobs[m[k]];
+                    if (m[E + k] == e && route_ok(m, k, E, N)) v = p.pprobs[m[k]];
                 }
                 uprobs[t * E + e] = v;
             }
@@ -503,22 +537,22 @@ __device__ void unpermute_body(const unsigned char* in, const int* map, const fl
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * blockDim.x;
                     if (i < nv) {
-                        P p;
-                        p.raw = src[i].raw;
+                        P pk;
+                        pk.raw = src[i].raw;
 #pragma unroll
-                        for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(p.v[j]), w));
+                        for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk.v[j]), w));
                     }
                 }
             }
-            P* dst = (P*)(out + t * row);
+            P* dst = (P*)(p.out + t * row);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 i64 i = base + (i64)u * blockDim.x;
                 if (i < nv) {
-                    P p;
+                    P pk;
 #pragma unroll
-                    for (int j = 0; j < EV; ++j) p.v[j] = C::store(acc[u][j]);
-                    dst[i].raw = p.raw;
+                    for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
+                    dst[i].raw = pk.raw;
                 }
             }
         }
@@ -530,9 +564,14 @@ __device__ void unpermute_body(const unsigned char* in, const int* map, const fl
 // crate's fixed order: 16-byte group q adds element by element into slot
 // q % 256, then the 256 slots fold pairwise (see ops::DOT_SLOTS).
 template <typename C, int V, int A>
-__device__ void unpermute_bwd_body(const unsigned char* grad, const unsigned char* fwd, const int* map,
-                                   const float* mprobs, unsigned char* act, float* pgrad, i64 T, int E, i64 H, i64 N) {
+__device__ void unpermute_bwd_body(const UnpermuteParams& p) {
     typedef typename C::S S;
+    const unsigned char* grad = p.input;
+    const int* map = p.map;
+    const float* mprobs = p.mprobs;
+    float* pgrad = p.oprobs;
+    const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
+    const int E = (int)p.experts;
     typedef Pack<C, V> P;
     const int GE = 16 / sizeof(S);  // elements per group
     const int EV = V / sizeof(S);   // elements per vector (divides GE)
@@ -551,8 +590,8 @@ __device__ void unpermute_bwd_body(const unsigned char* grad, const unsigned cha
             if (!route_ok(m, k, E, N)) continue;  // uniform across the block
             const int d = m[k];
             float w = mprobs[t * E + m[E + k]];
-            const S* x = (const S*)(fwd + (i64)d * H * sizeof(S));
-            S* a = (S*)(act + (i64)d * H * sizeof(S));
+            const S* x = (const S*)(p.fwd + (i64)d * H * sizeof(S));
+            S* a = (S*)(p.out + (i64)d * H * sizeof(S));
             float acc[A];
 #pragma unroll
             for (int s = 0; s < A; ++s) acc[s] = 0.0f;

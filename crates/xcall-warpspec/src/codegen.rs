@@ -15,6 +15,7 @@
 use crate::error::PlanError;
 use crate::pipeline::{Action, RoleKind};
 use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
+use xcall_core::cuda::KernelRecord;
 use xcall_core::DType;
 
 /// A built-in elementwise op (`xcall_ws_op` in C).
@@ -60,51 +61,82 @@ impl ElementwiseOp {
     }
 }
 
-const PRELUDE: &str = r#"
-typedef unsigned long long u64;
-typedef unsigned int u32;
+const PRELUDE: &str = include_str!("kernels/prelude.cu");
+const PIPELINED: &str = include_str!("kernels/pipelined.cu");
+const PLAIN: &str = include_str!("kernels/plain.cu");
 
-// A role's walk over the stages (stage index, parity waited on there).
-struct PipeState { u32 index, phase; };
-__device__ __forceinline__ void advance(PipeState &s, u32 stages) {
-    if (++s.index == stages) { s.index = 0; s.phase ^= 1u; }
+xcall_core::kernel_params! {
+    /// What every generated kernel takes.
+    pub struct WsParams {
+        /// First operand (device address).
+        src0: u64 => "const unsigned char*",
+        /// Second operand, or 0 for a one-operand op.
+        src1: u64 => "const unsigned char*",
+        /// Output (device address).
+        dst: u64 => "unsigned char*",
+        /// Bytes of each buffer.
+        bytes: u64 => "u64",
+        /// The op's scale (`SiluScale`).
+        scale: f32 => "float",
+        /// Zero.
+        reserved: u32 => "u32",
+    }
 }
-__device__ __forceinline__ u32 smem_addr(const void *p) {
-    return (u32)__cvta_generic_to_shared(p);
+
+/// `template` with every hole `@NAME@` replaced by its value in `holes`.
+/// A hole without a value, or a value without a hole, is an error (a
+/// template and its generator that drift apart fail here).
+fn fill(template: &str, holes: &[(&str, String)]) -> Result<String, PlanError> {
+    let mut out = String::with_capacity(template.len() + 1024);
+    let mut used = vec![false; holes.len()];
+    let mut rest = template;
+    while let Some(at) = rest.find('@') {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        let end = after
+            .find('@')
+            .filter(|&e| {
+                e > 0
+                    && after[..e]
+                        .chars()
+                        .all(|c| c.is_ascii_uppercase() || c == '_')
+            })
+            .ok_or_else(|| {
+                PlanError::Codegen(format!(
+                    "a stray '@' in a kernel template before {:.40?}",
+                    after
+                ))
+            })?;
+        let name = &after[..end];
+        let i = holes.iter().position(|(h, _)| *h == name).ok_or_else(|| {
+            PlanError::Codegen(format!("no value for the template's hole @{name}@"))
+        })?;
+        used[i] = true;
+        out.push_str(&holes[i].1);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    match holes.iter().zip(&used).find(|(_, u)| !**u) {
+        Some(((name, _), _)) => Err(PlanError::Codegen(format!(
+            "the kernel template has no hole @{name}@"
+        ))),
+        None => Ok(out),
+    }
 }
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+
+/// The operand locals a kernel body reads (`src0`, `src1`), from its
+/// parameters.
+fn operand_locals(warps: usize) -> String {
+    (0..warps)
+        .map(|w| format!("    const unsigned char *__restrict__ src{w} = p.src{w};\n"))
+        .collect()
 }
-__device__ __forceinline__ void mbar_inval(u32 bar) {
-    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+
+/// The source text every kernel starts with: the helpers and the
+/// parameter struct.
+fn preamble() -> String {
+    format!("{PRELUDE}{}", WsParams::c_definition())
 }
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void bulk_load(u32 dst, const void *src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ float bf16_to_f32(unsigned short h) {
-    return __uint_as_float(((u32)h) << 16);
-}
-__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-"#;
 
 /// Launch facts of a generated kernel.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -240,9 +272,6 @@ pub fn generate(
         _ => (4, "float", "", ""),
     };
     let per_vec = 16 / elem;
-    let mut s = String::new();
-    s.push_str(&format!("// Generated by xcall-warpspec: {name}, {stages} stages, {warps} async warp(s), {wgs} compute warpgroup(s), {tile} B tiles.\n"));
-    s.push_str(PRELUDE);
     // The plan's barriers, in the order of its roles' groups: the offset
     // and init count of warp `w`'s barrier for stage `s` at `w * STAGES + s`.
     let table = |groups: &[usize], field: &dyn Fn(usize) -> u32| -> String {
@@ -261,18 +290,15 @@ pub fn generate(
         .flatten()
         .map(|o| o.to_string())
         .collect();
-    s.push_str(&format!(
-        "__constant__ u32 FULL_OFF[{n}] = {{{full}}};\n__constant__ u32 EMPTY_OFF[{n}] = {{{empty}}};\n__constant__ u32 FULL_INIT[{n}] = {{{full_init}}};\n__constant__ u32 EMPTY_INIT[{n}] = {{{empty_init}}};\n__constant__ u32 BUF_OFF[{n}] = {{{bufs}}};\n",
-        n = warps as u32 * stages,
-        full = table(&t.full, &offset),
-        empty = table(&t.empty, &offset),
-        full_init = table(&t.full, &init),
-        empty_init = table(&t.empty, &init),
-        bufs = buffers.join(", ")
-    ));
-    let srcs: Vec<String> = (0..warps)
-        .map(|w| format!("const unsigned char *__restrict__ src{w}"))
-        .collect();
+    let n = warps as u32 * stages;
+    let tables = format!(
+        "__constant__ u32 FULL_OFF[{n}] = {{{}}};\n__constant__ u32 EMPTY_OFF[{n}] = {{{}}};\n__constant__ u32 FULL_INIT[{n}] = {{{}}};\n__constant__ u32 EMPTY_INIT[{n}] = {{{}}};\n__constant__ u32 BUF_OFF[{n}] = {{{}}};\n",
+        table(&t.full, &offset),
+        table(&t.empty, &offset),
+        table(&t.full, &init),
+        table(&t.empty, &init),
+        buffers.join(", ")
+    );
     let (dec, inc) = match plan.spec.registers {
         Some(r) => (
             format!(
@@ -286,127 +312,65 @@ pub fn generate(
         ),
         None => (String::new(), String::new()),
     };
-    let loads: String = (0..warps)
-        .map(|w| format!("                float v{w} = {load}(((const {ctype} *)p{w})[k]);\n"))
-        .collect();
-    let vec_ptrs: String = (0..warps)
-        .map(|w| {
-            format!(
-                "            const unsigned char *p{w} = (c * 16 + 16 <= bulk) ? smem + BUF_OFF[{w} * STAGES + s] + c * 16 : src{w} + base + c * 16;\n"
-            )
-        })
-        .collect();
-    let vec_compute = format!(
-        "{}                        out[k] = {store}({expr});\n",
-        (0..warps)
-            .map(|w| format!("                        float v{w} = {load}(e{w}[k]);\n"))
-            .collect::<String>(),
-        expr = op.expression()
-    );
-    s.push_str(&format!(
-        r#"
-#define STAGES {stages}u
-#define WARPS {warps}u
-#define WGS {wgs}u
-#define PRODUCER_PHASE {producer_phase}u
-#define CONSUMER_PHASE {consumer_phase}u
-#define TILE {tile}ull
-#define PRODUCER_THREADS {producer_threads}u
-
-extern "C" __global__ void __launch_bounds__({threads}, 1)
-{name}({srcs}, unsigned char *__restrict__ dst, u64 bytes, float scale) {{
-    extern __shared__ __align__(128) unsigned char smem[];
-    const u32 tid = threadIdx.x;
-    if (tid == 0) {{
-        for (u32 i = 0; i < WARPS * STAGES; ++i) {{
-            mbar_init(smem_addr(smem + FULL_OFF[i]), FULL_INIT[i]);
-            mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT[i]);
-        }}
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }}
-    __syncthreads();
-    const u64 tiles = (bytes + TILE - 1) / TILE;
-    if (tid < PRODUCER_THREADS) {{
-        {dec}
-        const u32 warp = tid / 32, lane = tid % 32;
-        if (warp < WARPS && lane == 0) {{
-            const unsigned char *src = {src_select};
-            PipeState st = {{0u, PRODUCER_PHASE}};
-            for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES)) {{
-                const u32 s = st.index;
-                // The EMPTY barrier (release by the compute warps, acquire
-                // here) orders their reads of this stage before the next bulk
-                // copy into it, as in CUTLASS's TMA pipeline. A proxy fence
-                // here cost ~3% bandwidth on H100 (it waits for this
-                // producer's copies in flight) and changed no result.
-                mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), st.phase);
-                const u64 base = t * TILE;
-                const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
-                const u32 bulk = n & ~15u;
-                const u32 full = smem_addr(smem + FULL_OFF[warp * STAGES + s]);
-                if (bulk) {{
-                    mbar_arrive_expect_tx(full, bulk);
-                    bulk_load(smem_addr(smem + BUF_OFF[warp * STAGES + s]), src + base, bulk, full);
-                }} else {{
-                    mbar_arrive(full);
-                }}
-            }}
-        }}
-    }} else {{
-        {inc}
-        const u32 ct = tid - PRODUCER_THREADS;
-        const u32 wg = ct / 128, lt = ct % 128;
-        PipeState st = {{0u, CONSUMER_PHASE}};
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES)) {{
-            const u32 s = st.index;
-            for (u32 w = 0; w < WARPS; ++w) mbar_wait(smem_addr(smem + FULL_OFF[w * STAGES + s]), st.phase);
-            const u64 base = t * TILE;
-            const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
-            const u32 bulk = n & ~15u;
-            const u32 chunks = (n + 15u) / 16u;
-            for (u32 c = wg * 128u + lt; c < chunks; c += WGS * 128u) {{
-{vec_ptrs}                const u32 count = (c * 16 + 16 <= n) ? {per_vec}u : (n - c * 16) / {elem}u;
-                if (count == {per_vec}u) {{
-                    {ctype} out[{per_vec}];
-                    {vec_loads}
-                    #pragma unroll
-                    for (u32 k = 0; k < {per_vec}u; ++k) {{
-{vec_compute}                    }}
-                    *(uint4 *)(dst + base + c * 16) = *(const uint4 *)out;
-                }} else {{
-                    for (u32 k = 0; k < count; ++k) {{
-{loads}                        (({ctype} *)(dst + base + c * 16))[k] = {store}({expr});
-                    }}
-                }}
-            }}
-            // Every compute thread releases the stage after its own reads
-            // (the EMPTY count is the number of compute threads).
-            for (u32 w = 0; w < WARPS; ++w) mbar_arrive(smem_addr(smem + EMPTY_OFF[w * STAGES + s]));
-        }}
-    }}
-    __syncthreads();
-    if (tid == 0) {{
-        for (u32 i = 0; i < WARPS * STAGES; ++i) {{
-            mbar_inval(smem_addr(smem + FULL_OFF[i]));
-            mbar_inval(smem_addr(smem + EMPTY_OFF[i]));
-        }}
-    }}
-}}
-"#,
-        threads = plan.threads_per_block,
-        producer_phase = t.producer_phase,
-        consumer_phase = t.consumer_phase,
-        srcs = srcs.join(", "),
-        src_select = if warps == 1 { "src0".to_string() } else { "warp == 0 ? src0 : src1".to_string() },
-        vec_loads = (0..warps)
-            .map(|w| format!("const uint4 q{w} = *(const uint4 *)p{w}; const {ctype} *e{w} = (const {ctype} *)&q{w};"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        expr = op.expression(),
-    ));
+    let per_operand = |line: &dyn Fn(usize) -> String| -> String { (0..warps).map(line).collect() };
+    let body = fill(
+        PIPELINED,
+        &[
+            ("TABLES", tables),
+            ("STAGES", stages.to_string()),
+            ("WARPS", warps.to_string()),
+            ("WGS", wgs.to_string()),
+            ("PRODUCER_PHASE", t.producer_phase.to_string()),
+            ("CONSUMER_PHASE", t.consumer_phase.to_string()),
+            ("TILE", tile.to_string()),
+            ("PRODUCER_THREADS", producer_threads.to_string()),
+            ("THREADS", plan.threads_per_block.to_string()),
+            ("NAME", name.clone()),
+            ("OPERANDS", operand_locals(warps)),
+            ("DEC", dec),
+            ("INC", inc),
+            (
+                "SRC_SELECT",
+                if warps == 1 { "src0" } else { "warp == 0 ? src0 : src1" }.to_string(),
+            ),
+            (
+                "VEC_PTRS",
+                per_operand(&|w| format!(
+                    "            const unsigned char *p{w} = (c * 16 + 16 <= bulk) ? smem + BUF_OFF[{w} * STAGES + s] + c * 16 : src{w} + base + c * 16;\n"
+                )),
+            ),
+            ("PER_VEC", per_vec.to_string()),
+            ("ELEM", elem.to_string()),
+            ("CTYPE", ctype.to_string()),
+            (
+                "VEC_LOADS",
+                (0..warps)
+                    .map(|w| format!("const uint4 q{w} = *(const uint4 *)p{w}; const {ctype} *e{w} = (const {ctype} *)&q{w};"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+            (
+                "VEC_COMPUTE",
+                format!(
+                    "{}                        out[k] = {store}({expr});\n",
+                    per_operand(&|w| format!("                        float v{w} = {load}(e{w}[k]);\n")),
+                    expr = op.expression()
+                ),
+            ),
+            (
+                "LOADS",
+                per_operand(&|w| format!("                float v{w} = {load}(((const {ctype} *)p{w})[k]);\n")),
+            ),
+            ("STORE", store.to_string()),
+            ("EXPR", op.expression().to_string()),
+        ],
+    )?;
     Ok(GeneratedKernel {
+        source: format!(
+            "// Generated by xcall-warpspec: {name}, {stages} stages, {warps} async warp(s), {wgs} compute warpgroup(s), {tile} B tiles.\n{}\n{body}",
+            preamble()
+        ),
         name,
-        source: s,
         threads: plan.threads_per_block,
         smem_bytes: plan.smem_bytes,
     })
@@ -421,48 +385,81 @@ pub fn generate_plain(op: ElementwiseOp, dtype: DType) -> GeneratedKernel {
         DType::Bf16 => (2, "unsigned short", "bf16_to_f32", "f32_to_bf16"),
         _ => (4, "float", "", ""),
     };
-    let per_vec = 16 / elem;
-    let srcs: Vec<String> = (0..warps)
-        .map(|w| format!("const unsigned char *__restrict__ src{w}"))
-        .collect();
-    let vloads: String = (0..warps)
-        .map(|w| format!("        const uint4 q{w} = *(const uint4 *)(src{w} + c * 16); const {ctype} *e{w} = (const {ctype} *)&q{w};\n"))
-        .collect();
-    let vals: String = (0..warps)
-        .map(|w| format!("            float v{w} = {load}(e{w}[k]);\n"))
-        .collect();
-    let tail_vals: String = (0..warps)
-        .map(|w| {
-            format!("            float v{w} = {load}(((const {ctype} *)(src{w} + c * 16))[k]);\n")
-        })
-        .collect();
-    let source = format!(
-        r#"{PRELUDE}
-extern "C" __global__ void {name}({srcs}, unsigned char *__restrict__ dst, u64 bytes, float scale) {{
-    const u64 chunks = (bytes + 15) / 16;
-    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += (u64)gridDim.x * blockDim.x) {{
-        if (c * 16 + 16 <= bytes) {{
-{vloads}        {ctype} out[{per_vec}];
-        #pragma unroll
-        for (u32 k = 0; k < {per_vec}u; ++k) {{
-{vals}            out[k] = {store}({expr});
-        }}
-        *(uint4 *)(dst + c * 16) = *(const uint4 *)out;
-        }} else {{
-        for (u32 k = 0; k < (u32)(bytes - c * 16) / {elem}u; ++k) {{
-{tail_vals}            (({ctype} *)(dst + c * 16))[k] = {store}({expr});
-        }}
-        }}
-    }}
-}}
-"#,
-        srcs = srcs.join(", "),
-        expr = op.expression(),
-    );
+    let per_operand = |line: &dyn Fn(usize) -> String| -> String { (0..warps).map(line).collect() };
+    let body = fill(
+        PLAIN,
+        &[
+            ("NAME", name.clone()),
+            ("OPERANDS", operand_locals(warps)),
+            (
+                "VLOADS",
+                per_operand(&|w| format!("        const uint4 q{w} = *(const uint4 *)(src{w} + c * 16); const {ctype} *e{w} = (const {ctype} *)&q{w};\n")),
+            ),
+            ("CTYPE", ctype.to_string()),
+            ("PER_VEC", (16 / elem).to_string()),
+            (
+                "VALS",
+                per_operand(&|w| format!("            float v{w} = {load}(e{w}[k]);\n")),
+            ),
+            ("STORE", store.to_string()),
+            ("EXPR", op.expression().to_string()),
+            ("ELEM", elem.to_string()),
+            (
+                "TAIL_VALS",
+                per_operand(&|w| format!("            float v{w} = {load}(((const {ctype} *)(src{w} + c * 16))[k]);\n")),
+            ),
+        ],
+    )
+    .expect("the plain template's holes are the ones filled here (a unit test checks)");
     GeneratedKernel {
+        source: format!("{}\n{body}", preamble()),
         name,
-        source,
         threads: 256,
         smem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_and_their_holes_agree() {
+        fn holes<'a>(names: &[&'a str]) -> Vec<(&'a str, String)> {
+            names.iter().map(|n| (*n, format!("<{n}>"))).collect()
+        }
+        assert_eq!(
+            fill("a @X@ b @Y_Z@ @X@", &holes(&["X", "Y_Z"])).unwrap(),
+            "a <X> b <Y_Z> <X>"
+        );
+        for (template, names, missing) in [
+            (
+                "a @X@ @Y@",
+                &["X"][..],
+                "no value for the template's hole @Y@",
+            ),
+            (
+                "a @X@",
+                &["X", "W"][..],
+                "the kernel template has no hole @W@",
+            ),
+            ("a @x@", &["X"][..], "a stray '@'"),
+            ("a @X", &["X"][..], "a stray '@'"),
+        ] {
+            let err = fill(template, &holes(names)).unwrap_err().to_string();
+            assert!(err.contains(missing), "{template}: {err}");
+        }
+        // The plain kernel fills its template for every op and dtype.
+        for op in [ElementwiseOp::Mul, ElementwiseOp::SiluScale] {
+            for dtype in [DType::F32, DType::Bf16] {
+                let k = generate_plain(op, dtype);
+                assert!(!k.source.contains('@'), "{op:?} {dtype}");
+                assert_eq!(
+                    k.source.matches("= p.src").count(),
+                    op.operands(),
+                    "{op:?} {dtype}"
+                );
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@ use xcall_core::cuda::{self, Launch, Params};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{DType, Device, DeviceMap, Error, KernelCache, KernelSource, Result};
 
-use crate::codegen::{generate, generate_plain, ElementwiseOp, GeneratedKernel};
+use crate::codegen::{generate, generate_plain, ElementwiseOp, GeneratedKernel, WsParams};
 use crate::ops::OpConfig;
 
 /// Where the operands and the result live on the device.
@@ -191,15 +191,19 @@ impl WsKernels {
                 .div_ceil(256)
                 .min(p.multiprocessors as u64 * 8),
         } as u32;
-        let mut params = Params::new()
-            .u64s(buffers.inputs)
-            .u64(buffers.output)
-            .u64(buffers.bytes)
-            .f32(scale);
+        let mut params = Params::new().record(&WsParams {
+            src0: buffers.inputs[0],
+            src1: buffers.inputs.get(1).copied().unwrap_or(0),
+            dst: buffers.output,
+            bytes: buffers.bytes,
+            scale,
+            reserved: 0,
+        });
         let config = Launch::linear(grid, p.threads, stream).with_shared(p.smem_bytes);
-        // SAFETY: the parameters match the generated signature (operands,
-        // output, bytes, scale); the buffers were checked for alignment,
-        // overlap and element size.
+        // SAFETY: every generated kernel takes one `WsParams` (its C
+        // definition generated from the Rust struct, layout asserted); the
+        // buffers were checked for count, alignment, overlap and element
+        // size.
         unsafe { cuda::launch(device, &p.function, config, &mut params) }
     }
 }

@@ -5,16 +5,19 @@ use std::ffi::c_void;
 
 use cudarc::driver::{sys, CudaFunction};
 
-use super::{check, ContextGuard};
+use super::{check, ContextGuard, KernelRecord};
 use crate::{Device, Result};
 
-/// A kernel's parameters in order, each in its own 8-byte slot. The driver
-/// reads a parameter's size from the kernel's signature at the slot's start:
-/// a 32-bit value sits in the slot's low bytes, which is where a
-/// little-endian host puts it.
+/// A kernel's parameters in order, each starting at its own 8-byte slot.
+/// The driver reads a parameter's size from the kernel's signature at the
+/// slot's start: a 32-bit value sits in the slot's low bytes, which is where
+/// a little-endian host puts it; a [`KernelRecord`] spans as many slots as
+/// it needs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Params {
     slots: Vec<u64>,
+    /// The slot each parameter starts at.
+    starts: Vec<usize>,
 }
 
 impl Params {
@@ -25,7 +28,23 @@ impl Params {
 
     /// A device pointer (or any 64-bit value).
     pub fn u64(mut self, value: u64) -> Params {
+        self.starts.push(self.slots.len());
         self.slots.push(value);
+        self
+    }
+
+    /// A kernel parameter struct, passed by value (its bytes copied).
+    pub fn record<R: KernelRecord>(mut self, value: &R) -> Params {
+        let size = std::mem::size_of::<R>();
+        // SAFETY: `KernelRecord` types have no padding, so all `size` bytes
+        // of `value` are initialised; the slice lives as long as `value`.
+        let bytes = unsafe { std::slice::from_raw_parts((value as *const R).cast::<u8>(), size) };
+        self.starts.push(self.slots.len());
+        self.slots.extend(bytes.chunks(8).map(|chunk| {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            u64::from_le_bytes(word)
+        }));
         self
     }
 
@@ -45,19 +64,18 @@ impl Params {
     }
 
     /// Device pointers (or 64-bit values), in order.
-    pub fn u64s(mut self, values: &[u64]) -> Params {
-        self.slots.extend_from_slice(values);
-        self
+    pub fn u64s(self, values: &[u64]) -> Params {
+        values.iter().fold(self, |p, &v| p.u64(v))
     }
 
     /// How many parameters there are.
     pub fn len(&self) -> usize {
-        self.slots.len()
+        self.starts.len()
     }
 
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.starts.is_empty()
     }
 }
 
@@ -100,7 +118,8 @@ impl Launch {
 ///
 /// # Safety
 /// `params` must match the kernel's signature (count, order, and each
-/// parameter's size at most 8 bytes), every pointer in it must be valid for
+/// parameter's size: at most 8 bytes, or a [`KernelRecord`] of the kernel's
+/// parameter struct), every pointer in it must be valid for
 /// what the kernel does with it, and the stream must belong to `device`.
 pub unsafe fn launch(
     device: Device,
@@ -108,10 +127,12 @@ pub unsafe fn launch(
     config: Launch,
     params: &mut Params,
 ) -> Result<()> {
+    let base = params.slots.as_mut_ptr();
     let mut pointers: Vec<*mut c_void> = params
-        .slots
-        .iter_mut()
-        .map(|slot| (slot as *mut u64).cast())
+        .starts
+        .iter()
+        // SAFETY: every start is an index into `slots` (pushed with it).
+        .map(|&at| unsafe { base.add(at) }.cast())
         .collect();
     let guard = ContextGuard::primary(device)?;
     // SAFETY: the caller's contract on the parameters and the stream; every
@@ -165,6 +186,47 @@ mod tests {
         // The driver reads a 4-byte parameter from the slot's first bytes.
         let f = p.slots[3].to_le_bytes();
         assert_eq!(f32::from_le_bytes([f[0], f[1], f[2], f[3]]), 1.5);
+        assert_eq!(p.starts, vec![0, 1, 2, 3, 4, 5]);
+    }
+
+    crate::kernel_params! {
+        /// Twelve bytes then eight: spans three slots.
+        struct Three {
+            /// First.
+            a: u32 => "unsigned int",
+            /// Second.
+            b: i32 => "int",
+            /// Third.
+            c: f32 => "float",
+            /// Fourth.
+            d: i32 => "int",
+            /// Fifth.
+            e: u64 => "unsigned long long",
+        }
+    }
+
+    #[test]
+    fn a_record_is_one_parameter_over_its_bytes() {
+        let r = Three {
+            a: 0x0102_0304,
+            b: -1,
+            c: 2.0,
+            d: 7,
+            e: 0xaabb_ccdd_eeff_0011,
+        };
+        let p = Params::new().u64(5).record(&r).i32(9);
+        assert_eq!(p.len(), 3);
+        assert_eq!(p.starts, vec![0, 1, 4]);
+        assert_eq!(
+            p.slots,
+            vec![
+                5,
+                0xffff_ffff_0102_0304,
+                (7u64 << 32) | 2.0f32.to_bits() as u64,
+                0xaabb_ccdd_eeff_0011,
+                9
+            ]
+        );
     }
 
     #[test]

@@ -17,15 +17,20 @@
 //! - [`ContextGuard`]: a context made current until the guard drops (also on
 //!   a panic), then the caller's previous one again;
 //! - [`Event`] and [`StreamAlloc`]: driver objects destroyed or freed on drop;
-//! - [`Params`] and [`launch`]: one way to pass a kernel's parameters.
+//! - [`Params`] and [`launch`]: one way to pass a kernel's parameters;
+//! - [`KernelRecord`] and [`kernel_params!`](crate::kernel_params): a
+//!   kernel's parameter struct written once in Rust, its CUDA C twin
+//!   generated with layout assertions.
 
 mod context;
 mod launch;
 mod objects;
+mod record;
 
 pub use context::{retain_primary_context, with_context, ContextGuard};
 pub use launch::{launch, Launch, Params};
 pub use objects::{Event, StreamAlloc};
+pub use record::{KernelRecord, ParamField};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -16,12 +16,12 @@
 //! modules.
 
 mod module;
+mod params;
 mod tune;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use xcall_core::cuda::Params;
 use xcall_core::{DeviceMap, KernelCache};
 
 use crate::args::{
@@ -32,10 +32,11 @@ use crate::check::{Checked, Dims};
 use crate::chunks::{self, Direction};
 use crate::error::PermuteError;
 use module::{
-    capturing, check_device_memory, check_map_on_device, function, launch, read_back, Family,
-    FunctionKey, Loaded, SMEM_LIMIT,
+    capturing, check_device_memory, check_map_on_device, launch, read_back, Family, FunctionKey,
+    Loaded, SMEM_LIMIT,
 };
 pub(crate) use module::{copy_of, take_faults};
+use params::{ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams};
 use tune::{
     arith_width, choose, default_config, grid_for, movement_candidates, row_class, width, TuneKey,
 };
@@ -104,98 +105,62 @@ pub(crate) unsafe fn make_row_id_map(
     // what shared memory holds.
     let tb = ((SMEM_LIMIT - 8 * e) / e).min(t.div_ceil(512).clamp(8, 128));
     let nblocks = t.div_ceil(tb) as u64;
-    let align = a.options.align.unwrap_or(1) as i64;
-    let cap = a.options.num_out_tokens.map_or(i64::MAX, |c| c as i64);
-    let capacity = a.options.capacity.map_or(0, |c| c as i64);
-    let (routing, map, tpe, off) = (
-        a.routing.address,
-        a.row_id_map.address,
-        a.tokens_per_expert.address,
-        a.expert_offsets.address,
-    );
-    let (ti, ei, tbi) = (t as i64, e as i32, tb as i32);
-    let dev = target.device;
+    let p = RowIdMapParams {
+        routing: a.routing.address,
+        map: a.row_id_map.address,
+        tpe: a.tokens_per_expert.address,
+        offsets: a.expert_offsets.address,
+        tokens: t as i64,
+        experts: e as i64,
+        block_tokens: tb as i64,
+        blocks: nblocks as i64,
+        align: a.options.align.unwrap_or(1) as i64,
+        cap: a.options.num_out_tokens.map_or(i64::MAX, |c| c as i64),
+        capacity: a.options.capacity.map_or(0, |c| c as i64),
+    };
+    let kernel = |name| (Family::Movement, name);
+    launch(target, kernel("rim_count"), nblocks, 256, tb * e, &p)?;
+    launch(target, kernel("rim_scan_blocks"), e as u64, 256, 0, &p)?;
+    launch(target, kernel("rim_offsets"), 1, 1024, 0, &p)?;
     launch(
         target,
-        &function(dev, Family::Movement, "rim_count")?,
-        nblocks,
-        256,
-        tb * e,
-        Params::new().u64(routing).u64(map).i64(ti).i32(ei).i32(tbi),
-    )?;
-    launch(
-        target,
-        &function(dev, Family::Movement, "rim_scan_blocks")?,
-        e as u64,
-        256,
-        0,
-        Params::new()
-            .u64(map)
-            .u64(tpe)
-            .i64(ti)
-            .i32(ei)
-            .i32(tbi)
-            .i64(nblocks as i64),
-    )?;
-    launch(
-        target,
-        &function(dev, Family::Movement, "rim_offsets")?,
-        1,
-        1024,
-        0,
-        Params::new()
-            .u64(tpe)
-            .u64(off)
-            .i32(ei)
-            .i64(align)
-            .i64(cap)
-            .i64(capacity),
-    )?;
-    launch(
-        target,
-        &function(dev, Family::Movement, "rim_write")?,
+        kernel("rim_write"),
         nblocks,
         256,
         8 * e + tb * e,
-        Params::new()
-            .u64(routing)
-            .u64(map)
-            .u64(off)
-            .i64(ti)
-            .i32(ei)
-            .i32(tbi)
-            .i64(cap)
-            .i64(capacity),
+        &p,
     )
 }
 
-/// Zeroes the rows of `[output, permuted_probs, permuted_scales]` (0 for
-/// an absent one) that no route writes: each expert chunk's padding and the
-/// rows past the last chunk (`d.scales` values per row of scales).
+/// Zeroes the rows of `out`, `pprobs` and `pscales` (0 for an absent one)
+/// that no route writes: each expert chunk's padding and the rows past the
+/// last chunk (`d.scales` values per row of scales).
 fn zero_unwritten(
     target: &Target,
-    outs: [u64; 3],
+    (out, pprobs, pscales): (u64, u64, u64),
     (tokens_per_expert, expert_offsets): (&Tensor, &Tensor),
     d: Dims,
     row: u64,
 ) -> Result<()> {
-    let v = width(row, &[outs[0]]);
+    let v = width(row, &[out]);
     launch(
         target,
-        &function(target.device, Family::Movement, &format!("zero_{v}"))?,
+        (Family::Movement, &format!("zero_{v}")),
         d.experts as u64 + 1,
         256,
         0,
-        Params::new()
-            .u64(outs[0])
-            .u64(outs[1])
-            .u64(outs[2])
-            .u64(tokens_per_expert.address)
-            .u64(expert_offsets.address)
-            .i32(d.experts as i32)
-            .i64(d.out_rows as i64)
-            .i64(row as i64)
-            .i32(d.scales as i32),
+        &PermuteParams {
+            out,
+            pprobs,
+            pscales,
+            tpe: tokens_per_expert.address,
+            offsets: expert_offsets.address,
+            experts: d.experts as i64,
+            out_rows: d.out_rows as i64,
+            row: row as i64,
+            nscales: d.scales as i64,
+            ..PermuteParams::default()
+        },
     )
 }
 
@@ -226,11 +191,11 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     let dev = target.device;
     zero_unwritten(
         target,
-        [
+        (
             a.output.address,
             opt(&a.permuted_probs),
             opt(&a.permuted_scales),
-        ],
+        ),
         (&a.tokens_per_expert, &a.expert_offsets),
         d,
         row,
@@ -242,23 +207,25 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            &function(dev, Family::Movement, &format!("permute_{v}_{}", c.unroll))?,
+            (Family::Movement, &format!("permute_{v}_{}", c.unroll)),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
-            Params::new()
-                .u64(a.input.address)
-                .u64(a.row_id_map.address)
-                .u64(opt(&a.probs))
-                .u64(opt(&a.scales))
-                .u64(outs[0])
-                .u64(outs[1])
-                .u64(outs[2])
-                .i64(d.tokens as i64)
-                .i32(d.experts as i32)
-                .i64(row as i64)
-                .i32(d.scales as i32)
-                .i64(d.out_rows as i64),
+            &PermuteParams {
+                input: a.input.address,
+                map: a.row_id_map.address,
+                probs: opt(&a.probs),
+                scales: opt(&a.scales),
+                out: outs[0],
+                pprobs: outs[1],
+                pscales: outs[2],
+                tokens: d.tokens as i64,
+                experts: d.experts as i64,
+                row: row as i64,
+                nscales: d.scales as i64,
+                out_rows: d.out_rows as i64,
+                ..PermuteParams::default()
+            },
         )
     };
     let config = choose(
@@ -308,25 +275,23 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            &function(
-                dev,
-                Family::Arith(dtype),
-                &format!("unpermute_{v}_{}", c.unroll),
-            )?,
+            (Family::Arith(dtype), &format!("unpermute_{v}_{}", c.unroll)),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
-            Params::new()
-                .u64(a.input.address)
-                .u64(a.row_id_map.address)
-                .u64(opt(&a.merging_probs))
-                .u64(opt(&a.permuted_probs))
-                .u64(outs[0])
-                .u64(outs[1])
-                .i64(d.tokens as i64)
-                .i32(d.experts as i32)
-                .i64(d.hidden as i64)
-                .i64(d.out_rows as i64),
+            &UnpermuteParams {
+                input: a.input.address,
+                fwd: 0,
+                map: a.row_id_map.address,
+                mprobs: opt(&a.merging_probs),
+                pprobs: opt(&a.permuted_probs),
+                out: outs[0],
+                oprobs: outs[1],
+                tokens: d.tokens as i64,
+                experts: d.experts as i64,
+                hidden: d.hidden as i64,
+                out_rows: d.out_rows as i64,
+            },
         )
     };
     let config = choose(
@@ -371,7 +336,7 @@ pub(crate) unsafe fn unpermute_backward(
     let no_scales = Dims { scales: 0, ..d };
     zero_unwritten(
         target,
-        [a.act_grad.address, 0, 0],
+        (a.act_grad.address, 0, 0),
         (&a.tokens_per_expert, &a.expert_offsets),
         no_scales,
         row,
@@ -387,25 +352,26 @@ pub(crate) unsafe fn unpermute_backward(
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            &function(
-                dev,
+            (
                 Family::Arith(dtype),
                 &format!("unpermute_bwd_{v}_{}", c.unroll),
-            )?,
+            ),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
-            Params::new()
-                .u64(a.grad.address)
-                .u64(a.fwd_input.address)
-                .u64(a.row_id_map.address)
-                .u64(a.merging_probs.address)
-                .u64(outs[0])
-                .u64(outs[1])
-                .i64(d.tokens as i64)
-                .i32(d.experts as i32)
-                .i64(d.hidden as i64)
-                .i64(d.out_rows as i64),
+            &UnpermuteParams {
+                input: a.grad.address,
+                fwd: a.fwd_input.address,
+                map: a.row_id_map.address,
+                mprobs: a.merging_probs.address,
+                pprobs: 0,
+                out: outs[0],
+                oprobs: outs[1],
+                tokens: d.tokens as i64,
+                experts: d.experts as i64,
+                hidden: d.hidden as i64,
+                out_rows: d.out_rows as i64,
+            },
         )
     };
     let candidates: Vec<Config> = UNROLLS
@@ -472,16 +438,17 @@ pub(crate) unsafe fn make_chunk_sort_map(
     }
     launch(
         target,
-        &function(target.device, Family::Movement, "chunk_map")?,
+        (Family::Movement, "chunk_map"),
         (tokens as u64).div_ceil(256).clamp(1, 1 << 16),
         256,
         (2 * s + 1) * 8 + s,
-        Params::new()
-            .u64(a.split_sizes.address)
-            .u64(a.sorted_indices.address)
-            .u64(a.map.address)
-            .i32(s as i32)
-            .i64(tokens as i64),
+        &ChunkMapParams {
+            sizes: a.split_sizes.address,
+            sorted: a.sorted_indices.address,
+            map: a.map.address,
+            chunks: s as i64,
+            tokens: tokens as i64,
+        },
     )
 }
 
@@ -507,23 +474,24 @@ pub(crate) unsafe fn sort_chunks_by_map(
     }
     let v = width(row, &[a.input.address, a.output.address]);
     let dev = target.device;
-    let backward = matches!(a.direction, Direction::Backward) as i32;
+    let backward = matches!(a.direction, Direction::Backward) as i64;
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            &function(dev, Family::Movement, &format!("sort_{v}_{}", c.unroll))?,
+            (Family::Movement, &format!("sort_{v}_{}", c.unroll)),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
-            Params::new()
-                .u64(a.input.address)
-                .u64(a.map.address)
-                .u64(opt(&a.probs))
-                .u64(outs[0])
-                .u64(outs[1])
-                .i64(d.tokens as i64)
-                .i64(row as i64)
-                .i32(backward),
+            &SortParams {
+                input: a.input.address,
+                map: a.map.address,
+                probs: opt(&a.probs),
+                out: outs[0],
+                pprobs: outs[1],
+                tokens: d.tokens as i64,
+                row: row as i64,
+                backward,
+            },
         )
     };
     let config = choose(

@@ -6,14 +6,18 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, Launch, Params, StreamAlloc};
+use xcall_core::cuda::{self, KernelRecord, Launch, Params, StreamAlloc};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{DType, Device, Fp8, KernelSource};
 
+use super::params::{
+    self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
+    UnpermuteParams,
+};
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::{Target, Tensor};
 use crate::check::Dims;
-use crate::error::shape;
+use crate::error::{shape, PermuteError};
 use crate::MapFaults;
 
 const SOURCE: &str = include_str!("../kernels.cu");
@@ -29,34 +33,41 @@ pub(super) enum Family {
     Arith(DType),
 }
 
+/// The `extern "C"` kernels of a module: each takes its family's parameter
+/// struct (see `params.rs`) and calls the body template.
 fn instantiations(family: Family) -> String {
     let mut s = String::new();
+    let mut kernel = |name: String, body: String| {
+        let params = params_of(&name);
+        s += &format!("extern \"C\" __global__ void {name}(const {params} p) {{ {body}(p); }}\n");
+    };
     match family {
         Family::Movement => {
             for v in MOVE_WIDTHS {
                 for u in UNROLLS {
-                    s += &format!(
-                        "extern \"C\" __global__ void permute_{v}_{u}(const unsigned char* in, const int* map, const float* probs, const float* scales, unsigned char* out, float* pprobs, float* pscales, i64 T, int E, i64 row, int S, i64 N) {{ permute_body<{v}, {u}>(in, map, probs, scales, out, pprobs, pscales, T, E, row, S, N); }}\n\
-                         extern \"C\" __global__ void sort_{v}_{u}(const unsigned char* in, const i64* map, const float* probs, unsigned char* out, float* pprobs, i64 T, i64 row, int backward) {{ sort_body<{v}, {u}>(in, map, probs, out, pprobs, T, row, backward); }}\n"
+                    kernel(
+                        format!("permute_{v}_{u}"),
+                        format!("permute_body<{v}, {u}>"),
                     );
+                    kernel(format!("sort_{v}_{u}"), format!("sort_body<{v}, {u}>"));
                 }
-                s += &format!(
-                    "extern \"C\" __global__ void zero_{v}(unsigned char* out, float* pprobs, float* pscales, const i64* tpe, const i64* offsets, int E, i64 N, i64 row, int S) {{ zero_body<{v}>(out, pprobs, pscales, tpe, offsets, E, N, row, S); }}\n"
-                );
+                kernel(format!("zero_{v}"), format!("zero_body<{v}>"));
             }
         }
         Family::Arith(dtype) => {
             let codec = codec_name(dtype);
             for v in arith_widths(dtype) {
                 for u in UNROLLS {
-                    s += &format!(
-                        "extern \"C\" __global__ void unpermute_{v}_{u}(const unsigned char* in, const int* map, const float* mprobs, const float* pprobs, unsigned char* out, float* uprobs, i64 T, int E, i64 H, i64 N) {{ unpermute_body<{codec}, {v}, {u}>(in, map, mprobs, pprobs, out, uprobs, T, E, H, N); }}\n"
+                    kernel(
+                        format!("unpermute_{v}_{u}"),
+                        format!("unpermute_body<{codec}, {v}, {u}>"),
                     );
                     if Fp8::of(dtype).is_some() {
                         continue; // fp8: unpermute without probs only
                     }
-                    s += &format!(
-                        "extern \"C\" __global__ void unpermute_bwd_{v}_{u}(const unsigned char* grad, const unsigned char* fwd, const int* map, const float* mprobs, unsigned char* act, float* pgrad, i64 T, int E, i64 H, i64 N) {{ unpermute_bwd_body<{codec}, {v}, {u}>(grad, fwd, map, mprobs, act, pgrad, T, E, H, N); }}\n"
+                    kernel(
+                        format!("unpermute_bwd_{v}_{u}"),
+                        format!("unpermute_bwd_body<{codec}, {v}, {u}>"),
                     );
                 }
             }
@@ -94,7 +105,7 @@ pub(super) fn function(device: Device, family: Family, name: &str) -> Result<Arc
     if let Some(f) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok(f.clone());
     }
-    let code = format!("{SOURCE}\n{}", instantiations(family));
+    let code = format!("{}{SOURCE}\n{}", params::prelude(), instantiations(family));
     let program = match family {
         Family::Movement => "xcall_permute_movement.cu".to_string(),
         Family::Arith(d) => format!("xcall_permute_{d}.cu"),
@@ -251,36 +262,33 @@ pub(super) fn check_map_on_device(
     let word = if capturing { fault_word(dev)? } else { base };
     let (counts_at, taken_at) = (base + 8, base + 8 + counts * 8);
     let (tpe, offsets) = chunks.map_or((0, 0), |(t, o)| (t.address, o.address));
+    let p = MapCheckParams {
+        map: map.address,
+        tpe,
+        offsets,
+        taken: taken_at,
+        counts: counts_at,
+        word,
+        tokens: d.tokens as i64,
+        experts: d.experts as i64,
+        out_rows: d.out_rows as i64,
+    };
     launch(
         target,
-        &function(dev, Family::Movement, "rim_check")?,
+        (Family::Movement, "rim_check"),
         (d.tokens as u64).div_ceil(256).min(1 << 16),
         256,
         0,
-        Params::new()
-            .u64(map.address)
-            .u64(tpe)
-            .u64(offsets)
-            .i64(d.tokens as i64)
-            .i32(d.experts as i32)
-            .i64(d.out_rows as i64)
-            .u64(taken_at)
-            .u64(counts_at)
-            .u64(word),
+        &p,
     )?;
     if chunks.is_some() {
         launch(
             target,
-            &function(dev, Family::Movement, "rim_check_counts")?,
+            (Family::Movement, "rim_check_counts"),
             counts.div_ceil(256),
             256,
             0,
-            Params::new()
-                .u64(tpe)
-                .u64(offsets)
-                .u64(counts_at)
-                .i32(d.experts as i32)
-                .u64(word),
+            &p,
         )?;
     }
     if capturing {
@@ -313,23 +321,49 @@ fn fault_word(device: Device) -> Result<u64> {
         .ok_or_else(|| shape(format!("no map fault word on {device}")))
 }
 
-pub(super) fn launch(
+/// The parameter struct a kernel of `kernels.cu` takes, by its name.
+fn params_of(kernel: &str) -> &'static str {
+    let prefix = kernel.split('_').next().unwrap_or(kernel);
+    match prefix {
+        "permute" | "zero" => PermuteParams::NAME,
+        "sort" => SortParams::NAME,
+        "unpermute" => UnpermuteParams::NAME,
+        "chunk" => ChunkMapParams::NAME,
+        _ if kernel.starts_with("rim_check") => MapCheckParams::NAME,
+        _ => RowIdMapParams::NAME,
+    }
+}
+
+/// Launches kernel `name` of `family` with its parameter struct `params`
+/// on the target's stream (nothing when `grid` is 0). A struct other than
+/// the kernel's is refused.
+pub(super) fn launch<R: KernelRecord>(
     target: &Target,
-    f: &Arc<Loaded>,
+    (family, name): (Family, &str),
     grid: u64,
     threads: u32,
     smem: usize,
-    mut params: Params,
+    params: &R,
 ) -> Result<()> {
+    if params_of(name) != R::NAME {
+        return Err(PermuteError::Unsupported(format!(
+            "kernel {name} takes {}, not {}",
+            params_of(name),
+            R::NAME
+        )));
+    }
     if grid == 0 {
         return Ok(());
     }
+    let f = function(target.device, family, name)?;
     let grid = grid.min(i32::MAX as u64) as u32;
     let config =
         Launch::linear(grid, threads, target.stream as sys::CUstream).with_shared(smem as u32);
-    // SAFETY: every caller builds `params` in the order and widths of the
-    // kernel's signature in kernels.cu, and checked every buffer against
-    // its shape and the device.
+    let mut params = Params::new().record(params);
+    // SAFETY: every kernel of kernels.cu takes one parameter struct whose C
+    // definition is generated from `R` with its layout asserted, and each
+    // caller passes the struct of the kernel it names; every buffer in it
+    // was checked against its shape and the device.
     unsafe { cuda::launch(target.device, &f.function, config, &mut params) }?;
     Ok(())
 }
@@ -401,4 +435,70 @@ pub(super) fn check_device_memory(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `extern "C"` kernel of `source` with the struct its signature
+    /// takes.
+    fn signatures(source: &str) -> Vec<(String, String)> {
+        source
+            .split("extern \"C\" __global__ void ")
+            .skip(1)
+            .map(|rest| {
+                let (name, after) = rest.split_once('(').expect("a parameter list");
+                let params = after
+                    .strip_prefix("const ")
+                    .and_then(|a| a.split_once(' '))
+                    .map_or("", |(t, _)| t);
+                (name.to_string(), params.to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_kernel_is_launched_with_the_struct_its_signature_takes() {
+        let mut all = signatures(SOURCE);
+        for family in [
+            Family::Movement,
+            Family::Arith(DType::Bf16),
+            Family::Arith(DType::F32),
+            Family::Arith(DType::F8E4M3),
+        ] {
+            all.extend(signatures(&instantiations(family)));
+        }
+        // 7 fixed kernels, 5 widths x 3 unrolls x (permute, sort) + 5 zero
+        // fills, 2 widths x 3 unrolls x (unpermute, backward) for two float
+        // types and unpermute only for fp8.
+        assert_eq!(all.len(), 7 + 35 + 2 * 12 + 6, "{all:?}");
+        for (name, params) in all {
+            assert_eq!(params_of(&name), params, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_struct_other_than_the_kernels_is_refused_before_anything_runs() {
+        let target = Target {
+            device: Device::cuda(0),
+            stream: std::ptr::null_mut(),
+            autotune: false,
+            checked: false,
+        };
+        let err = launch(
+            &target,
+            (Family::Movement, "sort_16_1"),
+            1,
+            256,
+            0,
+            &PermuteParams::default(),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("kernel sort_16_1 takes SortParams, not PermuteParams"),
+            "{err}"
+        );
+    }
 }

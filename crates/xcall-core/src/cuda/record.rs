@@ -1,0 +1,149 @@
+//! Kernel parameters written once: a `#[repr(C)]` Rust struct, whose CUDA C
+//! twin is generated from it together with `static_assert`s on its size and
+//! every field's offset, so the two sides cannot drift apart unnoticed (a
+//! mismatch fails the NVRTC compile). A kernel takes the struct by value as
+//! its only parameter; [`crate::cuda::Params::record`] passes it.
+
+/// A number a kernel parameter struct may hold. Sealed: the plain integer
+/// and float types, whose every byte is meaningful.
+pub trait ParamField: Copy + sealed::Sealed {}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! param_fields {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl ParamField for $t {}
+    )*};
+}
+param_fields!(u64, i64, u32, i32, f32);
+
+/// A kernel parameter struct shared with CUDA C. Implement it with
+/// [`kernel_params!`](crate::kernel_params), never by hand.
+///
+/// # Safety
+/// The type is `#[repr(C)]`, made only of [`ParamField`]s and has no
+/// padding, so all of its bytes are initialised.
+pub unsafe trait KernelRecord: Copy + 'static {
+    /// The struct's name in CUDA C.
+    const NAME: &'static str;
+
+    /// Each field's (name, CUDA C type, byte offset), in order.
+    fn fields() -> Vec<(&'static str, &'static str, usize)>;
+
+    /// The CUDA C definition, followed by `static_assert`s that its size and
+    /// every field's offset are the Rust struct's.
+    fn c_definition() -> String {
+        let name = Self::NAME;
+        let size = std::mem::size_of::<Self>();
+        let fields = Self::fields();
+        let mut s = format!("struct {name} {{\n");
+        for (field, ctype, _) in &fields {
+            s += &format!("    {ctype} {field};\n");
+        }
+        s += "};\n";
+        s += &format!(
+            "static_assert(sizeof({name}) == {size}, \"{name}: the Rust struct is {size} bytes\");\n"
+        );
+        for (field, _, offset) in &fields {
+            s += &format!(
+                "static_assert(__builtin_offsetof({name}, {field}) == {offset}, \"{name}.{field}: the Rust field is at byte {offset}\");\n"
+            );
+        }
+        s
+    }
+}
+
+/// Defines a `#[repr(C)]` kernel parameter struct and its CUDA C twin.
+/// Each field is `name: rust_type => "c type"`; a padding byte, or a field
+/// type that is not a [`ParamField`](crate::cuda::ParamField), fails the
+/// build.
+///
+/// ```
+/// xcall_core::kernel_params! {
+///     /// What a copy kernel takes.
+///     pub struct CopyParams {
+///         /// Source (device address).
+///         src: u64 => "const unsigned char*",
+///         /// Destination (device address).
+///         dst: u64 => "unsigned char*",
+///         /// Bytes to copy.
+///         bytes: i64 => "long long",
+///     }
+/// }
+/// use xcall_core::cuda::KernelRecord;
+/// assert!(CopyParams::c_definition().contains("long long bytes;"));
+/// ```
+#[macro_export]
+macro_rules! kernel_params {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident {
+            $( $(#[$fmeta:meta])* $field:ident : $ty:ty => $ctype:literal ),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq)]
+        $vis struct $name {
+            $( $(#[$fmeta])* pub $field: $ty, )*
+        }
+
+        const _: () = {
+            const fn field<T: $crate::cuda::ParamField>() -> usize {
+                ::std::mem::size_of::<T>()
+            }
+            assert!(
+                0 $( + field::<$ty>() )* == ::std::mem::size_of::<$name>(),
+                concat!(stringify!($name), " has padding: order its fields by size")
+            );
+        };
+
+        // SAFETY: `#[repr(C)]`, every field a `ParamField` (checked above),
+        // and the fields' sizes add up to the struct's: no padding.
+        unsafe impl $crate::cuda::KernelRecord for $name {
+            const NAME: &'static str = stringify!($name);
+
+            fn fields() -> ::std::vec::Vec<(&'static str, &'static str, usize)> {
+                ::std::vec![
+                    $( (stringify!($field), $ctype, ::std::mem::offset_of!($name, $field)), )*
+                ]
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    crate::kernel_params! {
+        /// A test struct with mixed widths and no padding.
+        struct Mixed {
+            /// A pointer.
+            a: u64 => "const float*",
+            /// A count.
+            b: i32 => "int",
+            /// A scale.
+            c: f32 => "float",
+            /// A length.
+            d: i64 => "long long",
+        }
+    }
+
+    #[test]
+    fn the_c_twin_lists_every_field_at_its_rust_offset() {
+        let text = Mixed::c_definition();
+        let expected =
+            "struct Mixed {\n    const float* a;\n    int b;\n    float c;\n    long long d;\n};\n\
+static_assert(sizeof(Mixed) == 24, \"Mixed: the Rust struct is 24 bytes\");\n\
+static_assert(__builtin_offsetof(Mixed, a) == 0, \"Mixed.a: the Rust field is at byte 0\");\n\
+static_assert(__builtin_offsetof(Mixed, b) == 8, \"Mixed.b: the Rust field is at byte 8\");\n\
+static_assert(__builtin_offsetof(Mixed, c) == 12, \"Mixed.c: the Rust field is at byte 12\");\n\
+static_assert(__builtin_offsetof(Mixed, d) == 16, \"Mixed.d: the Rust field is at byte 16\");\n";
+        assert_eq!(text, expected);
+        assert_eq!(Mixed::NAME, "Mixed");
+    }
+}
