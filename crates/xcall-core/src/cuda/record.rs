@@ -30,26 +30,28 @@ pub unsafe trait KernelRecord: Copy + 'static {
     /// The struct's name in CUDA C.
     const NAME: &'static str;
 
-    /// Each field's (name, CUDA C type, byte offset), in order.
-    fn fields() -> Vec<(&'static str, &'static str, usize)>;
+    /// Each field's (name, CUDA C type, byte offset, size), in order.
+    fn fields() -> Vec<(&'static str, &'static str, usize, usize)>;
 
-    /// The CUDA C definition, followed by `static_assert`s that its size and
-    /// every field's offset are the Rust struct's.
+    /// The CUDA C definition, followed by `static_assert`s that its size
+    /// and every field's size are the Rust struct's. With the fields in the
+    /// Rust order and neither side padded (the sizes add up to the
+    /// struct's), every offset agrees too. (NVRTC has no `offsetof`.)
     fn c_definition() -> String {
         let name = Self::NAME;
         let size = std::mem::size_of::<Self>();
         let fields = Self::fields();
         let mut s = format!("struct {name} {{\n");
-        for (field, ctype, _) in &fields {
+        for (field, ctype, _, _) in &fields {
             s += &format!("    {ctype} {field};\n");
         }
         s += "};\n";
         s += &format!(
             "static_assert(sizeof({name}) == {size}, \"{name}: the Rust struct is {size} bytes\");\n"
         );
-        for (field, _, offset) in &fields {
+        for (field, _, offset, bytes) in &fields {
             s += &format!(
-                "static_assert(__builtin_offsetof({name}, {field}) == {offset}, \"{name}.{field}: the Rust field is at byte {offset}\");\n"
+                "static_assert(sizeof({name}::{field}) == {bytes}, \"{name}.{field} (at byte {offset}): the Rust field is {bytes} bytes\");\n"
             );
         }
         s
@@ -106,9 +108,14 @@ macro_rules! kernel_params {
         unsafe impl $crate::cuda::KernelRecord for $name {
             const NAME: &'static str = stringify!($name);
 
-            fn fields() -> ::std::vec::Vec<(&'static str, &'static str, usize)> {
+            fn fields() -> ::std::vec::Vec<(&'static str, &'static str, usize, usize)> {
                 ::std::vec![
-                    $( (stringify!($field), $ctype, ::std::mem::offset_of!($name, $field)), )*
+                    $( (
+                        stringify!($field),
+                        $ctype,
+                        ::std::mem::offset_of!($name, $field),
+                        ::std::mem::size_of::<$ty>(),
+                    ), )*
                 ]
             }
         }
@@ -139,10 +146,10 @@ mod tests {
         let expected =
             "struct Mixed {\n    const float* a;\n    int b;\n    float c;\n    long long d;\n};\n\
 static_assert(sizeof(Mixed) == 24, \"Mixed: the Rust struct is 24 bytes\");\n\
-static_assert(__builtin_offsetof(Mixed, a) == 0, \"Mixed.a: the Rust field is at byte 0\");\n\
-static_assert(__builtin_offsetof(Mixed, b) == 8, \"Mixed.b: the Rust field is at byte 8\");\n\
-static_assert(__builtin_offsetof(Mixed, c) == 12, \"Mixed.c: the Rust field is at byte 12\");\n\
-static_assert(__builtin_offsetof(Mixed, d) == 16, \"Mixed.d: the Rust field is at byte 16\");\n";
+static_assert(sizeof(Mixed::a) == 8, \"Mixed.a (at byte 0): the Rust field is 8 bytes\");\n\
+static_assert(sizeof(Mixed::b) == 4, \"Mixed.b (at byte 8): the Rust field is 4 bytes\");\n\
+static_assert(sizeof(Mixed::c) == 4, \"Mixed.c (at byte 12): the Rust field is 4 bytes\");\n\
+static_assert(sizeof(Mixed::d) == 8, \"Mixed.d (at byte 16): the Rust field is 8 bytes\");\n";
         assert_eq!(text, expected);
         assert_eq!(Mixed::NAME, "Mixed");
     }

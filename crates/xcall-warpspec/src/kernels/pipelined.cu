@@ -16,6 +16,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
     const u64 bytes = p.bytes;
     const float scale = p.scale;
+    (void)scale;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 tid = threadIdx.x;
     if (tid == 0) {

@@ -5,6 +5,7 @@ extern "C" __global__ void @NAME@(const WsParams p) {
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
     const u64 bytes = p.bytes;
     const float scale = p.scale;
+    (void)scale;
     const u64 chunks = (bytes + 15) / 16;
     for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += (u64)gridDim.x * blockDim.x) {
         if (c * 16 + 16 <= bytes) {
