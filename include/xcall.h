@@ -87,16 +87,6 @@ struct XLA_FFI_Error;
 #define XCALL_PERMUTE_FAULT_SORT_MAP 64
 
 /**
- * PEs are threads of one process meeting by group name (`address`).
- */
-#define XCALL_SHMEM_BOOTSTRAP_IN_PROCESS 0
-
-/**
- * PEs are processes of one host meeting at the Unix socket `address`.
- */
-#define XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET 1
-
-/**
  * Result code of an xcall operation (`xcall_status` in C; 0 means success).
  *
  * Codes are stable across releases and never reused.
@@ -519,6 +509,31 @@ typedef uint32_t xcall_shmem_signal_op;
 #endif // __cplusplus
 
 /**
+ * How the PEs of a world find each other (`xcall_shmem_config.bootstrap`).
+ */
+enum xcall_shmem_bootstrap
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * PEs are threads of one process meeting by group name (`address`).
+   */
+  XCALL_SHMEM_BOOTSTRAP_IN_PROCESS = 0,
+  /**
+   * PEs are processes of one host meeting at the Unix socket `address`.
+   */
+  XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_shmem_bootstrap xcall_shmem_bootstrap;
+#else
+typedef uint32_t xcall_shmem_bootstrap;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A device-aware graph cache for custom calls.
  *
  * Thread safety: every function taking a cache may be called concurrently
@@ -804,7 +819,7 @@ typedef struct {
    */
   uint32_t ordinal;
   /**
-   * `XCALL_SHMEM_BOOTSTRAP_IN_PROCESS` or `XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET`.
+   * An `xcall_shmem_bootstrap` value.
    */
   uint32_t bootstrap;
   /**

@@ -26,26 +26,10 @@ pub enum DType {
     Bool = 9,
 }
 
-impl DType {
-    /// Every dtype, in code order.
-    ///
-    /// cbindgen:ignore
-    pub const ALL: [DType; 9] = [
-        DType::F32,
-        DType::F16,
-        DType::Bf16,
-        DType::F8E4M3,
-        DType::F8E5M2,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-        DType::Bool,
-    ];
+crate::c_enum!(DType, "dtype code", [F32, F16, Bf16, F8E4M3, F8E5M2, I32, I64, U8, Bool]);
 
-    /// The dtype with this C code, if any.
-    pub fn from_code(code: u32) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| *d as u32 == code)
-    }
+impl DType {
+
 
     /// Size of one element in bytes.
     pub const fn size_bytes(self) -> usize {

@@ -10,6 +10,7 @@
 #![deny(missing_docs)]
 
 pub mod alloc;
+mod c_enum;
 pub mod cuda;
 mod device_map;
 mod dtype;
@@ -19,6 +20,7 @@ mod platform;
 mod status;
 pub mod testing;
 
+pub use c_enum::CEnum;
 pub use device_map::DeviceMap;
 pub use dtype::{fp8_decode, fp8_encode, DType, FloatCodec, Fp8};
 pub use error::{Error, Result};

@@ -12,16 +12,10 @@ pub enum Platform {
     Cuda = 1,
 }
 
-impl Platform {
-    /// Both platforms, in code order.
-    ///
-    /// cbindgen:ignore
-    pub const ALL: [Platform; 2] = [Platform::Host, Platform::Cuda];
+crate::c_enum!(Platform, "platform code", [Host, Cuda]);
 
-    /// The platform with this C code, if any.
-    pub fn from_code(code: u32) -> Option<Platform> {
-        Platform::ALL.into_iter().find(|p| *p as u32 == code)
-    }
+impl Platform {
+
 
     /// Lower-case name: `host` or `cuda`.
     pub fn name(self) -> &'static str {

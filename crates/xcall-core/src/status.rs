@@ -67,42 +67,15 @@ pub enum Status {
     Busy = 19,
 }
 
+crate::c_enum!(Status, "status code", [Ok, NullArgument, InvalidArgument, Panic, CudaUnavailable, CudaDriver, CompileFailed, NoSuchDevice, Unsupported, CallbackFailed, Timeout, Aliased, InvalidState, OutOfMemory, CollectiveMismatch, System, PeerFailed, InvalidHandle, Limit, Busy]);
+
 impl Status {
-    /// Every status, in code order.
-    ///
-    /// cbindgen:ignore
-    pub const ALL: [Status; 20] = [
-        Status::Ok,
-        Status::NullArgument,
-        Status::InvalidArgument,
-        Status::Panic,
-        Status::CudaUnavailable,
-        Status::CudaDriver,
-        Status::CompileFailed,
-        Status::NoSuchDevice,
-        Status::Unsupported,
-        Status::CallbackFailed,
-        Status::Timeout,
-        Status::Aliased,
-        Status::InvalidState,
-        Status::OutOfMemory,
-        Status::CollectiveMismatch,
-        Status::System,
-        Status::PeerFailed,
-        Status::InvalidHandle,
-        Status::Limit,
-        Status::Busy,
-    ];
 
     /// The numeric code.
     pub fn code(self) -> u32 {
         self as u32
     }
 
-    /// The status with this code, if any.
-    pub fn from_code(code: u32) -> Option<Status> {
-        Status::ALL.into_iter().find(|s| s.code() == code)
-    }
 
     /// The name of the C constant for this status, NUL-terminated.
     pub fn c_name(self) -> &'static CStr {

@@ -9,7 +9,7 @@ use xcall_graph::{
     Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy, Stats,
 };
 
-use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
 use crate::handle::{self, Handle};
 
 /// A device-aware graph cache for custom calls.
@@ -137,12 +137,7 @@ fn device_arg(platform: u32, ordinal: u32) -> Result<Device, FfiError> {
 }
 
 fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
-    let policy = Policy::from_code(c.policy).ok_or_else(|| {
-        FfiError::new(
-            Status::InvalidArgument,
-            format!("unknown graph policy {}", c.policy),
-        )
-    })?;
+    let policy: Policy = code_arg(c.policy)?;
     let config = Config {
         capacity: c.capacity,
         max_nodes: (c.max_nodes > 0).then_some(c.max_nodes),
@@ -271,12 +266,8 @@ pub extern "C" fn xcall_graph_cache_execute(
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                let role = BufferRole::from_code(b.role).ok_or_else(|| {
-                    FfiError::new(
-                        Status::InvalidArgument,
-                        format!("buffer {i} has unknown role {}", b.role),
-                    )
-                })?;
+                let role: BufferRole = code_arg(b.role)
+                    .map_err(|e| FfiError::new(e.status, format!("buffer {i} has {}", e.message)))?;
                 Ok(Buffer::new(b.address, b.bytes, role))
             })
             .collect::<Result<Vec<_>, FfiError>>()?;

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use xcall_core::{Platform, Status};
+use xcall_core::{CEnum, Platform, Status};
 
 /// An error on its way out through the C boundary.
 #[derive(Debug)]
@@ -104,15 +104,14 @@ pub(crate) fn out_ptr<'a, T>(ptr: *mut T, name: &str) -> Result<&'a mut T, FfiEr
 }
 
 /// A platform code from C, checked (C may pass any integer).
+/// The value of C enum `T` with this code; an unknown code is
+/// `InvalidArgument` naming the code and the valid ones.
+pub(crate) fn code_arg<T: CEnum>(code: u32) -> Result<T, FfiError> {
+    T::decode(code).ok_or_else(|| FfiError::new(Status::InvalidArgument, T::unknown(code)))
+}
+
 pub(crate) fn platform_arg(code: u32) -> Result<Platform, FfiError> {
-    Platform::from_code(code).ok_or_else(|| {
-        FfiError::new(
-            Status::InvalidArgument,
-            format!(
-                "unknown platform code {code} (XCALL_PLATFORM_HOST = 0, XCALL_PLATFORM_CUDA = 1)"
-            ),
-        )
-    })
+    code_arg(code)
 }
 
 #[cfg(test)]

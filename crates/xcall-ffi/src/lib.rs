@@ -38,7 +38,7 @@ pub use xla::{
 
 use std::ffi::c_char;
 
-use guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use guard::{code_arg, ffi_call, out_ptr, platform_arg};
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{DType, Status};
 
@@ -129,12 +129,7 @@ pub extern "C" fn xcall_cuda_load_attempted() -> bool {
 pub extern "C" fn xcall_dtype_size(dtype: u32, out_size: *mut usize) -> Status {
     ffi_call!({
         let out = out_ptr(out_size, "out_size")?;
-        let dtype = DType::from_code(dtype).ok_or_else(|| {
-            FfiError::new(
-                Status::InvalidArgument,
-                format!("unknown dtype code {dtype}"),
-            )
-        })?;
+        let dtype: DType = code_arg(dtype)?;
         *out = dtype.size_bytes();
         Ok(())
     })

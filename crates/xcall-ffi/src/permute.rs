@@ -3,13 +3,14 @@
 use std::ffi::{c_char, c_void};
 
 use static_assertions::{assert_eq_align, assert_eq_size, const_assert_eq};
+use xcall_core::CEnum;
 use xcall_core::{DType, Device, Platform, Status};
 use xcall_permute::alias::{alias_table, Op};
 use xcall_permute::call::{self, Target, Tensor};
 use xcall_permute::chunks::Direction;
 use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
 
-use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
 
 /// Where an op runs.
 #[repr(C)]
@@ -117,8 +118,7 @@ fn tensor_arg(name: &str, t: &xcall_tensor, target: &Target) -> Result<Tensor, F
         // Refused now so the field can take a meaning later.
         return Err(bad(format!("reserved is {}, must be 0", t.reserved)));
     }
-    let dtype =
-        DType::from_code(t.dtype).ok_or_else(|| bad(format!("unknown dtype code {}", t.dtype)))?;
+    let dtype = DType::from_code(t.dtype).ok_or_else(|| bad(<DType as CEnum>::unknown(t.dtype)))?;
     let mut dims = Vec::with_capacity(t.rank as usize);
     for (i, &d) in t.dims[..t.rank as usize].iter().enumerate() {
         if d < 0 {
@@ -170,15 +170,7 @@ pub extern "C" fn xcall_permute_alias_table(
     out_count: *mut usize,
 ) -> Status {
     ffi_call!({
-        let op = Op::ALL
-            .into_iter()
-            .find(|o| *o as u32 == op)
-            .ok_or_else(|| {
-                FfiError::new(
-                    Status::InvalidArgument,
-                    format!("unknown permutation op code {op}"),
-                )
-            })?;
+        let op: Op = code_arg(op)?;
         let table = alias_table(op);
         let count = out_ptr(out_count, "out_count")?;
         if table.len() > capacity {

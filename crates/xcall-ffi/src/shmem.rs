@@ -8,7 +8,7 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
 use xcall_shmem::{BootstrapKind, Cmp, Config, ShmemError, SignalOp, World};
 
-use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
 use crate::handle::{self, Handle};
 
 assert_eq_size!(Cmp, u32);
@@ -46,10 +46,17 @@ impl Handle for xcall_shmem_world {
     const TYPE: &'static str = "xcall_shmem_world";
 }
 
-/// PEs are threads of one process meeting by group name (`address`).
-pub const XCALL_SHMEM_BOOTSTRAP_IN_PROCESS: u32 = 0;
-/// PEs are processes of one host meeting at the Unix socket `address`.
-pub const XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET: u32 = 1;
+/// How the PEs of a world find each other (`xcall_shmem_config.bootstrap`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bootstrap {
+    /// PEs are threads of one process meeting by group name (`address`).
+    InProcess = 0,
+    /// PEs are processes of one host meeting at the Unix socket `address`.
+    UnixSocket = 1,
+}
+
+xcall_core::c_enum!(Bootstrap, "bootstrap kind", [InProcess, UnixSocket]);
 
 /// How a world starts. The device is explicit (never the calling thread's
 /// current device): a CUDA ordinal, or on Host any ordinal naming the PE's
@@ -65,7 +72,7 @@ pub struct xcall_shmem_config {
     pub platform: u32,
     /// Device ordinal within the platform.
     pub ordinal: u32,
-    /// `XCALL_SHMEM_BOOTSTRAP_IN_PROCESS` or `XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET`.
+    /// An `xcall_shmem_bootstrap` value.
     pub bootstrap: u32,
     /// Group name or socket path (NUL-terminated).
     pub address: *const c_char,
@@ -156,17 +163,11 @@ pub extern "C" fn xcall_shmem_init(
             .to_str()
             .map_err(|_| FfiError::new(Status::InvalidArgument, "config->address is not UTF-8"))?
             .to_string();
-        let bootstrap = match c.bootstrap {
-            XCALL_SHMEM_BOOTSTRAP_IN_PROCESS => BootstrapKind::InProcess { group: address },
-            XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET => BootstrapKind::UnixSocket {
+        let bootstrap = match code_arg(c.bootstrap)? {
+            Bootstrap::InProcess => BootstrapKind::InProcess { group: address },
+            Bootstrap::UnixSocket => BootstrapKind::UnixSocket {
                 path: address.into(),
             },
-            b => {
-                return Err(FfiError::new(
-                    Status::InvalidArgument,
-                    format!("unknown bootstrap kind {b}"),
-                ))
-            }
         };
         let config = Config {
             rank: c.rank as usize,
@@ -406,16 +407,7 @@ pub extern "C" fn xcall_shmem_put_signal(
 ) -> Status {
     ffi_call!({
         check_src(src, bytes)?;
-        let op = match sig_op {
-            0 => SignalOp::Set,
-            1 => SignalOp::Add,
-            o => {
-                return Err(FfiError::new(
-                    Status::InvalidArgument,
-                    format!("unknown signal op {o}"),
-                ))
-            }
-        };
+        let op: SignalOp = code_arg(sig_op)?;
         // SAFETY: `src` readable for `bytes`.
         Ok(unsafe {
             world(w)?.put_signal(
@@ -448,20 +440,7 @@ pub extern "C" fn xcall_shmem_wait_until(
     observed: *mut u64,
 ) -> Status {
     ffi_call!({
-        let cmp = match cmp {
-            0 => Cmp::Eq,
-            1 => Cmp::Ne,
-            2 => Cmp::Ge,
-            3 => Cmp::Gt,
-            4 => Cmp::Le,
-            5 => Cmp::Lt,
-            c => {
-                return Err(FfiError::new(
-                    Status::InvalidArgument,
-                    format!("unknown comparison {c}"),
-                ))
-            }
-        };
+        let cmp: Cmp = code_arg(cmp)?;
         let seen = world(w)?.wait_until(signal as u64, cmp, value)?;
         // SAFETY: NULL or a writable u64.
         if let Some(o) = unsafe { observed.as_mut() } {

@@ -10,7 +10,7 @@ use xcall_warpspec::verify::{verify_within, Budget};
 use xcall_warpspec::OpCall;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
 
-use crate::guard::{ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
 use crate::handle::{self, Handle};
 
 /// A derived pipeline plan. Immutable: any function may use it from any
@@ -96,21 +96,11 @@ fn plan_ref<'a>(plan: *const xcall_ws_plan) -> Result<&'a PipelinePlan, FfiError
 }
 
 fn dtype_arg(code: u32) -> Result<DType, FfiError> {
-    DType::from_code(code).ok_or_else(|| {
-        FfiError::new(
-            Status::InvalidArgument,
-            format!("unknown dtype code {code}"),
-        )
-    })
+    code_arg(code)
 }
 
 fn op_arg(code: u32) -> Result<ElementwiseOp, FfiError> {
-    ElementwiseOp::from_code(code).ok_or_else(|| {
-        FfiError::new(
-            Status::InvalidArgument,
-            format!("unknown warp-specialized op {code}"),
-        )
-    })
+    code_arg(code)
 }
 
 /// Copies `text` and a NUL into `buf` (`len` bytes) and the size it needs,

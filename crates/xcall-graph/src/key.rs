@@ -23,14 +23,7 @@ pub enum BufferRole {
     InOut = 2,
 }
 
-impl BufferRole {
-    /// The role with this C code, if any.
-    pub fn from_code(code: u32) -> Option<BufferRole> {
-        [BufferRole::In, BufferRole::Out, BufferRole::InOut]
-            .into_iter()
-            .find(|r| *r as u32 == code)
-    }
-}
+xcall_core::c_enum!(BufferRole, "role", [In, Out, InOut]);
 
 /// One buffer of a call: device address, size in bytes and role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -16,14 +16,7 @@ pub enum Policy {
     Disabled = 2,
 }
 
-impl Policy {
-    /// The policy with this C code, if any.
-    pub fn from_code(code: u32) -> Option<Policy> {
-        [Policy::ExecUpdate, Policy::Recapture, Policy::Disabled]
-            .into_iter()
-            .find(|p| *p as u32 == code)
-    }
-}
+xcall_core::c_enum!(Policy, "graph policy", [ExecUpdate, Recapture, Disabled]);
 
 /// Limits and behaviour of a [`crate::GraphCache`]. Every limit applies per
 /// device.

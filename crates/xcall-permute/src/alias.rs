@@ -27,19 +27,18 @@ pub enum Op {
     MakeChunkSortMap = 5,
 }
 
-impl Op {
-    /// Every op.
-    ///
-    /// cbindgen:ignore
-    pub const ALL: [Op; 6] = [
-        Op::MakeRowIdMap,
-        Op::Permute,
-        Op::Unpermute,
-        Op::UnpermuteBackward,
-        Op::SortChunksByMap,
-        Op::MakeChunkSortMap,
-    ];
-}
+xcall_core::c_enum!(
+    Op,
+    "permutation op code",
+    [
+        MakeRowIdMap,
+        Permute,
+        Unpermute,
+        UnpermuteBackward,
+        SortChunksByMap,
+        MakeChunkSortMap
+    ]
+);
 
 /// The (input, output) pairs of `op` that may share memory. Empty for every
 /// op of this crate: outputs must not overlap inputs or each other.

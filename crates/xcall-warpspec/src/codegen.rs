@@ -28,14 +28,9 @@ pub enum ElementwiseOp {
     SiluScale = 1,
 }
 
-impl ElementwiseOp {
-    /// The op with this C code, if any.
-    pub fn from_code(code: u32) -> Option<ElementwiseOp> {
-        [ElementwiseOp::Mul, ElementwiseOp::SiluScale]
-            .into_iter()
-            .find(|o| *o as u32 == code)
-    }
+xcall_core::c_enum!(ElementwiseOp, "warp-specialized op", [Mul, SiluScale]);
 
+impl ElementwiseOp {
     /// Number of operands (async warps).
     pub fn operands(self) -> usize {
         match self {

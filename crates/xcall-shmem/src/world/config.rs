@@ -108,6 +108,8 @@ pub enum SignalOp {
     Add = 1,
 }
 
+xcall_core::c_enum!(SignalOp, "signal op", [Set, Add]);
+
 /// The comparison `wait_until` waits for.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,6 +127,8 @@ pub enum Cmp {
     /// `*signal < value`.
     Lt = 5,
 }
+
+xcall_core::c_enum!(Cmp, "comparison", [Eq, Ne, Ge, Gt, Le, Lt]);
 
 impl Cmp {
     pub(super) fn holds(self, x: u64, v: u64) -> bool {
