@@ -592,7 +592,7 @@ typedef struct {
   /**
    * An `xcall_graph_policy` value.
    */
-  uint32_t policy;
+  xcall_graph_policy policy;
   /**
    * After a failed capture, eager runs before capture is tried again.
    */
@@ -619,7 +619,7 @@ typedef struct {
   /**
    * An `xcall_buffer_role` value.
    */
-  uint32_t role;
+  xcall_buffer_role role;
 } xcall_buffer;
 
 /**
@@ -629,7 +629,7 @@ typedef struct {
   /**
    * An `xcall_platform` value.
    */
-  uint32_t platform;
+  xcall_platform platform;
   /**
    * Device ordinal within the platform (0 on Host).
    */
@@ -754,7 +754,7 @@ typedef struct {
   /**
    * An `xcall_platform` value.
    */
-  uint32_t platform;
+  xcall_platform platform;
   /**
    * Device ordinal within the platform (0 on Host).
    */
@@ -785,7 +785,7 @@ typedef struct {
   /**
    * An `xcall_dtype` value.
    */
-  uint32_t dtype;
+  xcall_dtype dtype;
   /**
    * Ordinal of the device holding the data; must equal the target's.
    */
@@ -813,7 +813,7 @@ typedef struct {
   /**
    * An `xcall_platform` value.
    */
-  uint32_t platform;
+  xcall_platform platform;
   /**
    * Device ordinal within the platform.
    */
@@ -821,7 +821,7 @@ typedef struct {
   /**
    * An `xcall_shmem_bootstrap` value.
    */
-  uint32_t bootstrap;
+  xcall_shmem_bootstrap bootstrap;
   /**
    * Group name or socket path (NUL-terminated).
    */
@@ -919,6 +919,14 @@ typedef struct {
 extern "C" {
 #endif // __cplusplus
 
+/* ======================================================================
+ * The library: version, status codes, errors, devices, dtypes
+ *
+ * Nothing here allocates. The last error message is per thread: it
+ * describes the calling thread's last xcall call and stays valid until
+ * that thread's next call.
+ * ====================================================================== */
+
 /**
  * The version of the linked library, for example "0.1.0". Compare with
  * `XCALL_VERSION_STRING` to detect a header/library mismatch. The string is
@@ -963,7 +971,7 @@ const char *xcall_last_error_message(void);
  * Bad input: as listed under Errors; `*out_count` is written only on
  * success.
  */
-xcall_status xcall_device_count(uint32_t platform, size_t *out_count);
+xcall_status xcall_device_count(xcall_platform platform, size_t *out_count);
 
 /**
  * Whether this process has tried to load the CUDA driver. Host-only use of
@@ -983,7 +991,7 @@ bool xcall_cuda_load_attempted(void);
  * Bad input: as listed under Errors; `*out_size` is written only on
  * success.
  */
-xcall_status xcall_dtype_size(uint32_t dtype, size_t *out_size);
+xcall_status xcall_dtype_size(xcall_dtype dtype, size_t *out_size);
 
 /**
  * Short name of `dtype` (an `xcall_dtype` value), for example "bf16", or
@@ -991,7 +999,18 @@ xcall_status xcall_dtype_size(uint32_t dtype, size_t *out_size);
  *
  * Bad input: an unknown code gets NULL (no error is recorded).
  */
-const char *xcall_dtype_name(uint32_t dtype);
+const char *xcall_dtype_name(xcall_dtype dtype);
+
+/* ======================================================================
+ * Graph cache
+ *
+ * An xcall_graph_cache belongs to the caller from xcall_graph_cache_new
+ * to xcall_graph_cache_free (the XLA handlers' cache is the library's).
+ * Its graphs are per device and owned by the cache; buffers stay the
+ * caller's. Any number of threads may call into one cache at once (state
+ * is sharded per device, and no lock is held while a record callback
+ * runs); _free must be the last call.
+ * ====================================================================== */
 
 /**
  * Writes the default configuration (capacity 64, no node limit,
@@ -1074,7 +1093,7 @@ xcall_status xcall_graph_cache_execute(const xcall_graph_cache *cache,
  * evicted on an error.
  */
 xcall_status xcall_graph_cache_invalidate_range(const xcall_graph_cache *cache,
-                                                uint32_t platform,
+                                                xcall_platform platform,
                                                 uint32_t ordinal,
                                                 uint64_t address,
                                                 uint64_t bytes,
@@ -1090,7 +1109,7 @@ xcall_status xcall_graph_cache_invalidate_range(const xcall_graph_cache *cache,
  * `XCALL_STATUS_INVALID_ARGUMENT`; nothing is evicted on an error.
  */
 xcall_status xcall_graph_cache_clear(const xcall_graph_cache *cache,
-                                     uint32_t platform,
+                                     xcall_platform platform,
                                      uint32_t ordinal,
                                      size_t *out_evicted);
 
@@ -1114,9 +1133,19 @@ xcall_status xcall_graph_cache_clear_all(const xcall_graph_cache *cache, size_t 
  * success.
  */
 xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
-                                     uint32_t platform,
+                                     xcall_platform platform,
                                      uint32_t ordinal,
                                      xcall_graph_stats *out_stats);
+
+/* ======================================================================
+ * Permutation kernels
+ *
+ * No handles: every tensor is the caller's memory on the target's device,
+ * and no output may overlap an input or another output unless the call
+ * says in_place. CUDA calls enqueue on the target's stream and return;
+ * Host calls finish before they return. Calls are thread-safe (kernels
+ * are compiled once per device and cached).
+ * ====================================================================== */
 
 /**
  * The (input, output) pairs of permutation op `op` (an
@@ -1129,7 +1158,7 @@ xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
  * `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_count` (or NULL `out_pairs`
  * for a non-empty table): `XCALL_STATUS_NULL_ARGUMENT`.
  */
-xcall_status xcall_permute_alias_table(uint32_t op,
+xcall_status xcall_permute_alias_table(xcall_permute_op op,
                                        xcall_alias_pair *out_pairs,
                                        size_t capacity,
                                        size_t *out_count);
@@ -1290,6 +1319,16 @@ xcall_status xcall_sort_chunks_by_map(const xcall_target *target,
                                       const xcall_tensor *output,
                                       const xcall_tensor *permuted_probs,
                                       bool in_place);
+
+/* ======================================================================
+ * Symmetric memory
+ *
+ * An xcall_shmem_world is one PE's: one thread uses it (another thread's
+ * call gets XCALL_STATUS_BUSY). Collective calls (init, finalize,
+ * malloc, free, barriers) are made by every PE of the world in the same
+ * order. Symmetric allocations belong to the world until
+ * xcall_shmem_free or finalize.
+ * ====================================================================== */
 
 /**
  * Creates a world handle in phase New into `*out`.
@@ -1459,7 +1498,7 @@ xcall_status xcall_shmem_put_signal(xcall_shmem_world *w,
                                     uint64_t bytes,
                                     uint64_t *signal,
                                     uint64_t value,
-                                    uint32_t sig_op,
+                                    xcall_shmem_signal_op sig_op,
                                     uint32_t pe);
 
 /**
@@ -1474,9 +1513,19 @@ xcall_status xcall_shmem_put_signal(xcall_shmem_world *w,
  */
 xcall_status xcall_shmem_wait_until(xcall_shmem_world *w,
                                     uint64_t *signal,
-                                    uint32_t cmp,
+                                    xcall_shmem_cmp cmp,
                                     uint64_t value,
                                     uint64_t *observed);
+
+/* ======================================================================
+ * Warp specialization
+ *
+ * An xcall_ws_plan is the caller's from xcall_ws_plan_new to
+ * xcall_ws_plan_free and never changes in between: any thread may read
+ * it. Text outputs (reports, generated source) are written into the
+ * caller's buffers; xcall_ws_run's kernels are compiled once per device
+ * and shared by every thread.
+ * ====================================================================== */
 
 /**
  * Plans `spec` into `*out_plan` (free with `xcall_ws_plan_free`).
@@ -1551,8 +1600,8 @@ xcall_status xcall_ws_plan_verify(const xcall_ws_plan *plan,
  * `XCALL_STATUS_INVALID_ARGUMENT` with the size needed.
  */
 xcall_status xcall_ws_generate(const xcall_ws_plan *plan,
-                               uint32_t op,
-                               uint32_t dtype,
+                               xcall_ws_op op,
+                               xcall_dtype dtype,
                                char *source,
                                size_t source_len,
                                size_t *out_source_len);
@@ -1584,17 +1633,25 @@ xcall_status xcall_ws_op_config_default(xcall_ws_op_config *out_config);
  * Bad input: as listed under Errors, each checked before anything runs
  * (sizes in 64 bits); nothing is written on an error.
  */
-xcall_status xcall_ws_run(uint32_t platform,
+xcall_status xcall_ws_run(xcall_platform platform,
                           uint32_t ordinal,
                           void *stream,
-                          uint32_t op,
-                          uint32_t dtype,
+                          xcall_ws_op op,
+                          xcall_dtype dtype,
                           const xcall_ws_op_config *config,
                           const void *const *inputs,
                           size_t num_inputs,
                           void *output,
                           size_t bytes,
                           float scale);
+
+/* ======================================================================
+ * XLA FFI handlers
+ *
+ * Handlers for XLA's typed FFI, registered by the caller (the frame
+ * layout is XLA's C API). They run on XLA's threads and stream, on the
+ * frame's device; the graph cache they use is the library's.
+ * ====================================================================== */
 
 /**
  * The graph cache the XLA handlers use for calls with the `graph_cache`

@@ -24,7 +24,11 @@ pub trait CEnum: Copy + Sized + 'static {
     /// "unknown <noun> <code> (valid: ...)" for a code that is not one.
     fn unknown(code: u32) -> String {
         let valid: Vec<String> = Self::VALUES.iter().map(|v| v.code().to_string()).collect();
-        format!("unknown {} {code} (valid: {})", Self::NOUN, valid.join(", "))
+        format!(
+            "unknown {} {code} (valid: {})",
+            Self::NOUN,
+            valid.join(", ")
+        )
     }
 }
 

@@ -26,11 +26,13 @@ pub enum DType {
     Bool = 9,
 }
 
-crate::c_enum!(DType, "dtype code", [F32, F16, Bf16, F8E4M3, F8E5M2, I32, I64, U8, Bool]);
+crate::c_enum!(
+    DType,
+    "dtype code",
+    [F32, F16, Bf16, F8E4M3, F8E5M2, I32, I64, U8, Bool]
+);
 
 impl DType {
-
-
     /// Size of one element in bytes.
     pub const fn size_bytes(self) -> usize {
         match self {

@@ -15,8 +15,6 @@ pub enum Platform {
 crate::c_enum!(Platform, "platform code", [Host, Cuda]);
 
 impl Platform {
-
-
     /// Lower-case name: `host` or `cuda`.
     pub fn name(self) -> &'static str {
         match self {

@@ -67,15 +67,38 @@ pub enum Status {
     Busy = 19,
 }
 
-crate::c_enum!(Status, "status code", [Ok, NullArgument, InvalidArgument, Panic, CudaUnavailable, CudaDriver, CompileFailed, NoSuchDevice, Unsupported, CallbackFailed, Timeout, Aliased, InvalidState, OutOfMemory, CollectiveMismatch, System, PeerFailed, InvalidHandle, Limit, Busy]);
+crate::c_enum!(
+    Status,
+    "status code",
+    [
+        Ok,
+        NullArgument,
+        InvalidArgument,
+        Panic,
+        CudaUnavailable,
+        CudaDriver,
+        CompileFailed,
+        NoSuchDevice,
+        Unsupported,
+        CallbackFailed,
+        Timeout,
+        Aliased,
+        InvalidState,
+        OutOfMemory,
+        CollectiveMismatch,
+        System,
+        PeerFailed,
+        InvalidHandle,
+        Limit,
+        Busy
+    ]
+);
 
 impl Status {
-
     /// The numeric code.
     pub fn code(self) -> u32 {
         self as u32
     }
-
 
     /// The name of the C constant for this status, NUL-terminated.
     pub fn c_name(self) -> &'static CStr {

@@ -9,7 +9,7 @@ use xcall_graph::{
     Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy, Stats,
 };
 
-use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError, PlatformCode};
 use crate::handle::{self, Handle};
 
 /// A device-aware graph cache for custom calls.
@@ -40,7 +40,7 @@ pub struct xcall_graph_cache_config {
     /// Limit on the total graph nodes kept per device; 0 for no limit.
     pub max_nodes: usize,
     /// An `xcall_graph_policy` value.
-    pub policy: u32,
+    pub policy: PolicyCode,
     /// After a failed capture, eager runs before capture is tried again.
     pub retry_after: u32,
     /// Executables kept per topology before new addresses update one in
@@ -57,7 +57,7 @@ pub struct xcall_buffer {
     /// Size in bytes.
     pub bytes: u64,
     /// An `xcall_buffer_role` value.
-    pub role: u32,
+    pub role: BufferRoleCode,
 }
 
 /// One custom call.
@@ -65,7 +65,7 @@ pub struct xcall_buffer {
 #[derive(Clone, Copy, Debug)]
 pub struct xcall_call {
     /// An `xcall_platform` value.
-    pub platform: u32,
+    pub platform: PlatformCode,
     /// Device ordinal within the platform (0 on Host).
     pub ordinal: u32,
     /// The call's `CUstream` on CUDA (not the legacy NULL stream); ignored
@@ -128,8 +128,8 @@ fn cache_ref<'a>(cache: *const xcall_graph_cache) -> Result<&'a xcall_graph_cach
 /// `XCALL_STATUS_NO_SUCH_DEVICE`. A CUDA ordinal is checked where the call
 /// needs the device (execute); clear, invalidate and stats of a CUDA
 /// device the cache never saw find nothing and load no driver.
-fn device_arg(platform: u32, ordinal: u32) -> Result<Device, FfiError> {
-    let device = Device::new(platform_arg(platform)?, ordinal);
+fn device_arg(platform: PlatformCode, ordinal: u32) -> Result<Device, FfiError> {
+    let device = Device::new(platform.get()?, ordinal);
     if device.platform == Platform::Host {
         device.validate()?;
     }
@@ -137,7 +137,7 @@ fn device_arg(platform: u32, ordinal: u32) -> Result<Device, FfiError> {
 }
 
 fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
-    let policy: Policy = code_arg(c.policy)?;
+    let policy = c.policy.get()?;
     let config = Config {
         capacity: c.capacity,
         max_nodes: (c.max_nodes > 0).then_some(c.max_nodes),
@@ -165,7 +165,7 @@ pub extern "C" fn xcall_graph_cache_config_default(
         *out = xcall_graph_cache_config {
             capacity: d.capacity,
             max_nodes: d.max_nodes.unwrap_or(0),
-            policy: d.policy as u32,
+            policy: PolicyCode(d.policy as u32),
             retry_after: d.retry_after,
             variants_per_topology: d.variants_per_topology,
         };
@@ -266,8 +266,9 @@ pub extern "C" fn xcall_graph_cache_execute(
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                let role: BufferRole = code_arg(b.role)
-                    .map_err(|e| FfiError::new(e.status, format!("buffer {i} has {}", e.message)))?;
+                let role = b.role.get().map_err(|e| {
+                    FfiError::new(e.status, format!("buffer {i} has {}", e.message))
+                })?;
                 Ok(Buffer::new(b.address, b.bytes, role))
             })
             .collect::<Result<Vec<_>, FfiError>>()?;
@@ -306,7 +307,7 @@ pub extern "C" fn xcall_graph_cache_execute(
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_invalidate_range(
     cache: *const xcall_graph_cache,
-    platform: u32,
+    platform: PlatformCode,
     ordinal: u32,
     address: u64,
     bytes: u64,
@@ -333,7 +334,7 @@ pub extern "C" fn xcall_graph_cache_invalidate_range(
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_clear(
     cache: *const xcall_graph_cache,
-    platform: u32,
+    platform: PlatformCode,
     ordinal: u32,
     out_evicted: *mut usize,
 ) -> Status {
@@ -374,7 +375,7 @@ pub extern "C" fn xcall_graph_cache_clear_all(
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_stats(
     cache: *const xcall_graph_cache,
-    platform: u32,
+    platform: PlatformCode,
     ordinal: u32,
     out_stats: *mut Stats,
 ) -> Status {
@@ -385,3 +386,12 @@ pub extern "C" fn xcall_graph_cache_stats(
         Ok(())
     })
 }
+
+c_code!(
+    /// An `xcall_graph_policy` as passed.
+    PolicyCode => Policy
+);
+c_code!(
+    /// An `xcall_buffer_role` as passed.
+    BufferRoleCode => BufferRole
+);

@@ -104,14 +104,40 @@ pub(crate) fn out_ptr<'a, T>(ptr: *mut T, name: &str) -> Result<&'a mut T, FfiEr
 }
 
 /// A platform code from C, checked (C may pass any integer).
+/// Declares the parameter type a C enum arrives as: the bits the caller
+/// passed (`#[repr(transparent)]` over `u32`, so any value is sound to
+/// receive), shown in the header as the enum's own type by a rename in
+/// cbindgen.toml. `.get()` decodes it.
+macro_rules! c_code {
+    ($(#[$meta:meta])* $code:ident => $enum:ty) => {
+        $(#[$meta])*
+        #[repr(transparent)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub struct $code(pub u32);
+
+        impl $code {
+            /// The enum value, or `InvalidArgument` naming the code.
+            pub(crate) fn get(self) -> Result<$enum, FfiError> {
+                code_arg(self.0)
+            }
+        }
+    };
+}
+pub(crate) use c_code;
+
+c_code!(
+    /// An `xcall_platform` as passed.
+    PlatformCode => Platform
+);
+c_code!(
+    /// An `xcall_dtype` as passed.
+    DTypeCode => xcall_core::DType
+);
+
 /// The value of C enum `T` with this code; an unknown code is
 /// `InvalidArgument` naming the code and the valid ones.
 pub(crate) fn code_arg<T: CEnum>(code: u32) -> Result<T, FfiError> {
     T::decode(code).ok_or_else(|| FfiError::new(Status::InvalidArgument, T::unknown(code)))
-}
-
-pub(crate) fn platform_arg(code: u32) -> Result<Platform, FfiError> {
-    code_arg(code)
 }
 
 #[cfg(test)]

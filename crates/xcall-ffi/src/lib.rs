@@ -25,6 +25,7 @@ mod warpspec;
 pub mod xla;
 
 pub use graph::*;
+pub use guard::{DTypeCode, PlatformCode};
 pub use permute::*;
 pub use shmem::*;
 pub use warpspec::*;
@@ -38,7 +39,7 @@ pub use xla::{
 
 use std::ffi::c_char;
 
-use guard::{code_arg, ffi_call, out_ptr, platform_arg};
+use guard::{ffi_call, out_ptr};
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{DType, Status};
 
@@ -99,10 +100,10 @@ pub extern "C" fn xcall_last_error_message() -> *const c_char {
 /// Bad input: as listed under Errors; `*out_count` is written only on
 /// success.
 #[no_mangle]
-pub extern "C" fn xcall_device_count(platform: u32, out_count: *mut usize) -> Status {
+pub extern "C" fn xcall_device_count(platform: PlatformCode, out_count: *mut usize) -> Status {
     ffi_call!({
         let out = out_ptr(out_count, "out_count")?;
-        let count = platform_arg(platform)?.device_count()?;
+        let count = platform.get()?.device_count()?;
         *out = count;
         Ok(())
     })
@@ -126,10 +127,10 @@ pub extern "C" fn xcall_cuda_load_attempted() -> bool {
 /// Bad input: as listed under Errors; `*out_size` is written only on
 /// success.
 #[no_mangle]
-pub extern "C" fn xcall_dtype_size(dtype: u32, out_size: *mut usize) -> Status {
+pub extern "C" fn xcall_dtype_size(dtype: DTypeCode, out_size: *mut usize) -> Status {
     ffi_call!({
         let out = out_ptr(out_size, "out_size")?;
-        let dtype: DType = code_arg(dtype)?;
+        let dtype = dtype.get()?;
         *out = dtype.size_bytes();
         Ok(())
     })
@@ -140,8 +141,8 @@ pub extern "C" fn xcall_dtype_size(dtype: u32, out_size: *mut usize) -> Status {
 ///
 /// Bad input: an unknown code gets NULL (no error is recorded).
 #[no_mangle]
-pub extern "C" fn xcall_dtype_name(dtype: u32) -> *const c_char {
-    DType::from_code(dtype).map_or(std::ptr::null(), |d| d.c_name().as_ptr())
+pub extern "C" fn xcall_dtype_name(dtype: DTypeCode) -> *const c_char {
+    DType::from_code(dtype.0).map_or(std::ptr::null(), |d| d.c_name().as_ptr())
 }
 
 #[cfg(test)]
@@ -169,15 +170,18 @@ mod tests {
     #[test]
     fn outputs_are_untouched_on_failure() {
         let mut count = 12345usize;
-        assert_eq!(xcall_device_count(7, &mut count), Status::InvalidArgument);
+        assert_eq!(
+            xcall_device_count(PlatformCode(7), &mut count),
+            Status::InvalidArgument
+        );
         assert_eq!(count, 12345);
         assert!(text(xcall_last_error_message()).contains("unknown platform code 7"));
         assert_eq!(
-            xcall_device_count(0, std::ptr::null_mut()),
+            xcall_device_count(PlatformCode(0), std::ptr::null_mut()),
             Status::NullArgument
         );
         assert_eq!(text(xcall_last_error_message()), "out_count is NULL");
-        assert_eq!(xcall_device_count(0, &mut count), Status::Ok);
+        assert_eq!(xcall_device_count(PlatformCode(0), &mut count), Status::Ok);
         assert_eq!(count, 1);
         assert_eq!(text(xcall_last_error_message()), "");
     }
@@ -185,11 +189,20 @@ mod tests {
     #[test]
     fn dtype_sizes_and_names() {
         let mut size = 0usize;
-        assert_eq!(xcall_dtype_size(DType::Bf16 as u32, &mut size), Status::Ok);
+        assert_eq!(
+            xcall_dtype_size(DTypeCode(DType::Bf16 as u32), &mut size),
+            Status::Ok
+        );
         assert_eq!(size, 2);
-        assert_eq!(xcall_dtype_size(0, &mut size), Status::InvalidArgument);
+        assert_eq!(
+            xcall_dtype_size(DTypeCode(0), &mut size),
+            Status::InvalidArgument
+        );
         assert_eq!(size, 2);
-        assert_eq!(text(xcall_dtype_name(DType::F8E4M3 as u32)), "f8e4m3");
-        assert!(xcall_dtype_name(42).is_null());
+        assert_eq!(
+            text(xcall_dtype_name(DTypeCode(DType::F8E4M3 as u32))),
+            "f8e4m3"
+        );
+        assert!(xcall_dtype_name(DTypeCode(42)).is_null());
     }
 }

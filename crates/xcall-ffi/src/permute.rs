@@ -10,14 +10,14 @@ use xcall_permute::call::{self, Target, Tensor};
 use xcall_permute::chunks::Direction;
 use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
 
-use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError, PlatformCode};
 
 /// Where an op runs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct xcall_target {
     /// An `xcall_platform` value.
-    pub platform: u32,
+    pub platform: PlatformCode,
     /// Device ordinal within the platform (0 on Host).
     pub ordinal: u32,
     /// The `CUstream` to enqueue on (CUDA); ignored on Host.
@@ -39,7 +39,7 @@ pub struct xcall_tensor {
     /// Number of dimensions (at most `XCALL_TENSOR_MAX_RANK`).
     pub rank: u32,
     /// An `xcall_dtype` value.
-    pub dtype: u32,
+    pub dtype: DTypeCode,
     /// Ordinal of the device holding the data; must equal the target's.
     pub device: u32,
     /// Must be 0 (`XCALL_STATUS_INVALID_ARGUMENT` otherwise).
@@ -97,7 +97,7 @@ fn target_arg(target: *const xcall_target) -> Result<Target, FfiError> {
     // SAFETY: NULL or a readable xcall_target (header contract).
     let t = unsafe { target.as_ref() }
         .ok_or_else(|| FfiError::new(Status::NullArgument, "target is NULL"))?;
-    let platform = platform_arg(t.platform)?;
+    let platform = t.platform.get()?;
     let device = Device::new(platform, t.ordinal);
     let device = device.validate()?;
     Ok(match platform {
@@ -118,7 +118,8 @@ fn tensor_arg(name: &str, t: &xcall_tensor, target: &Target) -> Result<Tensor, F
         // Refused now so the field can take a meaning later.
         return Err(bad(format!("reserved is {}, must be 0", t.reserved)));
     }
-    let dtype = DType::from_code(t.dtype).ok_or_else(|| bad(<DType as CEnum>::unknown(t.dtype)))?;
+    let dtype =
+        DType::from_code(t.dtype.0).ok_or_else(|| bad(<DType as CEnum>::unknown(t.dtype.0)))?;
     let mut dims = Vec::with_capacity(t.rank as usize);
     for (i, &d) in t.dims[..t.rank as usize].iter().enumerate() {
         if d < 0 {
@@ -164,13 +165,13 @@ fn optional(
 /// for a non-empty table): `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn xcall_permute_alias_table(
-    op: u32,
+    op: PermuteOpCode,
     out_pairs: *mut xcall_alias_pair,
     capacity: usize,
     out_count: *mut usize,
 ) -> Status {
     ffi_call!({
-        let op: Op = code_arg(op)?;
+        let op = op.get()?;
         let table = alias_table(op);
         let count = out_ptr(out_count, "out_count")?;
         if table.len() > capacity {
@@ -500,3 +501,8 @@ pub extern "C" fn xcall_sort_chunks_by_map(
         Ok(())
     })
 }
+
+c_code!(
+    /// An `xcall_permute_op` as passed.
+    PermuteOpCode => Op
+);

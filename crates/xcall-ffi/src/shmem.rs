@@ -8,7 +8,7 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
 use xcall_shmem::{BootstrapKind, Cmp, Config, ShmemError, SignalOp, World};
 
-use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError, PlatformCode};
 use crate::handle::{self, Handle};
 
 assert_eq_size!(Cmp, u32);
@@ -69,11 +69,11 @@ pub struct xcall_shmem_config {
     /// Number of PEs.
     pub size: u32,
     /// An `xcall_platform` value.
-    pub platform: u32,
+    pub platform: PlatformCode,
     /// Device ordinal within the platform.
     pub ordinal: u32,
     /// An `xcall_shmem_bootstrap` value.
-    pub bootstrap: u32,
+    pub bootstrap: BootstrapCode,
     /// Group name or socket path (NUL-terminated).
     pub address: *const c_char,
     /// Heap bytes per PE; 0: `XCALL_SHMEM_HEAP_BYTES`, else 64 MiB on Host
@@ -163,7 +163,7 @@ pub extern "C" fn xcall_shmem_init(
             .to_str()
             .map_err(|_| FfiError::new(Status::InvalidArgument, "config->address is not UTF-8"))?
             .to_string();
-        let bootstrap = match code_arg(c.bootstrap)? {
+        let bootstrap = match c.bootstrap.get()? {
             Bootstrap::InProcess => BootstrapKind::InProcess { group: address },
             Bootstrap::UnixSocket => BootstrapKind::UnixSocket {
                 path: address.into(),
@@ -172,7 +172,7 @@ pub extern "C" fn xcall_shmem_init(
         let config = Config {
             rank: c.rank as usize,
             size: c.size as usize,
-            device: Device::new(platform_arg(c.platform)?, c.ordinal),
+            device: Device::new(c.platform.get()?, c.ordinal),
             bootstrap,
             heap_bytes: (c.heap_bytes > 0).then_some(c.heap_bytes as usize),
             timeout: if c.timeout_ms == 0 {
@@ -402,12 +402,12 @@ pub extern "C" fn xcall_shmem_put_signal(
     bytes: u64,
     signal: *mut u64,
     value: u64,
-    sig_op: u32,
+    sig_op: SignalOpCode,
     pe: u32,
 ) -> Status {
     ffi_call!({
         check_src(src, bytes)?;
-        let op: SignalOp = code_arg(sig_op)?;
+        let op = sig_op.get()?;
         // SAFETY: `src` readable for `bytes`.
         Ok(unsafe {
             world(w)?.put_signal(
@@ -435,12 +435,12 @@ pub extern "C" fn xcall_shmem_put_signal(
 pub extern "C" fn xcall_shmem_wait_until(
     w: *mut xcall_shmem_world,
     signal: *mut u64,
-    cmp: u32,
+    cmp: CmpCode,
     value: u64,
     observed: *mut u64,
 ) -> Status {
     ffi_call!({
-        let cmp: Cmp = code_arg(cmp)?;
+        let cmp = cmp.get()?;
         let seen = world(w)?.wait_until(signal as u64, cmp, value)?;
         // SAFETY: NULL or a writable u64.
         if let Some(o) = unsafe { observed.as_mut() } {
@@ -449,3 +449,16 @@ pub extern "C" fn xcall_shmem_wait_until(
         Ok(())
     })
 }
+
+c_code!(
+    /// An `xcall_shmem_bootstrap` as passed.
+    BootstrapCode => Bootstrap
+);
+c_code!(
+    /// An `xcall_shmem_signal_op` as passed.
+    SignalOpCode => SignalOp
+);
+c_code!(
+    /// An `xcall_shmem_cmp` as passed.
+    CmpCode => Cmp
+);

@@ -10,7 +10,7 @@ use xcall_warpspec::verify::{verify_within, Budget};
 use xcall_warpspec::OpCall;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
 
-use crate::guard::{code_arg, ffi_call, out_ptr, platform_arg, FfiError};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError, PlatformCode};
 use crate::handle::{self, Handle};
 
 /// A derived pipeline plan. Immutable: any function may use it from any
@@ -93,14 +93,6 @@ impl From<OpError> for FfiError {
 
 fn plan_ref<'a>(plan: *const xcall_ws_plan) -> Result<&'a PipelinePlan, FfiError> {
     handle::get(plan, "plan").map(|p| &p.plan)
-}
-
-fn dtype_arg(code: u32) -> Result<DType, FfiError> {
-    code_arg(code)
-}
-
-fn op_arg(code: u32) -> Result<ElementwiseOp, FfiError> {
-    code_arg(code)
 }
 
 /// Copies `text` and a NUL into `buf` (`len` bytes) and the size it needs,
@@ -270,15 +262,15 @@ pub extern "C" fn xcall_ws_plan_verify(
 #[no_mangle]
 pub extern "C" fn xcall_ws_generate(
     plan: *const xcall_ws_plan,
-    op: u32,
-    dtype: u32,
+    op: WsOpCode,
+    dtype: DTypeCode,
     source: *mut c_char,
     source_len: usize,
     out_source_len: *mut usize,
 ) -> Status {
     ffi_call!({
         let plan = plan_ref(plan)?;
-        let (op, dtype) = (op_arg(op)?, dtype_arg(dtype)?);
+        let (op, dtype) = (op.get()?, dtype.get()?);
         if !matches!(dtype, DType::F32 | DType::Bf16) {
             return Err(FfiError::new(
                 Status::Unsupported,
@@ -334,11 +326,11 @@ pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config
 #[allow(clippy::too_many_arguments)]
 #[no_mangle]
 pub extern "C" fn xcall_ws_run(
-    platform: u32,
+    platform: PlatformCode,
     ordinal: u32,
     stream: *mut c_void,
-    op: u32,
-    dtype: u32,
+    op: WsOpCode,
+    dtype: DTypeCode,
     config: *const xcall_ws_op_config,
     inputs: *const *const c_void,
     num_inputs: usize,
@@ -347,8 +339,8 @@ pub extern "C" fn xcall_ws_run(
     scale: f32,
 ) -> Status {
     ffi_call!({
-        let device = Device::new(platform_arg(platform)?, ordinal);
-        let (op, dtype) = (op_arg(op)?, dtype_arg(dtype)?);
+        let device = Device::new(platform.get()?, ordinal);
+        let (op, dtype) = (op.get()?, dtype.get()?);
         // SAFETY: NULL or a valid config, per the documentation.
         let config = match unsafe { config.as_ref() } {
             Some(c) => OpConfig {
@@ -390,3 +382,8 @@ pub extern "C" fn xcall_ws_run(
         Ok(unsafe { xcall_warpspec::run(&call) }?)
     })
 }
+
+c_code!(
+    /// An `xcall_ws_op` as passed.
+    WsOpCode => ElementwiseOp
+);

@@ -34,7 +34,75 @@ fn generate() -> String {
         .expect("cbindgen generates the header");
     let mut out = Vec::new();
     bindings.write(&mut out);
-    String::from_utf8(out).expect("header is UTF-8")
+    with_sections(&String::from_utf8(out).expect("header is UTF-8"))
+}
+
+/// One section per capability: (the first function of the section, its
+/// title, its paragraph on ownership and threading). cbindgen emits the
+/// functions in source order, module by module, so each section's functions
+/// follow its first one.
+const SECTIONS: &[(&str, &str, &str)] = &[
+    (
+        "xcall_version",
+        "The library: version, status codes, errors, devices, dtypes",
+        "Nothing here allocates. The last error message is per thread: it\n * describes the calling thread's last xcall call and stays valid until\n * that thread's next call.",
+    ),
+    (
+        "xcall_graph_cache_config_default",
+        "Graph cache",
+        "An xcall_graph_cache belongs to the caller from xcall_graph_cache_new\n * to xcall_graph_cache_free (the XLA handlers' cache is the library's).\n * Its graphs are per device and owned by the cache; buffers stay the\n * caller's. Any number of threads may call into one cache at once (state\n * is sharded per device, and no lock is held while a record callback\n * runs); _free must be the last call.",
+    ),
+    (
+        "xcall_permute_alias_table",
+        "Permutation kernels",
+        "No handles: every tensor is the caller's memory on the target's device,\n * and no output may overlap an input or another output unless the call\n * says in_place. CUDA calls enqueue on the target's stream and return;\n * Host calls finish before they return. Calls are thread-safe (kernels\n * are compiled once per device and cached).",
+    ),
+    (
+        "xcall_shmem_world_new",
+        "Symmetric memory",
+        "An xcall_shmem_world is one PE's: one thread uses it (another thread's\n * call gets XCALL_STATUS_BUSY). Collective calls (init, finalize,\n * malloc, free, barriers) are made by every PE of the world in the same\n * order. Symmetric allocations belong to the world until\n * xcall_shmem_free or finalize.",
+    ),
+    (
+        "xcall_ws_plan_new",
+        "Warp specialization",
+        "An xcall_ws_plan is the caller's from xcall_ws_plan_new to\n * xcall_ws_plan_free and never changes in between: any thread may read\n * it. Text outputs (reports, generated source) are written into the\n * caller's buffers; xcall_ws_run's kernels are compiled once per device\n * and shared by every thread.",
+    ),
+    (
+        "xcall_xla_graph_cache",
+        "XLA FFI handlers",
+        "Handlers for XLA's typed FFI, registered by the caller (the frame\n * layout is XLA's C API). They run on XLA's threads and stream, on the\n * frame's device; the graph cache they use is the library's.",
+    ),
+];
+
+/// `header` with a banner before each [`SECTIONS`] entry's first function
+/// (before its doc comment).
+fn with_sections(header: &str) -> String {
+    let mut lines: Vec<String> = header.lines().map(str::to_string).collect();
+    for (first, title, paragraph) in SECTIONS.iter().rev() {
+        let at = lines
+            .iter()
+            .position(|l| {
+                !l.starts_with([' ', '#', '/', '*'])
+                    && l.split('(').next().is_some_and(|head| {
+                        l.contains('(')
+                            && head.split([' ', '*']).rfind(|w| !w.is_empty()) == Some(first)
+                    })
+            })
+            .unwrap_or_else(|| panic!("no declaration of {first} for section {title:?}"));
+        let doc = (0..at)
+            .rev()
+            .take_while(|&i| lines[i].starts_with(" *") || lines[i].starts_with("/**"))
+            .last()
+            .unwrap_or(at);
+        let rule = "=".repeat(70);
+        lines.insert(
+            doc,
+            format!("/* {rule}\n * {title}\n *\n * {paragraph}\n * {rule} */\n"),
+        );
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
 }
 
 #[test]
@@ -78,7 +146,9 @@ fn header_declares_the_published_constants() {
         "XCALL_PLATFORM_HOST = 0",
         "XCALL_PLATFORM_CUDA = 1",
         "XCALL_DTYPE_BF16 = 3",
-        "xcall_status xcall_device_count(uint32_t platform, size_t *out_count);",
+        "xcall_status xcall_device_count(xcall_platform platform, size_t *out_count);",
+        "xcall_status xcall_dtype_size(xcall_dtype dtype, size_t *out_size);",
+        "xcall_shmem_bootstrap bootstrap;",
     ] {
         let needle: &str = needle;
         assert!(

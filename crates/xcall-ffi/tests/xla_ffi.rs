@@ -252,7 +252,7 @@ fn the_handler_cache_survives_free() {
     xcall_graph_cache_free(cache as *mut _);
     let mut stats = xcall_graph::Stats::default();
     assert_eq!(
-        xcall_graph_cache_stats(cache, 0, 0, &mut stats),
+        xcall_graph_cache_stats(cache, PlatformCode(0), 0, &mut stats),
         xcall_core::Status::Ok
     );
 }
