@@ -299,3 +299,43 @@ fn the_verifier_judges_the_plans_own_tables() {
         v.message
     );
 }
+
+#[test]
+fn the_memory_budget_is_checked_all_through_the_search() {
+    // The mul op's default pipeline (2 x 16 KiB tiles, 2 compute
+    // warpgroups) has 28,261 states, ~10 MB of tables at the end; 4 MiB
+    // is passed only after the first 4096 states have been expanded, so a
+    // check that stopped after them would let the search finish clean.
+    let plan = xcall_warpspec::ops::OpConfig::default().plan(2).unwrap();
+    let budget = Budget {
+        bytes: 4 << 20,
+        ..Budget::default()
+    };
+    let err = verify_within(&plan.protocol(8), &budget).unwrap_err();
+    assert!(err.to_string().contains("memory budget reached"), "{err}");
+}
+
+#[test]
+fn a_deadlock_names_only_the_stuck_roles_and_their_barriers() {
+    // FULL needs two arrivals but the producer makes one: compute waits on
+    // stage 0 for ever, while the producer fills both stages and finishes
+    // its two iterations.
+    let plan = PipelinePlan::new(&PipelineSpec::new(2, &[1024], 1)).unwrap();
+    let mut protocol = plan.protocol(2);
+    for b in protocol
+        .barriers
+        .iter_mut()
+        .filter(|b| b.name.starts_with("FULL"))
+    {
+        b.init_count = 2;
+    }
+    let v = verify(&protocol, DEFAULT_STATE_LIMIT).unwrap();
+    let violation = v.violation.expect("an unreachable FULL count deadlocks");
+    assert_eq!(violation.kind, ViolationKind::Deadlock, "{violation:?}");
+    let m = &violation.message;
+    assert!(
+        m.contains("wait FULL[w0][s0] phase 0 (parity 0) on FULL[w0][s0] (phase 0, 1 arrival(s) and 0 tx byte(s) pending)"),
+        "{m}"
+    );
+    assert!(!m.contains("producer"), "the producer finished: {m}");
+}
