@@ -119,12 +119,26 @@ fn fill(template: &str, holes: &[(&str, String)]) -> Result<String, PlanError> {
     }
 }
 
+/// `line(w)` for every operand `w`, joined.
+fn per_operand(warps: usize, line: impl Fn(usize) -> String) -> String {
+    (0..warps).map(line).collect()
+}
+
 /// The operand locals a kernel body reads (`src0`, `src1`), from its
 /// parameters.
 fn operand_locals(warps: usize) -> String {
-    (0..warps)
-        .map(|w| format!("    const unsigned char *__restrict__ src{w} = p.src{w};\n"))
-        .collect()
+    per_operand(warps, |w| {
+        format!("    const unsigned char *__restrict__ src{w} = p.src{w};\n")
+    })
+}
+
+/// Element size, C type, and the load/store conversions of `dtype` (bf16
+/// widens to f32; f32 needs none).
+fn element(dtype: DType) -> (usize, &'static str, &'static str, &'static str) {
+    match dtype {
+        DType::Bf16 => (2, "unsigned short", "bf16_to_f32", "f32_to_bf16"),
+        _ => (4, "float", "", ""),
+    }
 }
 
 /// The source text every kernel starts with: the helpers and the
@@ -262,10 +276,7 @@ pub fn generate(
     let wgs = plan.spec.compute_warpgroups;
     let producer_threads = plan.producer_warpgroups * WARPGROUP_THREADS;
     let tile = t.tile;
-    let (elem, ctype, load, store) = match dtype {
-        DType::Bf16 => (2, "unsigned short", "bf16_to_f32", "f32_to_bf16"),
-        _ => (4, "float", "", ""),
-    };
+    let (elem, ctype, load, store) = element(dtype);
     let per_vec = 16 / elem;
     // The plan's barriers, in the order of its roles' groups: the offset
     // and init count of warp `w`'s barrier for stage `s` at `w * STAGES + s`.
@@ -307,7 +318,6 @@ pub fn generate(
         ),
         None => (String::new(), String::new()),
     };
-    let per_operand = |line: &dyn Fn(usize) -> String| -> String { (0..warps).map(line).collect() };
     let body = fill(
         PIPELINED,
         &[
@@ -330,7 +340,7 @@ pub fn generate(
             ),
             (
                 "VEC_PTRS",
-                per_operand(&|w| format!(
+                per_operand(warps, |w| format!(
                     "            const unsigned char *p{w} = (c * 16 + 16 <= bulk) ? smem + BUF_OFF[{w} * STAGES + s] + c * 16 : src{w} + base + c * 16;\n"
                 )),
             ),
@@ -348,13 +358,13 @@ pub fn generate(
                 "VEC_COMPUTE",
                 format!(
                     "{}                        out[k] = {store}({expr});\n",
-                    per_operand(&|w| format!("                        float v{w} = {load}(e{w}[k]);\n")),
+                    per_operand(warps, |w| format!("                        float v{w} = {load}(e{w}[k]);\n")),
                     expr = op.expression()
                 ),
             ),
             (
                 "LOADS",
-                per_operand(&|w| format!("                float v{w} = {load}(((const {ctype} *)p{w})[k]);\n")),
+                per_operand(warps, |w| format!("                float v{w} = {load}(((const {ctype} *)p{w})[k]);\n")),
             ),
             ("STORE", store.to_string()),
             ("EXPR", op.expression().to_string()),
@@ -376,11 +386,7 @@ pub fn generate(
 pub fn generate_plain(op: ElementwiseOp, dtype: DType) -> GeneratedKernel {
     let name = format!("{}_plain", op.kernel_name(dtype));
     let warps = op.operands();
-    let (elem, ctype, load, store) = match dtype {
-        DType::Bf16 => (2, "unsigned short", "bf16_to_f32", "f32_to_bf16"),
-        _ => (4, "float", "", ""),
-    };
-    let per_operand = |line: &dyn Fn(usize) -> String| -> String { (0..warps).map(line).collect() };
+    let (elem, ctype, load, store) = element(dtype);
     let body = fill(
         PLAIN,
         &[
@@ -388,20 +394,20 @@ pub fn generate_plain(op: ElementwiseOp, dtype: DType) -> GeneratedKernel {
             ("OPERANDS", operand_locals(warps)),
             (
                 "VLOADS",
-                per_operand(&|w| format!("        const uint4 q{w} = *(const uint4 *)(src{w} + c * 16); const {ctype} *e{w} = (const {ctype} *)&q{w};\n")),
+                per_operand(warps, |w| format!("        const uint4 q{w} = *(const uint4 *)(src{w} + c * 16); const {ctype} *e{w} = (const {ctype} *)&q{w};\n")),
             ),
             ("CTYPE", ctype.to_string()),
             ("PER_VEC", (16 / elem).to_string()),
             (
                 "VALS",
-                per_operand(&|w| format!("            float v{w} = {load}(e{w}[k]);\n")),
+                per_operand(warps, |w| format!("            float v{w} = {load}(e{w}[k]);\n")),
             ),
             ("STORE", store.to_string()),
             ("EXPR", op.expression().to_string()),
             ("ELEM", elem.to_string()),
             (
                 "TAIL_VALS",
-                per_operand(&|w| format!("            float v{w} = {load}(((const {ctype} *)(src{w} + c * 16))[k]);\n")),
+                per_operand(warps, |w| format!("            float v{w} = {load}(((const {ctype} *)(src{w} + c * 16))[k]);\n")),
             ),
         ],
     )
