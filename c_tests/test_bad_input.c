@@ -69,21 +69,25 @@ static void graph_cache(void) {
   size_t evicted = 55;
   xcall_graph_stats stats;
   memset(&stats, 0xab, sizeof stats);
-  CHECK_ERR(xcall_graph_cache_clear(cache, XCALL_PLATFORM_HOST, 5, &evicted), XCALL_STATUS_NO_SUCH_DEVICE, "host:5");
-  CHECK_ERR(xcall_graph_cache_stats(cache, XCALL_PLATFORM_HOST, 9, &stats), XCALL_STATUS_NO_SUCH_DEVICE, "host:9");
-  CHECK_ERR(xcall_graph_cache_invalidate_range(cache, XCALL_PLATFORM_HOST, 1, 4096, 64, &evicted),
+  CHECK_ERR(xcall_graph_cache_clear(cache, &(xcall_target){XCALL_PLATFORM_HOST, 5, NULL}, &evicted), XCALL_STATUS_NO_SUCH_DEVICE, "host:5");
+  CHECK_ERR(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_HOST, 9, NULL}, &stats), XCALL_STATUS_NO_SUCH_DEVICE, "host:9");
+  CHECK_ERR(xcall_graph_cache_invalidate_range(cache, &(xcall_target){XCALL_PLATFORM_HOST, 1, NULL}, 4096, 64, &evicted),
             XCALL_STATUS_NO_SUCH_DEVICE, "host:1");
   CHECK(evicted == 55 && all_bytes(&stats, sizeof stats, 0xab));
-  CHECK_ERR(xcall_graph_cache_invalidate_range(cache, XCALL_PLATFORM_HOST, 0, UINT64_MAX - 8, 64, &evicted),
+  CHECK_ERR(xcall_graph_cache_invalidate_range(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, UINT64_MAX - 8, 64, &evicted),
             XCALL_STATUS_INVALID_ARGUMENT, "past the end of the address space");
+  CHECK_ERR(xcall_graph_cache_clear(cache, NULL, &evicted), XCALL_STATUS_NULL_ARGUMENT, "target");
+  CHECK_ERR(xcall_graph_cache_stats(cache, &(xcall_target){6, 0, NULL}, &stats), XCALL_STATUS_INVALID_ARGUMENT,
+            "unknown platform code 6");
+  CHECK(evicted == 55 && all_bytes(&stats, sizeof stats, 0xab));
 
   char data[64];
   xcall_buffer b = {(uint64_t)(uintptr_t)data, sizeof data, 0};
-  xcall_call call = {XCALL_PLATFORM_HOST, 1, NULL, 7, 0, &b, 1};
+  xcall_call call = {{XCALL_PLATFORM_HOST, 1, NULL}, 7, 0, &b, 1};
   uint32_t outcome = 1234;
   int runs = 0;
   CHECK_ERR(xcall_graph_cache_execute(cache, &call, record_ok, &runs, &outcome), XCALL_STATUS_NO_SUCH_DEVICE, "host:1");
-  call.ordinal = 0;
+  call.target.ordinal = 0;
   call.num_buffers = 0;
   CHECK_STATUS(xcall_graph_cache_execute(cache, &call, record_ok, &runs, &outcome), XCALL_STATUS_INVALID_ARGUMENT);
   b.role = 9;
@@ -94,7 +98,7 @@ static void graph_cache(void) {
 
   /* Freed, foreign and mistyped handles. */
   xcall_graph_cache_free(cache);
-  CHECK_ERR(xcall_graph_cache_stats(cache, XCALL_PLATFORM_HOST, 0, &stats), XCALL_STATUS_INVALID_HANDLE, "not a live xcall_graph_cache");
+  CHECK_ERR(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, &stats), XCALL_STATUS_INVALID_HANDLE, "not a live xcall_graph_cache");
   xcall_graph_cache_free(cache); /* a second free does nothing */
   CHECK_CONTAINS(xcall_last_error_message(), "freed already");
   int local = 0;
@@ -126,13 +130,19 @@ static void warpspec(void) {
   float a[64], b[64], out[64];
   for (int i = 0; i < 64; i++) a[i] = b[i] = 1.5f, out[i] = -7.0f;
   const void *ins[2] = {a, b};
-  CHECK_ERR(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F16, NULL, ins, 2, out, sizeof out, 1.0f),
+  CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F16, NULL, ins, 2, out, sizeof out, 1.0f),
             XCALL_STATUS_UNSUPPORTED, "f16");
   xcall_ws_op_config cfg = {UINT32_MAX, 256, 1};
-  CHECK_ERR(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &cfg, ins, 2, out, sizeof out, 1.0f),
+  CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &cfg, ins, 2, out, sizeof out, 1.0f),
             XCALL_STATUS_INVALID_ARGUMENT, "shared memory");
-  CHECK_ERR(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, 9, XCALL_DTYPE_F32, NULL, ins, 2, out, sizeof out, 1.0f),
+  CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, 9, XCALL_DTYPE_F32, NULL, ins, 2, out, sizeof out, 1.0f),
             XCALL_STATUS_INVALID_ARGUMENT, "unknown warp-specialized op 9");
+  /* The same device rule as every entry point that takes a target. */
+  CHECK_ERR(xcall_ws_run(NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, ins, 2, out, sizeof out, 1.0f),
+            XCALL_STATUS_NULL_ARGUMENT, "target");
+  CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 2, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, ins, 2, out,
+                         sizeof out, 1.0f),
+            XCALL_STATUS_NO_SUCH_DEVICE, "host:2");
   CHECK(out[0] == -7.0f && out[63] == -7.0f);
 }
 
@@ -221,8 +231,8 @@ static xcall_shmem_config host_config(const char *group, uint32_t rank, uint32_t
   memset(&c, 0, sizeof c);
   c.rank = rank;
   c.size = size;
-  c.platform = XCALL_PLATFORM_HOST;
-  c.ordinal = 900 + rank;
+  c.target.platform = XCALL_PLATFORM_HOST;
+  c.target.ordinal = 900 + rank;
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   c.address = group;
   c.heap_bytes = 1 << 20;

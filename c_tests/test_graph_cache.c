@@ -18,7 +18,7 @@ int main(void) {
   xcall_graph_cache *cache = NULL;
   xcall_graph_cache_config config;
   xcall_buffer buffers[2] = {{0x1000, 256, XCALL_BUFFER_ROLE_IN}, {0x2000, 256, XCALL_BUFFER_ROLE_OUT}};
-  xcall_call call = {XCALL_PLATFORM_HOST, 0, NULL, 42, 7, buffers, 2};
+  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 42, 7, buffers, 2};
   struct counter counter = {0, 0, 0};
   uint32_t outcome = 99;
   xcall_graph_stats stats;
@@ -47,7 +47,7 @@ int main(void) {
     CHECK(outcome == XCALL_GRAPH_OUTCOME_EAGER_HOST);
   }
   CHECK(counter.runs == 3 && counter.saw_null_stream == 3);
-  CHECK_STATUS(xcall_graph_cache_stats(cache, XCALL_PLATFORM_HOST, 0, &stats), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, &stats), XCALL_STATUS_OK);
   CHECK(stats.eager_host == 3 && stats.entries == 0 && stats.captures == 0);
 
   /* A failing record function: its code comes back in the message. */
@@ -73,13 +73,13 @@ int main(void) {
   CHECK_CONTAINS(xcall_last_error_message(), "at least one buffer");
   call.buffers = buffers;
   call.num_buffers = 2;
-  call.platform = 9;
+  call.target.platform = 9;
   CHECK_STATUS(xcall_graph_cache_execute(cache, &call, record_work, &counter, &outcome), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "unknown platform code 9");
-  call.platform = XCALL_PLATFORM_HOST;
-  call.ordinal = 3;
+  call.target.platform = XCALL_PLATFORM_HOST;
+  call.target.ordinal = 3;
   CHECK_STATUS(xcall_graph_cache_execute(cache, &call, record_work, &counter, &outcome), XCALL_STATUS_NO_SUCH_DEVICE);
-  call.ordinal = 0;
+  call.target.ordinal = 0;
   buffers[1].role = 5;
   CHECK_STATUS(xcall_graph_cache_execute(cache, &call, record_work, &counter, &outcome), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "buffer 1 has unknown role 5");
@@ -90,15 +90,15 @@ int main(void) {
   CHECK(counter.runs == 0);
 
   /* Invalidation and clearing. */
-  CHECK_STATUS(xcall_graph_cache_invalidate_range(cache, XCALL_PLATFORM_HOST, 0, 0x1000, 0, &evicted),
+  CHECK_STATUS(xcall_graph_cache_invalidate_range(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, 0x1000, 0, &evicted),
                XCALL_STATUS_INVALID_ARGUMENT);
   CHECK(evicted == 99);
-  CHECK_STATUS(xcall_graph_cache_invalidate_range(cache, XCALL_PLATFORM_HOST, 0, 0x1000, 16, &evicted), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_graph_cache_invalidate_range(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, 0x1000, 16, &evicted), XCALL_STATUS_OK);
   CHECK(evicted == 0);
-  CHECK_STATUS(xcall_graph_cache_clear(cache, XCALL_PLATFORM_HOST, 0, &evicted), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_graph_cache_clear(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, &evicted), XCALL_STATUS_OK);
   CHECK_STATUS(xcall_graph_cache_clear_all(cache, &evicted), XCALL_STATUS_OK);
   CHECK_STATUS(xcall_graph_cache_clear_all(cache, NULL), XCALL_STATUS_NULL_ARGUMENT);
-  CHECK_STATUS(xcall_graph_cache_stats(cache, XCALL_PLATFORM_CUDA, 5, &stats), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_CUDA, 5, NULL}, &stats), XCALL_STATUS_OK);
   CHECK(stats.hits == 0 && stats.entries == 0);
 
   /* Nothing of the above touched CUDA. */

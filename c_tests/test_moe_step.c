@@ -98,7 +98,7 @@ static uint32_t step(void *user_data, void *stream) {
   for (int q = 0; q < PES; q++) {
     for (int l = 0; l < LOCAL; l++) {
       const void *in[1] = {p->recv + q * slot + l * block};
-      TRY(xcall_ws_run(XCALL_PLATFORM_HOST, 0, stream, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32,
+      TRY(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, stream}, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32,
                        NULL, in, 1, p->out + q * slot + l * block, block * sizeof(float),
                        scale_of((int)p->rank * LOCAL + l)));
     }
@@ -124,8 +124,8 @@ static void *run_pe(void *arg) {
   xcall_shmem_config c = {0};
   c.rank = p->rank;
   c.size = PES;
-  c.platform = XCALL_PLATFORM_HOST;
-  c.ordinal = 800 + p->rank;
+  c.target.platform = XCALL_PLATFORM_HOST;
+  c.target.ordinal = 800 + p->rank;
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   c.address = "c-moe-step";
   c.heap_bytes = 1 << 20;
@@ -168,7 +168,7 @@ static void *run_pe(void *arg) {
       {(uint64_t)(uintptr_t)p->routing, T * E, XCALL_BUFFER_ROLE_IN},
       {(uint64_t)(uintptr_t)p->y, sizeof(float) * T * H, XCALL_BUFFER_ROLE_OUT},
   };
-  xcall_call call = {XCALL_PLATFORM_HOST, 0, NULL, 0x6d6f65, T * 1000 + H, bufs, 3};
+  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 0x6d6f65, T * 1000 + H, bufs, 3};
   PE_EXPECT(xcall_graph_cache_execute(p->cache, &call, step, p, &p->outcome) ==
             XCALL_STATUS_OK);
 
@@ -221,7 +221,7 @@ int main(void) {
     CHECK(pes[r].leaked == 0);
   }
   xcall_graph_stats stats;
-  CHECK_STATUS(xcall_graph_cache_stats(cache, XCALL_PLATFORM_HOST, 0, &stats), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, &stats), XCALL_STATUS_OK);
   CHECK(stats.eager_host == PES);
   xcall_graph_cache_free(cache);
   return xt_summary("test_moe_step");

@@ -29,8 +29,8 @@ static void *run_pe(void *arg) {
   xcall_shmem_config c = {0};
   c.rank = p->rank;
   c.size = PES;
-  c.platform = XCALL_PLATFORM_HOST;
-  c.ordinal = 700 + p->rank; /* the PE's registry slot */
+  c.target.platform = XCALL_PLATFORM_HOST;
+  c.target.ordinal = 700 + p->rank; /* the PE's registry slot */
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   c.address = "c-test-world";
   c.heap_bytes = 1 << 20;
@@ -123,7 +123,7 @@ int main(void) {
   xcall_shmem_config c = {0};
   c.size = 2;
   c.rank = 0;
-  c.platform = XCALL_PLATFORM_HOST;
+  c.target.platform = XCALL_PLATFORM_HOST;
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_NULL_ARGUMENT);
   c.address = "c-test-alone";

@@ -91,12 +91,12 @@ int main(void) {
   }
   CHECK_STATUS(xcall_ws_op_config_default(&config), XCALL_STATUS_OK);
   config.tile_bytes = 4096;
-  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &config, inputs, 2, out,
+  CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &config, inputs, 2, out,
                             sizeof a, 0.0f),
                XCALL_STATUS_OK);
   for (i = 0; i < N; i++) mismatches += out[i] != a[i] * b[i];
   CHECK(mismatches == 0);
-  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1,
+  CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1,
                             out, sizeof a, 0.5f),
                XCALL_STATUS_OK);
   mismatches = 0;
@@ -108,18 +108,18 @@ int main(void) {
 
   /* Errors: overlap, operand count, NULLs, unknown op. */
   inputs[1] = out;
-  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 2, out,
+  CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 2, out,
                             sizeof a, 0.0f),
                XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_CONTAINS(xcall_last_error_message(), "overlaps input 1");
   inputs[1] = b;
-  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 1, out,
+  CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 1, out,
                             sizeof a, 0.0f),
                XCALL_STATUS_INVALID_ARGUMENT);
-  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, NULL, 2, out,
+  CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, NULL, 2, out,
                             sizeof a, 0.0f),
                XCALL_STATUS_NULL_ARGUMENT);
-  CHECK_STATUS(xcall_ws_run(XCALL_PLATFORM_HOST, 0, NULL, 9, XCALL_DTYPE_F32, NULL, inputs, 2, out, sizeof a, 0.0f),
+  CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, 9, XCALL_DTYPE_F32, NULL, inputs, 2, out, sizeof a, 0.0f),
                XCALL_STATUS_INVALID_ARGUMENT);
   CHECK(!xcall_cuda_load_attempted());
   return xt_summary("test_warpspec");

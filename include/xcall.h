@@ -605,6 +605,25 @@ typedef struct {
 } xcall_graph_cache_config;
 
 /**
+ * Where work runs: a device and, for calls that enqueue work, a stream.
+ */
+typedef struct {
+  /**
+   * An `xcall_platform` value.
+   */
+  xcall_platform platform;
+  /**
+   * Device ordinal within the platform (0 on Host).
+   */
+  uint32_t ordinal;
+  /**
+   * The `CUstream` to enqueue on (CUDA); ignored on Host and by calls
+   * that enqueue nothing (graph-cache queries, world configuration).
+   */
+  void *stream;
+} xcall_target;
+
+/**
  * One buffer of a call.
  */
 typedef struct {
@@ -627,22 +646,14 @@ typedef struct {
  */
 typedef struct {
   /**
-   * An `xcall_platform` value.
+   * Where the call runs; on CUDA its stream is the call's (not the
+   * legacy NULL stream).
    */
-  xcall_platform platform;
-  /**
-   * Device ordinal within the platform (0 on Host).
-   */
-  uint32_t ordinal;
-  /**
-   * The call's `CUstream` on CUDA (not the legacy NULL stream); ignored
-   * on Host.
-   */
-  void *stream;
+  xcall_target target;
   /**
    * Identifies the custom call target (for example a hash of its name).
    */
-  uint64_t target;
+  uint64_t target_id;
   /**
    * Digest of the call's attributes.
    */
@@ -748,24 +759,6 @@ typedef struct {
 } xcall_alias_pair;
 
 /**
- * Where an op runs.
- */
-typedef struct {
-  /**
-   * An `xcall_platform` value.
-   */
-  xcall_platform platform;
-  /**
-   * Device ordinal within the platform (0 on Host).
-   */
-  uint32_t ordinal;
-  /**
-   * The `CUstream` to enqueue on (CUDA); ignored on Host.
-   */
-  void *stream;
-} xcall_target;
-
-/**
  * A dense row-major tensor.
  */
 typedef struct {
@@ -811,13 +804,10 @@ typedef struct {
    */
   uint32_t size;
   /**
-   * An `xcall_platform` value.
+   * The PE's device (its stream is ignored: the calls that enqueue
+   * take a stream of their own).
    */
-  xcall_platform platform;
-  /**
-   * Device ordinal within the platform.
-   */
-  uint32_t ordinal;
+  xcall_target target;
   /**
    * An `xcall_shmem_bootstrap` value.
    */
@@ -1051,7 +1041,7 @@ void xcall_graph_cache_free(xcall_graph_cache *cache);
 /**
  * Runs one call through the cache. On Host, `record(user_data, NULL)` runs
  * directly. On CUDA, the cached graph for the call's exact key is replayed
- * on `call->stream`, or `record(user_data, stream)` is captured into a
+ * on `call->target.stream`, or `record(user_data, stream)` is captured into a
  * graph and launched (or updates a cached graph that differs only in buffer
  * addresses), or runs directly when capture is not possible (policy
  * disabled, the stream is already being captured by the caller, another
@@ -1069,9 +1059,9 @@ void xcall_graph_cache_free(xcall_graph_cache *cache);
  * Bad input: NULL cache, call or record: `XCALL_STATUS_NULL_ARGUMENT`; a
  * freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
  * platform or buffer role, no buffers, a buffer past the end of the
- * address space, a Host ordinal other than 0, a CUDA device that does not
- * exist: `XCALL_STATUS_INVALID_ARGUMENT` or `XCALL_STATUS_NO_SUCH_DEVICE`,
- * before `record` runs.
+ * address space: `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other
+ * than 0, a CUDA device that does not exist:
+ * `XCALL_STATUS_NO_SUCH_DEVICE`; all before `record` runs.
  */
 xcall_status xcall_graph_cache_execute(const xcall_graph_cache *cache,
                                        const xcall_call *call,
@@ -1080,37 +1070,35 @@ xcall_status xcall_graph_cache_execute(const xcall_graph_cache *cache,
                                        uint32_t *out_outcome);
 
 /**
- * Evicts every graph of the device whose buffers overlap
- * `[address, address + bytes)`; call it before freeing that memory. The
- * number evicted goes to `*out_evicted`.
+ * Evicts every graph of `target`'s device (its stream is ignored) whose
+ * buffers overlap `[address, address + bytes)`; call it before freeing
+ * that memory. The number evicted goes to `*out_evicted`. Thread-safe.
  *
- * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
- * (bytes 0, a range past the end of the address space, unknown platform).
- * Thread-safe.
- *
- * Bad input: a freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; a
- * Host ordinal other than 0: `XCALL_STATUS_INVALID_ARGUMENT`; nothing is
+ * Bad input: NULL cache, target or `out_evicted`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; a freed or foreign cache:
+ * `XCALL_STATUS_INVALID_HANDLE`; bytes 0, a range past the end of the
+ * address space, an unknown platform: `XCALL_STATUS_INVALID_ARGUMENT`; a
+ * Host ordinal other than 0: `XCALL_STATUS_NO_SUCH_DEVICE`; nothing is
  * evicted on an error.
  */
 xcall_status xcall_graph_cache_invalidate_range(const xcall_graph_cache *cache,
-                                                xcall_platform platform,
-                                                uint32_t ordinal,
+                                                const xcall_target *target,
                                                 uint64_t address,
                                                 uint64_t bytes,
                                                 size_t *out_evicted);
 
 /**
- * Evicts every graph of one device; the number evicted goes to
- * `*out_evicted`. Thread-safe.
+ * Evicts every graph of `target`'s device (its stream is ignored); the
+ * number evicted goes to `*out_evicted`. Thread-safe.
  *
- * Bad input: NULL cache or `out_evicted`: `XCALL_STATUS_NULL_ARGUMENT`; a
- * freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
- * platform or a Host ordinal other than 0:
- * `XCALL_STATUS_INVALID_ARGUMENT`; nothing is evicted on an error.
+ * Bad input: NULL cache, target or `out_evicted`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; a freed or foreign cache:
+ * `XCALL_STATUS_INVALID_HANDLE`; an unknown platform:
+ * `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other than 0:
+ * `XCALL_STATUS_NO_SUCH_DEVICE`; nothing is evicted on an error.
  */
 xcall_status xcall_graph_cache_clear(const xcall_graph_cache *cache,
-                                     xcall_platform platform,
-                                     uint32_t ordinal,
+                                     const xcall_target *target,
                                      size_t *out_evicted);
 
 /**
@@ -1123,18 +1111,17 @@ xcall_status xcall_graph_cache_clear(const xcall_graph_cache *cache,
 xcall_status xcall_graph_cache_clear_all(const xcall_graph_cache *cache, size_t *out_evicted);
 
 /**
- * Counters of one device (all zero for a device the cache never saw) in
- * `*out_stats`. Thread-safe.
+ * Counters of `target`'s device (its stream is ignored; all zero for a
+ * device the cache never saw) in `*out_stats`. Thread-safe.
  *
- * Bad input: NULL cache or `out_stats`: `XCALL_STATUS_NULL_ARGUMENT`; a
- * freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
- * platform or a Host ordinal other than 0:
- * `XCALL_STATUS_INVALID_ARGUMENT`; `*out_stats` is written only on
- * success.
+ * Bad input: NULL cache, target or `out_stats`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; a freed or foreign cache:
+ * `XCALL_STATUS_INVALID_HANDLE`; an unknown platform:
+ * `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other than 0:
+ * `XCALL_STATUS_NO_SUCH_DEVICE`; `*out_stats` is written only on success.
  */
 xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
-                                     xcall_platform platform,
-                                     uint32_t ordinal,
+                                     const xcall_target *target,
                                      xcall_graph_stats *out_stats);
 
 /* ======================================================================
@@ -1210,9 +1197,9 @@ xcall_status xcall_make_row_id_map(const xcall_target *target,
                                    int64_t num_out_tokens,
                                    int64_t align,
                                    int64_t capacity,
-                                   const xcall_tensor *row_id_map,
-                                   const xcall_tensor *tokens_per_expert,
-                                   const xcall_tensor *expert_offsets);
+                                   xcall_tensor *row_id_map,
+                                   xcall_tensor *tokens_per_expert,
+                                   xcall_tensor *expert_offsets);
 
 /**
  * Groups tokens by expert: `output[dst] = input[t]` for every route,
@@ -1243,9 +1230,9 @@ xcall_status xcall_permute(const xcall_target *target,
                            const xcall_tensor *expert_offsets,
                            const xcall_tensor *probs,
                            const xcall_tensor *scales,
-                           const xcall_tensor *output,
-                           const xcall_tensor *permuted_probs,
-                           const xcall_tensor *permuted_scales,
+                           xcall_tensor *output,
+                           xcall_tensor *permuted_probs,
+                           xcall_tensor *permuted_scales,
                            bool in_place);
 
 /**
@@ -1262,8 +1249,8 @@ xcall_status xcall_unpermute(const xcall_target *target,
                              const xcall_tensor *row_id_map,
                              const xcall_tensor *merging_probs,
                              const xcall_tensor *permuted_probs,
-                             const xcall_tensor *output,
-                             const xcall_tensor *unpermuted_probs);
+                             xcall_tensor *output,
+                             xcall_tensor *unpermuted_probs);
 
 /**
  * The backward of `xcall_unpermute` with merging probs: `act_grad[dst] =
@@ -1279,8 +1266,8 @@ xcall_status xcall_unpermute_backward(const xcall_target *target,
                                       const xcall_tensor *tokens_per_expert,
                                       const xcall_tensor *expert_offsets,
                                       const xcall_tensor *merging_probs,
-                                      const xcall_tensor *act_grad,
-                                      const xcall_tensor *probs_grad);
+                                      xcall_tensor *act_grad,
+                                      xcall_tensor *probs_grad);
 
 /**
  * Chunk-sort map: `split_sizes` `[S]` i64 and `sorted_indices` `[S]` i64
@@ -1298,7 +1285,7 @@ xcall_status xcall_unpermute_backward(const xcall_target *target,
 xcall_status xcall_make_chunk_sort_map(const xcall_target *target,
                                        const xcall_tensor *split_sizes,
                                        const xcall_tensor *sorted_indices,
-                                       const xcall_tensor *map);
+                                       xcall_tensor *map);
 
 /**
  * Reorders rows by a chunk-sort map: `backward` false scatters
@@ -1316,8 +1303,8 @@ xcall_status xcall_sort_chunks_by_map(const xcall_target *target,
                                       const xcall_tensor *map,
                                       const xcall_tensor *probs,
                                       bool backward,
-                                      const xcall_tensor *output,
-                                      const xcall_tensor *permuted_probs,
+                                      xcall_tensor *output,
+                                      xcall_tensor *permuted_probs,
                                       bool in_place);
 
 /* ======================================================================
@@ -1331,11 +1318,11 @@ xcall_status xcall_sort_chunks_by_map(const xcall_target *target,
  * ====================================================================== */
 
 /**
- * Creates a world handle in phase New into `*out`.
+ * Creates a world handle in phase New into `*out_world`.
  *
- * Bad input: NULL `out`: `XCALL_STATUS_NULL_ARGUMENT`.
+ * Bad input: NULL `out_world`: `XCALL_STATUS_NULL_ARGUMENT`.
  */
-xcall_status xcall_shmem_world_new(xcall_shmem_world **out);
+xcall_status xcall_shmem_world_new(xcall_shmem_world **out_world);
 
 /**
  * Frees a handle (NULL: no-op; a handle that is not live is left alone
@@ -1367,27 +1354,27 @@ xcall_status xcall_shmem_init(xcall_shmem_world *w, const xcall_shmem_config *co
 
 /**
  * Leaves the world (collective); allocations still live are freed and
- * their count written to `*leaked` (may be NULL). The world is finalized
+ * their count written to `*out_leaked` (may be NULL). The world is finalized
  * even when a step fails; `xcall_shmem_init` may start it again.
  *
  * Bad input: the world rules of `xcall_shmem_world`; a world that is not
  * live: `XCALL_STATUS_INVALID_STATE`.
  */
-xcall_status xcall_shmem_finalize(xcall_shmem_world *w, uint64_t *leaked);
+xcall_status xcall_shmem_finalize(xcall_shmem_world *w, uint64_t *out_leaked);
 
 /**
- * This PE's rank and the world size.
+ * This PE's rank in `*out_rank` and the world size in `*out_size`.
  *
  * Bad input: the world rules of `xcall_shmem_world`; NULL outputs:
  * `XCALL_STATUS_NULL_ARGUMENT`; a world that is not live:
  * `XCALL_STATUS_INVALID_STATE`.
  */
-xcall_status xcall_shmem_rank(xcall_shmem_world *w, uint32_t *rank, uint32_t *size);
+xcall_status xcall_shmem_rank(xcall_shmem_world *w, uint32_t *out_rank, uint32_t *out_size);
 
 /**
  * Allocates `bytes` on every PE (collective: same order, same sizes;
  * `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE otherwise); this PE's
- * address in `*out` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
+ * address in `*out_ptr` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
  * says whether the heap is exhausted or fragmented.
  *
  * Bad input: the world rules of `xcall_shmem_world`; a size that overflows
@@ -1395,7 +1382,7 @@ xcall_status xcall_shmem_rank(xcall_shmem_world *w, uint32_t *rank, uint32_t *si
  * block); a heap too small: `XCALL_STATUS_OUT_OF_MEMORY`; a world that is
  * not live: `XCALL_STATUS_INVALID_STATE`.
  */
-xcall_status xcall_shmem_malloc(xcall_shmem_world *w, uint64_t bytes, void **out);
+xcall_status xcall_shmem_malloc(xcall_shmem_world *w, uint64_t bytes, void **out_ptr);
 
 /**
  * Frees an object of `xcall_shmem_malloc` on every PE (collective).
@@ -1504,7 +1491,7 @@ xcall_status xcall_shmem_put_signal(xcall_shmem_world *w,
 /**
  * Waits until this PE's signal word `signal` compares `cmp`
  * (`XCALL_SHMEM_CMP_EQ`, ...) to `value`; the value seen goes to
- * `*observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
+ * `*out_observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
  * timeout.
  *
  * Bad input: the world rules of `xcall_shmem_world`; a signal word not
@@ -1515,7 +1502,7 @@ xcall_status xcall_shmem_wait_until(xcall_shmem_world *w,
                                     uint64_t *signal,
                                     xcall_shmem_cmp cmp,
                                     uint64_t value,
-                                    uint64_t *observed);
+                                    uint64_t *out_observed);
 
 /* ======================================================================
  * Warp specialization
@@ -1618,13 +1605,14 @@ xcall_status xcall_ws_op_config_default(xcall_ws_op_config *out_config);
  * Runs a built-in op: `output = inputs[0] * inputs[1]` (`XCALL_WS_OP_MUL`)
  * or `output = silu(inputs[0]) * scale` (`XCALL_WS_OP_SILU_SCALE`) over
  * `bytes` bytes of `dtype` (f32 or bf16), through the warp-specialized
- * pipeline of `config` (NULL for the defaults). On Host the pointers are
- * host memory and `stream` is ignored; on CUDA (Hopper only) they are
- * 16-byte aligned device pointers of device `ordinal` and the kernel is
- * enqueued on `stream` (a `CUstream`). The output must not overlap an input.
+ * pipeline of `config` (NULL for the defaults). On a Host `target` the
+ * pointers are host memory; on CUDA (Hopper only) they are 16-byte
+ * aligned device pointers of the target's device and the kernel is
+ * enqueued on the target's stream. The output must not overlap an input.
  *
  * Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
- * (sizes, alignment, overlap, operand count, config),
+ * (sizes, alignment, overlap, operand count, config, unknown platform),
+ * `XCALL_STATUS_NO_SUCH_DEVICE`,
  * `XCALL_STATUS_UNSUPPORTED` (dtype, non-Hopper GPU),
  * `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
  * `XCALL_STATUS_COMPILE_FAILED`, `XCALL_STATUS_TIMEOUT` (a stalled Host
@@ -1633,9 +1621,7 @@ xcall_status xcall_ws_op_config_default(xcall_ws_op_config *out_config);
  * Bad input: as listed under Errors, each checked before anything runs
  * (sizes in 64 bits); nothing is written on an error.
  */
-xcall_status xcall_ws_run(xcall_platform platform,
-                          uint32_t ordinal,
-                          void *stream,
+xcall_status xcall_ws_run(const xcall_target *target,
                           xcall_ws_op op,
                           xcall_dtype dtype,
                           const xcall_ws_op_config *config,

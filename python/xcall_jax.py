@@ -105,6 +105,16 @@ class _AliasPair(ctypes.Structure):
     _fields_ = [("input", ctypes.c_char_p), ("output", ctypes.c_char_p)]
 
 
+class _Target(ctypes.Structure):
+    """``xcall_target``: platform, ordinal, stream."""
+
+    _fields_ = [
+        ("platform", ctypes.c_uint32),
+        ("ordinal", ctypes.c_uint32),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
 _lib: Optional[ctypes.CDLL] = None
 
 
@@ -137,14 +147,12 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     lib.xcall_xla_graph_cache.restype = ctypes.c_void_p
     lib.xcall_graph_cache_stats.argtypes = [
         ctypes.c_void_p,
-        ctypes.c_uint32,
-        ctypes.c_uint32,
+        ctypes.POINTER(_Target),
         ctypes.POINTER(_Stats),
     ]
     lib.xcall_graph_cache_clear.argtypes = [
         ctypes.c_void_p,
-        ctypes.c_uint32,
-        ctypes.c_uint32,
+        ctypes.POINTER(_Target),
         ctypes.POINTER(ctypes.c_size_t),
     ]
     lib.xcall_permute_alias_table.argtypes = [
@@ -450,7 +458,9 @@ def graph_stats(device_ordinal: int) -> dict:
     _check(
         lib,
         lib.xcall_graph_cache_stats(
-            lib.xcall_xla_graph_cache(), _PLATFORM_CUDA, device_ordinal, ctypes.byref(stats)
+            lib.xcall_xla_graph_cache(),
+            ctypes.byref(_Target(_PLATFORM_CUDA, device_ordinal, None)),
+            ctypes.byref(stats),
         ),
         "graph cache stats",
     )
@@ -465,7 +475,9 @@ def clear_graphs(device_ordinal: int) -> int:
     _check(
         lib,
         lib.xcall_graph_cache_clear(
-            lib.xcall_xla_graph_cache(), _PLATFORM_CUDA, device_ordinal, ctypes.byref(evicted)
+            lib.xcall_xla_graph_cache(),
+            ctypes.byref(_Target(_PLATFORM_CUDA, device_ordinal, None)),
+            ctypes.byref(evicted),
         ),
         "graph cache clear",
     )

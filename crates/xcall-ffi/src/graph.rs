@@ -3,14 +3,15 @@
 use std::ffi::c_void;
 
 use static_assertions::{assert_eq_align, assert_eq_size};
-use xcall_core::{Device, Platform, Status};
+use xcall_core::{Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{
     Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy, Stats,
 };
 
-use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError, PlatformCode};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
 use crate::handle::{self, Handle};
+use crate::target::xcall_target;
 
 /// A device-aware graph cache for custom calls.
 ///
@@ -64,15 +65,11 @@ pub struct xcall_buffer {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct xcall_call {
-    /// An `xcall_platform` value.
-    pub platform: PlatformCode,
-    /// Device ordinal within the platform (0 on Host).
-    pub ordinal: u32,
-    /// The call's `CUstream` on CUDA (not the legacy NULL stream); ignored
-    /// on Host.
-    pub stream: *mut c_void,
+    /// Where the call runs; on CUDA its stream is the call's (not the
+    /// legacy NULL stream).
+    pub target: xcall_target,
     /// Identifies the custom call target (for example a hash of its name).
-    pub target: u64,
+    pub target_id: u64,
     /// Digest of the call's attributes.
     pub attributes: u64,
     /// The call's buffers (`num_buffers` of them, at least one).
@@ -123,17 +120,11 @@ fn cache_ref<'a>(cache: *const xcall_graph_cache) -> Result<&'a xcall_graph_cach
     handle::get(cache, "cache")
 }
 
-/// A device of the platform, checked the same way by every entry point:
-/// Host has one device, `host:0`, and any other Host ordinal is
-/// `XCALL_STATUS_NO_SUCH_DEVICE`. A CUDA ordinal is checked where the call
-/// needs the device (execute); clear, invalidate and stats of a CUDA
-/// device the cache never saw find nothing and load no driver.
-fn device_arg(platform: PlatformCode, ordinal: u32) -> Result<Device, FfiError> {
-    let device = Device::new(platform.get()?, ordinal);
-    if device.platform == Platform::Host {
-        device.validate()?;
-    }
-    Ok(device)
+/// The device of `target` (see [`xcall_target::device`]): clear,
+/// invalidate and stats of a CUDA device the cache never saw find nothing
+/// and load no driver.
+fn device_arg(target: *const xcall_target) -> Result<Device, FfiError> {
+    xcall_target::read(target, "target")?.device()
 }
 
 fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
@@ -219,7 +210,7 @@ pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
 
 /// Runs one call through the cache. On Host, `record(user_data, NULL)` runs
 /// directly. On CUDA, the cached graph for the call's exact key is replayed
-/// on `call->stream`, or `record(user_data, stream)` is captured into a
+/// on `call->target.stream`, or `record(user_data, stream)` is captured into a
 /// graph and launched (or updates a cached graph that differs only in buffer
 /// addresses), or runs directly when capture is not possible (policy
 /// disabled, the stream is already being captured by the caller, another
@@ -237,9 +228,9 @@ pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
 /// Bad input: NULL cache, call or record: `XCALL_STATUS_NULL_ARGUMENT`; a
 /// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
 /// platform or buffer role, no buffers, a buffer past the end of the
-/// address space, a Host ordinal other than 0, a CUDA device that does not
-/// exist: `XCALL_STATUS_INVALID_ARGUMENT` or `XCALL_STATUS_NO_SUCH_DEVICE`,
-/// before `record` runs.
+/// address space: `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other
+/// than 0, a CUDA device that does not exist:
+/// `XCALL_STATUS_NO_SUCH_DEVICE`; all before `record` runs.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_execute(
     cache: *const xcall_graph_cache,
@@ -255,7 +246,7 @@ pub extern "C" fn xcall_graph_cache_execute(
             .ok_or_else(|| FfiError::new(Status::NullArgument, "call is NULL"))?;
         let record = record.ok_or_else(|| FfiError::new(Status::NullArgument, "record is NULL"))?;
         let out = out_ptr(out_outcome, "out_outcome")?;
-        let device = device_arg(call.platform, call.ordinal)?;
+        let device = call.target.device()?;
         let raw: &[xcall_buffer] = match (call.buffers.is_null(), call.num_buffers) {
             (_, 0) => &[],
             (true, _) => return Err(FfiError::new(Status::NullArgument, "call->buffers is NULL")),
@@ -274,12 +265,14 @@ pub extern "C" fn xcall_graph_cache_execute(
             .collect::<Result<Vec<_>, FfiError>>()?;
         let key = CallKey {
             device,
-            target: call.target,
+            target: call.target_id,
             attributes: call.attributes,
             buffers,
         };
-        let stream =
-            (device.platform == Platform::Cuda).then_some(CudaStreamHandle(call.stream.cast()));
+        let stream = call
+            .target
+            .cuda_stream(device)
+            .map(|s| CudaStreamHandle(s.cast()));
         let outcome = cache.inner.execute(&Call::new(key, stream), |stream| {
             let stream = stream.map_or(std::ptr::null_mut(), |s| s.0.cast());
             // SAFETY: the caller's callback with the caller's user_data.
@@ -293,22 +286,20 @@ pub extern "C" fn xcall_graph_cache_execute(
     })
 }
 
-/// Evicts every graph of the device whose buffers overlap
-/// `[address, address + bytes)`; call it before freeing that memory. The
-/// number evicted goes to `*out_evicted`.
+/// Evicts every graph of `target`'s device (its stream is ignored) whose
+/// buffers overlap `[address, address + bytes)`; call it before freeing
+/// that memory. The number evicted goes to `*out_evicted`. Thread-safe.
 ///
-/// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
-/// (bytes 0, a range past the end of the address space, unknown platform).
-/// Thread-safe.
-///
-/// Bad input: a freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; a
-/// Host ordinal other than 0: `XCALL_STATUS_INVALID_ARGUMENT`; nothing is
+/// Bad input: NULL cache, target or `out_evicted`:
+/// `XCALL_STATUS_NULL_ARGUMENT`; a freed or foreign cache:
+/// `XCALL_STATUS_INVALID_HANDLE`; bytes 0, a range past the end of the
+/// address space, an unknown platform: `XCALL_STATUS_INVALID_ARGUMENT`; a
+/// Host ordinal other than 0: `XCALL_STATUS_NO_SUCH_DEVICE`; nothing is
 /// evicted on an error.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_invalidate_range(
     cache: *const xcall_graph_cache,
-    platform: PlatformCode,
-    ordinal: u32,
+    target: *const xcall_target,
     address: u64,
     bytes: u64,
     out_evicted: *mut usize,
@@ -318,30 +309,30 @@ pub extern "C" fn xcall_graph_cache_invalidate_range(
         let out = out_ptr(out_evicted, "out_evicted")?;
         let n = cache
             .inner
-            .invalidate_range(device_arg(platform, ordinal)?, address, bytes)?;
+            .invalidate_range(device_arg(target)?, address, bytes)?;
         *out = n;
         Ok(())
     })
 }
 
-/// Evicts every graph of one device; the number evicted goes to
-/// `*out_evicted`. Thread-safe.
+/// Evicts every graph of `target`'s device (its stream is ignored); the
+/// number evicted goes to `*out_evicted`. Thread-safe.
 ///
-/// Bad input: NULL cache or `out_evicted`: `XCALL_STATUS_NULL_ARGUMENT`; a
-/// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
-/// platform or a Host ordinal other than 0:
-/// `XCALL_STATUS_INVALID_ARGUMENT`; nothing is evicted on an error.
+/// Bad input: NULL cache, target or `out_evicted`:
+/// `XCALL_STATUS_NULL_ARGUMENT`; a freed or foreign cache:
+/// `XCALL_STATUS_INVALID_HANDLE`; an unknown platform:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other than 0:
+/// `XCALL_STATUS_NO_SUCH_DEVICE`; nothing is evicted on an error.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_clear(
     cache: *const xcall_graph_cache,
-    platform: PlatformCode,
-    ordinal: u32,
+    target: *const xcall_target,
     out_evicted: *mut usize,
 ) -> Status {
     ffi_call!({
         let cache = cache_ref(cache)?;
         let out = out_ptr(out_evicted, "out_evicted")?;
-        *out = cache.inner.clear(device_arg(platform, ordinal)?);
+        *out = cache.inner.clear(device_arg(target)?);
         Ok(())
     })
 }
@@ -364,25 +355,24 @@ pub extern "C" fn xcall_graph_cache_clear_all(
     })
 }
 
-/// Counters of one device (all zero for a device the cache never saw) in
-/// `*out_stats`. Thread-safe.
+/// Counters of `target`'s device (its stream is ignored; all zero for a
+/// device the cache never saw) in `*out_stats`. Thread-safe.
 ///
-/// Bad input: NULL cache or `out_stats`: `XCALL_STATUS_NULL_ARGUMENT`; a
-/// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
-/// platform or a Host ordinal other than 0:
-/// `XCALL_STATUS_INVALID_ARGUMENT`; `*out_stats` is written only on
-/// success.
+/// Bad input: NULL cache, target or `out_stats`:
+/// `XCALL_STATUS_NULL_ARGUMENT`; a freed or foreign cache:
+/// `XCALL_STATUS_INVALID_HANDLE`; an unknown platform:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other than 0:
+/// `XCALL_STATUS_NO_SUCH_DEVICE`; `*out_stats` is written only on success.
 #[no_mangle]
 pub extern "C" fn xcall_graph_cache_stats(
     cache: *const xcall_graph_cache,
-    platform: PlatformCode,
-    ordinal: u32,
+    target: *const xcall_target,
     out_stats: *mut Stats,
 ) -> Status {
     ffi_call!({
         let cache = cache_ref(cache)?;
         let out = out_ptr(out_stats, "out_stats")?;
-        *out = cache.inner.stats(device_arg(platform, ordinal)?);
+        *out = cache.inner.stats(device_arg(target)?);
         Ok(())
     })
 }

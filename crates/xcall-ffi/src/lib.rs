@@ -21,6 +21,7 @@ mod guard;
 mod handle;
 mod permute;
 mod shmem;
+mod target;
 mod warpspec;
 pub mod xla;
 
@@ -28,6 +29,7 @@ pub use graph::*;
 pub use guard::{DTypeCode, PlatformCode};
 pub use permute::*;
 pub use shmem::*;
+pub use target::xcall_target;
 pub use warpspec::*;
 pub use xla::{
     xcall_xla_graph_cache, xcall_xla_make_chunk_sort_map_cuda, xcall_xla_make_chunk_sort_map_host,

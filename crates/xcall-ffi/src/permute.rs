@@ -4,25 +4,14 @@ use std::ffi::{c_char, c_void};
 
 use static_assertions::{assert_eq_align, assert_eq_size, const_assert_eq};
 use xcall_core::CEnum;
-use xcall_core::{DType, Device, Platform, Status};
+use xcall_core::{DType, Status};
 use xcall_permute::alias::{alias_table, Op};
 use xcall_permute::call::{self, Target, Tensor};
 use xcall_permute::chunks::Direction;
 use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
 
-use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError, PlatformCode};
-
-/// Where an op runs.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct xcall_target {
-    /// An `xcall_platform` value.
-    pub platform: PlatformCode,
-    /// Device ordinal within the platform (0 on Host).
-    pub ordinal: u32,
-    /// The `CUstream` to enqueue on (CUDA); ignored on Host.
-    pub stream: *mut c_void,
-}
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError};
+use crate::target::xcall_target;
 
 /// Largest tensor rank an `xcall_tensor` holds.
 pub const XCALL_TENSOR_MAX_RANK: u32 = 4;
@@ -56,8 +45,6 @@ pub struct xcall_alias_pair {
     pub output: *const c_char,
 }
 
-assert_eq_size!(xcall_target, [u64; 2]);
-assert_eq_align!(xcall_target, u64);
 assert_eq_size!(xcall_tensor, [u64; 7]);
 assert_eq_align!(xcall_tensor, u64);
 assert_eq_size!(xcall_alias_pair, [u64; 2]);
@@ -94,15 +81,11 @@ fn static_c_name(name: &'static str) -> *const c_char {
 }
 
 fn target_arg(target: *const xcall_target) -> Result<Target, FfiError> {
-    // SAFETY: NULL or a readable xcall_target (header contract).
-    let t = unsafe { target.as_ref() }
-        .ok_or_else(|| FfiError::new(Status::NullArgument, "target is NULL"))?;
-    let platform = t.platform.get()?;
-    let device = Device::new(platform, t.ordinal);
-    let device = device.validate()?;
-    Ok(match platform {
-        Platform::Host => Target::host(),
-        Platform::Cuda => Target::cuda(device.ordinal, t.stream),
+    let t = xcall_target::read(target, "target")?;
+    let device = t.device()?.validate()?;
+    Ok(match t.cuda_stream(device) {
+        None => Target::host(),
+        Some(stream) => Target::cuda(device.ordinal, stream),
     })
 }
 
@@ -284,9 +267,9 @@ pub extern "C" fn xcall_make_row_id_map(
     num_out_tokens: i64,
     align: i64,
     capacity: i64,
-    row_id_map: *const xcall_tensor,
-    tokens_per_expert: *const xcall_tensor,
-    expert_offsets: *const xcall_tensor,
+    row_id_map: *mut xcall_tensor,
+    tokens_per_expert: *mut xcall_tensor,
+    expert_offsets: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
         let t = target_arg(target)?;
@@ -337,9 +320,9 @@ pub extern "C" fn xcall_permute(
     expert_offsets: *const xcall_tensor,
     probs: *const xcall_tensor,
     scales: *const xcall_tensor,
-    output: *const xcall_tensor,
-    permuted_probs: *const xcall_tensor,
-    permuted_scales: *const xcall_tensor,
+    output: *mut xcall_tensor,
+    permuted_probs: *mut xcall_tensor,
+    permuted_scales: *mut xcall_tensor,
     in_place: bool,
 ) -> Status {
     ffi_call!({
@@ -376,8 +359,8 @@ pub extern "C" fn xcall_unpermute(
     row_id_map: *const xcall_tensor,
     merging_probs: *const xcall_tensor,
     permuted_probs: *const xcall_tensor,
-    output: *const xcall_tensor,
-    unpermuted_probs: *const xcall_tensor,
+    output: *mut xcall_tensor,
+    unpermuted_probs: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
         let t = target_arg(target)?;
@@ -409,8 +392,8 @@ pub extern "C" fn xcall_unpermute_backward(
     tokens_per_expert: *const xcall_tensor,
     expert_offsets: *const xcall_tensor,
     merging_probs: *const xcall_tensor,
-    act_grad: *const xcall_tensor,
-    probs_grad: *const xcall_tensor,
+    act_grad: *mut xcall_tensor,
+    probs_grad: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
         let t = target_arg(target)?;
@@ -446,7 +429,7 @@ pub extern "C" fn xcall_make_chunk_sort_map(
     target: *const xcall_target,
     split_sizes: *const xcall_tensor,
     sorted_indices: *const xcall_tensor,
-    map: *const xcall_tensor,
+    map: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
         let t = target_arg(target)?;
@@ -477,8 +460,8 @@ pub extern "C" fn xcall_sort_chunks_by_map(
     map: *const xcall_tensor,
     probs: *const xcall_tensor,
     backward: bool,
-    output: *const xcall_tensor,
-    permuted_probs: *const xcall_tensor,
+    output: *mut xcall_tensor,
+    permuted_probs: *mut xcall_tensor,
     in_place: bool,
 ) -> Status {
     ffi_call!({

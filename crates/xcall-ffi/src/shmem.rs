@@ -8,12 +8,15 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
 use xcall_shmem::{BootstrapKind, Cmp, Config, ShmemError, SignalOp, World};
 
-use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError, PlatformCode};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
 use crate::handle::{self, Handle};
+use crate::target::xcall_target;
 
 assert_eq_size!(Cmp, u32);
 assert_eq_align!(Cmp, u32);
 assert_eq_size!(SignalOp, u32);
+assert_eq_size!(xcall_shmem_config, [u64; 7]);
+assert_eq_align!(xcall_shmem_config, u64);
 
 impl From<ShmemError> for FfiError {
     fn from(e: ShmemError) -> Self {
@@ -68,10 +71,9 @@ pub struct xcall_shmem_config {
     pub rank: u32,
     /// Number of PEs.
     pub size: u32,
-    /// An `xcall_platform` value.
-    pub platform: PlatformCode,
-    /// Device ordinal within the platform.
-    pub ordinal: u32,
+    /// The PE's device (its stream is ignored: the calls that enqueue
+    /// take a stream of their own).
+    pub target: xcall_target,
     /// An `xcall_shmem_bootstrap` value.
     pub bootstrap: BootstrapCode,
     /// Group name or socket path (NUL-terminated).
@@ -100,13 +102,13 @@ fn world<'a>(w: *mut xcall_shmem_world) -> Result<MutexGuard<'a, World>, FfiErro
     }
 }
 
-/// Creates a world handle in phase New into `*out`.
+/// Creates a world handle in phase New into `*out_world`.
 ///
-/// Bad input: NULL `out`: `XCALL_STATUS_NULL_ARGUMENT`.
+/// Bad input: NULL `out_world`: `XCALL_STATUS_NULL_ARGUMENT`.
 #[no_mangle]
-pub extern "C" fn xcall_shmem_world_new(out: *mut *mut xcall_shmem_world) -> Status {
+pub extern "C" fn xcall_shmem_world_new(out_world: *mut *mut xcall_shmem_world) -> Status {
     ffi_call!({
-        let out = out_ptr(out, "out")?;
+        let out = out_ptr(out_world, "out_world")?;
         *out = handle::publish(xcall_shmem_world {
             inner: std::sync::Mutex::new(World::new()),
         })?;
@@ -172,7 +174,7 @@ pub extern "C" fn xcall_shmem_init(
         let config = Config {
             rank: c.rank as usize,
             size: c.size as usize,
-            device: Device::new(c.platform.get()?, c.ordinal),
+            device: Device::new(c.target.platform.get()?, c.target.ordinal),
             bootstrap,
             heap_bytes: (c.heap_bytes > 0).then_some(c.heap_bytes as usize),
             timeout: if c.timeout_ms == 0 {
@@ -187,24 +189,24 @@ pub extern "C" fn xcall_shmem_init(
 }
 
 /// Leaves the world (collective); allocations still live are freed and
-/// their count written to `*leaked` (may be NULL). The world is finalized
+/// their count written to `*out_leaked` (may be NULL). The world is finalized
 /// even when a step fails; `xcall_shmem_init` may start it again.
 ///
 /// Bad input: the world rules of `xcall_shmem_world`; a world that is not
 /// live: `XCALL_STATUS_INVALID_STATE`.
 #[no_mangle]
-pub extern "C" fn xcall_shmem_finalize(w: *mut xcall_shmem_world, leaked: *mut u64) -> Status {
+pub extern "C" fn xcall_shmem_finalize(w: *mut xcall_shmem_world, out_leaked: *mut u64) -> Status {
     ffi_call!({
         let report = world(w)?.finalize()?;
         // SAFETY: NULL or a writable u64.
-        if let Some(l) = unsafe { leaked.as_mut() } {
+        if let Some(l) = unsafe { out_leaked.as_mut() } {
             *l = report.leaked.len() as u64;
         }
         Ok(())
     })
 }
 
-/// This PE's rank and the world size.
+/// This PE's rank in `*out_rank` and the world size in `*out_size`.
 ///
 /// Bad input: the world rules of `xcall_shmem_world`; NULL outputs:
 /// `XCALL_STATUS_NULL_ARGUMENT`; a world that is not live:
@@ -212,14 +214,14 @@ pub extern "C" fn xcall_shmem_finalize(w: *mut xcall_shmem_world, leaked: *mut u
 #[no_mangle]
 pub extern "C" fn xcall_shmem_rank(
     w: *mut xcall_shmem_world,
-    rank: *mut u32,
-    size: *mut u32,
+    out_rank: *mut u32,
+    out_size: *mut u32,
 ) -> Status {
     ffi_call!({
         let w = world(w)?;
         let (r, n) = (w.rank()? as u32, w.size()? as u32);
-        let rank = out_ptr(rank, "rank")?;
-        let size = out_ptr(size, "size")?;
+        let rank = out_ptr(out_rank, "out_rank")?;
+        let size = out_ptr(out_size, "out_size")?;
         *rank = r;
         *size = n;
         Ok(())
@@ -228,7 +230,7 @@ pub extern "C" fn xcall_shmem_rank(
 
 /// Allocates `bytes` on every PE (collective: same order, same sizes;
 /// `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE otherwise); this PE's
-/// address in `*out` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
+/// address in `*out_ptr` (device memory on CUDA). `XCALL_STATUS_OUT_OF_MEMORY`
 /// says whether the heap is exhausted or fragmented.
 ///
 /// Bad input: the world rules of `xcall_shmem_world`; a size that overflows
@@ -239,11 +241,11 @@ pub extern "C" fn xcall_shmem_rank(
 pub extern "C" fn xcall_shmem_malloc(
     w: *mut xcall_shmem_world,
     bytes: u64,
-    out: *mut *mut c_void,
+    out_ptr: *mut *mut c_void,
 ) -> Status {
     ffi_call!({
         let mut w = world(w)?;
-        let out = out_ptr(out, "out")?;
+        let out = crate::guard::out_ptr(out_ptr, "out_ptr")?;
         *out = w.malloc(bytes as usize)? as *mut c_void;
         Ok(())
     })
@@ -425,7 +427,7 @@ pub extern "C" fn xcall_shmem_put_signal(
 
 /// Waits until this PE's signal word `signal` compares `cmp`
 /// (`XCALL_SHMEM_CMP_EQ`, ...) to `value`; the value seen goes to
-/// `*observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
+/// `*out_observed` (may be NULL). `XCALL_STATUS_TIMEOUT` after the world's
 /// timeout.
 ///
 /// Bad input: the world rules of `xcall_shmem_world`; a signal word not
@@ -437,13 +439,13 @@ pub extern "C" fn xcall_shmem_wait_until(
     signal: *mut u64,
     cmp: CmpCode,
     value: u64,
-    observed: *mut u64,
+    out_observed: *mut u64,
 ) -> Status {
     ffi_call!({
         let cmp = cmp.get()?;
         let seen = world(w)?.wait_until(signal as u64, cmp, value)?;
         // SAFETY: NULL or a writable u64.
-        if let Some(o) = unsafe { observed.as_mut() } {
+        if let Some(o) = unsafe { out_observed.as_mut() } {
             *o = seen;
         }
         Ok(())

@@ -3,15 +3,16 @@
 use std::ffi::{c_char, c_void};
 
 use static_assertions::{assert_eq_align, assert_eq_size};
-use xcall_core::{DType, Device, Status};
+use xcall_core::{DType, Status};
 use xcall_warpspec::codegen::{generate, ElementwiseOp};
 use xcall_warpspec::ops::{OpConfig, OpError};
 use xcall_warpspec::verify::{verify_within, Budget};
 use xcall_warpspec::OpCall;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
 
-use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError, PlatformCode};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError};
 use crate::handle::{self, Handle};
+use crate::target::xcall_target;
 
 /// A derived pipeline plan. Immutable: any function may use it from any
 /// thread; `xcall_ws_plan_free` must be the last call on it.
@@ -308,13 +309,14 @@ pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config
 /// Runs a built-in op: `output = inputs[0] * inputs[1]` (`XCALL_WS_OP_MUL`)
 /// or `output = silu(inputs[0]) * scale` (`XCALL_WS_OP_SILU_SCALE`) over
 /// `bytes` bytes of `dtype` (f32 or bf16), through the warp-specialized
-/// pipeline of `config` (NULL for the defaults). On Host the pointers are
-/// host memory and `stream` is ignored; on CUDA (Hopper only) they are
-/// 16-byte aligned device pointers of device `ordinal` and the kernel is
-/// enqueued on `stream` (a `CUstream`). The output must not overlap an input.
+/// pipeline of `config` (NULL for the defaults). On a Host `target` the
+/// pointers are host memory; on CUDA (Hopper only) they are 16-byte
+/// aligned device pointers of the target's device and the kernel is
+/// enqueued on the target's stream. The output must not overlap an input.
 ///
 /// Errors: `XCALL_STATUS_NULL_ARGUMENT`, `XCALL_STATUS_INVALID_ARGUMENT`
-/// (sizes, alignment, overlap, operand count, config),
+/// (sizes, alignment, overlap, operand count, config, unknown platform),
+/// `XCALL_STATUS_NO_SUCH_DEVICE`,
 /// `XCALL_STATUS_UNSUPPORTED` (dtype, non-Hopper GPU),
 /// `XCALL_STATUS_CUDA_UNAVAILABLE`, `XCALL_STATUS_CUDA_DRIVER`,
 /// `XCALL_STATUS_COMPILE_FAILED`, `XCALL_STATUS_TIMEOUT` (a stalled Host
@@ -326,9 +328,7 @@ pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config
 #[allow(clippy::too_many_arguments)]
 #[no_mangle]
 pub extern "C" fn xcall_ws_run(
-    platform: PlatformCode,
-    ordinal: u32,
-    stream: *mut c_void,
+    target: *const xcall_target,
     op: WsOpCode,
     dtype: DTypeCode,
     config: *const xcall_ws_op_config,
@@ -339,7 +339,9 @@ pub extern "C" fn xcall_ws_run(
     scale: f32,
 ) -> Status {
     ffi_call!({
-        let device = Device::new(platform.get()?, ordinal);
+        let target = xcall_target::read(target, "target")?;
+        let device = target.device()?;
+        let stream = target.cuda_stream(device).unwrap_or(std::ptr::null_mut());
         let (op, dtype) = (op.get()?, dtype.get()?);
         // SAFETY: NULL or a valid config, per the documentation.
         let config = match unsafe { config.as_ref() } {

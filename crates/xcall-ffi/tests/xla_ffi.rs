@@ -251,8 +251,13 @@ fn the_handler_cache_survives_free() {
     assert!(!cache.is_null());
     xcall_graph_cache_free(cache as *mut _);
     let mut stats = xcall_graph::Stats::default();
+    let host = xcall_target {
+        platform: PlatformCode(0),
+        ordinal: 0,
+        stream: std::ptr::null_mut(),
+    };
     assert_eq!(
-        xcall_graph_cache_stats(cache, PlatformCode(0), 0, &mut stats),
+        xcall_graph_cache_stats(cache, &host, &mut stats),
         xcall_core::Status::Ok
     );
 }
