@@ -24,6 +24,12 @@ impl FfiError {
     }
 }
 
+impl std::fmt::Display for FfiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 impl From<xcall_core::Error> for FfiError {
     fn from(e: xcall_core::Error) -> Self {
         FfiError::new(e.status(), e.to_string())

@@ -19,6 +19,7 @@
 mod graph;
 mod guard;
 mod handle;
+mod op_args;
 mod permute;
 mod shmem;
 mod target;

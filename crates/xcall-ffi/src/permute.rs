@@ -7,10 +7,10 @@ use xcall_core::CEnum;
 use xcall_core::{DType, Status};
 use xcall_permute::alias::{alias_table, Op};
 use xcall_permute::call::{self, Target, Tensor};
-use xcall_permute::chunks::Direction;
-use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
+use xcall_permute::{MapFaults, PermuteError};
 
 use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError};
+use crate::op_args::{self, CArgs};
 use crate::target::xcall_target;
 
 /// Largest tensor rank an `xcall_tensor` holds.
@@ -89,7 +89,27 @@ fn target_arg(target: *const xcall_target) -> Result<Target, FfiError> {
     })
 }
 
-fn tensor_arg(name: &str, t: &xcall_tensor, target: &Target) -> Result<Tensor, FfiError> {
+/// Runs `$op` (an `op_args` function) on a C entry point's target and
+/// tensors (named by the parameters themselves) and integer parameters.
+macro_rules! run_c_op {
+    ($op:path, $target:expr, [$($t:ident),* $(,)?] $(, $i:ident = $v:expr)* $(,)?) => {{
+        let t = target_arg($target)?;
+        let args = CArgs {
+            target: &t,
+            tensors: &[$((stringify!($t), $t as *const xcall_tensor)),*],
+            ints: &[$((stringify!($i), $v)),*],
+        };
+        // SAFETY: the header's contract: every tensor's data is valid for
+        // its size on the target's device.
+        unsafe { $op(&t, &args) }
+    }};
+}
+
+pub(crate) fn tensor_arg(
+    name: &str,
+    t: &xcall_tensor,
+    target: &Target,
+) -> Result<Tensor, FfiError> {
     let bad = |m: String| FfiError::new(Status::InvalidArgument, format!("{name}: {m}"));
     if t.rank > XCALL_TENSOR_MAX_RANK {
         return Err(bad(format!(
@@ -117,24 +137,6 @@ fn tensor_arg(name: &str, t: &xcall_tensor, target: &Target) -> Result<Tensor, F
         )));
     }
     Ok(Tensor::new(t.data as u64, dtype, &dims))
-}
-
-fn required(name: &str, t: *const xcall_tensor, target: &Target) -> Result<Tensor, FfiError> {
-    // SAFETY: NULL or a readable xcall_tensor (header contract).
-    let t = unsafe { t.as_ref() }
-        .ok_or_else(|| FfiError::new(Status::NullArgument, format!("{name} is NULL")))?;
-    tensor_arg(name, t, target)
-}
-
-fn optional(
-    name: &str,
-    t: *const xcall_tensor,
-    target: &Target,
-) -> Result<Option<Tensor>, FfiError> {
-    // SAFETY: NULL or a readable xcall_tensor (header contract).
-    unsafe { t.as_ref() }
-        .map(|t| tensor_arg(name, t, target))
-        .transpose()
 }
 
 /// The (input, output) pairs of permutation op `op` (an
@@ -230,19 +232,6 @@ pub extern "C" fn xcall_permute_take_faults(
     })
 }
 
-/// `None` for 0, the value for a positive one, an error naming `what` for
-/// a negative one.
-fn non_negative(what: &str, v: i64) -> Result<Option<usize>, FfiError> {
-    match v {
-        0 => Ok(None),
-        v if v < 0 => Err(FfiError::new(
-            Status::InvalidArgument,
-            format!("{what} is negative ({v})"),
-        )),
-        v => Ok(Some(v as usize)),
-    }
-}
-
 /// Builds the row-id map of `routing` (`[T, E]` u8 or bool; any nonzero
 /// byte is a route): `row_id_map` `[T, 2E + 1]` i32, `tokens_per_expert`
 /// `[E]` i64 (routes kept), `expert_offsets` `[E + 1]` i64 (first row of
@@ -272,22 +261,14 @@ pub extern "C" fn xcall_make_row_id_map(
     expert_offsets: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
-        let t = target_arg(target)?;
-        let args = call::MakeRowIdMapArgs {
-            routing: required("routing", routing, &t)?,
-            options: RowIdMapOptions {
-                num_out_tokens: (num_out_tokens >= 0).then_some(num_out_tokens as usize),
-                align: non_negative("align", align)?,
-                capacity: non_negative("capacity", capacity)?,
-            },
-            row_id_map: required("row_id_map", row_id_map, &t)?,
-            tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,
-            expert_offsets: required("expert_offsets", expert_offsets, &t)?,
-        };
-        // SAFETY: the header's contract: every tensor's data is valid for
-        // its size on the target's device.
-        unsafe { call::make_row_id_map(&t, &args) }?;
-        Ok(())
+        run_c_op!(
+            op_args::make_row_id_map,
+            target,
+            [routing, row_id_map, tokens_per_expert, expert_offsets],
+            num_out_tokens = num_out_tokens,
+            align = align,
+            capacity = capacity
+        )
     })
 }
 
@@ -326,22 +307,22 @@ pub extern "C" fn xcall_permute(
     in_place: bool,
 ) -> Status {
     ffi_call!({
-        let t = target_arg(target)?;
-        let args = call::PermuteArgs {
-            input: required("input", input, &t)?,
-            row_id_map: required("row_id_map", row_id_map, &t)?,
-            tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,
-            expert_offsets: required("expert_offsets", expert_offsets, &t)?,
-            probs: optional("probs", probs, &t)?,
-            scales: optional("scales", scales, &t)?,
-            output: required("output", output, &t)?,
-            permuted_probs: optional("permuted_probs", permuted_probs, &t)?,
-            permuted_scales: optional("permuted_scales", permuted_scales, &t)?,
-            in_place,
-        };
-        // SAFETY: see xcall_make_row_id_map.
-        unsafe { call::permute(&t, &args) }?;
-        Ok(())
+        run_c_op!(
+            op_args::permute,
+            target,
+            [
+                input,
+                row_id_map,
+                tokens_per_expert,
+                expert_offsets,
+                probs,
+                scales,
+                output,
+                permuted_probs,
+                permuted_scales
+            ],
+            in_place = in_place as i64
+        )
     })
 }
 
@@ -363,18 +344,18 @@ pub extern "C" fn xcall_unpermute(
     unpermuted_probs: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
-        let t = target_arg(target)?;
-        let args = call::UnpermuteArgs {
-            input: required("input", input, &t)?,
-            row_id_map: required("row_id_map", row_id_map, &t)?,
-            merging_probs: optional("merging_probs", merging_probs, &t)?,
-            permuted_probs: optional("permuted_probs", permuted_probs, &t)?,
-            output: required("output", output, &t)?,
-            unpermuted_probs: optional("unpermuted_probs", unpermuted_probs, &t)?,
-        };
-        // SAFETY: see xcall_make_row_id_map.
-        unsafe { call::unpermute(&t, &args) }?;
-        Ok(())
+        run_c_op!(
+            op_args::unpermute,
+            target,
+            [
+                input,
+                row_id_map,
+                merging_probs,
+                permuted_probs,
+                output,
+                unpermuted_probs
+            ]
+        )
     })
 }
 
@@ -396,20 +377,20 @@ pub extern "C" fn xcall_unpermute_backward(
     probs_grad: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
-        let t = target_arg(target)?;
-        let args = call::UnpermuteBackwardArgs {
-            grad: required("grad", grad, &t)?,
-            fwd_input: required("fwd_input", fwd_input, &t)?,
-            row_id_map: required("row_id_map", row_id_map, &t)?,
-            tokens_per_expert: required("tokens_per_expert", tokens_per_expert, &t)?,
-            expert_offsets: required("expert_offsets", expert_offsets, &t)?,
-            merging_probs: required("merging_probs", merging_probs, &t)?,
-            act_grad: required("act_grad", act_grad, &t)?,
-            probs_grad: required("probs_grad", probs_grad, &t)?,
-        };
-        // SAFETY: see xcall_make_row_id_map.
-        unsafe { call::unpermute_backward(&t, &args) }?;
-        Ok(())
+        run_c_op!(
+            op_args::unpermute_backward,
+            target,
+            [
+                grad,
+                fwd_input,
+                row_id_map,
+                tokens_per_expert,
+                expert_offsets,
+                merging_probs,
+                act_grad,
+                probs_grad
+            ]
+        )
     })
 }
 
@@ -432,15 +413,11 @@ pub extern "C" fn xcall_make_chunk_sort_map(
     map: *mut xcall_tensor,
 ) -> Status {
     ffi_call!({
-        let t = target_arg(target)?;
-        let args = call::MakeChunkSortMapArgs {
-            split_sizes: required("split_sizes", split_sizes, &t)?,
-            sorted_indices: required("sorted_indices", sorted_indices, &t)?,
-            map: required("map", map, &t)?,
-        };
-        // SAFETY: see xcall_make_row_id_map.
-        unsafe { call::make_chunk_sort_map(&t, &args) }?;
-        Ok(())
+        run_c_op!(
+            op_args::make_chunk_sort_map,
+            target,
+            [split_sizes, sorted_indices, map]
+        )
     })
 }
 
@@ -465,23 +442,13 @@ pub extern "C" fn xcall_sort_chunks_by_map(
     in_place: bool,
 ) -> Status {
     ffi_call!({
-        let t = target_arg(target)?;
-        let args = call::SortChunksArgs {
-            input: required("input", input, &t)?,
-            map: required("map", map, &t)?,
-            probs: optional("probs", probs, &t)?,
-            direction: if backward {
-                Direction::Backward
-            } else {
-                Direction::Forward
-            },
-            output: required("output", output, &t)?,
-            permuted_probs: optional("permuted_probs", permuted_probs, &t)?,
-            in_place,
-        };
-        // SAFETY: see xcall_make_row_id_map.
-        unsafe { call::sort_chunks_by_map(&t, &args) }?;
-        Ok(())
+        run_c_op!(
+            op_args::sort_chunks_by_map,
+            target,
+            [input, map, probs, output, permuted_probs],
+            backward = backward as i64,
+            in_place = in_place as i64
+        )
     })
 }
 

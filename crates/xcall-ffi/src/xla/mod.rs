@@ -38,12 +38,11 @@ use std::sync::OnceLock;
 use xcall_core::{DType, Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, GraphCache, OpFailure};
-use xcall_permute::call::{self, Target, Tensor};
-use xcall_permute::chunks::Direction;
-use xcall_permute::{PermuteError, RowIdMapOptions};
+use xcall_permute::call::{Target, Tensor};
 
 use crate::graph::xcall_graph_cache;
 use crate::guard::FfiError;
+use crate::op_args::{self, Source};
 use abi::*;
 use frame::*;
 use specs::*;
@@ -111,11 +110,13 @@ fn run_cached(spec: &Spec, target: &Target, d: &Decoded) -> Result<(), FfiError>
                 stream: s.map_or(target.stream, |s| s.0.cast()),
                 ..*target
             };
-            (spec.run)(&t, d)
+            // SAFETY: XLA's buffers are valid for their shapes on the
+            // call's device until the call's stream work completes.
+            unsafe { (spec.run)(&t, d) }
         });
     match outcome {
         Ok(_) => Ok(()),
-        Err(OpFailure::Op(e)) => Err(e.into()),
+        Err(OpFailure::Op(e)) => Err(e),
         Err(OpFailure::Cache(e)) => Err(FfiError::new(e.status(), e.to_string())),
     }
 }
@@ -130,7 +131,8 @@ fn execute(spec: &Spec, side: Side, frame: &XLA_FFI_CallFrame) -> Result<(), Ffi
     if side == Side::Cuda && d.flag("graph_cache") {
         return run_cached(spec, &target, &d);
     }
-    (spec.run)(&target, &d).map_err(FfiError::from)
+    // SAFETY: as in run_cached.
+    unsafe { (spec.run)(&target, &d) }
 }
 
 /// The XLA error code of an xcall status.

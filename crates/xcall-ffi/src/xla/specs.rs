@@ -44,7 +44,12 @@ pub(super) struct Spec {
     pub(super) scalars: &'static [&'static str],
     /// Traits reported on CUDA.
     pub(super) cuda_traits: u32,
-    pub(super) run: fn(&Target, &Decoded) -> Result<(), PermuteError>,
+    /// Runs the op on a decoded call.
+    ///
+    /// # Safety
+    /// The call's buffers are valid for their shapes on the target's
+    /// device until the work enqueued on its stream completes.
+    pub(super) run: unsafe fn(&Target, &Decoded) -> Result<(), FfiError>,
 }
 
 /// A decoded call: operands, results and attributes by name.
@@ -57,12 +62,6 @@ pub(super) struct Decoded {
 impl Decoded {
     pub(super) fn find<'a>(list: &'a [(&'static str, Tensor)], name: &str) -> Option<&'a Tensor> {
         list.iter().find(|(n, _)| *n == name).map(|(_, t)| t)
-    }
-
-    /// An operand or result the signature always has.
-    pub(super) fn req(&self, name: &str) -> Tensor {
-        self.opt(name)
-            .unwrap_or_else(|| unreachable!("{name} is in the signature"))
     }
 
     /// An operand or result switched on by a flag.
@@ -84,105 +83,18 @@ impl Decoded {
     }
 }
 
-pub(super) fn non_negative(d: &Decoded, name: &str) -> Result<Option<usize>, PermuteError> {
-    match d.attr(name, 0) {
-        0 => Ok(None),
-        v if v < 0 => Err(PermuteError::Shape(format!(
-            "attribute {name} is negative ({v})"
-        ))),
-        v => Ok(Some(v as usize)),
+impl Source for Decoded {
+    fn int_label(&self, name: &str) -> String {
+        format!("attribute {name}")
     }
-}
 
-pub(super) fn run_make_row_id_map(t: &Target, d: &Decoded) -> Result<(), PermuteError> {
-    let cap = d.attr("num_out_tokens", -1);
-    let args = call::MakeRowIdMapArgs {
-        routing: d.req("routing"),
-        options: RowIdMapOptions {
-            num_out_tokens: (cap >= 0).then_some(cap as usize),
-            align: non_negative(d, "align")?,
-            capacity: non_negative(d, "capacity")?,
-        },
-        row_id_map: d.req("row_id_map"),
-        tokens_per_expert: d.req("tokens_per_expert"),
-        expert_offsets: d.req("expert_offsets"),
-    };
-    // SAFETY: XLA's buffers are valid for their shapes on the call's device
-    // until the call's stream work completes.
-    unsafe { call::make_row_id_map(t, &args) }
-}
+    fn tensor(&self, name: &'static str) -> Result<Option<Tensor>, FfiError> {
+        Ok(self.opt(name))
+    }
 
-pub(super) fn run_permute(t: &Target, d: &Decoded) -> Result<(), PermuteError> {
-    let args = call::PermuteArgs {
-        input: d.req("input"),
-        row_id_map: d.req("row_id_map"),
-        tokens_per_expert: d.req("tokens_per_expert"),
-        expert_offsets: d.req("expert_offsets"),
-        probs: d.opt("probs"),
-        scales: d.opt("scales"),
-        output: d.req("output"),
-        permuted_probs: d.opt("permuted_probs"),
-        permuted_scales: d.opt("permuted_scales"),
-        in_place: false,
-    };
-    // SAFETY: see run_make_row_id_map.
-    unsafe { call::permute(t, &args) }
-}
-
-pub(super) fn run_unpermute(t: &Target, d: &Decoded) -> Result<(), PermuteError> {
-    let args = call::UnpermuteArgs {
-        input: d.req("input"),
-        row_id_map: d.req("row_id_map"),
-        merging_probs: d.opt("merging_probs"),
-        permuted_probs: d.opt("permuted_probs"),
-        output: d.req("output"),
-        unpermuted_probs: d.opt("unpermuted_probs"),
-    };
-    // SAFETY: see run_make_row_id_map.
-    unsafe { call::unpermute(t, &args) }
-}
-
-pub(super) fn run_unpermute_backward(t: &Target, d: &Decoded) -> Result<(), PermuteError> {
-    let args = call::UnpermuteBackwardArgs {
-        grad: d.req("grad"),
-        fwd_input: d.req("fwd_input"),
-        row_id_map: d.req("row_id_map"),
-        tokens_per_expert: d.req("tokens_per_expert"),
-        expert_offsets: d.req("expert_offsets"),
-        merging_probs: d.req("merging_probs"),
-        act_grad: d.req("act_grad"),
-        probs_grad: d.req("probs_grad"),
-    };
-    // SAFETY: see run_make_row_id_map.
-    unsafe { call::unpermute_backward(t, &args) }
-}
-
-pub(super) fn run_make_chunk_sort_map(t: &Target, d: &Decoded) -> Result<(), PermuteError> {
-    let args = call::MakeChunkSortMapArgs {
-        split_sizes: d.req("split_sizes"),
-        sorted_indices: d.req("sorted_indices"),
-        map: d.req("map"),
-    };
-    // SAFETY: see run_make_row_id_map.
-    unsafe { call::make_chunk_sort_map(t, &args) }
-}
-
-pub(super) fn run_sort_chunks_by_map(t: &Target, d: &Decoded) -> Result<(), PermuteError> {
-    let args = call::SortChunksArgs {
-        input: d.req("input"),
-        map: d.req("map"),
-        probs: d.opt("probs"),
-        direction: if d.flag("backward") {
-            Direction::Backward
-        } else {
-            Direction::Forward
-        },
-        output: d.req("output"),
-        permuted_probs: d.opt("permuted_probs"),
-        in_place: false,
-    };
-    // SAFETY: see run_make_row_id_map.
-    unsafe { call::sort_chunks_by_map(t, &args) }
+    fn int(&self, name: &'static str, default: i64) -> i64 {
+        self.attr(name, default)
+    }
 }
 
 pub(super) const CBC: u32 = TRAIT_COMMAND_BUFFER_COMPATIBLE;
@@ -197,7 +109,7 @@ pub(super) static MAKE_ROW_ID_MAP: Spec = Spec {
     ],
     scalars: &["num_out_tokens", "align", "capacity"],
     cuda_traits: CBC,
-    run: run_make_row_id_map,
+    run: op_args::make_row_id_map,
 };
 
 pub(super) static PERMUTE: Spec = Spec {
@@ -217,7 +129,7 @@ pub(super) static PERMUTE: Spec = Spec {
     ],
     scalars: &[],
     cuda_traits: CBC,
-    run: run_permute,
+    run: op_args::permute,
 };
 
 pub(super) static UNPERMUTE: Spec = Spec {
@@ -234,7 +146,7 @@ pub(super) static UNPERMUTE: Spec = Spec {
     ],
     scalars: &[],
     cuda_traits: CBC,
-    run: run_unpermute,
+    run: op_args::unpermute,
 };
 
 pub(super) static UNPERMUTE_BACKWARD: Spec = Spec {
@@ -250,7 +162,7 @@ pub(super) static UNPERMUTE_BACKWARD: Spec = Spec {
     rets: &[always("act_grad"), always("probs_grad")],
     scalars: &[],
     cuda_traits: CBC,
-    run: run_unpermute_backward,
+    run: op_args::unpermute_backward,
 };
 
 pub(super) static MAKE_CHUNK_SORT_MAP: Spec = Spec {
@@ -260,7 +172,7 @@ pub(super) static MAKE_CHUNK_SORT_MAP: Spec = Spec {
     scalars: &[],
     // Outside a capture it reads the split back and waits for the stream.
     cuda_traits: 0,
-    run: run_make_chunk_sort_map,
+    run: op_args::make_chunk_sort_map,
 };
 
 pub(super) static SORT_CHUNKS_BY_MAP: Spec = Spec {
@@ -269,5 +181,5 @@ pub(super) static SORT_CHUNKS_BY_MAP: Spec = Spec {
     rets: &[always("output"), with("permuted_probs", "has_probs")],
     scalars: &["backward"],
     cuda_traits: CBC,
-    run: run_sort_chunks_by_map,
+    run: op_args::sort_chunks_by_map,
 };

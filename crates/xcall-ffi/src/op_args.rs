@@ -1,0 +1,198 @@
+//! The permutation ops' argument structs, filled in one place for both
+//! front ends: a C entry point's parameters ([`CArgs`]) and an XLA call
+//! frame (`xla::specs::Decoded`). Each front end only says how to find a
+//! tensor or an integer by name ([`Source`]); which names an op takes, and
+//! which are optional, is written once here.
+
+use xcall_core::Status;
+use xcall_permute::call::{self, Target, Tensor};
+use xcall_permute::chunks::Direction;
+use xcall_permute::RowIdMapOptions;
+
+use crate::guard::FfiError;
+
+/// Where an op's tensors and integer parameters come from.
+pub(crate) trait Source {
+    /// How an integer parameter is named in an error ("align",
+    /// "attribute align").
+    fn int_label(&self, name: &str) -> String;
+
+    /// A tensor the op takes; `None` when the call left it out.
+    fn tensor(&self, name: &'static str) -> Result<Option<Tensor>, FfiError>;
+
+    /// An integer parameter, `default` when the call gave none.
+    fn int(&self, name: &'static str, default: i64) -> i64;
+
+    /// A tensor the op always takes: left out is
+    /// `XCALL_STATUS_NULL_ARGUMENT` naming it.
+    fn required(&self, name: &'static str) -> Result<Tensor, FfiError> {
+        self.tensor(name)?
+            .ok_or_else(|| FfiError::new(Status::NullArgument, format!("{name} is NULL")))
+    }
+
+    /// `None` for 0, the value for a positive one, an error naming the
+    /// parameter for a negative one.
+    fn non_negative(&self, name: &'static str) -> Result<Option<usize>, FfiError> {
+        match self.int(name, 0) {
+            0 => Ok(None),
+            v if v < 0 => Err(FfiError::new(
+                Status::InvalidArgument,
+                format!("{} is negative ({v})", self.int_label(name)),
+            )),
+            v => Ok(Some(v as usize)),
+        }
+    }
+
+    fn flag(&self, name: &'static str) -> bool {
+        self.int(name, 0) != 0
+    }
+}
+
+/// A C entry point's parameters: its tensors as `(name, pointer)` (NULL:
+/// left out) and its scalars as `(name, value)`, each decoded when the op
+/// asks for it.
+pub(crate) struct CArgs<'a> {
+    pub(crate) target: &'a Target,
+    pub(crate) tensors: &'a [(&'static str, *const crate::xcall_tensor)],
+    pub(crate) ints: &'a [(&'static str, i64)],
+}
+
+impl Source for CArgs<'_> {
+    fn int_label(&self, name: &str) -> String {
+        name.to_string()
+    }
+
+    fn tensor(&self, name: &'static str) -> Result<Option<Tensor>, FfiError> {
+        let (_, ptr) = self
+            .tensors
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| unreachable!("{name} is a parameter of the entry point"));
+        // SAFETY: NULL or a readable xcall_tensor (header contract).
+        unsafe { ptr.as_ref() }
+            .map(|t| crate::permute::tensor_arg(name, t, self.target))
+            .transpose()
+    }
+
+    fn int(&self, name: &'static str, default: i64) -> i64 {
+        self.ints
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(default, |(_, v)| *v)
+    }
+}
+
+/// Runs `make_row_id_map` on `s`'s arguments.
+///
+/// # Safety
+/// Every tensor `s` yields is valid for its size on `t`'s device until
+/// the work enqueued on `t`'s stream completes.
+pub(crate) unsafe fn make_row_id_map(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let cap = s.int("num_out_tokens", -1);
+    let args = call::MakeRowIdMapArgs {
+        routing: s.required("routing")?,
+        options: RowIdMapOptions {
+            num_out_tokens: (cap >= 0).then_some(cap as usize),
+            align: s.non_negative("align")?,
+            capacity: s.non_negative("capacity")?,
+        },
+        row_id_map: s.required("row_id_map")?,
+        tokens_per_expert: s.required("tokens_per_expert")?,
+        expert_offsets: s.required("expert_offsets")?,
+    };
+    // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::make_row_id_map(t, &args) }?)
+}
+
+/// Runs `permute` on `s`'s arguments.
+///
+/// # Safety
+/// As [`make_row_id_map`].
+pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::PermuteArgs {
+        input: s.required("input")?,
+        row_id_map: s.required("row_id_map")?,
+        tokens_per_expert: s.required("tokens_per_expert")?,
+        expert_offsets: s.required("expert_offsets")?,
+        probs: s.tensor("probs")?,
+        scales: s.tensor("scales")?,
+        output: s.required("output")?,
+        permuted_probs: s.tensor("permuted_probs")?,
+        permuted_scales: s.tensor("permuted_scales")?,
+        in_place: s.flag("in_place"),
+    };
+    // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::permute(t, &args) }?)
+}
+
+/// Runs `unpermute` on `s`'s arguments.
+///
+/// # Safety
+/// As [`make_row_id_map`].
+pub(crate) unsafe fn unpermute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::UnpermuteArgs {
+        input: s.required("input")?,
+        row_id_map: s.required("row_id_map")?,
+        merging_probs: s.tensor("merging_probs")?,
+        permuted_probs: s.tensor("permuted_probs")?,
+        output: s.required("output")?,
+        unpermuted_probs: s.tensor("unpermuted_probs")?,
+    };
+    // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::unpermute(t, &args) }?)
+}
+
+/// Runs `unpermute_backward` on `s`'s arguments.
+///
+/// # Safety
+/// As [`make_row_id_map`].
+pub(crate) unsafe fn unpermute_backward(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::UnpermuteBackwardArgs {
+        grad: s.required("grad")?,
+        fwd_input: s.required("fwd_input")?,
+        row_id_map: s.required("row_id_map")?,
+        tokens_per_expert: s.required("tokens_per_expert")?,
+        expert_offsets: s.required("expert_offsets")?,
+        merging_probs: s.required("merging_probs")?,
+        act_grad: s.required("act_grad")?,
+        probs_grad: s.required("probs_grad")?,
+    };
+    // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::unpermute_backward(t, &args) }?)
+}
+
+/// Runs `make_chunk_sort_map` on `s`'s arguments.
+///
+/// # Safety
+/// As [`make_row_id_map`].
+pub(crate) unsafe fn make_chunk_sort_map(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::MakeChunkSortMapArgs {
+        split_sizes: s.required("split_sizes")?,
+        sorted_indices: s.required("sorted_indices")?,
+        map: s.required("map")?,
+    };
+    // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::make_chunk_sort_map(t, &args) }?)
+}
+
+/// Runs `sort_chunks_by_map` on `s`'s arguments.
+///
+/// # Safety
+/// As [`make_row_id_map`].
+pub(crate) unsafe fn sort_chunks_by_map(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::SortChunksArgs {
+        input: s.required("input")?,
+        map: s.required("map")?,
+        probs: s.tensor("probs")?,
+        direction: if s.flag("backward") {
+            Direction::Backward
+        } else {
+            Direction::Forward
+        },
+        output: s.required("output")?,
+        permuted_probs: s.tensor("permuted_probs")?,
+        in_place: s.flag("in_place"),
+    };
+    // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::sort_chunks_by_map(t, &args) }?)
+}
