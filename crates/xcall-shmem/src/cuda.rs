@@ -8,13 +8,58 @@
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, driver_error, Launch, Params};
+use xcall_core::cuda::{self, driver_error, KernelRecord, Launch, Params};
 use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::kernel_params;
 use xcall_core::{Device, DeviceMap, KernelCache, KernelSource};
 
 use crate::error::{Result, ShmemError};
 
 const SOURCE: &str = include_str!("kernels.cu");
+
+kernel_params! {
+    /// `xcall_shmem_barrier` (one block; thread i serves PE i).
+    pub(crate) struct BarrierParams {
+        /// Per PE, the address of its arrival words (this PE's internal
+        /// region holds the table).
+        peer_arrivals: u64 => "u64* const*",
+        /// This PE's arrival words, one per PE.
+        my_arrivals: u64 => "const u64*",
+        /// The epoch of the last barrier (device memory, so that a captured
+        /// graph replays correctly).
+        epoch_word: u64 => "u64*",
+        /// Set to 1 + the rank of a PE that did not arrive in time.
+        error_word: u64 => "u64*",
+        /// This PE's rank.
+        rank: i64 => "long long",
+        /// PEs in the world.
+        n: i64 => "long long",
+        /// How long to wait for each PE.
+        timeout_ns: u64 => "u64",
+    }
+}
+
+kernel_params! {
+    /// `xcall_shmem_signal`.
+    pub(crate) struct SignalParams {
+        /// The 64-bit signal word (a heap address, 8-byte aligned).
+        signal: u64 => "u64*",
+        /// The value set or added.
+        value: u64 => "u64",
+        /// 0: set; 1: add.
+        op: u64 => "u64",
+    }
+}
+
+/// The kernels' source: the parameter structs' C definitions, then
+/// `kernels.cu`.
+pub(crate) fn source() -> String {
+    format!(
+        "// Generated from xcall-shmem's cuda.rs.\ntypedef unsigned long long u64;\n{}{}{SOURCE}",
+        BarrierParams::c_definition(),
+        SignalParams::c_definition()
+    )
+}
 
 /// The kernels of one device.
 pub(crate) struct Kernels {
@@ -43,7 +88,7 @@ pub(crate) fn kernels(device: Device) -> Result<Arc<Kernels>> {
             device,
             &KernelSource {
                 name: "xcall_shmem.cu",
-                code: SOURCE,
+                code: &source(),
                 options: &[],
             },
         )?;
@@ -260,18 +305,19 @@ pub(crate) unsafe fn copy(
     })
 }
 
-/// Launches `f` with one block of `threads` and the given 8-byte params.
+/// Launches `f` with one block of `threads`, passing `params` by value.
 ///
 /// # Safety
-/// `params` must match the kernel's signature.
-pub(crate) unsafe fn launch(
+/// `f` takes `R` (its source declares it so) and the addresses in `params`
+/// are valid for what the kernel does with them.
+pub(crate) unsafe fn launch<R: KernelRecord>(
     device: Device,
     f: &CudaFunction,
     threads: u32,
     stream: sys::CUstream,
-    params: &[u64],
+    params: &R,
 ) -> Result<()> {
-    let mut params = Params::new().u64s(params);
+    let mut params = Params::new().record(params);
     // SAFETY: the caller's contract on `params`.
     unsafe { cuda::launch(device, f, Launch::linear(1, threads, stream), &mut params) }?;
     Ok(())
@@ -295,4 +341,27 @@ pub(crate) fn wait_value(
     on(device, "cuStreamWaitValue64", || unsafe {
         sys::cuStreamWaitValue64_v2(stream, addr, value, flag as u32)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kernel_takes_its_struct_and_reads_only_its_fields() {
+        assert_eq!(BarrierParams::check_reads(SOURCE), Ok(()));
+        assert_eq!(SignalParams::check_reads(SOURCE), Ok(()));
+        let text = source();
+        assert!(text.contains("xcall_shmem_barrier(BarrierParams p)"));
+        assert!(text.contains("xcall_shmem_signal(SignalParams p)"));
+        // The definitions (and the typedef they use) come before the kernels.
+        let kernels = text.find("__global__").expect("kernels");
+        for needle in [
+            "typedef unsigned long long u64;",
+            "struct BarrierParams {",
+            "struct SignalParams {",
+        ] {
+            assert!(text.find(needle).is_some_and(|at| at < kernels), "{needle}");
+        }
+    }
 }

@@ -1,5 +1,5 @@
-// CUDA kernels of xcall-shmem, compiled at run time with NVRTC.
-typedef unsigned long long u64;
+// CUDA kernels of xcall-shmem, compiled at run time with NVRTC after the
+// generated parameter structs (cuda.rs: u64, BarrierParams, SignalParams).
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {
     u64 v;
@@ -21,32 +21,34 @@ __device__ __forceinline__ u64 now_ns() {
 // kernel replays correctly. A PE that does not arrive within timeout_ns
 // sets error_word to 1 + its rank and the kernel returns (the Host reports
 // it at the next quiet or barrier_all).
-extern "C" __global__ void xcall_shmem_barrier(u64* const* peer_arrivals, const u64* my_arrivals, u64* epoch_word,
-                                               u64* error_word, int rank, int n, u64 timeout_ns) {
+extern "C" __global__ void xcall_shmem_barrier(BarrierParams p) {
+    u64* const* peer_arrivals = p.peer_arrivals;
+    const u64* my_arrivals = p.my_arrivals;
+    const long long rank = p.rank, n = p.n;
     __shared__ u64 epoch;
-    if (threadIdx.x == 0) epoch = *epoch_word + 1;
+    if (threadIdx.x == 0) epoch = *p.epoch_word + 1;
     __syncthreads();
     const u64 e = epoch;
     __threadfence_system();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) store_release(peer_arrivals[i] + rank, e);
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) store_release(peer_arrivals[i] + rank, e);
     const u64 start = now_ns();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
         while ((long long)(load_acquire(my_arrivals + i) - e) < 0) {
-            if (now_ns() - start > timeout_ns) {
-                atomicCAS(error_word, 0ull, (u64)(1 + i));
+            if (now_ns() - start > p.timeout_ns) {
+                atomicCAS(p.error_word, 0ull, (u64)(1 + i));
                 break;
             }
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) *epoch_word = e;
+    if (threadIdx.x == 0) *p.epoch_word = e;
     __threadfence_system();
 }
 
 // Sets (op 0) or adds to (op 1) a 64-bit signal word, after every earlier
 // write of the stream is visible system-wide.
-extern "C" __global__ void xcall_shmem_signal(u64* signal, u64 value, int op) {
+extern "C" __global__ void xcall_shmem_signal(SignalParams p) {
     __threadfence_system();
-    if (op == 0) store_release(signal, value);
-    else atomicAdd_system(signal, value);
+    if (p.op == 0) store_release(p.signal, p.value);
+    else atomicAdd_system(p.signal, p.value);
 }

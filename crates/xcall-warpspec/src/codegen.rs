@@ -450,6 +450,10 @@ mod tests {
             let err = fill(template, &holes(names)).unwrap_err().to_string();
             assert!(err.contains(missing), "{template}: {err}");
         }
+        // Both kernels take WsParams and read only its fields.
+        for template in [PIPELINED, PLAIN] {
+            assert_eq!(WsParams::check_reads(template), Ok(()));
+        }
         // The plain kernel fills its template for every op and dtype.
         for op in [ElementwiseOp::Mul, ElementwiseOp::SiluScale] {
             for dtype in [DType::F32, DType::Bf16] {

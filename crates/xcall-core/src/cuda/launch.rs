@@ -1,5 +1,6 @@
-//! One way to launch a kernel: its parameters in 8-byte slots, the grid and
-//! block in a [`Launch`], the driver call checked.
+//! One way to launch a kernel: its parameters as [`KernelRecord`]s in 8-byte
+//! slots (no positional lists that can drift from the kernel's signature),
+//! the grid and block in a [`Launch`], the driver call checked.
 
 use std::ffi::c_void;
 
@@ -8,11 +9,9 @@ use cudarc::driver::{sys, CudaFunction};
 use super::{check, ContextGuard, KernelRecord};
 use crate::{Device, Result};
 
-/// A kernel's parameters in order, each starting at its own 8-byte slot.
-/// The driver reads a parameter's size from the kernel's signature at the
-/// slot's start: a 32-bit value sits in the slot's low bytes, which is where
-/// a little-endian host puts it; a [`KernelRecord`] spans as many slots as
-/// it needs.
+/// A kernel's parameters in order, each a [`KernelRecord`] starting at its
+/// own 8-byte slot and spanning as many slots as it needs (the driver reads
+/// a parameter's size from the kernel's signature at the slot's start).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Params {
     slots: Vec<u64>,
@@ -24,13 +23,6 @@ impl Params {
     /// No parameters yet.
     pub fn new() -> Params {
         Params::default()
-    }
-
-    /// A device pointer (or any 64-bit value).
-    pub fn u64(mut self, value: u64) -> Params {
-        self.starts.push(self.slots.len());
-        self.slots.push(value);
-        self
     }
 
     /// A kernel parameter struct, passed by value (its bytes copied).
@@ -46,26 +38,6 @@ impl Params {
             u64::from_le_bytes(word)
         }));
         self
-    }
-
-    /// A signed 64-bit value.
-    pub fn i64(self, value: i64) -> Params {
-        self.u64(value as u64)
-    }
-
-    /// A signed 32-bit value.
-    pub fn i32(self, value: i32) -> Params {
-        self.u64(value as u32 as u64)
-    }
-
-    /// A 32-bit float.
-    pub fn f32(self, value: f32) -> Params {
-        self.u64(value.to_bits() as u64)
-    }
-
-    /// Device pointers (or 64-bit values), in order.
-    pub fn u64s(self, values: &[u64]) -> Params {
-        values.iter().fold(self, |p, &v| p.u64(v))
     }
 
     /// How many parameters there are.
@@ -161,34 +133,6 @@ pub unsafe fn launch(
 mod tests {
     use super::*;
 
-    #[test]
-    fn params_sit_in_the_low_bytes_of_their_slots() {
-        let p = Params::new()
-            .u64(0x1122_3344_5566_7788)
-            .i64(-2)
-            .i32(-1)
-            .f32(1.5)
-            .u64s(&[7, 9]);
-        assert_eq!(
-            p.slots,
-            vec![
-                0x1122_3344_5566_7788,
-                u64::MAX - 1,
-                0xffff_ffff,
-                0x3fc0_0000,
-                7,
-                9
-            ]
-        );
-        assert_eq!(p.len(), 6);
-        assert!(!p.is_empty());
-        assert!(Params::new().is_empty());
-        // The driver reads a 4-byte parameter from the slot's first bytes.
-        let f = p.slots[3].to_le_bytes();
-        assert_eq!(f32::from_le_bytes([f[0], f[1], f[2], f[3]]), 1.5);
-        assert_eq!(p.starts, vec![0, 1, 2, 3, 4, 5]);
-    }
-
     crate::kernel_params! {
         /// Twelve bytes then eight: spans three slots.
         struct Three {
@@ -205,6 +149,14 @@ mod tests {
         }
     }
 
+    crate::kernel_params! {
+        /// One slot.
+        struct One {
+            /// The value.
+            v: u64 => "unsigned long long",
+        }
+    }
+
     #[test]
     fn a_record_is_one_parameter_over_its_bytes() {
         let r = Three {
@@ -214,7 +166,10 @@ mod tests {
             d: 7,
             e: 0xaabb_ccdd_eeff_0011,
         };
-        let p = Params::new().u64(5).record(&r).i32(9);
+        let p = Params::new()
+            .record(&One { v: 5 })
+            .record(&r)
+            .record(&One { v: 9 });
         assert_eq!(p.len(), 3);
         assert_eq!(p.starts, vec![0, 1, 4]);
         assert_eq!(

@@ -56,6 +56,79 @@ pub unsafe trait KernelRecord: Copy + 'static {
         }
         s
     }
+
+    /// Checks CUDA source text against the struct: some function takes it
+    /// as `p` (`Name p`, `Name& p`, `const Name& p`), and every `p.<field>`
+    /// such a function reads is a field of the Rust struct. The error names
+    /// the first field the struct lacks.
+    fn check_reads(source: &str) -> std::result::Result<(), String> {
+        let name = Self::NAME;
+        let fields = Self::fields();
+        let mut found = false;
+        for (at, _) in source.match_indices(name) {
+            let after = source[at + name.len()..].trim_start_matches('&');
+            if !after.starts_with(" p)") && !after.starts_with(" p,") {
+                continue;
+            }
+            found = true;
+            for field in fields_read(function_body(&source[at..])) {
+                if !fields.iter().any(|(f, ..)| *f == field) {
+                    return Err(format!(
+                        "the source reads {name}.{field}, which the Rust struct lacks"
+                    ));
+                }
+            }
+        }
+        if found {
+            Ok(())
+        } else {
+            Err(format!("no function of the source takes {name} p"))
+        }
+    }
+}
+
+/// The body (between its outer braces) of the first function in `text`.
+fn function_body(text: &str) -> &str {
+    let Some(start) = text.find('{') else {
+        return "";
+    };
+    let mut depth = 0usize;
+    for (i, c) in text[start..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return &text[start + 1..start + i];
+                }
+            }
+            _ => {}
+        }
+    }
+    &text[start + 1..]
+}
+
+/// The names read as `p.<name>` in `body` (not `xp.<name>`), sorted, once
+/// each.
+fn fields_read(body: &str) -> Vec<String> {
+    let mut used: Vec<String> = body
+        .match_indices("p.")
+        .filter(|(i, _)| {
+            !body[..*i]
+                .chars()
+                .last()
+                .is_some_and(|c| c.is_alphanumeric() || c == '_')
+        })
+        .map(|(i, _)| {
+            body[i + 2..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect()
+        })
+        .collect();
+    used.sort();
+    used.dedup();
+    used
 }
 
 /// Defines a `#[repr(C)]` kernel parameter struct and its CUDA C twin.
@@ -152,5 +225,26 @@ static_assert(sizeof(Mixed::c) == 4, \"Mixed.c (at byte 12): the Rust field is 4
 static_assert(sizeof(Mixed::d) == 8, \"Mixed.d (at byte 16): the Rust field is 8 bytes\");\n";
         assert_eq!(text, expected);
         assert_eq!(Mixed::NAME, "Mixed");
+    }
+
+    #[test]
+    fn reads_of_the_struct_are_checked_against_its_fields() {
+        let good = "__device__ float f(const Mixed& p) { return p.c * p.d + xp.zz; }\n\
+                    __global__ void k(Mixed p) { if (p.b) { g(p.a); } }";
+        assert_eq!(Mixed::check_reads(good), Ok(()));
+        let bad = "__global__ void k(Mixed p) { { p.a; } p.e; }";
+        assert_eq!(
+            Mixed::check_reads(bad),
+            Err("the source reads Mixed.e, which the Rust struct lacks".into())
+        );
+        // A read after the function's closing brace is not the function's.
+        assert_eq!(
+            Mixed::check_reads("void k(Mixed p) { p.a; } void h(Other p) { p.q; }"),
+            Ok(())
+        );
+        assert_eq!(
+            Mixed::check_reads("void k(Mixed q) { q.a; }"),
+            Err("no function of the source takes Mixed p".into())
+        );
     }
 }

@@ -369,18 +369,17 @@ impl World {
         l.state.check()?;
         let k = crate::cuda::kernels(l.device)?;
         let n = l.size as u64;
-        let params = [
-            l.base + 8 * n + 16,
-            l.base,
-            l.base + 8 * n,
-            l.base + 8 * n + 8,
-            l.rank as u64,
-            n,
-            l.timeout.as_nanos().min(u64::MAX as u128) as u64,
-        ];
-        // SAFETY: the parameters match xcall_shmem_barrier's signature; the
-        // addresses are this PE's internal region (pointer table filled at
-        // init).
+        let params = crate::cuda::BarrierParams {
+            peer_arrivals: l.base + 8 * n + 16,
+            my_arrivals: l.base,
+            epoch_word: l.base + 8 * n,
+            error_word: l.base + 8 * n + 8,
+            rank: l.rank as i64,
+            n: n as i64,
+            timeout_ns: l.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        // SAFETY: xcall_shmem_barrier takes BarrierParams; the addresses
+        // are this PE's internal region (pointer table filled at init).
         unsafe {
             crate::cuda::launch(
                 l.device,
@@ -466,8 +465,14 @@ impl World {
             Platform::Cuda => {
                 let k = crate::cuda::kernels(l.device)?;
                 let s = l.stream_or(stream);
-                // SAFETY: matches xcall_shmem_signal(u64*, u64, int).
-                unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &[sig, value, op as u64]) }
+                let params = crate::cuda::SignalParams {
+                    signal: sig,
+                    value,
+                    op: op as u64,
+                };
+                // SAFETY: xcall_shmem_signal takes SignalParams; `sig` is
+                // an aligned word of a mapped heap (checked).
+                unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &params) }
             }
         }
     }
