@@ -1,0 +1,257 @@
+//! `xcall bench`: one benchmark set over every crate, in one process, each
+//! figure next to a reference measured in the same run (a copy of the same
+//! bytes on the same device, the peer copy for transfers between GPUs,
+//! the eager calls for the graph cache).
+//!
+//! Every buffer comes from an xcall-shmem world (one PE per device, two
+//! when there are two devices), so the same code serves Host and CUDA.
+//! GB/s count bytes read plus bytes written once. CUDA times are
+//! CUDA-event medians of interleaved rounds after warm-up; Host times are
+//! medians of interleaved rounds of the host clock.
+
+use std::cell::RefCell;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use cudarc::driver::{CudaContext, CudaStream};
+use serde_json::json;
+use xcall_core::testing::interleaved_medians;
+use xcall_core::{Device, Platform};
+use xcall_shmem::{Config, World};
+
+use crate::layer::{Context, Res};
+use crate::moe::PlatformArg;
+
+mod set;
+use set::{allocate, measure};
+
+/// Flags of `xcall bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Which set: the Host set, or the CUDA set on GPU 0 (and GPU 1 for
+    /// transfers between GPUs when there is one).
+    #[arg(long, value_enum, default_value_t = PlatformArg::Host)]
+    platform: PlatformArg,
+    /// Timed rounds per figure.
+    #[arg(long, default_value_t = 30)]
+    rounds: usize,
+    /// Also write the table as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One figure.
+struct Row {
+    group: &'static str,
+    item: String,
+    ms: f64,
+    /// Bytes read plus written (0: a latency figure).
+    bytes: f64,
+    /// Index of the reference row; `None` for a reference.
+    reference: Option<usize>,
+}
+
+/// The layer-shaped problem every figure uses.
+#[derive(Clone, Copy)]
+struct Problem {
+    tokens: u64,
+    hidden: u64,
+    experts: u64,
+    topk: u64,
+}
+
+impl Problem {
+    fn rows(&self) -> u64 {
+        self.tokens * self.topk
+    }
+}
+
+/// The first error of the timed closures (which cannot return one).
+#[derive(Default)]
+struct Failure(RefCell<Option<String>>);
+
+impl Failure {
+    fn keep(&self, r: Res<()>) {
+        if let Err(e) = r {
+            self.0.borrow_mut().get_or_insert(e);
+        }
+    }
+
+    fn check(&self) -> Res<()> {
+        self.0.borrow_mut().take().map_or(Ok(()), Err)
+    }
+}
+
+impl Row {
+    /// A figure not measured yet (`ms` 0).
+    fn new(group: &'static str, item: &str, bytes: f64, reference: Option<usize>) -> Row {
+        Row {
+            group,
+            item: item.into(),
+            ms: 0.0,
+            bytes,
+            reference,
+        }
+    }
+}
+
+/// Times every variant; medians in ms.
+fn medians(
+    gpu: Option<&(Arc<CudaContext>, Arc<CudaStream>)>,
+    rounds: usize,
+    variants: &mut [Box<dyn FnMut() + '_>],
+) -> Vec<f64> {
+    match gpu {
+        Some((c, s)) => interleaved_medians(c, s, rounds, variants),
+        None => {
+            for v in variants.iter_mut() {
+                v();
+            }
+            let mut samples = vec![Vec::with_capacity(rounds); variants.len()];
+            for _ in 0..rounds {
+                for (v, out) in variants.iter_mut().zip(samples.iter_mut()) {
+                    let start = Instant::now();
+                    v();
+                    out.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            samples
+                .into_iter()
+                .map(|mut t| {
+                    t.sort_by(|a, b| a.total_cmp(b));
+                    t[t.len() / 2]
+                })
+                .collect()
+        }
+    }
+}
+
+/// Runs `xcall bench`.
+pub fn run(args: &BenchArgs) -> Res<bool> {
+    let platform = match args.platform {
+        PlatformArg::Host => Platform::Host,
+        PlatformArg::Cuda => Platform::Cuda,
+    };
+    if args.rounds == 0 {
+        return Err("--rounds must be at least 1".into());
+    }
+    let pes = match platform {
+        Platform::Host => 2,
+        Platform::Cuda => match xcall_core::cuda::device_count() {
+            Ok(0) => return Err("--platform cuda: no CUDA device is visible".into()),
+            Ok(n) => n.min(2),
+            Err(e) => return Err(format!("--platform cuda: {e}")),
+        },
+    };
+    let problem = match platform {
+        Platform::Host => Problem {
+            tokens: 2048,
+            hidden: 1024,
+            experts: 8,
+            topk: 2,
+        },
+        Platform::Cuda => Problem {
+            tokens: 8192,
+            hidden: 4096,
+            experts: 8,
+            topk: 2,
+        },
+    };
+    let row = problem.hidden * 2;
+    let heap = (problem.rows() * row * 3 + problem.tokens * row * 2) as usize + (64 << 20);
+    let group = format!("xcall-bench-{}", std::process::id());
+    let config = |rank| {
+        let mut c = Config::in_process(&group, rank, pes, Device::new(platform, rank as u32));
+        c.heap_bytes = Some(heap);
+        c.timeout = Duration::from_secs(600);
+        c
+    };
+    let rows = std::thread::scope(|scope| {
+        // The second PE only lends its heap as the target of peer puts.
+        let helper = (pes > 1).then(|| {
+            let c = config(1);
+            scope.spawn(move || -> Res<()> {
+                let mut w = World::new();
+                w.init(&c).context("shmem init")?;
+                allocate(&mut w, problem)?;
+                w.barrier_all().context("shmem barrier")?;
+                w.finalize().context("shmem finalize").map(|_| ())
+            })
+        });
+        let rows = measure(platform, &config(0), problem, args.rounds);
+        let helped = helper.map_or(Ok(()), |h| {
+            h.join()
+                .unwrap_or_else(|_| Err("the helper PE panicked".into()))
+        });
+        rows.and_then(|r| helped.map(|()| r))
+    })?;
+    print_and_write(platform, problem, &rows, args.json.as_ref())?;
+    Ok(true)
+}
+
+/// Device and name for the header line.
+fn device_name(platform: Platform) -> String {
+    match platform {
+        Platform::Host => format!(
+            "Host ({} hardware thread(s))",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        Platform::Cuda => xcall_core::cuda::device_info(Device::cuda(0))
+            .map_or_else(|e| e.to_string(), |i| format!("{} ({})", i.name, i.arch())),
+    }
+}
+
+fn print_and_write(
+    platform: Platform,
+    p: Problem,
+    rows: &[Row],
+    json_path: Option<&PathBuf>,
+) -> Res<()> {
+    let device = device_name(platform);
+    println!(
+        "xcall bench: {device}; T={} H={} E={} top-{} bf16; medians of interleaved rounds after warm-up",
+        p.tokens, p.hidden, p.experts, p.topk
+    );
+    println!(
+        "{:<10} {:<44} {:>11} {:>9} {:>9}",
+        "crate", "item", "time us", "GB/s", "ratio"
+    );
+    let gbs = |r: &Row| (r.bytes > 0.0).then(|| r.bytes / (r.ms / 1e3) / 1e9);
+    let mut out = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        let g = gbs(r);
+        // Bandwidth figures: GB/s over the reference's GB/s. The graph
+        // row: the eager time over the replayed time (a speed-up).
+        let ratio = match (r.reference, g) {
+            (Some(k), Some(g)) => gbs(&rows[k]).map(|x| g / x),
+            _ if r.group == "graph" => Some(rows[i - 1].ms / r.ms),
+            _ => None,
+        };
+        println!(
+            "{:<10} {:<44} {:>11.1} {:>9} {:>9}",
+            r.group,
+            r.item,
+            r.ms * 1e3,
+            g.map_or("-".into(), |g| format!("{g:.1}")),
+            ratio.map_or("ref".into(), |x| format!("{x:.3}")),
+        );
+        out.push(json!({
+            "crate": r.group, "item": r.item, "us": r.ms * 1e3, "bytes": r.bytes,
+            "gb_per_s": g, "ratio": ratio,
+            "reference": r.reference.map(|k| rows[k].item.clone()),
+        }));
+    }
+    println!("ratio: GB/s over the same device's copy (the peer copy for GPU 0 -> GPU 1); graph: eager time over replayed time");
+    if let Some(path) = json_path {
+        let doc = json!({
+            "platform": platform.name(), "device": device,
+            "tokens": p.tokens, "hidden": p.hidden, "experts": p.experts, "topk": p.topk,
+            "rows": out,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("--json {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
