@@ -21,17 +21,7 @@ const SHAPE: (usize, usize, usize, usize) = (2048, 128, 512, 6);
 fn ops(c: &mut Criterion) {
     let (t, e, h, k) = SHAPE;
     let mut g = XorShift::new(5);
-    let mut routing = vec![0u8; t * e];
-    for tok in 0..t {
-        let mut chosen = 0;
-        while chosen < k {
-            let x = (g.next_u64() % e as u64) as usize;
-            if routing[tok * e + x] == 0 {
-                routing[tok * e + x] = 1;
-                chosen += 1;
-            }
-        }
-    }
+    let routing = g.top_k_routing(t, e, k);
     let codec = FloatCodec::new(DType::Bf16).unwrap();
     let random = |n: usize, g: &mut XorShift| {
         let mut b = vec![0u8; 2 * n];

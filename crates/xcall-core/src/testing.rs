@@ -130,6 +130,24 @@ impl XorShift {
     pub fn next_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
+
+    /// A `[tokens, experts]` 0/1 routing map (row-major bytes) in which
+    /// every token picks `k` distinct experts (all of them when `k >=
+    /// experts`), as a top-k router does.
+    pub fn top_k_routing(&mut self, tokens: usize, experts: usize, k: usize) -> Vec<u8> {
+        let mut routing = vec![0u8; tokens * experts];
+        for row in routing.chunks_mut(experts.max(1)) {
+            let mut picked = 0;
+            while picked < k.min(experts) {
+                let x = (self.next_u64() % experts as u64) as usize;
+                if row[x] == 0 {
+                    row[x] = 1;
+                    picked += 1;
+                }
+            }
+        }
+        routing
+    }
 }
 
 /// `n` values uniform in [-1, 1) from `seed`.
@@ -178,6 +196,21 @@ pub fn interleaved_medians(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_k_routing_picks_k_distinct_experts_per_token() {
+        let mut g = XorShift::new(3);
+        for (t, e, k) in [(50, 8, 2), (20, 4, 4), (10, 3, 5), (7, 256, 8)] {
+            let r = g.top_k_routing(t, e, k);
+            assert_eq!(r.len(), t * e);
+            assert!(r.iter().all(|&b| b <= 1));
+            for row in r.chunks(e) {
+                assert_eq!(row.iter().filter(|&&b| b == 1).count(), k.min(e));
+            }
+        }
+        // Not the same map every time.
+        assert_ne!(g.top_k_routing(50, 8, 2), g.top_k_routing(50, 8, 2));
+    }
 
     #[test]
     fn watchdogs_return_results_in_order_and_name_stuck_and_failed_threads() {

@@ -74,17 +74,7 @@ fn main() {
         (16384, 4, 7168, 1),
     ] {
         let mut g = XorShift::new(7);
-        let mut routing = vec![0u8; t * e];
-        for tok in 0..t {
-            let mut chosen = 0;
-            while chosen < k {
-                let x = (g.next_u64() % e as u64) as usize;
-                if routing[tok * e + x] == 0 {
-                    routing[tok * e + x] = 1;
-                    chosen += 1;
-                }
-            }
-        }
+        let routing = g.top_k_routing(t, e, k);
         let n = t * k;
         let row = h * 2;
         let codec = FloatCodec::new(DType::Bf16).unwrap();

@@ -20,17 +20,7 @@ fn f32_values(b: &[u8]) -> Vec<f32> {
 fn unpermute_backward_matches_the_definition() {
     let (t, e, h, topk) = (300, 7, 13, 2);
     let mut g = XorShift::new(9);
-    let mut routing = vec![0u8; t * e];
-    for tok in 0..t {
-        let mut k = 0;
-        while k < topk {
-            let x = (g.next_u64() % e as u64) as usize;
-            if routing[tok * e + x] == 0 {
-                routing[tok * e + x] = 1;
-                k += 1;
-            }
-        }
-    }
+    let routing = g.top_k_routing(t, e, topk);
     let map = make_row_id_map(
         &routing,
         t,

@@ -61,17 +61,7 @@ fn fill_inputs(world: &mut World, p: Problem, l: &Layer) -> Res<()> {
     let x: Vec<u8> = (0..t * h)
         .flat_map(|_| half::bf16::from_f32(4.0 * g.next_f32()).to_le_bytes())
         .collect();
-    let mut routing = vec![0u8; (t * e) as usize];
-    for tok in 0..t as usize {
-        let mut picked = 0;
-        while picked < p.topk {
-            let x = (g.next_u64() % e) as usize;
-            if routing[tok * e as usize + x] == 0 {
-                routing[tok * e as usize + x] = 1;
-                picked += 1;
-            }
-        }
-    }
+    let routing = g.top_k_routing(t as usize, e as usize, p.topk as usize);
     let probs: Vec<u8> = routing
         .iter()
         .flat_map(|&r| (r as f32 * 0.5).to_le_bytes())
