@@ -132,35 +132,41 @@ pub(crate) unsafe fn make_row_id_map(
     )
 }
 
-/// Zeroes the rows of `out`, `pprobs` and `pscales` (0 for an absent one)
-/// that no route writes: each expert chunk's padding and the rows past the
-/// last chunk (`d.scales` values per row of scales).
-fn zero_unwritten(
-    target: &Target,
+/// The [`PermuteParams`] fields that place the outputs `out`, `pprobs` and
+/// `pscales` (0 for an absent one): all the zero fill reads, and what
+/// `permute` adds its inputs to.
+fn permute_outputs(
     (out, pprobs, pscales): (u64, u64, u64),
     (tokens_per_expert, expert_offsets): (&Tensor, &Tensor),
     d: Dims,
     row: u64,
-) -> Result<()> {
-    let v = width(row, &[out]);
+) -> PermuteParams {
+    PermuteParams {
+        out,
+        pprobs,
+        pscales,
+        tpe: tokens_per_expert.address,
+        offsets: expert_offsets.address,
+        experts: d.experts as i64,
+        out_rows: d.out_rows as i64,
+        row: row as i64,
+        nscales: d.scales as i64,
+        ..PermuteParams::default()
+    }
+}
+
+/// Zeroes the rows of the outputs of `p` that no route writes: each expert
+/// chunk's padding and the rows past the last chunk (`p.nscales` values per
+/// row of scales).
+fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
+    let v = width(p.row as u64, &[p.out]);
     launch(
         target,
         (Family::Movement, &format!("zero_{v}")),
-        d.experts as u64 + 1,
+        p.experts as u64 + 1,
         256,
         0,
-        &PermuteParams {
-            out,
-            pprobs,
-            pscales,
-            tpe: tokens_per_expert.address,
-            offsets: expert_offsets.address,
-            experts: d.experts as i64,
-            out_rows: d.out_rows as i64,
-            row: row as i64,
-            nscales: d.scales as i64,
-            ..PermuteParams::default()
-        },
+        p,
     )
 }
 
@@ -189,8 +195,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     )?;
     let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
     let dev = target.device;
-    zero_unwritten(
-        target,
+    let outputs = permute_outputs(
         (
             a.output.address,
             opt(&a.permuted_probs),
@@ -199,7 +204,8 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
         (&a.tokens_per_expert, &a.expert_offsets),
         d,
         row,
-    )?;
+    );
+    zero_unwritten(target, &outputs)?;
     if d.tokens == 0 || (row == 0 && d.scales == 0 && a.probs.is_none()) {
         return Ok(());
     }
@@ -220,11 +226,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
                 pprobs: outs[1],
                 pscales: outs[2],
                 tokens: d.tokens as i64,
-                experts: d.experts as i64,
-                row: row as i64,
-                nscales: d.scales as i64,
-                out_rows: d.out_rows as i64,
-                ..PermuteParams::default()
+                ..outputs
             },
         )
     };
@@ -336,10 +338,12 @@ pub(crate) unsafe fn unpermute_backward(
     let no_scales = Dims { scales: 0, ..d };
     zero_unwritten(
         target,
-        (a.act_grad.address, 0, 0),
-        (&a.tokens_per_expert, &a.expert_offsets),
-        no_scales,
-        row,
+        &permute_outputs(
+            (a.act_grad.address, 0, 0),
+            (&a.tokens_per_expert, &a.expert_offsets),
+            no_scales,
+            row,
+        ),
     )?;
     if d.tokens == 0 {
         return Ok(());
