@@ -28,6 +28,7 @@ pub mod xla;
 
 pub use graph::*;
 pub use guard::{DTypeCode, PlatformCode};
+pub use op_args::{xcall_tensor, XCALL_TENSOR_MAX_RANK};
 pub use permute::*;
 pub use shmem::*;
 pub use target::xcall_target;

@@ -2,14 +2,79 @@
 //! front ends: a C entry point's parameters ([`CArgs`]) and an XLA call
 //! frame (`xla::specs::Decoded`). Each front end only says how to find a
 //! tensor or an integer by name ([`Source`]); which names an op takes, and
-//! which are optional, is written once here.
+//! which are optional, is written once here. The C side's tensors are
+//! `xcall_tensor`s, decoded here too.
 
-use xcall_core::Status;
+use std::ffi::c_void;
+
+use static_assertions::{assert_eq_align, assert_eq_size};
+use xcall_core::{CEnum, DType, Status};
 use xcall_permute::call::{self, Target, Tensor};
 use xcall_permute::chunks::Direction;
 use xcall_permute::RowIdMapOptions;
 
-use crate::guard::FfiError;
+use crate::guard::{DTypeCode, FfiError};
+
+/// Largest tensor rank an `xcall_tensor` holds.
+pub const XCALL_TENSOR_MAX_RANK: u32 = 4;
+
+/// A dense row-major tensor.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_tensor {
+    /// First element: a host pointer on Host, a `CUdeviceptr` on CUDA. May
+    /// be NULL only when the tensor holds no elements.
+    pub data: *mut c_void,
+    /// Dimensions, outermost first; the first `rank` are used, none negative.
+    pub dims: [i64; 4],
+    /// Number of dimensions (at most `XCALL_TENSOR_MAX_RANK`).
+    pub rank: u32,
+    /// An `xcall_dtype` value.
+    pub dtype: DTypeCode,
+    /// Ordinal of the device holding the data; must equal the target's.
+    pub device: u32,
+    /// Must be 0 (`XCALL_STATUS_INVALID_ARGUMENT` otherwise).
+    pub reserved: u32,
+}
+
+assert_eq_size!(xcall_tensor, [u64; 7]);
+assert_eq_align!(xcall_tensor, u64);
+
+/// The tensor `t` (named `name` in errors) as the library's [`Tensor`], on
+/// `target`'s device.
+pub(crate) fn tensor_arg(
+    name: &str,
+    t: &xcall_tensor,
+    target: &Target,
+) -> Result<Tensor, FfiError> {
+    let bad = |m: String| FfiError::new(Status::InvalidArgument, format!("{name}: {m}"));
+    if t.rank > XCALL_TENSOR_MAX_RANK {
+        return Err(bad(format!(
+            "rank {} exceeds {XCALL_TENSOR_MAX_RANK}",
+            t.rank
+        )));
+    }
+    if t.reserved != 0 {
+        // Refused now so the field can take a meaning later.
+        return Err(bad(format!("reserved is {}, must be 0", t.reserved)));
+    }
+    let dtype =
+        DType::from_code(t.dtype.0).ok_or_else(|| bad(<DType as CEnum>::unknown(t.dtype.0)))?;
+    let mut dims = Vec::with_capacity(t.rank as usize);
+    for (i, &d) in t.dims[..t.rank as usize].iter().enumerate() {
+        if d < 0 {
+            return Err(bad(format!("dims[{i}] is negative ({d})")));
+        }
+        dims.push(d as u64);
+    }
+    if t.device != target.device.ordinal {
+        return Err(bad(format!(
+            "lives on device {} but the target is {}",
+            t.device, target.device
+        )));
+    }
+    Ok(Tensor::new(t.data as u64, dtype, &dims))
+}
 
 /// Where an op's tensors and integer parameters come from.
 pub(crate) trait Source {
@@ -53,7 +118,7 @@ pub(crate) trait Source {
 /// asks for it.
 pub(crate) struct CArgs<'a> {
     pub(crate) target: &'a Target,
-    pub(crate) tensors: &'a [(&'static str, *const crate::xcall_tensor)],
+    pub(crate) tensors: &'a [(&'static str, *const xcall_tensor)],
     pub(crate) ints: &'a [(&'static str, i64)],
 }
 
@@ -70,7 +135,7 @@ impl Source for CArgs<'_> {
             .unwrap_or_else(|| unreachable!("{name} is a parameter of the entry point"));
         // SAFETY: NULL or a readable xcall_tensor (header contract).
         unsafe { ptr.as_ref() }
-            .map(|t| crate::permute::tensor_arg(name, t, self.target))
+            .map(|t| tensor_arg(name, t, self.target))
             .transpose()
     }
 

@@ -1,39 +1,16 @@
 //! C ABI of the MoE permutation ops (xcall-permute).
 
-use std::ffi::{c_char, c_void};
+use std::ffi::c_char;
 
-use static_assertions::{assert_eq_align, assert_eq_size, const_assert_eq};
-use xcall_core::CEnum;
-use xcall_core::{DType, Status};
+use static_assertions::{assert_eq_size, const_assert_eq};
+use xcall_core::Status;
 use xcall_permute::alias::{alias_table, Op};
-use xcall_permute::call::{self, Target, Tensor};
+use xcall_permute::call::{self, Target};
 use xcall_permute::{MapFaults, PermuteError};
 
-use crate::guard::{c_code, code_arg, ffi_call, out_ptr, DTypeCode, FfiError};
-use crate::op_args::{self, CArgs};
+use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
+use crate::op_args::{self, xcall_tensor, CArgs};
 use crate::target::xcall_target;
-
-/// Largest tensor rank an `xcall_tensor` holds.
-pub const XCALL_TENSOR_MAX_RANK: u32 = 4;
-
-/// A dense row-major tensor.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct xcall_tensor {
-    /// First element: a host pointer on Host, a `CUdeviceptr` on CUDA. May
-    /// be NULL only when the tensor holds no elements.
-    pub data: *mut c_void,
-    /// Dimensions, outermost first; the first `rank` are used, none negative.
-    pub dims: [i64; 4],
-    /// Number of dimensions (at most `XCALL_TENSOR_MAX_RANK`).
-    pub rank: u32,
-    /// An `xcall_dtype` value.
-    pub dtype: DTypeCode,
-    /// Ordinal of the device holding the data; must equal the target's.
-    pub device: u32,
-    /// Must be 0 (`XCALL_STATUS_INVALID_ARGUMENT` otherwise).
-    pub reserved: u32,
-}
 
 /// One (input, output) pair of an op that may share memory.
 #[repr(C)]
@@ -45,8 +22,6 @@ pub struct xcall_alias_pair {
     pub output: *const c_char,
 }
 
-assert_eq_size!(xcall_tensor, [u64; 7]);
-assert_eq_align!(xcall_tensor, u64);
 assert_eq_size!(xcall_alias_pair, [u64; 2]);
 assert_eq_size!(Op, u32);
 const_assert_eq!(XCALL_PERMUTE_FAULT_ROUTE_COUNT, MapFaults::ROUTE_COUNT);
@@ -103,40 +78,6 @@ macro_rules! run_c_op {
         // its size on the target's device.
         unsafe { $op(&t, &args) }
     }};
-}
-
-pub(crate) fn tensor_arg(
-    name: &str,
-    t: &xcall_tensor,
-    target: &Target,
-) -> Result<Tensor, FfiError> {
-    let bad = |m: String| FfiError::new(Status::InvalidArgument, format!("{name}: {m}"));
-    if t.rank > XCALL_TENSOR_MAX_RANK {
-        return Err(bad(format!(
-            "rank {} exceeds {XCALL_TENSOR_MAX_RANK}",
-            t.rank
-        )));
-    }
-    if t.reserved != 0 {
-        // Refused now so the field can take a meaning later.
-        return Err(bad(format!("reserved is {}, must be 0", t.reserved)));
-    }
-    let dtype =
-        DType::from_code(t.dtype.0).ok_or_else(|| bad(<DType as CEnum>::unknown(t.dtype.0)))?;
-    let mut dims = Vec::with_capacity(t.rank as usize);
-    for (i, &d) in t.dims[..t.rank as usize].iter().enumerate() {
-        if d < 0 {
-            return Err(bad(format!("dims[{i}] is negative ({d})")));
-        }
-        dims.push(d as u64);
-    }
-    if t.device != target.device.ordinal {
-        return Err(bad(format!(
-            "lives on device {} but the target is {}",
-            t.device, target.device
-        )));
-    }
-    Ok(Tensor::new(t.data as u64, dtype, &dims))
 }
 
 /// The (input, output) pairs of permutation op `op` (an
