@@ -326,44 +326,84 @@ extern "C" __global__ void rim_write(const RowIdMapParams p) {
 }
 
 // ---------------------------------------------------------- chunk sort map
-// Every block checks the split (sizes >= 0 summing to <= T, indices a
-// permutation) and computes the chunk starts in shared memory; an invalid
-// split leaves the map untouched. Then one thread per row.
+// The exclusive prefix sum of one value per thread over the block
+// (blockDim.x a multiple of 32, at most 1024); the block's total goes to
+// *total. Every thread of the block calls it.
+__device__ i64 block_exclusive_scan(i64 x, i64* total) {
+    __shared__ i64 warp_sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    i64 v = x;
+    for (int off = 1; off < 32; off <<= 1) {
+        const i64 y = __shfl_up_sync(0xffffffffu, v, off);
+        if (lane >= off) v += y;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        i64 w = lane < warps ? warp_sums[lane] : 0;
+        for (int off = 1; off < 32; off <<= 1) {
+            const i64 y = __shfl_up_sync(0xffffffffu, w, off);
+            if (lane >= off) w += y;
+        }
+        if (lane < warps) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const i64 before = (warp ? warp_sums[warp - 1] : 0) + v - x;
+    *total = warp_sums[warps - 1];
+    __syncthreads();  // warp_sums is reused by the next scan
+    return before;
+}
+
+// Every block checks the split (sizes in [0, T] summing to <= T, indices a
+// permutation) and computes the chunk starts in shared memory, in parallel:
+// each thread owns a contiguous run of chunks (and of sorted positions),
+// sums it, and one block scan per order gives every run its start. An
+// invalid split leaves the map untouched. Then one thread per row, which
+// finds its chunk by binary search over the starts.
 extern "C" __global__ void chunk_map(const ChunkMapParams p) {
-    extern __shared__ i64 in_start[];  // S + 1 values, then S out starts, then S flags
-    const i64* sizes = p.sizes;
-    const i64* sorted = p.sorted;
+    extern __shared__ i64 in_start[];  // S + 1 starts, then S out starts, then ceil(S/32) seen bits
     const int S = (int)p.chunks;
     const i64 T = p.tokens;
     i64* out_start = in_start + S + 1;
-    unsigned char* seen = (unsigned char*)(out_start + S);
+    unsigned int* seen = (unsigned int*)(out_start + S);
     __shared__ int bad;
+    if (threadIdx.x == 0) bad = 0;
+    for (int w = threadIdx.x; w < (S + 31) / 32; w += blockDim.x) seen[w] = 0;
+    __syncthreads();
+    const int per = (S + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int lo = min(S, (int)threadIdx.x * per), hi = min(S, lo + per);
+    i64 sum = 0, sum_sorted = 0;
+    for (int c = lo; c < hi; ++c) {
+        const i64 size = p.sizes[c];
+        if (size < 0 || size > T) atomicOr(&bad, 1);
+        else sum += size;
+        const i64 k = p.sorted[c];
+        if (k < 0 || k >= S || ((atomicOr(&seen[k >> 5], 1u << (k & 31)) >> (k & 31)) & 1u)) {
+            atomicOr(&bad, 1);
+        } else {
+            const i64 ks = p.sizes[k];
+            if (ks >= 0 && ks <= T) sum_sorted += ks;  // a bad size is reported by its owner
+        }
+    }
+    i64 total, total_sorted;
+    i64 run = block_exclusive_scan(sum, &total);
+    i64 run_sorted = block_exclusive_scan(sum_sorted, &total_sorted);
+    if (bad) return;  // the same for every thread: set before the scans' barriers
+    for (int c = lo; c < hi; ++c) {
+        in_start[c] = run;
+        run += p.sizes[c];
+    }
+    for (int i = lo; i < hi; ++i) {
+        const i64 k = p.sorted[i];
+        out_start[k] = run_sorted;
+        run_sorted += p.sizes[k];
+    }
     if (threadIdx.x == 0) {
-        bad = 0;
-        for (int c = 0; c < S; ++c) seen[c] = 0;
-        i64 at = 0;
-        for (int c = 0; c < S; ++c) {
-            in_start[c] = at;
-            if (sizes[c] < 0) bad = 1;
-            at += sizes[c];
-        }
-        in_start[S] = at;
-        if (at > T) bad = 1;
-        at = 0;
-        for (int i = 0; i < S && !bad; ++i) {
-            i64 c = sorted[i];
-            if (c < 0 || c >= S || seen[c]) {
-                bad = 1;
-                break;
-            }
-            seen[c] = 1;
-            out_start[c] = at;
-            at += sizes[c];
-        }
+        in_start[S] = total;
+        if (total > T) bad = 1;
     }
     __syncthreads();
     if (bad) return;
-    i64 total = in_start[S];
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (i64)gridDim.x * blockDim.x) {
         i64 dst = t;
         if (t < total) {

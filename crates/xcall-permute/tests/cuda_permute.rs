@@ -627,11 +627,15 @@ fn chunk_sort_equals_the_host_including_in_place() {
     }
     let mut gpu = Gpu::new();
     let mut seed = 500;
+    let max = xcall_permute::cuda::MAX_CUDA_CHUNKS;
     for (s, t, h) in [
         (8, 4096, 1280),
         (64, 4096, 4096),
         (256, 4096, 9216),
         (3, 17, 5),
+        // More chunks than threads per block, up to the limit.
+        (1000, 30_000, 8),
+        (max, 3 * max + 7, 4),
     ] {
         for dtype in [DType::Bf16, DType::F32, DType::F8E4M3] {
             seed += 1;
@@ -903,6 +907,89 @@ fn host_memory_and_bad_splits_are_refused_on_cuda() {
     let err = unsafe { call::make_chunk_sort_map(&gpu.target(false), &a) }.unwrap_err();
     assert!(err.to_string().contains("not a permutation"), "{err}");
     assert_eq!(gpu.download(m, 16), vec![POISON; 16]);
+}
+
+#[test]
+fn a_bad_split_under_capture_leaves_the_map_untouched() {
+    if cuda_devices_or_skip("permute cuda chunk map under capture").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let t = 600usize;
+    // 300 chunks (more than one per thread), each case a valid split but
+    // for one entry.
+    let s = 300usize;
+    let good_sizes: Vec<i64> = (0..s as i64).map(|i| i % 3).collect();
+    let good_sorted: Vec<i64> = (0..s as i64).rev().collect();
+    type Edit = fn(&mut Vec<i64>, &mut Vec<i64>);
+    let cases: [(&str, Edit); 7] = [
+        ("a negative size", |z, _| z[250] = -1),
+        ("a size past T", |z, _| z[7] = 601),
+        ("a size of i64::MAX", |z, _| z[299] = i64::MAX),
+        ("sizes summing past T", |z, _| z[0] = 600),
+        ("a repeated index", |_, o| o[280] = o[3]),
+        ("an index past S", |_, o| o[0] = 300),
+        ("a negative index", |_, o| o[150] = -2),
+    ];
+    let stream = gpu.stream.cu_stream();
+    for (what, edit) in cases {
+        let (mut sizes, mut sorted) = (good_sizes.clone(), good_sorted.clone());
+        edit(&mut sizes, &mut sorted);
+        let sz = gpu.upload(&bytes(&sizes));
+        let so = gpu.upload(&bytes(&sorted));
+        let m = gpu.upload(&[POISON; 8 * 600]);
+        let a = MakeChunkSortMapArgs {
+            split_sizes: Tensor::new(sz, DType::I64, &[s as u64]),
+            sorted_indices: Tensor::new(so, DType::I64, &[s as u64]),
+            map: Tensor::new(m, DType::I64, &[t as u64]),
+        };
+        let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: capture on a live stream of this context of device
+        // buffers of the sizes given; graph and executable destroyed below.
+        unsafe {
+            sys::cuStreamBeginCapture_v2(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .result()
+            .unwrap();
+            let r = call::make_chunk_sort_map(&gpu.target(false), &a);
+            sys::cuStreamEndCapture(stream, &mut graph)
+                .result()
+                .unwrap();
+            r.unwrap();
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+                .result()
+                .unwrap();
+            sys::cuGraphLaunch(exec, stream).result().unwrap();
+        }
+        assert_eq!(gpu.download(m, 8 * t), vec![POISON; 8 * t], "{what}");
+        // SAFETY: the stream is idle (download synchronised).
+        unsafe {
+            sys::cuGraphExecDestroy(exec);
+            sys::cuGraphDestroy(graph);
+        }
+    }
+    // The valid split: the device map equals the Host's.
+    let sz = Pair::new(&mut gpu, bytes(&good_sizes), DType::I64, &[s as u64]);
+    let so = Pair::new(&mut gpu, bytes(&good_sorted), DType::I64, &[s as u64]);
+    let map = Pair::poisoned(&mut gpu, DType::I64, &[t as u64]);
+    both(&gpu, false, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: host vectors and device allocations of the sizes given.
+        unsafe {
+            call::make_chunk_sort_map(
+                tg,
+                &MakeChunkSortMapArgs {
+                    split_sizes: pick(&sz),
+                    sorted_indices: pick(&so),
+                    map: pick(&map),
+                },
+            )
+        }
+    });
+    map.same(&gpu, "the valid split");
 }
 
 /// A fault put into a valid row-id map (host copies of map, tokens per

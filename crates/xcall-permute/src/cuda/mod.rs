@@ -403,7 +403,9 @@ pub(crate) unsafe fn unpermute_backward(
     run(config, &[a.act_grad.address, a.probs_grad.address])
 }
 
-/// Largest chunk count the CUDA chunk map holds in shared memory.
+/// Largest chunk count the CUDA chunk map holds in shared memory (two
+/// 8-byte starts and a seen bit per chunk, with room to spare for the
+/// scan's static shared memory).
 pub const MAX_CUDA_CHUNKS: usize = (SMEM_LIMIT - 8) / 17;
 
 /// See [`crate::call::make_chunk_sort_map`].
@@ -445,7 +447,7 @@ pub(crate) unsafe fn make_chunk_sort_map(
         (Family::Movement, "chunk_map"),
         (tokens as u64).div_ceil(256).clamp(1, 1 << 16),
         256,
-        (2 * s + 1) * 8 + s,
+        (2 * s + 1) * 8 + 4 * s.div_ceil(32),
         &ChunkMapParams {
             sizes: a.split_sizes.address,
             sorted: a.sorted_indices.address,
