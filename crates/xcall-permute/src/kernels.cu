@@ -326,38 +326,10 @@ extern "C" __global__ void rim_write(const RowIdMapParams p) {
 }
 
 // ---------------------------------------------------------- chunk sort map
-// The exclusive prefix sum of one value per thread over the block
-// (blockDim.x a multiple of 32, at most 1024); the block's total goes to
-// *total. Every thread of the block calls it.
-__device__ i64 block_exclusive_scan(i64 x, i64* total) {
-    __shared__ i64 warp_sums[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    i64 v = x;
-    for (int off = 1; off < 32; off <<= 1) {
-        const i64 y = __shfl_up_sync(0xffffffffu, v, off);
-        if (lane >= off) v += y;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        i64 w = lane < warps ? warp_sums[lane] : 0;
-        for (int off = 1; off < 32; off <<= 1) {
-            const i64 y = __shfl_up_sync(0xffffffffu, w, off);
-            if (lane >= off) w += y;
-        }
-        if (lane < warps) warp_sums[lane] = w;
-    }
-    __syncthreads();
-    const i64 before = (warp ? warp_sums[warp - 1] : 0) + v - x;
-    *total = warp_sums[warps - 1];
-    __syncthreads();  // warp_sums is reused by the next scan
-    return before;
-}
-
 // Every block checks the split (sizes in [0, T] summing to <= T, indices a
 // permutation) and computes the chunk starts in shared memory, in parallel:
 // each thread owns a contiguous run of chunks (and of sorted positions),
-// sums it, and one block scan per order gives every run its start. An
+// sums it, and one block_scan per order gives every run its start. An
 // invalid split leaves the map untouched. Then one thread per row, which
 // finds its chunk by binary search over the starts.
 extern "C" __global__ void chunk_map(const ChunkMapParams p) {
@@ -385,9 +357,10 @@ extern "C" __global__ void chunk_map(const ChunkMapParams p) {
             if (ks >= 0 && ks <= T) sum_sorted += ks;  // a bad size is reported by its owner
         }
     }
+    __shared__ i64 warps[32];
     i64 total, total_sorted;
-    i64 run = block_exclusive_scan(sum, &total);
-    i64 run_sorted = block_exclusive_scan(sum_sorted, &total_sorted);
+    i64 run = block_scan(sum, warps, &total) - sum;
+    i64 run_sorted = block_scan(sum_sorted, warps, &total_sorted) - sum_sorted;
     if (bad) return;  // the same for every thread: set before the scans' barriers
     for (int c = lo; c < hi; ++c) {
         in_start[c] = run;
