@@ -361,7 +361,9 @@ extern "C" __global__ void chunk_map(const ChunkMapParams p) {
     i64 total, total_sorted;
     i64 run = block_scan(sum, warps, &total) - sum;
     i64 run_sorted = block_scan(sum_sorted, warps, &total_sorted) - sum_sorted;
-    if (bad) return;  // the same for every thread: set before the scans' barriers
+    // The same for every thread: bad was set before the scans' barriers,
+    // and every thread holds the total.
+    if (bad || total > T) return;
     for (int c = lo; c < hi; ++c) {
         in_start[c] = run;
         run += p.sizes[c];
@@ -371,12 +373,8 @@ extern "C" __global__ void chunk_map(const ChunkMapParams p) {
         out_start[k] = run_sorted;
         run_sorted += p.sizes[k];
     }
-    if (threadIdx.x == 0) {
-        in_start[S] = total;
-        if (total > T) bad = 1;
-    }
+    if (threadIdx.x == 0) in_start[S] = total;
     __syncthreads();
-    if (bad) return;
     for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < T; t += (i64)gridDim.x * blockDim.x) {
         i64 dst = t;
         if (t < total) {
