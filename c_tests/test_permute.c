@@ -154,6 +154,20 @@ int main(void) {
   /* a capacity with a cap, and a negative capacity */
   CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, 4, 0, 2, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, -2, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "capacity is negative (-2)");
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, -5, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "align is negative (-5)");
+  /* Rank: up to XCALL_TENSOR_MAX_RANK is read (and then judged by the op);
+     past it is refused before any dim is read. */
+  bad = r_t;
+  bad.rank = XCALL_TENSOR_MAX_RANK + 1;
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "routing: rank 5 exceeds 4");
+  bad.rank = XCALL_TENSOR_MAX_RANK;
+  bad.dims[2] = 1;
+  bad.dims[3] = 1;
+  CHECK_STATUS(xcall_make_row_id_map(&host, &bad, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(xcall_last_error_message(), "exceeds") == NULL);
   bad = xt_tensor(NULL, XCALL_DTYPE_F32, 2, T, H);
   CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, NULL, NULL, &bad, NULL), XCALL_STATUS_NULL_ARGUMENT);
   return xt_summary("test_permute");
