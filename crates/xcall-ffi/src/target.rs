@@ -51,3 +51,44 @@ impl xcall_target {
         (device.platform == Platform::Cuda).then_some(self.stream)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(platform: u32, ordinal: u32, stream: usize) -> xcall_target {
+        xcall_target {
+            platform: PlatformCode(platform),
+            ordinal,
+            stream: stream as *mut c_void,
+        }
+    }
+
+    #[test]
+    fn one_device_rule_and_the_stream_only_on_cuda() {
+        let host = target(0, 0, 0x40);
+        let d = host.device().unwrap();
+        assert_eq!(d, Device::new(Platform::Host, 0));
+        assert_eq!(host.cuda_stream(d), None, "Host ignores the stream");
+        let e = target(0, 1, 0).device().unwrap_err();
+        assert_eq!(e.status, Status::NoSuchDevice);
+        // A CUDA ordinal is not checked here (no driver is loaded).
+        let cuda = target(1, 7, 0x1234);
+        let d = cuda.device().unwrap();
+        assert_eq!(d, Device::cuda(7));
+        assert_eq!(cuda.cuda_stream(d), Some(0x1234 as *mut c_void));
+        let e = target(5, 0, 0).device().unwrap_err();
+        assert_eq!(e.status, Status::InvalidArgument);
+        assert!(
+            e.message.contains("unknown platform code 5"),
+            "{}",
+            e.message
+        );
+        assert_eq!(
+            xcall_target::read(std::ptr::null(), "target")
+                .unwrap_err()
+                .status,
+            Status::NullArgument
+        );
+    }
+}
