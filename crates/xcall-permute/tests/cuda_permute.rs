@@ -514,6 +514,36 @@ fn autotuned_results_equal_untuned_and_tuning_writes_nothing_visible() {
     assert!(tuned.len() >= 4, "tuning ran for the kernels: {tuned:?}");
 }
 
+/// The chunk-sort map of a split on Host and on CUDA (both checked to
+/// succeed), for [`Pair::same`].
+fn chunk_map_on_both(
+    gpu: &mut Gpu,
+    sizes: &[i64],
+    sorted: &[i64],
+    t: usize,
+    autotune: bool,
+) -> Pair {
+    let s = sizes.len() as u64;
+    let sz = Pair::new(gpu, bytes_of(sizes), DType::I64, &[s]);
+    let so = Pair::new(gpu, bytes_of(sorted), DType::I64, &[s]);
+    let map = Pair::poisoned(gpu, DType::I64, &[t as u64]);
+    both(gpu, autotune, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: host vectors and device allocations of the sizes given.
+        unsafe {
+            call::make_chunk_sort_map(
+                tg,
+                &MakeChunkSortMapArgs {
+                    split_sizes: pick(&sz),
+                    sorted_indices: pick(&so),
+                    map: pick(&map),
+                },
+            )
+        }
+    });
+    map
+}
+
 fn chunk_case(
     gpu: &mut Gpu,
     s: usize,
@@ -542,24 +572,7 @@ fn chunk_case(
     for i in (1..s).rev() {
         sorted.swap(i, (g.next_u64() % (i as u64 + 1)) as usize);
     }
-    let bytes = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let sz = Pair::new(gpu, bytes(&sizes), DType::I64, &[s as u64]);
-    let so = Pair::new(gpu, bytes(&sorted), DType::I64, &[s as u64]);
-    let map = Pair::poisoned(gpu, DType::I64, &[t as u64]);
-    both(gpu, autotune, |tg, dev| {
-        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-        // SAFETY: as above.
-        unsafe {
-            call::make_chunk_sort_map(
-                tg,
-                &MakeChunkSortMapArgs {
-                    split_sizes: pick(&sz),
-                    sorted_indices: pick(&so),
-                    map: pick(&map),
-                },
-            )
-        }
-    });
+    let map = chunk_map_on_both(gpu, &sizes, &sorted, t, autotune);
     map.same(gpu, &format!("{what}: chunk map"));
     let input = Pair::new(
         gpu,
@@ -972,23 +985,7 @@ fn a_bad_split_under_capture_leaves_the_map_untouched() {
         }
     }
     // The valid split: the device map equals the Host's.
-    let sz = Pair::new(&mut gpu, bytes(&good_sizes), DType::I64, &[s as u64]);
-    let so = Pair::new(&mut gpu, bytes(&good_sorted), DType::I64, &[s as u64]);
-    let map = Pair::poisoned(&mut gpu, DType::I64, &[t as u64]);
-    both(&gpu, false, |tg, dev| {
-        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-        // SAFETY: host vectors and device allocations of the sizes given.
-        unsafe {
-            call::make_chunk_sort_map(
-                tg,
-                &MakeChunkSortMapArgs {
-                    split_sizes: pick(&sz),
-                    sorted_indices: pick(&so),
-                    map: pick(&map),
-                },
-            )
-        }
-    });
+    let map = chunk_map_on_both(&mut gpu, &good_sizes, &good_sorted, t, false);
     map.same(&gpu, "the valid split");
 }
 
