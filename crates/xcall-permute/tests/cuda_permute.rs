@@ -43,6 +43,42 @@ impl Gpu {
         }
     }
 
+    /// Captures `work` on the test stream into a graph, runs
+    /// `before_replay`, replays the graph once and waits for it; the graph
+    /// and its executable are destroyed before returning.
+    fn capture_and_replay(
+        &self,
+        work: impl FnOnce() -> Result<(), PermuteError>,
+        before_replay: impl FnOnce(),
+    ) {
+        let stream = self.stream.cu_stream();
+        let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: capture on a live stream of this context; `work`'s buffers
+        // outlive the replay, and the graph and executable are destroyed
+        // once the stream is idle.
+        unsafe {
+            sys::cuStreamBeginCapture_v2(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .result()
+            .unwrap();
+            let r = work();
+            sys::cuStreamEndCapture(stream, &mut graph)
+                .result()
+                .unwrap();
+            r.unwrap();
+            before_replay();
+            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+                .result()
+                .unwrap();
+            sys::cuGraphLaunch(exec, stream).result().unwrap();
+            self.stream.synchronize().unwrap();
+            sys::cuGraphExecDestroy(exec);
+            sys::cuGraphDestroy(graph);
+        }
+    }
+
     /// Uploads `bytes` (at least one byte is allocated) and returns the
     /// device address; the allocation lives as long as `self`.
     fn upload(&mut self, bytes: &[u8]) -> u64 {
@@ -849,39 +885,13 @@ fn under_capture_nothing_is_tuned_and_the_graph_replays_correctly() {
     };
     step(&Target::host(), false).unwrap();
     let before = xcall_permute::cuda::cached_configs(xcall_core::Device::cuda(0)).len();
-    let stream = gpu.stream.cu_stream();
-    let mut graph = std::ptr::null_mut();
-    let mut exec = std::ptr::null_mut();
-    // SAFETY: capture on a live stream of this context; the graph and its
-    // executable are destroyed below.
-    unsafe {
-        sys::cuStreamBeginCapture_v2(
-            stream,
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .result()
-        .unwrap();
-        let r = step(&gpu.target(true), true);
-        sys::cuStreamEndCapture(stream, &mut graph)
-            .result()
-            .unwrap();
-        r.unwrap();
-        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-            .result()
-            .unwrap();
-        sys::cuGraphLaunch(exec, stream).result().unwrap();
-    }
+    gpu.capture_and_replay(|| step(&gpu.target(true), true), || {});
     let after = xcall_permute::cuda::cached_configs(xcall_core::Device::cuda(0)).len();
     assert_eq!(before, after, "no autotuning under capture");
     map.same(&gpu, "captured row_id_map");
     out.same(&gpu, "captured permute");
     cmap.same(&gpu, "captured chunk map");
     sorted_out.same(&gpu, "captured chunk sort");
-    // SAFETY: destroys what was created above after the stream is idle.
-    unsafe {
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
-    }
 }
 
 #[test]
@@ -945,7 +955,6 @@ fn a_bad_split_under_capture_leaves_the_map_untouched() {
         ("an index past S", |_, o| o[0] = 300),
         ("a negative index", |_, o| o[150] = -2),
     ];
-    let stream = gpu.stream.cu_stream();
     for (what, edit) in cases {
         let (mut sizes, mut sorted) = (good_sizes.clone(), good_sorted.clone());
         edit(&mut sizes, &mut sorted);
@@ -957,32 +966,12 @@ fn a_bad_split_under_capture_leaves_the_map_untouched() {
             sorted_indices: Tensor::new(so, DType::I64, &[s as u64]),
             map: Tensor::new(m, DType::I64, &[t as u64]),
         };
-        let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: capture on a live stream of this context of device
-        // buffers of the sizes given; graph and executable destroyed below.
-        unsafe {
-            sys::cuStreamBeginCapture_v2(
-                stream,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-            .result()
-            .unwrap();
-            let r = call::make_chunk_sort_map(&gpu.target(false), &a);
-            sys::cuStreamEndCapture(stream, &mut graph)
-                .result()
-                .unwrap();
-            r.unwrap();
-            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-                .result()
-                .unwrap();
-            sys::cuGraphLaunch(exec, stream).result().unwrap();
-        }
+        gpu.capture_and_replay(
+            // SAFETY: device buffers of the sizes given.
+            || unsafe { call::make_chunk_sort_map(&gpu.target(false), &a) },
+            || {},
+        );
         assert_eq!(gpu.download(m, 8 * t), vec![POISON; 8 * t], "{what}");
-        // SAFETY: the stream is idle (download synchronised).
-        unsafe {
-            sys::cuGraphExecDestroy(exec);
-            sys::cuGraphDestroy(graph);
-        }
     }
     // The valid split: the device map equals the Host's.
     let map = chunk_map_on_both(&mut gpu, &good_sizes, &good_sorted, t, false);
@@ -1406,39 +1395,23 @@ fn checked_mode_passes_valid_maps_and_records_faults_under_capture() {
     let (tok, _) = first_routed(&bad, e);
     bad[tok * (2 * e + 1)] = n as i32 + 7;
     let bad = Pair::new(&mut gpu, bytes_of(&bad), DType::I32, &[tu, 2 * eu + 1]);
-    let s: sys::CUstream = gpu.stream.cu_stream();
-    // SAFETY: a live stream of this context; the captured call's buffers
-    // outlive the graph.
-    unsafe {
-        sys::cuStreamBeginCapture_v2(
-            s,
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .result()
-        .unwrap();
-        let r = call::permute(&checked, &args(true, &bad));
-        let mut graph = std::ptr::null_mut();
-        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
-        r.unwrap();
-        assert!(
-            call::take_faults(&checked).unwrap().is_empty(),
-            "nothing ran yet"
-        );
-        let mut exec = std::ptr::null_mut();
-        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-            .result()
-            .unwrap();
-        sys::cuGraphLaunch(exec, s).result().unwrap();
-        let seen = call::take_faults(&checked).unwrap();
-        // The route outside [0, N) is not counted for its expert either.
-        assert_eq!(
-            seen.0,
-            MapFaults::ROW | MapFaults::COUNTS,
-            "replay recorded {seen}"
-        );
-        sys::cuGraphExecDestroy(exec);
-        sys::cuGraphDestroy(graph);
-    }
+    gpu.capture_and_replay(
+        // SAFETY: the captured call's buffers outlive the graph.
+        || unsafe { call::permute(&checked, &args(true, &bad)) },
+        || {
+            assert!(
+                call::take_faults(&checked).unwrap().is_empty(),
+                "nothing ran yet"
+            )
+        },
+    );
+    let seen = call::take_faults(&checked).unwrap();
+    // The route outside [0, N) is not counted for its expert either.
+    assert_eq!(
+        seen.0,
+        MapFaults::ROW | MapFaults::COUNTS,
+        "replay recorded {seen}"
+    );
 }
 
 #[test]
