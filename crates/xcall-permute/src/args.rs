@@ -211,3 +211,76 @@ pub struct SortChunksArgs {
     /// Outputs may overlap inputs (see [`call`](crate::call)).
     pub in_place: bool,
 }
+
+/// An op's tensors by name, the ones a call left out skipped: what the
+/// overlap check and the CUDA backend's device-memory check walk.
+pub(crate) trait NamedTensors {
+    /// The tensors the op reads.
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)>;
+    /// The tensors the op writes.
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)>;
+}
+
+/// `(name, tensor)` for each field, the `Option` ones only when given.
+macro_rules! named {
+    ($a:ident: $($f:ident),* $(; $($o:ident),*)?) => {{
+        #[allow(unused_mut)]
+        let mut v: Vec<(&'static str, &Tensor)> = vec![$((stringify!($f), &$a.$f)),*];
+        $($(v.extend($a.$o.as_ref().map(|t| (stringify!($o), t)));)*)?
+        v
+    }};
+}
+
+impl NamedTensors for MakeRowIdMapArgs {
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: routing)
+    }
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: row_id_map, tokens_per_expert, expert_offsets)
+    }
+}
+
+impl NamedTensors for PermuteArgs {
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: input, row_id_map, tokens_per_expert, expert_offsets; probs, scales)
+    }
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: output; permuted_probs, permuted_scales)
+    }
+}
+
+impl NamedTensors for UnpermuteArgs {
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: input, row_id_map; merging_probs, permuted_probs)
+    }
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: output; unpermuted_probs)
+    }
+}
+
+impl NamedTensors for UnpermuteBackwardArgs {
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: grad, fwd_input, row_id_map, tokens_per_expert, expert_offsets, merging_probs)
+    }
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: act_grad, probs_grad)
+    }
+}
+
+impl NamedTensors for MakeChunkSortMapArgs {
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: split_sizes, sorted_indices)
+    }
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: map)
+    }
+}
+
+impl NamedTensors for SortChunksArgs {
+    fn inputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: input, map; probs)
+    }
+    fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
+        named!(self: output; permuted_probs)
+    }
+}

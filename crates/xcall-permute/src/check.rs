@@ -11,8 +11,8 @@ use xcall_core::DType;
 
 use crate::alias::{self, Op, Region};
 use crate::args::{
-    MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Tensor, UnpermuteArgs,
-    UnpermuteBackwardArgs,
+    MakeChunkSortMapArgs, MakeRowIdMapArgs, NamedTensors, PermuteArgs, SortChunksArgs, Tensor,
+    UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use crate::error::{shape, PermuteError};
 use crate::row_id_map;
@@ -127,18 +127,14 @@ pub(crate) fn usize_of(v: u64) -> usize {
 
 /// Refuses overlaps (see the module docs); `in_place` allows outputs over
 /// inputs, which the call then stages (copies away).
-fn check_overlap(
-    op: Op,
-    inputs: &[(&str, &Tensor)],
-    outputs: &[(&str, &Tensor)],
-    in_place: bool,
-) -> Result<(), PermuteError> {
+fn check_overlap(op: Op, a: &impl NamedTensors, in_place: bool) -> Result<(), PermuteError> {
+    let (inputs, outputs) = (a.inputs(), a.outputs());
     let ins: Vec<Region<'_>> = inputs.iter().map(|(n, t)| t.region(n)).collect();
     let outs: Vec<Region<'_>> = outputs.iter().map(|(n, t)| t.region(n)).collect();
     let mut allowed: Vec<(&str, &str)> = alias::alias_table(op).to_vec();
     if in_place {
-        for (i, _) in inputs {
-            for (o, _) in outputs {
+        for (i, _) in &inputs {
+            for (o, _) in &outputs {
                 allowed.push((i, o));
             }
         }
@@ -168,16 +164,7 @@ pub fn make_row_id_map(
     check("expert_offsets", &a.expert_offsets, &[DType::I64], 1)?;
     dim("expert_offsets", &a.expert_offsets, 0, e + 1, "experts + 1")?;
     row_id_map::check_layout(a.options, usize_of(t), usize_of(e))?;
-    check_overlap(
-        Op::MakeRowIdMap,
-        &[("routing", &a.routing)],
-        &[
-            ("row_id_map", &a.row_id_map),
-            ("tokens_per_expert", &a.tokens_per_expert),
-            ("expert_offsets", &a.expert_offsets),
-        ],
-        false,
-    )?;
+    check_overlap(Op::MakeRowIdMap, a, false)?;
     Ok(Checked::new(
         a,
         Dims {
@@ -254,18 +241,7 @@ pub fn permute(a: &PermuteArgs) -> Result<Checked<'_, PermuteArgs>, PermuteError
         dim("permuted_scales", ps, 0, n, "output rows")?;
         dim("permuted_scales", ps, 1, s, "scales per token")?;
     }
-    let mut ins = vec![
-        ("input", &a.input),
-        ("row_id_map", &a.row_id_map),
-        ("tokens_per_expert", &a.tokens_per_expert),
-        ("expert_offsets", &a.expert_offsets),
-    ];
-    ins.extend(a.probs.as_ref().map(|p| ("probs", p)));
-    ins.extend(a.scales.as_ref().map(|p| ("scales", p)));
-    let mut outs = vec![("output", &a.output)];
-    outs.extend(a.permuted_probs.as_ref().map(|p| ("permuted_probs", p)));
-    outs.extend(a.permuted_scales.as_ref().map(|p| ("permuted_scales", p)));
-    check_overlap(Op::Permute, &ins, &outs, a.in_place)?;
+    check_overlap(Op::Permute, a, a.in_place)?;
     Ok(Checked::new(
         a,
         Dims {
@@ -317,12 +293,7 @@ pub fn unpermute(a: &UnpermuteArgs) -> Result<Checked<'_, UnpermuteArgs>, Permut
         dim("unpermuted_probs", up, 0, t, "tokens")?;
         dim("unpermuted_probs", up, 1, e, "experts")?;
     }
-    let mut ins = vec![("input", &a.input), ("row_id_map", &a.row_id_map)];
-    ins.extend(a.merging_probs.as_ref().map(|p| ("merging_probs", p)));
-    ins.extend(a.permuted_probs.as_ref().map(|p| ("permuted_probs", p)));
-    let mut outs = vec![("output", &a.output)];
-    outs.extend(a.unpermuted_probs.as_ref().map(|p| ("unpermuted_probs", p)));
-    check_overlap(Op::Unpermute, &ins, &outs, false)?;
+    check_overlap(Op::Unpermute, a, false)?;
     Ok(Checked::new(
         a,
         Dims {
@@ -355,19 +326,7 @@ pub fn unpermute_backward(
     check("probs_grad", &a.probs_grad, &[DType::F32], 2)?;
     dim("probs_grad", &a.probs_grad, 0, t, "tokens")?;
     dim("probs_grad", &a.probs_grad, 1, e, "experts")?;
-    check_overlap(
-        Op::UnpermuteBackward,
-        &[
-            ("grad", &a.grad),
-            ("fwd_input", &a.fwd_input),
-            ("row_id_map", &a.row_id_map),
-            ("tokens_per_expert", &a.tokens_per_expert),
-            ("expert_offsets", &a.expert_offsets),
-            ("merging_probs", &a.merging_probs),
-        ],
-        &[("act_grad", &a.act_grad), ("probs_grad", &a.probs_grad)],
-        false,
-    )?;
+    check_overlap(Op::UnpermuteBackward, a, false)?;
     Ok(Checked::new(
         a,
         Dims {
@@ -394,15 +353,7 @@ pub fn make_chunk_sort_map(
         "chunks",
     )?;
     check("map", &a.map, &[DType::I64], 1)?;
-    check_overlap(
-        Op::MakeChunkSortMap,
-        &[
-            ("split_sizes", &a.split_sizes),
-            ("sorted_indices", &a.sorted_indices),
-        ],
-        &[("map", &a.map)],
-        false,
-    )?;
+    check_overlap(Op::MakeChunkSortMap, a, false)?;
     Ok(Checked::new(
         a,
         Dims {
@@ -430,11 +381,7 @@ pub fn sort_chunks_by_map(a: &SortChunksArgs) -> Result<Checked<'_, SortChunksAr
         check("permuted_probs", pp, &[DType::F32], 1)?;
         dim("permuted_probs", pp, 0, t, "rows of input")?;
     }
-    let mut ins = vec![("input", &a.input), ("map", &a.map)];
-    ins.extend(a.probs.as_ref().map(|p| ("probs", p)));
-    let mut outs = vec![("output", &a.output)];
-    outs.extend(a.permuted_probs.as_ref().map(|p| ("permuted_probs", p)));
-    check_overlap(Op::SortChunksByMap, &ins, &outs, a.in_place)?;
+    check_overlap(Op::SortChunksByMap, a, a.in_place)?;
     Ok(Checked::new(
         a,
         Dims {

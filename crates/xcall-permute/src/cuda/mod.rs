@@ -80,15 +80,7 @@ pub(crate) unsafe fn make_row_id_map(
     c: &Checked<'_, MakeRowIdMapArgs>,
 ) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
-    check_device_memory(
-        target,
-        &[
-            ("routing", Some(&a.routing)),
-            ("row_id_map", Some(&a.row_id_map)),
-            ("tokens_per_expert", Some(&a.tokens_per_expert)),
-            ("expert_offsets", Some(&a.expert_offsets)),
-        ],
-    )?;
+    check_device_memory(target, a)?;
     let (t, e) = (d.tokens, d.experts);
     if t > i32::MAX as usize {
         return Err(PermuteError::Unsupported(format!(
@@ -173,20 +165,7 @@ fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
 /// See [`crate::call::permute`].
 pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
-    check_device_memory(
-        target,
-        &[
-            ("input", Some(&a.input)),
-            ("row_id_map", Some(&a.row_id_map)),
-            ("tokens_per_expert", Some(&a.tokens_per_expert)),
-            ("expert_offsets", Some(&a.expert_offsets)),
-            ("probs", a.probs.as_ref()),
-            ("scales", a.scales.as_ref()),
-            ("output", Some(&a.output)),
-            ("permuted_probs", a.permuted_probs.as_ref()),
-            ("permuted_scales", a.permuted_scales.as_ref()),
-        ],
-    )?;
+    check_device_memory(target, a)?;
     check_map_on_device(
         target,
         &a.row_id_map,
@@ -255,17 +234,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
 /// See [`crate::call::unpermute`].
 pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
-    check_device_memory(
-        target,
-        &[
-            ("input", Some(&a.input)),
-            ("row_id_map", Some(&a.row_id_map)),
-            ("merging_probs", a.merging_probs.as_ref()),
-            ("permuted_probs", a.permuted_probs.as_ref()),
-            ("output", Some(&a.output)),
-            ("unpermuted_probs", a.unpermuted_probs.as_ref()),
-        ],
-    )?;
+    check_device_memory(target, a)?;
     check_map_on_device(target, &a.row_id_map, None, d)?;
     if d.tokens == 0 {
         return Ok(());
@@ -313,19 +282,7 @@ pub(crate) unsafe fn unpermute_backward(
     c: &Checked<'_, UnpermuteBackwardArgs>,
 ) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
-    check_device_memory(
-        target,
-        &[
-            ("grad", Some(&a.grad)),
-            ("fwd_input", Some(&a.fwd_input)),
-            ("row_id_map", Some(&a.row_id_map)),
-            ("tokens_per_expert", Some(&a.tokens_per_expert)),
-            ("expert_offsets", Some(&a.expert_offsets)),
-            ("merging_probs", Some(&a.merging_probs)),
-            ("act_grad", Some(&a.act_grad)),
-            ("probs_grad", Some(&a.probs_grad)),
-        ],
-    )?;
+    check_device_memory(target, a)?;
     check_map_on_device(
         target,
         &a.row_id_map,
@@ -414,14 +371,7 @@ pub(crate) unsafe fn make_chunk_sort_map(
     c: &Checked<'_, MakeChunkSortMapArgs>,
 ) -> Result<()> {
     let (a, tokens) = (c.args(), c.dims().tokens);
-    check_device_memory(
-        target,
-        &[
-            ("split_sizes", Some(&a.split_sizes)),
-            ("sorted_indices", Some(&a.sorted_indices)),
-            ("map", Some(&a.map)),
-        ],
-    )?;
+    check_device_memory(target, a)?;
     let s = a.split_sizes.dims[0] as usize;
     if s > MAX_CUDA_CHUNKS {
         return Err(PermuteError::Unsupported(format!(
@@ -464,16 +414,7 @@ pub(crate) unsafe fn sort_chunks_by_map(
     c: &Checked<'_, SortChunksArgs>,
 ) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
-    check_device_memory(
-        target,
-        &[
-            ("input", Some(&a.input)),
-            ("map", Some(&a.map)),
-            ("probs", a.probs.as_ref()),
-            ("output", Some(&a.output)),
-            ("permuted_probs", a.permuted_probs.as_ref()),
-        ],
-    )?;
+    check_device_memory(target, a)?;
     let row = (d.hidden * a.input.dtype.size_bytes()) as u64;
     if d.tokens == 0 {
         return Ok(());

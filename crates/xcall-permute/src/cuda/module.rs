@@ -15,7 +15,7 @@ use super::params::{
     UnpermuteParams,
 };
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
-use crate::args::{Target, Tensor};
+use crate::args::{NamedTensors, Target, Tensor};
 use crate::check::Dims;
 use crate::error::{shape, PermuteError};
 use crate::MapFaults;
@@ -401,14 +401,10 @@ pub(super) fn capturing(target: &Target) -> Result<bool> {
 }
 
 /// Refuses tensors that are not device memory of the target's device.
-pub(super) fn check_device_memory(
-    target: &Target,
-    tensors: &[(&str, Option<&Tensor>)],
-) -> Result<()> {
+pub(super) fn check_device_memory(target: &Target, a: &impl NamedTensors) -> Result<()> {
     let ordinal = cuda::check_device(target.device)?;
     cuda::retain_primary_context(target.device)?;
-    for (name, t) in tensors {
-        let Some(t) = t else { continue };
+    for (name, t) in a.inputs().into_iter().chain(a.outputs()) {
         if t.bytes() == 0 {
             continue;
         }
