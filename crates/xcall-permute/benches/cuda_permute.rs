@@ -2,7 +2,9 @@
 //! side in one run with a device-to-device copy of the permuted tensor's
 //! bytes. GB/s count bytes read plus bytes written once; times are
 //! CUDA-event medians of interleaved rounds after warm-up; every op runs
-//! with its autotuned config (tuned before timing).
+//! with its autotuned config (tuned before timing). A memset of the
+//! permuted tensor shows the write rate alone (permute with top-8 is
+//! nearly all writes).
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr};
 use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, XorShift};
@@ -199,6 +201,13 @@ fn main() {
             Box::new(|| unsafe { call::sort_chunks_by_map(&target, &sort).unwrap() }),
             // SAFETY: as above.
             Box::new(|| unsafe { call::permute(&checked, &permute).unwrap() }),
+            Box::new(|| {
+                // SAFETY: n * row bytes (a multiple of 4) of a live
+                // allocation.
+                unsafe { sys::cuMemsetD32Async(copy_dst, 0x3c003c00, n * row / 4, s) }
+                    .result()
+                    .unwrap()
+            }),
         ];
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
         // The same ops replayed from CUDA graphs: device time without the
@@ -216,7 +225,7 @@ fn main() {
         let graph_ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut replays);
         drop(replays);
         let (tr, nr) = ((t * row) as f64, (n * row) as f64);
-        let rows: [(&str, f64); 8] = [
+        let rows: [(&str, f64); 9] = [
             ("d2d copy", 2.0 * nr),
             (
                 "make_row_id_map",
@@ -228,6 +237,8 @@ fn main() {
             ("make_chunk_sort_map", (n * 8) as f64),
             ("sort_chunks_by_map", 2.0 * nr),
             ("permute checked (+probs)", tr + nr + (n * 4) as f64),
+            // Writes only: what permute's stores could reach at best.
+            ("memset [N, H] (writes)", nr),
         ];
         let copy_gbs = rows[0].1 / ms[0] / 1e6;
         let case = format!("({t},{e},{h},{k}) N={n}");
@@ -260,10 +271,163 @@ fn main() {
         }
         drop(variants);
     }
+    host_cost(&target);
     for (k, c) in xcall_permute::cuda::cached_configs(Device::cuda(0)) {
-        println!(
-            "tuned: {k}: {} threads, unroll {}, waves {}",
-            c.threads, c.unroll, c.waves
-        );
+        println!("tuned: {k}: {c:?}");
+    }
+}
+
+/// An op's name and one eager call of it.
+type NamedCall<'a> = (&'static str, Box<dyn FnMut() + 'a>);
+
+/// The Host side of eager calls at small T, where it can outlast the
+/// kernels: the median wall time of one call returning (checks, lookups
+/// and launches, the stream never waited on), beside the same for one
+/// `cuMemsetD8Async` (the cost of any enqueue) in the same run.
+fn host_cost(target: &Target) {
+    use std::time::Instant;
+    println!("host cost of one eager call (median of 200, us); enqueue = one cuMemsetD8Async");
+    println!(
+        "{:<22} {:<26} {:>9} {:>9} {:>8}",
+        "case (T,E,H,topK)", "op", "host us", "enqueue", "ratio"
+    );
+    let stream = target.stream as sys::CUstream;
+    for (t, e, h, k) in [(256usize, 8usize, 4096usize, 2usize), (256, 256, 7168, 8)] {
+        let mut g = XorShift::new(11);
+        let n = t * k;
+        let row = h * 2;
+        let bytes = n.max(t) * row;
+        let mut bufs: Vec<u64> = Vec::new();
+        let mut alloc = |len: usize| -> u64 {
+            let mut p = 0u64;
+            // SAFETY: a plain device allocation, freed below.
+            unsafe { sys::cuMemAlloc_v2(&mut p, len.max(1)) }
+                .result()
+                .unwrap();
+            // SAFETY: zeroes the allocation just made.
+            unsafe { sys::cuMemsetD8_v2(p, 0x3c, len.max(1)) }
+                .result()
+                .unwrap();
+            bufs.push(p);
+            p
+        };
+        let routing = g.top_k_routing(t, e, k);
+        let d_routing = alloc(t * e);
+        // SAFETY: t * e bytes into an allocation of that size.
+        unsafe { sys::cuMemcpyHtoD_v2(d_routing, routing.as_ptr().cast(), t * e) }
+            .result()
+            .unwrap();
+        let ten = |a: u64, dtype: DType, dims: &[usize]| {
+            Tensor::new(
+                a,
+                dtype,
+                &dims.iter().map(|&d| d as u64).collect::<Vec<_>>(),
+            )
+        };
+        let rim = MakeRowIdMapArgs {
+            routing: ten(d_routing, DType::U8, &[t, e]),
+            options: RowIdMapOptions::default(),
+            row_id_map: ten(alloc(t * (2 * e + 1) * 4), DType::I32, &[t, 2 * e + 1]),
+            tokens_per_expert: ten(alloc(e * 8), DType::I64, &[e]),
+            expert_offsets: ten(alloc((e + 1) * 8), DType::I64, &[e + 1]),
+        };
+        let permute = PermuteArgs {
+            input: ten(alloc(bytes), DType::Bf16, &[t, h]),
+            row_id_map: rim.row_id_map.clone(),
+            tokens_per_expert: rim.tokens_per_expert.clone(),
+            expert_offsets: rim.expert_offsets.clone(),
+            probs: Some(ten(alloc(t * e * 4), DType::F32, &[t, e])),
+            scales: None,
+            output: ten(alloc(bytes), DType::Bf16, &[n, h]),
+            permuted_probs: Some(ten(alloc(n * 4), DType::F32, &[n])),
+            permuted_scales: None,
+            in_place: false,
+        };
+        let unpermute = UnpermuteArgs {
+            input: permute.output.clone(),
+            row_id_map: rim.row_id_map.clone(),
+            merging_probs: permute.probs.clone(),
+            permuted_probs: None,
+            output: ten(alloc(bytes), DType::Bf16, &[t, h]),
+            unpermuted_probs: None,
+        };
+        let backward = UnpermuteBackwardArgs {
+            grad: unpermute.output.clone(),
+            fwd_input: permute.output.clone(),
+            row_id_map: rim.row_id_map.clone(),
+            tokens_per_expert: rim.tokens_per_expert.clone(),
+            expert_offsets: rim.expert_offsets.clone(),
+            merging_probs: permute.probs.clone().unwrap(),
+            act_grad: ten(alloc(bytes), DType::Bf16, &[n, h]),
+            probs_grad: ten(alloc(t * e * 4), DType::F32, &[t, e]),
+        };
+        let scratch = alloc(64);
+        let median = |f: &mut dyn FnMut()| -> f64 {
+            for _ in 0..20 {
+                f();
+            }
+            let mut us: Vec<f64> = (0..200)
+                .map(|_| {
+                    let at = Instant::now();
+                    f();
+                    at.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
+            // SAFETY: waits for this bench's own stream.
+            unsafe { sys::cuStreamSynchronize(stream) }
+                .result()
+                .unwrap();
+            us.sort_by(|a, b| a.total_cmp(b));
+            us[us.len() / 2]
+        };
+        // SAFETY: (every call below) device allocations of the tensors'
+        // sizes on the bench's stream of cuda:0.
+        unsafe { call::make_row_id_map(target, &rim).unwrap() };
+        let enqueue = median(&mut || {
+            // SAFETY: 64 bytes of a live allocation on the bench's stream.
+            unsafe { sys::cuMemsetD8Async(scratch, 0, 64, stream) }
+                .result()
+                .unwrap()
+        });
+        let case = format!("({t},{e},{h},{k})");
+        let mut ops: Vec<NamedCall<'_>> = vec![
+            (
+                "make_row_id_map",
+                // SAFETY: as above.
+                Box::new(|| unsafe { call::make_row_id_map(target, &rim).unwrap() }),
+            ),
+            (
+                "permute (+probs)",
+                // SAFETY: as above.
+                Box::new(|| unsafe { call::permute(target, &permute).unwrap() }),
+            ),
+            (
+                "unpermute (merging probs)",
+                // SAFETY: as above.
+                Box::new(|| unsafe { call::unpermute(target, &unpermute).unwrap() }),
+            ),
+            (
+                "unpermute_backward",
+                // SAFETY: as above.
+                Box::new(|| unsafe { call::unpermute_backward(target, &backward).unwrap() }),
+            ),
+        ];
+        for (name, f) in ops.iter_mut() {
+            let us = median(&mut **f);
+            println!(
+                "{case:<22} {name:<26} {us:>9.2} {enqueue:>9.2} {:>8.1}",
+                us / enqueue
+            );
+        }
+        drop(ops);
+        // SAFETY: the stream is idle (the medians waited); frees this
+        // section's allocations.
+        unsafe { sys::cuStreamSynchronize(stream) }
+            .result()
+            .unwrap();
+        for p in bufs {
+            // SAFETY: as above.
+            unsafe { sys::cuMemFree_v2(p) }.result().unwrap();
+        }
     }
 }

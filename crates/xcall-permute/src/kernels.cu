@@ -449,6 +449,67 @@ __device__ void permute_body(const PermuteParams& p) {
     }
 }
 
+// The warp-per-token variants (`*_w_*`): each warp takes its own token
+// (grid-stride over all warps), so a block keeps blockDim / 32 tokens in
+// flight and no block barrier separates one token from the next. A warp
+// stages its routes in its own slice of shared memory.
+#define MAX_WARPS 16
+// A store that evicts first: permute's outputs are written once and not
+// read again by the kernel.
+template <typename Vt>
+__device__ __forceinline__ void store_once(Vt* dst, Vt v) { __stcs(dst, v); }
+
+template <int V, int U>
+__device__ void permute_warp_body(const PermuteParams& p) {
+    typedef typename VecT<V>::T Vt;
+    const i64 T = p.tokens, row = p.row, N = p.out_rows;
+    const int E = (int)p.experts, S = (int)p.nscales;
+    __shared__ int staged[MAX_WARPS][ROUTE_CHUNK];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    int* rows = staged[w];
+    const i64 nv = row / V;
+    for (i64 t = (i64)blockIdx.x * wpb + w; t < T; t += (i64)gridDim.x * wpb) {
+        const int* m = p.map + t * (2 * E + 1);
+        const int n = route_count(m, E);
+        for (int k0 = 0; k0 < n; k0 += ROUTE_CHUNK) {
+            const int kn = min(ROUTE_CHUNK, n - k0);
+            __syncwarp();  // the previous chunk's readers are done
+            if (lane < kn) {
+                const int k = k0 + lane;
+                const bool ok = route_ok(m, k, E, N);
+                rows[lane] = ok ? m[k] : -1;
+                if (ok && p.pprobs) p.pprobs[m[k]] = p.probs[t * E + m[E + k]];
+            }
+            __syncwarp();
+            if (p.pscales) {
+                for (i64 i = lane; i < (i64)kn * S; i += 32) {
+                    const int d = rows[i / S];
+                    if (d >= 0) p.pscales[(i64)d * S + i % S] = p.scales[t * S + i % S];
+                }
+            }
+            const Vt* src = (const Vt*)(p.input + t * row);
+            for (i64 base = lane; base < nv; base += 32 * U) {
+                Vt r[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    i64 i = base + (i64)u * 32;
+                    if (i < nv) r[u] = src[i];
+                }
+                for (int k = 0; k < kn; ++k) {
+                    const int d = rows[k];
+                    if (d < 0) continue;
+                    Vt* dst = (Vt*)(p.out + (i64)d * row);
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        i64 i = base + (i64)u * 32;
+                        if (i < nv) store_once(dst + i, r[u]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 // Zeroes the rows no route writes: block c < E takes expert c's padding,
 // block E the rows past the last chunk.
 template <int V>
@@ -502,6 +563,39 @@ __device__ void sort_body(const SortParams& p) {
             for (int u = 0; u < U; ++u) {
                 i64 i = base + (i64)u * blockDim.x;
                 if (i < nv) dst[i] = r[u];
+            }
+        }
+    }
+}
+
+// sort_chunks_by_map, one warp per row.
+template <int V, int U>
+__device__ void sort_warp_body(const SortParams& p) {
+    typedef typename VecT<V>::T Vt;
+    const i64 T = p.tokens, row = p.row;
+    const i64 nv = row / V;
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    for (i64 t = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); t < T; t += (i64)gridDim.x * wpb) {
+        i64 m = p.map[t];
+        if (m < 0 || m >= T) {
+            if (lane == 0) atomicOr(&xcall_map_faults, FAULT_SORT_MAP);
+            continue;
+        }
+        i64 s = p.backward ? m : t, d = p.backward ? t : m;
+        if (p.pprobs && lane == 0) p.pprobs[d] = p.probs[s];
+        const Vt* src = (const Vt*)(p.input + s * row);
+        Vt* dst = (Vt*)(p.out + d * row);
+        for (i64 base = lane; base < nv; base += 32 * U) {
+            Vt r[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * 32;
+                if (i < nv) r[u] = src[i];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * 32;
+                if (i < nv) store_once(dst + i, r[u]);
             }
         }
     }
@@ -564,6 +658,93 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
 #pragma unroll
                     for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
                     dst[i].raw = pk.raw;
+                }
+            }
+        }
+    }
+}
+
+// unpermute, one warp per token: the same sums in the same order. The
+// unpermuted probs are zeroed and then each valid route writes its expert's
+// (the last valid route of an expert wins, as in the block variant).
+template <typename C, int V, int U>
+__device__ void unpermute_warp_body(const UnpermuteParams& p) {
+    typedef Pack<C, V> P;
+    const int* map = p.map;
+    const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
+    const int E = (int)p.experts;
+    const int EV = V / sizeof(typename C::S);
+    const i64 row = H * (i64)sizeof(typename C::S);
+    const i64 nv = row / V;
+    __shared__ int staged_rows[MAX_WARPS][ROUTE_CHUNK];
+    __shared__ float staged_w[MAX_WARPS][ROUTE_CHUNK];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    int* rows = staged_rows[w];
+    float* wts = staged_w[w];
+    for (i64 t = (i64)blockIdx.x * wpb + w; t < T; t += (i64)gridDim.x * wpb) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = route_count(m, E);
+        if (p.oprobs) {
+            for (int e = lane; e < E; e += 32) p.oprobs[t * E + e] = 0.0f;
+            __syncwarp();
+            for (int k = lane; k < n; k += 32) {
+                if (!route_ok(m, k, E, N)) continue;
+                bool last = true;
+                for (int j = k + 1; j < n; ++j) last &= !(m[E + j] == m[E + k] && route_ok(m, j, E, N));
+                if (last) p.oprobs[t * E + m[E + k]] = p.pprobs[m[k]];
+            }
+        }
+        // Routes past the first ROUTE_CHUNK are read from the map directly.
+        __syncwarp();
+        if (lane < min(n, ROUTE_CHUNK)) {
+            const bool ok = route_ok(m, lane, E, N);
+            rows[lane] = ok ? m[lane] : -1;
+            wts[lane] = ok && p.mprobs ? p.mprobs[t * E + m[E + lane]] : 1.0f;
+        }
+        __syncwarp();
+        for (i64 base = lane; base < nv; base += 32 * U) {
+            float acc[U][EV];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int j = 0; j < EV; ++j) acc[u][j] = 0.0f;
+            for (int k = 0; k < n; ++k) {
+                int d;
+                float wk;
+                if (k < ROUTE_CHUNK) {
+                    d = rows[k];
+                    wk = wts[k];
+                } else {
+                    const bool ok = route_ok(m, k, E, N);
+                    d = ok ? m[k] : -1;
+                    wk = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
+                }
+                if (d < 0) continue;
+                const P* src = (const P*)(p.input + (i64)d * row);
+                P pk[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    i64 i = base + (i64)u * 32;
+                    if (i < nv) pk[u].raw = src[i].raw;
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    i64 i = base + (i64)u * 32;
+                    if (i < nv) {
+#pragma unroll
+                        for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk[u].v[j]), wk));
+                    }
+                }
+            }
+            P* dst = (P*)(p.out + t * row);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                i64 i = base + (i64)u * 32;
+                if (i < nv) {
+                    P pk;
+#pragma unroll
+                    for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
+                    store_once(&dst[i].raw, pk.raw);
                 }
             }
         }
@@ -648,6 +829,100 @@ __device__ void unpermute_bwd_body(const UnpermuteParams& p) {
             }
             if (threadIdx.x == 0) pgrad[t * E + m[E + k]] = part[0];
             __syncthreads();
+        }
+    }
+}
+
+// unpermute_backward, one warp per token with the block variant's 256 dot
+// slots in registers: lane l holds slots l + 32 s (s < 8), so group q goes
+// to lane q % 32, register (q / 32) % 8, as in the block variant; the fold
+// halves 128, 64 and 32 stay in a lane and 16 .. 1 are shuffles, the same
+// additions in the same order.
+template <typename C, int V>
+__device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
+    typedef typename C::S S;
+    typedef Pack<C, V> P;
+    const int* map = p.map;
+    const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
+    const int E = (int)p.experts;
+    const int GE = 16 / sizeof(S);
+    const int EV = V / sizeof(S);
+    const i64 full = H / GE;  // whole 16-byte groups
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    for (i64 t = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); t < T; t += (i64)gridDim.x * wpb) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = route_count(m, E);
+        for (int e = lane; e < E; e += 32) {
+            bool routed = false;
+            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
+            if (!routed) p.oprobs[t * E + e] = 0.0f;
+        }
+        const S* g = (const S*)(p.input + t * H * sizeof(S));
+        for (int k = 0; k < n; ++k) {
+            if (!route_ok(m, k, E, N)) continue;  // uniform across the warp
+            const int d = m[k];
+            const float w = p.mprobs[t * E + m[E + k]];
+            const S* x = (const S*)(p.fwd + (i64)d * H * sizeof(S));
+            S* a = (S*)(p.out + (i64)d * H * sizeof(S));
+            float acc[8];
+#pragma unroll
+            for (int s = 0; s < 8; ++s) acc[s] = 0.0f;
+            // Whole groups: the eight groups of a lane are loaded before any
+            // store (a store may alias the loads, so the compiler would not
+            // move them ahead of one).
+            for (i64 q0 = lane; q0 < full; q0 += 256) {
+                P pg[8][GE / EV], px[8][GE / EV];
+#pragma unroll
+                for (int s = 0; s < 8; ++s) {
+                    const i64 q = q0 + 32 * s;
+                    if (q < full) {
+#pragma unroll
+                        for (int v = 0; v < GE / EV; ++v) {
+                            pg[s][v].raw = ((const P*)(g + q * GE))[v].raw;
+                            px[s][v].raw = ((const P*)(x + q * GE))[v].raw;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int s = 0; s < 8; ++s) {
+                    const i64 q = q0 + 32 * s;
+                    if (q < full) {
+#pragma unroll
+                        for (int v = 0; v < GE / EV; ++v) {
+                            P pa;
+#pragma unroll
+                            for (int j = 0; j < EV; ++j) {
+                                float gv = C::load(pg[s][v].v[j]);
+                                pa.v[j] = C::store(__fmul_rn(gv, w));
+                                acc[s] = __fadd_rn(acc[s], __fmul_rn(C::load(px[s][v].v[j]), gv));
+                            }
+                            store_once(&((P*)(a + q * GE))[v].raw, pa.raw);
+                        }
+                    }
+                }
+            }
+            // A partial last group comes last in its slot, as in the block
+            // variant.
+            if (full * GE < H && lane == (int)(full % 32)) {
+                const int slot = (int)((full / 32) % 8);
+#pragma unroll
+                for (int s = 0; s < 8; ++s) {
+                    if (s != slot) continue;
+                    for (i64 j = full * GE; j < H; ++j) {
+                        float gv = C::load(g[j]);
+                        a[j] = C::store(__fmul_rn(gv, w));
+                        acc[s] = __fadd_rn(acc[s], __fmul_rn(C::load(x[j]), gv));
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < 4; ++s) acc[s] = __fadd_rn(acc[s], acc[s + 4]);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) acc[s] = __fadd_rn(acc[s], acc[s + 2]);
+            float v = __fadd_rn(acc[0], acc[1]);
+#pragma unroll
+            for (int width = 16; width > 0; width >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, width));
+            if (lane == 0) p.oprobs[t * E + m[E + k]] = v;
         }
     }
 }

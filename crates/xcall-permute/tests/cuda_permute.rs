@@ -550,6 +550,50 @@ fn autotuned_results_equal_untuned_and_tuning_writes_nothing_visible() {
     assert!(tuned.len() >= 4, "tuning ran for the kernels: {tuned:?}");
 }
 
+/// Every launch config the tuner may pick (block- and warp-per-token
+/// variants, each unroll and grid) computes the Host's bits: each
+/// movement candidate forced on permute, unpermute and sort_chunks_by_map
+/// in turn, the backward's candidates round-robin beside them. One case
+/// has more routes per token than a warp stages at once (40 > 32).
+#[test]
+fn every_launch_config_equals_the_host() {
+    if cuda_devices_or_skip("permute launch configs").is_none() {
+        return;
+    }
+    use xcall_permute::cuda::{backward_candidates, movement_candidates, with_configs};
+    let mut gpu = Gpu::new();
+    let (moves, backs) = (movement_candidates(), backward_candidates());
+    let cases = [
+        (300, 8, 1000, 2, DType::Bf16),
+        (97, 64, 7, 40, DType::F32),
+        (129, 16, 515, 3, DType::F16),
+    ];
+    for (i, &m) in moves.iter().enumerate() {
+        let (t, e, h, topk, dtype) = cases[i % cases.len()];
+        let c = Case {
+            t,
+            e,
+            h,
+            topk,
+            cap: None,
+            align: (i % 2 == 0).then_some(4),
+            capacity: None,
+            dtype,
+        };
+        let forced = [
+            ("permute", m),
+            ("unpermute", m),
+            ("unpermute_backward", backs[i % backs.len()]),
+            ("sort_chunks", m),
+        ];
+        eprintln!("configs {forced:?}");
+        with_configs(&forced, || {
+            run_case(&mut gpu, &c, 1200 + i as u64, true);
+            chunk_case(&mut gpu, 5, 301, h, dtype, 1300 + i as u64, true);
+        });
+    }
+}
+
 /// The chunk-sort map of a split on Host and on CUDA (both checked to
 /// succeed), for [`Pair::same`].
 fn chunk_map_on_both(

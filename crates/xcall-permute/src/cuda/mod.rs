@@ -38,9 +38,12 @@ use module::{
 pub(crate) use module::{copy_of, take_faults};
 use params::{ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams};
 use tune::{
-    arith_width, choose, default_config, grid_for, movement_candidates, row_class, width, TuneKey,
+    arith_width, choose, default_config, grid_for, routes_class, row_class, width, TuneKey,
 };
-pub use tune::{cached_configs, set_after_tuning_hook, Config, TuningHook};
+pub use tune::{
+    backward_candidates, cached_configs, movement_candidates, set_after_tuning_hook, with_configs,
+    Config, TuningHook,
+};
 
 type Result<T> = std::result::Result<T, PermuteError>;
 
@@ -192,7 +195,10 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            (Family::Movement, &format!("permute_{v}_{}", c.unroll)),
+            (
+                Family::Movement,
+                &format!("permute_{}{v}_{}", c.infix(), c.unroll),
+            ),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
@@ -211,7 +217,13 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     };
     let config = choose(
         target,
-        ("permute", 0, v, row_class(row)),
+        (
+            "permute",
+            0,
+            v,
+            row_class(row),
+            routes_class(d.tokens, d.out_rows),
+        ),
         default_config(row / v as u64),
         &movement_candidates(),
         &[
@@ -246,7 +258,10 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            (Family::Arith(dtype), &format!("unpermute_{v}_{}", c.unroll)),
+            (
+                Family::Arith(dtype),
+                &format!("unpermute_{}{v}_{}", c.infix(), c.unroll),
+            ),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
@@ -267,7 +282,13 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     };
     let config = choose(
         target,
-        ("unpermute", dtype as u32, v, row_class(row)),
+        (
+            "unpermute",
+            dtype as u32,
+            v,
+            row_class(row),
+            routes_class(d.tokens, d.out_rows),
+        ),
         default_config(row / v as u64),
         &movement_candidates(),
         &[a.output.bytes(), opt_bytes(&a.unpermuted_probs)],
@@ -315,7 +336,11 @@ pub(crate) unsafe fn unpermute_backward(
             target,
             (
                 Family::Arith(dtype),
-                &format!("unpermute_bwd_{v}_{}", c.unroll),
+                &if c.per_warp {
+                    format!("unpermute_bwd_w_{v}")
+                } else {
+                    format!("unpermute_bwd_{v}_{}", c.unroll)
+                },
             ),
             grid_for(dev, d.tokens, c)?,
             c.threads,
@@ -335,25 +360,22 @@ pub(crate) unsafe fn unpermute_backward(
             },
         )
     };
-    let candidates: Vec<Config> = UNROLLS
-        .iter()
-        .flat_map(|&unroll| {
-            [0, 4, 8].map(|waves| Config {
-                threads: 256 / unroll,
-                unroll,
-                waves,
-            })
-        })
-        .collect();
     let config = choose(
         target,
-        ("unpermute_backward", dtype as u32, v, row_class(row)),
+        (
+            "unpermute_backward",
+            dtype as u32,
+            v,
+            row_class(row),
+            routes_class(d.tokens, d.out_rows),
+        ),
         Config {
             threads: 128,
             unroll: 2,
             waves: 0,
+            per_warp: false,
         },
-        &candidates,
+        &backward_candidates(),
         &[a.act_grad.bytes(), a.probs_grad.bytes()],
         &run,
     )?;
@@ -425,7 +447,10 @@ pub(crate) unsafe fn sort_chunks_by_map(
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            (Family::Movement, &format!("sort_{v}_{}", c.unroll)),
+            (
+                Family::Movement,
+                &format!("sort_{}{v}_{}", c.infix(), c.unroll),
+            ),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
@@ -443,7 +468,7 @@ pub(crate) unsafe fn sort_chunks_by_map(
     };
     let config = choose(
         target,
-        ("sort_chunks", 0, v, row_class(row)),
+        ("sort_chunks", 0, v, row_class(row), 0),
         default_config(row / v as u64),
         &movement_candidates(),
         &[a.output.bytes(), opt_bytes(&a.permuted_probs)],

@@ -50,6 +50,14 @@ fn instantiations(family: Family) -> String {
                         format!("permute_body<{v}, {u}>"),
                     );
                     kernel(format!("sort_{v}_{u}"), format!("sort_body<{v}, {u}>"));
+                    kernel(
+                        format!("permute_w_{v}_{u}"),
+                        format!("permute_warp_body<{v}, {u}>"),
+                    );
+                    kernel(
+                        format!("sort_w_{v}_{u}"),
+                        format!("sort_warp_body<{v}, {u}>"),
+                    );
                 }
                 kernel(format!("zero_{v}"), format!("zero_body<{v}>"));
             }
@@ -62,12 +70,22 @@ fn instantiations(family: Family) -> String {
                         format!("unpermute_{v}_{u}"),
                         format!("unpermute_body<{codec}, {v}, {u}>"),
                     );
+                    kernel(
+                        format!("unpermute_w_{v}_{u}"),
+                        format!("unpermute_warp_body<{codec}, {v}, {u}>"),
+                    );
                     if Fp8::of(dtype).is_some() {
                         continue; // fp8: unpermute without probs only
                     }
                     kernel(
                         format!("unpermute_bwd_{v}_{u}"),
                         format!("unpermute_bwd_body<{codec}, {v}, {u}>"),
+                    );
+                }
+                if Fp8::of(dtype).is_none() {
+                    kernel(
+                        format!("unpermute_bwd_w_{v}"),
+                        format!("unpermute_bwd_warp_body<{codec}, {v}>"),
                     );
                 }
             }
@@ -465,10 +483,11 @@ mod tests {
         ] {
             all.extend(signatures(&instantiations(family)));
         }
-        // 7 fixed kernels, 5 widths x 3 unrolls x (permute, sort) + 5 zero
-        // fills, 2 widths x 3 unrolls x (unpermute, backward) for two float
-        // types and unpermute only for fp8.
-        assert_eq!(all.len(), 7 + 35 + 2 * 12 + 6, "{all:?}");
+        // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
+        // warp-per-token variants) + 5 zero fills; for two float types,
+        // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
+        // the backward's warp variant); for fp8, the two unpermutes only.
+        assert_eq!(all.len(), 7 + 65 + 2 * 20 + 12, "{all:?}");
         for (name, params) in all {
             assert_eq!(params_of(&name), params, "{name}");
         }

@@ -22,11 +22,35 @@ pub struct Config {
     /// thread (`unpermute_backward`: threads = 256 / slots).
     pub unroll: u32,
     /// Blocks per multiprocessor, each looping over rows; 0 for one block
-    /// per row.
+    /// (or warp) per row.
     pub waves: u32,
+    /// Each warp takes its own row (the `*_w_*` kernels) instead of the
+    /// whole block taking one.
+    pub per_warp: bool,
 }
 
-pub(super) type TuneKey = (&'static str, u32, usize, u32);
+impl Config {
+    /// Rows one block takes at a time.
+    fn rows_per_block(self) -> u64 {
+        if self.per_warp {
+            (self.threads / 32).max(1) as u64
+        } else {
+            1
+        }
+    }
+
+    /// The kernel name's variant infix: `"w_"` for a warp-per-row kernel.
+    pub(super) fn infix(self) -> &'static str {
+        if self.per_warp {
+            "w_"
+        } else {
+            ""
+        }
+    }
+}
+
+/// (kernel, dtype, vector width, row-size class, routes-per-token class).
+pub(super) type TuneKey = (&'static str, u32, usize, u32, u32);
 
 /// The widest vector (bytes) that divides the row and every address.
 pub(super) fn width(row_bytes: u64, addresses: &[u64]) -> usize {
@@ -48,6 +72,13 @@ pub(super) fn row_class(row_bytes: u64) -> u32 {
     64 - row_bytes.max(1).leading_zeros()
 }
 
+/// The class of `out_rows / tokens` (routes per token: 1, 2, 3-4, 5-8,
+/// ...): top-1 and top-8 favour different configs.
+pub(super) fn routes_class(tokens: usize, out_rows: usize) -> u32 {
+    let per = (out_rows as u64).div_ceil(tokens.max(1) as u64).max(1);
+    64 - (per - 1).leading_zeros()
+}
+
 pub(super) fn default_config(vectors_per_row: u64) -> Config {
     let threads = (vectors_per_row.div_ceil(2))
         .next_power_of_two()
@@ -56,23 +87,78 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
         threads,
         unroll: 2,
         waves: 0,
+        per_warp: false,
     }
 }
 
-pub(super) fn movement_candidates() -> Vec<Config> {
+/// The configs tried for permute, unpermute and sort_chunks_by_map.
+#[doc(hidden)]
+pub fn movement_candidates() -> Vec<Config> {
     let mut c = Vec::new();
-    for threads in [128, 256, 512] {
-        for unroll in UNROLLS {
-            for waves in [0, 4, 8] {
-                c.push(Config {
-                    threads,
-                    unroll,
-                    waves,
-                });
+    for per_warp in [false, true] {
+        for threads in [128, 256, 512] {
+            for unroll in UNROLLS {
+                for waves in [0, 4, 8] {
+                    c.push(Config {
+                        threads,
+                        unroll,
+                        waves,
+                        per_warp,
+                    });
+                }
             }
         }
     }
     c
+}
+
+/// The configs tried for unpermute_backward: a block of 256 / slots
+/// threads per token, or a warp per token holding all 256 dot slots.
+#[doc(hidden)]
+pub fn backward_candidates() -> Vec<Config> {
+    let mut c = Vec::new();
+    for waves in [0, 4, 8] {
+        for unroll in UNROLLS {
+            c.push(Config {
+                threads: 256 / unroll,
+                unroll,
+                waves,
+                per_warp: false,
+            });
+        }
+        for threads in [128, 256, 512] {
+            c.push(Config {
+                threads,
+                unroll: 8,
+                waves,
+                per_warp: true,
+            });
+        }
+    }
+    c
+}
+
+type Forced = Vec<(&'static str, Config)>;
+
+thread_local! {
+    static FORCED: std::cell::RefCell<Forced> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Test hook: runs `f` with each named tunable kernel (`"permute"`,
+/// `"unpermute"`, `"unpermute_backward"`, `"sort_chunks"`) launched on this
+/// thread under the given config (one of that kernel's candidates),
+/// bypassing the cache and the trials, so tests can check every variant
+/// against the Host.
+#[doc(hidden)]
+pub fn with_configs<R>(configs: &[(&'static str, Config)], f: impl FnOnce() -> R) -> R {
+    struct Reset(Forced);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            FORCED.with(|c| *c.borrow_mut() = std::mem::take(&mut self.0));
+        }
+    }
+    let _reset = Reset(FORCED.with(|c| c.replace(configs.to_vec())));
+    f()
 }
 
 /// See [`set_after_tuning_hook`].
@@ -101,6 +187,10 @@ pub(super) fn choose(
     out_bytes: &[u64],
     run: &dyn Fn(Config, &[u64]) -> Result<()>,
 ) -> Result<Config> {
+    let forced = FORCED.with(|c| c.borrow().iter().find(|f| f.0 == key.0).map(|f| f.1));
+    if let Some(config) = forced {
+        return Ok(config);
+    }
     let slot = state()
         .tuned
         .get_or_init(target.device, || Mutex::new(HashMap::new()));
@@ -166,7 +256,7 @@ fn time_candidates(
 
 /// Blocks for `rows` rows under `config`.
 pub(super) fn grid_for(device: Device, rows: usize, config: Config) -> Result<u64> {
-    let rows = (rows as u64).min(1 << 20);
+    let rows = (rows as u64).div_ceil(config.rows_per_block()).min(1 << 20);
     if config.waves == 0 {
         return Ok(rows);
     }
@@ -185,7 +275,10 @@ pub fn cached_configs(device: Device) -> Vec<(String, Config)> {
             .iter()
             .map(|(k, c)| {
                 (
-                    format!("{} dtype={} vec={} row~2^{}", k.0, k.1, k.2, k.3),
+                    format!(
+                        "{} dtype={} vec={} row~2^{} routes~2^{}",
+                        k.0, k.1, k.2, k.3, k.4
+                    ),
                     *c,
                 )
             })
@@ -193,4 +286,51 @@ pub fn cached_configs(device: Device) -> Vec<(String, Config)> {
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_per_token_fall_into_power_of_two_classes() {
+        let classes: Vec<u32> = [(100, 100), (100, 101), (100, 200), (100, 300), (100, 800)]
+            .iter()
+            .map(|&(t, n)| routes_class(t, n))
+            .collect();
+        assert_eq!(classes, [0, 1, 1, 2, 3]);
+        assert_eq!(routes_class(0, 0), 0);
+        assert_eq!(routes_class(4096, 4096 * 8 - 5), 3);
+    }
+
+    #[test]
+    fn a_warp_per_row_config_takes_threads_over_32_rows_per_block() {
+        let c = |threads, per_warp| Config {
+            threads,
+            unroll: 1,
+            waves: 0,
+            per_warp,
+        };
+        assert_eq!(c(256, true).rows_per_block(), 8);
+        assert_eq!(c(256, false).rows_per_block(), 1);
+        assert_eq!(c(256, true).infix(), "w_");
+        assert_eq!(c(256, false).infix(), "");
+        // No device is asked for the SM count with waves 0.
+        assert_eq!(grid_for(Device::cuda(7), 1001, c(128, true)).unwrap(), 251);
+        assert_eq!(
+            grid_for(Device::cuda(7), 1001, c(128, false)).unwrap(),
+            1001
+        );
+    }
+
+    #[test]
+    fn forced_configs_apply_to_the_named_kernel_only_and_are_reset() {
+        let forced = |name| FORCED.with(|c| c.borrow().iter().find(|f| f.0 == name).map(|f| f.1));
+        let c = movement_candidates()[5];
+        with_configs(&[("permute", c)], || {
+            assert_eq!(forced("permute"), Some(c));
+            assert_eq!(forced("unpermute"), None);
+        });
+        assert_eq!(forced("permute"), None);
+    }
 }
