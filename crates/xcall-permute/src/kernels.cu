@@ -141,6 +141,16 @@ __device__ __forceinline__ float pow2f(int k) { return __uint_as_float((unsigned
 template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
     typedef unsigned char S;
     static __device__ __forceinline__ float load(S b) {
+#if __CUDA_ARCH__ >= 890
+        // Every fp8 value is exact in f16; a NaN stays a NaN.
+        unsigned int h2;
+        unsigned short in = b;
+        if (FN) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+        else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in));
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xffff)));
+        return f;
+#endif
         const float sign = (b & 0x80) ? -1.0f : 1.0f;
         const int exp = (b & 0x7f) >> MB, man = b & ((1 << MB) - 1), top = (1 << (7 - MB)) - 1;
         float mag;
@@ -152,6 +162,14 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
     }
     static __device__ __forceinline__ S store(float x) {
         if (isnan(x)) return 0x7f;
+#if __CUDA_ARCH__ >= 890
+        // Round to nearest even, saturating finite values and infinities to
+        // the largest finite value: the steps below, in one instruction.
+        unsigned short r;
+        if (FN) asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+        else asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+        return (S)(r & 0xff);
+#endif
         const unsigned int sign = (__float_as_uint(x) >> 24) & 0x80;
         const float a = fabsf(x);
         const int emin = 1 - BIAS, emax = MAXB >> MB;
@@ -389,6 +407,41 @@ extern "C" __global__ void chunk_map(const ChunkMapParams p) {
     }
 }
 
+// Zeroes the rows no route writes: region c < E is expert c's padding,
+// region E the rows past the last chunk; zero_body takes region blockIdx.x.
+template <int V>
+__device__ void zero_region(const PermuteParams& p, int c) {
+    typedef typename VecT<V>::T Vt;
+    const i64* tpe = p.tpe;
+    const i64* offsets = p.offsets;
+    const i64 N = p.out_rows, row = p.row, S = p.nscales;
+    const int E = (int)p.experts;
+    i64 lo = c < E ? offsets[c] + tpe[c] : offsets[E];
+    i64 hi = c < E ? offsets[c + 1] : N;
+    lo = max((i64)0, min(lo, N));
+    hi = max((i64)0, min(hi, N));
+    if (lo >= hi) return;
+    Vt* o = (Vt*)(p.out + lo * row);
+    const i64 nv = (hi - lo) * row / V;
+    Vt z;
+    memset(&z, 0, sizeof z);
+    for (i64 i = threadIdx.x; i < nv; i += blockDim.x) o[i] = z;
+    if (p.pprobs)
+        for (i64 r = lo + threadIdx.x; r < hi; r += blockDim.x) p.pprobs[r] = 0.0f;
+    if (p.pscales)
+        for (i64 i = lo * S + threadIdx.x; i < hi * S; i += blockDim.x) p.pscales[i] = 0.0f;
+}
+
+template <int V>
+__device__ void zero_body(const PermuteParams& p) { zero_region<V>(p, blockIdx.x); }
+
+// permute's own zero fill, before its tokens: the regions are disjoint from
+// every routed row, so no ordering is needed between the two.
+template <int V>
+__device__ void zero_regions(const PermuteParams& p) {
+    for (int c = blockIdx.x; c <= (int)p.experts; c += gridDim.x) zero_region<V>(p, c);
+}
+
 // ------------------------------------------------------------- movement
 // permute: one block per token (grid-stride): its row is read once per
 // ROUTE_CHUNK routes (once for top-k <= 32), U vectors per thread at a
@@ -407,6 +460,7 @@ __device__ void permute_body(const PermuteParams& p) {
     const int E = (int)p.experts, S = (int)p.nscales;
     __shared__ int rows[ROUTE_CHUNK];
     const i64 nv = row / V;
+    zero_regions<V>(p);
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
@@ -468,6 +522,7 @@ __device__ void permute_warp_body(const PermuteParams& p) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     int* rows = staged[w];
     const i64 nv = row / V;
+    zero_regions<V>(p);
     for (i64 t = (i64)blockIdx.x * wpb + w; t < T; t += (i64)gridDim.x * wpb) {
         const int* m = p.map + t * (2 * E + 1);
         const int n = route_count(m, E);
@@ -510,31 +565,6 @@ __device__ void permute_warp_body(const PermuteParams& p) {
     }
 }
 
-// Zeroes the rows no route writes: block c < E takes expert c's padding,
-// block E the rows past the last chunk.
-template <int V>
-__device__ void zero_body(const PermuteParams& p) {
-    typedef typename VecT<V>::T Vt;
-    const i64* tpe = p.tpe;
-    const i64* offsets = p.offsets;
-    const i64 N = p.out_rows, row = p.row, S = p.nscales;
-    const int E = (int)p.experts;
-    int c = blockIdx.x;
-    i64 lo = c < E ? offsets[c] + tpe[c] : offsets[E];
-    i64 hi = c < E ? offsets[c + 1] : N;
-    lo = max((i64)0, min(lo, N));
-    hi = max((i64)0, min(hi, N));
-    if (lo >= hi) return;
-    Vt* o = (Vt*)(p.out + lo * row);
-    const i64 nv = (hi - lo) * row / V;
-    Vt z;
-    memset(&z, 0, sizeof z);
-    for (i64 i = threadIdx.x; i < nv; i += blockDim.x) o[i] = z;
-    if (p.pprobs)
-        for (i64 r = lo + threadIdx.x; r < hi; r += blockDim.x) p.pprobs[r] = 0.0f;
-    if (p.pscales)
-        for (i64 i = lo * S + threadIdx.x; i < hi * S; i += blockDim.x) p.pscales[i] = 0.0f;
-}
 
 // sort_chunks_by_map: one block per row; forward scatters, backward gathers.
 template <int V, int U>

@@ -187,10 +187,10 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
         d,
         row,
     );
-    zero_unwritten(target, &outputs)?;
     if d.tokens == 0 || (row == 0 && d.scales == 0 && a.probs.is_none()) {
-        return Ok(());
+        return zero_unwritten(target, &outputs);
     }
+    // The permute kernels zero the unwritten rows themselves (one launch).
     let v = width(row, &[a.input.address, a.output.address]);
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(

@@ -110,6 +110,9 @@ fn arith_widths(dtype: DType) -> [usize; 2] {
 
 pub(super) struct Loaded {
     pub(super) function: CudaFunction,
+    /// The most threads per block the compiled kernel launches with (its
+    /// registers decide).
+    max_threads: u32,
     _module: Arc<LoadedModule>,
 }
 
@@ -136,8 +139,19 @@ pub(super) fn function(device: Device, family: Family, name: &str) -> Result<Arc
             options: &["-std=c++17"],
         },
     )?;
+    let function = module.function(name)?;
+    let mut max_threads = 0i32;
+    // SAFETY: a function of a module held by `module`; writes one int.
+    cuda::on(device, "cuFuncGetAttribute", || unsafe {
+        sys::cuFuncGetAttribute(
+            &mut max_threads,
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+            function.cu_function(),
+        )
+    })?;
     let loaded = Arc::new(Loaded {
-        function: module.function(name)?,
+        function,
+        max_threads: max_threads.max(0) as u32,
         _module: module,
     });
     register_fault_word(device, family, &loaded)?;
@@ -354,7 +368,8 @@ fn params_of(kernel: &str) -> &'static str {
 
 /// Launches kernel `name` of `family` with its parameter struct `params`
 /// on the target's stream (nothing when `grid` is 0). A struct other than
-/// the kernel's is refused.
+/// the kernel's, or more threads than the compiled kernel takes, is
+/// refused.
 pub(super) fn launch<R: KernelRecord>(
     target: &Target,
     (family, name): (Family, &str),
@@ -374,6 +389,12 @@ pub(super) fn launch<R: KernelRecord>(
         return Ok(());
     }
     let f = function(target.device, family, name)?;
+    if threads > f.max_threads {
+        return Err(PermuteError::Unsupported(format!(
+            "kernel {name} launches with at most {} threads per block on {}, not {threads}",
+            f.max_threads, target.device
+        )));
+    }
     let grid = grid.min(i32::MAX as u64) as u32;
     let config =
         Launch::linear(grid, threads, target.stream as sys::CUstream).with_shared(smem as u32);

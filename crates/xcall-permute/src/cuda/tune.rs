@@ -12,6 +12,7 @@ use xcall_core::{DType, Device};
 use super::module::{capturing, scratch};
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::Target;
+use crate::error::PermuteError;
 
 /// A launch config of a tunable kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -126,7 +127,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 per_warp: false,
             });
         }
-        for threads in [128, 256, 512] {
+        for threads in [128, 256] {
             c.push(Config {
                 threads,
                 unroll: 8,
@@ -231,7 +232,12 @@ fn time_candidates(
     let (device, stream) = (target.device, target.stream as sys::CUstream);
     let mut timed: Vec<(Event, Event, Config)> = Vec::new();
     for &c in candidates {
-        run(c, &outs)?; // warm-up
+        // Warm-up; a config the compiled kernel cannot launch with (too
+        // many threads for its registers) is left out.
+        match run(c, &outs) {
+            Err(PermuteError::Unsupported(_)) => continue,
+            r => r?,
+        }
         let (start, end) = (Event::new(device)?, Event::new(device)?);
         // SAFETY: the target's stream is a live stream of its device.
         unsafe { start.record(stream) }?;
