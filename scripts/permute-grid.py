@@ -125,10 +125,7 @@ def heat_map(rows, device):
                 if v is None:
                     continue
                 x = ox + left + c * cell
-                svg.append(
-                    f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{color(v)}">'
-                    f"<title>{key[2]} {key[0]} {key[1]} T={t} E={e} H={h} topK={k}: {v:.3f}</title></rect>"
-                )
+                svg.append(f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{color(v)}"/>')
                 svg.append(
                     f'<text x="{x + cell / 2}" y="{y + cell / 2 + 3}" text-anchor="middle" font-size="7">'
                     f"{v:.2f}</text>"

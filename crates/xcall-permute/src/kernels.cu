@@ -408,9 +408,13 @@ extern "C" __global__ void chunk_map(const ChunkMapParams p) {
 }
 
 // Zeroes the rows no route writes: region c < E is expert c's padding,
-// region E the rows past the last chunk; zero_body takes region blockIdx.x.
+// region E the rows past the last chunk. zero_region zeroes slice `part` of
+// `parts` of region c with the whole block; zero_body takes region
+// blockIdx.x whole.
+__device__ __forceinline__ i64 slice_at(i64 n, int part, int parts) { return n * part / parts; }
+
 template <int V>
-__device__ void zero_region(const PermuteParams& p, int c) {
+__device__ void zero_region(const PermuteParams& p, int c, int part, int parts) {
     typedef typename VecT<V>::T Vt;
     const i64* tpe = p.tpe;
     const i64* offsets = p.offsets;
@@ -421,25 +425,32 @@ __device__ void zero_region(const PermuteParams& p, int c) {
     lo = max((i64)0, min(lo, N));
     hi = max((i64)0, min(hi, N));
     if (lo >= hi) return;
+    const i64 rows = hi - lo;
     Vt* o = (Vt*)(p.out + lo * row);
-    const i64 nv = (hi - lo) * row / V;
+    const i64 nv = rows * row / V;
     Vt z;
     memset(&z, 0, sizeof z);
-    for (i64 i = threadIdx.x; i < nv; i += blockDim.x) o[i] = z;
+    for (i64 i = slice_at(nv, part, parts) + threadIdx.x; i < slice_at(nv, part + 1, parts); i += blockDim.x) o[i] = z;
     if (p.pprobs)
-        for (i64 r = lo + threadIdx.x; r < hi; r += blockDim.x) p.pprobs[r] = 0.0f;
+        for (i64 r = lo + slice_at(rows, part, parts) + threadIdx.x; r < lo + slice_at(rows, part + 1, parts); r += blockDim.x)
+            p.pprobs[r] = 0.0f;
     if (p.pscales)
-        for (i64 i = lo * S + threadIdx.x; i < hi * S; i += blockDim.x) p.pscales[i] = 0.0f;
+        for (i64 i = lo * S + slice_at(rows * S, part, parts) + threadIdx.x; i < lo * S + slice_at(rows * S, part + 1, parts);
+             i += blockDim.x)
+            p.pscales[i] = 0.0f;
 }
 
 template <int V>
-__device__ void zero_body(const PermuteParams& p) { zero_region<V>(p, blockIdx.x); }
+__device__ void zero_body(const PermuteParams& p) { zero_region<V>(p, blockIdx.x, 0, 1); }
 
-// permute's own zero fill, before its tokens: the regions are disjoint from
-// every routed row, so no ordering is needed between the two.
+// permute's own zero fill, before its tokens, each region in ZERO_PARTS
+// slices spread over the grid: the regions are disjoint from every routed
+// row, so no ordering is needed between the two.
+#define ZERO_PARTS 16
 template <int V>
 __device__ void zero_regions(const PermuteParams& p) {
-    for (int c = blockIdx.x; c <= (int)p.experts; c += gridDim.x) zero_region<V>(p, c);
+    const int work = ((int)p.experts + 1) * ZERO_PARTS;
+    for (int w = blockIdx.x; w < work; w += gridDim.x) zero_region<V>(p, w / ZERO_PARTS, w % ZERO_PARTS, ZERO_PARTS);
 }
 
 // ------------------------------------------------------------- movement

@@ -68,10 +68,14 @@ impl ContextGuard {
         check("cuCtxGetCurrent", device, unsafe {
             sys::cuCtxGetCurrent(&mut previous)
         })?;
-        // SAFETY: `context` is live (the caller's contract).
-        check("cuCtxSetCurrent", device, unsafe {
-            sys::cuCtxSetCurrent(context)
-        })?;
+        // Already current (the common case: one device per thread): no
+        // switch now, and on restore only if something switched meanwhile.
+        if previous != context {
+            // SAFETY: `context` is live (the caller's contract).
+            check("cuCtxSetCurrent", device, unsafe {
+                sys::cuCtxSetCurrent(context)
+            })?;
+        }
         Ok(ContextGuard {
             device,
             previous,
@@ -88,6 +92,14 @@ impl ContextGuard {
     }
 
     fn set_previous(&self) -> Result<()> {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context handle through a valid pointer.
+        check("cuCtxGetCurrent", self.device, unsafe {
+            sys::cuCtxGetCurrent(&mut current)
+        })?;
+        if current == self.previous {
+            return Ok(());
+        }
         // SAFETY: `previous` is null or the context that was current on this
         // thread when the guard was made; its owner keeps it alive.
         check("cuCtxSetCurrent", self.device, unsafe {
