@@ -12,11 +12,11 @@ out=target/device-bundle
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/c_tests" "$out/benches" "$out/bin"
 
-# Rust tests. Three need the source tree and a toolchain, which the bundle
+# Rust tests. Four need the source tree or a toolchain, which the bundle
 # does not carry: the header check (runs cbindgen), the C-test runner (the
-# bundle compiles the C tests itself, below) and the JAX runner (run-all.sh
-# runs python/tests itself).
-skip_tests="xcall-ffi-header xcall-ffi-c_tests xcall-ffi-jax"
+# bundle compiles the C tests itself, below), the JAX runner (run-all.sh
+# runs python/tests itself) and the permute grid report check (reads docs/).
+skip_tests="xcall-ffi-header xcall-ffi-c_tests xcall-ffi-jax xcall-permute-grid_report"
 copy_executables() { # <json file> <dest> <kind>
   python3 - "$1" "$2" "$3" "$skip_tests" <<'PY'
 import json, os, shutil, sys

@@ -2,12 +2,15 @@
 //! device and module family, launched on the caller's stream.
 //!
 //! Autotuning: movement and arithmetic kernels have a launch config
-//! (threads per block, vectors in flight per thread). The first call per
-//! (device, kernel, dtype, vector width, row-size class) with autotuning on
-//! and a stream that is not capturing times every candidate on scratch
+//! (threads per block, vectors in flight per thread, blocks per SM, and
+//! whether a block takes one token or each warp its own). The first call
+//! per (device, kernel, dtype, vector width, row-size class, routes-per-
+//! token class) with autotuning on and a stream that is not capturing runs
+//! every candidate once, then times all of them in two passes on scratch
 //! outputs (stream-ordered allocations freed right after; nothing the
 //! caller can see is written), waits for the stream once, and caches the
-//! fastest config for the device. Under capture, or with autotuning off,
+//! fastest config for the device. A candidate the compiled kernel cannot
+//! launch with (more threads than its registers allow) is left out. Under capture, or with autotuning off,
 //! the cached config or the default is used. Every config computes the
 //! same bits (the summation order never depends on the config).
 //!
