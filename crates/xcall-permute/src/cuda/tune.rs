@@ -338,6 +338,43 @@ mod tests {
     }
 
     #[test]
+    fn the_vector_width_divides_the_row_and_every_address() {
+        assert_eq!(width(14336, &[0x1000, 0x2000]), 16);
+        assert_eq!(width(14336, &[0x1000, 0x2008]), 8);
+        assert_eq!(width(12, &[0x1000]), 4);
+        assert_eq!(width(6, &[0x1000, 0x1002]), 2);
+        assert_eq!(width(7, &[0x1000]), 1);
+        // fp32 rows whose addresses are only 4-byte aligned: the element.
+        assert_eq!(arith_width(DType::F32, 64, &[0x1004]), 4);
+        assert_eq!(arith_width(DType::Bf16, 64, &[0x1000]), 16);
+        assert_eq!(arith_width(DType::Bf16, 6, &[0x1000]), 2);
+    }
+
+    #[test]
+    fn row_classes_are_powers_of_two() {
+        let classes: Vec<u32> = [0, 1, 2, 3, 1024, 1025, 14336]
+            .iter()
+            .map(|&r| row_class(r))
+            .collect();
+        assert_eq!(classes, [1, 1, 2, 2, 11, 11, 14]);
+    }
+
+    #[test]
+    fn backward_candidates_keep_256_dot_slots_per_token() {
+        let c = backward_candidates();
+        assert_eq!(c.len(), 15);
+        for k in &c {
+            if k.per_warp {
+                assert_eq!(k.unroll, 8, "{k:?}");
+                assert!(k.threads <= 256 && k.threads % 32 == 0, "{k:?}");
+            } else {
+                assert_eq!(k.threads * k.unroll, 256, "{k:?}");
+            }
+        }
+        assert_eq!(movement_candidates().len(), 54);
+    }
+
+    #[test]
     fn forced_configs_apply_to_the_named_kernel_only_and_are_reset() {
         let forced = |name| FORCED.with(|c| c.borrow().iter().find(|f| f.0 == name).map(|f| f.1));
         let c = movement_candidates()[5];
