@@ -156,6 +156,38 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| g.next_f32()).collect()
 }
 
+/// Captures one call of `f` on `stream` (thread-local capture mode) into an
+/// executable graph, for benches that time graph replays; the graph itself
+/// is destroyed once instantiated. Panics on a driver error (a bench
+/// helper).
+pub fn capture_exec(
+    stream: &cudarc::driver::CudaStream,
+    f: &mut dyn FnMut(),
+) -> cudarc::driver::sys::CUgraphExec {
+    use cudarc::driver::sys;
+    let stream = stream.cu_stream();
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: captures work enqueued on a live stream by this thread, then
+    // instantiates it; the graph is destroyed once instantiated.
+    unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .result()
+        .unwrap();
+        f();
+        sys::cuStreamEndCapture(stream, &mut graph)
+            .result()
+            .unwrap();
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+            .result()
+            .unwrap();
+        sys::cuGraphDestroy(graph).result().unwrap();
+    }
+    exec
+}
+
 /// Times every variant once per round, round after round (so clock drift
 /// affects all alike), after a warm-up of 30 rounds; returns each
 /// variant's CUDA-event median in ms. The variants enqueue work on

@@ -7,7 +7,7 @@
 //! nearly all writes).
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr};
-use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, XorShift};
+use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, XorShift};
 use xcall_core::{cuda, DType, Device, FloatCodec};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -17,29 +17,6 @@ use xcall_permute::chunks::Direction;
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
-
-/// Captures one call of `f` on stream `s` into an executable graph.
-fn capture(s: sys::CUstream, f: &mut Box<dyn FnMut() + '_>) -> sys::CUgraphExec {
-    let mut graph = std::ptr::null_mut();
-    let mut exec = std::ptr::null_mut();
-    // SAFETY: captures work enqueued on a live stream by this thread, then
-    // instantiates it; the graph itself is destroyed once instantiated.
-    unsafe {
-        sys::cuStreamBeginCapture_v2(
-            s,
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .result()
-        .unwrap();
-        f();
-        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
-        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-            .result()
-            .unwrap();
-        sys::cuGraphDestroy(graph).result().unwrap();
-    }
-    exec
-}
 
 fn main() {
     if cuda_devices_or_skip("bench cuda_permute").is_none() {
@@ -212,7 +189,10 @@ fn main() {
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
         // The same ops replayed from CUDA graphs: device time without the
         // Host's launch and argument checks (how a graph cache runs them).
-        let graphs: Vec<sys::CUgraphExec> = variants.iter_mut().map(|v| capture(s, v)).collect();
+        let graphs: Vec<sys::CUgraphExec> = variants
+            .iter_mut()
+            .map(|v| capture_exec(&stream, &mut **v))
+            .collect();
         let mut replays: Vec<Box<dyn FnMut() + '_>> = graphs
             .iter()
             .map(|&g| -> Box<dyn FnMut() + '_> {

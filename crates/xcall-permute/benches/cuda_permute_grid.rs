@@ -16,7 +16,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
-use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, XorShift};
+use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, XorShift};
 use xcall_core::{cuda, DType, Device, FloatCodec};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -33,28 +33,6 @@ const ES: [usize; 5] = [4, 8, 64, 128, 256];
 /// the device (a whole [N, H] tensor of random values would take minutes
 /// to make).
 const BLOCK: usize = 64 << 20;
-
-/// Captures one call of `f` on stream `s` into an executable graph.
-fn capture(s: sys::CUstream, f: &mut dyn FnMut()) -> sys::CUgraphExec {
-    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
-    // SAFETY: captures work enqueued on a live stream by this thread, then
-    // instantiates it; the graph itself is destroyed once instantiated.
-    unsafe {
-        sys::cuStreamBeginCapture_v2(
-            s,
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .result()
-        .unwrap();
-        f();
-        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
-        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-            .result()
-            .unwrap();
-        sys::cuGraphDestroy(graph).result().unwrap();
-    }
-    exec
-}
 
 /// Fills `bytes` of `dst` with random finite values of `dtype`.
 fn fill(stream: &Arc<CudaStream>, dst: &CudaSlice<u8>, bytes: usize, dtype: DType, seed: u64) {
@@ -437,7 +415,10 @@ fn run_shape(
         (op.2)();
     }
     stream.synchronize().unwrap();
-    let graphs: Vec<sys::CUgraphExec> = ops.iter_mut().map(|op| capture(cs, &mut op.2)).collect();
+    let graphs: Vec<sys::CUgraphExec> = ops
+        .iter_mut()
+        .map(|op| capture_exec(stream, &mut *op.2))
+        .collect();
     let mut replays: Vec<Box<dyn FnMut() + '_>> = graphs
         .iter()
         .map(|&g| -> Box<dyn FnMut() + '_> {
