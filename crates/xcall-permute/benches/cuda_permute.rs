@@ -105,36 +105,20 @@ fn main() {
             tokens_per_expert: tensor(&d_tpe, DType::I64, &[e]),
             expert_offsets: tensor(&d_off, DType::I64, &[e + 1]),
         };
-        let permute = PermuteArgs {
-            input: tensor(&d_in, DType::Bf16, &[t, h]),
-            row_id_map: rim.row_id_map.clone(),
-            tokens_per_expert: rim.tokens_per_expert.clone(),
-            expert_offsets: rim.expert_offsets.clone(),
-            probs: Some(tensor(&d_probs, DType::F32, &[t, e])),
-            scales: None,
-            output: tensor(&d_perm, DType::Bf16, &[n, h]),
-            permuted_probs: Some(tensor(&d_pp, DType::F32, &[n])),
-            permuted_scales: None,
-            in_place: false,
-        };
-        let unpermute = UnpermuteArgs {
-            input: permute.output.clone(),
-            row_id_map: rim.row_id_map.clone(),
-            merging_probs: permute.probs.clone(),
-            permuted_probs: None,
-            output: tensor(&d_back, DType::Bf16, &[t, h]),
-            unpermuted_probs: None,
-        };
-        let backward = UnpermuteBackwardArgs {
-            grad: unpermute.output.clone(),
-            fwd_input: permute.output.clone(),
-            row_id_map: rim.row_id_map.clone(),
-            tokens_per_expert: rim.tokens_per_expert.clone(),
-            expert_offsets: rim.expert_offsets.clone(),
-            merging_probs: permute.probs.clone().unwrap(),
-            act_grad: tensor(&d_act, DType::Bf16, &[n, h]),
-            probs_grad: tensor(&d_pg, DType::F32, &[t, e]),
-        };
+        let (permute, unpermute, backward) = ops_of(
+            &rim,
+            [
+                tensor(&d_in, DType::Bf16, &[t, h]),
+                tensor(&d_probs, DType::F32, &[t, e]),
+                tensor(&d_perm, DType::Bf16, &[n, h]),
+                tensor(&d_pp, DType::F32, &[n]),
+            ],
+            [
+                tensor(&d_back, DType::Bf16, &[t, h]),
+                tensor(&d_act, DType::Bf16, &[n, h]),
+                tensor(&d_pg, DType::F32, &[t, e]),
+            ],
+        );
         let cmap = MakeChunkSortMapArgs {
             split_sizes: tensor(&d_sizes, DType::I64, &[e]),
             sorted_indices: tensor(&d_sorted_idx, DType::I64, &[e]),
@@ -257,6 +241,48 @@ fn main() {
     }
 }
 
+/// The timed ops over the map of `rim`: permute of `input` [T, H] with
+/// `probs` [T, E] into `output` [N, H] and `permuted_probs` [N]; unpermute
+/// of that output, merging the probs, into `back` [T, H]; and its backward
+/// (the gradient `back`) into `act_grad` [N, H] and `probs_grad` [T, E].
+fn ops_of(
+    rim: &MakeRowIdMapArgs,
+    [input, probs, output, permuted_probs]: [Tensor; 4],
+    [back, act_grad, probs_grad]: [Tensor; 3],
+) -> (PermuteArgs, UnpermuteArgs, UnpermuteBackwardArgs) {
+    let unpermute = UnpermuteArgs {
+        input: output.clone(),
+        row_id_map: rim.row_id_map.clone(),
+        merging_probs: Some(probs.clone()),
+        permuted_probs: None,
+        output: back.clone(),
+        unpermuted_probs: None,
+    };
+    let backward = UnpermuteBackwardArgs {
+        grad: back,
+        fwd_input: output.clone(),
+        row_id_map: rim.row_id_map.clone(),
+        tokens_per_expert: rim.tokens_per_expert.clone(),
+        expert_offsets: rim.expert_offsets.clone(),
+        merging_probs: probs.clone(),
+        act_grad,
+        probs_grad,
+    };
+    let permute = PermuteArgs {
+        input,
+        row_id_map: rim.row_id_map.clone(),
+        tokens_per_expert: rim.tokens_per_expert.clone(),
+        expert_offsets: rim.expert_offsets.clone(),
+        probs: Some(probs),
+        scales: None,
+        output,
+        permuted_probs: Some(permuted_probs),
+        permuted_scales: None,
+        in_place: false,
+    };
+    (permute, unpermute, backward)
+}
+
 /// An op's name and one eager call of it.
 type NamedCall<'a> = (&'static str, Box<dyn FnMut() + 'a>);
 
@@ -311,36 +337,20 @@ fn host_cost(target: &Target) {
             tokens_per_expert: ten(alloc(e * 8), DType::I64, &[e]),
             expert_offsets: ten(alloc((e + 1) * 8), DType::I64, &[e + 1]),
         };
-        let permute = PermuteArgs {
-            input: ten(alloc(bytes), DType::Bf16, &[t, h]),
-            row_id_map: rim.row_id_map.clone(),
-            tokens_per_expert: rim.tokens_per_expert.clone(),
-            expert_offsets: rim.expert_offsets.clone(),
-            probs: Some(ten(alloc(t * e * 4), DType::F32, &[t, e])),
-            scales: None,
-            output: ten(alloc(bytes), DType::Bf16, &[n, h]),
-            permuted_probs: Some(ten(alloc(n * 4), DType::F32, &[n])),
-            permuted_scales: None,
-            in_place: false,
-        };
-        let unpermute = UnpermuteArgs {
-            input: permute.output.clone(),
-            row_id_map: rim.row_id_map.clone(),
-            merging_probs: permute.probs.clone(),
-            permuted_probs: None,
-            output: ten(alloc(bytes), DType::Bf16, &[t, h]),
-            unpermuted_probs: None,
-        };
-        let backward = UnpermuteBackwardArgs {
-            grad: unpermute.output.clone(),
-            fwd_input: permute.output.clone(),
-            row_id_map: rim.row_id_map.clone(),
-            tokens_per_expert: rim.tokens_per_expert.clone(),
-            expert_offsets: rim.expert_offsets.clone(),
-            merging_probs: permute.probs.clone().unwrap(),
-            act_grad: ten(alloc(bytes), DType::Bf16, &[n, h]),
-            probs_grad: ten(alloc(t * e * 4), DType::F32, &[t, e]),
-        };
+        let (permute, unpermute, backward) = ops_of(
+            &rim,
+            [
+                ten(alloc(bytes), DType::Bf16, &[t, h]),
+                ten(alloc(t * e * 4), DType::F32, &[t, e]),
+                ten(alloc(bytes), DType::Bf16, &[n, h]),
+                ten(alloc(n * 4), DType::F32, &[n]),
+            ],
+            [
+                ten(alloc(bytes), DType::Bf16, &[t, h]),
+                ten(alloc(bytes), DType::Bf16, &[n, h]),
+                ten(alloc(t * e * 4), DType::F32, &[t, e]),
+            ],
+        );
         let scratch = alloc(64);
         let median = |f: &mut dyn FnMut()| -> f64 {
             for _ in 0..20 {

@@ -150,7 +150,7 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h2 & 0xffff)));
         return f;
-#endif
+#else
         const float sign = (b & 0x80) ? -1.0f : 1.0f;
         const int exp = (b & 0x7f) >> MB, man = b & ((1 << MB) - 1), top = (1 << (7 - MB)) - 1;
         float mag;
@@ -159,6 +159,7 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         else if (exp == 0) mag = (float)man * pow2f(1 - BIAS - MB);
         else mag = (float)((1 << MB) + man) * pow2f(exp - BIAS - MB);
         return sign * mag;
+#endif
     }
     static __device__ __forceinline__ S store(float x) {
         if (isnan(x)) return 0x7f;
@@ -169,7 +170,7 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         if (FN) asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
         else asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
         return (S)(r & 0xff);
-#endif
+#else
         const unsigned int sign = (__float_as_uint(x) >> 24) & 0x80;
         const float a = fabsf(x);
         const int emin = 1 - BIAS, emax = MAXB >> MB;
@@ -184,6 +185,7 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
             bits = ((e + BIAS) << MB) | (m - (1 << MB));
         }
         return (S)(sign | (unsigned int)min(bits, MAXB));
+#endif
     }
 };
 typedef F8<3, 7, 0x7e, true> F8E4M3;
@@ -454,111 +456,75 @@ __device__ void zero_regions(const PermuteParams& p) {
 }
 
 // ------------------------------------------------------------- movement
-// permute: one block per token (grid-stride): its row is read once per
-// ROUTE_CHUNK routes (once for top-k <= 32), U vectors per thread at a
-// time, and written to each route. The chunk's routes are checked once and
-// staged in shared memory (-1: a route skipped as invalid), so the copy
-// loop reads rows from shared memory and checks nothing.
-#define ROUTE_CHUNK 32
-template <int V, int U>
-__device__ void permute_body(const PermuteParams& p) {
-    typedef typename VecT<V>::T Vt;
-    const unsigned char* in = p.input;
-    const int* map = p.map;
-    float* pprobs = p.pprobs;
-    float* pscales = p.pscales;
-    const i64 T = p.tokens, row = p.row, N = p.out_rows;
-    const int E = (int)p.experts, S = (int)p.nscales;
-    __shared__ int rows[ROUTE_CHUNK];
-    const i64 nv = row / V;
-    zero_regions<V>(p);
-    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
-        const int* m = map + t * (2 * E + 1);
-        const int n = route_count(m, E);
-        for (int k0 = 0; k0 < n; k0 += ROUTE_CHUNK) {
-            const int kn = min(ROUTE_CHUNK, n - k0);
-            __syncthreads();  // the previous chunk's readers are done
-            for (int j = threadIdx.x; j < kn; j += blockDim.x) {
-                const int k = k0 + j;
-                const bool ok = route_ok(m, k, E, N);
-                rows[j] = ok ? m[k] : -1;
-                if (ok && pprobs) pprobs[m[k]] = p.probs[t * E + m[E + k]];
-            }
-            __syncthreads();
-            if (pscales) {
-                for (i64 i = threadIdx.x; i < (i64)kn * S; i += blockDim.x) {
-                    const int d = rows[i / S];
-                    if (d >= 0) pscales[(i64)d * S + i % S] = p.scales[t * S + i % S];
-                }
-            }
-            const Vt* src = (const Vt*)(in + t * row);
-            for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
-                Vt r[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    i64 i = base + (i64)u * blockDim.x;
-                    if (i < nv) r[u] = src[i];
-                }
-                for (int k = 0; k < kn; ++k) {
-                    const int d = rows[k];
-                    if (d < 0) continue;
-                    Vt* dst = (Vt*)(p.out + (i64)d * row);
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        i64 i = base + (i64)u * blockDim.x;
-                        if (i < nv) dst[i] = r[u];
-                    }
-                }
-            }
-        }
-    }
-}
-
-// The warp-per-token variants (`*_w_*`): each warp takes its own token
+// Who works on one token: the whole block (one token per block, grid-
+// stride), or, for the `*_w_*` kernels (WARP), each warp its own token
 // (grid-stride over all warps), so a block keeps blockDim / 32 tokens in
-// flight and no block barrier separates one token from the next. A warp
-// stages its routes in its own slice of shared memory.
+// flight with no block barrier between them. `staged` is the group's slice
+// of a kernel's shared staging arrays.
 #define MAX_WARPS 16
-// A store that evicts first: permute's outputs are written once and not
-// read again by the kernel.
+template <bool WARP> struct Group {
+    int first, step, slot;
+    i64 t0, tstep;
+    __device__ Group() {
+        const int wpb = blockDim.x >> 5;
+        first = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+        step = WARP ? 32 : (int)blockDim.x;
+        slot = WARP ? (int)(threadIdx.x >> 5) : 0;
+        t0 = WARP ? (i64)blockIdx.x * wpb + slot : (i64)blockIdx.x;
+        tstep = WARP ? (i64)gridDim.x * wpb : (i64)gridDim.x;
+    }
+    __device__ void sync() const {
+        if (WARP) __syncwarp();
+        else __syncthreads();
+    }
+};
+
+// A store that evicts first: the outputs are written once and not read
+// again by the kernel.
 template <typename Vt>
 __device__ __forceinline__ void store_once(Vt* dst, Vt v) { __stcs(dst, v); }
 
-template <int V, int U>
-__device__ void permute_warp_body(const PermuteParams& p) {
+// permute: a token's row is read once per ROUTE_CHUNK routes (once for
+// top-k <= 32), U vectors per thread at a time, and written to each route.
+// The chunk's routes are checked once and staged in shared memory (-1: a
+// route skipped as invalid), so the copy loop reads rows from shared memory
+// and checks nothing. The unwritten rows are zeroed first.
+#define ROUTE_CHUNK 32
+template <int V, int U, bool WARP>
+__device__ void permute_body(const PermuteParams& p) {
     typedef typename VecT<V>::T Vt;
+    const Group<WARP> g;
     const i64 T = p.tokens, row = p.row, N = p.out_rows;
     const int E = (int)p.experts, S = (int)p.nscales;
     __shared__ int staged[MAX_WARPS][ROUTE_CHUNK];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-    int* rows = staged[w];
+    int* rows = staged[g.slot];
     const i64 nv = row / V;
     zero_regions<V>(p);
-    for (i64 t = (i64)blockIdx.x * wpb + w; t < T; t += (i64)gridDim.x * wpb) {
+    for (i64 t = g.t0; t < T; t += g.tstep) {
         const int* m = p.map + t * (2 * E + 1);
         const int n = route_count(m, E);
         for (int k0 = 0; k0 < n; k0 += ROUTE_CHUNK) {
             const int kn = min(ROUTE_CHUNK, n - k0);
-            __syncwarp();  // the previous chunk's readers are done
-            if (lane < kn) {
-                const int k = k0 + lane;
+            g.sync();  // the previous chunk's readers are done
+            for (int j = g.first; j < kn; j += g.step) {
+                const int k = k0 + j;
                 const bool ok = route_ok(m, k, E, N);
-                rows[lane] = ok ? m[k] : -1;
+                rows[j] = ok ? m[k] : -1;
                 if (ok && p.pprobs) p.pprobs[m[k]] = p.probs[t * E + m[E + k]];
             }
-            __syncwarp();
+            g.sync();
             if (p.pscales) {
-                for (i64 i = lane; i < (i64)kn * S; i += 32) {
+                for (i64 i = g.first; i < (i64)kn * S; i += g.step) {
                     const int d = rows[i / S];
                     if (d >= 0) p.pscales[(i64)d * S + i % S] = p.scales[t * S + i % S];
                 }
             }
             const Vt* src = (const Vt*)(p.input + t * row);
-            for (i64 base = lane; base < nv; base += 32 * U) {
+            for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
                 Vt r[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    i64 i = base + (i64)u * 32;
+                    i64 i = base + (i64)u * g.step;
                     if (i < nv) r[u] = src[i];
                 }
                 for (int k = 0; k < kn; ++k) {
@@ -567,7 +533,7 @@ __device__ void permute_warp_body(const PermuteParams& p) {
                     Vt* dst = (Vt*)(p.out + (i64)d * row);
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
-                        i64 i = base + (i64)u * 32;
+                        i64 i = base + (i64)u * g.step;
                         if (i < nv) store_once(dst + i, r[u]);
                     }
                 }
@@ -576,66 +542,33 @@ __device__ void permute_warp_body(const PermuteParams& p) {
     }
 }
 
-
-// sort_chunks_by_map: one block per row; forward scatters, backward gathers.
-template <int V, int U>
+// sort_chunks_by_map: forward scatters, backward gathers.
+template <int V, int U, bool WARP>
 __device__ void sort_body(const SortParams& p) {
     typedef typename VecT<V>::T Vt;
+    const Group<WARP> g;
     const i64 T = p.tokens, row = p.row;
     const i64 nv = row / V;
-    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+    for (i64 t = g.t0; t < T; t += g.tstep) {
         i64 m = p.map[t];
         if (m < 0 || m >= T) {
-            if (threadIdx.x == 0) atomicOr(&xcall_map_faults, FAULT_SORT_MAP);
+            if (g.first == 0) atomicOr(&xcall_map_faults, FAULT_SORT_MAP);
             continue;
         }
         i64 s = p.backward ? m : t, d = p.backward ? t : m;
-        if (p.pprobs && threadIdx.x == 0) p.pprobs[d] = p.probs[s];
+        if (p.pprobs && g.first == 0) p.pprobs[d] = p.probs[s];
         const Vt* src = (const Vt*)(p.input + s * row);
         Vt* dst = (Vt*)(p.out + d * row);
-        for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
+        for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
             Vt r[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * blockDim.x;
+                i64 i = base + (i64)u * g.step;
                 if (i < nv) r[u] = src[i];
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * blockDim.x;
-                if (i < nv) dst[i] = r[u];
-            }
-        }
-    }
-}
-
-// sort_chunks_by_map, one warp per row.
-template <int V, int U>
-__device__ void sort_warp_body(const SortParams& p) {
-    typedef typename VecT<V>::T Vt;
-    const i64 T = p.tokens, row = p.row;
-    const i64 nv = row / V;
-    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
-    for (i64 t = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); t < T; t += (i64)gridDim.x * wpb) {
-        i64 m = p.map[t];
-        if (m < 0 || m >= T) {
-            if (lane == 0) atomicOr(&xcall_map_faults, FAULT_SORT_MAP);
-            continue;
-        }
-        i64 s = p.backward ? m : t, d = p.backward ? t : m;
-        if (p.pprobs && lane == 0) p.pprobs[d] = p.probs[s];
-        const Vt* src = (const Vt*)(p.input + s * row);
-        Vt* dst = (Vt*)(p.out + d * row);
-        for (i64 base = lane; base < nv; base += 32 * U) {
-            Vt r[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * 32;
-                if (i < nv) r[u] = src[i];
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * 32;
+                i64 i = base + (i64)u * g.step;
                 if (i < nv) store_once(dst + i, r[u]);
             }
         }
@@ -643,74 +576,16 @@ __device__ void sort_warp_body(const SortParams& p) {
 }
 
 // ------------------------------------------------------------ arithmetic
-// unpermute: one block per token; each element sums its routes in route
-// order in f32: acc = acc + x * w (weight 1 without merging probs).
-template <typename C, int V, int U>
+// unpermute: each element sums its routes in route order in f32:
+// acc = acc + x * w (weight 1 without merging probs). The first
+// ROUTE_CHUNK routes' rows and weights are staged in shared memory (-1: a
+// route skipped as invalid); routes past them are read from the map. The
+// unpermuted probs are zeroed and then each valid route writes its
+// expert's (the last valid route of an expert wins).
+template <typename C, int V, int U, bool WARP>
 __device__ void unpermute_body(const UnpermuteParams& p) {
     typedef Pack<C, V> P;
-    const unsigned char* in = p.input;
-    const int* map = p.map;
-    const float* mprobs = p.mprobs;
-    float* uprobs = p.oprobs;
-    const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
-    const int E = (int)p.experts;
-    const int EV = V / sizeof(typename C::S);
-    const i64 row = H * (i64)sizeof(typename C::S);
-    const i64 nv = row / V;
-    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
-        const int* m = map + t * (2 * E + 1);
-        const int n = route_count(m, E);
-        if (uprobs) {
-            for (int e = threadIdx.x; e < E; e += blockDim.x) {
-                float v = 0.0f;
-                for (int k = 0; k < n; ++k) {
-                    if (m[E + k] == e && route_ok(m, k, E, N)) v = p.pprobs[m[k]];
-                }
-                uprobs[t * E + e] = v;
-            }
-        }
-        for (i64 base = threadIdx.x; base < nv; base += (i64)blockDim.x * U) {
-            float acc[U][EV];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int j = 0; j < EV; ++j) acc[u][j] = 0.0f;
-            for (int k = 0; k < n; ++k) {
-                if (!route_ok(m, k, E, N)) continue;
-                float w = mprobs ? mprobs[t * E + m[E + k]] : 1.0f;
-                const P* src = (const P*)(in + (i64)m[k] * row);
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    i64 i = base + (i64)u * blockDim.x;
-                    if (i < nv) {
-                        P pk;
-                        pk.raw = src[i].raw;
-#pragma unroll
-                        for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk.v[j]), w));
-                    }
-                }
-            }
-            P* dst = (P*)(p.out + t * row);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * blockDim.x;
-                if (i < nv) {
-                    P pk;
-#pragma unroll
-                    for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
-                    dst[i].raw = pk.raw;
-                }
-            }
-        }
-    }
-}
-
-// unpermute, one warp per token: the same sums in the same order. The
-// unpermuted probs are zeroed and then each valid route writes its expert's
-// (the last valid route of an expert wins, as in the block variant).
-template <typename C, int V, int U>
-__device__ void unpermute_warp_body(const UnpermuteParams& p) {
-    typedef Pack<C, V> P;
+    const Group<WARP> g;
     const int* map = p.map;
     const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
     const int E = (int)p.experts;
@@ -719,31 +594,29 @@ __device__ void unpermute_warp_body(const UnpermuteParams& p) {
     const i64 nv = row / V;
     __shared__ int staged_rows[MAX_WARPS][ROUTE_CHUNK];
     __shared__ float staged_w[MAX_WARPS][ROUTE_CHUNK];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wpb = blockDim.x >> 5;
-    int* rows = staged_rows[w];
-    float* wts = staged_w[w];
-    for (i64 t = (i64)blockIdx.x * wpb + w; t < T; t += (i64)gridDim.x * wpb) {
+    int* rows = staged_rows[g.slot];
+    float* wts = staged_w[g.slot];
+    for (i64 t = g.t0; t < T; t += g.tstep) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
         if (p.oprobs) {
-            for (int e = lane; e < E; e += 32) p.oprobs[t * E + e] = 0.0f;
-            __syncwarp();
-            for (int k = lane; k < n; k += 32) {
+            for (int e = g.first; e < E; e += g.step) p.oprobs[t * E + e] = 0.0f;
+            g.sync();
+            for (int k = g.first; k < n; k += g.step) {
                 if (!route_ok(m, k, E, N)) continue;
                 bool last = true;
                 for (int j = k + 1; j < n; ++j) last &= !(m[E + j] == m[E + k] && route_ok(m, j, E, N));
                 if (last) p.oprobs[t * E + m[E + k]] = p.pprobs[m[k]];
             }
         }
-        // Routes past the first ROUTE_CHUNK are read from the map directly.
-        __syncwarp();
-        if (lane < min(n, ROUTE_CHUNK)) {
-            const bool ok = route_ok(m, lane, E, N);
-            rows[lane] = ok ? m[lane] : -1;
-            wts[lane] = ok && p.mprobs ? p.mprobs[t * E + m[E + lane]] : 1.0f;
+        g.sync();  // the previous token's readers are done
+        for (int k = g.first; k < min(n, ROUTE_CHUNK); k += g.step) {
+            const bool ok = route_ok(m, k, E, N);
+            rows[k] = ok ? m[k] : -1;
+            wts[k] = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
         }
-        __syncwarp();
-        for (i64 base = lane; base < nv; base += 32 * U) {
+        g.sync();
+        for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
             float acc[U][EV];
 #pragma unroll
             for (int u = 0; u < U; ++u)
@@ -765,12 +638,12 @@ __device__ void unpermute_warp_body(const UnpermuteParams& p) {
                 P pk[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    i64 i = base + (i64)u * 32;
+                    i64 i = base + (i64)u * g.step;
                     if (i < nv) pk[u].raw = src[i].raw;
                 }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
-                    i64 i = base + (i64)u * 32;
+                    i64 i = base + (i64)u * g.step;
                     if (i < nv) {
 #pragma unroll
                         for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk[u].v[j]), wk));
@@ -780,7 +653,7 @@ __device__ void unpermute_warp_body(const UnpermuteParams& p) {
             P* dst = (P*)(p.out + t * row);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                i64 i = base + (i64)u * 32;
+                i64 i = base + (i64)u * g.step;
                 if (i < nv) {
                     P pk;
 #pragma unroll

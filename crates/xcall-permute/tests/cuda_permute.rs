@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
-use xcall_core::testing::{cuda_devices_or_skip, XorShift};
+use xcall_core::testing::{capture_exec, cuda_devices_or_skip, XorShift};
 use xcall_core::{DType, Status};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -51,31 +51,19 @@ impl Gpu {
         work: impl FnOnce() -> Result<(), PermuteError>,
         before_replay: impl FnOnce(),
     ) {
-        let stream = self.stream.cu_stream();
-        let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: capture on a live stream of this context; `work`'s buffers
-        // outlive the replay, and the graph and executable are destroyed
-        // once the stream is idle.
+        let mut work = Some(work);
+        let mut result = None;
+        let exec = capture_exec(&self.stream, &mut || result = work.take().map(|w| w()));
+        result.expect("captured once").unwrap();
+        before_replay();
+        // SAFETY: an executable graph of this stream's context, whose
+        // buffers outlive the replay; destroyed once the stream is idle.
         unsafe {
-            sys::cuStreamBeginCapture_v2(
-                stream,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-            .result()
-            .unwrap();
-            let r = work();
-            sys::cuStreamEndCapture(stream, &mut graph)
+            sys::cuGraphLaunch(exec, self.stream.cu_stream())
                 .result()
                 .unwrap();
-            r.unwrap();
-            before_replay();
-            sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-                .result()
-                .unwrap();
-            sys::cuGraphLaunch(exec, stream).result().unwrap();
             self.stream.synchronize().unwrap();
             sys::cuGraphExecDestroy(exec);
-            sys::cuGraphDestroy(graph);
         }
     }
 

@@ -339,11 +339,7 @@ pub(crate) unsafe fn unpermute_backward(
             target,
             (
                 Family::Arith(dtype),
-                &if c.per_warp {
-                    format!("unpermute_bwd_w_{v}")
-                } else {
-                    format!("unpermute_bwd_{v}_{}", c.unroll)
-                },
+                &format!("unpermute_bwd_{}{v}_{}", c.infix(), c.unroll),
             ),
             grid_for(dev, d.tokens, c)?,
             c.threads,

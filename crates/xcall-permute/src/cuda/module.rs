@@ -14,6 +14,7 @@ use super::params::{
     self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
     UnpermuteParams,
 };
+use super::tune::WARP_INFIX;
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::{NamedTensors, Target, Tensor};
 use crate::check::Dims;
@@ -33,6 +34,10 @@ pub(super) enum Family {
     Arith(DType),
 }
 
+/// The block-per-token and warp-per-token variants: kernel name infix and
+/// the body's `WARP` argument.
+const VARIANTS: [(&str, bool); 2] = [("", false), (WARP_INFIX, true)];
+
 /// The `extern "C"` kernels of a module: each takes its family's parameter
 /// struct (see `params.rs`) and calls the body template.
 fn instantiations(family: Family) -> String {
@@ -45,19 +50,16 @@ fn instantiations(family: Family) -> String {
         Family::Movement => {
             for v in MOVE_WIDTHS {
                 for u in UNROLLS {
-                    kernel(
-                        format!("permute_{v}_{u}"),
-                        format!("permute_body<{v}, {u}>"),
-                    );
-                    kernel(format!("sort_{v}_{u}"), format!("sort_body<{v}, {u}>"));
-                    kernel(
-                        format!("permute_w_{v}_{u}"),
-                        format!("permute_warp_body<{v}, {u}>"),
-                    );
-                    kernel(
-                        format!("sort_w_{v}_{u}"),
-                        format!("sort_warp_body<{v}, {u}>"),
-                    );
+                    for (infix, warp) in VARIANTS {
+                        kernel(
+                            format!("permute_{infix}{v}_{u}"),
+                            format!("permute_body<{v}, {u}, {warp}>"),
+                        );
+                        kernel(
+                            format!("sort_{infix}{v}_{u}"),
+                            format!("sort_body<{v}, {u}, {warp}>"),
+                        );
+                    }
                 }
                 kernel(format!("zero_{v}"), format!("zero_body<{v}>"));
             }
@@ -66,14 +68,12 @@ fn instantiations(family: Family) -> String {
             let codec = codec_name(dtype);
             for v in arith_widths(dtype) {
                 for u in UNROLLS {
-                    kernel(
-                        format!("unpermute_{v}_{u}"),
-                        format!("unpermute_body<{codec}, {v}, {u}>"),
-                    );
-                    kernel(
-                        format!("unpermute_w_{v}_{u}"),
-                        format!("unpermute_warp_body<{codec}, {v}, {u}>"),
-                    );
+                    for (infix, warp) in VARIANTS {
+                        kernel(
+                            format!("unpermute_{infix}{v}_{u}"),
+                            format!("unpermute_body<{codec}, {v}, {u}, {warp}>"),
+                        );
+                    }
                     if Fp8::of(dtype).is_some() {
                         continue; // fp8: unpermute without probs only
                     }
@@ -83,8 +83,9 @@ fn instantiations(family: Family) -> String {
                     );
                 }
                 if Fp8::of(dtype).is_none() {
+                    // The warp variant holds all 256 dot slots (unroll 8).
                     kernel(
-                        format!("unpermute_bwd_w_{v}"),
+                        format!("unpermute_bwd_{WARP_INFIX}{v}_8"),
                         format!("unpermute_bwd_warp_body<{codec}, {v}>"),
                     );
                 }

@@ -14,6 +14,9 @@ use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::Target;
 use crate::error::PermuteError;
 
+/// The kernel name infix of the warp-per-row variants (`permute_w_16_2`).
+pub(super) const WARP_INFIX: &str = "w_";
+
 /// A launch config of a tunable kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Config {
@@ -40,10 +43,11 @@ impl Config {
         }
     }
 
-    /// The kernel name's variant infix: `"w_"` for a warp-per-row kernel.
+    /// The kernel name's variant infix: [`WARP_INFIX`] for a warp-per-row
+    /// kernel.
     pub(super) fn infix(self) -> &'static str {
         if self.per_warp {
-            "w_"
+            WARP_INFIX
         } else {
             ""
         }
