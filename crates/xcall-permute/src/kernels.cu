@@ -577,9 +577,9 @@ __device__ void sort_body(const SortParams& p) {
 
 // ------------------------------------------------------------ arithmetic
 // unpermute: each element sums its routes in route order in f32:
-// acc = acc + x * w (weight 1 without merging probs). The first
-// ROUTE_CHUNK routes' rows and weights are staged in shared memory (-1: a
-// route skipped as invalid); routes past them are read from the map. The
+// acc = acc + x * w (weight 1 without merging probs). A warp stages its
+// first ROUTE_CHUNK routes' rows and weights in shared memory (-1: a route
+// skipped as invalid); other routes are read from the map. The
 // unpermuted probs are zeroed and then each valid route writes its
 // expert's (the last valid route of an expert wins).
 template <typename C, int V, int U, bool WARP>
@@ -609,13 +609,18 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 if (last) p.oprobs[t * E + m[E + k]] = p.pprobs[m[k]];
             }
         }
-        g.sync();  // the previous token's readers are done
-        for (int k = g.first; k < min(n, ROUTE_CHUNK); k += g.step) {
-            const bool ok = route_ok(m, k, E, N);
-            rows[k] = ok ? m[k] : -1;
-            wts[k] = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
+        // A warp stages its first routes; a block reads them from the map
+        // (two block barriers per token cost more than the reads).
+        const int staged_n = WARP ? min(n, ROUTE_CHUNK) : 0;
+        if (WARP) {
+            g.sync();  // the previous token's readers are done
+            for (int k = g.first; k < staged_n; k += g.step) {
+                const bool ok = route_ok(m, k, E, N);
+                rows[k] = ok ? m[k] : -1;
+                wts[k] = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
+            }
+            g.sync();
         }
-        g.sync();
         for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
             float acc[U][EV];
 #pragma unroll
@@ -625,7 +630,7 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
             for (int k = 0; k < n; ++k) {
                 int d;
                 float wk;
-                if (k < ROUTE_CHUNK) {
+                if (k < staged_n) {
                     d = rows[k];
                     wk = wts[k];
                 } else {
