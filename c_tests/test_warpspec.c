@@ -106,6 +106,53 @@ int main(void) {
   }
   CHECK(mismatches == 0);
 
+  /* silu with one scale per group of 1000 elements (the first 10000). */
+  {
+    static float scales[10];
+    const xcall_target host = {XCALL_PLATFORM_HOST, 0, NULL};
+    const size_t bytes = 10000 * sizeof(float), group = 1000 * sizeof(float);
+    for (i = 0; i < 10; i++) scales[i] = 0.25f + 0.5f * (float)i;
+    for (i = 0; i < N; i++) out[i] = NAN; /* poisoned */
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1, out, bytes,
+                                      scales, group),
+                 XCALL_STATUS_OK);
+    mismatches = 0;
+    for (i = 0; i < 10000; i++) {
+      double want = (double)a[i] / (1.0 + exp(-(double)a[i])) * scales[i / 1000];
+      mismatches += fabs(out[i] - want) > 1e-5 * (fabs(want) > 1.0 ? fabs(want) : 1.0);
+    }
+    CHECK(mismatches == 0);
+    CHECK(isnan(out[10000])); /* past the buffer: untouched */
+
+    /* Bad groups and scales: a specific error each, the output untouched. */
+    for (i = 0; i < N; i++) out[i] = NAN;
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 2, out, bytes, scales,
+                                      group),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "takes no scales");
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1, out, bytes,
+                                      NULL, group),
+                 XCALL_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1, out, bytes,
+                                      scales, 24),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "do not divide");
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1, out, bytes,
+                                      scales, 0),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1, out, bytes,
+                                      (const float *)((const char *)scales + 2), group),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "4-byte aligned");
+    CHECK_STATUS(xcall_ws_run_grouped(&host, XCALL_WS_OP_SILU_SCALE, XCALL_DTYPE_F32, NULL, inputs, 1, out, bytes,
+                                      out + 9995, group),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "overlaps the scales");
+    mismatches = 0;
+    for (i = 0; i < N; i++) mismatches += !isnan(out[i]);
+    CHECK(mismatches == 0);
+  }
+
   /* Errors: overlap, operand count, NULLs, unknown op. */
   inputs[1] = out;
   CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 2, out,

@@ -1631,6 +1631,35 @@ xcall_status xcall_ws_run(const xcall_target *target,
                           size_t bytes,
                           float scale);
 
+/**
+ * `xcall_ws_run` of `XCALL_WS_OP_SILU_SCALE` with one scale per group of
+ * `group_bytes` bytes: `output = silu(inputs[0]) * scales[g]` over the
+ * bytes `[g * group_bytes, (g + 1) * group_bytes)`, e.g. one scale per
+ * expert over capacity-sized blocks of rows, so that one call covers every
+ * expert. `scales` holds `bytes / group_bytes` floats (host memory on a
+ * Host target, device memory of the target's device on CUDA), 4-byte
+ * aligned, not overlapping the output; `group_bytes` divides `bytes` and
+ * is a multiple of 16 (or equals `bytes`).
+ *
+ * Errors: those of `xcall_ws_run`; `XCALL_STATUS_NULL_ARGUMENT` for NULL
+ * `scales`; `XCALL_STATUS_INVALID_ARGUMENT` for an op other than
+ * `XCALL_WS_OP_SILU_SCALE`, groups that do not divide the buffer,
+ * misaligned scales or scales overlapping the output.
+ *
+ * Bad input: as listed under Errors, each checked before anything runs
+ * (sizes in 64 bits); nothing is written on an error.
+ */
+xcall_status xcall_ws_run_grouped(const xcall_target *target,
+                                  xcall_ws_op op,
+                                  xcall_dtype dtype,
+                                  const xcall_ws_op_config *config,
+                                  const void *const *inputs,
+                                  size_t num_inputs,
+                                  void *output,
+                                  size_t bytes,
+                                  const float *scales,
+                                  size_t group_bytes);
+
 /* ======================================================================
  * XLA FFI handlers
  *

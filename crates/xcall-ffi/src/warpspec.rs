@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{DType, Status};
 use xcall_warpspec::codegen::{generate, ElementwiseOp};
-use xcall_warpspec::ops::{OpConfig, OpError};
+use xcall_warpspec::ops::{GroupScales, OpConfig, OpError};
 use xcall_warpspec::verify::{verify_within, Budget};
 use xcall_warpspec::OpCall;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
@@ -339,50 +339,130 @@ pub extern "C" fn xcall_ws_run(
     scale: f32,
 ) -> Status {
     ffi_call!({
-        let target = xcall_target::read(target, "target")?;
-        let device = target.device()?;
-        let stream = target.cuda_stream(device).unwrap_or(std::ptr::null_mut());
-        let (op, dtype) = (op.get()?, dtype.get()?);
-        // SAFETY: NULL or a valid config, per the documentation.
-        let config = match unsafe { config.as_ref() } {
-            Some(c) => OpConfig {
-                stages: c.stages,
-                tile_bytes: c.tile_bytes,
-                compute_warpgroups: c.compute_warpgroups,
-            },
-            None => OpConfig::default(),
-        };
-        if inputs.is_null() {
-            return Err(FfiError::new(Status::NullArgument, "inputs is NULL"));
+        // SAFETY: the caller's promises, as documented above.
+        unsafe {
+            run(
+                target, op, dtype, config, inputs, num_inputs, output, bytes, scale, None,
+            )
         }
-        if num_inputs != op.operands() {
-            return Err(FfiError::new(
-                Status::InvalidArgument,
-                format!("{op:?} takes {} input(s), got {num_inputs}", op.operands()),
-            ));
-        }
-        // SAFETY: the caller promises num_inputs readable pointers (and the
-        // count was checked against the op before the read).
-        let inputs: Vec<u64> = unsafe { std::slice::from_raw_parts(inputs, num_inputs) }
-            .iter()
-            .map(|&p| p as u64)
-            .collect();
-        let call = OpCall {
-            device,
-            stream,
-            op,
-            dtype,
-            config,
-            variant: xcall_warpspec::cuda::Variant::WarpSpecialized,
-            inputs: &inputs,
-            output: output as u64,
-            bytes: bytes as u64,
-            scale,
-        };
-        // SAFETY: the caller's promises on the buffers and the stream, as
-        // documented above.
-        Ok(unsafe { xcall_warpspec::run(&call) }?)
     })
+}
+
+/// `xcall_ws_run` of `XCALL_WS_OP_SILU_SCALE` with one scale per group of
+/// `group_bytes` bytes: `output = silu(inputs[0]) * scales[g]` over the
+/// bytes `[g * group_bytes, (g + 1) * group_bytes)`, e.g. one scale per
+/// expert over capacity-sized blocks of rows, so that one call covers every
+/// expert. `scales` holds `bytes / group_bytes` floats (host memory on a
+/// Host target, device memory of the target's device on CUDA), 4-byte
+/// aligned, not overlapping the output; `group_bytes` divides `bytes` and
+/// is a multiple of 16 (or equals `bytes`).
+///
+/// Errors: those of `xcall_ws_run`; `XCALL_STATUS_NULL_ARGUMENT` for NULL
+/// `scales`; `XCALL_STATUS_INVALID_ARGUMENT` for an op other than
+/// `XCALL_WS_OP_SILU_SCALE`, groups that do not divide the buffer,
+/// misaligned scales or scales overlapping the output.
+///
+/// Bad input: as listed under Errors, each checked before anything runs
+/// (sizes in 64 bits); nothing is written on an error.
+#[allow(clippy::too_many_arguments)]
+#[no_mangle]
+pub extern "C" fn xcall_ws_run_grouped(
+    target: *const xcall_target,
+    op: WsOpCode,
+    dtype: DTypeCode,
+    config: *const xcall_ws_op_config,
+    inputs: *const *const c_void,
+    num_inputs: usize,
+    output: *mut c_void,
+    bytes: usize,
+    scales: *const f32,
+    group_bytes: usize,
+) -> Status {
+    ffi_call!({
+        let scales = GroupScales {
+            addr: scales as u64,
+            group_bytes: group_bytes as u64,
+        };
+        // SAFETY: the caller's promises, as documented above.
+        unsafe {
+            run(
+                target,
+                op,
+                dtype,
+                config,
+                inputs,
+                num_inputs,
+                output,
+                bytes,
+                0.0,
+                Some(scales),
+            )
+        }
+    })
+}
+
+/// What `xcall_ws_run` and `xcall_ws_run_grouped` do after reading their
+/// arguments.
+///
+/// # Safety
+/// The pointers as the two functions document them.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run(
+    target: *const xcall_target,
+    op: WsOpCode,
+    dtype: DTypeCode,
+    config: *const xcall_ws_op_config,
+    inputs: *const *const c_void,
+    num_inputs: usize,
+    output: *mut c_void,
+    bytes: usize,
+    scale: f32,
+    scales: Option<GroupScales>,
+) -> Result<(), FfiError> {
+    let target = xcall_target::read(target, "target")?;
+    let device = target.device()?;
+    let stream = target.cuda_stream(device).unwrap_or(std::ptr::null_mut());
+    let (op, dtype) = (op.get()?, dtype.get()?);
+    // SAFETY: NULL or a valid config, per the documentation.
+    let config = match unsafe { config.as_ref() } {
+        Some(c) => OpConfig {
+            stages: c.stages,
+            tile_bytes: c.tile_bytes,
+            compute_warpgroups: c.compute_warpgroups,
+        },
+        None => OpConfig::default(),
+    };
+    if inputs.is_null() {
+        return Err(FfiError::new(Status::NullArgument, "inputs is NULL"));
+    }
+    if num_inputs != op.operands() {
+        return Err(FfiError::new(
+            Status::InvalidArgument,
+            format!("{op:?} takes {} input(s), got {num_inputs}", op.operands()),
+        ));
+    }
+    // SAFETY: the caller promises num_inputs readable pointers (and the
+    // count was checked against the op before the read).
+    let inputs: Vec<u64> = unsafe { std::slice::from_raw_parts(inputs, num_inputs) }
+        .iter()
+        .map(|&p| p as u64)
+        .collect();
+    let call = OpCall {
+        device,
+        stream,
+        op,
+        dtype,
+        config,
+        variant: xcall_warpspec::cuda::Variant::WarpSpecialized,
+        inputs: &inputs,
+        output: output as u64,
+        bytes: bytes as u64,
+        scale,
+        scales,
+    };
+    // SAFETY: the caller's promises on the buffers and the stream, as
+    // documented on the two functions.
+    Ok(unsafe { xcall_warpspec::run(&call) }?)
 }
 
 c_code!(

@@ -1,14 +1,20 @@
-//! `mul` on 256 MiB per operand, side by side in one run: the
-//! warp-specialized kernel with 1..4 stages, the plain vectorized kernel of
-//! the same op and a device-to-device copy. GB/s count bytes read plus
-//! bytes written; times are CUDA-event medians of interleaved rounds after
-//! warm-up.
+//! Two tables, each side by side in one run with a device-to-device copy
+//! of the same bytes:
+//! - `mul` f32 on 256 MiB per operand: the warp-specialized kernel with
+//!   1..4 stages, the plain vectorized kernel;
+//! - `silu(x) * scale_e` at the MoE layer's shapes (rows = E x capacity,
+//!   one scale per expert's block of rows, H in {2048, 4096, 7168}, bf16
+//!   and f32): the plain kernel and the warp-specialized one with several
+//!   stage, tile and compute-warpgroup counts.
+//!
+//! GB/s count bytes read plus bytes written; times are CUDA-event medians
+//! of interleaved rounds after warm-up.
 
 use cudarc::driver::{sys, CudaContext, DevicePtr};
 use xcall_core::{cuda, DType, Device};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
-use xcall_warpspec::ops::OpConfig;
+use xcall_warpspec::ops::{GroupScales, OpConfig};
 
 const BYTES: u64 = 256 << 20;
 const ROUNDS: usize = 100;
@@ -43,6 +49,7 @@ fn main() {
         inputs: &inputs,
         output: po,
         bytes: BYTES,
+        scales: None,
     };
     let s = stream.cu_stream();
     let run = |variant: Variant, config: &OpConfig| {
@@ -110,5 +117,123 @@ fn main() {
             3.0 * BYTES as f64 / t / 1e6
         };
         println!("{name:<44} {t:>9.3} {gbs:>9.1} {:>8.3}", gbs / copy_gbs);
+    }
+    drop((a, b, out));
+    silu_tables(&ctx, &stream);
+}
+
+/// The expert op's configs the second table tries.
+const SILU_CONFIGS: [(u32, u32, u32); 6] = [
+    (4, 16384, 2),
+    (4, 16384, 3),
+    (4, 16384, 4),
+    (2, 32768, 4),
+    (6, 8192, 4),
+    (3, 32768, 3),
+];
+
+/// `silu(x) * scale_e` over E experts' blocks of C rows of H elements.
+fn silu_tables(
+    ctx: &std::sync::Arc<CudaContext>,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) {
+    let device = Device::cuda(0);
+    let (experts, capacity) = (8usize, 2048usize);
+    println!(
+        "\nsilu(x) * scale_e, {experts} experts x {capacity} rows, one scale per expert; ratio over a copy of the same bytes"
+    );
+    println!(
+        "{:<6} {:>5} {:>9} {:>9} {:>7} {}",
+        "dtype",
+        "H",
+        "copy us",
+        "copy GB/s",
+        "plain",
+        SILU_CONFIGS
+            .iter()
+            .map(|(s, t, w)| format!("{:>12}", format!("{s}x{}K,{w}wg", t / 1024)))
+            .collect::<String>()
+    );
+    let kernels = WsKernels::new();
+    for dtype in [DType::Bf16, DType::F32] {
+        for hidden in [2048usize, 4096, 7168] {
+            let rows = experts * capacity;
+            let elems = rows * hidden;
+            let bytes = (elems * dtype.size_bytes()) as u64;
+            let fill: Vec<u8> = match dtype {
+                DType::F32 => xcall_core::testing::random_f32(elems, 5)
+                    .iter()
+                    .flat_map(|v| (v * 4.0).to_le_bytes())
+                    .collect(),
+                _ => xcall_core::testing::random_f32(elems, 5)
+                    .iter()
+                    .flat_map(|v| ((((v * 4.0).to_bits()) >> 16) as u16).to_le_bytes())
+                    .collect(),
+            };
+            let x = stream.clone_htod(&fill).unwrap();
+            let y = stream.clone_htod(&fill).unwrap();
+            let scales: Vec<f32> = (0..experts).map(|e| 0.5 + e as f32 * 0.125).collect();
+            let ds = stream.clone_htod(&scales).unwrap();
+            let (px, py) = (x.device_ptr(stream).0, y.device_ptr(stream).0);
+            let inputs = [px];
+            let bufs = DeviceBuffers {
+                inputs: &inputs,
+                output: py,
+                bytes,
+                scales: Some(GroupScales {
+                    addr: ds.device_ptr(stream).0,
+                    group_bytes: bytes / experts as u64,
+                }),
+            };
+            let s = stream.cu_stream();
+            let run = |variant: Variant, config: &OpConfig| {
+                // SAFETY: a live stream of cuda:0; two allocations of
+                // `bytes` bytes and one of `experts` scales.
+                unsafe {
+                    kernels.launch(
+                        device,
+                        s,
+                        ElementwiseOp::SiluScale,
+                        dtype,
+                        variant,
+                        config,
+                        &bufs,
+                        0.0,
+                    )
+                }
+                .unwrap();
+            };
+            let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
+                Box::new(|| {
+                    // SAFETY: copies between two live allocations of `bytes` bytes.
+                    unsafe { sys::cuMemcpyDtoDAsync_v2(py, px, bytes as usize, s) }
+                        .result()
+                        .unwrap();
+                }),
+                Box::new(|| run(Variant::Plain, &OpConfig::default())),
+            ];
+            for (stages, tile_bytes, compute_warpgroups) in SILU_CONFIGS {
+                let config = OpConfig {
+                    stages,
+                    tile_bytes,
+                    compute_warpgroups,
+                };
+                variants.push(Box::new(move || run(Variant::WarpSpecialized, &config)));
+            }
+            let ms = xcall_core::testing::interleaved_medians(ctx, stream, 30, &mut variants);
+            drop(variants);
+            let copy_gbs = 2.0 * bytes as f64 / ms[0] / 1e6;
+            println!(
+                "{:<6} {hidden:>5} {:>9.1} {copy_gbs:>9.1} {}",
+                dtype.to_string(),
+                ms[0] * 1e3,
+                ms[1..]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| format!("{:>w$.3}", ms[0] / t, w = if i == 0 { 7 } else { 12 }))
+                    .collect::<Vec<_>>()
+                    .join("")
+            );
+        }
     }
 }

@@ -12,8 +12,10 @@ use xcall_core::cuda::{self, Launch, Params};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{DType, Device, DeviceMap, Error, KernelCache, KernelSource, Result};
 
-use crate::codegen::{generate, generate_plain, ElementwiseOp, GeneratedKernel, WsParams};
-use crate::ops::OpConfig;
+use crate::codegen::{
+    generate, generate_plain, ElementwiseOp, GeneratedKernel, WsParams, PLAIN_TILE_BYTES,
+};
+use crate::ops::{check_scales, GroupScales, OpConfig};
 
 /// Where the operands and the result live on the device.
 #[derive(Clone, Copy, Debug)]
@@ -24,6 +26,9 @@ pub struct DeviceBuffers<'a> {
     pub output: u64,
     /// Bytes of every operand and of the result.
     pub bytes: u64,
+    /// `SiluScale`'s scales per group (device memory), or `None` for the
+    /// launch's one scale.
+    pub scales: Option<GroupScales>,
 }
 
 /// Which kernel to run.
@@ -35,7 +40,9 @@ pub enum Variant {
     Plain,
 }
 
-fn check(op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>) -> Result<()> {
+/// Checks a launch's buffers; returns the bytes of a scale group (all of
+/// them without grouped scales).
+fn check(op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>) -> Result<u64> {
     if !matches!(dtype, DType::F32 | DType::Bf16) {
         return Err(Error::Unsupported(format!(
             "warp-specialized ops support f32 and bf16, not {dtype}"
@@ -71,7 +78,15 @@ fn check(op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>) -> Result<()> {
             return Err(Error::InvalidArgument(format!("output overlaps input {i}")));
         }
     }
-    Ok(())
+    match (op, &b.scales) {
+        (_, None) => Ok(b.bytes),
+        (ElementwiseOp::SiluScale, Some(s)) => {
+            check_scales(s, b.bytes, dtype.size_bytes() as u64, b.output)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            Ok(s.group_bytes)
+        }
+        (op, Some(_)) => Err(Error::InvalidArgument(format!("{op:?} takes no scales"))),
+    }
 }
 
 /// A kernel ready to launch on one device.
@@ -174,28 +189,27 @@ impl WsKernels {
         buffers: &DeviceBuffers<'_>,
         scale: f32,
     ) -> Result<()> {
-        check(op, dtype, buffers)?;
+        let group_bytes = check(op, dtype, buffers)?;
         cuda::check_device(device)?;
         let p = self.prepare(device, (op, dtype, variant, *config))?;
         if buffers.bytes == 0 {
             return Ok(());
         }
-        let grid = match variant {
-            Variant::WarpSpecialized => buffers
-                .bytes
-                .div_ceil(config.tile_bytes as u64)
-                .min(p.multiprocessors as u64),
-            Variant::Plain => buffers
-                .bytes
-                .div_ceil(16)
-                .div_ceil(256)
-                .min(p.multiprocessors as u64 * 8),
-        } as u32;
+        // Work items are the tiles of every group; the grid never exceeds
+        // them.
+        let (tile, blocks) = match variant {
+            Variant::WarpSpecialized => (config.tile_bytes as u64, p.multiprocessors as u64),
+            Variant::Plain => (PLAIN_TILE_BYTES, p.multiprocessors as u64 * 8),
+        };
+        let items = (buffers.bytes / group_bytes) * group_bytes.div_ceil(tile);
+        let grid = items.min(blocks) as u32;
         let mut params = Params::new().record(&WsParams {
             src0: buffers.inputs[0],
             src1: buffers.inputs.get(1).copied().unwrap_or(0),
             dst: buffers.output,
             bytes: buffers.bytes,
+            scales: buffers.scales.map_or(0, |s| s.addr),
+            group_bytes,
             scale,
             reserved: 0,
         });

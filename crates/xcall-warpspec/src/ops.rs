@@ -99,19 +99,94 @@ fn codec(dtype: DType) -> Result<FloatCodec, OpError> {
         })
 }
 
-/// `silu(x) * scale` in f32, the definition both platforms follow.
+/// `silu(x) * scale` in f32, the definition both platforms follow (CUDA
+/// with the fast exp and division: within a few ulp, see the tests).
 pub fn silu_scale_f32(x: f32, scale: f32) -> f32 {
     x / (1.0 + (-x).exp()) * scale
 }
 
-/// Streams `inputs` through the plan; `f` maps the elements at one index of
-/// every input to the output element.
+/// Per-group scales of `silu(x) * scale` by address (host memory on Host,
+/// device memory on CUDA): one f32 for every `group_bytes` bytes of the
+/// buffer, e.g. one per expert over its capacity-sized block of rows, so
+/// that one launch covers every expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupScales {
+    /// Address of `bytes / group_bytes` f32 scales (4-byte aligned, not
+    /// overlapping the output).
+    pub addr: u64,
+    /// Bytes of one group: a divisor of the buffer's bytes and a multiple
+    /// of 16 (or the whole buffer).
+    pub group_bytes: u64,
+}
+
+/// The scale of `silu(x) * scale` on the Host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scale<'a> {
+    /// One scale for every element.
+    One(f32),
+    /// `scales[g]` for the bytes `[g * group_bytes, (g + 1) * group_bytes)`.
+    PerGroup {
+        /// One scale per group.
+        scales: &'a [f32],
+        /// Bytes of a group (see [`GroupScales::group_bytes`]).
+        group_bytes: usize,
+    },
+}
+
+/// The number of scale groups of a `bytes`-byte buffer cut into groups of
+/// `group_bytes`, or why it cannot be cut so.
+pub fn groups_of(bytes: u64, group_bytes: u64) -> Result<u64, OpError> {
+    if group_bytes == 0 || bytes % group_bytes != 0 {
+        return Err(OpError::Input(format!(
+            "scale groups of {group_bytes} bytes do not divide the buffer's {bytes} bytes"
+        )));
+    }
+    if group_bytes != bytes && group_bytes % 16 != 0 {
+        return Err(OpError::Input(format!(
+            "scale groups of {group_bytes} bytes: a group is a multiple of 16 bytes (or the whole buffer)"
+        )));
+    }
+    Ok(bytes / group_bytes)
+}
+
+/// Checks grouped scales at `s` for a `bytes`-byte buffer written at
+/// `output` (`elem`-byte elements): NULL, alignment, the groups, and
+/// overlap with the output (64-bit sizes). Returns the number of groups.
+pub fn check_scales(s: &GroupScales, bytes: u64, elem: u64, output: u64) -> Result<u64, OpError> {
+    if s.addr == 0 {
+        return Err(OpError::Null("the scales are NULL".into()));
+    }
+    if s.addr % 4 != 0 {
+        return Err(OpError::Input(format!(
+            "the scales at {:#x} are not 4-byte aligned",
+            s.addr
+        )));
+    }
+    let groups = groups_of(bytes, s.group_bytes)?;
+    if s.group_bytes % elem != 0 {
+        return Err(OpError::Input(format!(
+            "scale groups of {} bytes split {elem}-byte elements",
+            s.group_bytes
+        )));
+    }
+    let end = groups
+        .checked_mul(4)
+        .and_then(|n| s.addr.checked_add(n))
+        .ok_or_else(|| OpError::Input("the scales pass the end of the address space".into()))?;
+    if bytes > 0 && s.addr < output.saturating_add(bytes) && output < end {
+        return Err(OpError::Input("the output overlaps the scales".into()));
+    }
+    Ok(groups)
+}
+
+/// Streams `inputs` through the plan; `f` maps the element index and the
+/// elements at that index of every input to the output element.
 fn run_elementwise(
     dtype: DType,
     inputs: &[&[u8]],
     out: &mut [u8],
     config: &OpConfig,
-    f: impl Fn(&[f32]) -> f32 + Sync,
+    f: impl Fn(usize, &[f32]) -> f32 + Sync,
 ) -> Result<(), OpError> {
     let codec = codec(dtype)?;
     let size = dtype.size_bytes();
@@ -144,13 +219,14 @@ fn run_elementwise(
             (t.warpgroup as usize * per).min(elements),
             ((t.warpgroup as usize + 1) * per).min(elements),
         );
+        let first = t.index * (tile / size);
         let mut out = tiles[t.index].lock().unwrap_or_else(|p| p.into_inner());
         let mut args = vec![0f32; t.inputs.len()];
         for i in lo..hi {
             for (a, input) in args.iter_mut().zip(&t.inputs) {
                 *a = codec.load(input, i);
             }
-            codec.store(&mut out, i, f(&args));
+            codec.store(&mut out, i, f(first + i, &args));
         }
     })?;
     Ok(())
@@ -164,16 +240,36 @@ pub fn mul_host(
     out: &mut [u8],
     config: &OpConfig,
 ) -> Result<(), OpError> {
-    run_elementwise(dtype, &[a, b], out, config, |v| v[0] * v[1])
+    run_elementwise(dtype, &[a, b], out, config, |_, v| v[0] * v[1])
 }
 
-/// `out = silu(x) * scale` elementwise on the Host executor (one async warp).
+/// `out = silu(x) * scale` elementwise on the Host executor (one async
+/// warp), with one scale or one per group.
 pub fn silu_scale_host(
     dtype: DType,
     x: &[u8],
-    scale: f32,
+    scale: Scale<'_>,
     out: &mut [u8],
     config: &OpConfig,
 ) -> Result<(), OpError> {
-    run_elementwise(dtype, &[x], out, config, |v| silu_scale_f32(v[0], scale))
+    match scale {
+        Scale::One(s) => run_elementwise(dtype, &[x], out, config, |_, v| silu_scale_f32(v[0], s)),
+        Scale::PerGroup {
+            scales,
+            group_bytes,
+        } => {
+            let groups = groups_of(out.len() as u64, group_bytes as u64)?;
+            let size = dtype.size_bytes();
+            if group_bytes % size != 0 || groups != scales.len() as u64 {
+                return Err(OpError::Input(format!(
+                    "{} scales for {groups} groups of {group_bytes} bytes ({dtype} elements)",
+                    scales.len()
+                )));
+            }
+            let per_group = group_bytes / size;
+            run_elementwise(dtype, &[x], out, config, |i, v| {
+                silu_scale_f32(v[0], scales[i / per_group])
+            })
+        }
+    }
 }

@@ -2,7 +2,9 @@
 //!
 //! [`run`] checks, in this order and before anything runs: the operand
 //! count, NULL addresses, overlap of the output with every input (refused;
-//! sizes in 64 bits), the Host device's ordinal; then runs the op on the
+//! sizes in 64 bits), grouped scales (only `SiluScale` takes them; NULL,
+//! alignment, groups that divide the buffer, overlap with the output), the
+//! Host device's ordinal; then runs the op on the
 //! Host executor or enqueues the warp-specialized kernel on the caller's
 //! stream, with the process's prepared kernels ([`shared_kernels`]).
 
@@ -12,7 +14,7 @@ use xcall_core::{DType, Device, Platform};
 
 use crate::codegen::ElementwiseOp;
 use crate::cuda::{DeviceBuffers, Variant, WsKernels};
-use crate::ops::{mul_host, silu_scale_host, OpConfig, OpError};
+use crate::ops::{check_scales, mul_host, silu_scale_host, GroupScales, OpConfig, OpError, Scale};
 
 /// A call of a built-in op.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +39,9 @@ pub struct OpCall<'a> {
     pub bytes: u64,
     /// The scale of `SiluScale` (ignored by `Mul`).
     pub scale: f32,
+    /// `SiluScale`'s scales per group instead of `scale` (`Mul` takes
+    /// none).
+    pub scales: Option<GroupScales>,
 }
 
 /// The process's prepared CUDA kernels of the built-in ops (per device).
@@ -64,14 +69,21 @@ fn check(c: &OpCall<'_>) -> Result<(), OpError> {
             return Err(OpError::Input(format!("the output overlaps input {i}")));
         }
     }
-    Ok(())
+    match (c.op, &c.scales) {
+        (_, None) => Ok(()),
+        (ElementwiseOp::SiluScale, Some(s)) => {
+            check_scales(s, c.bytes, c.dtype.size_bytes() as u64, c.output).map(|_| ())
+        }
+        (op, Some(_)) => Err(OpError::Input(format!("{op:?} takes no scales"))),
+    }
 }
 
 /// Runs `call`: on Host directly, on CUDA (Hopper) enqueued on its stream.
 ///
 /// # Safety
 /// Every input must be `bytes` readable bytes and the output `bytes`
-/// writable bytes of `call.device` (host memory on Host; on CUDA device
+/// writable bytes (and grouped scales `bytes / group_bytes` readable f32)
+/// of `call.device` (host memory on Host; on CUDA device
 /// memory, until the enqueued kernel completes), and on CUDA the stream must
 /// be a live stream of that device.
 pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
@@ -96,10 +108,25 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
                 .collect();
             // SAFETY: as above, for the output.
             let out = unsafe { std::slice::from_raw_parts_mut(call.output as *mut u8, bytes) };
+            let scale = match call.scales {
+                None => Scale::One(call.scale),
+                Some(s) => Scale::PerGroup {
+                    // SAFETY: `bytes / group_bytes` f32 at a 4-byte aligned
+                    // address (checked; the caller's contract), not
+                    // overlapping the output (checked).
+                    scales: unsafe {
+                        std::slice::from_raw_parts(
+                            s.addr as *const f32,
+                            (call.bytes / s.group_bytes) as usize,
+                        )
+                    },
+                    group_bytes: s.group_bytes as usize,
+                },
+            };
             match call.op {
                 ElementwiseOp::Mul => mul_host(call.dtype, ins[0], ins[1], out, &call.config),
                 ElementwiseOp::SiluScale => {
-                    silu_scale_host(call.dtype, ins[0], call.scale, out, &call.config)
+                    silu_scale_host(call.dtype, ins[0], scale, out, &call.config)
                 }
             }
         }
@@ -108,6 +135,7 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
                 inputs: call.inputs,
                 output: call.output,
                 bytes: call.bytes,
+                scales: call.scales,
             };
             // SAFETY: the caller's contract on the stream and the buffers.
             unsafe {

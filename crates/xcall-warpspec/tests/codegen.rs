@@ -166,9 +166,9 @@ fn each_role_issues_its_register_change_waits_and_arrives_exactly_once() {
                     );
                     assert_eq!(count(producer, "st.phase"), 1, "{what}");
                     assert_eq!(count(compute, "st.phase"), 1, "{what}");
-                    // Both role loops walk the same tiles.
+                    // Both role loops walk the same work items.
                     let walk =
-                        "for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES))";
+                        "for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES))";
                     assert_eq!(
                         (count(producer, walk), count(compute, walk)),
                         (1, 1),
@@ -261,8 +261,9 @@ fn plans_the_kernel_cannot_follow_are_refused_with_the_role() {
 
 #[test]
 fn element_types_vector_widths_and_role_split_match_the_dtype_and_plan() {
-    // Known answers per dtype: bf16 is read as 16-bit words, 8 per 16-byte
-    // vector, widened and rounded back; f32 is 4 floats per vector.
+    // Known answers per dtype: bf16 is 8 elements per 16-byte vector
+    // (read as 16-bit words in the tail, widened and rounded back); f32 is
+    // 4 floats per vector.
     for (dtype, ctype, per_vec, widen) in [
         (DType::Bf16, "unsigned short", 8, true),
         (DType::F32, "float", 4, false),
@@ -279,12 +280,16 @@ fn element_types_vector_widths_and_role_split_match_the_dtype_and_plan() {
             let plain = generate_plain(ElementwiseOp::Mul, dtype);
             for (what, src) in [("warp-specialized", &k.source), ("plain", &plain.source)] {
                 assert!(
-                    src.contains(&format!("{ctype} out[{per_vec}];")),
+                    src.contains(&format!("float out[{per_vec}];")),
                     "{what} {dtype}"
                 );
                 assert!(src.contains(&format!("k < {per_vec}u;")), "{what} {dtype}");
+                assert!(
+                    src.contains(&format!("(*(const {ctype} *)(src1 + it.base + b))")),
+                    "{what} {dtype}"
+                );
                 assert_eq!(
-                    src.contains("= bf16_to_f32(e0[k]);"),
+                    src.contains("= bf16_to_f32(*(const unsigned short *)(src0"),
                     widen,
                     "{what} {dtype}"
                 );
@@ -300,18 +305,11 @@ fn element_types_vector_widths_and_role_split_match_the_dtype_and_plan() {
                 "{dtype}"
             );
             assert!(k.source.contains(&format!("#define WGS {wgs}u")), "{dtype}");
-            // Tail elements: the remaining bytes divided by the element size.
+            // The tail walks whole elements.
             let elem = 16 / per_vec;
-            assert!(
-                k.source.contains(&format!("(n - c * 16) / {elem}u")),
-                "{dtype}"
-            );
-            assert!(
-                plain
-                    .source
-                    .contains(&format!("(u32)(bytes - c * 16) / {elem}u")),
-                "{dtype}"
-            );
+            for src in [&k.source, &plain.source] {
+                assert!(src.contains(&format!("b < it.n; b += {elem}u")), "{dtype}");
+            }
         }
     }
     // The C codes of the ops.

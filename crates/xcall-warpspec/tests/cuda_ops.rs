@@ -9,7 +9,7 @@ use xcall_core::testing::{cuda_devices_or_skip, skip};
 use xcall_core::{cuda, DType, Device, Status};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
-use xcall_warpspec::ops::{mul_host, silu_scale_host, OpConfig};
+use xcall_warpspec::ops::{mul_host, silu_scale_host, GroupScales, OpConfig, Scale};
 
 fn hopper() -> Option<()> {
     cuda_devices_or_skip("warpspec cuda ops")?;
@@ -66,7 +66,7 @@ fn generated_kernels_equal_the_host_executor() {
                     match op {
                         ElementwiseOp::Mul => mul_host(dtype, &a, &b, &mut want, config).unwrap(),
                         ElementwiseOp::SiluScale => {
-                            silu_scale_host(dtype, &a, 0.75, &mut want, config).unwrap()
+                            silu_scale_host(dtype, &a, Scale::One(0.75), &mut want, config).unwrap()
                         }
                     }
                     let (da, db) = (
@@ -84,6 +84,7 @@ fn generated_kernels_equal_the_host_executor() {
                         inputs: &inputs,
                         output: out.device_ptr(&stream).0,
                         bytes: a.len() as u64,
+                        scales: None,
                     };
                     for variant in [Variant::WarpSpecialized, Variant::Plain] {
                         // SAFETY: a live stream of cuda:0 and allocations of a.len() bytes.
@@ -106,21 +107,129 @@ fn generated_kernels_equal_the_host_executor() {
                         if op == ElementwiseOp::Mul {
                             assert_eq!(got, want, "{what}");
                         } else {
-                            // expf differs from the Host's exp by an ulp or two.
-                            let tol = if dtype == DType::F32 { 4e-6 } else { 8e-3 };
-                            for (i, (g, w)) in decode(dtype, &got)
-                                .iter()
-                                .zip(decode(dtype, &want))
-                                .enumerate()
-                            {
-                                assert!(
-                                    (g - w).abs() <= tol * w.abs().max(1.0),
-                                    "{what}: element {i}: {g} vs {w}"
-                                );
-                            }
+                            assert_silu_close(dtype, &got, &want, &what);
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The CUDA kernels' fast exp and division against the Host's f32
+/// definition: within 4e-6 (f32) or one bf16 step (8e-3) of the larger of
+/// the value and 1, and NaN exactly where the Host has NaN.
+fn assert_silu_close(dtype: DType, got: &[u8], want: &[u8], what: &str) {
+    let tol = if dtype == DType::F32 { 4e-6 } else { 8e-3 };
+    for (i, (g, w)) in decode(dtype, got)
+        .iter()
+        .zip(decode(dtype, want))
+        .enumerate()
+    {
+        let close =
+            (g.is_nan() && w.is_nan()) || g == &w || (g - w).abs() <= tol * w.abs().max(1.0);
+        assert!(close, "{what}: element {i}: {g} vs {w}");
+    }
+}
+
+/// One scale per group (an expert's block of rows): both kernels against
+/// the Host executor, on groups that end mid-tile, groups smaller than a
+/// tile, one group of an odd size, and inputs of every magnitude with
+/// infinities and NaN.
+#[test]
+fn grouped_scales_equal_the_host() {
+    if hopper().is_none() {
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let kernels = WsKernels::new();
+    let configs = [
+        OpConfig::default(),
+        OpConfig {
+            stages: 2,
+            tile_bytes: 8192,
+            compute_warpgroups: 4,
+        },
+    ];
+    // (dtype, elements per group, groups)
+    let cases = [
+        (DType::Bf16, 7168 * 5, 6),
+        (DType::F32, 2048 * 3, 5),
+        (DType::F32, 12, 1000),
+        (DType::Bf16, 1003, 1),
+    ];
+    let mut seed = 900;
+    for (dtype, per_group, groups) in cases {
+        for config in &configs {
+            seed += 1;
+            let n = per_group * groups;
+            let mut v: Vec<f32> = xcall_core::testing::random_f32(n, seed)
+                .into_iter()
+                .map(|x| x * 40.0)
+                .collect();
+            for (i, special) in [
+                f32::NAN,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                -100.0,
+                100.0,
+                0.0,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                v[(i * 7919) % n] = special;
+            }
+            let x = common::encode(dtype, &v);
+            let scales: Vec<f32> = (0..groups).map(|g| 0.5 + g as f32 * 0.25).collect();
+            let group_bytes = per_group * dtype.size_bytes();
+            let mut want = vec![0u8; x.len()];
+            silu_scale_host(
+                dtype,
+                &x,
+                Scale::PerGroup {
+                    scales: &scales,
+                    group_bytes,
+                },
+                &mut want,
+                config,
+            )
+            .unwrap();
+            let dx = stream.clone_htod(&x).unwrap();
+            let ds = stream.clone_htod(&scales).unwrap();
+            let out = stream.clone_htod(&vec![0xa5u8; x.len()]).unwrap(); // poisoned
+            let inputs = [dx.device_ptr(&stream).0];
+            let bufs = DeviceBuffers {
+                inputs: &inputs,
+                output: out.device_ptr(&stream).0,
+                bytes: x.len() as u64,
+                scales: Some(GroupScales {
+                    addr: ds.device_ptr(&stream).0,
+                    group_bytes: group_bytes as u64,
+                }),
+            };
+            for variant in [Variant::WarpSpecialized, Variant::Plain] {
+                // SAFETY: a live stream of cuda:0, allocations of x.len()
+                // bytes and `groups` scales.
+                unsafe {
+                    kernels.launch(
+                        Device::cuda(0),
+                        stream.cu_stream(),
+                        ElementwiseOp::SiluScale,
+                        dtype,
+                        variant,
+                        config,
+                        &bufs,
+                        // Ignored with grouped scales.
+                        99.0,
+                    )
+                }
+                .unwrap();
+                let got = stream.clone_dtoh(&out).unwrap();
+                stream.synchronize().unwrap();
+                let what = format!("{dtype} {variant:?} {config:?} {groups} x {per_group}");
+                assert_silu_close(dtype, &got, &want, &what);
             }
         }
     }
@@ -140,6 +249,7 @@ fn bad_buffers_are_refused() {
             inputs,
             output,
             bytes,
+            scales: None,
         };
         // SAFETY: every call below is refused before anything launches.
         unsafe {

@@ -8,7 +8,7 @@ use common::{decode, encode, random_bytes};
 
 use xcall_core::DType;
 use xcall_warpspec::host::{self, HostError};
-use xcall_warpspec::ops::{mul_host, silu_scale_f32, silu_scale_host, OpConfig, OpError};
+use xcall_warpspec::ops::{mul_host, silu_scale_f32, silu_scale_host, OpConfig, OpError, Scale};
 use xcall_warpspec::{Action, BarrierKind, PipelinePlan, PipelineSpec, PipelineState};
 
 /// The plain-loop reference: decode, compute in f32, round to the dtype.
@@ -59,7 +59,7 @@ fn mul_and_silu_match_plain_loops_with_tails() {
                     "mul {dtype} {config:?} n={n}"
                 );
                 let mut out = vec![0xa5u8; a.len()];
-                silu_scale_host(dtype, &a, 0.75, &mut out, config).unwrap();
+                silu_scale_host(dtype, &a, Scale::One(0.75), &mut out, config).unwrap();
                 assert_eq!(
                     out,
                     reference(dtype, &[&a], |v| silu_scale_f32(v[0], 0.75)),
@@ -68,6 +68,80 @@ fn mul_and_silu_match_plain_loops_with_tails() {
             }
         }
     }
+}
+
+/// One scale per group of elements: every element takes its group's scale,
+/// whatever the tile size (groups ending mid-tile, groups smaller than a
+/// tile).
+#[test]
+fn grouped_scales_match_a_plain_loop() {
+    let mut seed = 500;
+    for dtype in [DType::F32, DType::Bf16] {
+        for (per_group, groups, tile_bytes) in
+            [(40usize, 7usize, 256u32), (8, 50, 4096), (1000, 3, 48)]
+        {
+            seed += 1;
+            let x = random_bytes(dtype, per_group * groups, seed);
+            let scales: Vec<f32> = (0..groups).map(|g| 1.0 + g as f32 * 0.5).collect();
+            let config = OpConfig {
+                stages: 2,
+                tile_bytes,
+                compute_warpgroups: 2,
+            };
+            let mut out = vec![0xa5u8; x.len()]; // poisoned
+            silu_scale_host(
+                dtype,
+                &x,
+                Scale::PerGroup {
+                    scales: &scales,
+                    group_bytes: per_group * dtype.size_bytes(),
+                },
+                &mut out,
+                &config,
+            )
+            .unwrap();
+            let want: Vec<f32> = decode(dtype, &x)
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| silu_scale_f32(v, scales[i / per_group]))
+                .collect();
+            assert_eq!(out, encode(dtype, &want), "{dtype} {groups} x {per_group}");
+        }
+    }
+}
+
+#[test]
+fn bad_group_scales_are_refused() {
+    let c = OpConfig::default();
+    let x = [0u8; 64];
+    let mut out = [0u8; 64];
+    let grouped = |scales: &[f32], group_bytes: usize, out: &mut [u8]| {
+        silu_scale_host(
+            DType::F32,
+            &x[..out.len()],
+            Scale::PerGroup {
+                scales,
+                group_bytes,
+            },
+            out,
+            &c,
+        )
+    };
+    for (scales, group_bytes, want) in [
+        (&[1.0f32; 4][..], 0usize, "do not divide"),
+        (&[1.0; 4][..], 24, "do not divide"),
+        (&[1.0; 8][..], 8, "a multiple of 16"),
+        (&[1.0; 3][..], 16, "3 scales for 4 groups"),
+        (&[1.0; 5][..], 16, "5 scales for 4 groups"),
+    ] {
+        let e = grouped(scales, group_bytes, &mut out).unwrap_err();
+        assert!(matches!(e, OpError::Input(_)), "{e}");
+        assert!(e.to_string().contains(want), "{group_bytes}: {e}");
+        assert_eq!(out, [0u8; 64], "nothing written");
+    }
+    // One group of any size is the whole buffer.
+    let mut odd = [0u8; 12];
+    grouped(&[2.0], 12, &mut odd).unwrap();
 }
 
 #[test]
@@ -95,7 +169,7 @@ fn bad_inputs_are_refused() {
         assert_eq!(e.status(), xcall_core::Status::Unsupported);
     }
     assert!(matches!(
-        silu_scale_host(DType::F32, &[0u8; 6], 1.0, &mut [0u8; 6], &c),
+        silu_scale_host(DType::F32, &[0u8; 6], Scale::One(1.0), &mut [0u8; 6], &c),
         Err(OpError::Input(_))
     ));
     let odd = OpConfig {

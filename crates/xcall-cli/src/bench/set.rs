@@ -143,6 +143,7 @@ impl Set {
             output: self.b.dst,
             bytes: self.tensor_bytes(),
             scale: 1.5,
+            scales: None,
         };
         // SAFETY: `perm` and `dst` are distinct heap buffers of the
         // tensor's bytes on the platform's device; nothing else touches

@@ -11,7 +11,8 @@
 //!    `dispatch[me] = 1`); the PE waits for `dispatch[p] == 1` from every
 //!    `p` and clears it;
 //! 4. its experts run `silu(x) * scale_e` (warpspec) from `recv` into
-//!    `out`, one call per (sender, local expert);
+//!    `out`: one call over every (sender, local expert) block of `C` rows,
+//!    each block with its expert's scale (`scales`, written once);
 //! 5. combine: `out[p]` goes back to `ret[me]` on PE `p` (`put_signal`,
 //!    `combine[me] = 1`); the PE waits for every `combine[q]`, clears it,
 //!    and `unpermute` with the merging probs writes `y` (`[T, H]`).
@@ -36,7 +37,7 @@ use xcall_permute::RowIdMapOptions;
 use xcall_shmem::{Cmp, Config, SignalOp, World};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
-use xcall_warpspec::ops::OpConfig;
+use xcall_warpspec::ops::{GroupScales, OpConfig};
 use xcall_warpspec::OpCall;
 
 use super::data::{Inputs, Shape};
@@ -69,6 +70,7 @@ struct Buffers {
     y: u64,
     dispatch: u64,
     combine: u64,
+    scales: u64,
 }
 
 struct Gpu {
@@ -110,6 +112,7 @@ impl Pe {
             (t * h * s, BufferRole::Out),
             (p * 8, BufferRole::InOut),
             (p * 8, BufferRole::InOut),
+            (p * shape.local_experts() * 4, BufferRole::In),
         ];
         let heap = sizes
             .iter()
@@ -142,6 +145,7 @@ impl Pe {
             y: addrs[10],
             dispatch: addrs[11],
             combine: addrs[12],
+            scales: addrs[13],
         };
         let gpu = match device.platform {
             Platform::Host => None,
@@ -168,6 +172,14 @@ impl Pe {
         let zeros = vec![0u8; p * 8];
         pe.write(b.dispatch, &zeros)?;
         pe.write(b.combine, &zeros)?;
+        // The scale of every (sender, local expert) block of `recv`.
+        let scales: Vec<u8> = (0..p * shape.local_experts())
+            .flat_map(|block| {
+                let expert = rank * shape.local_experts() + block % shape.local_experts();
+                shape.scale(expert).to_le_bytes()
+            })
+            .collect();
+        pe.write(b.scales, &scales)?;
         pe.world.barrier_all().context("shmem barrier")?;
         Ok(pe)
     }
@@ -364,41 +376,38 @@ impl Pe {
     }
 
     /// `out = silu(recv) * scale_e` for every (sender, local expert)
-    /// block of `C` rows.
+    /// block of `C` rows, in one call.
     fn experts(&mut self, stream: *mut c_void) -> Res<()> {
         let s = self.shape;
-        let block = s.capacity * s.row_bytes();
-        for p in 0..s.pes {
-            for l in 0..s.local_experts() {
-                let at = ((p * s.local_experts() + l) * block) as u64;
-                let scale = s.scale(self.rank * s.local_experts() + l);
-                let (x, y) = (self.b.recv + at, self.b.out + at);
-                // A Host PE's device names its slot in the world
-                // (host:rank); the op itself runs on the one Host device.
-                let device = match self.device.platform {
-                    Platform::Host => Device::HOST,
-                    Platform::Cuda => self.device,
-                };
-                let call = OpCall {
-                    device,
-                    stream,
-                    op: ElementwiseOp::SiluScale,
-                    dtype: s.dtype,
-                    config: self.ops,
-                    variant: Variant::WarpSpecialized,
-                    inputs: &[x],
-                    output: y,
-                    bytes: block as u64,
-                    scale,
-                };
-                // SAFETY: `recv` and `out` are distinct buffers of this PE's
-                // heap, `block` bytes each, alive as long as the world; no
-                // peer writes `recv` until this PE's combine of the step
-                // (see the module docs) and nobody else touches `out`.
-                unsafe { xcall_warpspec::run(&call) }.context("experts")?;
-            }
-        }
-        Ok(())
+        let block = (s.capacity * s.row_bytes()) as u64;
+        // A Host PE's device names its slot in the world (host:rank); the
+        // op itself runs on the one Host device.
+        let device = match self.device.platform {
+            Platform::Host => Device::HOST,
+            Platform::Cuda => self.device,
+        };
+        let call = OpCall {
+            device,
+            stream,
+            op: ElementwiseOp::SiluScale,
+            dtype: s.dtype,
+            config: self.ops,
+            variant: Variant::WarpSpecialized,
+            inputs: &[self.b.recv],
+            output: self.b.out,
+            bytes: block * (s.pes * s.local_experts()) as u64,
+            scale: 0.0,
+            scales: Some(GroupScales {
+                addr: self.b.scales,
+                group_bytes: block,
+            }),
+        };
+        // SAFETY: `recv`, `out` and `scales` are distinct buffers of this
+        // PE's heap (`recv` and `out` of exactly these bytes, `scales` of
+        // one f32 per block), alive as long as the world; no peer writes
+        // `recv` until this PE's combine of the step (see the module docs)
+        // and nobody else touches `out`.
+        unsafe { xcall_warpspec::run(&call) }.context("experts")
     }
 
     /// Frees the buffers and leaves the world; an error on a leak.

@@ -14,9 +14,6 @@
 
 extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams p) {
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
-    const u64 bytes = p.bytes;
-    const float scale = p.scale;
-    (void)scale;
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 tid = threadIdx.x;
     if (tid == 0) {
@@ -27,14 +24,18 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    const u64 tiles = (bytes + TILE - 1) / TILE;
+    // Work items: the tiles of every scale group (one group when the op
+    // has one scale); every role walks them in the same order.
+    const u64 group = p.group_bytes;
+    const u64 tiles_per_group = (group + TILE - 1) / TILE;
+    const u64 items = p.bytes / group * tiles_per_group;
     if (tid < PRODUCER_THREADS) {
         @DEC@
         const u32 warp = tid / 32, lane = tid % 32;
         if (warp < WARPS && lane == 0) {
             const unsigned char *src = @SRC_SELECT@;
             PipeState st = {0u, PRODUCER_PHASE};
-            for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES)) {
+            for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
                 const u32 s = st.index;
                 // The EMPTY barrier (release by the compute warps, acquire
                 // here) orders their reads of this stage before the next bulk
@@ -42,13 +43,12 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
                 // here cost ~3% bandwidth on H100 (it waits for this
                 // producer's copies in flight) and changed no result.
                 mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), st.phase);
-                const u64 base = t * TILE;
-                const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
-                const u32 bulk = n & ~15u;
+                const Item it = item_of(i, tiles_per_group, group, TILE);
+                const u32 bulk = it.n & ~15u;
                 const u32 full = smem_addr(smem + FULL_OFF[warp * STAGES + s]);
                 if (bulk) {
                     mbar_arrive_expect_tx(full, bulk);
-                    bulk_load(smem_addr(smem + BUF_OFF[warp * STAGES + s]), src + base, bulk, full);
+                    bulk_load(smem_addr(smem + BUF_OFF[warp * STAGES + s]), src + it.base, bulk, full);
                 } else {
                     mbar_arrive(full);
                 }
@@ -57,28 +57,29 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
     } else {
         @INC@
         const u32 ct = tid - PRODUCER_THREADS;
-        const u32 wg = ct / 128, lt = ct % 128;
         PipeState st = {0u, CONSUMER_PHASE};
-        for (u64 t = blockIdx.x; t < tiles; t += gridDim.x, advance(st, STAGES)) {
+        for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
             const u32 s = st.index;
+            const Item it = item_of(i, tiles_per_group, group, TILE);
+            const float scale = p.scales ? p.scales[it.group] : p.scale;
+            (void)scale;
             for (u32 w = 0; w < WARPS; ++w) mbar_wait(smem_addr(smem + FULL_OFF[w * STAGES + s]), st.phase);
-            const u64 base = t * TILE;
-            const u32 n = (u32)((bytes - base < TILE) ? bytes - base : TILE);
-            const u32 bulk = n & ~15u;
-            const u32 chunks = (n + 15u) / 16u;
-            for (u32 c = wg * 128u + lt; c < chunks; c += WGS * 128u) {
-@VEC_PTRS@                const u32 count = (c * 16 + 16 <= n) ? @PER_VEC@u : (n - c * 16) / @ELEM@u;
-                if (count == @PER_VEC@u) {
-                    @CTYPE@ out[@PER_VEC@];
-                    @VEC_LOADS@
-                    #pragma unroll
-                    for (u32 k = 0; k < @PER_VEC@u; ++k) {
-@VEC_COMPUTE@                    }
-                    *(uint4 *)(dst + base + c * 16) = *(const uint4 *)out;
-                } else {
-                    for (u32 k = 0; k < count; ++k) {
-@LOADS@                        ((@CTYPE@ *)(dst + base + c * 16))[k] = @STORE@(@EXPR@);
-                    }
+            // The tile's whole 16-byte vectors come from shared memory.
+            const u32 vecs = it.n / 16u;
+            #pragma unroll 4
+            for (u32 c = ct; c < vecs; c += WGS * 128u) {
+@VEC_LOADS@                float out[@PER_VEC@];
+                #pragma unroll
+                for (u32 k = 0; k < @PER_VEC@u; ++k) {
+@VEC_VALS@                    out[k] = @EXPR@;
+                }
+                *(uint4 *)(dst + it.base + c * 16) = pack(out);
+            }
+            // A tail of less than 16 bytes (a buffer that is one group of
+            // any size) is read from global memory.
+            if (ct == 0) {
+                for (u32 b = vecs * 16u; b < it.n; b += @ELEM@u) {
+@TAIL_VALS@                    *(@CTYPE@ *)(dst + it.base + b) = @STORE@(@EXPR@);
                 }
             }
             // Every compute thread releases the stage after its own reads

@@ -1,24 +1,38 @@
-// The plain grid-stride kernel of one op (the reference the pipelined
-// kernel is measured against): 16-byte vector loads and stores.
+// The plain kernel of one op (the reference the pipelined kernel is
+// measured against): blocks walk the same work items as the pipelined
+// kernel (tiles of PLAIN_TILE bytes within each scale group), every thread
+// loading its 16-byte vectors of a tile before it computes any.
 
-extern "C" __global__ void @NAME@(const WsParams p) {
+#define PLAIN_THREADS 256u
+#define PLAIN_VECS 2u
+#define PLAIN_TILE (PLAIN_THREADS * PLAIN_VECS * 16ull)
+
+extern "C" __global__ void __launch_bounds__(PLAIN_THREADS) @NAME@(const WsParams p) {
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
-    const u64 bytes = p.bytes;
-    const float scale = p.scale;
-    (void)scale;
-    const u64 chunks = (bytes + 15) / 16;
-    for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += (u64)gridDim.x * blockDim.x) {
-        if (c * 16 + 16 <= bytes) {
-@VLOADS@        @CTYPE@ out[@PER_VEC@];
-        #pragma unroll
-        for (u32 k = 0; k < @PER_VEC@u; ++k) {
-@VALS@            out[k] = @STORE@(@EXPR@);
+    const u64 group = p.group_bytes;
+    const u64 tiles_per_group = (group + PLAIN_TILE - 1) / PLAIN_TILE;
+    const u64 items = p.bytes / group * tiles_per_group;
+    for (u64 i = blockIdx.x; i < items; i += gridDim.x) {
+        const Item it = item_of(i, tiles_per_group, group, PLAIN_TILE);
+        const float scale = p.scales ? p.scales[it.group] : p.scale;
+        (void)scale;
+        const u32 vecs = it.n / 16u;
+@VEC_LOADS@        #pragma unroll
+        for (u32 r = 0; r < PLAIN_VECS; ++r) {
+            const u32 c = threadIdx.x + r * PLAIN_THREADS;
+            if (c < vecs) {
+                float out[@PER_VEC@];
+                #pragma unroll
+                for (u32 k = 0; k < @PER_VEC@u; ++k) {
+@VEC_VALS@                    out[k] = @EXPR@;
+                }
+                *(uint4 *)(dst + it.base + c * 16) = pack(out);
+            }
         }
-        *(uint4 *)(dst + c * 16) = *(const uint4 *)out;
-        } else {
-        for (u32 k = 0; k < (u32)(bytes - c * 16) / @ELEM@u; ++k) {
-@TAIL_VALS@            ((@CTYPE@ *)(dst + c * 16))[k] = @STORE@(@EXPR@);
-        }
+        if (threadIdx.x == 0) {
+            for (u32 b = vecs * 16u; b < it.n; b += @ELEM@u) {
+@TAIL_VALS@                *(@CTYPE@ *)(dst + it.base + b) = @STORE@(@EXPR@);
+            }
         }
     }
 }

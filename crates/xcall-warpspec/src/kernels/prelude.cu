@@ -1,5 +1,6 @@
 // Helpers of every generated kernel: the stage walk, mbarrier and bulk-copy
-// wrappers, bf16 conversions (round to nearest even).
+// wrappers, bf16 conversions (round to nearest even), 16-byte vectors as
+// floats, and the work items of a grouped buffer.
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
@@ -37,9 +38,50 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void *src, u32 bytes, u
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
     return __uint_as_float(((u32)h) << 16);
 }
+// Round to nearest even in one instruction (sm_80+); a NaN becomes the
+// canonical NaN 0x7fff.
 __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// 16 bytes as floats and back: four f32, or eight bf16 (two per word,
+// the lower address in the lower half).
+__device__ __forceinline__ void unpack(const uint4 &q, float (&v)[4]) {
+    v[0] = __uint_as_float(q.x); v[1] = __uint_as_float(q.y);
+    v[2] = __uint_as_float(q.z); v[3] = __uint_as_float(q.w);
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[4]) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+}
+__device__ __forceinline__ void unpack_word(u32 w, float &lo, float &hi) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack(const uint4 &q, float (&v)[8]) {
+    unpack_word(q.x, v[0], v[1]); unpack_word(q.y, v[2], v[3]);
+    unpack_word(q.z, v[4], v[5]); unpack_word(q.w, v[6], v[7]);
+}
+__device__ __forceinline__ u32 pack_word(float lo, float hi) {
+    u32 w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+}
+__device__ __forceinline__ uint4 pack(const float (&v)[8]) {
+    return make_uint4(pack_word(v[0], v[1]), pack_word(v[2], v[3]), pack_word(v[4], v[5]), pack_word(v[6], v[7]));
+}
+
+// Work item `i` of a buffer cut into groups of `group` bytes (each with
+// its own scale), each group into tiles of `tile` bytes: the group, the
+// tile's first byte and its length (shorter at a group's end).
+struct Item { u64 group, base; u32 n; };
+__device__ __forceinline__ Item item_of(u64 i, u64 tiles_per_group, u64 group, u64 tile) {
+    Item it;
+    it.group = i / tiles_per_group;
+    const u64 t = i - it.group * tiles_per_group;
+    it.base = it.group * group + t * tile;
+    const u64 left = group - t * tile;
+    it.n = (u32)(left < tile ? left : tile);
+    return it;
 }
