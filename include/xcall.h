@@ -307,6 +307,12 @@ enum xcall_graph_outcome
    * key not capturable, or this capture failed; see the stats).
    */
   XCALL_GRAPH_OUTCOME_EAGER_FALLBACK = 4,
+  /**
+   * A cached executable of xcall's own kernels had its pointers moved
+   * to the new buffers in place and was launched: no capture, and the
+   * record function did not run.
+   */
+  XCALL_GRAPH_OUTCOME_PATCHED = 5,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -325,9 +331,15 @@ enum xcall_graph_policy
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
   /**
-   * Capture a new graph, and when a cached graph differs only in buffer
-   * addresses, update its executable with `cuGraphExecUpdate` instead of
-   * instantiating a new one (falls back to instantiating when refused).
+   * When a cached graph differs only in buffer addresses: if it is made
+   * only of kernels launched through xcall's launcher (whose parameter
+   * structs say which fields are pointers) and the new buffers keep the
+   * old ones' alignment modulo 256 and their placement relative to each
+   * other, move its kernels' pointers to the new buffers in place
+   * (`cuGraphExecKernelNodeSetParams`, no capture; the record function
+   * does not run); otherwise capture a new graph and update the
+   * executable with `cuGraphExecUpdate` instead of instantiating a new
+   * one (falls back to instantiating when refused).
    */
   XCALL_GRAPH_POLICY_EXEC_UPDATE = 0,
   /**
@@ -742,6 +754,11 @@ typedef struct {
    * Nodes of the graphs currently cached.
    */
   uint64_t nodes;
+  /**
+   * Cached executables whose kernels' pointers were moved in place to a
+   * call's new buffers (no capture).
+   */
+  uint64_t patches;
 } xcall_graph_stats;
 
 /**

@@ -92,7 +92,7 @@ assert_eq_size!(xcall_buffer, [u64; 3]);
 assert_eq_align!(xcall_buffer, u64);
 assert_eq_size!(xcall_call, [u64; 6]);
 assert_eq_align!(xcall_call, u64);
-assert_eq_size!(Stats, [u64; 15]);
+assert_eq_size!(Stats, [u64; 16]);
 assert_eq_align!(Stats, u64);
 assert_eq_size!(Outcome, u32);
 assert_eq_size!(Policy, u32);

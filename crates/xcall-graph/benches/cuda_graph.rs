@@ -1,6 +1,9 @@
 //! One call of 10 small kernels on a GPU, side by side in one run: eager
 //! launches, graph replay, exec-update (buffers alternate every call) and
-//! recapture + instantiate (the cache cleared before every call). Times are
+//! recapture + instantiate (the cache cleared before every call); then the
+//! same kernels launched through xcall's launcher in a relocatable call,
+//! whose new buffers are patched into the cached graph (no capture), next
+//! to replay, exec-update and recapture of those kernels. Times are
 //! CUDA-event medians per call (the start event is recorded before any CPU
 //! work of the call) and CPU wall-clock medians, after warm-up. Both
 //! exec-update and recapture run the record function under stream capture,
@@ -190,6 +193,50 @@ fn main() {
     println!(
         "recapture / exec-update (event): {:.2}x",
         recapture.0 / update.0
+    );
+    // The same kernels through xcall's launcher.
+    let exec_p = |cache: &GraphCache<CudaGraphs>, p: u64, relocatable: bool, want: Outcome| {
+        let call = Call::new(key(p), Some(gpu.handle()));
+        let call = if relocatable {
+            call.relocatable()
+        } else {
+            call
+        };
+        let got = cache
+            .execute(&call, |s| gpu.work_p(s.unwrap().0, p, N, KERNELS))
+            .unwrap();
+        assert_eq!(got, want);
+    };
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    exec_p(&cache, ptrs[0], true, Outcome::Captured);
+    let replay_p = time(&stream, &gpu, |_| {
+        exec_p(&cache, ptrs[0], true, Outcome::Replayed)
+    });
+    let patch_p = time(&stream, &gpu, |i| {
+        exec_p(&cache, ptrs[(i + 1) % 2], true, Outcome::Patched)
+    });
+    let update_p = time(&stream, &gpu, |i| {
+        exec_p(&cache, ptrs[(i + 1) % 2], false, Outcome::Updated)
+    });
+    let recapture_p = time(&stream, &gpu, |_| {
+        cache.clear(gpu.device);
+        exec_p(&cache, ptrs[0], true, Outcome::Captured)
+    });
+    println!("\nthe same kernels launched through xcall's launcher, in a relocatable call:");
+    println!("{:<28} {:>12} {:>12}", "mode", "event us", "wall us");
+    for (name, (ev, wall)) in [
+        ("graph replay", replay_p),
+        ("patch + launch", patch_p),
+        ("exec-update + launch", update_p),
+        ("recapture + instantiate", recapture_p),
+    ] {
+        println!("{name:<28} {ev:>12.2} {wall:>12.2}");
+    }
+    println!(
+        "recapture / patch (event): {:.2}x; exec-update / patch (event): {:.2}x; patch / replay (event): {:.2}x",
+        recapture_p.0 / patch_p.0,
+        update_p.0 / patch_p.0,
+        patch_p.0 / replay_p.0
     );
     let (capture_us, update_us, instantiate_us) = driver_steps(&gpu, ptrs);
     println!(

@@ -26,6 +26,11 @@ pub trait GraphBackend: Send + Sync + 'static {
     type Graph: Send;
     /// An executable graph; dropping it destroys it.
     type Exec: Send;
+    /// What [`GraphBackend::recording`] learns about a capture's work.
+    type Launches: Send;
+    /// What an executable keeps to have its kernels' pointers moved in
+    /// place (for CUDA: the template graph and its recorded launches).
+    type Patchable: Send;
 
     /// The state of `stream`, after checking that it belongs to `device`
     /// (a stream of another device is an error, never a silent replay). A
@@ -54,4 +59,27 @@ pub trait GraphBackend: Send + Sync + 'static {
     fn update(&self, device: Device, exec: &mut Self::Exec, graph: &Self::Graph) -> Result<bool>;
     /// Launches `exec` on `stream`.
     fn launch(&self, device: Device, exec: &Self::Exec, stream: Self::Stream) -> Result<()>;
+    /// Runs `f` (the record function, under capture), also returning what
+    /// the backend learnt about the work it enqueued.
+    fn recording<T>(&self, f: impl FnOnce() -> T) -> (T, Self::Launches);
+    /// The patchable form of `graph` (already instantiated) when the
+    /// backend knows the parameters of every node of it from `launches`;
+    /// `None` when some node is foreign (for CUDA: not a kernel launched
+    /// through xcall's launcher).
+    fn patchable(
+        &self,
+        device: Device,
+        graph: Self::Graph,
+        launches: Self::Launches,
+    ) -> Option<Self::Patchable>;
+    /// Moves every device pointer `p` held by the nodes of `exec` to
+    /// `relocate(p)`, in place. After an error some nodes may have moved
+    /// and others not: the executable must not run again.
+    fn patch(
+        &self,
+        device: Device,
+        exec: &mut Self::Exec,
+        patchable: &mut Self::Patchable,
+        relocate: &dyn Fn(u64) -> u64,
+    ) -> Result<()>;
 }

@@ -18,7 +18,7 @@ use xcall_core::{Device, DeviceMap, Error, Platform};
 
 use crate::backend::{GraphBackend, StreamState};
 use crate::error::{GraphError, GraphResult};
-use crate::key::CallKey;
+use crate::key::{CallKey, Relocation};
 use crate::policy::{Config, Policy};
 
 /// One call: its key, the stream to run on (required for CUDA, ignored on
@@ -31,6 +31,15 @@ pub struct Call<S> {
     pub stream: Option<S>,
     /// Kept alive as long as a graph captured for this call is cached.
     pub keep_alive: Vec<Arc<dyn Any + Send + Sync>>,
+    /// The work depends on the buffers only through their addresses: for
+    /// calls of one topology the record function enqueues the same kernels
+    /// with the same parameters except pointers into the buffers, given
+    /// the same alignment modulo 256 and the same placement of the buffers
+    /// relative to each other (xcall's own ops do). Lets
+    /// [`Policy::ExecUpdate`] move a cached graph's kernel pointers to new
+    /// buffers without running the record function ([`Outcome::Patched`]).
+    /// Default `false`.
+    pub relocatable: bool,
 }
 
 impl<S> Call<S> {
@@ -40,6 +49,15 @@ impl<S> Call<S> {
             key,
             stream,
             keep_alive: Vec::new(),
+            relocatable: false,
+        }
+    }
+
+    /// The same call, declared [relocatable](Call::relocatable).
+    pub fn relocatable(self) -> Self {
+        Call {
+            relocatable: true,
+            ..self
         }
     }
 }
@@ -60,6 +78,10 @@ pub enum Outcome {
     /// disabled, caller already capturing, capture in progress elsewhere,
     /// key not capturable, or this capture failed; see the stats).
     EagerFallback = 4,
+    /// A cached executable of xcall's own kernels had its pointers moved
+    /// to the new buffers in place and was launched: no capture, and the
+    /// record function did not run.
+    Patched = 5,
 }
 
 /// Counters of one device (`xcall_graph_stats` in C).
@@ -97,12 +119,17 @@ pub struct Stats {
     pub entries: u64,
     /// Nodes of the graphs currently cached.
     pub nodes: u64,
+    /// Cached executables whose kernels' pointers were moved in place to a
+    /// call's new buffers (no capture).
+    pub patches: u64,
 }
 
 struct Entry<B: GraphBackend> {
     key: CallKey,
     context: u64,
     exec: B::Exec,
+    /// Set when every node is a kernel whose parameters the backend knows.
+    patch: Option<B::Patchable>,
     nodes: usize,
     last_used: u64,
     _keep_alive: Vec<Arc<dyn Any + Send + Sync>>,
@@ -442,6 +469,9 @@ impl<B: GraphBackend> GraphCache<B> {
             drop(shard);
             return self.eager(device, stream, Eager::CaptureInProgress, record);
         }
+        if let Some(outcome) = self.try_patch(&mut shard, call, stream, state, tick)? {
+            return Ok(outcome);
+        }
         let pending_id = shard.next_id;
         shard.next_id += 1;
         shard.pending.push(Pending {
@@ -452,8 +482,8 @@ impl<B: GraphBackend> GraphCache<B> {
         });
         drop(shard);
 
-        let graph = match self.capture(device, stream, record) {
-            Ok(graph) => graph,
+        let (graph, launches) = match self.capture(device, stream, record) {
+            Ok(captured) => captured,
             Err(_) => {
                 let mut shard = self.lock(device);
                 shard.take_pending(pending_id);
@@ -462,26 +492,82 @@ impl<B: GraphBackend> GraphCache<B> {
                 return self.eager(device, stream, Eager::CaptureFailed, record);
             }
         };
-        match self.install(call, stream, state, pending_id, graph, tick)? {
+        match self.install(call, stream, state, pending_id, (graph, launches), tick)? {
             Some(outcome) => Ok(outcome),
             // The graph could not be made executable: nothing ran yet.
             None => self.eager(device, stream, Eager::CaptureFailed, record),
         }
     }
 
+    /// With [`Policy::ExecUpdate`] and a relocatable call: when a cached
+    /// executable of the call's
+    /// topology (the candidate an exec-update would take) is made only of
+    /// kernels whose parameters the backend knows, and the call's buffers
+    /// relate to each other as that executable's do ([`Relocation`]), moves
+    /// its pointers to the call's buffers in place, re-keys it and launches
+    /// it. `Ok(None)` when there is nothing to patch; a patch the driver
+    /// refuses evicts the half-moved executable and the capture path
+    /// follows.
+    fn try_patch(
+        &self,
+        shard: &mut Shard<B>,
+        call: &Call<B::Stream>,
+        stream: B::Stream,
+        state: StreamState,
+        tick: u64,
+    ) -> GraphResult<Option<Outcome>> {
+        let key = &call.key;
+        let device = key.device;
+        if self.config.policy != Policy::ExecUpdate || !call.relocatable {
+            return Ok(None);
+        }
+        let Some(id) =
+            shard.update_candidate(key, state.context, self.config.variants_per_topology)
+        else {
+            return Ok(None);
+        };
+        let entry = shard.entries.get_mut(&id).expect("indexed entry exists");
+        let (Some(patch), Some(relocation)) =
+            (entry.patch.as_mut(), Relocation::between(&entry.key, key))
+        else {
+            return Ok(None);
+        };
+        let relocate = |p: u64| relocation.apply(p);
+        if self
+            .backend
+            .patch(device, &mut entry.exec, patch, &relocate)
+            .is_err()
+        {
+            shard.remove(id);
+            shard.stats.evictions += 1;
+            return Ok(None);
+        }
+        shard.unindex(id);
+        let entry = shard.entries.get_mut(&id).expect("entry exists");
+        entry.key = key.clone();
+        entry.last_used = tick;
+        entry._keep_alive = call.keep_alive.clone();
+        shard.index(id);
+        shard.stats.patches += 1;
+        self.backend
+            .launch(device, &shard.entries[&id].exec, stream)?;
+        Ok(Some(Outcome::Patched))
+    }
+
     /// Captures `record`'s work on `stream`; the stream leaves capture mode
-    /// whatever happens.
+    /// whatever happens. Returns the graph and what the backend learnt of
+    /// the launches in it.
     fn capture<E>(
         &self,
         device: Device,
         stream: B::Stream,
         record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
-    ) -> Result<B::Graph, ()> {
+    ) -> Result<(B::Graph, B::Launches), ()> {
         self.backend.begin_capture(device, stream).map_err(|_| ())?;
-        let recorded = record(Some(stream));
+        let (recorded, launches) = self.backend.recording(|| record(Some(stream)));
         let ended = self.backend.end_capture(device, stream);
         match (recorded, ended) {
-            (Ok(()), Ok(graph)) => Ok(graph),
+            (Ok(()), Ok(graph)) => Ok((graph, launches)),
             _ => Err(()),
         }
     }
@@ -495,7 +581,7 @@ impl<B: GraphBackend> GraphCache<B> {
         stream: B::Stream,
         state: StreamState,
         pending_id: u64,
-        graph: B::Graph,
+        (graph, launches): (B::Graph, B::Launches),
         tick: u64,
     ) -> GraphResult<Option<Outcome>> {
         let key = &call.key;
@@ -532,6 +618,9 @@ impl<B: GraphBackend> GraphCache<B> {
                     shard.unindex(id);
                     let entry = shard.entries.get_mut(&id).expect("entry exists");
                     let old_nodes = std::mem::replace(&mut entry.nodes, nodes);
+                    // The executable now runs the new graph's parameters;
+                    // its patchable nodes were the old graph's.
+                    entry.patch = None;
                     entry.key = key.clone();
                     entry.last_used = tick;
                     entry._keep_alive = call.keep_alive.clone();
@@ -550,7 +639,10 @@ impl<B: GraphBackend> GraphCache<B> {
         }
         // Instantiation is the slow step: it runs without the device's lock.
         let instantiated = self.backend.instantiate(device, &graph);
-        drop(graph);
+        let patch = match instantiated {
+            Ok(_) if call.relocatable => self.backend.patchable(device, graph, launches),
+            _ => None,
+        };
         let Ok(exec) = instantiated else {
             give_up();
             return Ok(None);
@@ -572,6 +664,7 @@ impl<B: GraphBackend> GraphCache<B> {
             key: key.clone(),
             context: state.context,
             exec,
+            patch,
             nodes,
             last_used: tick,
             _keep_alive: call.keep_alive.clone(),

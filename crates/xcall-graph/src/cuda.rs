@@ -1,7 +1,7 @@
 //! The CUDA backend: stream capture, instantiation, exec-update and launch
 //! through the driver API.
 
-use xcall_core::cuda::{self, check, ContextGuard};
+use xcall_core::cuda::{self, check, ContextGuard, RecordedLaunch};
 use xcall_core::{Device, Error, Result};
 
 use cudarc::driver::sys;
@@ -47,6 +47,17 @@ impl Drop for CudaExec {
     }
 }
 
+/// A captured graph made only of kernels launched through xcall's launcher,
+/// kept with their recorded launches: the executable instantiated from it
+/// can have its kernels' pointers moved in place
+/// (`cuGraphExecKernelNodeSetParams`), with no new capture.
+#[derive(Debug)]
+pub struct CudaPatchable {
+    // The launches' nodes belong to the graph: it lives as long as they do.
+    launches: Vec<RecordedLaunch>,
+    _graph: CudaGraph,
+}
+
 /// The CUDA driver backend. Holding it loads nothing; the driver is loaded
 /// by the first CUDA call.
 #[derive(Clone, Copy, Debug, Default)]
@@ -56,6 +67,8 @@ impl GraphBackend for CudaGraphs {
     type Stream = CudaStreamHandle;
     type Graph = CudaGraph;
     type Exec = CudaExec;
+    type Launches = Vec<RecordedLaunch>;
+    type Patchable = CudaPatchable;
 
     fn stream_state(&self, device: Device, stream: CudaStreamHandle) -> Result<StreamState> {
         let ordinal = cuda::check_device(device)?;
@@ -187,5 +200,57 @@ impl GraphBackend for CudaGraphs {
         check("cuGraphLaunch", device, unsafe {
             sys::cuGraphLaunch(exec.0, stream.0)
         })
+    }
+
+    fn recording<T>(&self, f: impl FnOnce() -> T) -> (T, Vec<RecordedLaunch>) {
+        cuda::recording_launches(f)
+    }
+
+    fn patchable(
+        &self,
+        device: Device,
+        graph: CudaGraph,
+        launches: Vec<RecordedLaunch>,
+    ) -> Option<CudaPatchable> {
+        let mut n = self.node_count(device, &graph).ok()?;
+        if n != launches.len() || n == 0 {
+            return None;
+        }
+        let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+        // SAFETY: the array holds `n` nodes; the driver writes at most that
+        // many and the count it wrote.
+        let r = unsafe { sys::cuGraphGetNodes(graph.0, nodes.as_mut_ptr(), &mut n) };
+        if r != sys::CUresult::CUDA_SUCCESS || n != launches.len() {
+            return None;
+        }
+        // Every node is one recorded launch (distinct nodes, as many as
+        // launches): nothing in the graph is foreign.
+        nodes.sort();
+        let mut recorded: Vec<sys::CUgraphNode> = launches.iter().map(|l| l.node()).collect();
+        recorded.sort();
+        recorded.dedup();
+        (recorded == nodes).then_some(CudaPatchable {
+            launches,
+            _graph: graph,
+        })
+    }
+
+    fn patch(
+        &self,
+        device: Device,
+        exec: &mut CudaExec,
+        patchable: &mut CudaPatchable,
+        relocate: &dyn Fn(u64) -> u64,
+    ) -> Result<()> {
+        for launch in &mut patchable.launches {
+            let params = launch.params.relocated(relocate);
+            // SAFETY: `exec` was instantiated from the graph the launch was
+            // recorded into (kept alive by `patchable`), and the cache holds
+            // the device's lock; the relocated pointers are the new call's
+            // buffers at the offsets the old call's pointers had (the
+            // caller's promise for the call's buffers).
+            unsafe { launch.set_in_exec(device, exec.0, params) }?;
+        }
+        Ok(())
     }
 }

@@ -131,10 +131,148 @@ impl CallKey {
     }
 }
 
+/// Alignment a relocated buffer keeps: kernels chosen for an address
+/// (vector widths up to 16 bytes, 128-byte rows) stay valid when the new
+/// address has the old one's remainder modulo this.
+pub const RELOCATION_ALIGN: u64 = 256;
+
+/// How device pointers into one call's buffers move to the same places in
+/// another call of the same topology: a pointer into buffer `i` of the old
+/// key goes to the same offset in buffer `i` of the new key; a pointer into
+/// no buffer (0, a scratch buffer the op owns) stays as it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Relocation {
+    /// (old address, bytes, new address) per non-empty buffer.
+    moves: Vec<(u64, u64, u64)>,
+}
+
+impl Relocation {
+    /// The relocation from `old` to `new`, or `None` where moving pointers
+    /// cannot stand for running the op again on the new buffers: a
+    /// different topology, a buffer whose address changes its remainder
+    /// modulo [`RELOCATION_ALIGN`] (the op may have chosen its kernel by
+    /// alignment), or a pair of buffers placed differently relative to each
+    /// other (overlapping in one key and not the other, or overlapping at
+    /// another offset: the op may refuse aliasing or treat it specially).
+    pub fn between(old: &CallKey, new: &CallKey) -> Option<Relocation> {
+        if !old.same_topology(new) {
+            return None;
+        }
+        let pairs: Vec<(&Buffer, &Buffer)> = old.buffers.iter().zip(&new.buffers).collect();
+        for (o, n) in &pairs {
+            if o.address % RELOCATION_ALIGN != n.address % RELOCATION_ALIGN {
+                return None;
+            }
+        }
+        for (i, (oi, ni)) in pairs.iter().enumerate() {
+            for (oj, nj) in &pairs[i + 1..] {
+                let old_overlap = oi.overlaps(oj.address, oj.bytes);
+                let new_overlap = ni.overlaps(nj.address, nj.bytes);
+                let same_offset =
+                    oi.address.wrapping_sub(oj.address) == ni.address.wrapping_sub(nj.address);
+                if old_overlap != new_overlap || (old_overlap && !same_offset) {
+                    return None;
+                }
+            }
+        }
+        Some(Relocation {
+            moves: pairs
+                .iter()
+                .filter(|(o, _)| o.bytes > 0)
+                .map(|(o, n)| (o.address, o.bytes, n.address))
+                .collect(),
+        })
+    }
+
+    /// Where the pointer `p` goes. Buffers that overlap keep their offsets
+    /// (checked by [`Relocation::between`]), so every buffer holding `p`
+    /// gives the same answer.
+    pub fn apply(&self, p: u64) -> u64 {
+        match self
+            .moves
+            .iter()
+            .find(|&&(old, bytes, _)| p >= old && p - old < bytes)
+        {
+            Some(&(old, _, new)) => new + (p - old),
+            None => p,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use xcall_core::Platform;
+
+    #[test]
+    fn relocation_moves_pointers_into_buffers_only() {
+        let old = key(Device::cuda(0), &[0x1000, 0x2000]);
+        let new = key(Device::cuda(0), &[0x9000, 0x4000]);
+        let r = Relocation::between(&old, &new).unwrap();
+        // (pointer, where it goes): starts, insides, last bytes, ends (one
+        // past: not inside), outside, NULL.
+        for (p, want) in [
+            (0x1000, 0x9000),
+            (0x1010, 0x9010),
+            (0x10ff, 0x90ff),
+            (0x1100, 0x1100),
+            (0x2000, 0x4000),
+            (0x20ff, 0x40ff),
+            (0x2100, 0x2100),
+            (0x0fff, 0x0fff),
+            (0, 0),
+        ] {
+            assert_eq!(r.apply(p), want, "{p:#x}");
+        }
+        // The same key is the identity.
+        let same = Relocation::between(&old, &old).unwrap();
+        assert!((0..0x3000).step_by(8).all(|p| same.apply(p) == p));
+    }
+
+    #[test]
+    fn relocation_refuses_what_a_pointer_move_cannot_express() {
+        let old = key(Device::cuda(0), &[0x1000, 0x2000]);
+        // Alignment below 256 changes.
+        assert_eq!(
+            Relocation::between(&old, &key(Device::cuda(0), &[0x9010, 0x4000])),
+            None
+        );
+        // Disjoint buffers that overlap in the new call (in place).
+        assert_eq!(
+            Relocation::between(&old, &key(Device::cuda(0), &[0x4000, 0x4000])),
+            None
+        );
+        // Overlapping buffers that no longer overlap, or at another offset.
+        let aliased = key(Device::cuda(0), &[0x1000, 0x1000]);
+        assert_eq!(
+            Relocation::between(&aliased, &key(Device::cuda(0), &[0x1000, 0x2000])),
+            None
+        );
+        let shifted = key(Device::cuda(0), &[0x1000, 0x1100]);
+        assert_eq!(
+            Relocation::between(&aliased, &shifted),
+            None,
+            "one buffer at +0x100 of the other: disjoint (256 bytes each)"
+        );
+        let half = |a: u64, b: u64| {
+            let mut k = key(Device::cuda(0), &[a, b]);
+            k.buffers[0].bytes = 512;
+            k.buffers[1].bytes = 512;
+            k
+        };
+        assert_eq!(
+            Relocation::between(&half(0x1000, 0x1100), &half(0x5000, 0x5200)),
+            None,
+            "overlap at another offset"
+        );
+        // Overlap kept at the same offset: every containing buffer agrees.
+        let r = Relocation::between(&half(0x1000, 0x1100), &half(0x5000, 0x5100)).unwrap();
+        assert_eq!((r.apply(0x1150), r.apply(0x11ff)), (0x5150, 0x51ff));
+        // Another topology.
+        let mut other = key(Device::cuda(0), &[0x9000, 0x4000]);
+        other.attributes += 1;
+        assert_eq!(Relocation::between(&old, &other), None);
+    }
 
     fn key(device: Device, addresses: &[u64]) -> CallKey {
         CallKey {

@@ -5,7 +5,9 @@
 //! directly it calls [`GraphCache::execute`]: on CUDA the first call captures
 //! the work into a graph and launches it, later identical calls replay it,
 //! and a call that differs only in buffer addresses updates a cached
-//! executable in place. On Host the function runs directly and nothing
+//! executable in place: for graphs of xcall's own kernels by moving their
+//! pointer parameters (no capture), otherwise by capturing again and
+//! `cuGraphExecUpdate`. On Host the function runs directly and nothing
 //! touches CUDA; one code path serves both platforms.
 //!
 //! The key is the full tuple (platform, device, target, attributes,

@@ -6,9 +6,16 @@ use xcall_core::{Error, Result};
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Policy {
-    /// Capture a new graph, and when a cached graph differs only in buffer
-    /// addresses, update its executable with `cuGraphExecUpdate` instead of
-    /// instantiating a new one (falls back to instantiating when refused).
+    /// When a cached graph differs only in buffer addresses: if the call is
+    /// [relocatable](crate::Call::relocatable), the graph was captured by
+    /// one, and it is made only of kernels launched through xcall's launcher (whose parameter
+    /// structs say which fields are pointers) and the new buffers keep the
+    /// old ones' alignment modulo 256 and their placement relative to each
+    /// other, move its kernels' pointers to the new buffers in place
+    /// (`cuGraphExecKernelNodeSetParams`, no capture; the record function
+    /// does not run); otherwise capture a new graph and update the
+    /// executable with `cuGraphExecUpdate` instead of instantiating a new
+    /// one (falls back to instantiating when refused).
     ExecUpdate = 0,
     /// Capture and instantiate a new graph for every new key.
     Recapture = 1,

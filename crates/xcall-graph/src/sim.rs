@@ -36,6 +36,14 @@ pub enum SimOp {
         /// Amount added.
         value: i64,
     },
+    /// An `Add` the backend cannot patch (like a kernel not launched
+    /// through xcall's launcher, whose parameters are unknown).
+    Foreign {
+        /// Cell address.
+        address: u64,
+        /// Amount added.
+        value: i64,
+    },
     /// Work the driver refuses to capture (like a synchronous allocation):
     /// runs normally outside capture, invalidates a capture.
     Uncapturable,
@@ -106,7 +114,7 @@ impl SimBackend {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         for op in ops {
-            if let SimOp::Add { address, value } = *op {
+            if let SimOp::Add { address, value } | SimOp::Foreign { address, value } = *op {
                 *memory.entry(address).or_insert(0) += value;
             }
         }
@@ -188,6 +196,9 @@ impl GraphBackend for SimBackend {
     type Stream = SimStream;
     type Graph = SimGraph;
     type Exec = SimExec;
+    type Launches = ();
+    /// An executable of `Add`s only: their addresses are its pointers.
+    type Patchable = ();
 
     fn stream_state(&self, device: Device, stream: SimStream) -> Result<StreamState> {
         if stream.device != device {
@@ -284,6 +295,33 @@ impl GraphBackend for SimBackend {
             .launches
             .fetch_add(1, Ordering::Relaxed);
         self.run(stream.device, &exec.ops);
+        Ok(())
+    }
+
+    fn recording<T>(&self, f: impl FnOnce() -> T) -> (T, ()) {
+        (f(), ())
+    }
+
+    fn patchable(&self, _device: Device, graph: SimGraph, _launches: ()) -> Option<()> {
+        graph
+            .ops
+            .iter()
+            .all(|op| matches!(op, SimOp::Add { .. }))
+            .then_some(())
+    }
+
+    fn patch(
+        &self,
+        _device: Device,
+        exec: &mut SimExec,
+        _patchable: &mut (),
+        relocate: &dyn Fn(u64) -> u64,
+    ) -> Result<()> {
+        for op in &mut exec.ops {
+            if let SimOp::Add { address, .. } = op {
+                *address = relocate(*address);
+            }
+        }
         Ok(())
     }
 }

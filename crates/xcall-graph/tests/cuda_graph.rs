@@ -114,6 +114,110 @@ fn exec_update_writes_the_new_buffers_and_not_the_old_ones() {
     assert_eq!((s.instantiations, s.updates, s.entries), (1, 2, 1));
 }
 
+/// Runs the call on `ptr` through the cache as a relocatable call of
+/// kernels launched through xcall's launcher (`with_raw`: plus one foreign
+/// kernel launched raw at the end), counting record-function runs.
+fn run_p(
+    cache: &GraphCache<CudaGraphs>,
+    gpu: &Gpu,
+    ptr: u64,
+    with_raw: bool,
+    records: &mut u32,
+) -> Outcome {
+    let call = Call::new(key(gpu.device, ptr), Some(gpu.handle())).relocatable();
+    cache
+        .execute(&call, |s| {
+            *records += 1;
+            let s = s.unwrap().0;
+            gpu.work_p(s, ptr, N as u64, KERNELS)?;
+            if with_raw {
+                gpu.work(s, ptr, N as u64, 1)?;
+            }
+            Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+        })
+        .unwrap()
+}
+
+#[test]
+fn patched_graphs_write_the_new_buffers_and_not_the_old_ones() {
+    if cuda_devices_or_skip("patched_graphs_write_the_new_buffers_and_not_the_old_ones").is_none() {
+        return;
+    }
+    let kernels = KernelCache::new();
+    let gpu = Gpu::new(&kernels, 0);
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let (dx, dy) = (random(N, 12), random(N, 13));
+    let (x, y) = (gpu.upload(&dx), gpu.upload(&dy));
+    let (px, py) = (gpu.ptr(&x), gpu.ptr(&y));
+    let mut records = 0;
+    assert_eq!(
+        run_p(&cache, &gpu, px, false, &mut records),
+        Outcome::Captured
+    );
+    assert_close(&gpu.download(&x), &reference(&dx, KERNELS, 1), "captured");
+    // Poison the old buffer: a patched graph that still touched it would
+    // change the NaN bits.
+    let poison = vec![f32::from_bits(0x7fc0_dead); N];
+    let mut x = x;
+    gpu.ctx.bind_to_thread().unwrap();
+    gpu.stream.memcpy_htod(&poison, &mut x).unwrap();
+    assert_eq!(
+        run_p(&cache, &gpu, py, false, &mut records),
+        Outcome::Patched
+    );
+    assert_eq!(records, 1, "a patch runs no record function and no capture");
+    assert_close(
+        &gpu.download(&y),
+        &reference(&dy, KERNELS, 1),
+        "patched graph on the new buffer",
+    );
+    let untouched: Vec<u32> = gpu.download(&x).iter().map(|v| v.to_bits()).collect();
+    assert!(
+        untouched.iter().all(|&b| b == 0x7fc0_dead),
+        "the patched graph wrote the old buffer"
+    );
+    assert_eq!(
+        run_p(&cache, &gpu, py, false, &mut records),
+        Outcome::Replayed
+    );
+    assert_close(&gpu.download(&y), &reference(&dy, KERNELS, 2), "replayed");
+    let s = cache.stats(gpu.device);
+    assert_eq!(
+        (
+            s.captures,
+            s.instantiations,
+            s.patches,
+            s.updates,
+            s.entries
+        ),
+        (1, 1, 1, 0, 1)
+    );
+    // One foreign kernel in the graph: the cache captures again and updates.
+    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let (dz, dw) = (random(N, 14), random(N, 15));
+    let (z, w) = (gpu.upload(&dz), gpu.upload(&dw));
+    assert_eq!(
+        run_p(&cache, &gpu, gpu.ptr(&z), true, &mut records),
+        Outcome::Captured
+    );
+    assert_eq!(
+        run_p(&cache, &gpu, gpu.ptr(&w), true, &mut records),
+        Outcome::Updated
+    );
+    assert_close(
+        &gpu.download(&w),
+        &reference(&dw, KERNELS, 1)
+            .iter()
+            .map(|v| {
+                let (a, b) = common::gpu::coefficients(0);
+                v * a + b
+            })
+            .collect::<Vec<f32>>(),
+        "updated graph with a foreign kernel",
+    );
+    assert_eq!(cache.stats(gpu.device).patches, 0);
+}
+
 #[test]
 fn a_failing_record_function_leaves_the_stream_usable() {
     if cuda_devices_or_skip("a_failing_record_function_leaves_the_stream_usable").is_none() {

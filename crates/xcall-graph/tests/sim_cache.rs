@@ -850,3 +850,130 @@ fn execute_op_returns_the_ops_own_error_whole() {
     });
     assert_eq!(outcome.unwrap(), Outcome::Captured);
 }
+
+/// Runs a relocatable call of `key` on `s`; the record function (counted in
+/// `records`) enqueues `ops(key)`.
+fn run_relocatable(
+    c: &GraphCache<SimBackend>,
+    key: &CallKey,
+    records: &mut u32,
+    ops: impl Fn(&CallKey) -> Vec<SimOp>,
+) -> Outcome {
+    let call = Call::new(key.clone(), Some(stream(0))).relocatable();
+    c.execute(&call, |stream| {
+        *records += 1;
+        for op in ops(key) {
+            c.backend().enqueue(stream.unwrap(), op);
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .unwrap()
+}
+
+#[test]
+fn relocatable_calls_move_the_pointers_of_a_cached_graph_without_capture() {
+    let c = cache(Config::default());
+    let mut records = 0;
+    // Each buffer's first cell, and a scratch cell no buffer holds (a
+    // pointer the op owns, which must stay where it is).
+    let ops = |k: &CallKey| {
+        let mut v: Vec<SimOp> = k.buffers.iter().map(|b| add(b.address + 8, 1)).collect();
+        v.push(add(0x9_0000, 10));
+        v
+    };
+    let a = key(0, 1, &[0x1000, 0x2000]);
+    let b = key(0, 1, &[0x5000, 0x6100]);
+    assert_eq!(
+        run_relocatable(&c, &a, &mut records, ops),
+        Outcome::Captured
+    );
+    assert_eq!(run_relocatable(&c, &b, &mut records, ops), Outcome::Patched);
+    assert_eq!(records, 1, "a patch runs no record function");
+    let read = |addr| c.backend().read(Device::cuda(0), addr);
+    // The new buffers were written, the old ones only by the first call,
+    // the scratch cell by both.
+    assert_eq!((read(0x5008), read(0x6108)), (1, 1));
+    assert_eq!((read(0x1008), read(0x2008)), (1, 1));
+    assert_eq!(read(0x9_0000), 20);
+    // The patched executable is cached under the new key, and patches back.
+    assert_eq!(
+        run_relocatable(&c, &b, &mut records, ops),
+        Outcome::Replayed
+    );
+    assert_eq!(run_relocatable(&c, &a, &mut records, ops), Outcome::Patched);
+    assert_eq!((read(0x1008), read(0x5008)), (2, 2));
+    let s = c.stats(Device::cuda(0));
+    assert_eq!(
+        (
+            s.captures,
+            s.instantiations,
+            s.patches,
+            s.updates,
+            s.hits,
+            s.entries
+        ),
+        (1, 1, 2, 0, 1, 1)
+    );
+}
+
+#[test]
+fn calls_a_pointer_move_cannot_express_take_the_capture_path() {
+    let ops = |k: &CallKey| vec![add(k.buffers[0].address, 1), add(k.buffers[1].address, 1)];
+    let a = key(0, 1, &[0x1000, 0x2000]);
+    for (why, new) in [
+        ("alignment below 256 changes", key(0, 1, &[0x5010, 0x6000])),
+        ("the buffers now overlap", key(0, 1, &[0x5000, 0x5000])),
+    ] {
+        let c = cache(Config::default());
+        let mut records = 0;
+        assert_eq!(
+            run_relocatable(&c, &a, &mut records, ops),
+            Outcome::Captured
+        );
+        assert_eq!(
+            run_relocatable(&c, &new, &mut records, ops),
+            Outcome::Updated,
+            "{why}"
+        );
+        assert_eq!((records, c.stats(Device::cuda(0)).patches), (2, 0), "{why}");
+        // After an update the executable runs the new graph's parameters:
+        // it is no longer patched, only updated.
+        assert_eq!(run_relocatable(&c, &a, &mut records, ops), Outcome::Updated);
+    }
+    // A graph with a node the backend cannot patch (a foreign kernel).
+    let c = cache(Config::default());
+    let mut records = 0;
+    let foreign = |k: &CallKey| {
+        vec![SimOp::Foreign {
+            address: k.buffers[0].address,
+            value: 1,
+        }]
+    };
+    assert_eq!(
+        run_relocatable(&c, &a, &mut records, foreign),
+        Outcome::Captured
+    );
+    let b = key(0, 1, &[0x5000, 0x6000]);
+    assert_eq!(
+        run_relocatable(&c, &b, &mut records, foreign),
+        Outcome::Updated
+    );
+    assert_eq!(c.backend().read(Device::cuda(0), 0x5000), 1);
+    // Calls not declared relocatable, and the Recapture policy, never patch.
+    let c = cache(Config::default());
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
+    assert_eq!(run(&c, &b, stream(0), 1), Outcome::Updated);
+    let c = cache(Config {
+        policy: Policy::Recapture,
+        ..Config::default()
+    });
+    let mut records = 0;
+    assert_eq!(
+        run_relocatable(&c, &a, &mut records, ops),
+        Outcome::Captured
+    );
+    assert_eq!(
+        run_relocatable(&c, &b, &mut records, ops),
+        Outcome::Captured
+    );
+}

@@ -28,7 +28,7 @@ mod objects;
 mod record;
 
 pub use context::{retain_primary_context, with_context, ContextGuard};
-pub use launch::{launch, Launch, Params};
+pub use launch::{launch, recording_launches, Launch, Params, RecordedLaunch};
 pub use objects::{Event, StreamAlloc};
 pub use record::{KernelRecord, ParamField};
 

@@ -105,7 +105,10 @@ fn run_cached(spec: &Spec, target: &Target, d: &Decoded) -> Result<(), FfiError>
     let stream = CudaStreamHandle(target.stream.cast());
     let outcome = handler_cache()
         .inner
-        .execute_op(&Call::new(key, Some(stream)), |s| {
+        // xcall's ops depend on their buffers only through the addresses
+        // (kernel variants by alignment, refusals by overlap: both kept by
+        // a relocation), so a graph of theirs may be patched in place.
+        .execute_op(&Call::new(key, Some(stream)).relocatable(), |s| {
             let t = Target {
                 stream: s.map_or(target.stream, |s| s.0.cast()),
                 ..*target

@@ -1,6 +1,8 @@
 //! GPU fixture shared by the graph cache's GPU tests and benchmark: a
 //! scale-add kernel compiled through the kernel cache, launched raw on the
-//! stream the graph cache hands to the record function.
+//! stream the graph cache hands to the record function (a foreign kernel to
+//! the cache), and the same kernel taking a parameter struct, launched
+//! through xcall's launcher (whose graphs the cache can patch).
 
 #![allow(dead_code)] // each user takes what it needs
 
@@ -59,12 +61,38 @@ pub fn assert_close(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
+xcall_core::kernel_params! {
+    /// What `scale_add_p` takes.
+    pub struct ScaleAdd {
+        /// The floats, scaled and shifted in place.
+        x: u64 => "float*",
+        /// How many.
+        n: u64 => "unsigned long long",
+        /// Scale.
+        a: f32 => "float",
+        /// Shift.
+        b: f32 => "float",
+    }
+}
+
+/// `scale_add` over a [`ScaleAdd`].
+fn scale_add_p_source() -> String {
+    use xcall_core::cuda::KernelRecord;
+    format!(
+        "{}\nextern \"C\" __global__ void scale_add_p(const ScaleAdd p) {{\n    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < p.n) p.x[i] = p.x[i] * p.a + p.b;\n}}\n",
+        ScaleAdd::c_definition()
+    )
+}
+
 pub struct Gpu {
     pub device: Device,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub func: CudaFunction,
+    /// `scale_add_p`, launched through xcall's launcher.
+    pub func_p: CudaFunction,
     _module: Arc<LoadedModule>,
+    _module_p: Arc<LoadedModule>,
 }
 
 impl Gpu {
@@ -79,12 +107,26 @@ impl Gpu {
             .module(device, &SCALE_ADD)
             .expect("compile scale_add");
         let func = module.function("scale_add").expect("scale_add");
+        let source = scale_add_p_source();
+        let module_p = kernels
+            .module(
+                device,
+                &KernelSource {
+                    name: "scale_add_p.cu",
+                    code: &source,
+                    options: &[],
+                },
+            )
+            .expect("compile scale_add_p");
+        let func_p = module_p.function("scale_add_p").expect("scale_add_p");
         Gpu {
             device,
             ctx,
             stream,
             func,
+            func_p,
             _module: module,
+            _module_p: module_p,
         }
     }
 
@@ -138,6 +180,25 @@ impl Gpu {
                     &mut params,
                 )?
             };
+        }
+        Ok(())
+    }
+
+    /// `work` with `scale_add_p` launched through xcall's launcher.
+    pub fn work_p(
+        &self,
+        stream: sys::CUstream,
+        ptr: u64,
+        n: u64,
+        kernels: usize,
+    ) -> xcall_core::Result<()> {
+        for i in 0..kernels {
+            let (a, b) = coefficients(i);
+            let mut params = xcall_core::cuda::Params::new().record(&ScaleAdd { x: ptr, n, a, b });
+            let config = xcall_core::cuda::Launch::linear(n.div_ceil(256) as u32, 256, stream);
+            // SAFETY: scale_add_p takes one ScaleAdd; `ptr` holds `n`
+            // floats of this device; the stream is this device's.
+            unsafe { xcall_core::cuda::launch(self.device, &self.func_p, config, &mut params) }?;
         }
         Ok(())
     }
