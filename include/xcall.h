@@ -331,8 +331,9 @@ enum xcall_graph_policy
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
   /**
-   * When a cached graph differs only in buffer addresses: if it is made
-   * only of kernels launched through xcall's launcher (whose parameter
+   * When a cached graph differs only in buffer addresses: if the call is
+   * [relocatable](crate::Call::relocatable), the graph was captured by
+   * one, and it is made only of kernels launched through xcall's launcher (whose parameter
    * structs say which fields are pointers) and the new buffers keep the
    * old ones' alignment modulo 256 and their placement relative to each
    * other, move its kernels' pointers to the new buffers in place

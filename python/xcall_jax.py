@@ -97,6 +97,7 @@ class _Stats(ctypes.Structure):
             "eager_capture_failed",
             "entries",
             "nodes",
+            "patches",
         )
     ]
 

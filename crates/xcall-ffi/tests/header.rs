@@ -220,3 +220,41 @@ fn every_function_says_what_bad_input_gets() {
     );
     assert!(missing.is_empty(), "no \"Bad input:\" for {missing:?}");
 }
+
+/// The Python package mirrors `xcall_graph_stats` with ctypes: its fields
+/// must be the header's, in order (a shorter mirror lets the library write
+/// past the Python buffer).
+#[test]
+fn the_python_stats_mirror_matches_the_header() {
+    let header = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../include/xcall.h"
+    ))
+    .unwrap();
+    let end = header
+        .find("} xcall_graph_stats;")
+        .expect("xcall_graph_stats in the header");
+    let start = header[..end].rfind("typedef struct").expect("its typedef");
+    let c_fields: Vec<&str> = header[start..end]
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("uint64_t "))
+        .map(|f| f.trim_end_matches(';'))
+        .collect();
+    let python = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../python/xcall_jax.py"
+    ))
+    .unwrap();
+    let at = python
+        .find("class _Stats(ctypes.Structure):")
+        .expect("_Stats in xcall_jax.py");
+    let body = &python[at..at + python[at..].find("\n\n\n").expect("end of _Stats")];
+    let py_fields: Vec<&str> = body
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with('"') && l.ends_with("\","))
+        .map(|l| l.trim_matches(|c| c == '"' || c == ','))
+        .collect();
+    assert!(c_fields.len() >= 15, "{c_fields:?}");
+    assert_eq!(py_fields, c_fields);
+}

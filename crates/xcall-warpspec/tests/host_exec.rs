@@ -8,7 +8,9 @@ use common::{decode, encode, random_bytes};
 
 use xcall_core::DType;
 use xcall_warpspec::host::{self, HostError};
-use xcall_warpspec::ops::{mul_host, silu_scale_f32, silu_scale_host, OpConfig, OpError, Scale};
+use xcall_warpspec::ops::{
+    check_scales, mul_host, silu_scale_f32, silu_scale_host, GroupScales, OpConfig, OpError, Scale,
+};
 use xcall_warpspec::{Action, BarrierKind, PipelinePlan, PipelineSpec, PipelineState};
 
 /// The plain-loop reference: decode, compute in f32, round to the dtype.
@@ -142,6 +144,43 @@ fn bad_group_scales_are_refused() {
     // One group of any size is the whole buffer.
     let mut odd = [0u8; 12];
     grouped(&[2.0], 12, &mut odd).unwrap();
+}
+
+/// Grouped scales by address (what the C ABI and CUDA take): known
+/// answers for the count, and each refusal with its kind.
+#[test]
+fn scales_by_address_are_checked_before_use() {
+    let at = |addr: u64, group_bytes: u64| GroupScales { addr, group_bytes };
+    // 256 output bytes at 0x2000 in f32 (4-byte) elements.
+    let check = |s: GroupScales, bytes: u64, elem: u64| check_scales(&s, bytes, elem, 0x2000);
+    assert_eq!(check(at(0x1000, 64), 256, 4).unwrap(), 4);
+    assert_eq!(check(at(0x1000, 16), 256, 2).unwrap(), 16);
+    // One group of any whole number of elements is the whole buffer.
+    assert_eq!(check(at(0x1000, 12), 12, 4).unwrap(), 1);
+    // Scales right before or right after the output touch no byte of it.
+    assert_eq!(check(at(0x2000 - 16, 64), 256, 4).unwrap(), 4);
+    assert_eq!(check(at(0x2100, 64), 256, 4).unwrap(), 4);
+    // An empty buffer has no groups and overlaps nothing.
+    assert_eq!(check(at(0x2000, 16), 0, 4).unwrap(), 0);
+    for (s, bytes, elem, want) in [
+        (at(0x1002, 64), 256, 4, "4-byte aligned"),
+        (at(0x1000, 0), 256, 4, "do not divide"),
+        (at(0x1000, 96), 256, 4, "do not divide"),
+        (at(0x1000, 8), 256, 4, "a multiple of 16"),
+        (at(0x1000, 6), 6, 4, "split 4-byte elements"),
+        (at(0x2000 - 12, 64), 256, 4, "overlaps the scales"),
+        (at(0x20fc, 64), 256, 4, "overlaps the scales"),
+        (at(0x2000, 256), 256, 4, "overlaps the scales"),
+        (at(u64::MAX - 7, 16), 256, 4, "end of the address space"),
+    ] {
+        let e = check(s, bytes, elem).unwrap_err();
+        assert!(matches!(e, OpError::Input(_)), "{s:?}: {e}");
+        assert!(e.to_string().contains(want), "{s:?}: {e}");
+        assert_eq!(e.status(), xcall_core::Status::InvalidArgument);
+    }
+    let e = check(at(0, 64), 256, 4).unwrap_err();
+    assert!(matches!(e, OpError::Null(_)), "{e}");
+    assert_eq!(e.status(), xcall_core::Status::NullArgument);
 }
 
 #[test]
