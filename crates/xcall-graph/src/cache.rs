@@ -500,8 +500,8 @@ impl<B: GraphBackend> GraphCache<B> {
     }
 
     /// With [`Policy::ExecUpdate`] and a relocatable call: when a cached
-    /// executable of the call's
-    /// topology (the candidate an exec-update would take) is made only of
+    /// executable of the call's topology (the candidate an exec-update
+    /// would take) is made only of
     /// kernels whose parameters the backend knows, and the call's buffers
     /// relate to each other as that executable's do ([`Relocation`]), moves
     /// its pointers to the call's buffers in place, re-keys it and launches
