@@ -87,22 +87,16 @@ fn generated_kernels_equal_the_host_executor() {
                         scales: None,
                     };
                     for variant in [Variant::WarpSpecialized, Variant::Plain] {
-                        // SAFETY: a live stream of cuda:0 and allocations of a.len() bytes.
-                        unsafe {
-                            kernels.launch(
-                                Device::cuda(0),
-                                stream.cu_stream(),
-                                op,
-                                dtype,
-                                variant,
-                                config,
-                                &bufs,
-                                0.75,
-                            )
-                        }
-                        .unwrap();
-                        let got = stream.clone_dtoh(&out).unwrap();
-                        stream.synchronize().unwrap();
+                        let launch = Launch {
+                            kernels: &kernels,
+                            stream: &stream,
+                            op,
+                            dtype,
+                            variant,
+                            config,
+                        };
+                        // SAFETY: allocations of a.len() bytes.
+                        let got = unsafe { launch.run(&bufs, 0.75, &out) };
                         let what = format!("{op:?} {dtype} {variant:?} {config:?} n={n}");
                         if op == ElementwiseOp::Mul {
                             assert_eq!(got, want, "{what}");
@@ -113,6 +107,48 @@ fn generated_kernels_equal_the_host_executor() {
                 }
             }
         }
+    }
+}
+
+/// One kernel of one op on cuda:0's test stream.
+struct Launch<'a> {
+    kernels: &'a WsKernels,
+    stream: &'a std::sync::Arc<cudarc::driver::CudaStream>,
+    op: ElementwiseOp,
+    dtype: DType,
+    variant: Variant,
+    config: &'a OpConfig,
+}
+
+impl Launch<'_> {
+    /// Launches the kernel on `bufs` and returns the output's bytes.
+    ///
+    /// # Safety
+    /// `bufs` are allocations of cuda:0 of the sizes they state, `out` the
+    /// output among them.
+    unsafe fn run(
+        &self,
+        bufs: &DeviceBuffers<'_>,
+        scale: f32,
+        out: &cudarc::driver::CudaSlice<u8>,
+    ) -> Vec<u8> {
+        // SAFETY: a live stream of cuda:0; the caller's promise on `bufs`.
+        unsafe {
+            self.kernels.launch(
+                Device::cuda(0),
+                self.stream.cu_stream(),
+                self.op,
+                self.dtype,
+                self.variant,
+                self.config,
+                bufs,
+                scale,
+            )
+        }
+        .unwrap();
+        let got = self.stream.clone_dtoh(out).unwrap();
+        self.stream.synchronize().unwrap();
+        got
     }
 }
 
@@ -210,24 +246,17 @@ fn grouped_scales_equal_the_host() {
                 }),
             };
             for variant in [Variant::WarpSpecialized, Variant::Plain] {
-                // SAFETY: a live stream of cuda:0, allocations of x.len()
-                // bytes and `groups` scales.
-                unsafe {
-                    kernels.launch(
-                        Device::cuda(0),
-                        stream.cu_stream(),
-                        ElementwiseOp::SiluScale,
-                        dtype,
-                        variant,
-                        config,
-                        &bufs,
-                        // Ignored with grouped scales.
-                        99.0,
-                    )
-                }
-                .unwrap();
-                let got = stream.clone_dtoh(&out).unwrap();
-                stream.synchronize().unwrap();
+                let launch = Launch {
+                    kernels: &kernels,
+                    stream: &stream,
+                    op: ElementwiseOp::SiluScale,
+                    dtype,
+                    variant,
+                    config,
+                };
+                // The scale 99 is ignored with grouped scales.
+                // SAFETY: allocations of x.len() bytes and `groups` scales.
+                let got = unsafe { launch.run(&bufs, 99.0, &out) };
                 let what = format!("{dtype} {variant:?} {config:?} {groups} x {per_group}");
                 assert_silu_close(dtype, &got, &want, &what);
             }

@@ -43,14 +43,8 @@ impl Params {
         let bytes = unsafe { std::slice::from_raw_parts((value as *const R).cast::<u8>(), size) };
         let start = self.slots.len();
         self.starts.push(start);
-        self.pointers.extend(
-            R::fields()
-                .into_iter()
-                .filter(|(_, ctype, offset, size)| {
-                    ctype.trim_end().ends_with('*') && *size == 8 && offset % 8 == 0
-                })
-                .map(|(_, _, offset, _)| start + offset / 8),
-        );
+        self.pointers
+            .extend(R::pointer_offsets().iter().map(|offset| start + offset / 8));
         self.slots.extend(bytes.chunks(8).map(|chunk| {
             let mut word = [0u8; 8];
             word[..chunk.len()].copy_from_slice(chunk);

@@ -30,7 +30,7 @@ mod record;
 pub use context::{retain_primary_context, with_context, ContextGuard};
 pub use launch::{launch, recording_launches, Launch, Params, RecordedLaunch};
 pub use objects::{Event, StreamAlloc};
-pub use record::{KernelRecord, ParamField};
+pub use record::{pointer_offsets, KernelRecord, ParamField};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};

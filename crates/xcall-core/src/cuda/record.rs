@@ -33,6 +33,11 @@ pub unsafe trait KernelRecord: Copy + 'static {
     /// Each field's (name, CUDA C type, byte offset, size), in order.
     fn fields() -> Vec<(&'static str, &'static str, usize, usize)>;
 
+    /// Byte offsets of the fields that hold a device pointer (C type
+    /// ending in `*`, 8 bytes, 8-byte aligned), worked out once per type:
+    /// a launch reads them without allocating.
+    fn pointer_offsets() -> &'static [usize];
+
     /// The CUDA C definition, followed by `static_assert`s that its size
     /// and every field's size are the Rust struct's. With the fields in the
     /// Rust order and neither side padded (the sizes add up to the
@@ -85,6 +90,19 @@ pub unsafe trait KernelRecord: Copy + 'static {
             Err(format!("no function of the source takes {name} p"))
         }
     }
+}
+
+/// The byte offsets of the pointer fields among `fields` (as
+/// [`KernelRecord::fields`] lists them): C type ending in `*`, 8 bytes,
+/// 8-byte aligned.
+pub fn pointer_offsets(fields: &[(&str, &str, usize, usize)]) -> Vec<usize> {
+    fields
+        .iter()
+        .filter(|(_, ctype, offset, size)| {
+            ctype.trim_end().ends_with('*') && *size == 8 && offset % 8 == 0
+        })
+        .map(|&(_, _, offset, _)| offset)
+        .collect()
 }
 
 /// The body (between its outer braces) of the first function in `text`.
@@ -180,6 +198,12 @@ macro_rules! kernel_params {
         // and the fields' sizes add up to the struct's: no padding.
         unsafe impl $crate::cuda::KernelRecord for $name {
             const NAME: &'static str = stringify!($name);
+
+            fn pointer_offsets() -> &'static [usize] {
+                static OFFSETS: ::std::sync::OnceLock<::std::vec::Vec<usize>> =
+                    ::std::sync::OnceLock::new();
+                OFFSETS.get_or_init(|| $crate::cuda::pointer_offsets(&Self::fields()))
+            }
 
             fn fields() -> ::std::vec::Vec<(&'static str, &'static str, usize, usize)> {
                 ::std::vec![
