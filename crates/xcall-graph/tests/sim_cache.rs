@@ -963,6 +963,12 @@ fn calls_a_pointer_move_cannot_express_take_the_capture_path() {
     let c = cache(Config::default());
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
     assert_eq!(run(&c, &b, stream(0), 1), Outcome::Updated);
+    // Nor does a graph a non-relocatable call captured, when a relocatable
+    // call of its topology comes.
+    let c = cache(Config::default());
+    let mut records = 0;
+    assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
+    assert_eq!(run_relocatable(&c, &b, &mut records, ops), Outcome::Updated);
     let c = cache(Config {
         policy: Policy::Recapture,
         ..Config::default()
