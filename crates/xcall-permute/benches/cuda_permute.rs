@@ -234,40 +234,6 @@ fn main() {
             unsafe { sys::cuGraphExecDestroy(g) };
         }
         drop(variants);
-        // permute under each bulk-copy config beside the tuned one and the
-        // copy, eager, in one interleaved run.
-        let bulk = xcall_permute::cuda::bulk_candidates();
-        let mut forced: Vec<Box<dyn FnMut() + '_>> = vec![
-            Box::new(|| {
-                // SAFETY: as above.
-                unsafe { sys::cuMemcpyDtoDAsync_v2(copy_dst, copy_src, n * row, s) }
-                    .result()
-                    .unwrap()
-            }),
-            // SAFETY: as above.
-            Box::new(|| unsafe { call::permute(&target, &permute).unwrap() }),
-        ];
-        for &c in &bulk {
-            let (target, permute) = (&target, &permute);
-            forced.push(Box::new(move || {
-                xcall_permute::cuda::with_configs(&[("permute", c)], || {
-                    // SAFETY: as above.
-                    unsafe { call::permute(target, permute).unwrap() }
-                })
-            }));
-        }
-        let fms = interleaved_medians(&ctx, &stream, ROUNDS, &mut forced);
-        let ratio = |ms: f64| (tr + nr + (n * 4) as f64) / ms / (2.0 * nr / fms[0]);
-        println!("{case:<28} permute, tuned: {:.3} of copy", ratio(fms[1]));
-        for (c, ms) in bulk.iter().zip(&fms[2..]) {
-            println!(
-                "{case:<28} permute, bulk {} stages, {} blocks/SM: {:.1} us, {:.3} of copy",
-                c.unroll,
-                c.waves,
-                ms * 1e3,
-                ratio(*ms)
-            );
-        }
     }
     host_cost(&target);
     for (k, c) in xcall_permute::cuda::cached_configs(Device::cuda(0)) {

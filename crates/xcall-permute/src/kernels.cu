@@ -13,7 +13,6 @@
 
 typedef long long i64;
 typedef unsigned long long u64;
-typedef unsigned int u32;
 
 // ------------------------------------------------------------ map faults
 // Every kernel that follows a map checks each entry it uses and skips one
@@ -541,118 +540,6 @@ __device__ void permute_body(const PermuteParams& p) {
             }
         }
     }
-}
-
-// ---------------------------------------------------- bulk-copy permute
-// permute on sm_90 and newer with each SM's bulk-copy engine: a block is
-// one warp running a pipeline of S stages of BULK_PIECE bytes of shared
-// memory. A work item is one piece of one token's row (the block's tokens
-// are blockIdx.x + i * gridDim.x). Lane 0 loads an item with cp.async.bulk
-// completing on its stage's mbarrier; once it lands, lane k stores it to
-// the token's routes k, k + 32, ... with bulk stores, and every lane
-// commits one bulk group per item. The stage of item j - 1 is refilled
-// (item j - 1 + S) once that item's stores have read it, so S - 1 loads
-// stay in flight while the stores drain. Routes are checked and staged
-// when an item's load is issued, and probs and scales written at the
-// token's first piece, so map reads overlap the copies in flight. Rows and
-// addresses are 16-byte aligned (the host picks these kernels only then).
-#define BULK_PIECE 4096
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void bulk_mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void bulk_mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-#endif
-
-template <int S>
-__device__ void permute_bulk_body(const PermuteParams& p) {
-    static_assert(S >= 2, "a stage is refilled while the next one's stores are issued");
-#if __CUDA_ARCH__ >= 900
-    __shared__ __align__(128) unsigned char buf[S][BULK_PIECE];
-    __shared__ __align__(8) u64 full[S];
-    __shared__ int staged[S][ROUTE_CHUNK];
-    __shared__ int count[S];
-    const int lane = (int)(threadIdx.x & 31);
-    const i64 T = p.tokens, row = p.row, N = p.out_rows;
-    const int E = (int)p.experts, NS = (int)p.nscales;
-    zero_regions<16>(p);
-    const i64 pieces = (row + BULK_PIECE - 1) / BULK_PIECE;
-    const i64 mine = (i64)blockIdx.x < T ? (T - 1 - (i64)blockIdx.x) / gridDim.x + 1 : 0;
-    const i64 items = mine * pieces;
-    if (lane == 0) {
-        for (int s = 0; s < S; ++s) bulk_mbar_init(smem_u32(&full[s]));
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncwarp();
-    // Stages item j's routes and issues its load (every lane calls it).
-    auto issue = [&](i64 j) {
-        const int s = (int)(j % S);
-        const i64 t = (i64)blockIdx.x + (j / pieces) * gridDim.x, piece = j % pieces;
-        const int* m = p.map + t * (2 * E + 1);
-        const int n = route_count(m, E);
-        unsigned int any = 0;
-        for (int k0 = 0; k0 < n; k0 += ROUTE_CHUNK) {
-            const int k = k0 + lane;
-            const bool ok = k < n && route_ok(m, k, E, N);
-            if (k0 == 0) staged[s][lane] = ok ? m[k] : -1;
-            any |= __ballot_sync(0xffffffffu, ok);
-            if (ok && piece == 0) {
-                const int d = m[k];
-                if (p.pprobs) p.pprobs[d] = p.probs[t * E + m[E + k]];
-                if (p.pscales)
-                    for (int i = 0; i < NS; ++i) p.pscales[(i64)d * NS + i] = p.scales[t * NS + i];
-            }
-        }
-        if (lane == 0) {
-            count[s] = n;
-            const u32 bar = smem_u32(&full[s]);
-            if (any) {
-                const u32 bytes = (u32)min((i64)BULK_PIECE, row - piece * BULK_PIECE);
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             :: "r"(smem_u32(buf[s])), "l"(p.input + t * row + piece * BULK_PIECE), "r"(bytes), "r"(bar)
-                             : "memory");
-            } else {
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-            }
-        }
-        __syncwarp();
-    };
-    for (i64 j = 0; j < min((i64)S, items); ++j) issue(j);
-    for (i64 j = 0; j < items; ++j) {
-        const int s = (int)(j % S);
-        bulk_mbar_wait(smem_u32(&full[s]), (u32)((j / S) & 1));
-        const i64 t = (i64)blockIdx.x + (j / pieces) * gridDim.x, piece = j % pieces;
-        const u32 bytes = (u32)min((i64)BULK_PIECE, row - piece * BULK_PIECE);
-        const int* m = p.map + t * (2 * E + 1);
-        const int n = count[s];
-        for (int k = lane; k < n; k += 32) {
-            const int d = k < ROUTE_CHUNK ? staged[s][k] : (route_ok(m, k, E, N) ? m[k] : -1);
-            if (d < 0) continue;
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                         :: "l"(p.out + (i64)d * row + piece * BULK_PIECE), "r"(smem_u32(buf[s])), "r"(bytes)
-                         : "memory");
-        }
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        if (j >= 1 && j - 1 + S < items) {
-            // Item j - 1's stores (every lane's group but the newest) have
-            // read their stage.
-            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-            __syncwarp();
-            issue(j - 1 + S);
-        }
-    }
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-#else
-    __trap();  // never launched below sm_90
-#endif
 }
 
 // sort_chunks_by_map: forward scatters, backward gathers.

@@ -582,47 +582,6 @@ fn every_launch_config_equals_the_host() {
     }
 }
 
-/// Every bulk-copy permute config (sm_90 and newer) computes the Host's
-/// bits: rows of several pieces with a partial last one, whole pieces,
-/// rows shorter than a piece, more routes per token than a warp stages
-/// (40 > 32), expert padding and a cut at `num_out_tokens`.
-#[test]
-fn every_bulk_permute_config_equals_the_host() {
-    if cuda_devices_or_skip("bulk-copy permute").is_none() {
-        return;
-    }
-    let info = xcall_core::cuda::device_info(xcall_core::Device::cuda(0)).unwrap();
-    if info.compute_capability.0 < 9 {
-        let why = format!("{} is {}; bulk copies need sm_90", info.name, info.arch());
-        xcall_core::testing::skip("bulk-copy permute", &why);
-        return;
-    }
-    use xcall_permute::cuda::{bulk_candidates, with_configs};
-    let mut gpu = Gpu::new();
-    let cases = [
-        (300, 8, 3000, 2, DType::Bf16),
-        (97, 64, 12, 40, DType::F32),
-        (129, 16, 8192, 3, DType::F16),
-    ];
-    for (i, &b) in bulk_candidates().iter().enumerate() {
-        let (t, e, h, topk, dtype) = cases[i % cases.len()];
-        let c = Case {
-            t,
-            e,
-            h,
-            topk,
-            cap: (i % 4 == 1).then_some(t * topk * 3 / 4),
-            align: (i % 2 == 0).then_some(4),
-            capacity: None,
-            dtype,
-        };
-        eprintln!("permute config {b:?}");
-        with_configs(&[("permute", b)], || {
-            run_case(&mut gpu, &c, 1500 + i as u64, true)
-        });
-    }
-}
-
 /// The chunk-sort map of a split on Host and on CUDA (both checked to
 /// succeed), for [`Pair::same`].
 fn chunk_map_on_both(

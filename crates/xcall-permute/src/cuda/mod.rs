@@ -44,8 +44,8 @@ use tune::{
     arith_width, choose, default_config, grid_for, routes_class, row_class, width, TuneKey,
 };
 pub use tune::{
-    backward_candidates, bulk_candidates, cached_configs, movement_candidates,
-    set_after_tuning_hook, with_configs, Config, Kind, TuningHook,
+    backward_candidates, cached_configs, movement_candidates, set_after_tuning_hook, with_configs,
+    Config, TuningHook,
 };
 
 type Result<T> = std::result::Result<T, PermuteError>;
@@ -61,8 +61,6 @@ struct State {
     functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
     tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
     multiprocessors: DeviceMap<u64>,
-    /// Whether the device has bulk copies (sm_90 and newer).
-    bulk_copies: DeviceMap<bool>,
     /// The address of each loaded module's map fault word
     /// (`xcall_map_faults` in `kernels.cu`).
     fault_words: DeviceMap<Mutex<HashMap<Family, u64>>>,
@@ -170,13 +168,6 @@ fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
     )
 }
 
-/// Whether `device` has bulk copies (`cp.async.bulk`, sm_90 and newer).
-fn bulk_copies(device: xcall_core::Device) -> Result<bool> {
-    Ok(*state().bulk_copies.get_or_try_init(device, || {
-        xcall_core::cuda::device_info(device).map(|i| i.compute_capability.0 >= 9)
-    })?)
-}
-
 /// See [`crate::call::permute`].
 pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
@@ -204,14 +195,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     }
     // The permute kernels zero the unwritten rows themselves (one launch).
     let v = width(row, &[a.input.address, a.output.address]);
-    let bulk = v == 16 && row > 0 && bulk_copies(dev)?;
     let run = |c: Config, outs: &[u64]| -> Result<()> {
-        if c.kind == Kind::Bulk && !bulk {
-            return Err(PermuteError::Unsupported(format!(
-                "the bulk-copy permute needs sm_90 or newer and 16-byte rows and \
-                 addresses ({row}-byte rows, {v}-byte vectors on {dev})"
-            )));
-        }
         launch(
             target,
             (
@@ -244,11 +228,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             routes_class(d.tokens, d.out_rows),
         ),
         default_config(row / v as u64),
-        &if bulk {
-            [movement_candidates(), bulk_candidates()].concat()
-        } else {
-            movement_candidates()
-        },
+        &movement_candidates(),
         &[
             a.output.bytes(),
             opt_bytes(&a.permuted_probs),
@@ -392,7 +372,7 @@ pub(crate) unsafe fn unpermute_backward(
             threads: 128,
             unroll: 2,
             waves: 0,
-            kind: Kind::Block,
+            per_warp: false,
         },
         &backward_candidates(),
         &[a.act_grad.bytes(), a.probs_grad.bytes()],

@@ -14,7 +14,7 @@ use super::params::{
     self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
     UnpermuteParams,
 };
-use super::tune::{BULK_INFIX, BULK_STAGES, WARP_INFIX};
+use super::tune::WARP_INFIX;
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::{NamedTensors, Target, Tensor};
 use crate::check::Dims;
@@ -62,12 +62,6 @@ fn instantiations(family: Family) -> String {
                     }
                 }
                 kernel(format!("zero_{v}"), format!("zero_body<{v}>"));
-            }
-            for s in BULK_STAGES {
-                kernel(
-                    format!("permute_{BULK_INFIX}16_{s}"),
-                    format!("permute_bulk_body<{s}>"),
-                );
             }
         }
         Family::Arith(dtype) => {
@@ -512,11 +506,10 @@ mod tests {
             all.extend(signatures(&instantiations(family)));
         }
         // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
-        // warp-per-token variants) + 5 zero fills + 3 bulk-copy permutes;
-        // for two float types,
+        // warp-per-token variants) + 5 zero fills; for two float types,
         // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
         // the backward's warp variant); for fp8, the two unpermutes only.
-        assert_eq!(all.len(), 7 + 68 + 2 * 20 + 12, "{all:?}");
+        assert_eq!(all.len(), 7 + 65 + 2 * 20 + 12, "{all:?}");
         for (name, params) in all {
             assert_eq!(params_of(&name), params, "{name}");
         }

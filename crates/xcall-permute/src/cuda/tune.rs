@@ -16,53 +16,40 @@ use crate::error::PermuteError;
 
 /// The kernel name infix of the warp-per-row variants (`permute_w_16_2`).
 pub(super) const WARP_INFIX: &str = "w_";
-/// The kernel name infix of the bulk-copy permute (`permute_b_16_4`).
-pub(super) const BULK_INFIX: &str = "b_";
-
-/// Who moves one row in a tunable kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Kind {
-    /// The whole block takes one row at a time.
-    Block,
-    /// Each warp takes its own row (the `*_w_*` kernels).
-    Warp,
-    /// permute only (sm_90 and newer, 16-byte rows): each block is one
-    /// warp that moves rows with bulk copies through a pipeline of
-    /// `unroll` shared-memory stages (the `permute_b_*` kernels).
-    Bulk,
-}
 
 /// A launch config of a tunable kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Config {
     /// Threads per block.
     pub threads: u32,
-    /// Vectors in flight per thread (movement, unpermute), dot slots per
-    /// thread (`unpermute_backward`: threads = 256 / slots), or pipeline
-    /// stages ([`Kind::Bulk`]).
+    /// Vectors in flight per thread (movement, unpermute), or dot slots per
+    /// thread (`unpermute_backward`: threads = 256 / slots).
     pub unroll: u32,
     /// Blocks per multiprocessor, each looping over rows; 0 for one block
     /// (or warp) per row.
     pub waves: u32,
-    /// Who moves one row.
-    pub kind: Kind,
+    /// Each warp takes its own row (the `*_w_*` kernels) instead of the
+    /// whole block taking one.
+    pub per_warp: bool,
 }
 
 impl Config {
     /// Rows one block takes at a time.
     fn rows_per_block(self) -> u64 {
-        match self.kind {
-            Kind::Warp => (self.threads / 32).max(1) as u64,
-            Kind::Block | Kind::Bulk => 1,
+        if self.per_warp {
+            (self.threads / 32).max(1) as u64
+        } else {
+            1
         }
     }
 
-    /// The kernel name's variant infix.
+    /// The kernel name's variant infix: [`WARP_INFIX`] for a warp-per-row
+    /// kernel.
     pub(super) fn infix(self) -> &'static str {
-        match self.kind {
-            Kind::Block => "",
-            Kind::Warp => WARP_INFIX,
-            Kind::Bulk => BULK_INFIX,
+        if self.per_warp {
+            WARP_INFIX
+        } else {
+            ""
         }
     }
 }
@@ -105,7 +92,7 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
         threads,
         unroll: 2,
         waves: 0,
-        kind: Kind::Block,
+        per_warp: false,
     }
 }
 
@@ -113,7 +100,7 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
 #[doc(hidden)]
 pub fn movement_candidates() -> Vec<Config> {
     let mut c = Vec::new();
-    for kind in [Kind::Block, Kind::Warp] {
+    for per_warp in [false, true] {
         for threads in [128, 256, 512] {
             for unroll in UNROLLS {
                 for waves in [0, 4, 8] {
@@ -121,33 +108,10 @@ pub fn movement_candidates() -> Vec<Config> {
                         threads,
                         unroll,
                         waves,
-                        kind,
+                        per_warp,
                     });
                 }
             }
-        }
-    }
-    c
-}
-
-/// The pipeline depths of the bulk-copy permute (`permute_b_16_{S}`).
-pub(super) const BULK_STAGES: [u32; 3] = [2, 4, 8];
-
-/// The bulk-copy configs tried for permute beside
-/// [`movement_candidates`] where they apply (sm_90 and newer, rows and
-/// addresses 16-byte aligned): one warp per block, each pipeline depth,
-/// one block per token or a few per SM looping over tokens.
-#[doc(hidden)]
-pub fn bulk_candidates() -> Vec<Config> {
-    let mut c = Vec::new();
-    for unroll in BULK_STAGES {
-        for waves in [0, 4, 8, 16] {
-            c.push(Config {
-                threads: 32,
-                unroll,
-                waves,
-                kind: Kind::Bulk,
-            });
         }
     }
     c
@@ -164,7 +128,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 threads: 256 / unroll,
                 unroll,
                 waves,
-                kind: Kind::Block,
+                per_warp: false,
             });
         }
         for threads in [128, 256] {
@@ -172,7 +136,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 threads,
                 unroll: 8,
                 waves,
-                kind: Kind::Warp,
+                per_warp: true,
             });
         }
     }
@@ -359,25 +323,20 @@ mod tests {
 
     #[test]
     fn a_warp_per_row_config_takes_threads_over_32_rows_per_block() {
-        let c = |threads, kind| Config {
+        let c = |threads, per_warp| Config {
             threads,
             unroll: 1,
             waves: 0,
-            kind,
+            per_warp,
         };
-        assert_eq!(c(256, Kind::Warp).rows_per_block(), 8);
-        assert_eq!(c(256, Kind::Block).rows_per_block(), 1);
-        assert_eq!(c(32, Kind::Bulk).rows_per_block(), 1);
-        assert_eq!(c(256, Kind::Warp).infix(), "w_");
-        assert_eq!(c(256, Kind::Block).infix(), "");
-        assert_eq!(c(32, Kind::Bulk).infix(), "b_");
+        assert_eq!(c(256, true).rows_per_block(), 8);
+        assert_eq!(c(256, false).rows_per_block(), 1);
+        assert_eq!(c(256, true).infix(), "w_");
+        assert_eq!(c(256, false).infix(), "");
         // No device is asked for the SM count with waves 0.
+        assert_eq!(grid_for(Device::cuda(7), 1001, c(128, true)).unwrap(), 251);
         assert_eq!(
-            grid_for(Device::cuda(7), 1001, c(128, Kind::Warp)).unwrap(),
-            251
-        );
-        assert_eq!(
-            grid_for(Device::cuda(7), 1001, c(128, Kind::Block)).unwrap(),
+            grid_for(Device::cuda(7), 1001, c(128, false)).unwrap(),
             1001
         );
     }
@@ -409,7 +368,7 @@ mod tests {
         let c = backward_candidates();
         assert_eq!(c.len(), 15);
         for k in &c {
-            if k.kind == Kind::Warp {
+            if k.per_warp {
                 assert_eq!(k.unroll, 8, "{k:?}");
                 assert!(k.threads <= 256 && k.threads % 32 == 0, "{k:?}");
             } else {
@@ -417,13 +376,6 @@ mod tests {
             }
         }
         assert_eq!(movement_candidates().len(), 54);
-        // The bulk pipeline needs two stages: a stage is refilled while the
-        // next one's stores are issued.
-        let bulk = bulk_candidates();
-        assert_eq!(bulk.len(), 12);
-        assert!(bulk
-            .iter()
-            .all(|k| k.kind == Kind::Bulk && k.threads == 32 && k.unroll >= 2));
     }
 
     #[test]
