@@ -59,5 +59,17 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
             assert!(s["hits"].as_u64().unwrap() >= (steps - 1) as u64, "{s}");
         }
         assert_eq!(j["dropped_routes"].as_u64().unwrap() > 0, factor == "0.7");
+        // Per-phase device times beside byte floors at the copy rate: the
+        // floors add up to the step's, and no phase that moves bytes beats
+        // its floor by 2x (the marks bracket the phase they name).
+        assert!(j["copy_gb_per_s"].as_f64().unwrap() > 100.0, "{j}");
+        let phases = j["phases"].as_array().unwrap();
+        let floors: f64 = phases.iter().map(|p| p["floor_ms"].as_f64().unwrap()).sum();
+        let step_floor = j["step_floor_ms"].as_f64().unwrap();
+        assert!((floors - step_floor).abs() <= 1e-9 * step_floor, "{j}");
+        for p in phases {
+            let (ms, floor) = (p["ms"].as_f64().unwrap(), p["floor_ms"].as_f64().unwrap());
+            assert!(ms >= 0.0 && ms >= 0.5 * floor, "{p}");
+        }
     }
 }

@@ -34,6 +34,46 @@ fn host_layer_matches_the_reference_and_reports_json() {
         2.0 * 12.0 * 2.0 * 94.0 * 128.0
     );
     assert!(j["step_ms"]["median"].as_f64().unwrap() > 0.0);
+    // Where the time goes: the eight phases in step order, each timed on
+    // every PE; no copy reference (and so no floor) on Host.
+    let phases = j["phases"].as_array().unwrap();
+    let names: Vec<&str> = phases.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "map",
+            "permute",
+            "dispatch",
+            "dispatch wait",
+            "experts",
+            "combine",
+            "combine wait",
+            "unpermute"
+        ]
+    );
+    for p in phases {
+        let per_pe = p["ms_per_pe"].as_array().unwrap();
+        assert_eq!(per_pe.len(), 4, "{p}");
+        let slowest = per_pe
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .fold(0.0, f64::max);
+        assert_eq!(p["ms"].as_f64().unwrap(), slowest, "{p}");
+        assert!(p["floor_ms"].is_null(), "{p}");
+    }
+    assert!(phases[4]["ms"].as_f64().unwrap() > 0.0);
+    assert!(j["step_floor_ms"].is_null() && j["copy_gb_per_s"].is_null());
+    // The byte model at T = 300, H = 64 bf16 (128-byte rows), E = 8,
+    // C = 94 (N = 752 rows), a map of 17 i32 per token.
+    let map = 300.0 * 17.0 * 4.0;
+    assert_eq!(phases[1]["bytes"], 300.0 * 128.0 + 752.0 * 128.0 + map);
+    assert_eq!(phases[4]["bytes"], 2.0 * 752.0 * 128.0);
+    assert_eq!(phases[3]["bytes"], 0.0);
+    assert_eq!(
+        phases[7]["bytes"],
+        map + 300.0 * 8.0 * 4.0 + 600.0 * 128.0 + 300.0 * 128.0
+    );
+    assert!(stdout.contains("4 PE(s) x 7 step(s)"), "{stdout}");
 }
 
 #[test]

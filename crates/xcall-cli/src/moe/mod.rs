@@ -17,7 +17,7 @@ use xcall_graph::{Config as CacheConfig, GraphCache, Outcome, Stats};
 
 pub use data::Shape;
 use data::{check, draw, Check};
-use pe::{Pe, Waits};
+use pe::{Pe, Waits, PHASES};
 
 /// Where the PEs run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -176,13 +176,45 @@ fn validate(a: &MoeArgs) -> Result<Run, String> {
     })
 }
 
+/// Eager steps after the timed ones with every phase's end marked.
+const PHASE_STEPS: usize = 3;
+
 /// What one PE saw.
 #[derive(Default)]
 struct PeLog {
     /// Per timed step: ms and the cache's outcome.
     steps: Vec<(f64, Outcome)>,
-    /// Per step (warm-up first): the check of the output.
+    /// Per instrumented step: each phase's ms ([`PHASES`] order).
+    phases: Vec<Vec<f64>>,
+    /// The median ms of a copy of the permuted tensor (CUDA).
+    copy_ms: Option<f64>,
+    /// Per step (warm-up first, instrumented last): the check of the
+    /// output.
     checks: Vec<Check>,
+}
+
+/// The bytes each phase must move through one PE's memory at the least
+/// (reads plus writes, [`PHASES`] order), with `N = E*C` permuted rows: the
+/// map reads the routing and writes the map; permute reads the tokens and
+/// writes every row of `send`; dispatch and combine read one `[N, H]`
+/// tensor and write one (the rows to other PEs cross the link instead, not
+/// counted here); the experts read `recv` and write `out`; unpermute reads
+/// the map, the probs and the routed rows and writes `y`. Waits move
+/// nothing.
+fn phase_bytes(s: &Shape) -> [f64; 8] {
+    let (t, e, row) = (s.tokens as f64, s.experts as f64, s.row_bytes() as f64);
+    let n = e * s.capacity as f64;
+    let map = t * (2.0 * e + 1.0) * 4.0;
+    [
+        t * e + map + (2.0 * e + 1.0) * 8.0,
+        t * row + n * row + map,
+        2.0 * n * row,
+        0.0,
+        2.0 * n * row,
+        2.0 * n * row,
+        0.0,
+        map + t * e * 4.0 + (t * s.topk as f64).min(n) * row + t * row,
+    ]
 }
 
 fn run_pe(
@@ -212,6 +244,16 @@ fn run_pe(
             bar.inc(1);
         }
     }
+    for i in 0..PHASE_STEPS {
+        let inputs = draw(&run.shape, run.seed, run.steps + 1 + i, rank);
+        pe.upload(&inputs)?;
+        pe.barrier()?;
+        log.phases.push(pe.phase_step()?);
+        let y = pe.download()?;
+        log.checks.push(check(&run.shape, &inputs, &y));
+    }
+    pe.barrier()?;
+    log.copy_ms = pe.copy_ms()?;
     pe.barrier()?;
     pe.finish()?;
     Ok(log)
@@ -325,6 +367,26 @@ fn report(
             *outcomes.entry(format!("{o:?}")).or_default() += 1;
         }
     }
+    // Each phase: the median over the instrumented steps per PE, and the
+    // slowest PE's; its floor at the PEs' median copy rate (CUDA).
+    let per_pe: Vec<Vec<f64>> = (0..PHASES.len())
+        .map(|i| {
+            pes.iter()
+                .map(|p| median(&mut p.phases.iter().map(|v| v[i]).collect::<Vec<_>>()))
+                .collect()
+        })
+        .collect();
+    let phase_ms: Vec<f64> = per_pe
+        .iter()
+        .map(|v| v.iter().copied().fold(0.0, f64::max))
+        .collect();
+    let mut copies: Vec<f64> = pes.iter().filter_map(|p| p.copy_ms).collect();
+    let copied = 2.0 * (s.experts * s.capacity * s.row_bytes()) as f64;
+    // Bytes per ms.
+    let copy_rate = (!copies.is_empty()).then(|| copied / median(&mut copies));
+    let bytes = phase_bytes(&s);
+    let floors: Vec<Option<f64>> = bytes.iter().map(|b| copy_rate.map(|r| b / r)).collect();
+    let step_floor = copy_rate.map(|r| bytes.iter().sum::<f64>() / r);
     let verdict = if bad == 0 { "PASS" } else { "FAIL" };
     let platform = run.platform.name();
     println!(
@@ -359,9 +421,26 @@ fn report(
         println!("  graph cache    {d}: {}", stats_line(&cache.stats(*d)));
     }
     println!(
+        "  phases         median of {PHASE_STEPS} eager steps with each phase's end marked, slowest PE{}",
+        copy_rate.map_or(String::new(), |r| format!(
+            "; floor = its bytes through one PE's memory at the copy rate ({:.0} GB/s)",
+            r / 1e6
+        ))
+    );
+    let cell = |f: Option<f64>| f.map_or("-".to_string(), |f| format!("{f:.3}"));
+    for ((name, ms), floor) in PHASES.iter().zip(&phase_ms).zip(&floors) {
+        println!("    {name:<14} {ms:>8.3} ms   floor {:>7}", cell(*floor));
+    }
+    println!(
+        "    {:<14} {:>8.3} ms   floor {:>7}   (graph step median {med:.3} ms)",
+        "sum",
+        phase_ms.iter().sum::<f64>(),
+        cell(step_floor)
+    );
+    println!(
         "  verification   {verdict}: {} PE(s) x {} step(s) against the f64 reference, {} mismatching element(s), max relative error {max_rel:.2e}",
         s.pes,
-        run.steps + 1,
+        run.steps + 1 + PHASE_STEPS,
         bad
     );
     if bad > 0 {
@@ -387,6 +466,13 @@ fn report(
             "exchange_bytes_per_step": between, "exchange_bytes_incl_self": all,
             "exchange_gb_per_s": gbps,
             "capacity_fill": fill, "dropped_routes": dropped,
+            "phases": PHASES.iter().enumerate().map(|(i, name)| json!({
+                "name": name, "ms": phase_ms[i], "ms_per_pe": per_pe[i],
+                "bytes": bytes[i], "floor_ms": floors[i],
+            })).collect::<Vec<_>>(),
+            "phase_steps": PHASE_STEPS,
+            "copy_gb_per_s": copy_rate.map(|r| r / 1e6),
+            "step_floor_ms": step_floor,
             "outcomes": outcomes,
             "graph_cache": devices.iter()
                 .map(|d| (d.to_string(), stats_json(&cache.stats(*d))))

@@ -28,7 +28,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use xcall_core::{Device, Platform};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache, Outcome};
@@ -57,6 +57,25 @@ pub enum Waits {
     Host,
     /// The PE's CUDA stream waits (`cuStreamWaitValue64`): capturable.
     Stream,
+}
+
+/// The phases of a step, in order (see the module docs).
+pub const PHASES: [&str; 8] = [
+    "map",
+    "permute",
+    "dispatch",
+    "dispatch wait",
+    "experts",
+    "combine",
+    "combine wait",
+    "unpermute",
+];
+
+/// The end of a phase: an event on the PE's stream, or the host clock (a
+/// Host step runs synchronously).
+enum Mark {
+    Event(CudaEvent),
+    Clock(Instant),
 }
 
 /// Symmetric buffers (the same offsets on every PE).
@@ -292,6 +311,85 @@ impl Pe {
     /// One step of the layer (see the module docs), enqueued on the PE's
     /// stream on CUDA.
     pub fn step(&mut self, waits: Waits) -> Res<()> {
+        self.step_marked(waits, &mut None)
+    }
+
+    /// One eager step with the end of every phase marked; returns each
+    /// phase's time in ms ([`PHASES`] order). On CUDA the whole step is
+    /// enqueued before any mark is read, so a phase's time is device time
+    /// (plus any wait for the host to enqueue it) and the waits are on the
+    /// stream, as in a captured step.
+    pub fn phase_step(&mut self) -> Res<Vec<f64>> {
+        let mut marks = Some(Vec::with_capacity(PHASES.len() + 1));
+        self.mark(&mut marks)?;
+        let waits = match self.gpu {
+            Some(_) => Waits::Stream,
+            None => Waits::Host,
+        };
+        self.step_marked(waits, &mut marks)?;
+        let marks = marks.unwrap_or_default();
+        marks
+            .windows(2)
+            .map(|w| match w {
+                [Mark::Event(a), Mark::Event(b)] => {
+                    b.synchronize().context("CUDA event")?;
+                    Ok(a.elapsed_ms(b).context("CUDA event")? as f64)
+                }
+                [Mark::Clock(a), Mark::Clock(b)] => Ok((*b - *a).as_secs_f64() * 1e3),
+                _ => Err("a step mixed event and clock marks".to_string()),
+            })
+            .collect()
+    }
+
+    /// Records the end of a phase into `marks` (nothing when `None`).
+    fn mark(&self, marks: &mut Option<Vec<Mark>>) -> Res<()> {
+        let Some(marks) = marks else {
+            return Ok(());
+        };
+        marks.push(match &self.gpu {
+            None => Mark::Clock(Instant::now()),
+            Some(g) => {
+                let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+                let e = g.ctx.new_event(timed).context("CUDA event")?;
+                e.record(&g.stream).context("CUDA event")?;
+                Mark::Event(e)
+            }
+        });
+        Ok(())
+    }
+
+    /// The median ms of a device-to-device copy of `send` into `out` (the
+    /// permuted tensor, `[E*C, H]`) on the PE's stream: the bandwidth the
+    /// phases' byte floors are measured against. `None` on Host.
+    pub fn copy_ms(&mut self) -> Res<Option<f64>> {
+        let Some(g) = &self.gpu else {
+            return Ok(None);
+        };
+        let bytes = self.shape.experts * self.shape.capacity * self.shape.row_bytes();
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        g.ctx.bind_to_thread().context("CUDA context")?;
+        let mut ms = Vec::new();
+        for _ in 0..5 {
+            let a = g.ctx.new_event(timed).context("CUDA event")?;
+            let z = g.ctx.new_event(timed).context("CUDA event")?;
+            a.record(&g.stream).context("CUDA event")?;
+            // SAFETY: `send` and `out` are distinct device allocations of
+            // this PE's heap of `bytes` each; neither is read or written by
+            // anyone else between steps.
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(self.b.out, self.b.send, bytes, g.stream.cu_stream())
+            }
+            .result()
+            .context("cuMemcpyDtoDAsync")?;
+            z.record(&g.stream).context("CUDA event")?;
+            z.synchronize().context("CUDA event")?;
+            ms.push(a.elapsed_ms(&z).context("CUDA event")? as f64);
+        }
+        ms.sort_by(|x, y| x.total_cmp(y));
+        Ok(Some(ms[ms.len() / 2]))
+    }
+
+    fn step_marked(&mut self, waits: Waits, marks: &mut Option<Vec<Mark>>) -> Res<()> {
         let s = self.shape;
         let (b, stream) = (self.b, self.stream());
         let target = match self.device.platform {
@@ -312,17 +410,25 @@ impl Pe {
         // SAFETY: (this and the layer calls below) every buffer is this PE's
         // heap allocation for exactly these dims, alive for the world's life.
         unsafe { b.layer.make_row_id_map(&target, d, options) }?;
+        self.mark(marks)?;
         // SAFETY: as above; `send` holds [E*C, H].
         unsafe { b.layer.permute(&target, d, b.send) }?;
+        self.mark(marks)?;
         self.exchange(b.recv, b.send, b.dispatch, stream)
             .context("dispatch put_signal")?;
+        self.mark(marks)?;
         self.await_all(b.dispatch, waits)?;
+        self.mark(marks)?;
         self.experts(stream)?;
+        self.mark(marks)?;
         self.exchange(b.ret, b.out, b.combine, stream)
             .context("combine put_signal")?;
+        self.mark(marks)?;
         self.await_all(b.combine, waits)?;
+        self.mark(marks)?;
         // SAFETY: as above; `ret` holds [E*C, H] and `y` [T, H].
-        unsafe { b.layer.unpermute(&target, d, b.ret, b.y) }
+        unsafe { b.layer.unpermute(&target, d, b.ret, b.y) }?;
+        self.mark(marks)
     }
 
     /// Sends slot `q` of `src` (`[P][E/P][C]` rows) to slot `me` of `dest`
