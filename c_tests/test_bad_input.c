@@ -83,7 +83,7 @@ static void graph_cache(void) {
 
   char data[64];
   xcall_buffer b = {(uint64_t)(uintptr_t)data, sizeof data, 0};
-  xcall_call call = {{XCALL_PLATFORM_HOST, 1, NULL}, 7, 0, &b, 1};
+  xcall_call call = {{XCALL_PLATFORM_HOST, 1, NULL}, 7, 0, &b, 1, 0};
   uint32_t outcome = 1234;
   int runs = 0;
   CHECK_ERR(xcall_graph_cache_execute(cache, &call, record_ok, &runs, &outcome), XCALL_STATUS_NO_SUCH_DEVICE, "host:1");
@@ -94,7 +94,14 @@ static void graph_cache(void) {
   call.num_buffers = 1;
   CHECK_ERR(xcall_graph_cache_execute(cache, &call, record_ok, &runs, &outcome), XCALL_STATUS_INVALID_ARGUMENT, "unknown role 9");
   CHECK_ERR(xcall_graph_cache_execute(cache, &call, NULL, &runs, &outcome), XCALL_STATUS_NULL_ARGUMENT, "record");
+  b.role = XCALL_BUFFER_ROLE_IN_OUT;
+  call.flags = XCALL_CALL_RELOCATABLE | 0x10;
+  CHECK_ERR(xcall_graph_cache_execute(cache, &call, record_ok, &runs, &outcome), XCALL_STATUS_INVALID_ARGUMENT, "bits xcall does not define (0x10)");
   CHECK(runs == 0 && outcome == 1234);
+  /* The one defined bit is accepted (Host has no graphs: the call runs). */
+  call.flags = XCALL_CALL_RELOCATABLE;
+  CHECK_STATUS(xcall_graph_cache_execute(cache, &call, record_ok, &runs, &outcome), XCALL_STATUS_OK);
+  CHECK(runs == 1 && outcome == XCALL_GRAPH_OUTCOME_EAGER_HOST);
 
   /* Freed, foreign and mistyped handles. */
   xcall_graph_cache_free(cache);

@@ -18,7 +18,7 @@ int main(void) {
   xcall_graph_cache *cache = NULL;
   xcall_graph_cache_config config;
   xcall_buffer buffers[2] = {{0x1000, 256, XCALL_BUFFER_ROLE_IN}, {0x2000, 256, XCALL_BUFFER_ROLE_OUT}};
-  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 42, 7, buffers, 2};
+  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 42, 7, buffers, 2, 0};
   struct counter counter = {0, 0, 0};
   uint32_t outcome = 99;
   xcall_graph_stats stats;

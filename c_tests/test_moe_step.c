@@ -168,7 +168,7 @@ static void *run_pe(void *arg) {
       {(uint64_t)(uintptr_t)p->routing, T * E, XCALL_BUFFER_ROLE_IN},
       {(uint64_t)(uintptr_t)p->y, sizeof(float) * T * H, XCALL_BUFFER_ROLE_OUT},
   };
-  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 0x6d6f65, T * 1000 + H, bufs, 3};
+  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 0x6d6f65, T * 1000 + H, bufs, 3, 0};
   PE_EXPECT(xcall_graph_cache_execute(p->cache, &call, step, p, &p->outcome) ==
             XCALL_STATUS_OK);
 

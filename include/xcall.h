@@ -44,6 +44,19 @@ struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 
 /**
+ * `xcall_call::flags`: the call's work depends on its buffers only
+ * through their addresses, and every kernel it enqueues is an xcall op
+ * (`xcall_permute_*`, `xcall_ws_run*`) over those buffers. The cache may
+ * then move a cached graph to new buffer addresses by patching the ops'
+ * pointer parameters in place, without calling `record`
+ * (`XCALL_GRAPH_OUTCOME_PATCHED`), when the buffers keep their sizes,
+ * their alignment modulo 256 and their placement relative to each other.
+ * A graph with any other kernel is never patched (the cache falls back to
+ * recapture and exec-update).
+ */
+#define XCALL_CALL_RELOCATABLE 1
+
+/**
  * Largest tensor rank an `xcall_tensor` holds.
  */
 #define XCALL_TENSOR_MAX_RANK 4
@@ -679,6 +692,10 @@ typedef struct {
    * Number of buffers.
    */
   size_t num_buffers;
+  /**
+   * `XCALL_CALL_*` bits, 0 for none (a zero-initialised call).
+   */
+  uint32_t flags;
 } xcall_call;
 
 /**
@@ -1061,7 +1078,8 @@ void xcall_graph_cache_free(xcall_graph_cache *cache);
  * directly. On CUDA, the cached graph for the call's exact key is replayed
  * on `call->target.stream`, or `record(user_data, stream)` is captured into a
  * graph and launched (or updates a cached graph that differs only in buffer
- * addresses), or runs directly when capture is not possible (policy
+ * addresses; with `XCALL_CALL_RELOCATABLE` such a graph may instead be
+ * patched without calling `record`), or runs directly when capture is not possible (policy
  * disabled, the stream is already being captured by the caller, another
  * thread is capturing the same key, or capture failed). `*out_outcome`
  * receives an `xcall_graph_outcome` value.
@@ -1076,8 +1094,8 @@ void xcall_graph_cache_free(xcall_graph_cache *cache);
  *
  * Bad input: NULL cache, call or record: `XCALL_STATUS_NULL_ARGUMENT`; a
  * freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
- * platform or buffer role, no buffers, a buffer past the end of the
- * address space: `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other
+ * platform, buffer role or flag bit, no buffers, a buffer past the end of
+ * the address space: `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other
  * than 0, a CUDA device that does not exist:
  * `XCALL_STATUS_NO_SUCH_DEVICE`; all before `record` runs.
  */

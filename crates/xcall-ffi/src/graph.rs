@@ -76,7 +76,23 @@ pub struct xcall_call {
     pub buffers: *const xcall_buffer,
     /// Number of buffers.
     pub num_buffers: usize,
+    /// `XCALL_CALL_*` bits, 0 for none (a zero-initialised call).
+    pub flags: u32,
 }
+
+/// `xcall_call::flags`: the call's work depends on its buffers only
+/// through their addresses, and every kernel it enqueues is an xcall op
+/// (`xcall_permute_*`, `xcall_ws_run*`) over those buffers. The cache may
+/// then move a cached graph to new buffer addresses by patching the ops'
+/// pointer parameters in place, without calling `record`
+/// (`XCALL_GRAPH_OUTCOME_PATCHED`), when the buffers keep their sizes,
+/// their alignment modulo 256 and their placement relative to each other.
+/// A graph with any other kernel is never patched (the cache falls back to
+/// recapture and exec-update).
+pub const XCALL_CALL_RELOCATABLE: u32 = 1;
+
+/// Every bit `xcall_call::flags` may hold.
+const CALL_FLAGS: u32 = XCALL_CALL_RELOCATABLE;
 
 /// The work of a call: enqueue it on `stream` (NULL on Host, where the work
 /// runs directly) and return an `xcall_status` (0 = success; any other
@@ -90,7 +106,7 @@ assert_eq_size!(xcall_graph_cache_config, [u64; 4]);
 assert_eq_align!(xcall_graph_cache_config, u64);
 assert_eq_size!(xcall_buffer, [u64; 3]);
 assert_eq_align!(xcall_buffer, u64);
-assert_eq_size!(xcall_call, [u64; 6]);
+assert_eq_size!(xcall_call, [u64; 7]);
 assert_eq_align!(xcall_call, u64);
 assert_eq_size!(Stats, [u64; 16]);
 assert_eq_align!(Stats, u64);
@@ -212,7 +228,8 @@ pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
 /// directly. On CUDA, the cached graph for the call's exact key is replayed
 /// on `call->target.stream`, or `record(user_data, stream)` is captured into a
 /// graph and launched (or updates a cached graph that differs only in buffer
-/// addresses), or runs directly when capture is not possible (policy
+/// addresses; with `XCALL_CALL_RELOCATABLE` such a graph may instead be
+/// patched without calling `record`), or runs directly when capture is not possible (policy
 /// disabled, the stream is already being captured by the caller, another
 /// thread is capturing the same key, or capture failed). `*out_outcome`
 /// receives an `xcall_graph_outcome` value.
@@ -227,8 +244,8 @@ pub extern "C" fn xcall_graph_cache_free(cache: *mut xcall_graph_cache) {
 ///
 /// Bad input: NULL cache, call or record: `XCALL_STATUS_NULL_ARGUMENT`; a
 /// freed or foreign cache: `XCALL_STATUS_INVALID_HANDLE`; an unknown
-/// platform or buffer role, no buffers, a buffer past the end of the
-/// address space: `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other
+/// platform, buffer role or flag bit, no buffers, a buffer past the end of
+/// the address space: `XCALL_STATUS_INVALID_ARGUMENT`; a Host ordinal other
 /// than 0, a CUDA device that does not exist:
 /// `XCALL_STATUS_NO_SUCH_DEVICE`; all before `record` runs.
 #[no_mangle]
@@ -246,6 +263,16 @@ pub extern "C" fn xcall_graph_cache_execute(
             .ok_or_else(|| FfiError::new(Status::NullArgument, "call is NULL"))?;
         let record = record.ok_or_else(|| FfiError::new(Status::NullArgument, "record is NULL"))?;
         let out = out_ptr(out_outcome, "out_outcome")?;
+        if call.flags & !CALL_FLAGS != 0 {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!(
+                    "call->flags {:#x} has bits xcall does not define ({:#x})",
+                    call.flags,
+                    call.flags & !CALL_FLAGS
+                ),
+            ));
+        }
         let device = call.target.device()?;
         let raw: &[xcall_buffer] = match (call.buffers.is_null(), call.num_buffers) {
             (_, 0) => &[],
@@ -273,7 +300,9 @@ pub extern "C" fn xcall_graph_cache_execute(
             .target
             .cuda_stream(device)
             .map(|s| CudaStreamHandle(s.cast()));
-        let outcome = cache.inner.execute(&Call::new(key, stream), |stream| {
+        let mut graph_call = Call::new(key, stream);
+        graph_call.relocatable = call.flags & XCALL_CALL_RELOCATABLE != 0;
+        let outcome = cache.inner.execute(&graph_call, |stream| {
             let stream = stream.map_or(std::ptr::null_mut(), |s| s.0.cast());
             // SAFETY: the caller's callback with the caller's user_data.
             match unsafe { record(user_data, stream) } {
