@@ -94,6 +94,15 @@ cat >"$out/run-all.sh" <<'RUN'
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export XCALL_REQUIRE_CUDA=${XCALL_REQUIRE_CUDA:-1}
+# A boolean as xcall spells it (docs/ENVIRONMENT.md), made 1 or 0 here.
+case "$(printf '%s' "$XCALL_REQUIRE_CUDA" | tr '[:upper:]' '[:lower:]' | tr -d ' ')" in
+  1 | true | yes | on) XCALL_REQUIRE_CUDA=1 ;;
+  0 | false | no | off | '') XCALL_REQUIRE_CUDA=0 ;;
+  *)
+    echo "XCALL_REQUIRE_CUDA=$XCALL_REQUIRE_CUDA is not a boolean: 1, 0, true, false, yes, no, on or off" >&2
+    exit 2
+    ;;
+esac
 export XCALL_BIN="$here/bin/xcall"
 logs=${XCALL_BUNDLE_LOGS:-$here/logs}
 bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}

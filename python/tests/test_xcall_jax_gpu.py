@@ -34,11 +34,21 @@ def _gpus():
         return []
 
 
+def _flag(name):
+    """Boolean variable `name` as xcall spells booleans (docs/ENVIRONMENT.md)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise RuntimeError(f"{name}={value!r} is not a boolean: 1, 0, true, false, yes, no, on or off")
+
+
 GPUS = _gpus()
 MODE = os.environ.get("XCALL_XLA_COMMAND_BUFFERS")
 
 if not GPUS:
-    if os.environ.get("XCALL_REQUIRE_CUDA") == "1":
+    if _flag("XCALL_REQUIRE_CUDA"):
         raise RuntimeError("XCALL_REQUIRE_CUDA=1 but JAX sees no GPU")
     pytest.skip("no GPU visible to JAX: CUDA handler tests skipped", allow_module_level=True)
 

@@ -21,6 +21,22 @@ impl<T, E: std::fmt::Display> Context<T> for Result<T, E> {
     }
 }
 
+/// The symmetric heap per PE for a command that needs `needed` bytes:
+/// `Some(needed)`, or `None` (the world then reads the variable) when
+/// `XCALL_SHMEM_HEAP_BYTES` gives at least that much. A smaller or
+/// malformed value is an error naming the variable.
+pub fn heap_size(needed: usize, what: &str) -> Res<Option<usize>> {
+    let name = xcall_shmem::world::HEAP_ENV;
+    match xcall_core::env::bytes(name).map_err(|e| e.to_string())? {
+        None => Ok(Some(needed)),
+        Some(b) if b >= needed as u64 => Ok(None),
+        Some(b) => Err(format!(
+            "{name}={b} bytes is less than the {needed} bytes per PE {what} needs; \
+             unset it to let xcall size the heap"
+        )),
+    }
+}
+
 /// Shape of the calls: `T` tokens of `H` values of `dtype`, `E` experts,
 /// `rows` permuted rows.
 #[derive(Clone, Copy, Debug)]

@@ -48,6 +48,26 @@ fn doctor_without_cuda_says_why_and_exits_zero() {
 }
 
 #[test]
+fn a_switch_that_is_not_a_boolean_is_named_not_guessed() {
+    for (value, want) in [
+        ("maybe", "XCALL_DISABLE_CUDA=\"maybe\" is not a boolean"),
+        ("ON", "disabled by XCALL_DISABLE_CUDA"),
+    ] {
+        let out = xcall()
+            .arg("doctor")
+            .env(xcall_core::cuda::DISABLE_ENV, value)
+            .output()
+            .expect("run xcall doctor");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{value}: {stdout}");
+        assert!(
+            stdout.contains(&format!("cuda  unavailable: CUDA is unavailable: {want}")),
+            "{value}: {stdout}"
+        );
+    }
+}
+
+#[test]
 fn unknown_command_is_one_clear_error() {
     let out = xcall().arg("frobnicate").output().unwrap();
     assert!(!out.status.success());

@@ -165,8 +165,35 @@ fn bad_flags_are_one_line_and_a_failure() {
 }
 
 #[test]
+fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise() {
+    let moe = ["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"];
+    for (value, ok, want) in [
+        ("64M", true, "verification   PASS"),
+        ("64MiB", true, "verification   PASS"),
+        (
+            "1K",
+            false,
+            "XCALL_SHMEM_HEAP_BYTES=1024 bytes is less than the 1139584 bytes per PE this shape needs",
+        ),
+        ("lots", false, "XCALL_SHMEM_HEAP_BYTES=\"lots\" is not a size"),
+    ] {
+        let out = common::xcall()
+            .args(moe)
+            .env("XCALL_SHMEM_HEAP_BYTES", value)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(if ok { &out.stdout } else { &out.stderr });
+        assert_eq!(out.status.success(), ok, "{value}: {text}");
+        assert!(text.contains(want), "{value}: {text}");
+    }
+}
+
+#[test]
 fn cuda_without_gpus_or_with_too_many_pes_is_refused() {
-    let count = if std::env::var_os("XCALL_DISABLE_CUDA").is_some() {
+    let count = if !matches!(
+        xcall_core::env::flag(xcall_core::cuda::DISABLE_ENV),
+        Ok(None | Some(false))
+    ) {
         0
     } else {
         xcall_core::cuda::device_count().unwrap_or(0)

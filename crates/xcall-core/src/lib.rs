@@ -14,6 +14,7 @@ mod c_enum;
 pub mod cuda;
 mod device_map;
 mod dtype;
+pub mod env;
 mod error;
 pub mod kernel_cache;
 mod platform;

@@ -16,9 +16,8 @@ use crate::cuda;
 /// How long a test waits for threads before failing: 60 s, or
 /// `XCALL_TEST_WATCHDOG_S` seconds.
 pub fn watchdog() -> Duration {
-    let secs = std::env::var("XCALL_TEST_WATCHDOG_S")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
+    let secs = crate::env::seconds("XCALL_TEST_WATCHDOG_S")
+        .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or(60);
     Duration::from_secs(secs)
 }
@@ -78,9 +77,23 @@ pub fn within<T: Send + 'static>(
 /// Environment variable that turns "no GPU" from a skip into a failure.
 pub const REQUIRE_ENV: &str = "XCALL_REQUIRE_CUDA";
 
-/// Whether `XCALL_REQUIRE_CUDA=1` is set.
+/// Whether `XCALL_REQUIRE_CUDA` is true.
+///
+/// # Panics
+/// When it is not a boolean (see [`crate::env`]).
 pub fn cuda_required() -> bool {
-    std::env::var(REQUIRE_ENV).is_ok_and(|v| v == "1")
+    required(REQUIRE_ENV)
+}
+
+/// Whether boolean variable `name` (an `XCALL_REQUIRE_*` switch of the
+/// tests) is true.
+///
+/// # Panics
+/// When it is not a boolean: the test fails naming it.
+pub fn required(name: &str) -> bool {
+    crate::env::flag(name)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or(false)
 }
 
 /// The number of CUDA devices for GPU test `test`, or `None` after printing

@@ -138,7 +138,7 @@ fn bad_input_under_address_and_undefined_sanitizers() {
         ),
         Err(e)
             if e.starts_with("compiling")
-                && std::env::var("XCALL_REQUIRE_SANITIZERS").as_deref() != Ok("1") =>
+                && !xcall_core::testing::required("XCALL_REQUIRE_SANITIZERS") =>
         {
             xcall_core::testing::skip(
                 "bad_input_under_address_and_undefined_sanitizers",

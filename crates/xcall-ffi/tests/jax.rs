@@ -29,7 +29,7 @@ fn python(test: &str) -> Option<String> {
         return Some(py);
     }
     let why = format!("{py} cannot import jax and pytest (set XCALL_PYTHON)");
-    if std::env::var("XCALL_REQUIRE_JAX").as_deref() == Ok("1") {
+    if xcall_core::testing::required("XCALL_REQUIRE_JAX") {
         panic!("XCALL_REQUIRE_JAX=1 but {why}");
     }
     xcall_core::testing::skip(test, &why);

@@ -88,7 +88,9 @@ fn main() {
         checked: false,
         ..Target::cuda(0, stream.cu_stream().cast())
     };
-    let quick = std::env::var("XCALL_GRID_QUICK").is_ok_and(|v| v == "1");
+    let quick = xcall_core::env::flag("XCALL_GRID_QUICK")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or(false);
     let json_path = std::env::var("XCALL_GRID_JSON").unwrap_or("permute-grid.json".into());
     let mut json = std::fs::File::create(&json_path).unwrap();
     let ts: &[usize] = if quick { &[4096] } else { &[4096, 16384] };

@@ -8,6 +8,7 @@ use xcall_core::{DType, Device};
 
 use crate::alias::Region;
 use crate::chunks::Direction;
+use crate::error::PermuteError;
 use crate::row_id_map::RowIdMapOptions;
 
 /// Where an op runs.
@@ -52,14 +53,36 @@ impl Target {
     }
 }
 
-/// Autotuning unless `XCALL_PERMUTE_AUTOTUNE` is `0`.
+/// Variable turning autotuning off (a boolean, see `xcall_core::env`).
+pub const AUTOTUNE_ENV: &str = "XCALL_PERMUTE_AUTOTUNE";
+/// Variable turning checked mode on (a boolean).
+pub const CHECK_ENV: &str = "XCALL_PERMUTE_CHECK";
+
+/// Autotuning unless `XCALL_PERMUTE_AUTOTUNE` is false (a value that is not
+/// a boolean counts as unset here, and [`env_settings`] refuses it).
 pub fn autotune_default() -> bool {
-    std::env::var("XCALL_PERMUTE_AUTOTUNE").map_or(true, |v| v.trim() != "0")
+    xcall_core::env::flag(AUTOTUNE_ENV)
+        .ok()
+        .flatten()
+        .unwrap_or(true)
 }
 
-/// Checked mode when `XCALL_PERMUTE_CHECK` is `1`.
+/// Checked mode when `XCALL_PERMUTE_CHECK` is true (see
+/// [`autotune_default`] for a malformed value).
 pub fn checked_default() -> bool {
-    std::env::var("XCALL_PERMUTE_CHECK").is_ok_and(|v| v.trim() == "1")
+    xcall_core::env::flag(CHECK_ENV)
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
+/// Refuses a malformed `XCALL_PERMUTE_AUTOTUNE` or `XCALL_PERMUTE_CHECK`
+/// (every CUDA op checks this before it runs), naming the variable.
+pub fn env_settings() -> Result<(), PermuteError> {
+    for name in [AUTOTUNE_ENV, CHECK_ENV] {
+        xcall_core::env::flag(name).map_err(|e| PermuteError::Shape(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// A tensor: address (a host pointer or a `CUdeviceptr`), dtype, dims
@@ -282,5 +305,37 @@ impl NamedTensors for SortChunksArgs {
     }
     fn outputs(&self) -> Vec<(&'static str, &Tensor)> {
         named!(self: output; permuted_probs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One test owns both variables (tests of this crate run in parallel;
+    /// no other reads them to a different end on Host).
+    #[test]
+    fn the_permute_switches_are_booleans_and_a_bad_one_is_refused_by_name() {
+        std::env::set_var(AUTOTUNE_ENV, "maybe");
+        let e = env_settings().unwrap_err();
+        assert_eq!(e.status(), xcall_core::Status::InvalidArgument);
+        assert!(
+            e.to_string()
+                .starts_with("XCALL_PERMUTE_AUTOTUNE=\"maybe\" is not a boolean"),
+            "{e}"
+        );
+        assert!(autotune_default(), "a malformed value is not a choice");
+        std::env::set_var(AUTOTUNE_ENV, "off");
+        assert!(!autotune_default());
+        std::env::set_var(CHECK_ENV, "2");
+        assert!(env_settings().unwrap_err().to_string().contains(CHECK_ENV));
+        assert!(!checked_default());
+        std::env::set_var(CHECK_ENV, "Yes");
+        assert!(checked_default());
+        assert_eq!(env_settings(), Ok(()));
+        std::env::remove_var(AUTOTUNE_ENV);
+        std::env::remove_var(CHECK_ENV);
+        assert!(autotune_default() && !checked_default());
+        assert_eq!(env_settings(), Ok(()));
     }
 }

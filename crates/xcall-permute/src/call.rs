@@ -29,8 +29,8 @@ use xcall_core::Platform;
 
 use crate::alias;
 pub use crate::args::{
-    autotune_default, checked_default, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs,
-    SortChunksArgs, Target, Tensor, UnpermuteArgs, UnpermuteBackwardArgs,
+    autotune_default, checked_default, env_settings, MakeChunkSortMapArgs, MakeRowIdMapArgs,
+    PermuteArgs, SortChunksArgs, Target, Tensor, UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use crate::check;
 pub use crate::check::{Checked, Dims};
@@ -113,8 +113,11 @@ pub unsafe fn make_row_id_map(target: &Target, a: &MakeRowIdMapArgs) -> Result<(
     match target.device.platform {
         // SAFETY: checked tensors, see the module docs.
         Platform::Host => unsafe { host::make_row_id_map(&c) },
-        // SAFETY: see the module docs.
-        Platform::Cuda => unsafe { cuda::make_row_id_map(target, &c) },
+        Platform::Cuda => {
+            env_settings()?;
+            // SAFETY: see the module docs.
+            unsafe { cuda::make_row_id_map(target, &c) }
+        }
     }
 }
 
@@ -140,8 +143,11 @@ pub unsafe fn permute(target: &Target, a: &PermuteArgs) -> Result<(), PermuteErr
         // SAFETY: checked tensors, see the module docs; staged inputs no
         // longer overlap outputs.
         Platform::Host => unsafe { host::permute(&c) },
-        // SAFETY: see the module docs.
-        Platform::Cuda => unsafe { cuda::permute(target, &c) },
+        Platform::Cuda => {
+            env_settings()?;
+            // SAFETY: see the module docs.
+            unsafe { cuda::permute(target, &c) }
+        }
     }
 }
 
@@ -154,8 +160,11 @@ pub unsafe fn unpermute(target: &Target, a: &UnpermuteArgs) -> Result<(), Permut
     match target.device.platform {
         // SAFETY: checked tensors, see the module docs.
         Platform::Host => unsafe { host::unpermute(&c) },
-        // SAFETY: see the module docs.
-        Platform::Cuda => unsafe { cuda::unpermute(target, &c) },
+        Platform::Cuda => {
+            env_settings()?;
+            // SAFETY: see the module docs.
+            unsafe { cuda::unpermute(target, &c) }
+        }
     }
 }
 
@@ -172,8 +181,11 @@ pub unsafe fn unpermute_backward(
     match target.device.platform {
         // SAFETY: checked tensors, see the module docs.
         Platform::Host => unsafe { host::unpermute_backward(&c) },
-        // SAFETY: see the module docs.
-        Platform::Cuda => unsafe { cuda::unpermute_backward(target, &c) },
+        Platform::Cuda => {
+            env_settings()?;
+            // SAFETY: see the module docs.
+            unsafe { cuda::unpermute_backward(target, &c) }
+        }
     }
 }
 
@@ -194,8 +206,11 @@ pub unsafe fn make_chunk_sort_map(
     match target.device.platform {
         // SAFETY: checked tensors, see the module docs.
         Platform::Host => unsafe { host::make_chunk_sort_map(&c) },
-        // SAFETY: see the module docs.
-        Platform::Cuda => unsafe { cuda::make_chunk_sort_map(target, &c) },
+        Platform::Cuda => {
+            env_settings()?;
+            // SAFETY: see the module docs.
+            unsafe { cuda::make_chunk_sort_map(target, &c) }
+        }
     }
 }
 
@@ -222,7 +237,10 @@ pub unsafe fn sort_chunks_by_map(target: &Target, a: &SortChunksArgs) -> Result<
         // SAFETY: checked tensors, see the module docs; staged inputs no
         // longer overlap outputs.
         Platform::Host => unsafe { host::sort_chunks_by_map(&c) },
-        // SAFETY: see the module docs.
-        Platform::Cuda => unsafe { cuda::sort_chunks_by_map(target, &c) },
+        Platform::Cuda => {
+            env_settings()?;
+            // SAFETY: see the module docs.
+            unsafe { cuda::sort_chunks_by_map(target, &c) }
+        }
     }
 }

@@ -18,7 +18,7 @@ fn python() -> Option<String> {
         _ => {
             eprintln!("SKIP permute grid report: no {py}");
             assert!(
-                std::env::var("XCALL_REQUIRE_PYTHON").as_deref() != Ok("1"),
+                !xcall_core::testing::required("XCALL_REQUIRE_PYTHON"),
                 "XCALL_REQUIRE_PYTHON=1 but {py} does not run"
             );
             None

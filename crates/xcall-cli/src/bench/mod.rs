@@ -160,11 +160,12 @@ pub fn run(args: &BenchArgs) -> Res<bool> {
         },
     };
     let row = problem.hidden * 2;
-    let heap = (problem.rows() * row * 3 + problem.tokens * row * 2) as usize + (64 << 20);
+    let needed = (problem.rows() * row * 3 + problem.tokens * row * 2) as usize + (64 << 20);
+    let heap = crate::layer::heap_size(needed, "the bench")?;
     let group = format!("xcall-bench-{}", std::process::id());
     let config = |rank| {
         let mut c = Config::in_process(&group, rank, pes, Device::new(platform, rank as u32));
-        c.heap_bytes = Some(heap);
+        c.heap_bytes = heap;
         c.timeout = Duration::from_secs(600);
         c
     };

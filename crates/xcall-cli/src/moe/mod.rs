@@ -81,6 +81,10 @@ pub struct MoeArgs {
 struct Run {
     platform: Platform,
     shape: Shape,
+    /// The heap per PE when xcall moe sizes it; `None` when
+    /// `XCALL_SHMEM_HEAP_BYTES` gives one at least as large (the world
+    /// then reads it).
+    heap: Option<usize>,
     steps: usize,
     seed: u64,
     capacity_factor: f64,
@@ -159,17 +163,20 @@ fn validate(a: &MoeArgs) -> Result<Run, String> {
             bytes / (1u64 << 30) as f64
         ));
     }
+    let shape = Shape {
+        pes,
+        tokens,
+        hidden,
+        experts,
+        topk,
+        capacity,
+        dtype,
+    };
+    let heap = crate::layer::heap_size(Pe::heap_bytes(&shape), "this shape")?;
     Ok(Run {
         platform,
-        shape: Shape {
-            pes,
-            tokens,
-            hidden,
-            experts,
-            topk,
-            capacity,
-            dtype,
-        },
+        shape,
+        heap,
         steps: a.steps,
         seed: a.seed,
         capacity_factor: f,
@@ -225,7 +232,7 @@ fn run_pe(
     bar: &ProgressBar,
 ) -> Result<PeLog, String> {
     let device = Device::new(run.platform, rank as u32);
-    let mut pe = Pe::new(run.shape, rank, device, group)?;
+    let mut pe = Pe::new(run.shape, run.heap, rank, device, group)?;
     let mut log = PeLog::default();
     for step in 0..=run.steps {
         let inputs = draw(&run.shape, run.seed, step, rank);

@@ -110,14 +110,14 @@ pub struct Pe {
 }
 
 impl Pe {
-    /// Joins the world `group` as `rank` on `device` and allocates the
-    /// layer's buffers.
-    pub fn new(shape: Shape, rank: usize, device: Device, group: &str) -> Res<Pe> {
+    /// The layer's buffers of `shape`: bytes and role of each, in the order
+    /// of [`Buffers`]' fields.
+    fn buffer_sizes(shape: &Shape) -> [(usize, BufferRole); 14] {
         let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
         let s = shape.dtype.size_bytes();
         let n = e * shape.capacity;
         let p = shape.pes;
-        let sizes = [
+        [
             (t * h * s, BufferRole::In),
             (t * e, BufferRole::In),
             (t * e * 4, BufferRole::In),
@@ -132,15 +132,34 @@ impl Pe {
             (p * 8, BufferRole::InOut),
             (p * 8, BufferRole::InOut),
             (p * shape.local_experts() * 4, BufferRole::In),
-        ];
-        let heap = sizes
+        ]
+    }
+
+    /// The symmetric heap a PE of `shape` needs: its buffers (256-byte
+    /// aligned), the world's signal words, and 1 MiB to spare.
+    pub fn heap_bytes(shape: &Shape) -> usize {
+        Self::buffer_sizes(shape)
             .iter()
             .map(|(b, _)| b.next_multiple_of(256))
             .sum::<usize>()
-            + (p + 4) * 16
-            + (1 << 20);
+            + (shape.pes + 4) * 16
+            + (1 << 20)
+    }
+
+    /// Joins the world `group` as `rank` on `device` and allocates the
+    /// layer's buffers in a heap of `heap` bytes (`None`: the world's
+    /// default, `XCALL_SHMEM_HEAP_BYTES`).
+    pub fn new(
+        shape: Shape,
+        heap: Option<usize>,
+        rank: usize,
+        device: Device,
+        group: &str,
+    ) -> Res<Pe> {
+        let p = shape.pes;
+        let sizes = Self::buffer_sizes(&shape);
         let mut config = Config::in_process(group, rank, p, device);
-        config.heap_bytes = Some(heap);
+        config.heap_bytes = heap;
         config.timeout = TIMEOUT;
         let mut world = World::new();
         world.init(&config).context("shmem init")?;

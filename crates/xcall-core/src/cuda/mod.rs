@@ -41,8 +41,10 @@ pub use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, Driv
 
 use crate::{Device, Error, Platform, Result};
 
-/// Environment variable that hides CUDA from xcall when set to anything but
-/// `0` or empty (the library then behaves as on a machine without a GPU).
+/// Environment variable that hides CUDA from xcall when true (a boolean,
+/// see [`crate::env`]; the library then behaves as on a machine without a
+/// GPU). A value that is not a boolean makes CUDA unavailable with a
+/// message naming it.
 pub const DISABLE_ENV: &str = "XCALL_DISABLE_CUDA";
 
 static PROBE: OnceLock<std::result::Result<Probe, String>> = OnceLock::new();
@@ -52,10 +54,6 @@ static LOAD_ATTEMPTED: AtomicBool = AtomicBool::new(false);
 struct Probe {
     device_count: usize,
     driver_version: i32,
-}
-
-fn env_flag(name: &str) -> bool {
-    std::env::var_os(name).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// "libcuda.so.1 and N other names tried", from the loader's candidates.
@@ -76,8 +74,10 @@ fn tried_names(lib: &str) -> String {
 }
 
 fn run_probe() -> std::result::Result<Probe, String> {
-    if env_flag(DISABLE_ENV) {
-        return Err(format!("disabled by {DISABLE_ENV}"));
+    match crate::env::flag(DISABLE_ENV) {
+        Ok(Some(true)) => return Err(format!("disabled by {DISABLE_ENV}")),
+        Ok(_) => {}
+        Err(e) => return Err(e.to_string()),
     }
     LOAD_ATTEMPTED.store(true, Ordering::SeqCst);
     // SAFETY: only opens (and closes) the driver library by name; no symbol

@@ -1,6 +1,7 @@
 //! What `init` needs, and the small enums of the API.
 
 use super::*;
+use xcall_core::env;
 
 /// How the PEs find each other.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -68,12 +69,16 @@ impl Config {
     pub(super) fn heap(&self) -> Result<usize> {
         let requested = match self.heap_bytes {
             Some(b) => b,
-            None => match std::env::var(HEAP_ENV) {
-                Ok(v) => v.trim().parse().map_err(|_| {
-                    ShmemError::InvalidArgument(format!("{HEAP_ENV}={v:?} is not a byte count"))
+            None => match env::bytes(HEAP_ENV)
+                .map_err(|e| ShmemError::InvalidArgument(e.to_string()))?
+            {
+                Some(b) => usize::try_from(b).map_err(|_| {
+                    ShmemError::InvalidArgument(format!(
+                        "{HEAP_ENV}: {b} bytes is larger than an address space"
+                    ))
                 })?,
-                Err(_) if self.device.platform == Platform::Cuda => DEFAULT_CUDA_HEAP,
-                Err(_) => DEFAULT_HOST_HEAP,
+                None if self.device.platform == Platform::Cuda => DEFAULT_CUDA_HEAP,
+                None => DEFAULT_HOST_HEAP,
             },
         };
         let bytes = requested;

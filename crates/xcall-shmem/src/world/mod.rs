@@ -51,8 +51,9 @@ use crate::heap::{Allocator, ALIGN};
 use crate::host::{host_identity, HostHeap, HostMapping};
 use crate::registry::{self, Binding};
 
-/// Environment variable with the heap size in bytes (when the config gives
-/// none).
+/// Environment variable with the heap size (when the config gives none): a
+/// size as `xcall_core::env` reads it, for example `512M`, `1GiB` or a byte
+/// count.
 pub const HEAP_ENV: &str = "XCALL_SHMEM_HEAP_BYTES";
 /// Default Host heap: 64 MiB per PE.
 pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
