@@ -158,6 +158,11 @@ fn element(dtype: DType) -> (usize, &'static str, &'static str, &'static str) {
     }
 }
 
+/// Elements of `dtype` in one 16-byte vector.
+fn per_vec(dtype: DType) -> usize {
+    16 / element(dtype).0
+}
+
 /// The holes both templates fill alike: the operands' locals, the element
 /// type and its conversions, the op's expression, and the scalar tail.
 fn element_holes(op: ElementwiseOp, dtype: DType) -> [(&'static str, String); 7] {
@@ -165,7 +170,7 @@ fn element_holes(op: ElementwiseOp, dtype: DType) -> [(&'static str, String); 7]
     let warps = op.operands();
     [
         ("OPERANDS", operand_locals(warps)),
-        ("PER_VEC", (16 / elem).to_string()),
+        ("PER_VEC", per_vec(dtype).to_string()),
         ("ELEM", elem.to_string()),
         ("CTYPE", ctype.to_string()),
         ("STORE", store.to_string()),
@@ -316,7 +321,7 @@ pub fn generate(
     let wgs = plan.spec.compute_warpgroups;
     let producer_threads = plan.producer_warpgroups * WARPGROUP_THREADS;
     let tile = t.tile;
-    let per_vec = 16 / element(dtype).0;
+    let per_vec = per_vec(dtype);
     // The plan's barriers, in the order of its roles' groups: the offset
     // and init count of warp `w`'s barrier for stage `s` at `w * STAGES + s`.
     let table = |groups: &[usize], field: &dyn Fn(usize) -> u32| -> String {
@@ -406,7 +411,7 @@ pub fn generate(
 pub fn generate_plain(op: ElementwiseOp, dtype: DType) -> GeneratedKernel {
     let name = format!("{}_plain", op.kernel_name(dtype));
     let warps = op.operands();
-    let per_vec = 16 / element(dtype).0;
+    let per_vec = per_vec(dtype);
     let body = fill(
         PLAIN,
         [
@@ -460,6 +465,8 @@ mod tests {
             ),
             ("a @x@", &["X"][..], "a stray '@'"),
             ("a @X", &["X"][..], "a stray '@'"),
+            // An empty name is a stray '@' too, not a hole named "".
+            ("a @@ b", &["X"][..], "a stray '@'"),
         ] {
             let err = fill(template, holes(names)).unwrap_err().to_string();
             assert!(err.contains(missing), "{template}: {err}");
@@ -470,6 +477,17 @@ mod tests {
         }
         // The launch's grid counts the plain kernel's items as it does.
         assert!(PLAIN.contains("#define PLAIN_THREADS 256u\n#define PLAIN_VECS 2u\n"));
+        let define = |name: &str| -> u64 {
+            let line = PLAIN
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("plain.cu defines {name}"));
+            line.trim_end_matches('u').parse().unwrap()
+        };
+        assert_eq!(
+            PLAIN_TILE_BYTES,
+            define("PLAIN_THREADS") * define("PLAIN_VECS") * 16
+        );
         // The plain kernel fills its template for every op and dtype.
         for op in [ElementwiseOp::Mul, ElementwiseOp::SiluScale] {
             for dtype in [DType::F32, DType::Bf16] {

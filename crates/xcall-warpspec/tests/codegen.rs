@@ -310,7 +310,30 @@ fn element_types_vector_widths_and_role_split_match_the_dtype_and_plan() {
             for src in [&k.source, &plain.source] {
                 assert!(src.contains(&format!("b < it.n; b += {elem}u")), "{dtype}");
             }
+            // Each operand's 16-byte vectors unpack into per_vec floats.
+            for w in 0..2 {
+                assert!(
+                    k.source
+                        .contains(&format!("float a{w}[{per_vec}]; unpack(")),
+                    "{dtype} operand {w}"
+                );
+                assert!(
+                    plain
+                        .source
+                        .contains(&format!("float a{w}[PLAIN_VECS][{per_vec}];")),
+                    "{dtype} operand {w}"
+                );
+            }
         }
+        // An op of one operand picks no second source: its one async warp
+        // loads src0 (no src1 local is declared in its kernel).
+        let one = OpConfig::default().plan(1).unwrap();
+        let k = generate(&one, ElementwiseOp::SiluScale, dtype).unwrap();
+        assert!(!k.source.contains("? src0 : src1"), "{dtype}");
+        assert!(
+            k.source.contains("const unsigned char *src = src0;"),
+            "{dtype}"
+        );
     }
     // The C codes of the ops.
     assert_eq!(ElementwiseOp::from_code(0), Some(ElementwiseOp::Mul));
