@@ -1026,6 +1026,20 @@ xcall_status xcall_dtype_size(xcall_dtype dtype, size_t *out_size);
  */
 const char *xcall_dtype_name(xcall_dtype dtype);
 
+/**
+ * A 64-bit digest of `len` bytes at `bytes` with `seed`, in `*out`: XXH3
+ * 64-bit (the xxHash library's `XXH3_64bits_withSeed` gives the same
+ * value), stable across processes, machines and xcall versions. Use it to
+ * make the graph cache's keys: `target_id` from the custom call's name,
+ * `attributes` from its serialized attributes. Chain several fields by
+ * passing one digest as the next one's seed.
+ *
+ * Bad input: NULL `out`, or NULL `bytes` with `len` > 0:
+ * `XCALL_STATUS_NULL_ARGUMENT`; `len` above `PTRDIFF_MAX`:
+ * `XCALL_STATUS_INVALID_ARGUMENT`; `*out` is written only on success.
+ */
+xcall_status xcall_digest(const void *bytes, size_t len, uint64_t seed, uint64_t *out);
+
 /* ======================================================================
  * Graph cache
  *

@@ -55,6 +55,9 @@ cp target/release/xcall "$out/bin/xcall"
 echo "building C tests against libxcall.so"
 mkdir -p "$out/lib"
 cp target/release/libxcall.so "$out/lib/"
+# Programs record the soname (libxcall.so.<major>): give them that name.
+soname=$(readelf -d target/release/libxcall.so | sed -n 's/.*Library soname: \[\(.*\)\]/\1/p')
+[ -n "$soname" ] && [ "$soname" != libxcall.so ] && ln -sf libxcall.so "$out/lib/$soname"
 cc=${CC:-cc}
 cxx=${CXX:-c++}
 libs="-L$out/lib -lxcall -Wl,-rpath,\$ORIGIN/../lib -lpthread -ldl -lm -lrt"
@@ -65,6 +68,17 @@ for src in c_tests/test_*.c; do
 done
 $cxx -std=c++17 -Wall -Wextra -Werror -Iinclude c_tests/header_cpp.cpp $libs -o "$out/c_tests/header_cpp"
 echo "  $out/c_tests/header_cpp"
+
+# The examples, against the same library; run-all.sh runs their CUDA half
+# where CUDA is available.
+rm -rf "$out/examples"
+mkdir -p "$out/examples"
+for src in examples/*.c; do
+  name=$(basename "$src" .c)
+  $cc -std=c11 -Wall -Wextra -Werror -pedantic -Iinclude "$src" $libs -o "$out/examples/$name"
+done
+$cxx -std=c++17 -Wall -Wextra -Werror -pedantic -Iinclude examples/raii.cpp $libs -o "$out/examples/raii"
+echo "  $out/examples/"
 
 # The JAX suite of the XLA FFI handlers (run with the GPU machine's own
 # jax; the bundle carries no Python packages).
@@ -142,6 +156,18 @@ doctor() {
 run doctor doctor
 for t in "$here"/tests/*; do run "$(basename "$t")" "$t"; done
 for c in "$here"/c_tests/*; do run "$(basename "$c")" "$c"; done
+run example-hello "$here/examples/hello"
+run example-shmem_exchange "$here/examples/shmem_exchange"
+run example-raii "$here/examples/raii"
+for e in graph_cache permute_round_trip; do
+  run "example-$e-host" "$here/examples/$e" host
+  if [ "$XCALL_REQUIRE_CUDA" = 1 ] || "$here/bin/xcall" doctor 2>/dev/null | grep -q "cuda  available"; then
+    run "example-$e-cuda" "$here/examples/$e" cuda
+  else
+    skipped=$((skipped + 1))
+    echo "SKIP example-$e-cuda: no CUDA here"
+  fi
+done
 for tool in ${XCALL_SANITIZERS:-}; do
   for t in "$here"/tests/*-cuda_*; do
     run "$tool-$(basename "$t")" compute-sanitizer --tool "$tool" --report-api-errors no \
