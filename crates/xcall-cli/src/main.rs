@@ -8,12 +8,21 @@ mod bench;
 mod doctor;
 mod layer;
 mod moe;
+mod report;
+
+use report::Failure;
+
+/// The exit statuses, in every command's --help.
+const EXIT_STATUSES: &str = "Exit status: 0 success; 1 a runtime error or a result that did not \
+verify; 2 a usage error (a flag clap refuses, a value out of range, an output path that cannot \
+be written, a malformed XCALL_* variable). Errors are one line on stderr, \"xcall: <what>\".";
 
 #[derive(Parser)]
 #[command(
     name = "xcall",
     version,
-    about = "xcall: custom-call runtime pieces for many GPUs"
+    about = "xcall: custom-call runtime pieces for many GPUs",
+    after_help = EXIT_STATUSES
 )]
 struct Cli {
     #[command(subcommand)]
@@ -23,12 +32,15 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Report the platforms and devices xcall can use (exit 0 without a GPU).
-    Doctor,
+    #[command(after_help = EXIT_STATUSES)]
+    Doctor(doctor::DoctorArgs),
     /// Run an expert-parallel MoE layer (permute, shmem dispatch and
     /// combine, warp-specialized experts, graph cache) and check it.
+    #[command(after_help = EXIT_STATUSES)]
     Moe(moe::MoeArgs),
     /// Run the benchmark set of every crate in one process; every figure
     /// next to a reference measured in the same run.
+    #[command(after_help = EXIT_STATUSES)]
     Bench(bench::BenchArgs),
 }
 
@@ -42,10 +54,8 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    let result = match cli.command {
-        Command::Doctor => doctor::run(&mut std::io::stdout().lock())
-            .map(|()| true)
-            .map_err(|e| e.to_string()),
+    let result: Result<bool, Failure> = match cli.command {
+        Command::Doctor(args) => doctor::run(&args),
         Command::Moe(args) => moe::run(&args),
         Command::Bench(args) => bench::run(&args),
     };
@@ -53,8 +63,8 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("xcall: {e}");
-            ExitCode::FAILURE
+            eprintln!("xcall: {}", e.message());
+            ExitCode::from(e.exit_code())
         }
     }
 }

@@ -36,6 +36,6 @@ fn host_set_reports_every_crate_against_the_copy() {
 #[test]
 fn zero_rounds_are_refused() {
     let (out, _) = run(&["bench", "--rounds", "0"]);
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--rounds must be at least 1"));
 }

@@ -44,12 +44,12 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
         assert_eq!(j["verification"]["verdict"], "PASS", "{dtype}");
         assert_eq!(j["pes"], gpus as u64);
         assert_eq!(
-            j["outcomes"]["Captured"], gpus as u64,
+            j["outcomes"]["captured"], gpus as u64,
             "{dtype}: {}",
             j["outcomes"]
         );
         assert_eq!(
-            j["outcomes"]["Replayed"],
+            j["outcomes"]["replayed"],
             (gpus * (steps - 1)) as u64,
             "{dtype}: {}",
             j["outcomes"]

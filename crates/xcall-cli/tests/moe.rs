@@ -26,7 +26,7 @@ fn host_layer_matches_the_reference_and_reports_json() {
     // ceil(1.25 * 300 * 2 / 8) rows per expert per PE.
     assert_eq!(j["capacity"], 94);
     // Every timed step of every PE went through the cache (run directly).
-    assert_eq!(j["outcomes"]["EagerHost"], 12);
+    assert_eq!(j["outcomes"]["eager_host"], 12);
     assert_eq!(j["graph_cache"]["host:0"]["eager_host"], 12);
     // dispatch + combine: 4 x 3 slots of 2 experts x 94 rows x 128 bytes.
     assert_eq!(
@@ -44,10 +44,10 @@ fn host_layer_matches_the_reference_and_reports_json() {
             "map",
             "permute",
             "dispatch",
-            "dispatch wait",
+            "dispatch_wait",
             "experts",
             "combine",
-            "combine wait",
+            "combine_wait",
             "unpermute"
         ]
     );
@@ -157,10 +157,8 @@ fn bad_flags_are_one_line_and_a_failure() {
         assert!(stderr.contains(want), "{args:?}: {stderr}");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.starts_with("xcall: "), "{stderr}");
-        assert_eq!(
-            out.status.code(),
-            Some(if want.contains("invalid value") { 2 } else { 1 })
-        );
+        // Semantic errors are usage errors too, like the ones clap finds.
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
     }
 }
 
@@ -183,7 +181,7 @@ fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(if ok { &out.stdout } else { &out.stderr });
-        assert_eq!(out.status.success(), ok, "{value}: {text}");
+        assert_eq!(out.status.code(), Some(if ok { 0 } else { 2 }), "{value}: {text}");
         assert!(text.contains(want), "{value}: {text}");
     }
 }
@@ -201,7 +199,12 @@ fn cuda_without_gpus_or_with_too_many_pes_is_refused() {
     let too_many = (count + 1).to_string();
     let (out, _) = run(&["moe", "--platform", "cuda", "--pes", &too_many]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    // No GPU is a runtime error (1); more PEs than GPUs a usage error (2).
+    assert_eq!(
+        out.status.code(),
+        Some(if count == 0 { 1 } else { 2 }),
+        "{stderr}"
+    );
     assert!(stderr.starts_with("xcall: --p"), "{stderr}");
     if count == 0 {
         assert!(stderr.contains("--platform cuda"), "{stderr}");
@@ -211,4 +214,55 @@ fn cuda_without_gpus_or_with_too_many_pes_is_refused() {
             "{stderr}"
         );
     }
+}
+
+#[test]
+fn an_unwritable_json_path_is_refused_before_any_work() {
+    let dir = std::env::temp_dir().join(format!("xcall-json-dir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("no-such-folder").join("out.json");
+    for (path, want) in [
+        (missing.to_str().unwrap(), "No such file or directory"),
+        // A folder is not a file to write.
+        (dir.to_str().unwrap(), "Is a directory"),
+    ] {
+        let start = std::time::Instant::now();
+        // Enough steps that a run reaching its end would take seconds.
+        let (out, stdout) = run(&["moe", "--steps", "100000", "--json", path]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{path}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("xcall: --json {path}: ")),
+            "{stderr}"
+        );
+        assert!(stderr.contains(want), "{stderr}");
+        assert!(stdout.is_empty(), "work started: {stdout}");
+        assert!(start.elapsed().as_secs() < 30);
+    }
+    assert!(!missing.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_failed_run_leaves_no_json_file_behind_and_an_old_one_untouched() {
+    let path = json_path("moe-left-alone");
+    let p = path.to_str().unwrap();
+    // The heap variable refuses the run before the path is touched: no
+    // file appears, and an existing one keeps its content.
+    let out = common::xcall()
+        .args(["moe", "--tokens", "100", "--hidden", "32", "--json", p])
+        .env("XCALL_SHMEM_HEAP_BYTES", "1K")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!path.exists());
+    std::fs::write(&path, "old report\n").unwrap();
+    let out = common::xcall()
+        .args(["moe", "--tokens", "100", "--hidden", "32", "--json", p])
+        .env("XCALL_SHMEM_HEAP_BYTES", "1K")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "old report\n");
+    std::fs::remove_file(&path).unwrap();
 }

@@ -258,3 +258,31 @@ fn the_python_stats_mirror_matches_the_header() {
     assert!(c_fields.len() >= 15, "{c_fields:?}");
     assert_eq!(py_fields, c_fields);
 }
+
+#[test]
+fn report_names_of_graph_outcomes_are_the_c_enumerators_in_lower_case() {
+    use xcall_graph::Outcome;
+    let header = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../include/xcall.h"
+    ))
+    .unwrap();
+    let all = [
+        Outcome::Replayed,
+        Outcome::Updated,
+        Outcome::Captured,
+        Outcome::EagerHost,
+        Outcome::EagerFallback,
+        Outcome::Patched,
+    ];
+    let declared = header.matches("  XCALL_GRAPH_OUTCOME_").count();
+    assert_eq!(declared, all.len(), "an outcome is missing from this list");
+    for o in all {
+        let line = format!(
+            "  XCALL_GRAPH_OUTCOME_{} = {},",
+            o.name().to_uppercase(),
+            o as u32
+        );
+        assert!(header.contains(&line), "{line} not in the header");
+    }
+}

@@ -84,6 +84,21 @@ pub enum Outcome {
     Patched = 5,
 }
 
+impl Outcome {
+    /// The outcome's name in reports, snake_case (`"eager_host"`): the C
+    /// enumerator's suffix in lower case.
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Replayed => "replayed",
+            Outcome::Updated => "updated",
+            Outcome::Captured => "captured",
+            Outcome::EagerHost => "eager_host",
+            Outcome::EagerFallback => "eager_fallback",
+            Outcome::Patched => "patched",
+        }
+    }
+}
+
 /// Counters of one device (`xcall_graph_stats` in C).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

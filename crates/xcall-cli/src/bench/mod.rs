@@ -23,6 +23,8 @@ use xcall_shmem::{Config, World};
 
 use crate::layer::{Context, Res};
 use crate::moe::PlatformArg;
+use crate::report::{Failure, JsonOut};
+use indicatif::{ProgressBar, ProgressStyle};
 
 mod set;
 use set::{allocate, measure};
@@ -70,9 +72,9 @@ impl Problem {
 
 /// The first error of the timed closures (which cannot return one).
 #[derive(Default)]
-struct Failure(RefCell<Option<String>>);
+struct FirstError(RefCell<Option<String>>);
 
-impl Failure {
+impl FirstError {
     fn keep(&self, r: Res<()>) {
         if let Err(e) = r {
             self.0.borrow_mut().get_or_insert(e);
@@ -129,21 +131,17 @@ fn medians(
 }
 
 /// Runs `xcall bench`.
-pub fn run(args: &BenchArgs) -> Res<bool> {
+pub fn run(args: &BenchArgs) -> Result<bool, Failure> {
     let platform = match args.platform {
         PlatformArg::Host => Platform::Host,
         PlatformArg::Cuda => Platform::Cuda,
     };
     if args.rounds == 0 {
-        return Err("--rounds must be at least 1".into());
+        return Err(Failure::Usage("--rounds must be at least 1".into()));
     }
     let pes = match platform {
         Platform::Host => 2,
-        Platform::Cuda => match xcall_core::cuda::device_count() {
-            Ok(0) => return Err("--platform cuda: no CUDA device is visible".into()),
-            Ok(n) => n.min(2),
-            Err(e) => return Err(format!("--platform cuda: {e}")),
-        },
+        Platform::Cuda => crate::moe::cuda_devices()?.min(2),
     };
     let problem = match platform {
         Platform::Host => Problem {
@@ -161,7 +159,15 @@ pub fn run(args: &BenchArgs) -> Res<bool> {
     };
     let row = problem.hidden * 2;
     let needed = (problem.rows() * row * 3 + problem.tokens * row * 2) as usize + (64 << 20);
-    let heap = crate::layer::heap_size(needed, "the bench")?;
+    let heap = crate::layer::heap_size(needed, "the bench").map_err(Failure::Usage)?;
+    let json = JsonOut::open_optional(args.json.as_ref())?;
+    // The stages of the set; drawn on stderr when it is a terminal.
+    let bar = ProgressBar::new(set::STAGES.len() as u64).with_style(
+        ProgressStyle::with_template("bench: {msg} [{bar:20}] {pos}/{len} {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
     let group = format!("xcall-bench-{}", std::process::id());
     let config = |rank| {
         let mut c = Config::in_process(&group, rank, pes, Device::new(platform, rank as u32));
@@ -181,14 +187,15 @@ pub fn run(args: &BenchArgs) -> Res<bool> {
                 w.finalize().context("shmem finalize").map(|_| ())
             })
         });
-        let rows = measure(platform, &config(0), problem, args.rounds);
+        let rows = measure(platform, &config(0), problem, args.rounds, &bar);
         let helped = helper.map_or(Ok(()), |h| {
             h.join()
                 .unwrap_or_else(|_| Err("the helper PE panicked".into()))
         });
         rows.and_then(|r| helped.map(|()| r))
     })?;
-    print_and_write(platform, problem, &rows, args.json.as_ref())?;
+    bar.finish_and_clear();
+    print_and_write(platform, pes, problem, &rows, json)?;
     Ok(true)
 }
 
@@ -206,9 +213,10 @@ fn device_name(platform: Platform) -> String {
 
 fn print_and_write(
     platform: Platform,
+    pes: usize,
     p: Problem,
     rows: &[Row],
-    json_path: Option<&PathBuf>,
+    json: Option<JsonOut>,
 ) -> Res<()> {
     let device = device_name(platform);
     println!(
@@ -245,14 +253,19 @@ fn print_and_write(
         }));
     }
     println!("ratio: GB/s over the same device's copy (the peer copy for GPU 0 -> GPU 1); graph: eager time over replayed time");
-    if let Some(path) = json_path {
+    if let Some(json) = json {
         let doc = json!({
             "platform": platform.name(), "device": device,
             "tokens": p.tokens, "hidden": p.hidden, "experts": p.experts, "topk": p.topk,
             "rows": out,
         });
-        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("--json {}: {e}", path.display()))?;
+        let devices: Vec<Device> = (0..pes as u32).map(|o| Device::new(platform, o)).collect();
+        let devices = if platform == Platform::Host {
+            &devices[..1]
+        } else {
+            &devices[..]
+        };
+        json.write("bench", devices, doc)?;
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! One PE's benchmark set: its buffers, inputs and timed calls, and the
 //! tables they produce (local ops, peer transfers, the graph cache).
 
+use indicatif::ProgressBar;
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::OpConfig;
 use xcall_warpspec::OpCall;
 
-use super::{medians, Failure, Problem, Row};
+use super::{medians, FirstError, Problem, Row};
 use crate::layer::{Context, Dims, Layer, Res};
 
 /// Symmetric buffers of the set.
@@ -196,12 +197,22 @@ impl Set {
     }
 }
 
+/// The stages of [`measure`], as the progress bar names them.
+pub(super) const STAGES: [&str; 4] = [
+    "warm-up (compiling kernels, autotuning)",
+    "figures on one device",
+    "figures between devices",
+    "graph cache figures",
+];
+
 pub(super) fn measure(
     platform: Platform,
     config: &Config,
     p: Problem,
     rounds: usize,
+    bar: &ProgressBar,
 ) -> Res<Vec<Row>> {
+    bar.set_message(STAGES[0]);
     let mut world = World::new();
     world.init(config).context("shmem init")?;
     let (b, peer_dst) = allocate(&mut world, p)?;
@@ -232,14 +243,21 @@ pub(super) fn measure(
         target,
     };
     set.warm_up()?;
+    bar.inc(1);
+    bar.set_message(STAGES[1]);
     let mut rows = local_rows(&set, peer_dst, rounds)?;
+    bar.inc(1);
+    bar.set_message(STAGES[2]);
     if let (Some(remote), Platform::Cuda) = (peer_dst, platform) {
         let base = rows.len();
         rows.extend(peer_rows(&set, remote, rounds, base)?);
     }
+    bar.inc(1);
+    bar.set_message(STAGES[3]);
     if let Some((c, s)) = &set.gpu {
         rows.extend(graph_rows(c, s, &set.target, &set.b, p, rounds)?);
     }
+    bar.inc(1);
     let mut world = set.world.into_inner();
     world.barrier_all().context("shmem barrier")?;
     world.finalize().context("shmem finalize")?;
@@ -252,7 +270,7 @@ fn local_rows(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Vec<Row>> 
     let (t, e) = (set.p.tokens, set.p.experts);
     let tensor = set.tensor_bytes() as f64;
     let token_bytes = (t * set.p.hidden * 2) as f64;
-    let failure = Failure::default();
+    let failure = FirstError::default();
     let keep = |r| failure.keep(r);
     let mut rows = vec![
         Row::new(
@@ -330,7 +348,7 @@ fn peer_rows(set: &Set, remote: u64, rounds: usize, base: usize) -> Res<Vec<Row>
     let (raw0, raw1) = (c0.cu_ctx(), c1.cu_ctx());
     let bytes = set.tensor_bytes() as usize;
     let stream = set.stream();
-    let failure = Failure::default();
+    let failure = FirstError::default();
     let keep = |r| failure.keep(r);
     let mut pair: Vec<Box<dyn FnMut() + '_>> = vec![
         Box::new(|| {
@@ -421,7 +439,7 @@ fn graph_rows(
             .map(|_| ())
     };
     through_cache()?;
-    let failure = Failure::default();
+    let failure = FirstError::default();
     let keep = |r| failure.keep(r);
     let mut v: Vec<Box<dyn FnMut() + '_>> = vec![
         Box::new(|| keep(calls())),

@@ -19,6 +19,8 @@ pub use data::Shape;
 use data::{check, draw, Check};
 use pe::{Pe, Waits, PHASES};
 
+use crate::report::{Failure, JsonOut};
+
 /// Where the PEs run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PlatformArg {
@@ -93,7 +95,21 @@ struct Run {
 /// The most Host PEs a run takes.
 const MAX_HOST_PES: usize = 64;
 
-fn validate(a: &MoeArgs) -> Result<Run, String> {
+/// The CUDA devices `--platform cuda` may use: a machine without one is a
+/// runtime error, not a usage error.
+pub fn cuda_devices() -> Result<usize, Failure> {
+    match xcall_core::cuda::device_count() {
+        Ok(0) => Err(Failure::Runtime(
+            "--platform cuda: no CUDA device is visible".into(),
+        )),
+        Ok(n) => Ok(n),
+        Err(e) => Err(Failure::Runtime(format!("--platform cuda: {e}"))),
+    }
+}
+
+/// Checks the flags; `gpus` is the CUDA device count on CUDA. Every error
+/// is a usage error.
+fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
     let platform = match a.platform {
         PlatformArg::Host => Platform::Host,
         PlatformArg::Cuda => Platform::Cuda,
@@ -108,11 +124,6 @@ fn validate(a: &MoeArgs) -> Result<Run, String> {
         }
         (Platform::Host, p) => p.unwrap_or(4),
         (Platform::Cuda, p) => {
-            let gpus = match xcall_core::cuda::device_count() {
-                Ok(0) => return Err("--platform cuda: no CUDA device is visible".into()),
-                Ok(n) => n,
-                Err(e) => return Err(format!("--platform cuda: {e}")),
-            };
             match p {
                 Some(p) if p > gpus => {
                     return Err(format!(
@@ -247,9 +258,15 @@ fn run_pe(
         }
         let y = pe.download()?;
         log.checks.push(check(&run.shape, &inputs, &y));
-        if rank == 0 && step > 0 {
+        if rank == 0 {
+            if step == 0 {
+                bar.set_message("timed steps");
+            }
             bar.inc(1);
         }
+    }
+    if rank == 0 {
+        bar.set_message("phase steps");
     }
     for i in 0..PHASE_STEPS {
         let inputs = draw(&run.shape, run.seed, run.steps + 1 + i, rank);
@@ -258,6 +275,9 @@ fn run_pe(
         log.phases.push(pe.phase_step()?);
         let y = pe.download()?;
         log.checks.push(check(&run.shape, &inputs, &y));
+        if rank == 0 {
+            bar.inc(1);
+        }
     }
     pe.barrier()?;
     log.copy_ms = pe.copy_ms()?;
@@ -297,17 +317,27 @@ fn stats_line(s: &Stats) -> String {
 }
 
 /// Runs `xcall moe`; `Ok(false)` when an output did not match.
-pub fn run(args: &MoeArgs) -> Result<bool, String> {
-    let run = validate(args)?;
+pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
+    let gpus = match args.platform {
+        PlatformArg::Host => 0,
+        PlatformArg::Cuda => cuda_devices()?,
+    };
+    let run = validate(args, gpus).map_err(Failure::Usage)?;
+    let json = JsonOut::open_optional(args.json.as_ref())?;
     let s = run.shape;
     let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).map_err(|e| e.to_string())?;
     let group = format!("xcall-moe-{}", std::process::id());
-    let bar = ProgressBar::new(run.steps as u64).with_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} steps {elapsed}")
+    // The warm-up step (kernel compilation and autotuning), the timed
+    // steps and the instrumented ones; drawn on stderr when it is a
+    // terminal, hidden otherwise.
+    let bar = ProgressBar::new((run.steps + 1 + PHASE_STEPS) as u64).with_style(
+        ProgressStyle::with_template("moe {prefix}: {msg} [{bar:30}] {pos}/{len} steps {elapsed}")
             .expect("a valid template")
             .progress_chars("=> "),
     );
-    bar.set_message(format!("moe on {} PE(s)", s.pes));
+    bar.set_prefix(format!("{} PE(s)", s.pes));
+    bar.set_message("warm-up (compiling kernels)");
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
     let logs: Vec<Mutex<Option<Result<PeLog, String>>>> =
         (0..s.pes).map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
@@ -330,16 +360,16 @@ pub fn run(args: &MoeArgs) -> Result<bool, String> {
         }
     }
     if !errors.is_empty() {
-        return Err(errors.join("; "));
+        return Err(Failure::Runtime(errors.join("; ")));
     }
-    report(&run, &pes, &cache, args.json.as_ref())
+    Ok(report(&run, &pes, &cache, json)?)
 }
 
 fn report(
     run: &Run,
     pes: &[PeLog],
     cache: &GraphCache<CudaGraphs>,
-    json_path: Option<&PathBuf>,
+    json: Option<JsonOut>,
 ) -> Result<bool, String> {
     let s = run.shape;
     // A step takes as long as its slowest PE (they start together).
@@ -371,7 +401,7 @@ fn report(
     let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
     for p in pes {
         for (_, o) in &p.steps {
-            *outcomes.entry(format!("{o:?}")).or_default() += 1;
+            *outcomes.entry(o.name().to_string()).or_default() += 1;
         }
     }
     // Each phase: the median over the instrumented steps per PE, and the
@@ -462,7 +492,7 @@ fn report(
             }
         }
     }
-    if let Some(path) = json_path {
+    if let Some(out) = json {
         let doc = json!({
             "platform": platform,
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
@@ -474,7 +504,7 @@ fn report(
             "exchange_gb_per_s": gbps,
             "capacity_fill": fill, "dropped_routes": dropped,
             "phases": PHASES.iter().enumerate().map(|(i, name)| json!({
-                "name": name, "ms": phase_ms[i], "ms_per_pe": per_pe[i],
+                "name": name.replace(' ', "_"), "ms": phase_ms[i], "ms_per_pe": per_pe[i],
                 "bytes": bytes[i], "floor_ms": floors[i],
             })).collect::<Vec<_>>(),
             "phase_steps": PHASE_STEPS,
@@ -486,8 +516,7 @@ fn report(
                 .collect::<serde_json::Map<_, _>>(),
             "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel},
         });
-        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("--json {}: {e}", path.display()))?;
+        out.write("moe", &devices, doc)?;
     }
     Ok(bad == 0)
 }
