@@ -249,20 +249,18 @@ fn a_failed_run_leaves_no_json_file_behind_and_an_old_one_untouched() {
     let p = path.to_str().unwrap();
     // The heap variable refuses the run before the path is touched: no
     // file appears, and an existing one keeps its content.
-    let out = common::xcall()
-        .args(["moe", "--tokens", "100", "--hidden", "32", "--json", p])
-        .env("XCALL_SHMEM_HEAP_BYTES", "1K")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    let refused = || {
+        let out = common::xcall()
+            .args(["moe", "--tokens", "100", "--hidden", "32", "--json", p])
+            .env("XCALL_SHMEM_HEAP_BYTES", "1K")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+    };
+    refused();
     assert!(!path.exists());
     std::fs::write(&path, "old report\n").unwrap();
-    let out = common::xcall()
-        .args(["moe", "--tokens", "100", "--hidden", "32", "--json", p])
-        .env("XCALL_SHMEM_HEAP_BYTES", "1K")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    refused();
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "old report\n");
     std::fs::remove_file(&path).unwrap();
 }
