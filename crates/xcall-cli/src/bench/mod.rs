@@ -259,13 +259,12 @@ fn print_and_write(
             "tokens": p.tokens, "hidden": p.hidden, "experts": p.experts, "topk": p.topk,
             "rows": out,
         });
-        let devices: Vec<Device> = (0..pes as u32).map(|o| Device::new(platform, o)).collect();
-        let devices = if platform == Platform::Host {
-            &devices[..1]
-        } else {
-            &devices[..]
+        // Host has one device, however many PEs share it.
+        let devices: Vec<Device> = match platform {
+            Platform::Host => vec![Device::HOST],
+            Platform::Cuda => (0..pes as u32).map(Device::cuda).collect(),
         };
-        json.write("bench", devices, doc)?;
+        json.write("bench", &devices, doc)?;
     }
     Ok(())
 }
