@@ -121,17 +121,7 @@ fn execute(
         &mut outcome,
     );
     assert_eq!(status, Status::Ok, "xcall_graph_cache_execute");
-    [
-        Outcome::Replayed,
-        Outcome::Updated,
-        Outcome::Captured,
-        Outcome::EagerHost,
-        Outcome::EagerFallback,
-        Outcome::Patched,
-    ]
-    .into_iter()
-    .find(|o| *o as u32 == outcome)
-    .unwrap_or_else(|| panic!("outcome {outcome}"))
+    Outcome::from_code(outcome).unwrap_or_else(|| panic!("outcome {outcome}"))
 }
 
 fn download(s: &CudaSlice<f32>, stream: &std::sync::Arc<CudaStream>) -> Vec<f32> {

@@ -84,6 +84,19 @@ pub enum Outcome {
     Patched = 5,
 }
 
+xcall_core::c_enum!(
+    Outcome,
+    "graph outcome",
+    [
+        Replayed,
+        Updated,
+        Captured,
+        EagerHost,
+        EagerFallback,
+        Patched
+    ]
+);
+
 impl Outcome {
     /// The outcome's name in reports, snake_case (`"eager_host"`): the C
     /// enumerator's suffix in lower case.
