@@ -213,6 +213,44 @@ typedef uint32_t xcall_status;
 #endif // __cplusplus
 
 /**
+ * The level of a log line, as the C callback receives it.
+ */
+enum xcall_log_level
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Something failed.
+   */
+  XCALL_LOG_LEVEL_ERROR = 1,
+  /**
+   * Something is off but work goes on.
+   */
+  XCALL_LOG_LEVEL_WARN = 2,
+  /**
+   * Lifecycle: a world starts or ends.
+   */
+  XCALL_LOG_LEVEL_INFO = 3,
+  /**
+   * Decisions: graph-cache outcomes, transports, bootstrap steps,
+   * autotune choices, compile times.
+   */
+  XCALL_LOG_LEVEL_DEBUG = 4,
+  /**
+   * Every call on a hot path (graph replays).
+   */
+  XCALL_LOG_LEVEL_TRACE = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_log_level xcall_log_level;
+#else
+typedef uint32_t xcall_log_level;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * Where work runs (`xcall_platform` in C).
  */
 enum xcall_platform
@@ -780,6 +818,23 @@ typedef struct {
 } xcall_graph_stats;
 
 /**
+ * Receives one log line: `level` (an `xcall_log_level`), `target` (the
+ * module that logged, for example "xcall_graph::cache") and `message`
+ * (the text: what happened, then `name=value` fields; no trailing
+ * newline). Both strings are valid only during the call: copy them to
+ * keep them.
+ *
+ * It is called on the thread that logs, possibly from several threads at
+ * once, so it must be thread-safe. It should return quickly; xcall holds
+ * no lock while it runs. It should not call xcall functions: a line
+ * those calls would log is dropped rather than delivered re-entrantly.
+ */
+typedef void (*xcall_log_fn)(void *user_data,
+                             xcall_log_level level,
+                             const char *target,
+                             const char *message);
+
+/**
  * One (input, output) pair of an op that may share memory.
  */
 typedef struct {
@@ -1173,6 +1228,39 @@ xcall_status xcall_graph_cache_clear_all(const xcall_graph_cache *cache, size_t 
 xcall_status xcall_graph_cache_stats(const xcall_graph_cache *cache,
                                      const xcall_target *target,
                                      xcall_graph_stats *out_stats);
+
+/**
+ * Sets where xcall's log lines go and which are kept. Logging is off by
+ * default; the environment variable `XCALL_LOG` (read on the first call
+ * into the library) turns it on with stderr as the sink.
+ *
+ * - `filter`: which lines to keep, in tracing's EnvFilter syntax: a level
+ *   (`"info"`, `"debug"`, `"trace"`), per-target levels
+ *   (`"xcall_graph=debug,xcall_shmem=trace,warn"`), or `"off"` / `""`.
+ *   NULL keeps the current filter (`XCALL_LOG`'s, or off). A filter set
+ *   here replaces `XCALL_LOG`'s.
+ * - `callback`: the function that receives each line (see
+ *   `xcall_log_fn`), with `user_data` passed back to it; NULL sends lines
+ *   to stderr, one per line, prefixed with `[xcall +SECONDS LEVEL TARGET]`.
+ *
+ * Levels: error (something failed), warn, info (a shmem world starts or
+ * ends), debug (graph-cache decisions other than a replay, with the
+ * reason for eager runs; the transport per peer pair; bootstrap steps and
+ * timeouts; autotune choices; kernel compile times), trace (every graph
+ * replay).
+ *
+ * Thread-safe; lines already being delivered may still reach the previous
+ * callback. Keep `user_data` valid until another call replaces the
+ * callback and the calls that were logging have returned.
+ *
+ * Errors: `XCALL_STATUS_INVALID_ARGUMENT` (a filter that does not parse,
+ * or is not UTF-8; the message quotes it), `XCALL_STATUS_UNSUPPORTED`
+ * (another tracing subscriber is installed in the process already, by a
+ * Rust component of the application: xcall's events go to it).
+ *
+ * Bad input: as listed under Errors; nothing changes.
+ */
+xcall_status xcall_log_configure(const char *filter, xcall_log_fn callback, void *user_data);
 
 /* ======================================================================
  * Permutation kernels

@@ -54,6 +54,12 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
+    // XCALL_LOG turns logging on (stderr); a filter that does not parse is
+    // a usage error like a bad flag.
+    if let Err(xcall_core::Error::InvalidArgument(e)) = xcall_core::log::init_from_env() {
+        eprintln!("xcall: {e}");
+        return ExitCode::from(2);
+    }
     let result: Result<bool, Failure> = match cli.command {
         Command::Doctor(args) => doctor::run(&args),
         Command::Moe(args) => moe::run(&args),

@@ -152,6 +152,16 @@ pub fn device_json(d: Device) -> Value {
     }
 }
 
+/// A progress bar of `len` steps on stderr, hidden when stderr is not a
+/// terminal (indicatif's rule) or when log lines go there (`XCALL_LOG`).
+pub fn progress_bar(len: u64) -> indicatif::ProgressBar {
+    if xcall_core::log::installed() {
+        indicatif::ProgressBar::with_draw_target(Some(len), indicatif::ProgressDrawTarget::hidden())
+    } else {
+        indicatif::ProgressBar::new(len)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

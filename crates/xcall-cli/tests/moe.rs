@@ -264,3 +264,56 @@ fn a_failed_run_leaves_no_json_file_behind_and_an_old_one_untouched() {
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "old report\n");
     std::fs::remove_file(&path).unwrap();
 }
+
+#[test]
+fn xcall_log_sends_lines_to_stderr_only_when_set_and_a_bad_filter_is_a_usage_error() {
+    let moe = ["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"];
+    let stderr_of = |log: Option<&str>| {
+        let mut cmd = common::xcall();
+        cmd.args(moe).env_remove("XCALL_LOG");
+        if let Some(filter) = log {
+            cmd.env("XCALL_LOG", filter);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, quiet) = stderr_of(None);
+    assert_eq!(code, Some(0), "{quiet}");
+    assert!(
+        !quiet.contains("[xcall +"),
+        "logging is off by default: {quiet}"
+    );
+
+    let (code, lines) = stderr_of(Some("xcall_shmem=debug,xcall_graph=trace"));
+    assert_eq!(code, Some(0), "{lines}");
+    for rank in 0..4 {
+        for pe in 0..4 {
+            let mapped = format!(
+                " DEBUG xcall_shmem::world::live] init: peer mapped rank={rank} pe={pe} device=host:{rank} peer_device=host:{pe} transport=same_process\n"
+            );
+            assert!(lines.contains(&mapped), "{mapped}: {lines}");
+        }
+    }
+    let up = " INFO xcall_shmem::world::live] shmem world up bootstrap=";
+    assert_eq!(lines.matches(up).count(), 4, "{lines}");
+    // The timed step of each of 4 PEs goes through the cache (the report
+    // counts them as eager_host): one line each.
+    let host_runs = lines
+        .matches(" TRACE xcall_graph::cache] eager_host device=host:0 ")
+        .count();
+    assert_eq!(host_runs, 4, "{lines}");
+    assert!(
+        lines.lines().all(|l| l.starts_with("[xcall +")),
+        "only log lines on stderr (no progress bar): {lines}"
+    );
+
+    let (code, err) = stderr_of(Some("xcall_graph=loud"));
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(
+        err.trim_end(),
+        "xcall: XCALL_LOG: log filter \"xcall_graph=loud\": error parsing level filter: expected one of \"off\", \"error\", \"warn\", \"info\", \"debug\", \"trace\", or a number 0-5"
+    );
+}

@@ -100,6 +100,13 @@ pub const VARIABLES: &[Variable] = &[
         "Symmetric heap per PE when the world's config names none. `xcall moe` and `xcall bench` size the heap themselves; they use this one instead when it is at least what the run needs, and refuse a smaller one.",
     ),
     var(
+        "XCALL_LOG",
+        Kind::Text,
+        "off",
+        "library, `xcall`",
+        "Log lines on stderr, filtered in tracing's EnvFilter syntax: `info`, `debug`, `trace`, or per target such as `xcall_graph=debug,xcall_shmem=trace,warn`. Read on the first call into the library; `xcall_log_configure` replaces the filter and can send the lines to a callback instead. `debug` shows graph-cache decisions, each peer's transport, bootstrap steps, autotune choices and kernel compile times; `trace` adds every graph replay. An invalid filter: `xcall` exits with status 2, the library says so once on stderr and keeps logging off.",
+    ),
+    var(
         "XCALL_LIB",
         Kind::Path,
         "the packaged library",
@@ -323,6 +330,12 @@ fn read<T>(
             })
         })
         .transpose()
+}
+
+/// Text variable `name`: `None` when unset or empty (blank); an error when
+/// it is not valid UTF-8.
+pub fn text(name: &str) -> Result<Option<String>, EnvError> {
+    raw(name)
 }
 
 /// Boolean variable `name`: `None` when unset or empty.

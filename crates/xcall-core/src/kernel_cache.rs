@@ -193,6 +193,7 @@ impl<L: ModuleLoader> KernelCache<L> {
             arch: &arch,
             options: &options,
         };
+        let started = std::time::Instant::now();
         let module = match self.loader.compile_and_load(device, &request) {
             Ok(module) => Arc::new(module),
             Err(e) => {
@@ -200,13 +201,23 @@ impl<L: ModuleLoader> KernelCache<L> {
                 return Err(e);
             }
         };
+        let took = started.elapsed();
         shard.stats.compiles += 1;
         shard.buckets.entry(bucket).or_default().push(Entry {
-            arch,
+            arch: arch.clone(),
             code: source.code.to_string(),
             options,
             module: module.clone(),
         });
+        // Logged after the device's lock is released.
+        drop(shard);
+        tracing::debug!(
+            %device,
+            name = source.name,
+            arch,
+            ms = %format_args!("{:.1}", took.as_secs_f64() * 1e3),
+            "kernel module compiled and loaded"
+        );
         Ok(module)
     }
 
@@ -421,6 +432,23 @@ mod tests {
             );
         }
         assert_eq!(cache.loader.builds.load(Ordering::SeqCst), 64);
+    }
+
+    #[test]
+    fn a_compile_is_logged_once_with_its_time_and_a_hit_is_not() {
+        let cache = KernelCache::with_loader(FakeLoader::default());
+        let d = Device::cuda(3);
+        let ((), lines) = crate::log::capture("xcall_core=debug", || {
+            cache.module(d, &SRC).unwrap();
+            cache.module(d, &SRC).unwrap();
+        });
+        let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
+        assert_eq!(texts.len(), 1, "{texts:?}");
+        let prefix = "kernel module compiled and loaded device=cuda:3 name=k.cu arch=sm_91 ms=";
+        assert!(texts[0].starts_with(prefix), "{}", texts[0]);
+        let ms: f64 = texts[0][prefix.len()..].parse().unwrap();
+        assert!(ms >= 0.0);
+        assert_eq!(lines[0].level, crate::LogLevel::Debug);
     }
 
     #[test]

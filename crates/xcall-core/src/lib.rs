@@ -17,6 +17,7 @@ mod dtype;
 pub mod env;
 mod error;
 pub mod kernel_cache;
+pub mod log;
 mod platform;
 mod status;
 pub mod testing;
@@ -26,6 +27,7 @@ pub use device_map::DeviceMap;
 pub use dtype::{fp8_decode, fp8_encode, DType, FloatCodec, Fp8};
 pub use error::{Error, Result};
 pub use kernel_cache::{KernelCache, KernelSource};
+pub use log::LogLevel;
 pub use platform::{Device, Platform};
 pub use status::Status;
 

@@ -70,6 +70,8 @@ fn clear_last_error() {
 /// Runs an entry point's body: clears the last error, turns `Err` into its
 /// status with the message recorded, and a panic into [`Status::Panic`].
 pub(crate) fn run(body: impl FnOnce() -> Result<(), FfiError>) -> Status {
+    // XCALL_LOG is read on the first call into the library.
+    xcall_core::log::init_from_env_once();
     clear_last_error();
     match catch_unwind(AssertUnwindSafe(body)) {
         // Empty after success, as the header says, even when the body ran a

@@ -19,6 +19,7 @@
 mod graph;
 mod guard;
 mod handle;
+mod log;
 mod op_args;
 mod permute;
 mod shmem;
@@ -28,6 +29,7 @@ pub mod xla;
 
 pub use graph::*;
 pub use guard::{DTypeCode, PlatformCode};
+pub use log::*;
 pub use op_args::{xcall_tensor, XCALL_TENSOR_MAX_RANK};
 pub use permute::*;
 pub use shmem::*;

@@ -279,13 +279,14 @@ impl<B: GraphBackend> Shard<B> {
     }
 
     /// Evicts least recently used entries (never `keep`) until the shard is
-    /// within its limits.
-    fn evict_to_limits(&mut self, config: &Config, keep: u64) {
+    /// within its limits; returns how many.
+    fn evict_to_limits(&mut self, config: &Config, keep: u64) -> usize {
+        let mut evicted = 0;
         loop {
             let over_capacity = self.entries.len() > config.capacity;
             let over_nodes = config.max_nodes.is_some_and(|max| self.nodes > max);
             if !over_capacity && !over_nodes {
-                return;
+                return evicted;
             }
             let victim = self
                 .entries
@@ -297,8 +298,9 @@ impl<B: GraphBackend> Shard<B> {
                 Some(id) => {
                     self.remove(id);
                     self.stats.evictions += 1;
+                    evicted += 1;
                 }
-                None => return,
+                None => return evicted,
             }
         }
     }
@@ -345,12 +347,91 @@ pub struct GraphCache<B: GraphBackend> {
     devices: DeviceMap<DeviceState<B>>,
 }
 
+#[derive(Clone, Copy, Debug)]
 enum Eager {
     Disabled,
     CallerCapturing,
     CaptureInProgress,
     NotCapturable,
     CaptureFailed,
+}
+
+impl Eager {
+    /// Why a call ran eagerly, as its log line says.
+    fn reason(self) -> &'static str {
+        match self {
+            Eager::Disabled => "policy_disabled",
+            Eager::CallerCapturing => "caller_capturing",
+            Eager::CaptureInProgress => "capture_in_progress",
+            Eager::NotCapturable => "not_capturable",
+            Eager::CaptureFailed => "capture_failed",
+        }
+    }
+}
+
+/// What one call decided on the way to its outcome, gathered while the
+/// device's lock is held and logged after it is released (a log callback
+/// never runs under a cache lock).
+#[derive(Default)]
+struct Notes {
+    eager: Option<Eager>,
+    /// The step of a capture that failed.
+    failed_at: Option<&'static str>,
+    nodes: Option<usize>,
+    /// Why a captured graph ran once and was not kept.
+    not_cached: Option<&'static str>,
+    evicted: usize,
+    patch_refused: bool,
+    update_refused: bool,
+}
+
+impl Notes {
+    /// One line per call: `trace` for a replay or a Host run (hot paths),
+    /// `debug` for every other decision.
+    fn log(&self, key: &CallKey, outcome: Outcome) {
+        let hot = matches!(outcome, Outcome::Replayed | Outcome::EagerHost);
+        let level_on = if hot {
+            tracing::enabled!(tracing::Level::TRACE)
+        } else {
+            tracing::enabled!(tracing::Level::DEBUG)
+        };
+        if !level_on {
+            return;
+        }
+        let mut detail = String::new();
+        let mut add = |name: &str, value: &dyn std::fmt::Display| {
+            use std::fmt::Write as _;
+            let _ = write!(detail, " {name}={value}");
+        };
+        if let Some(why) = self.eager {
+            add("why", &why.reason());
+        }
+        if let Some(step) = self.failed_at {
+            add("failed_at", &step);
+        }
+        if let Some(nodes) = self.nodes {
+            add("nodes", &nodes);
+        }
+        if let Some(why) = self.not_cached {
+            add("not_cached", &why);
+        }
+        if self.evicted > 0 {
+            add("evicted", &self.evicted);
+        }
+        if self.patch_refused {
+            add("patch_refused", &true);
+        }
+        if self.update_refused {
+            add("update_refused", &true);
+        }
+        let (device, target_id) = (key.device, format_args!("{:#x}", key.target));
+        let (attributes, buffers) = (format_args!("{:#x}", key.attributes), key.buffers.len());
+        if hot {
+            tracing::trace!(%device, %target_id, %attributes, buffers, "{}{detail}", outcome.name());
+        } else {
+            tracing::debug!(%device, %target_id, %attributes, buffers, "{}{detail}", outcome.name());
+        }
+    }
 }
 
 impl<B: GraphBackend> GraphCache<B> {
@@ -409,6 +490,21 @@ impl<B: GraphBackend> GraphCache<B> {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         call.key.validate()?;
+        let mut notes = Notes::default();
+        let outcome = self.execute_noted(call, &mut record, &mut notes)?;
+        notes.log(&call.key, outcome);
+        Ok(outcome)
+    }
+
+    fn execute_noted<E>(
+        &self,
+        call: &Call<B::Stream>,
+        record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
+        notes: &mut Notes,
+    ) -> GraphResult<Outcome>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let device = call.key.device;
         if device.platform == Platform::Host {
             if device != Device::HOST {
@@ -425,13 +521,13 @@ impl<B: GraphBackend> GraphCache<B> {
         // These run on the caller's stream as they are: no context switch,
         // which could disturb a capture the caller has open.
         if self.config.policy == Policy::Disabled {
-            return self.eager(device, stream, Eager::Disabled, &mut record);
+            return self.eager(device, stream, Eager::Disabled, record, notes);
         }
         if state.capturing {
-            return self.eager(device, stream, Eager::CallerCapturing, &mut record);
+            return self.eager(device, stream, Eager::CallerCapturing, record, notes);
         }
         self.backend.with_context(device, &state, || {
-            self.execute_on_stream(call, stream, state, &mut record)
+            self.execute_on_stream(call, stream, state, record, notes)
         })?
     }
 
@@ -441,10 +537,12 @@ impl<B: GraphBackend> GraphCache<B> {
         stream: B::Stream,
         why: Eager,
         record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
+        notes: &mut Notes,
     ) -> GraphResult<Outcome>
     where
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
+        notes.eager = Some(why);
         let result = record(Some(stream)).map_err(|e| GraphError::Callback(e.into()));
         let mut shard = self.lock(device);
         let counter = match why {
@@ -464,6 +562,7 @@ impl<B: GraphBackend> GraphCache<B> {
         stream: B::Stream,
         state: StreamState,
         record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
+        notes: &mut Notes,
     ) -> GraphResult<Outcome>
     where
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -485,7 +584,7 @@ impl<B: GraphBackend> GraphCache<B> {
             if *remaining > 0 {
                 *remaining -= 1;
                 drop(shard);
-                return self.eager(device, stream, Eager::NotCapturable, record);
+                return self.eager(device, stream, Eager::NotCapturable, record, notes);
             }
             shard.not_capturable.remove(&not_capturable);
         }
@@ -495,9 +594,9 @@ impl<B: GraphBackend> GraphCache<B> {
             .any(|p| p.context == state.context && p.key == *key)
         {
             drop(shard);
-            return self.eager(device, stream, Eager::CaptureInProgress, record);
+            return self.eager(device, stream, Eager::CaptureInProgress, record, notes);
         }
-        if let Some(outcome) = self.try_patch(&mut shard, call, stream, state, tick)? {
+        if let Some(outcome) = self.try_patch(&mut shard, call, stream, state, tick, notes)? {
             return Ok(outcome);
         }
         let pending_id = shard.next_id;
@@ -512,18 +611,25 @@ impl<B: GraphBackend> GraphCache<B> {
 
         let (graph, launches) = match self.capture(device, stream, record) {
             Ok(captured) => captured,
-            Err(_) => {
+            Err(step) => {
                 let mut shard = self.lock(device);
                 shard.take_pending(pending_id);
                 shard.remember_not_capturable(not_capturable, &self.config);
                 drop(shard);
-                return self.eager(device, stream, Eager::CaptureFailed, record);
+                notes.failed_at = Some(step);
+                return self.eager(device, stream, Eager::CaptureFailed, record, notes);
             }
         };
-        match self.install(call, stream, state, pending_id, (graph, launches), tick)? {
+        match self.install(
+            call,
+            (stream, state),
+            (pending_id, tick),
+            (graph, launches),
+            notes,
+        )? {
             Some(outcome) => Ok(outcome),
             // The graph could not be made executable: nothing ran yet.
-            None => self.eager(device, stream, Eager::CaptureFailed, record),
+            None => self.eager(device, stream, Eager::CaptureFailed, record, notes),
         }
     }
 
@@ -543,6 +649,7 @@ impl<B: GraphBackend> GraphCache<B> {
         stream: B::Stream,
         state: StreamState,
         tick: u64,
+        notes: &mut Notes,
     ) -> GraphResult<Option<Outcome>> {
         let key = &call.key;
         let device = key.device;
@@ -568,6 +675,7 @@ impl<B: GraphBackend> GraphCache<B> {
         {
             shard.remove(id);
             shard.stats.evictions += 1;
+            notes.patch_refused = true;
             return Ok(None);
         }
         shard.unindex(id);
@@ -590,27 +698,31 @@ impl<B: GraphBackend> GraphCache<B> {
         device: Device,
         stream: B::Stream,
         record: &mut impl FnMut(Option<B::Stream>) -> Result<(), E>,
-    ) -> Result<(B::Graph, B::Launches), ()> {
-        self.backend.begin_capture(device, stream).map_err(|_| ())?;
+    ) -> Result<(B::Graph, B::Launches), &'static str> {
+        self.backend
+            .begin_capture(device, stream)
+            .map_err(|_| "begin_capture")?;
         let (recorded, launches) = self.backend.recording(|| record(Some(stream)));
         let ended = self.backend.end_capture(device, stream);
         match (recorded, ended) {
             (Ok(()), Ok(graph)) => Ok((graph, launches)),
-            _ => Err(()),
+            (Err(_), _) => Err("record"),
+            (Ok(()), Err(_)) => Err("end_capture"),
         }
     }
 
     /// Turns a captured graph into a cached (or updated) executable and
     /// launches it. `Ok(None)` when the graph could not be made executable
     /// (the key is then remembered as not capturable and nothing has run).
+    /// `pending_id` is the capture's entry in the pending list, `tick` the
+    /// call's place in the device's LRU order.
     fn install(
         &self,
         call: &Call<B::Stream>,
-        stream: B::Stream,
-        state: StreamState,
-        pending_id: u64,
+        (stream, state): (B::Stream, StreamState),
+        (pending_id, tick): (u64, u64),
         (graph, launches): (B::Graph, B::Launches),
-        tick: u64,
+        notes: &mut Notes,
     ) -> GraphResult<Option<Outcome>> {
         let key = &call.key;
         let device = key.device;
@@ -621,8 +733,10 @@ impl<B: GraphBackend> GraphCache<B> {
         };
         let Ok(nodes) = self.backend.node_count(device, &graph) else {
             give_up();
+            notes.failed_at = Some("node_count");
             return Ok(None);
         };
+        notes.nodes = Some(nodes);
         if self.config.policy == Policy::ExecUpdate {
             let mut shard = self.lock(device);
             let still_valid = shard
@@ -657,12 +771,13 @@ impl<B: GraphBackend> GraphCache<B> {
                     shard.take_pending(pending_id);
                     shard.stats.captures += 1;
                     shard.stats.updates += 1;
-                    shard.evict_to_limits(&self.config, id);
+                    notes.evicted = shard.evict_to_limits(&self.config, id);
                     let entry = &shard.entries[&id];
                     self.backend.launch(device, &entry.exec, stream)?;
                     return Ok(Some(Outcome::Updated));
                 }
                 shard.stats.update_refusals += 1;
+                notes.update_refused = true;
             }
         }
         // Instantiation is the slow step: it runs without the device's lock.
@@ -673,15 +788,21 @@ impl<B: GraphBackend> GraphCache<B> {
         };
         let Ok(exec) = instantiated else {
             give_up();
+            notes.failed_at = Some("instantiate");
             return Ok(None);
         };
         let mut shard = self.lock(device);
         let pending = shard.take_pending(pending_id);
         shard.stats.captures += 1;
         shard.stats.instantiations += 1;
-        let cacheable = pending.is_some_and(|p| !p.invalidated)
-            && self.config.max_nodes.is_none_or(|max| nodes <= max);
-        if !cacheable {
+        let invalidated = pending.is_none_or(|p| p.invalidated);
+        let too_big = self.config.max_nodes.is_some_and(|max| nodes > max);
+        if invalidated || too_big {
+            notes.not_cached = Some(if invalidated {
+                "invalidated_during_capture"
+            } else {
+                "over_max_nodes"
+            });
             // Run this once; keep nothing that may outlive its memory or
             // exceed the node limit.
             self.backend.launch(device, &exec, stream)?;
@@ -697,7 +818,7 @@ impl<B: GraphBackend> GraphCache<B> {
             last_used: tick,
             _keep_alive: call.keep_alive.clone(),
         });
-        shard.evict_to_limits(&self.config, id);
+        notes.evicted = shard.evict_to_limits(&self.config, id);
         self.backend
             .launch(device, &shard.entries[&id].exec, stream)?;
         Ok(Some(Outcome::Captured))
@@ -738,16 +859,29 @@ impl<B: GraphBackend> GraphCache<B> {
             shard.remove(*id);
         }
         shard.stats.invalidations += victims.len() as u64;
+        let mut captures_invalidated = 0usize;
         for p in shard
             .pending
             .iter_mut()
             .filter(|p| p.key.overlaps(address, bytes))
         {
             p.invalidated = true;
+            captures_invalidated += 1;
         }
         shard
             .not_capturable
             .retain(|(k, _), _| !k.overlaps(address, bytes));
+        drop(shard);
+        if !victims.is_empty() || captures_invalidated > 0 {
+            tracing::debug!(
+                %device,
+                address = %format_args!("{address:#x}"),
+                bytes,
+                evicted = victims.len(),
+                captures_invalidated,
+                "range invalidated"
+            );
+        }
         Ok(victims.len())
     }
 

@@ -51,6 +51,60 @@ pub trait Bootstrap: Send {
     }
 }
 
+/// A bootstrap whose exchanges are logged: each at `trace` with its
+/// duration, a failure (a timeout names the ranks that never arrived) at
+/// `warn`. No lock of the bootstrap is held while a line is logged.
+pub(crate) struct Logged {
+    inner: Box<dyn Bootstrap>,
+    name: String,
+    seq: u64,
+}
+
+impl Logged {
+    /// `inner`, logged under `name` ("group G", "socket PATH").
+    pub(crate) fn new(inner: Box<dyn Bootstrap>, name: String) -> Logged {
+        Logged {
+            inner,
+            name,
+            seq: 0,
+        }
+    }
+}
+
+impl Bootstrap for Logged {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (seq, started) = (self.seq, Instant::now());
+        self.seq += 1;
+        let (rank, size, bootstrap) = (self.inner.rank(), self.inner.size(), &self.name);
+        match self.inner.allgather(data) {
+            Ok(all) => {
+                tracing::trace!(
+                    bootstrap,
+                    rank,
+                    size,
+                    seq,
+                    bytes = data.len(),
+                    ms = %format_args!("{:.3}", started.elapsed().as_secs_f64() * 1e3),
+                    "bootstrap exchange done"
+                );
+                Ok(all)
+            }
+            Err(e) => {
+                tracing::warn!(bootstrap, rank, size, seq, error = %e, "bootstrap exchange failed");
+                Err(e)
+            }
+        }
+    }
+}
+
 fn check_rank(rank: usize, size: usize) -> Result<()> {
     if size == 0 || rank >= size {
         return Err(ShmemError::InvalidArgument(format!(

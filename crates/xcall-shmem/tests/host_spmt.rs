@@ -375,3 +375,84 @@ fn no_pe_releases_its_heap_before_every_peer_let_go_of_it() {
         "a PE released its heap while a peer still held it: {log:?}"
     );
 }
+
+#[test]
+fn init_and_finalize_log_their_steps_and_each_peers_transport() {
+    use xcall_core::log::{capture, LogLevel};
+    let _s = serial();
+    let n = 2;
+    let per_rank = run_threads("logged world", n, watchdog(), move |rank| {
+        capture("xcall_shmem=debug", || {
+            let mut w = World::new();
+            let mut c = Config::in_process("logged", rank, n, host(rank));
+            c.heap_bytes = Some(1 << 20);
+            c.timeout = Duration::from_secs(20);
+            w.init(&c).unwrap();
+            let x = w.malloc(64).unwrap();
+            w.finalize().map(|r| (r.leaked.len(), x)).unwrap()
+        })
+    });
+    for (rank, ((leaked, _), lines)) in per_rank.into_iter().enumerate() {
+        assert_eq!(leaked, 1);
+        let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
+        let starts: Vec<&str> = texts
+            .iter()
+            .map(|t| {
+                t.split(" bootstrap=")
+                    .next()
+                    .unwrap()
+                    .split(" rank=")
+                    .next()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(
+            starts,
+            [
+                "init: bootstrap joined",
+                "init: identities exchanged",
+                "init: peer mapped",
+                "init: peer mapped",
+                "shmem world up",
+                "shmem world finalized",
+            ],
+            "rank {rank}: {texts:#?}"
+        );
+        for pe in 0..n {
+            let mapped = format!(
+                "init: peer mapped rank={rank} pe={pe} device=host:{rank} peer_device=host:{pe} transport=same_process"
+            );
+            assert_eq!(texts[2 + pe], mapped);
+        }
+        let up = format!("shmem world up bootstrap=\"group logged\" rank={rank} size=2 device=host:{rank} heap_bytes=1048576 ms=");
+        assert!(texts[4].starts_with(&up), "{}", texts[4]);
+        assert_eq!(
+            texts[5],
+            format!("shmem world finalized bootstrap=\"group logged\" rank={rank} size=2 leaked=1")
+        );
+        let levels: Vec<LogLevel> = lines.iter().map(|l| l.level).collect();
+        use LogLevel::{Debug, Info};
+        assert_eq!(levels, [Debug, Debug, Debug, Debug, Info, Info]);
+    }
+}
+
+#[test]
+fn a_bootstrap_timeout_is_logged_as_a_warning_naming_the_missing_rank() {
+    use xcall_core::log::{capture, LogLevel};
+    let _s = serial();
+    let (e, lines) = capture("xcall_shmem=warn", || {
+        let mut w = World::new();
+        let mut c = Config::in_process("logged-alone", 0, 2, host(0));
+        c.heap_bytes = Some(1 << 20);
+        c.timeout = Duration::from_millis(200);
+        w.init(&c).unwrap_err()
+    });
+    assert_eq!(e.status(), Status::Timeout, "{e}");
+    assert!(!lines.is_empty() && lines.iter().all(|l| l.level == LogLevel::Warn));
+    let last = &lines.last().unwrap().text;
+    assert!(
+        last.starts_with("shmem init failed rank=0 size=2 error="),
+        "{last}"
+    );
+    assert!(last.contains("[1]"), "names the missing rank: {last}");
+}

@@ -24,7 +24,7 @@ use xcall_shmem::{Config, World};
 use crate::layer::{Context, Res};
 use crate::moe::PlatformArg;
 use crate::report::{Failure, JsonOut};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressStyle;
 
 mod set;
 use set::{allocate, measure};
@@ -161,8 +161,9 @@ pub fn run(args: &BenchArgs) -> Result<bool, Failure> {
     let needed = (problem.rows() * row * 3 + problem.tokens * row * 2) as usize + (64 << 20);
     let heap = crate::layer::heap_size(needed, "the bench").map_err(Failure::Usage)?;
     let json = JsonOut::open_optional(args.json.as_ref())?;
-    // The stages of the set; drawn on stderr when it is a terminal.
-    let bar = ProgressBar::new(set::STAGES.len() as u64).with_style(
+    // The stages of the set; drawn on stderr when it is a terminal and no
+    // log lines go there.
+    let bar = crate::report::progress_bar(set::STAGES.len() as u64).with_style(
         ProgressStyle::with_template("bench: {msg} [{bar:20}] {pos}/{len} {elapsed}")
             .expect("a valid template")
             .progress_chars("=> "),

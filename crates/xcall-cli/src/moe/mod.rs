@@ -329,8 +329,8 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     let group = format!("xcall-moe-{}", std::process::id());
     // The warm-up step (kernel compilation and autotuning), the timed
     // steps and the instrumented ones; drawn on stderr when it is a
-    // terminal, hidden otherwise.
-    let bar = ProgressBar::new((run.steps + 1 + PHASE_STEPS) as u64).with_style(
+    // terminal and no log lines go there, hidden otherwise.
+    let bar = crate::report::progress_bar((run.steps + 1 + PHASE_STEPS) as u64).with_style(
         ProgressStyle::with_template("moe {prefix}: {msg} [{bar:30}] {pos}/{len} steps {elapsed}")
             .expect("a valid template")
             .progress_chars("=> "),

@@ -302,6 +302,7 @@ fn handle(spec: &Spec, side: Side, frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FF
             spec.name, frame.struct_size
         )));
     }
+    xcall_core::log::init_from_env_once();
     let result = catch_unwind(AssertUnwindSafe(|| {
         if frame.struct_size < CALL_FRAME_SIZE {
             return Err(invalid(format!(

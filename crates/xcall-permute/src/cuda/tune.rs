@@ -203,9 +203,32 @@ pub(super) fn choose(
         return Ok(*c);
     }
     if !target.autotune || capturing(target)? {
+        tracing::trace!(
+            device = %target.device,
+            kernel = key.0,
+            autotune = target.autotune,
+            config = ?default,
+            "default launch config (not tuned: autotune off or stream capturing)"
+        );
         return Ok(default);
     }
-    let chosen = time_candidates(target, candidates, out_bytes, run)?.unwrap_or(default);
+    let started = std::time::Instant::now();
+    let timed = time_candidates(target, candidates, out_bytes, run)?;
+    let chosen = timed.unwrap_or(default);
+    tracing::debug!(
+        device = %target.device,
+        kernel = key.0,
+        dtype = key.1,
+        width = key.2,
+        row_class = key.3,
+        routes_class = key.4,
+        candidates = candidates.len(),
+        config = ?chosen,
+        is_default = chosen == default,
+        timed = timed.is_some(),
+        ms = %format_args!("{:.1}", started.elapsed().as_secs_f64() * 1e3),
+        "autotuned launch config"
+    );
     AFTER_TUNING.with(|h| {
         if let Some(hook) = &*h.borrow() {
             hook(key.0)

@@ -100,14 +100,29 @@ impl Live {
             BootstrapKind::UnixSocket { path } => format!("socket {}", path.display()),
         };
         let binding = registry::bind(c.device, &name, c.rank)?;
-        let mut boot: Box<dyn Bootstrap> = match &c.bootstrap {
-            BootstrapKind::InProcess { group } => {
-                Box::new(InProcess::join(group, c.rank, c.size, c.timeout)?)
-            }
+        let started = Instant::now();
+        let step = |what: &str| {
+            tracing::debug!(
+                bootstrap = name.as_str(),
+                rank = c.rank,
+                size = c.size,
+                ms = %format_args!("{:.3}", started.elapsed().as_secs_f64() * 1e3),
+                "init: {what}"
+            )
+        };
+        let joined: Result<Box<dyn Bootstrap>> = match &c.bootstrap {
+            BootstrapKind::InProcess { group } => InProcess::join(group, c.rank, c.size, c.timeout)
+                .map(|b| Box::new(b) as Box<dyn Bootstrap>),
             BootstrapKind::UnixSocket { path } => {
-                Box::new(UnixSocket::connect(path, c.rank, c.size, c.timeout)?)
+                UnixSocket::connect(path, c.rank, c.size, c.timeout)
+                    .map(|b| Box::new(b) as Box<dyn Bootstrap>)
             }
         };
+        let joined = joined.inspect_err(|e| {
+            tracing::warn!(bootstrap = name.as_str(), rank = c.rank, size = c.size, error = %e, "init: bootstrap join failed");
+        })?;
+        let mut boot: Box<dyn Bootstrap> = Box::new(Logged::new(joined, name.clone()));
+        step("bootstrap joined");
 
         // 3. identities.
         let me = format!(
@@ -125,6 +140,7 @@ impl Live {
             .collect();
         let devices = check_identities(&ids, c, len);
         let devices = agree(boot.as_mut(), devices)?;
+        step("identities exchanged");
         let same_process = |r: usize| ids[r][0] == ids[c.rank][0] && ids[r][1] == ids[c.rank][1];
         let cross = (0..c.size).any(|r| !same_process(r));
 
@@ -158,6 +174,16 @@ impl Live {
             .collect();
         let peers = map_peers(&descs, &devices, c, len, &same_process);
         let peers = agree(boot.as_mut(), peers)?;
+        for (pe, p) in peers.iter().enumerate() {
+            tracing::debug!(
+                rank = c.rank,
+                pe,
+                device = %c.device,
+                peer_device = %p.device,
+                transport = p.map.transport().name(),
+                "init: peer mapped"
+            );
+        }
 
         // 6. every peer mapped this heap: drop its name and the offers.
         boot.barrier()?;
@@ -201,6 +227,15 @@ impl Live {
         let zeroed = live.init_internal();
         agree(live.boot.as_mut(), zeroed)?;
         live.boot.barrier()?;
+        tracing::info!(
+            bootstrap = live.name.as_str(),
+            rank = c.rank,
+            size = c.size,
+            device = %c.device,
+            heap_bytes = len,
+            ms = %format_args!("{:.3}", started.elapsed().as_secs_f64() * 1e3),
+            "shmem world up"
+        );
         Ok(live)
     }
 
@@ -386,12 +421,14 @@ impl Live {
                     unsafe {
                         crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes())
                     }?;
-                    return Err(ShmemError::Timeout(format!(
+                    let e = ShmemError::Timeout(format!(
                         "barrier_on_stream on rank {}: rank {} did not arrive within {:?}",
                         self.rank,
                         e - 1,
                         self.timeout
-                    )));
+                    ));
+                    tracing::warn!(rank = self.rank, error = %e, "barrier_on_stream timed out");
+                    return Err(e);
                 }
                 Ok(())
             }

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use xcall_core::{Device, Platform};
 
-use crate::bootstrap::{Bootstrap, InProcess, UnixSocket};
+use crate::bootstrap::{Bootstrap, InProcess, Logged, UnixSocket};
 use crate::error::{Result, ShmemError};
 use crate::handoff::{self, Offer};
 use crate::heap::{Allocator, ALIGN};
@@ -99,6 +99,27 @@ pub enum Transport {
     HostSharedMemory,
     /// CUDA heap of another process, opened from its IPC handle.
     CudaIpc,
+}
+
+impl Transport {
+    /// The transport's name in log lines (`cuda_ipc`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::SameProcess => "same_process",
+            Transport::HostSharedMemory => "host_shared_memory",
+            Transport::CudaIpc => "cuda_ipc",
+        }
+    }
+}
+
+impl PeerMap {
+    fn transport(&self) -> Transport {
+        match self {
+            PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
+            PeerMap::Host(_) => Transport::HostSharedMemory,
+            PeerMap::Cuda(_) => Transport::CudaIpc,
+        }
+    }
 }
 
 /// One PE's handle on a world of symmetric memory. Not shared between
@@ -166,11 +187,7 @@ impl World {
     pub fn transport(&self, pe: usize) -> Result<Transport> {
         let l = self.live()?;
         l.check_pe(pe)?;
-        Ok(match l.peers[pe].map {
-            PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
-            PeerMap::Host(_) => Transport::HostSharedMemory,
-            PeerMap::Cuda(_) => Transport::CudaIpc,
-        })
+        Ok(l.peers[pe].map.transport())
     }
 
     /// This PE's heap: (base address, bytes). User allocations start after
@@ -189,8 +206,11 @@ impl World {
                 l.rank, l.name
             )));
         }
-        let live =
-            Live::init(config).map_err(|e| e.context(format!("init of rank {}", config.rank)))?;
+        let live = Live::init(config)
+            .map_err(|e| e.context(format!("init of rank {}", config.rank)))
+            .inspect_err(|e| {
+                tracing::warn!(rank = config.rank, size = config.size, error = %e, "shmem init failed")
+            })?;
         self.live = Some(live);
         self.phase = Phase::Live;
         Ok(())
@@ -208,7 +228,22 @@ impl World {
         self.live()?;
         let live = self.live.take().expect("checked live");
         self.phase = Phase::Finalized;
-        live.finalize()
+        let (rank, size) = (live.rank, live.size);
+        let bootstrap = live.name.clone();
+        let report = live.finalize();
+        match &report {
+            Ok(r) => tracing::info!(
+                bootstrap,
+                rank,
+                size,
+                leaked = r.leaked.len(),
+                "shmem world finalized"
+            ),
+            Err(e) => {
+                tracing::warn!(bootstrap, rank, size, error = %e, "shmem world finalize failed")
+            }
+        }
+        report
     }
 
     /// Allocates `bytes` on every PE (collective: same order and sizes on
@@ -496,10 +531,12 @@ impl World {
                 return Ok(x);
             }
             if Instant::now() >= deadline {
-                return Err(ShmemError::Timeout(format!(
+                let e = ShmemError::Timeout(format!(
                     "rank {rank} waited {:?} for signal {signal:#x} {cmp:?} {value}; it holds {x}",
                     l.timeout
-                )));
+                ));
+                tracing::warn!(rank, error = %e, "wait_until timed out");
+                return Err(e);
             }
             spins += 1;
             if spins > 64 {
