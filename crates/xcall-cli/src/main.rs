@@ -8,6 +8,7 @@ mod bench;
 mod doctor;
 mod layer;
 mod moe;
+mod plot;
 mod report;
 
 use report::Failure;
@@ -42,6 +43,9 @@ enum Command {
     /// next to a reference measured in the same run.
     #[command(after_help = EXIT_STATUSES)]
     Bench(bench::BenchArgs),
+    /// Draw SVG charts from the JSON reports of `bench` and `moe`.
+    #[command(after_help = EXIT_STATUSES)]
+    Plot(plot::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +68,7 @@ fn main() -> ExitCode {
         Command::Doctor(args) => doctor::run(&args),
         Command::Moe(args) => moe::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::Plot(args) => plot::run(&args),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -31,6 +31,44 @@ fn host_set_reports_every_crate_against_the_copy() {
         }
     }
     assert!(stdout.contains("put to PE 1's heap"), "{stdout}");
+
+    // The put by message size: 4 KiB to the 8 MiB tensor in steps of 4x,
+    // each next to a memcpy of the same bytes into PE 1's heap.
+    let sizes = &j["shmem_sizes"];
+    assert_eq!(sizes["put"], "put to PE 1's heap");
+    assert_eq!(sizes["reference"], "memcpy into PE 1's heap");
+    let points = sizes["points"].as_array().unwrap();
+    let bytes: Vec<u64> = points
+        .iter()
+        .map(|p| p["bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        bytes,
+        [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    );
+    for p in points {
+        let f = |k: &str| p[k].as_f64().unwrap();
+        let b = f("bytes");
+        assert!(
+            (f("put_gb_per_s") - b / f("put_us") / 1e3).abs() < 1e-9 * f("put_gb_per_s"),
+            "{p}"
+        );
+        let rate = f("reference_gb_per_s");
+        assert!(
+            (rate - b / f("reference_us") / 1e3).abs() < 1e-9 * rate,
+            "{p}"
+        );
+        assert!(
+            (f("ratio") - f("put_gb_per_s") / rate).abs() < 1e-9 * f("ratio"),
+            "{p}"
+        );
+    }
+    assert!(
+        stdout
+            .contains("shmem by message size: put to PE 1's heap next to memcpy into PE 1's heap"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("\n     4 KiB "), "{stdout}");
 }
 
 #[test]

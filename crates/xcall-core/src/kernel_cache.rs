@@ -435,23 +435,6 @@ mod tests {
     }
 
     #[test]
-    fn a_compile_is_logged_once_with_its_time_and_a_hit_is_not() {
-        let cache = KernelCache::with_loader(FakeLoader::default());
-        let d = Device::cuda(3);
-        let ((), lines) = crate::log::capture("xcall_core=debug", || {
-            cache.module(d, &SRC).unwrap();
-            cache.module(d, &SRC).unwrap();
-        });
-        let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
-        assert_eq!(texts.len(), 1, "{texts:?}");
-        let prefix = "kernel module compiled and loaded device=cuda:3 name=k.cu arch=sm_91 ms=";
-        assert!(texts[0].starts_with(prefix), "{}", texts[0]);
-        let ms: f64 = texts[0][prefix.len()..].parse().unwrap();
-        assert!(ms >= 0.0);
-        assert_eq!(lines[0].level, crate::LogLevel::Debug);
-    }
-
-    #[test]
     fn key_compares_source_options_and_arch_in_full() {
         let cache = KernelCache::with_loader(FakeLoader::default());
         let d = Device::cuda(0);

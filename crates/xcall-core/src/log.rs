@@ -246,7 +246,15 @@ pub struct Line {
 /// (`EnvFilter` syntax), and returns `f`'s result with the lines it
 /// logged on this thread. For tests: the global subscriber, if any, does
 /// not see these events. Panics on a filter that does not parse.
+///
+/// Captures run one at a time. tracing caches, per event site, whether
+/// any subscriber wants it; a site another thread reaches first while a
+/// capture's subscriber is being set up can keep a stale "no". The cache
+/// is rebuilt once the subscriber is in place, but a test that asserts
+/// on lines should still run where no other thread reaches the same
+/// sites meanwhile (its own test binary, or tests serialised by a lock).
 pub fn capture<R>(filter: &str, f: impl FnOnce() -> R) -> (R, Vec<Line>) {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     struct Collect(Arc<Mutex<Vec<Line>>>);
     impl<S: Subscriber> Layer<S> for Collect {
         fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
@@ -265,7 +273,11 @@ pub fn capture<R>(filter: &str, f: impl FnOnce() -> R) -> (R, Vec<Line>) {
     let subscriber = Registry::default()
         .with(filter)
         .with(Collect(lines.clone()));
-    let r = tracing::subscriber::with_default(subscriber, f);
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let r = tracing::subscriber::with_default(subscriber, || {
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     let lines = std::mem::take(&mut *lines.lock().unwrap_or_else(|p| p.into_inner()));
     (r, lines)
 }

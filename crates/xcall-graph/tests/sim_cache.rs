@@ -5,55 +5,11 @@ use std::sync::{Arc, Barrier};
 
 use xcall_core::testing::{run_threads, watchdog, within};
 use xcall_graph::sim::{SimBackend, SimOp, SimStream};
-use xcall_graph::{
-    Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome, Policy, Stats,
-};
+use xcall_graph::{Call, CallKey, Config, Device, GraphCache, Outcome, Policy, Stats};
 
-fn stream(ordinal: u32) -> SimStream {
-    SimStream {
-        device: Device::cuda(ordinal),
-        context: 100 + ordinal as u64,
-        id: 1,
-    }
-}
-
-fn key(ordinal: u32, target: u64, addresses: &[u64]) -> CallKey {
-    CallKey {
-        device: Device::cuda(ordinal),
-        target,
-        attributes: 0xa77,
-        buffers: addresses
-            .iter()
-            .map(|&a| Buffer::new(a, 64, BufferRole::InOut))
-            .collect(),
-    }
-}
-
-fn cache(config: Config) -> GraphCache<SimBackend> {
-    GraphCache::new(SimBackend::new(), config).unwrap()
-}
-
-/// Runs `key` on `s` with a record function that enqueues `ops`.
-fn run_ops(c: &GraphCache<SimBackend>, key: &CallKey, s: SimStream, ops: &[SimOp]) -> Outcome {
-    let call = Call::new(key.clone(), Some(s));
-    c.execute(&call, |stream| {
-        for &op in ops {
-            c.backend().enqueue(stream.unwrap(), op);
-        }
-        Ok::<(), std::io::Error>(())
-    })
-    .unwrap()
-}
-
-fn add(address: u64, value: i64) -> SimOp {
-    SimOp::Add { address, value }
-}
-
-/// Runs `key` on `s`: the work adds `value` to every buffer's first cell.
-fn run(c: &GraphCache<SimBackend>, key: &CallKey, s: SimStream, value: i64) -> Outcome {
-    let ops: Vec<SimOp> = key.buffers.iter().map(|b| add(b.address, value)).collect();
-    run_ops(c, key, s, &ops)
-}
+#[path = "common/sim.rs"]
+mod sim;
+use sim::{add, cache, key, run, run_ops, stream};
 
 #[test]
 fn identical_calls_capture_once_then_replay() {
@@ -982,72 +938,4 @@ fn calls_a_pointer_move_cannot_express_take_the_capture_path() {
         run_relocatable(&c, &b, &mut records, ops),
         Outcome::Captured
     );
-}
-
-#[test]
-fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
-    use xcall_core::log::{capture, LogLevel};
-    let c = cache(Config {
-        retry_after: 1,
-        max_nodes: Some(3),
-        ..Config::default()
-    });
-    let (s, a, b) = (stream(0), key(0, 0x51, &[0x100]), key(0, 0x51, &[0x200]));
-    let calls = || {
-        run(&c, &a, s, 1); // captured
-        run(&c, &a, s, 1); // replayed
-        run(&c, &b, s, 1); // updated
-        run(&c, &key(0, 0x52, &[1, 2, 3, 4]), s, 1); // too many nodes to keep
-        run_ops(&c, &key(0, 0x53, &[0x300]), s, &[SimOp::Uncapturable]);
-        run_ops(&c, &key(0, 0x54, &[0x400]), s, &[SimOp::FailsInstantiate]);
-        c.backend().begin_caller_capture(s);
-        run(&c, &key(0, 0x55, &[0x500]), s, 1);
-        c.backend().end_caller_capture(s);
-        c.invalidate_range(Device::cuda(0), 0x200, 8).unwrap();
-    };
-    let ((), lines) = capture("xcall_graph=trace", calls);
-    let got: Vec<(LogLevel, &str)> = lines.iter().map(|l| (l.level, l.text.as_str())).collect();
-    let fields =
-        |id: &str, n: usize| format!("device=cuda:0 target_id={id} attributes=0xa77 buffers={n}");
-    let expected = [
-        (LogLevel::Debug, format!("captured nodes=1 {}", fields("0x51", 1))),
-        (LogLevel::Trace, format!("replayed {}", fields("0x51", 1))),
-        (LogLevel::Debug, format!("updated nodes=1 {}", fields("0x51", 1))),
-        (
-            LogLevel::Debug,
-            format!("captured nodes=4 not_cached=over_max_nodes {}", fields("0x52", 4)),
-        ),
-        (
-            LogLevel::Debug,
-            format!("eager_fallback why=capture_failed failed_at=end_capture {}", fields("0x53", 1)),
-        ),
-        (
-            LogLevel::Debug,
-            format!(
-                "eager_fallback why=capture_failed failed_at=instantiate nodes=1 {}",
-                fields("0x54", 1)
-            ),
-        ),
-        (
-            LogLevel::Debug,
-            format!("eager_fallback why=caller_capturing {}", fields("0x55", 1)),
-        ),
-        (
-            LogLevel::Debug,
-            "range invalidated device=cuda:0 address=0x200 bytes=8 evicted=1 captures_invalidated=0"
-                .to_string(),
-        ),
-    ];
-    let expected: Vec<(LogLevel, &str)> = expected.iter().map(|(l, t)| (*l, t.as_str())).collect();
-    assert_eq!(got, expected);
-    assert!(lines.iter().all(|l| l.target == "xcall_graph::cache"));
-
-    // At debug the replay (a hot path) is not logged, the rest is.
-    let c = cache(Config::default());
-    let ((), lines) = capture("xcall_graph=debug", || {
-        run(&c, &a, s, 1);
-        run(&c, &a, s, 1);
-    });
-    let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
-    assert_eq!(texts, [format!("captured nodes=1 {}", fields("0x51", 1))]);
 }

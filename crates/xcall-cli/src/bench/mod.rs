@@ -55,6 +55,22 @@ struct Row {
     reference: Option<usize>,
 }
 
+/// Puts of growing size next to the plain copy of the same bytes.
+struct Sweep {
+    /// What the put does ("put GPU 0 -> GPU 1").
+    put: &'static str,
+    /// The copy it is compared with.
+    reference: &'static str,
+    points: Vec<SweepPoint>,
+}
+
+/// One size of the sweep: medians of interleaved rounds.
+struct SweepPoint {
+    bytes: u64,
+    put_ms: f64,
+    reference_ms: f64,
+}
+
 /// The layer-shaped problem every figure uses.
 #[derive(Clone, Copy)]
 struct Problem {
@@ -188,15 +204,16 @@ pub fn run(args: &BenchArgs) -> Result<bool, Failure> {
                 w.finalize().context("shmem finalize").map(|_| ())
             })
         });
-        let rows = measure(platform, &config(0), problem, args.rounds, &bar);
+        let measured = measure(platform, &config(0), problem, args.rounds, &bar);
         let helped = helper.map_or(Ok(()), |h| {
             h.join()
                 .unwrap_or_else(|_| Err("the helper PE panicked".into()))
         });
-        rows.and_then(|r| helped.map(|()| r))
+        measured.and_then(|r| helped.map(|()| r))
     })?;
     bar.finish_and_clear();
-    print_and_write(platform, pes, problem, &rows, json)?;
+    let (rows, sweep) = rows;
+    print_and_write(platform, pes, problem, (&rows, &sweep), json)?;
     Ok(true)
 }
 
@@ -216,7 +233,7 @@ fn print_and_write(
     platform: Platform,
     pes: usize,
     p: Problem,
-    rows: &[Row],
+    (rows, sweep): (&[Row], &Sweep),
     json: Option<JsonOut>,
 ) -> Res<()> {
     let device = device_name(platform);
@@ -254,11 +271,40 @@ fn print_and_write(
         }));
     }
     println!("ratio: GB/s over the same device's copy (the peer copy for GPU 0 -> GPU 1); graph: eager time over replayed time");
+    println!();
+    println!(
+        "shmem by message size: {} next to {} (GB/s: message bytes / time)",
+        sweep.put, sweep.reference
+    );
+    println!(
+        "{:>10} {:>11} {:>9} {:>11} {:>9} {:>9}",
+        "bytes", "put us", "GB/s", "copy us", "GB/s", "ratio"
+    );
+    let rate = |bytes: u64, ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
+    let mut points = Vec::new();
+    for pt in &sweep.points {
+        let (put, copy) = (rate(pt.bytes, pt.put_ms), rate(pt.bytes, pt.reference_ms));
+        println!(
+            "{:>10} {:>11.1} {:>9.1} {:>11.1} {:>9.1} {:>9.3}",
+            size_name(pt.bytes),
+            pt.put_ms * 1e3,
+            put,
+            pt.reference_ms * 1e3,
+            copy,
+            put / copy
+        );
+        points.push(json!({
+            "bytes": pt.bytes, "put_us": pt.put_ms * 1e3, "put_gb_per_s": put,
+            "reference_us": pt.reference_ms * 1e3, "reference_gb_per_s": copy,
+            "ratio": put / copy,
+        }));
+    }
     if let Some(json) = json {
         let doc = json!({
             "platform": platform.name(), "device": device,
             "tokens": p.tokens, "hidden": p.hidden, "experts": p.experts, "topk": p.topk,
             "rows": out,
+            "shmem_sizes": {"put": sweep.put, "reference": sweep.reference, "points": points},
         });
         // Host has one device, however many PEs share it.
         let devices: Vec<Device> = match platform {
@@ -268,4 +314,16 @@ fn print_and_write(
         json.write("bench", &devices, doc)?;
     }
     Ok(())
+}
+
+/// `4 KiB`, `16 MiB`: a power-of-two byte count in the largest whole unit.
+pub(crate) fn size_name(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024 && value % 1024 == 0 && unit + 1 < units.len() {
+        value /= 1024;
+        unit += 1;
+    }
+    format!("{value} {}", units[unit])
 }

@@ -19,7 +19,7 @@ use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::OpConfig;
 use xcall_warpspec::OpCall;
 
-use super::{medians, FirstError, Problem, Row};
+use super::{medians, FirstError, Problem, Row, Sweep, SweepPoint};
 use crate::layer::{Context, Dims, Layer, Res};
 
 /// Symmetric buffers of the set.
@@ -174,8 +174,14 @@ impl Set {
 
     /// A put of the permuted tensor to `dest` on PE `pe`.
     fn put(&self, dest: u64, pe: usize) -> Res<()> {
-        let bytes = self.tensor_bytes() as usize;
-        // SAFETY: `perm` holds the tensor's bytes.
+        self.put_bytes(dest, pe, self.tensor_bytes() as usize)
+    }
+
+    /// A put of the permuted tensor's first `bytes` bytes to `dest` on PE
+    /// `pe` (at most the tensor's bytes: the heap objects are that large).
+    fn put_bytes(&self, dest: u64, pe: usize, bytes: usize) -> Res<()> {
+        debug_assert!(bytes as u64 <= self.tensor_bytes());
+        // SAFETY: `perm` holds the tensor's bytes, `bytes` at most that.
         (unsafe {
             self.world
                 .borrow_mut()
@@ -198,10 +204,11 @@ impl Set {
 }
 
 /// The stages of [`measure`], as the progress bar names them.
-pub(super) const STAGES: [&str; 4] = [
+pub(super) const STAGES: [&str; 5] = [
     "warm-up (compiling kernels, autotuning)",
     "figures on one device",
     "figures between devices",
+    "shmem put by message size",
     "graph cache figures",
 ];
 
@@ -211,7 +218,7 @@ pub(super) fn measure(
     p: Problem,
     rounds: usize,
     bar: &ProgressBar,
-) -> Res<Vec<Row>> {
+) -> Res<(Vec<Row>, Sweep)> {
     bar.set_message(STAGES[0]);
     let mut world = World::new();
     world.init(config).context("shmem init")?;
@@ -254,6 +261,9 @@ pub(super) fn measure(
     }
     bar.inc(1);
     bar.set_message(STAGES[3]);
+    let sizes = size_sweep(&set, peer_dst, rounds)?;
+    bar.inc(1);
+    bar.set_message(STAGES[4]);
     if let Some((c, s)) = &set.gpu {
         rows.extend(graph_rows(c, s, &set.target, &set.b, p, rounds)?);
     }
@@ -261,7 +271,93 @@ pub(super) fn measure(
     let mut world = set.world.into_inner();
     world.barrier_all().context("shmem barrier")?;
     world.finalize().context("shmem finalize")?;
-    Ok(rows)
+    Ok((rows, sizes))
+}
+
+/// The put sizes of the sweep: 4 KiB, then 4x each step, up to the
+/// permuted tensor's bytes (the heap objects' size).
+fn sweep_sizes(max: u64) -> Vec<u64> {
+    std::iter::successors(Some(4096u64), |&b| Some(b * 4))
+        .take_while(|&b| b <= max)
+        .collect()
+}
+
+/// `xcall_shmem` puts of growing size next to the plain copy between the
+/// same two addresses, interleaved size by size: to PE 1 when there is
+/// one (CUDA: cuMemcpyPeerAsync; Host: a memcpy into PE 1's heap), to
+/// this PE's own heap otherwise (cuMemcpyDtoDAsync).
+fn size_sweep(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Sweep> {
+    let (pe, dest) = match peer_dst {
+        Some(remote) => (1, remote),
+        None => (0, set.b.dst),
+    };
+    let to = set
+        .world
+        .borrow()
+        .ptr(pe, dest)
+        .ok_or("no address of the put's target")?;
+    let src = set.b.perm;
+    let stream = set.stream();
+    let contexts = match (set.platform, pe) {
+        (Platform::Cuda, 1) => Some((
+            CudaContext::new(0).context("CUDA context")?,
+            CudaContext::new(1).context("CUDA context")?,
+        )),
+        _ => None,
+    };
+    let (put, reference) = match (set.platform, pe) {
+        (Platform::Cuda, 1) => ("put GPU 0 -> GPU 1", "cuMemcpyPeerAsync GPU 0 -> GPU 1"),
+        (Platform::Cuda, _) => ("put to its own heap", "cuMemcpyDtoDAsync on GPU 0"),
+        (Platform::Host, 1) => ("put to PE 1's heap", "memcpy into PE 1's heap"),
+        (Platform::Host, _) => ("put to its own heap", "memcpy into its own heap"),
+    };
+    let mut points = Vec::new();
+    for bytes in sweep_sizes(set.tensor_bytes()) {
+        let n = bytes as usize;
+        let failure = FirstError::default();
+        let keep = |r| failure.keep(r);
+        let copy = || -> Res<()> {
+            match (set.platform, &contexts) {
+                // SAFETY: distinct heap objects of at least `n` bytes, this
+                // PE's and (mapped here) PE `pe`'s.
+                (Platform::Host, _) => unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, to as *mut u8, n);
+                    Ok(())
+                },
+                // SAFETY: live allocations of both contexts, `n` bytes long,
+                // ordered on the set's stream.
+                (Platform::Cuda, Some((c0, c1))) => unsafe {
+                    sys::cuMemcpyPeerAsync(to, c1.cu_ctx(), src, c0.cu_ctx(), n, stream.cast())
+                }
+                .result()
+                .context("cuMemcpyPeerAsync"),
+                (Platform::Cuda, None) => {
+                    // SAFETY: distinct heap objects of this PE's device, `n`
+                    // bytes long, ordered on the set's stream.
+                    unsafe { sys::cuMemcpyDtoDAsync_v2(to, src, n, stream.cast()) }
+                        .result()
+                        .context("cuMemcpyDtoDAsync")
+                }
+            }
+        };
+        let mut pair: Vec<Box<dyn FnMut() + '_>> = vec![
+            Box::new(|| keep(copy())),
+            Box::new(|| keep(set.put_bytes(dest, pe, n))),
+        ];
+        let ms = medians(set.gpu.as_ref(), rounds, &mut pair);
+        drop(pair);
+        failure.check()?;
+        points.push(SweepPoint {
+            bytes,
+            reference_ms: ms[0],
+            put_ms: ms[1],
+        });
+    }
+    Ok(Sweep {
+        put,
+        reference,
+        points,
+    })
 }
 
 /// Every op on this PE's device next to a copy of the permuted tensor (and

@@ -1,0 +1,78 @@
+//! The graph cache's log lines on the simulated backend. Its own test
+//! binary: no other test reaches the cache's event sites while a capture
+//! is set up (see `xcall_core::log::capture`).
+
+#[path = "common/sim.rs"]
+mod sim;
+
+use sim::{cache, key, run, run_ops, stream};
+use xcall_graph::sim::SimOp;
+use xcall_graph::{Config, Device};
+
+#[test]
+fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
+    use xcall_core::log::{capture, LogLevel};
+    let c = cache(Config {
+        retry_after: 1,
+        max_nodes: Some(3),
+        ..Config::default()
+    });
+    let (s, a, b) = (stream(0), key(0, 0x51, &[0x100]), key(0, 0x51, &[0x200]));
+    let calls = || {
+        run(&c, &a, s, 1); // captured
+        run(&c, &a, s, 1); // replayed
+        run(&c, &b, s, 1); // updated
+        run(&c, &key(0, 0x52, &[1, 2, 3, 4]), s, 1); // too many nodes to keep
+        run_ops(&c, &key(0, 0x53, &[0x300]), s, &[SimOp::Uncapturable]);
+        run_ops(&c, &key(0, 0x54, &[0x400]), s, &[SimOp::FailsInstantiate]);
+        c.backend().begin_caller_capture(s);
+        run(&c, &key(0, 0x55, &[0x500]), s, 1);
+        c.backend().end_caller_capture(s);
+        c.invalidate_range(Device::cuda(0), 0x200, 8).unwrap();
+    };
+    let ((), lines) = capture("xcall_graph=trace", calls);
+    let got: Vec<(LogLevel, &str)> = lines.iter().map(|l| (l.level, l.text.as_str())).collect();
+    let fields =
+        |id: &str, n: usize| format!("device=cuda:0 target_id={id} attributes=0xa77 buffers={n}");
+    let expected = [
+        (LogLevel::Debug, format!("captured nodes=1 {}", fields("0x51", 1))),
+        (LogLevel::Trace, format!("replayed {}", fields("0x51", 1))),
+        (LogLevel::Debug, format!("updated nodes=1 {}", fields("0x51", 1))),
+        (
+            LogLevel::Debug,
+            format!("captured nodes=4 not_cached=over_max_nodes {}", fields("0x52", 4)),
+        ),
+        (
+            LogLevel::Debug,
+            format!("eager_fallback why=capture_failed failed_at=end_capture {}", fields("0x53", 1)),
+        ),
+        (
+            LogLevel::Debug,
+            format!(
+                "eager_fallback why=capture_failed failed_at=instantiate nodes=1 {}",
+                fields("0x54", 1)
+            ),
+        ),
+        (
+            LogLevel::Debug,
+            format!("eager_fallback why=caller_capturing {}", fields("0x55", 1)),
+        ),
+        (
+            LogLevel::Debug,
+            "range invalidated device=cuda:0 address=0x200 bytes=8 evicted=1 captures_invalidated=0"
+                .to_string(),
+        ),
+    ];
+    let expected: Vec<(LogLevel, &str)> = expected.iter().map(|(l, t)| (*l, t.as_str())).collect();
+    assert_eq!(got, expected);
+    assert!(lines.iter().all(|l| l.target == "xcall_graph::cache"));
+
+    // At debug the replay (a hot path) is not logged, the rest is.
+    let c = cache(Config::default());
+    let ((), lines) = capture("xcall_graph=debug", || {
+        run(&c, &a, s, 1);
+        run(&c, &a, s, 1);
+    });
+    let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
+    assert_eq!(texts, [format!("captured nodes=1 {}", fields("0x51", 1))]);
+}
