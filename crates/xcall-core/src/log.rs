@@ -254,14 +254,32 @@ pub struct Line {
 /// on lines should still run where no other thread reaches the same
 /// sites meanwhile (its own test binary, or tests serialised by a lock).
 pub fn capture<R>(filter: &str, f: impl FnOnce() -> R) -> (R, Vec<Line>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let sink = lines.clone();
+    let r = capture_with(
+        filter,
+        move |line| sink.lock().unwrap_or_else(|p| p.into_inner()).push(line),
+        f,
+    );
+    let lines = std::mem::take(&mut *lines.lock().unwrap_or_else(|p| p.into_inner()));
+    (r, lines)
+}
+
+/// [`capture`], handing each line to `on_line` as it is logged (on the
+/// logging thread, at the event site) instead of collecting them.
+pub fn capture_with<R>(
+    filter: &str,
+    on_line: impl Fn(Line) + Send + Sync + 'static,
+    f: impl FnOnce() -> R,
+) -> R {
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    struct Collect(Arc<Mutex<Vec<Line>>>);
-    impl<S: Subscriber> Layer<S> for Collect {
+    struct Hand(Box<dyn Fn(Line) + Send + Sync>);
+    impl<S: Subscriber> Layer<S> for Hand {
         fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
             let mut text = Text(String::new());
             event.record(&mut text);
             let meta = event.metadata();
-            self.0.lock().unwrap_or_else(|p| p.into_inner()).push(Line {
+            (self.0)(Line {
                 level: LogLevel::of(meta.level()),
                 target: meta.target().to_string(),
                 text: text.0,
@@ -269,17 +287,14 @@ pub fn capture<R>(filter: &str, f: impl FnOnce() -> R) -> (R, Vec<Line>) {
         }
     }
     let filter = parse(filter).unwrap_or_else(|e| panic!("{e}"));
-    let lines = Arc::new(Mutex::new(Vec::new()));
     let subscriber = Registry::default()
         .with(filter)
-        .with(Collect(lines.clone()));
+        .with(Hand(Box::new(on_line)));
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let r = tracing::subscriber::with_default(subscriber, || {
+    tracing::subscriber::with_default(subscriber, || {
         tracing::callsite::rebuild_interest_cache();
         f()
-    });
-    let lines = std::mem::take(&mut *lines.lock().unwrap_or_else(|p| p.into_inner()));
-    (r, lines)
+    })
 }
 
 /// Formats an event's fields: the message first, then `name=value`.

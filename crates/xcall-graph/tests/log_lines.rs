@@ -76,3 +76,44 @@ fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
     let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
     assert_eq!(texts, [format!("captured nodes=1 {}", fields("0x51", 1))]);
 }
+
+#[test]
+fn lines_are_logged_after_the_device_lock_is_released() {
+    // Each line, as it is logged, needs the same device's shard from
+    // another thread: a line logged under the shard lock stalls it and
+    // the watchdog fails the test.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+    use xcall_core::testing::{watchdog, within};
+    let c = Arc::new(cache(Config {
+        retry_after: 1,
+        max_nodes: Some(3),
+        ..Config::default()
+    }));
+    let lines = Arc::new(AtomicUsize::new(0));
+    let (on_line_cache, counted) = (c.clone(), lines.clone());
+    let on_line = move |_line| {
+        let other = on_line_cache.clone();
+        within(
+            "stats() of the same device while a line is logged",
+            Duration::from_secs(10),
+            move || other.stats(Device::cuda(0)),
+        );
+        counted.fetch_add(1, Ordering::SeqCst);
+    };
+    within("calls that log", watchdog(), move || {
+        xcall_core::log::capture_with("xcall_graph=trace", on_line, || {
+            let s = stream(0);
+            let (a, b) = (key(0, 0x51, &[0x100]), key(0, 0x51, &[0x200]));
+            run(&c, &a, s, 1); // captured
+            run(&c, &a, s, 1); // replayed
+            run(&c, &b, s, 1); // updated
+            run(&c, &key(0, 0x52, &[1, 2, 3, 4]), s, 1); // not kept
+            run_ops(&c, &key(0, 0x53, &[0x300]), s, &[SimOp::Uncapturable]);
+            run_ops(&c, &key(0, 0x54, &[0x400]), s, &[SimOp::FailsInstantiate]);
+            c.invalidate_range(Device::cuda(0), 0x200, 8).unwrap();
+        })
+    });
+    assert_eq!(lines.load(Ordering::SeqCst), 7);
+}
