@@ -247,12 +247,13 @@ pub struct Line {
 /// logged on this thread. For tests: the global subscriber, if any, does
 /// not see these events. Panics on a filter that does not parse.
 ///
-/// Captures run one at a time. tracing caches, per event site, whether
-/// any subscriber wants it; a site another thread reaches first while a
-/// capture's subscriber is being set up can keep a stale "no". The cache
-/// is rebuilt once the subscriber is in place, but a test that asserts
-/// on lines should still run where no other thread reaches the same
-/// sites meanwhile (its own test binary, or tests serialised by a lock).
+/// Several threads may capture at once (each PE thread of a world, for
+/// example). tracing caches, per event site, whether any subscriber
+/// wants it; a site another thread reaches first while a capture's
+/// subscriber is being set up can keep a stale "no". The cache is
+/// rebuilt once the subscriber is in place, but a test that asserts on
+/// lines should still run where no other thread reaches the same sites
+/// meanwhile (its own test binary, or tests serialised by a lock).
 pub fn capture<R>(filter: &str, f: impl FnOnce() -> R) -> (R, Vec<Line>) {
     let lines = Arc::new(Mutex::new(Vec::new()));
     let sink = lines.clone();
@@ -272,7 +273,6 @@ pub fn capture_with<R>(
     on_line: impl Fn(Line) + Send + Sync + 'static,
     f: impl FnOnce() -> R,
 ) -> R {
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     struct Hand(Box<dyn Fn(Line) + Send + Sync>);
     impl<S: Subscriber> Layer<S> for Hand {
         fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
@@ -290,7 +290,6 @@ pub fn capture_with<R>(
     let subscriber = Registry::default()
         .with(filter)
         .with(Hand(Box::new(on_line)));
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     tracing::subscriber::with_default(subscriber, || {
         tracing::callsite::rebuild_interest_cache();
         f()

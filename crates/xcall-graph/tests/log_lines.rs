@@ -9,8 +9,17 @@ use sim::{cache, key, run, run_ops, stream};
 use xcall_graph::sim::SimOp;
 use xcall_graph::{Config, Device};
 
+/// The tests of this file reach the same event sites: they run one at a
+/// time, so no site is first reached while another test's capture is
+/// being set up.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[test]
 fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
+    let _s = serial();
     use xcall_core::log::{capture, LogLevel};
     let c = cache(Config {
         retry_after: 1,
@@ -86,6 +95,7 @@ fn lines_are_logged_after_the_device_lock_is_released() {
     use std::sync::Arc;
     use std::time::Duration;
     use xcall_core::testing::{watchdog, within};
+    let _s = serial();
     let c = Arc::new(cache(Config {
         retry_after: 1,
         max_nodes: Some(3),
