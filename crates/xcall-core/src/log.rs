@@ -427,6 +427,14 @@ mod tests {
     }
 
     #[test]
+    fn the_library_reports_a_bad_xcall_log_without_the_status_prefix() {
+        let e = Error::InvalidArgument("XCALL_LOG: log filter \"x=y\": bad".into());
+        assert_eq!(bare(&e), "XCALL_LOG: log filter \"x=y\": bad");
+        let other = Error::Unsupported("another subscriber".into());
+        assert_eq!(bare(&other), "unsupported: another subscriber");
+    }
+
+    #[test]
     fn an_invalid_filter_is_refused_by_name() {
         let e = parse("xcall_graph=loud").unwrap_err();
         assert!(e.starts_with(r#"log filter "xcall_graph=loud": "#), "{e}");
