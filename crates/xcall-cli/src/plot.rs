@@ -41,7 +41,9 @@ type Chart = (String, String);
 
 const WIDTH: u32 = 900;
 const BAR: u32 = 26;
-const BLUE_: RGBColor = RGBColor(52, 101, 164);
+/// The most bars one chart draws (a report with more is refused).
+const MAX_BARS: usize = 400;
+const BAR_BLUE: RGBColor = RGBColor(52, 101, 164);
 const ORANGE: RGBColor = RGBColor(230, 128, 40);
 const GREY: RGBColor = RGBColor(120, 120, 120);
 
@@ -169,8 +171,14 @@ impl Bars<'_> {
         if n == 0 {
             return Err("nothing to draw".into());
         }
+        if n > MAX_BARS {
+            return Err(format!(
+                "{n} bars are more than one chart shows ({MAX_BARS})"
+            ));
+        }
+        // Both bounded: labels by the half width, bars by MAX_BARS.
         let longest = self.entries.iter().map(|e| e.0.len()).max().unwrap_or(0);
-        let label_width = (longest as u32 * 7 + 16).min(WIDTH / 2);
+        let label_width = (longest.min(WIDTH as usize) as u32 * 7 + 16).min(WIDTH / 2);
         let height = (90 + BAR * n as u32).max(200);
         let top = self
             .entries
@@ -296,7 +304,7 @@ fn bench_charts(stem: &str, doc: &Value) -> Result<Vec<Chart>, String> {
         axis: "GB/s over the copy's GB/s (graph: eager time over replayed time)",
         entries,
         rule: Some(1.0),
-        colour: &|_| BLUE_,
+        colour: &|_| BAR_BLUE,
         digits: 3,
     }
     .draw()?;
@@ -418,7 +426,7 @@ fn moe_phases(stem: &str, doc: &Value) -> Result<Chart, String> {
         },
         entries,
         rule: None,
-        colour: &|k| if k == 0 { ORANGE } else { BLUE_ },
+        colour: &|k| if k == 0 { ORANGE } else { BAR_BLUE },
         digits: 3,
     }
     .draw()?;
@@ -448,7 +456,7 @@ fn moe_steps(steps: &[(String, f64, f64)]) -> Result<Chart, String> {
         axis: "ms (black tick: the slowest step)",
         entries,
         rule: None,
-        colour: &|_| BLUE_,
+        colour: &|_| BAR_BLUE,
         digits: 3,
     }
     .draw()?;

@@ -216,6 +216,12 @@ fn reports_it_cannot_draw_are_refused_by_name_and_nothing_is_written() {
     let not_json = tmp("not-json", "{ nope");
     let future = tmp("future", r#"{"schema_version": 2, "command": "bench"}"#);
     let no_rows = tmp("no-rows", r#"{"schema_version": 1, "command": "bench"}"#);
+    let row = r#"{"crate": "permute", "item": "p", "ratio": 1.0, "reference": "copy"}"#;
+    let rows = vec![row; 401].join(",");
+    let too_many = tmp(
+        "too-many",
+        &format!(r#"{{"schema_version": 1, "command": "bench", "rows": [{rows}]}}"#),
+    );
     let missing = std::env::temp_dir().join("xcall-plot-no-such-report.json");
     for (path, want) in [
         (
@@ -227,6 +233,10 @@ fn reports_it_cannot_draw_are_refused_by_name_and_nothing_is_written() {
         (
             &no_rows,
             "field \"rows\" is missing or not an array".to_string(),
+        ),
+        (
+            &too_many,
+            "401 bars are more than one chart shows (400)".to_string(),
         ),
         (&missing, "No such file".to_string()),
     ] {
@@ -246,7 +256,7 @@ fn reports_it_cannot_draw_are_refused_by_name_and_nothing_is_written() {
     }
     let (code, _, stderr) = xcall_out(&["plot", "--out", dir.to_str().unwrap()]);
     assert_eq!(code, Some(2), "{stderr}");
-    for p in [doctor, not_json, future, no_rows] {
+    for p in [doctor, not_json, future, no_rows, too_many] {
         std::fs::remove_file(p).unwrap();
     }
 }
