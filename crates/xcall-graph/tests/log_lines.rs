@@ -5,9 +5,9 @@
 #[path = "common/sim.rs"]
 mod sim;
 
-use sim::{cache, key, run, run_ops, stream};
+use sim::{add, cache, key, run, run_ops, stream};
 use xcall_graph::sim::SimOp;
-use xcall_graph::{Config, Device};
+use xcall_graph::{Call, Config, Device};
 
 /// The tests of this file reach the same event sites: they run one at a
 /// time, so no site is first reached while another test's capture is
@@ -37,7 +37,17 @@ fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
         c.backend().begin_caller_capture(s);
         run(&c, &key(0, 0x55, &[0x500]), s, 1);
         c.backend().end_caller_capture(s);
-        c.invalidate_range(Device::cuda(0), 0x200, 8).unwrap();
+        run(&c, &key(0, 0x56, &[0x600, 0x700, 0x800]), s, 1); // evicts b
+        c.invalidate_range(Device::cuda(0), 0x200, 8).unwrap(); // nothing there: no line
+                                                                // A range freed while its call is being captured.
+        let k = key(0, 0x57, &[0x900]);
+        c.execute(&Call::new(k, Some(s)), |stream| {
+            c.invalidate_range(Device::cuda(0), 0x900, 8).unwrap();
+            c.backend().enqueue(stream.unwrap(), add(0x900, 1));
+            Ok::<(), std::io::Error>(())
+        })
+        .unwrap();
+        c.invalidate_range(Device::cuda(0), 0x600, 8).unwrap();
     };
     let ((), lines) = capture("xcall_graph=trace", calls);
     let got: Vec<(LogLevel, &str)> = lines.iter().map(|l| (l.level, l.text.as_str())).collect();
@@ -68,7 +78,23 @@ fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
         ),
         (
             LogLevel::Debug,
-            "range invalidated device=cuda:0 address=0x200 bytes=8 evicted=1 captures_invalidated=0"
+            format!("captured nodes=3 evicted=1 {}", fields("0x56", 3)),
+        ),
+        (
+            LogLevel::Debug,
+            "range invalidated device=cuda:0 address=0x900 bytes=8 evicted=0 captures_invalidated=1"
+                .to_string(),
+        ),
+        (
+            LogLevel::Debug,
+            format!(
+                "captured nodes=1 not_cached=invalidated_during_capture {}",
+                fields("0x57", 1)
+            ),
+        ),
+        (
+            LogLevel::Debug,
+            "range invalidated device=cuda:0 address=0x600 bytes=8 evicted=1 captures_invalidated=0"
                 .to_string(),
         ),
     ];
