@@ -122,12 +122,12 @@ fn parse(directives: &str) -> std::result::Result<EnvFilter, String> {
         .map_err(|e| format!("log filter {directives:?}: {e}"))
 }
 
-/// Installs the subscriber once, with `filter`; afterwards the filter and
-/// sink change through the reload handle.
+/// The installed subscriber; the first call installs it with `filter`
+/// (later calls leave the filter as it is: it changes through the reload
+/// handle).
 fn install(filter: EnvFilter) -> Result<&'static Installed> {
-    let mut filter = Some(filter);
     let installed = INSTALLED.get_or_init(|| {
-        let (layer, handle) = reload::Layer::new(filter.take().expect("first use"));
+        let (layer, handle) = reload::Layer::new(filter);
         let subscriber = Registry::default().with(layer).with(SinkLayer);
         tracing::subscriber::set_global_default(subscriber)
             .map(|()| Installed {
@@ -140,13 +140,9 @@ fn install(filter: EnvFilter) -> Result<&'static Installed> {
                     .to_string()
             })
     });
-    let installed = installed
+    installed
         .as_ref()
-        .map_err(|e| Error::Unsupported(e.clone()))?;
-    if let Some(filter) = filter {
-        set_filter(installed, filter)?;
-    }
-    Ok(installed)
+        .map_err(|e| Error::Unsupported(e.clone()))
 }
 
 fn set_filter(installed: &Installed, filter: EnvFilter) -> Result<()> {
@@ -216,12 +212,8 @@ pub fn configure(filter: Option<&str>, sink: Option<Sink>) -> Result<()> {
         None => None,
     };
     let _serial = CONFIGURE.lock().unwrap_or_else(|p| p.into_inner());
-    let installed = match INSTALLED.get() {
-        Some(installed) => installed
-            .as_ref()
-            .map_err(|e| Error::Unsupported(e.clone()))?,
-        None => install(filter.clone().unwrap_or_else(|| EnvFilter::new("off")))?,
-    };
+    // Installed here (off until the filter below) when XCALL_LOG was not.
+    let installed = install(EnvFilter::new("off"))?;
     if let Some(filter) = filter {
         set_filter(installed, filter)?;
     }
