@@ -110,17 +110,15 @@ impl Live {
                 "init: {what}"
             )
         };
-        let joined: Result<Box<dyn Bootstrap>> = match &c.bootstrap {
-            BootstrapKind::InProcess { group } => InProcess::join(group, c.rank, c.size, c.timeout)
-                .map(|b| Box::new(b) as Box<dyn Bootstrap>),
+        // A failure here is logged by World::init, like every init failure.
+        let joined: Box<dyn Bootstrap> = match &c.bootstrap {
+            BootstrapKind::InProcess { group } => {
+                Box::new(InProcess::join(group, c.rank, c.size, c.timeout)?)
+            }
             BootstrapKind::UnixSocket { path } => {
-                UnixSocket::connect(path, c.rank, c.size, c.timeout)
-                    .map(|b| Box::new(b) as Box<dyn Bootstrap>)
+                Box::new(UnixSocket::connect(path, c.rank, c.size, c.timeout)?)
             }
         };
-        let joined = joined.inspect_err(|e| {
-            tracing::warn!(bootstrap = name.as_str(), rank = c.rank, size = c.size, error = %e, "init: bootstrap join failed");
-        })?;
         let mut boot: Box<dyn Bootstrap> = Box::new(Logged::new(joined, name.clone()));
         step("bootstrap joined");
 
