@@ -154,19 +154,30 @@ impl Set {
 
     /// The reference: a copy of the permuted tensor on the same device.
     fn copy(&self) -> Res<()> {
-        let (dst, src, bytes) = (self.b.dst, self.b.perm, self.tensor_bytes());
+        // SAFETY: `dst` is a heap buffer of the tensor's bytes, apart from
+        // `perm`.
+        unsafe { self.copy_to(self.b.dst, self.tensor_bytes() as usize) }
+    }
+
+    /// A plain copy of the permuted tensor's first `bytes` bytes to `dst`
+    /// on this PE's device (Host: memcpy; CUDA: cuMemcpyDtoDAsync on the
+    /// set's stream).
+    ///
+    /// # Safety
+    /// `dst` holds `bytes` bytes that this PE may write, apart from `perm`,
+    /// and `bytes` is at most the tensor's.
+    unsafe fn copy_to(&self, dst: u64, bytes: usize) -> Res<()> {
+        let src = self.b.perm;
         match self.platform {
-            // SAFETY: distinct heap buffers of at least `bytes` bytes.
+            // SAFETY: the caller's contract; `perm` holds the tensor.
             Platform::Host => unsafe {
-                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes as usize);
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes);
                 Ok(())
             },
             Platform::Cuda => {
                 // SAFETY: as above, device memory ordered on the stream.
-                (unsafe {
-                    sys::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, self.stream().cast())
-                }
-                .result())
+                (unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream().cast()) }
+                    .result())
                 .context("cuMemcpyDtoDAsync")
             }
         }
@@ -317,27 +328,17 @@ fn size_sweep(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Sweep> {
         let failure = FirstError::default();
         let keep = |r| failure.keep(r);
         let copy = || -> Res<()> {
-            match (set.platform, &contexts) {
-                // SAFETY: distinct heap objects of at least `n` bytes, this
-                // PE's and (mapped here) PE `pe`'s.
-                (Platform::Host, _) => unsafe {
-                    std::ptr::copy_nonoverlapping(src as *const u8, to as *mut u8, n);
-                    Ok(())
-                },
+            match &contexts {
                 // SAFETY: live allocations of both contexts, `n` bytes long,
                 // ordered on the set's stream.
-                (Platform::Cuda, Some((c0, c1))) => unsafe {
+                Some((c0, c1)) => unsafe {
                     sys::cuMemcpyPeerAsync(to, c1.cu_ctx(), src, c0.cu_ctx(), n, stream.cast())
                 }
                 .result()
                 .context("cuMemcpyPeerAsync"),
-                (Platform::Cuda, None) => {
-                    // SAFETY: distinct heap objects of this PE's device, `n`
-                    // bytes long, ordered on the set's stream.
-                    unsafe { sys::cuMemcpyDtoDAsync_v2(to, src, n, stream.cast()) }
-                        .result()
-                        .context("cuMemcpyDtoDAsync")
-                }
+                // SAFETY: `to` is a heap object of at least `n` bytes apart
+                // from `perm`, this PE's or (Host) PE 1's mapped here.
+                None => unsafe { set.copy_to(to, n) },
             }
         };
         let mut pair: Vec<Box<dyn FnMut() + '_>> = vec![
