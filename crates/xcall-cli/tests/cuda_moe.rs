@@ -10,7 +10,8 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
     let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe") else {
         return;
     };
-    for (dtype, factor) in [("bf16", "1.25"), ("f32", "0.7")] {
+    // The f32 run checks every other step, its checks beside the GPU work.
+    for (dtype, factor, verify) in [("bf16", "1.25", "every"), ("f32", "0.7", "sample:2")] {
         let path = json_path(&format!("cuda-moe-{dtype}"));
         let steps = 5;
         let (out, stdout) = run(&[
@@ -31,6 +32,10 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
             factor,
             "--steps",
             &steps.to_string(),
+            "--verify",
+            verify,
+            "--progress-every",
+            "0s",
             "--json",
             path.to_str().unwrap(),
         ]);
@@ -40,8 +45,24 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
             String::from_utf8_lossy(&out.stderr)
         );
         println!("{stdout}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
         let j = read_json(&path);
         assert_eq!(j["verification"]["verdict"], "PASS", "{dtype}");
+        // 9 steps: the warm-up, 5 timed, 3 instrumented; sample:2 checks
+        // steps 0, 2, 4, 6 and 8.
+        let checked = if verify == "every" { 9 } else { 5 };
+        assert_eq!(j["verification"]["checked_steps"], checked, "{dtype}");
+        assert!(stderr.contains("xcall moe: 9/9 steps done"), "{stderr}");
+        let memory = &j["memory_bytes"];
+        assert_eq!(memory["kind"], "device_in_use");
+        // The layer's buffers at least: 4 x [E*C, H] per PE.
+        let buffers =
+            4 * 8 * j["capacity"].as_u64().unwrap() * 1024 * if dtype == "f32" { 4 } else { 2 };
+        assert!(
+            memory["after_warmup"].as_u64().unwrap() > buffers,
+            "{memory}"
+        );
+        assert!(memory["at_end"].as_u64().unwrap() > buffers, "{memory}");
         assert_eq!(j["pes"], gpus as u64);
         assert_eq!(
             j["outcomes"]["captured"], gpus as u64,

@@ -73,7 +73,98 @@ fn host_layer_matches_the_reference_and_reports_json() {
         phases[7]["bytes"],
         map + 300.0 * 8.0 * 4.0 + 600.0 * 128.0 + 300.0 * 128.0
     );
-    assert!(stdout.contains("4 PE(s) x 7 step(s)"), "{stdout}");
+    assert!(
+        stdout.contains("4 PE(s) x 7 of 7 step(s) (--verify every)"),
+        "{stdout}"
+    );
+    let v = &j["verification"];
+    assert_eq!(
+        (v["mode"].as_str(), v["checked_steps"].as_u64()),
+        (Some("every"), Some(7))
+    );
+    assert_eq!(v["total_steps"], 7);
+    assert!(v["check_s"].as_f64().unwrap() > 0.0 && v["draw_s"].as_f64().unwrap() > 0.0);
+    assert!(j["wall_s"].as_f64().unwrap() > 0.0);
+    let tenths = (
+        j["step_ms"]["first_tenth"].as_f64(),
+        j["step_ms"]["last_tenth"].as_f64(),
+    );
+    assert!(
+        matches!(tenths, (Some(a), Some(b)) if a > 0.0 && b > 0.0),
+        "{tenths:?}"
+    );
+    // Linux says how much memory the process holds.
+    assert_eq!(j["memory_bytes"]["kind"], "host_resident");
+    let after = j["memory_bytes"]["after_warmup"].as_u64().unwrap();
+    assert!(after > 1 << 20, "{after}");
+    assert!(stdout.contains("check cost"), "{stdout}");
+    assert!(stdout.contains("steady state"), "{stdout}");
+}
+
+#[test]
+fn verify_picks_the_checked_steps_and_progress_lines_go_to_stderr() {
+    // 10 timed steps: 14 in all with the warm-up and the 3 phase steps.
+    let moe = |verify: &str, name: &str| {
+        let path = json_path(name);
+        let (out, stdout) = run(&[
+            "moe",
+            "--tokens",
+            "120",
+            "--hidden",
+            "32",
+            "--steps",
+            "10",
+            "--capacity-factor",
+            "0.6",
+            "--verify",
+            verify,
+            "--progress-every",
+            "0s",
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(0), "{verify}: {stdout}\n{stderr}");
+        (read_json(&path), stdout, stderr)
+    };
+    for (verify, checked, verdict) in [
+        ("every", 14, "PASS"),
+        ("sample:3", 6, "PASS"),
+        ("first:2", 2, "PASS"),
+        ("off", 0, "OFF"),
+    ] {
+        let (j, stdout, stderr) = moe(verify, &format!("moe-verify-{}", verify.replace(':', "-")));
+        let v = &j["verification"];
+        assert_eq!(v["mode"], verify);
+        assert_eq!(v["checked_steps"], checked, "{verify}");
+        assert_eq!(v["verdict"], verdict, "{verify}");
+        assert!(
+            stdout.contains(&format!(
+                "4 PE(s) x {checked} of 14 step(s) (--verify {verify})"
+            )),
+            "{stdout}"
+        );
+        // Not a terminal: a line per step at --progress-every 0s.
+        for n in 1..=14 {
+            let line = format!("xcall moe: {n}/14 steps done (");
+            assert!(stderr.contains(&line), "{line}: {stderr}");
+        }
+        // The drops count the inputs every step ran on: an unchecked step
+        // runs again on the last drawn ones, so with one draw (off) each of
+        // the 14 steps drops what step 0's routing drops.
+        let dropped = j["dropped_routes"].as_u64().unwrap();
+        assert!(dropped > 0, "{verify}");
+        if verify == "off" {
+            assert_eq!(dropped % 14, 0, "{dropped}");
+        }
+    }
+    let (out, _) = run(&["moe", "--verify", "sample:0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("sample:0 checks nothing; say off"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -142,35 +142,74 @@ pub struct Check {
 /// Checks `y` (`[T, H]` in the layer's dtype) against
 /// `sum over kept routes e of probs[t, e] * silu(x[t]) * scale_e`, with a
 /// tolerance of the dtype's two roundings (expert output and result).
-pub fn check(shape: &Shape, inputs: &Inputs, y: &[u8]) -> Check {
-    let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
-    let x = decode(shape.dtype, &inputs.x);
-    let got = decode(shape.dtype, y);
+/// The tokens are split over up to `threads` threads.
+pub fn check(shape: &Shape, inputs: &Inputs, y: &[u8], threads: usize) -> Check {
+    let (t, e) = (shape.tokens, shape.experts);
     let kept = kept_routes(shape, &inputs.routing);
+    let dropped = (0..t * e)
+        .filter(|&i| inputs.routing[i] != 0 && !kept[i])
+        .count();
+    let chunk = t.div_ceil(threads.clamp(1, t.max(1)));
+    let parts: Vec<Check> = std::thread::scope(|scope| {
+        let kept = &kept;
+        let handles: Vec<_> = (0..t)
+            .step_by(chunk.max(1))
+            .map(|lo| {
+                let hi = (lo + chunk).min(t);
+                scope.spawn(move || check_tokens(shape, inputs, y, kept, lo..hi))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    // The parts are in token order: the first mismatch is the first part's.
+    parts.into_iter().fold(
+        Check {
+            dropped,
+            ..Check::default()
+        },
+        |mut c, part| {
+            c.mismatches += part.mismatches;
+            c.max_relative = c.max_relative.max(part.max_relative);
+            c.first = c.first.or(part.first);
+            c
+        },
+    )
+}
+
+/// [`check`] of the tokens `range`.
+fn check_tokens(
+    shape: &Shape,
+    inputs: &Inputs,
+    y: &[u8],
+    kept: &[bool],
+    range: std::ops::Range<usize>,
+) -> Check {
+    let (h, e) = (shape.hidden, shape.experts);
+    let row = shape.row_bytes();
     let rtol = match shape.dtype {
         DType::Bf16 => 1e-2,
         _ => 1e-5,
     };
-    let mut c = Check {
-        dropped: (0..t * e)
-            .filter(|&i| inputs.routing[i] != 0 && !kept[i])
-            .count(),
-        ..Check::default()
-    };
-    for tok in 0..t {
+    let mut c = Check::default();
+    for tok in range {
+        let x = decode(shape.dtype, &inputs.x[tok * row..(tok + 1) * row]);
+        let got = decode(shape.dtype, &y[tok * row..(tok + 1) * row]);
         let routes: Vec<(f64, f64)> = (0..e)
             .filter(|&x| kept[tok * e + x])
             .map(|x| (inputs.probs[tok * e + x] as f64, shape.scale(x) as f64))
             .collect();
         for j in 0..h {
-            let v = x[tok * h + j];
+            let v = x[j];
             let silu = v / (1.0 + (-v).exp());
             let (mut want, mut magnitude) = (0f64, 0f64);
             for &(p, s) in &routes {
                 want += p * silu * s;
                 magnitude += (p * silu * s).abs();
             }
-            let g = got[tok * h + j];
+            let g = got[j];
             let err = (g - want).abs();
             c.max_relative = c.max_relative.max(err / (magnitude + 1e-6));
             // A NaN (the poison of an unwritten output) is a mismatch too.
@@ -228,6 +267,25 @@ mod tests {
     }
 
     #[test]
+    fn the_check_is_the_same_on_any_number_of_threads() {
+        let s = shape(DType::Bf16, 64);
+        let inputs = draw(&s, 5, 2, 0);
+        let mut y = layer(&s, &inputs);
+        // Two bad elements, in tokens 50 and 5 (the first one reported).
+        let row = s.row_bytes();
+        for (tok, j) in [(50, 3), (5, 7)] {
+            let at = tok * row + 2 * j;
+            y[at..at + 2].copy_from_slice(&bf16::from_f32(1e3).to_le_bytes());
+        }
+        let one = check(&s, &inputs, &y, 1);
+        assert_eq!(one.mismatches, 2);
+        assert_eq!(one.first.map(|f| (f.0, f.1)), Some((5, 7)));
+        for threads in [0, 2, 3, 7, 64, 1000] {
+            assert_eq!(check(&s, &inputs, &y, threads), one, "{threads} threads");
+        }
+    }
+
+    #[test]
     fn draws_are_reproducible_top_k_and_normalised() {
         let s = shape(DType::F32, 64);
         let a = draw(&s, 7, 3, 1);
@@ -265,7 +323,7 @@ mod tests {
                 let s = shape(dtype, capacity);
                 let inputs = draw(&s, 11, 0, 1);
                 let y = layer(&s, &inputs);
-                let ok = check(&s, &inputs, &y);
+                let ok = check(&s, &inputs, &y, 3);
                 assert_eq!(ok.mismatches, 0, "{dtype} {capacity}: {ok:?}");
                 assert_eq!(ok.dropped > 0, capacity == 20);
                 // One element off by 5% (or 0.005 when tiny).
@@ -277,19 +335,22 @@ mod tests {
                     DType::Bf16 => bad[..2].copy_from_slice(&bf16::from_f64(v).to_le_bytes()),
                     _ => bad[..4].copy_from_slice(&(v as f32).to_le_bytes()),
                 }
-                assert_eq!(check(&s, &inputs, &bad).mismatches, 1, "{dtype}");
+                assert_eq!(check(&s, &inputs, &bad, 3).mismatches, 1, "{dtype}");
                 // Every route kept although the capacity drops some.
                 if capacity == 20 {
                     let all = Shape { capacity: 64, ..s };
                     let y = layer(&all, &inputs);
-                    assert!(check(&s, &inputs, &y).mismatches > 0);
+                    assert!(check(&s, &inputs, &y, 3).mismatches > 0);
                 }
                 // Never written (the NaN poison).
                 let poison = vec![0xffu8; y.len()];
-                assert_eq!(check(&s, &inputs, &poison).mismatches, s.tokens * s.hidden);
+                assert_eq!(
+                    check(&s, &inputs, &poison, 3).mismatches,
+                    s.tokens * s.hidden
+                );
                 // The outputs of another step.
                 let other = layer(&s, &draw(&s, 11, 1, 1));
-                assert!(check(&s, &inputs, &other).mismatches > s.tokens * s.hidden / 2);
+                assert!(check(&s, &inputs, &other, 3).mismatches > s.tokens * s.hidden / 2);
             }
         }
     }

@@ -4,9 +4,11 @@
 
 mod data;
 mod pe;
+mod verify;
 
 use std::path::PathBuf;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -15,9 +17,10 @@ use xcall_core::{DType, Device, Platform};
 use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Config as CacheConfig, GraphCache, Outcome, Stats};
 
+use data::Check;
 pub use data::Shape;
-use data::{check, draw, Check};
 use pe::{Pe, Waits, PHASES};
+use verify::{Checked, Checks, Job, Verify};
 
 use crate::report::{Failure, JsonOut};
 
@@ -73,6 +76,17 @@ pub struct MoeArgs {
     /// (`ceil(f * tokens * topk / experts)` rows, at most `tokens`).
     #[arg(long, default_value_t = 1.25, allow_negative_numbers = true)]
     capacity_factor: f64,
+    /// Which steps' outputs are checked against the f64 reference:
+    /// `every`, `first:N` (the warm-up step and the N - 1 after it),
+    /// `sample:K` (every K-th step and the last) or `off`. The checks run
+    /// on their own threads beside the PEs [default: every for up to 100
+    /// steps, else sample:K checking about 100 of them].
+    #[arg(long, value_parser = Verify::parse)]
+    verify: Option<Verify>,
+    /// Print a progress line to stderr this often when no progress bar is
+    /// drawn (stderr not a terminal, or log lines going there).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    progress_every: Duration,
     /// Also write the figures as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -90,6 +104,15 @@ struct Run {
     steps: usize,
     seed: u64,
     capacity_factor: f64,
+    verify: Verify,
+    progress_every: Duration,
+}
+
+impl Run {
+    /// Steps of the run: the warm-up, the timed and the instrumented ones.
+    fn total(&self) -> usize {
+        self.steps + 1 + PHASE_STEPS
+    }
 }
 
 /// The most Host PEs a run takes.
@@ -191,6 +214,8 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
         steps: a.steps,
         seed: a.seed,
         capacity_factor: f,
+        verify: a.verify.unwrap_or(Verify::default_for(a.steps)),
+        progress_every: a.progress_every,
     })
 }
 
@@ -206,9 +231,58 @@ struct PeLog {
     phases: Vec<Vec<f64>>,
     /// The median ms of a copy of the permuted tensor (CUDA).
     copy_ms: Option<f64>,
-    /// Per step (warm-up first, instrumented last): the check of the
-    /// output.
-    checks: Vec<Check>,
+    /// The checked steps' checks, in step order.
+    checks: Vec<Checked>,
+    /// Per step of the run: the routes its inputs lose to the capacity.
+    dropped: Vec<usize>,
+    /// Time the drawer thread spent drawing inputs.
+    draw_time: Duration,
+    /// Time the PE waited for room in its checker's queue.
+    queue_wait: Duration,
+    /// Memory in use after the warm-up step and after the last step.
+    memory: (Option<u64>, Option<u64>),
+}
+
+/// The progress of a run: the bar when one is drawn, else a line on
+/// stderr every `every`.
+struct Progress {
+    bar: ProgressBar,
+    every: Duration,
+    start: Instant,
+    last: Mutex<Instant>,
+    total: usize,
+}
+
+impl Progress {
+    /// Step `n` (0-based) of the run is done.
+    fn step(&self, n: usize, steps: usize) {
+        let what = match n {
+            0 => "warm-up",
+            n if n <= steps => "timed steps",
+            _ => "phase steps",
+        };
+        self.bar.set_message(what);
+        self.bar.inc(1);
+        if !self.bar.is_hidden() {
+            return;
+        }
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if last.elapsed() >= self.every {
+            *last = Instant::now();
+            eprintln!(
+                "xcall moe: {}/{} steps done ({what}), {:.1} s",
+                n + 1,
+                self.total,
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
+
+/// Threads each PE's checker splits one output's check over.
+fn check_threads(pes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / pes).max(1)
 }
 
 /// The bytes each phase must move through one PE's memory at the least
@@ -240,49 +314,108 @@ fn run_pe(
     rank: usize,
     group: &str,
     cache: &GraphCache<CudaGraphs>,
-    bar: &ProgressBar,
+    progress: &Progress,
 ) -> Result<PeLog, String> {
     let device = Device::new(run.platform, rank as u32);
     let mut pe = Pe::new(run.shape, run.heap, rank, device, group)?;
-    let mut log = PeLog::default();
-    for step in 0..=run.steps {
-        let inputs = draw(&run.shape, run.seed, step, rank);
-        pe.upload(&inputs)?;
-        pe.barrier()?;
-        if step == 0 {
-            // Warm-up: compiles and autotunes outside any capture; waits on
-            // the host so a failing PE times out instead of hanging.
-            pe.step(Waits::Host)?;
-        } else {
-            log.steps.push(pe.timed_step(cache)?);
-        }
-        let y = pe.download()?;
-        log.checks.push(check(&run.shape, &inputs, &y));
-        if rank == 0 {
-            if step == 0 {
-                bar.set_message("timed steps");
+    let threads = check_threads(run.shape.pes);
+    let mut log = match run.platform {
+        Platform::Host => {
+            let mut checks = Checks::Inline {
+                shape: run.shape,
+                seed: run.seed,
+                rank,
+                threads,
+                done: Vec::new(),
+            };
+            let log = pe_steps(run, &mut pe, cache, progress, &mut checks)?;
+            match checks {
+                Checks::Inline { done, .. } => PeLog {
+                    checks: done,
+                    ..log
+                },
+                Checks::Beside { .. } => log,
             }
-            bar.inc(1);
         }
-    }
-    if rank == 0 {
-        bar.set_message("phase steps");
-    }
-    for i in 0..PHASE_STEPS {
-        let inputs = draw(&run.shape, run.seed, run.steps + 1 + i, rank);
-        pe.upload(&inputs)?;
-        pe.barrier()?;
-        log.phases.push(pe.phase_step()?);
-        let y = pe.download()?;
-        log.checks.push(check(&run.shape, &inputs, &y));
-        if rank == 0 {
-            bar.inc(1);
+        Platform::Cuda => {
+            let drawn = run.verify.drawn(run.total());
+            let (inputs, draw_work) = verify::drawer(run.shape, run.seed, rank, drawn);
+            let (jobs, check_work) = verify::checker(run.shape, threads);
+            let spawned =
+                |name: &str| std::thread::Builder::new().name(format!("moe-{name}-{rank}"));
+            std::thread::scope(|scope| {
+                let drawer = spawned("draw")
+                    .spawn_scoped(scope, draw_work)
+                    .map_err(|e| format!("drawer thread: {e}"))?;
+                let checker = spawned("check")
+                    .spawn_scoped(scope, check_work)
+                    .map_err(|e| format!("checker thread: {e}"))?;
+                // Dropping `checks` closes both queues, however the steps end.
+                let mut checks = Checks::Beside { inputs, jobs };
+                let stepped = pe_steps(run, &mut pe, cache, progress, &mut checks);
+                drop(checks);
+                let drew = drawer.join();
+                let checks = checker.join().map_err(|_| "the checker thread panicked")?;
+                drew.map_err(|_| "the drawer thread panicked")?;
+                stepped.map(|log| PeLog { checks, ..log })
+            })?
         }
-    }
+    };
     pe.barrier()?;
     log.copy_ms = pe.copy_ms()?;
     pe.barrier()?;
     pe.finish()?;
+    Ok(log)
+}
+
+/// Every step of the run on `pe`: fresh inputs for the steps that get
+/// them, each checked output to `checks` (see [`verify`]).
+fn pe_steps(
+    run: &Run,
+    pe: &mut Pe,
+    cache: &GraphCache<CudaGraphs>,
+    progress: &Progress,
+    checks: &mut Checks,
+) -> Result<PeLog, String> {
+    let (total, rank) = (run.total(), pe.rank());
+    let mut log = PeLog::default();
+    let mut current = None;
+    let mut dropped = 0;
+    for n in 0..total {
+        let checked = run.verify.checks(n, total);
+        if n == 0 || checked {
+            let d = checks.inputs(n)?;
+            log.draw_time += d.took;
+            // The previous step may still run on the device.
+            pe.drain()?;
+            pe.upload(&d.inputs)?;
+            dropped = d.dropped;
+            current = Some(d.inputs);
+        }
+        pe.barrier()?;
+        if n == 0 {
+            // Warm-up: compiles and autotunes outside any capture; waits on
+            // the host so a failing PE times out instead of hanging.
+            pe.step(Waits::Host)?;
+            pe.drain()?;
+            log.memory.0 = pe.memory_in_use()?;
+        } else if n <= run.steps {
+            log.steps.push(pe.timed_step(cache)?);
+        } else {
+            log.phases.push(pe.phase_step()?);
+        }
+        log.dropped.push(dropped);
+        if checked {
+            let y = pe.download()?;
+            let inputs = current.clone().ok_or("a checked step without inputs")?;
+            log.queue_wait += checks.submit(Job { step: n, inputs, y })?;
+        }
+        if rank == 0 {
+            progress.step(n, run.steps);
+        }
+    }
+    pe.drain()?;
+    log.memory.1 = pe.memory_in_use()?;
     Ok(log)
 }
 
@@ -329,8 +462,8 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     let group = format!("xcall-moe-{}", std::process::id());
     // The warm-up step (kernel compilation and autotuning), the timed
     // steps and the instrumented ones; drawn on stderr when it is a
-    // terminal and no log lines go there, hidden otherwise.
-    let bar = crate::report::progress_bar((run.steps + 1 + PHASE_STEPS) as u64).with_style(
+    // terminal and no log lines go there, else a line every few seconds.
+    let bar = crate::report::progress_bar(run.total() as u64).with_style(
         ProgressStyle::with_template("moe {prefix}: {msg} [{bar:30}] {pos}/{len} steps {elapsed}")
             .expect("a valid template")
             .progress_chars("=> "),
@@ -338,18 +471,27 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     bar.set_prefix(format!("{} PE(s)", s.pes));
     bar.set_message("warm-up (compiling kernels)");
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let start = Instant::now();
+    let progress = Progress {
+        bar,
+        every: run.progress_every,
+        start,
+        last: Mutex::new(start),
+        total: run.total(),
+    };
     let logs: Vec<Mutex<Option<Result<PeLog, String>>>> =
         (0..s.pes).map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
         for (rank, slot) in logs.iter().enumerate() {
-            let (run, group, cache, bar) = (&run, &group, &cache, &bar);
+            let (run, group, cache, progress) = (&run, &group, &cache, &progress);
             scope.spawn(move || {
-                let r = run_pe(run, rank, group, cache, bar);
+                let r = run_pe(run, rank, group, cache, progress);
                 *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             });
         }
     });
-    bar.finish_and_clear();
+    progress.bar.finish_and_clear();
+    let wall = start.elapsed();
     let mut pes = Vec::with_capacity(s.pes);
     let mut errors = Vec::new();
     for (rank, slot) in logs.into_iter().enumerate() {
@@ -362,13 +504,30 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     if !errors.is_empty() {
         return Err(Failure::Runtime(errors.join("; ")));
     }
-    Ok(report(&run, &pes, &cache, json)?)
+    Ok(report(&run, &pes, &cache, wall, json)?)
+}
+
+/// The median of the first and of the last tenth of `times` (at least one
+/// value each), to show a drift over a long run.
+fn tenths(times: &[f64]) -> (f64, f64) {
+    let n = (times.len() / 10).max(1);
+    (
+        median(&mut times[..n].to_vec()),
+        median(&mut times[times.len() - n..].to_vec()),
+    )
+}
+
+fn mib(bytes: Option<u64>) -> String {
+    bytes.map_or("-".to_string(), |b| {
+        format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64)
+    })
 }
 
 fn report(
     run: &Run,
     pes: &[PeLog],
     cache: &GraphCache<CudaGraphs>,
+    wall: Duration,
     json: Option<JsonOut>,
 ) -> Result<bool, String> {
     let s = run.shape;
@@ -377,6 +536,7 @@ fn report(
         .map(|i| pes.iter().map(|p| p.steps[i].0).fold(0.0, f64::max))
         .collect();
     let first = times[0];
+    let (first_tenth, last_tenth) = tenths(&times);
     let (min, max) = (
         times.iter().copied().fold(f64::INFINITY, f64::min),
         times.iter().copied().fold(0.0, f64::max),
@@ -387,12 +547,22 @@ fn report(
     let between = 2.0 * slot * (s.pes * (s.pes - 1)) as f64;
     let all = 2.0 * slot * (s.pes * s.pes) as f64;
     let gbps = between / (med / 1e3) / 1e9;
-    let checks: Vec<&Check> = pes.iter().flat_map(|p| &p.checks).collect();
+    let checks: Vec<&Check> = pes
+        .iter()
+        .flat_map(|p| &p.checks)
+        .map(|c| &c.check)
+        .collect();
     let bad: usize = checks.iter().map(|c| c.mismatches).sum();
-    let dropped: usize = checks.iter().map(|c| c.dropped).sum();
-    let routes = (s.pes * s.tokens * s.topk * (run.steps + 1)) as f64;
-    let fill =
-        (routes - dropped as f64) / ((s.pes * s.experts * s.capacity * (run.steps + 1)) as f64);
+    let dropped: usize = pes.iter().flat_map(|p| &p.dropped).sum();
+    let total = run.total();
+    let routes = (s.pes * s.tokens * s.topk * total) as f64;
+    let fill = (routes - dropped as f64) / ((s.pes * s.experts * s.capacity * total) as f64);
+    let checked_steps = pes.first().map_or(0, |p| p.checks.len());
+    let check_time: Duration = pes.iter().flat_map(|p| &p.checks).map(|c| c.took).sum();
+    let draw_time: Duration = pes.iter().map(|p| p.draw_time).sum();
+    let queue_wait = pes.iter().map(|p| p.queue_wait).max().unwrap_or_default();
+    let memory = |f: fn(&PeLog) -> Option<u64>| pes.iter().filter_map(f).max();
+    let memory = (memory(|p| p.memory.0), memory(|p| p.memory.1));
     let max_rel = checks.iter().map(|c| c.max_relative).fold(0.0, f64::max);
     let devices: Vec<Device> = match run.platform {
         Platform::Host => vec![Device::HOST],
@@ -424,7 +594,11 @@ fn report(
     let bytes = phase_bytes(&s);
     let floors: Vec<Option<f64>> = bytes.iter().map(|b| copy_rate.map(|r| b / r)).collect();
     let step_floor = copy_rate.map(|r| bytes.iter().sum::<f64>() / r);
-    let verdict = if bad == 0 { "PASS" } else { "FAIL" };
+    let verdict = match (run.verify, bad) {
+        (Verify::Off, _) => "OFF",
+        (_, 0) => "PASS",
+        _ => "FAIL",
+    };
     let platform = run.platform.name();
     println!(
         "xcall moe: {platform}, {} PE(s){}, {} tokens/PE, hidden {}, {} experts ({} per PE), top-{}, {}",
@@ -441,8 +615,17 @@ fn report(
         "  capacity {} rows per expert per PE (factor {}), {} timed steps after 1 warm-up step",
         s.capacity, run.capacity_factor, run.steps
     );
+    let memory_kind = match run.platform {
+        Platform::Host => "process resident set",
+        Platform::Cuda => "device memory in use (most of any GPU)",
+    };
     println!();
     println!("  step time      median {med:.3} ms   min {min:.3} ms   max {max:.3} ms   (first timed step {first:.3} ms)");
+    println!(
+        "  steady state   median of the first tenth of timed steps {first_tenth:.3} ms, of the last tenth {last_tenth:.3} ms; {memory_kind} {} after the warm-up, {} at the end",
+        mib(memory.0),
+        mib(memory.1)
+    );
     println!("  tokens/s       {tokens_per_s:.0}");
     println!(
         "  exchange       {:.1} MB/step between PEs ({:.1} MB incl. each PE's own slots), {gbps:.2} GB/s at the median",
@@ -474,19 +657,30 @@ fn report(
         phase_ms.iter().sum::<f64>(),
         cell(step_floor)
     );
+    let per_check = check_time.as_secs_f64() * 1e3 / (checks.len().max(1) as f64);
     println!(
-        "  verification   {verdict}: {} PE(s) x {} step(s) against the f64 reference, {} mismatching element(s), max relative error {max_rel:.2e}",
-        s.pes,
-        run.steps + 1 + PHASE_STEPS,
-        bad
+        "  verification   {verdict}: {} PE(s) x {checked_steps} of {total} step(s) (--verify {}) against the f64 reference, {bad} mismatching element(s), max relative error {max_rel:.2e}",
+        s.pes, run.verify,
+    );
+    println!(
+        "  check cost     checks {:.2} s ({per_check:.1} ms per checked PE-step on {} thread(s)), draws {:.2} s, {}; the PEs waited {:.2} s for the checker queues; wall time {:.2} s",
+        check_time.as_secs_f64(),
+        check_threads(s.pes),
+        draw_time.as_secs_f64(),
+        match run.platform {
+            Platform::Host => "between the steps (outside their times)",
+            Platform::Cuda => "on threads beside the GPU work",
+        },
+        queue_wait.as_secs_f64(),
+        wall.as_secs_f64()
     );
     if bad > 0 {
         for (rank, p) in pes.iter().enumerate() {
-            for (step, c) in p.checks.iter().enumerate() {
-                if let Some((t, j, got, want)) = c.first {
+            for c in &p.checks {
+                if let Some((t, j, got, want)) = c.check.first {
                     println!(
-                        "    PE {rank} step {step}: {} mismatch(es), first at token {t} column {j}: {got} vs {want}",
-                        c.mismatches
+                        "    PE {rank} step {}: {} mismatch(es), first at token {t} column {j}: {got} vs {want}",
+                        c.step, c.check.mismatches
                     );
                 }
             }
@@ -498,7 +692,11 @@ fn report(
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
             "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
             "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
-            "step_ms": {"median": med, "min": min, "max": max, "first": first},
+            "step_ms": {"median": med, "min": min, "max": max, "first": first,
+                "first_tenth": first_tenth, "last_tenth": last_tenth},
+            "memory_bytes": {"kind": if run.platform == Platform::Host { "host_resident" } else { "device_in_use" },
+                "after_warmup": memory.0, "at_end": memory.1},
+            "wall_s": wall.as_secs_f64(),
             "tokens_per_s": tokens_per_s,
             "exchange_bytes_per_step": between, "exchange_bytes_incl_self": all,
             "exchange_gb_per_s": gbps,
@@ -514,7 +712,10 @@ fn report(
             "graph_cache": devices.iter()
                 .map(|d| (d.to_string(), stats_json(&cache.stats(*d))))
                 .collect::<serde_json::Map<_, _>>(),
-            "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel},
+            "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel,
+                "mode": run.verify.to_string(), "checked_steps": checked_steps, "total_steps": total,
+                "check_s": check_time.as_secs_f64(), "draw_s": draw_time.as_secs_f64(),
+                "wait_s": queue_wait.as_secs_f64()},
         });
         out.write("moe", &devices, doc)?;
     }

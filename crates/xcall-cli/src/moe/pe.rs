@@ -249,15 +249,42 @@ impl Pe {
 
     /// The PE's output `y` of the last step (after its stream drained).
     pub fn download(&mut self) -> Res<Vec<u8>> {
-        if let Some(g) = &self.gpu {
-            g.stream.synchronize().context("CUDA stream")?;
-        }
+        self.drain()?;
         let mut y = vec![0u8; self.shape.tokens * self.shape.row_bytes()];
         let me = self.rank;
         // SAFETY: `y` holds exactly the bytes read.
         unsafe { self.world.get(y.as_mut_ptr() as u64, self.b.y, y.len(), me) }
             .context("shmem get (download)")?;
         Ok(y)
+    }
+
+    /// This PE's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Waits until the PE's stream ran everything enqueued (nothing on
+    /// Host, whose steps run synchronously).
+    pub fn drain(&self) -> Res<()> {
+        match &self.gpu {
+            Some(g) => g.stream.synchronize().context("CUDA stream"),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes of memory in use: the device's (every context on it) on
+    /// CUDA, the process's resident set on Host; `None` where the system
+    /// does not say.
+    pub fn memory_in_use(&self) -> Res<Option<u64>> {
+        match &self.gpu {
+            Some(g) => {
+                g.ctx.bind_to_thread().context("CUDA context")?;
+                let (free, total) =
+                    cudarc::driver::result::mem_get_info().context("cuMemGetInfo")?;
+                Ok(Some(total.saturating_sub(free) as u64))
+            }
+            None => Ok(resident_bytes()),
+        }
     }
 
     /// Waits for every PE before the next step.
@@ -549,4 +576,13 @@ impl Pe {
         }
         Ok(())
     }
+}
+
+/// The process's resident set in bytes (Linux's `/proc/self/statm`).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(page).ok()?.checked_mul(pages)
 }

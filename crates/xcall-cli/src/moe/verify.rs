@@ -1,0 +1,391 @@
+//! Which steps' outputs `xcall moe` checks (`--verify`), and the threads
+//! that draw the inputs and check the outputs beside the PEs' GPU work.
+//!
+//! A run numbers its steps `0..total`: the warm-up step 0, the timed steps
+//! `1..=steps`, then the instrumented ones. A checked step gets fresh
+//! inputs, a poisoned output and, once it ran, a check of that output; an
+//! unchecked step runs again on the inputs already on the device, so it
+//! costs the host nothing. On CUDA the inputs are drawn ahead on the PE's
+//! drawer thread and the outputs checked on its checker thread, beside
+//! the GPU work; the queues between the threads are bounded, so a PE runs
+//! at most [`QUEUE`] checked steps ahead of its checker. On Host, where
+//! the PEs are the CPU's threads, both happen between the steps.
+
+use std::fmt;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::data::{check, draw, kept_routes, Check, Inputs, Shape};
+
+/// Checked steps a PE may run ahead of its checker (and inputs its drawer
+/// may draw ahead of the PE).
+pub const QUEUE: usize = 2;
+
+/// Timed steps up to which the default checks every step.
+pub const EVERY_UP_TO: usize = 100;
+
+/// Which steps' outputs are checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verify {
+    /// Every step.
+    Every,
+    /// Steps `0..n` (the warm-up step and the first `n - 1` after it).
+    First(usize),
+    /// Steps `0, k, 2k, ...` and the last step.
+    Sample(usize),
+    /// None.
+    Off,
+}
+
+impl Verify {
+    /// Parses `every`, `first:N`, `sample:K` (N, K >= 1) or `off`.
+    pub fn parse(text: &str) -> Result<Verify, String> {
+        let count = |n: &str, what: &str| -> Result<usize, String> {
+            match n.parse::<usize>() {
+                Ok(0) => Err(format!("{what}:0 checks nothing; say off")),
+                Ok(v) => Ok(v),
+                Err(_) => Err(format!("{what}:{n}: {n:?} is not a step count")),
+            }
+        };
+        match text.split_once(':') {
+            None if text == "every" => Ok(Verify::Every),
+            None if text == "off" => Ok(Verify::Off),
+            Some(("first", n)) => count(n, "first").map(Verify::First),
+            Some(("sample", k)) => count(k, "sample").map(Verify::Sample),
+            _ => Err(format!(
+                "{text:?}: expected every, first:N, sample:K or off"
+            )),
+        }
+    }
+
+    /// The default for `steps` timed steps: every step up to
+    /// [`EVERY_UP_TO`], else about that many steps spread over the run.
+    pub fn default_for(steps: usize) -> Verify {
+        if steps <= EVERY_UP_TO {
+            Verify::Every
+        } else {
+            Verify::Sample(steps.div_ceil(EVERY_UP_TO))
+        }
+    }
+
+    /// Whether step `n` of a run of `total` steps is checked.
+    pub fn checks(self, n: usize, total: usize) -> bool {
+        match self {
+            Verify::Every => n < total,
+            Verify::First(k) => n < k.min(total),
+            Verify::Sample(k) => n < total && (n % k == 0 || n + 1 == total),
+            Verify::Off => false,
+        }
+    }
+
+    /// The steps of a run of `total` that get fresh inputs: the checked
+    /// ones and step 0 (the device never runs on unwritten inputs).
+    pub fn drawn(self, total: usize) -> Vec<usize> {
+        (0..total)
+            .filter(|&n| n == 0 || self.checks(n, total))
+            .collect()
+    }
+}
+
+impl fmt::Display for Verify {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Verify::Every => write!(f, "every"),
+            Verify::First(n) => write!(f, "first:{n}"),
+            Verify::Sample(k) => write!(f, "sample:{k}"),
+            Verify::Off => write!(f, "off"),
+        }
+    }
+}
+
+/// Inputs drawn for step `step`, with the routes the capacity drops and
+/// the time the draw took.
+pub struct Drawn {
+    /// The step they are for.
+    pub step: usize,
+    /// The inputs.
+    pub inputs: Arc<Inputs>,
+    /// Routes the layer's capacity drops from them.
+    pub dropped: usize,
+    /// The time drawing them took.
+    pub took: Duration,
+}
+
+/// An output to check.
+pub struct Job {
+    /// The step it is of.
+    pub step: usize,
+    /// The inputs the step ran on.
+    pub inputs: Arc<Inputs>,
+    /// The output `y`.
+    pub y: Vec<u8>,
+}
+
+/// A checked output, with the time its check took.
+pub struct Checked {
+    /// The step it is of.
+    pub step: usize,
+    /// The check.
+    pub check: Check,
+    /// Its cost.
+    pub took: Duration,
+}
+
+/// Draws PE `rank`'s inputs of step `step`.
+pub fn draw_for(shape: &Shape, seed: u64, rank: usize, step: usize) -> Drawn {
+    let start = Instant::now();
+    let inputs = draw(shape, seed, step, rank);
+    let routing = &inputs.routing;
+    let kept = kept_routes(shape, routing);
+    let dropped = kept
+        .iter()
+        .zip(routing)
+        .filter(|&(&k, &r)| r != 0 && !k)
+        .count();
+    Drawn {
+        step,
+        inputs: Arc::new(inputs),
+        dropped,
+        took: start.elapsed(),
+    }
+}
+
+/// Checks one output.
+pub fn check_job(shape: &Shape, job: Job, threads: usize) -> Checked {
+    let start = Instant::now();
+    let check = check(shape, &job.inputs, &job.y, threads);
+    Checked {
+        step: job.step,
+        check,
+        took: start.elapsed(),
+    }
+}
+
+/// Draws PE `rank`'s inputs for the `steps` in order into a queue of
+/// [`QUEUE`]; stops when the receiver goes away.
+pub fn drawer(
+    shape: Shape,
+    seed: u64,
+    rank: usize,
+    steps: Vec<usize>,
+) -> (Receiver<Drawn>, impl FnOnce() + Send) {
+    let (tx, rx) = sync_channel::<Drawn>(QUEUE);
+    let work = move || {
+        for step in steps {
+            if tx.send(draw_for(&shape, seed, rank, step)).is_err() {
+                return;
+            }
+        }
+    };
+    (rx, work)
+}
+
+/// Checks every output sent to the returned queue (of [`QUEUE`]) on
+/// `threads` threads per output, until the sender goes away; the work
+/// returns the checks in the order they came.
+pub fn checker(
+    shape: Shape,
+    threads: usize,
+) -> (SyncSender<Job>, impl FnOnce() -> Vec<Checked> + Send) {
+    let (tx, rx) = sync_channel::<Job>(QUEUE);
+    let work = move || {
+        rx.into_iter()
+            .map(|job| check_job(&shape, job, threads))
+            .collect()
+    };
+    (tx, work)
+}
+
+/// Where a PE gets its inputs and sends its outputs.
+pub enum Checks {
+    /// Threads of their own beside the PE (queues to a drawer and a
+    /// checker): on CUDA, where the PE's thread only feeds its GPU.
+    Beside {
+        /// Inputs, in step order.
+        inputs: Receiver<Drawn>,
+        /// Outputs to check.
+        jobs: SyncSender<Job>,
+    },
+    /// On the PE's thread between its steps: on Host, where the PE's
+    /// thread is the device and a check beside it would slow its steps.
+    Inline {
+        /// The layer.
+        shape: Shape,
+        /// The run's seed.
+        seed: u64,
+        /// The PE.
+        rank: usize,
+        /// Threads of one check.
+        threads: usize,
+        /// The checks so far.
+        done: Vec<Checked>,
+    },
+}
+
+impl Checks {
+    /// The inputs of step `n`, the next step that gets some.
+    pub fn inputs(&mut self, n: usize) -> Result<Drawn, String> {
+        let d = match self {
+            Checks::Beside { inputs, .. } => inputs
+                .recv()
+                .map_err(|_| format!("step {n}: the input drawer stopped"))?,
+            Checks::Inline {
+                shape, seed, rank, ..
+            } => draw_for(shape, *seed, *rank, n),
+        };
+        if d.step != n {
+            return Err(format!("step {n}: the drawer sent step {}", d.step));
+        }
+        Ok(d)
+    }
+
+    /// Checks `job`: queues it (returning how long the queue kept the PE
+    /// waiting) or checks it now (returning zero: the check's own time is
+    /// in its [`Checked`]).
+    pub fn submit(&mut self, job: Job) -> Result<Duration, String> {
+        match self {
+            Checks::Beside { jobs, .. } => {
+                let (start, step) = (Instant::now(), job.step);
+                jobs.send(job)
+                    .map_err(|_| format!("step {step}: the output checker stopped"))?;
+                Ok(start.elapsed())
+            }
+            Checks::Inline {
+                shape,
+                threads,
+                done,
+                ..
+            } => {
+                done.push(check_job(shape, job, *threads));
+                Ok(Duration::ZERO)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xcall_core::DType;
+
+    #[test]
+    fn modes_parse_print_and_pick_their_steps() {
+        for (text, mode) in [
+            ("every", Verify::Every),
+            ("off", Verify::Off),
+            ("first:3", Verify::First(3)),
+            ("sample:10", Verify::Sample(10)),
+        ] {
+            assert_eq!(Verify::parse(text), Ok(mode));
+            assert_eq!(mode.to_string(), text);
+        }
+        for (bad, want) in [
+            ("first:0", "first:0 checks nothing; say off"),
+            ("sample:0", "sample:0 checks nothing; say off"),
+            ("sample:-1", "sample:-1: \"-1\" is not a step count"),
+            ("first:", "first:: \"\" is not a step count"),
+            ("all", "\"all\": expected every, first:N, sample:K or off"),
+            ("every:2", "expected every"),
+            ("", "expected every"),
+        ] {
+            let e = Verify::parse(bad).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        let picked = |v: Verify, total| -> Vec<usize> {
+            (0..total + 2).filter(|&n| v.checks(n, total)).collect()
+        };
+        assert_eq!(picked(Verify::Every, 4), [0, 1, 2, 3]);
+        assert_eq!(picked(Verify::Off, 4), Vec::<usize>::new());
+        assert_eq!(picked(Verify::First(2), 5), [0, 1]);
+        assert_eq!(picked(Verify::First(9), 3), [0, 1, 2]);
+        assert_eq!(picked(Verify::Sample(3), 8), [0, 3, 6, 7]);
+        assert_eq!(picked(Verify::Sample(3), 7), [0, 3, 6]);
+        assert_eq!(picked(Verify::Sample(1), 3), [0, 1, 2]);
+        // Step 0 always gets inputs, checked or not.
+        assert_eq!(Verify::Off.drawn(5), [0]);
+        assert_eq!(Verify::First(2).drawn(5), [0, 1]);
+        assert_eq!(Verify::Sample(2).drawn(6), [0, 2, 4, 5]);
+    }
+
+    #[test]
+    fn the_default_checks_short_runs_fully_and_about_a_hundred_steps_of_long_ones() {
+        assert_eq!(Verify::default_for(1), Verify::Every);
+        assert_eq!(Verify::default_for(100), Verify::Every);
+        assert_eq!(Verify::default_for(101), Verify::Sample(2));
+        assert_eq!(Verify::default_for(1000), Verify::Sample(10));
+        assert_eq!(Verify::default_for(1001), Verify::Sample(11));
+        let total = 1000 + 4;
+        let n = (0..total)
+            .filter(|&s| Verify::default_for(1000).checks(s, total))
+            .count();
+        assert_eq!(n, 102);
+    }
+
+    #[test]
+    fn the_drawer_and_the_checker_see_every_step_in_order() {
+        let shape = Shape {
+            pes: 1,
+            tokens: 40,
+            hidden: 8,
+            experts: 4,
+            topk: 2,
+            capacity: 12,
+            dtype: DType::F32,
+        };
+        let (inputs, draw_work) = drawer(shape, 3, 0, vec![0, 2, 5]);
+        let (jobs, check_work) = checker(shape, 2);
+        let (drawn, checked) = std::thread::scope(|s| {
+            let d = s.spawn(draw_work);
+            let c = s.spawn(check_work);
+            let drawn: Vec<Drawn> = inputs.iter().collect();
+            for (i, d) in drawn.iter().enumerate() {
+                // A wrong output for the middle step.
+                let bytes = if i == 1 { 0xffu8 } else { 0 };
+                let y = vec![bytes; shape.tokens * shape.row_bytes()];
+                jobs.send(Job {
+                    step: d.step,
+                    inputs: d.inputs.clone(),
+                    y,
+                })
+                .unwrap();
+            }
+            drop(jobs);
+            d.join().unwrap();
+            (drawn, c.join().unwrap())
+        });
+        let steps: Vec<usize> = drawn.iter().map(|d| d.step).collect();
+        assert_eq!(steps, [0, 2, 5]);
+        for d in &drawn {
+            let again = draw(&shape, 3, d.step, 0);
+            assert_eq!(d.inputs.x, again.x, "step {}", d.step);
+            let c = check(&shape, &d.inputs, &vec![0; 40 * 32], 1);
+            assert_eq!(d.dropped, c.dropped, "step {}", d.step);
+        }
+        // 12 rows per expert for 80 routes over 4 experts: some drop.
+        assert!(drawn.iter().any(|d| d.dropped > 0));
+        let steps: Vec<usize> = checked.iter().map(|c| c.step).collect();
+        assert_eq!(steps, [0, 2, 5]);
+        assert_eq!(checked[1].check.mismatches, 40 * 8, "NaN everywhere");
+        // Zeros match nowhere a route is kept (silu(x) of x in (0, 3) > 0).
+        assert!(checked[0].check.mismatches > 0);
+    }
+
+    #[test]
+    fn a_drawer_whose_reader_left_stops() {
+        let shape = Shape {
+            pes: 1,
+            tokens: 4,
+            hidden: 8,
+            experts: 2,
+            topk: 1,
+            capacity: 4,
+            dtype: DType::F32,
+        };
+        let (inputs, work) = drawer(shape, 1, 0, (0..1_000_000).collect());
+        drop(inputs);
+        let start = Instant::now();
+        work();
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+}
