@@ -68,6 +68,11 @@ fn host_layer_matches_the_reference_and_reports_json() {
     let map = 300.0 * 17.0 * 4.0;
     assert_eq!(phases[1]["bytes"], 300.0 * 128.0 + 752.0 * 128.0 + map);
     assert_eq!(phases[4]["bytes"], 2.0 * 752.0 * 128.0);
+    // Dispatch and combine move the 3 of 4 slots that go to peers; each
+    // PE's own slot stays where permute wrote it.
+    for i in [2, 5] {
+        assert_eq!(phases[i]["bytes"], 2.0 * 752.0 * 128.0 * 0.75);
+    }
     assert_eq!(phases[3]["bytes"], 0.0);
     assert_eq!(
         phases[7]["bytes"],
@@ -256,13 +261,15 @@ fn bad_flags_are_one_line_and_a_failure() {
 #[test]
 fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise() {
     let moe = ["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"];
+    // The heap: the layer's buffers (256-byte aligned) with 2 x 7 slots
+    // of 2 experts x 32 rows x 64 bytes, signal words and 1 MiB to spare.
     for (value, ok, want) in [
         ("64M", true, "verification   PASS"),
         ("64MiB", true, "verification   PASS"),
         (
             "1K",
             false,
-            "XCALL_SHMEM_HEAP_BYTES=1024 bytes is less than the 1139584 bytes per PE this shape needs",
+            "XCALL_SHMEM_HEAP_BYTES=1024 bytes is less than the 1131392 bytes per PE this shape needs",
         ),
         ("lots", false, "XCALL_SHMEM_HEAP_BYTES=\"lots\" is not a size"),
     ] {

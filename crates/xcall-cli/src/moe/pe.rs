@@ -1,27 +1,48 @@
 //! One PE of the layer: its world, its symmetric buffers and its step.
 //!
+//! Every PE numbers the experts from its own: PE `me` sees expert `e` as
+//! `(e - me*L) mod E` (`L = E/P` local experts), so the routing and
+//! probs it uploads are rotated by `me*L` columns. Then the first slot of
+//! its permuted rows (`[L][C]` rows, one per destination PE) is its own,
+//! and slot `j` goes to PE `(me + j) mod P`, with every destination's
+//! experts in their natural order.
+//!
+//! Two symmetric buffers of `2P - 1` slots hold the exchanged rows, so
+//! that a PE's own rows are never copied:
+//! - `rows`: `[P-1 slots from peers | own slot | P-1 slots to peers]`.
+//!   `permute` writes the last `P` slots (own first); the experts read the
+//!   first `P` (peers' rows, then its own). PE `s`'s rows land in slot
+//!   `(s - me - 1) mod P`.
+//! - `results`: `[P-1 slots to peers | own slot | P-1 slots from peers]`.
+//!   The experts write the first `P` slots (the layout they read);
+//!   `unpermute` reads the last `P` (own first, then slot `j` from PE
+//!   `(me + j) mod P`, the order `permute` wrote).
+//!
 //! The step on PE `me` (the same code on Host and CUDA; on CUDA every call
 //! is enqueued on the PE's stream, so the graph cache can capture it):
 //! 1. `make_row_id_map` with an expert capacity `C`: expert `e`'s rows
 //!    are `[e*C, (e+1)*C)` whatever the routing, so every copy below has a
 //!    fixed size and offset, and a captured step replays for new data;
-//! 2. `permute` groups the PE's tokens into `send` (`[E*C, H]`), which is
-//!    also `[P][E/P][C]`: one slot per destination PE;
-//! 3. dispatch: slot `q` goes to `recv[me]` on PE `q` (`put_signal`, SET
-//!    `dispatch[me] = 1`); the PE waits for `dispatch[p] == 1` from every
-//!    `p` and clears it;
-//! 4. its experts run `silu(x) * scale_e` (warpspec) from `recv` into
-//!    `out`: one call over every (sender, local expert) block of `C` rows,
-//!    each block with its expert's scale (`scales`, written once);
-//! 5. combine: `out[p]` goes back to `ret[me]` on PE `p` (`put_signal`,
-//!    `combine[me] = 1`); the PE waits for every `combine[q]`, clears it,
-//!    and `unpermute` with the merging probs writes `y` (`[T, H]`).
+//! 2. `permute` groups the PE's tokens by (rotated) expert into the send
+//!    half of `rows`;
+//! 3. dispatch: slot `j >= 1` goes to PE `q = (me + j) mod P`
+//!    (`put_signal`, SET `dispatch[me] = 1` there); the PE waits for
+//!    `dispatch[s] == 1` from every peer `s` and clears it;
+//! 4. its experts run `silu(x) * scale_e` (warpspec) from the receive
+//!    half of `rows` into the send half of `results`: one call over every
+//!    (sender, local expert) block of `C` rows, each with its expert's
+//!    scale (`scales`, written once);
+//! 5. combine: the slot of PE `s`'s rows goes back to PE `s`'s `results`
+//!    (`put_signal`, `combine[me] = 1`); the PE waits for every peer's
+//!    `combine[q]`, clears it, and `unpermute` with the merging probs
+//!    writes `y` (`[T, H]`).
 //!
-//! No step needs a barrier: a PE writes into a peer's `recv` only after
-//! that peer's combine of the previous step reached it, which the peer
-//! sends after its experts read `recv`; likewise for `ret` and the
+//! No step needs a barrier: a PE writes into a peer's receive slots only
+//! after that peer's combine of the previous step reached it, which the
+//! peer sends after its experts read them; likewise for `results` and the
 //! signal words (cleared before the signal that lets the next write
-//! happen is sent).
+//! happen is sent). A PE's own writes (permute, experts) never touch the
+//! slots its peers write.
 
 use std::ffi::c_void;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -82,10 +103,10 @@ enum Mark {
 #[derive(Clone, Copy, Debug)]
 struct Buffers {
     layer: Layer,
-    send: u64,
-    recv: u64,
-    out: u64,
-    ret: u64,
+    /// `2P - 1` slots: received rows, the own slot, rows to send.
+    rows: u64,
+    /// `2P - 1` slots: results to send, the own slot, received results.
+    results: u64,
     y: u64,
     dispatch: u64,
     combine: u64,
@@ -112,11 +133,11 @@ pub struct Pe {
 impl Pe {
     /// The layer's buffers of `shape`: bytes and role of each, in the order
     /// of [`Buffers`]' fields.
-    fn buffer_sizes(shape: &Shape) -> [(usize, BufferRole); 14] {
+    fn buffer_sizes(shape: &Shape) -> [(usize, BufferRole); 12] {
         let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
         let s = shape.dtype.size_bytes();
-        let n = e * shape.capacity;
         let p = shape.pes;
+        let slots = (2 * p - 1) * Self::slot_bytes(shape);
         [
             (t * h * s, BufferRole::In),
             (t * e, BufferRole::In),
@@ -124,10 +145,8 @@ impl Pe {
             (t * (2 * e + 1) * 4, BufferRole::InOut),
             (e * 8, BufferRole::InOut),
             ((e + 1) * 8, BufferRole::InOut),
-            (n * h * s, BufferRole::InOut),
-            (n * h * s, BufferRole::InOut),
-            (n * h * s, BufferRole::InOut),
-            (n * h * s, BufferRole::InOut),
+            (slots, BufferRole::InOut),
+            (slots, BufferRole::InOut),
             (t * h * s, BufferRole::Out),
             (p * 8, BufferRole::InOut),
             (p * 8, BufferRole::InOut),
@@ -176,14 +195,12 @@ impl Pe {
                 tpe: addrs[4],
                 offsets: addrs[5],
             },
-            send: addrs[6],
-            recv: addrs[7],
-            out: addrs[8],
-            ret: addrs[9],
-            y: addrs[10],
-            dispatch: addrs[11],
-            combine: addrs[12],
-            scales: addrs[13],
+            rows: addrs[6],
+            results: addrs[7],
+            y: addrs[8],
+            dispatch: addrs[9],
+            combine: addrs[10],
+            scales: addrs[11],
         };
         let gpu = match device.platform {
             Platform::Host => None,
@@ -210,7 +227,7 @@ impl Pe {
         let zeros = vec![0u8; p * 8];
         pe.write(b.dispatch, &zeros)?;
         pe.write(b.combine, &zeros)?;
-        // The scale of every (sender, local expert) block of `recv`.
+        // The scale of every (sender, local expert) block the experts read.
         let scales: Vec<u8> = (0..p * shape.local_experts())
             .flat_map(|block| {
                 let expert = rank * shape.local_experts() + block % shape.local_experts();
@@ -236,12 +253,22 @@ impl Pe {
             .context("shmem put (upload)")
     }
 
-    /// Uploads a step's inputs and poisons `y` (NaN in both dtypes).
+    /// Uploads a step's inputs, routing and probs in this PE's expert
+    /// numbering (see the module docs), and poisons `y` (NaN in both
+    /// dtypes).
     pub fn upload(&mut self, inputs: &Inputs) -> Res<()> {
-        let probs: Vec<u8> = inputs.probs.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let e = self.shape.experts;
+        let shift = self.rank * self.shape.local_experts();
+        let rotated = |row: usize, col: usize| row * e + (col + shift) % e;
+        let routing: Vec<u8> = (0..inputs.routing.len())
+            .map(|i| inputs.routing[rotated(i / e, i % e)])
+            .collect();
+        let probs: Vec<u8> = (0..inputs.probs.len())
+            .flat_map(|i| inputs.probs[rotated(i / e, i % e)].to_le_bytes())
+            .collect();
         let l = self.b.layer;
         self.write(l.x, &inputs.x)?;
-        self.write(l.routing, &inputs.routing)?;
+        self.write(l.routing, &routing)?;
         self.write(l.probs, &probs)?;
         let poison = vec![0xffu8; self.shape.tokens * self.shape.row_bytes()];
         self.write(self.b.y, &poison)
@@ -292,8 +319,8 @@ impl Pe {
         self.world.barrier_all().context("shmem barrier")
     }
 
-    /// Bytes each PE puts per step: dispatch and combine, one slot per PE
-    /// (its own included).
+    /// Bytes of one slot: `[L][C]` rows, what one PE sends another in
+    /// dispatch and in combine.
     pub fn slot_bytes(shape: &Shape) -> usize {
         shape.local_experts() * shape.capacity * shape.row_bytes()
     }
@@ -307,8 +334,8 @@ impl Pe {
         s.dtype.hash(&mut h);
         self.rank.hash(&mut h);
         for pe in 0..s.pes {
-            self.world.ptr(pe, self.b.recv).hash(&mut h);
-            self.world.ptr(pe, self.b.ret).hash(&mut h);
+            self.world.ptr(pe, self.b.rows).hash(&mut h);
+            self.world.ptr(pe, self.b.results).hash(&mut h);
         }
         CallKey {
             device: match self.device.platform {
@@ -404,8 +431,9 @@ impl Pe {
         Ok(())
     }
 
-    /// The median ms of a device-to-device copy of `send` into `out` (the
-    /// permuted tensor, `[E*C, H]`) on the PE's stream: the bandwidth the
+    /// The median ms of a device-to-device copy of the permuted tensor
+    /// (`[E*C, H]`, the send half of `rows`) into the first `P` slots of
+    /// `results` on the PE's stream: the bandwidth the
     /// phases' byte floors are measured against. `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
@@ -419,14 +447,13 @@ impl Pe {
             let a = g.ctx.new_event(timed).context("CUDA event")?;
             let z = g.ctx.new_event(timed).context("CUDA event")?;
             a.record(&g.stream).context("CUDA event")?;
-            // SAFETY: `send` and `out` are distinct device allocations of
-            // this PE's heap of `bytes` each; neither is read or written by
-            // anyone else between steps.
-            unsafe {
-                sys::cuMemcpyDtoDAsync_v2(self.b.out, self.b.send, bytes, g.stream.cu_stream())
-            }
-            .result()
-            .context("cuMemcpyDtoDAsync")?;
+            let send = self.b.rows + ((self.shape.pes - 1) * Self::slot_bytes(&self.shape)) as u64;
+            // SAFETY: `rows` and `results` are distinct device allocations
+            // of this PE's heap, each holding `bytes` from these addresses;
+            // neither is read or written by anyone else between steps.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(self.b.results, send, bytes, g.stream.cu_stream()) }
+                .result()
+                .context("cuMemcpyDtoDAsync")?;
             z.record(&g.stream).context("CUDA event")?;
             z.synchronize().context("CUDA event")?;
             ms.push(a.elapsed_ms(&z).context("CUDA event")? as f64);
@@ -453,42 +480,63 @@ impl Pe {
             capacity: Some(s.capacity),
             ..RowIdMapOptions::default()
         };
+        let (p, slot) = (s.pes as u64, Self::slot_bytes(&s) as u64);
         // SAFETY: (this and the layer calls below) every buffer is this PE's
         // heap allocation for exactly these dims, alive for the world's life.
         unsafe { b.layer.make_row_id_map(&target, d, options) }?;
         self.mark(marks)?;
-        // SAFETY: as above; `send` holds [E*C, H].
-        unsafe { b.layer.permute(&target, d, b.send) }?;
+        // SAFETY: as above; the send half of `rows` holds [E*C, H] (P
+        // slots), none of which a peer writes.
+        unsafe { b.layer.permute(&target, d, b.rows + (p - 1) * slot) }?;
         self.mark(marks)?;
-        self.exchange(b.recv, b.send, b.dispatch, stream)
+        // Send slot j >= 1 (slot P - 1 + j of `rows`) goes to PE me + j,
+        // into the slot of me's rows there, P - 1 - j.
+        self.exchange(b.rows, |j| p - 1 + j, |j| p - 1 - j, b.dispatch, stream)
             .context("dispatch put_signal")?;
         self.mark(marks)?;
         self.await_all(b.dispatch, waits)?;
         self.mark(marks)?;
         self.experts(stream)?;
         self.mark(marks)?;
-        self.exchange(b.ret, b.out, b.combine, stream)
+        // The results of PE me + j's rows (slot j - 1, where they were in
+        // `rows`) go back to it, into the slot of its send slot P - j (the
+        // one it sent to me): slot 2P - 1 - j of its `results`.
+        self.exchange(b.results, |j| j - 1, |j| 2 * p - 1 - j, b.combine, stream)
             .context("combine put_signal")?;
         self.mark(marks)?;
         self.await_all(b.combine, waits)?;
         self.mark(marks)?;
-        // SAFETY: as above; `ret` holds [E*C, H] and `y` [T, H].
-        unsafe { b.layer.unpermute(&target, d, b.ret, b.y) }?;
+        // SAFETY: as above; the receive half of `results` holds [E*C, H]
+        // in the order permute wrote, and `y` [T, H].
+        unsafe {
+            b.layer
+                .unpermute(&target, d, b.results + (p - 1) * slot, b.y)
+        }?;
         self.mark(marks)
     }
 
-    /// Sends slot `q` of `src` (`[P][E/P][C]` rows) to slot `me` of `dest`
-    /// on PE `q`, for every `q`, each followed by SET `signals[me] = 1`
-    /// there.
-    fn exchange(&mut self, dest: u64, src: u64, signals: u64, stream: *mut c_void) -> Res<()> {
-        let (me, slot) = (self.rank, Self::slot_bytes(&self.shape));
-        for q in 0..self.shape.pes {
-            // SAFETY: `src` is a buffer of this PE's heap of P slots.
+    /// For every peer `q = me + j` (`j` in `1..P`): the slot at
+    /// `source(j)` of `buffer` goes to slot `dest(j)` of `buffer` on PE
+    /// `q`, followed by SET `signals[me] = 1` there.
+    fn exchange(
+        &mut self,
+        buffer: u64,
+        source: impl Fn(u64) -> u64,
+        dest: impl Fn(u64) -> u64,
+        signals: u64,
+        stream: *mut c_void,
+    ) -> Res<()> {
+        let (me, p) = (self.rank, self.shape.pes);
+        let slot = Self::slot_bytes(&self.shape) as u64;
+        for j in 1..p as u64 {
+            let q = (me + j as usize) % p;
+            // SAFETY: `buffer` is one of this PE's heap buffers of 2P - 1
+            // slots, and both slot indices are below 2P - 1.
             unsafe {
                 self.world.put_signal_nbi(
-                    dest + (me * slot) as u64,
-                    src + (q * slot) as u64,
-                    slot,
+                    buffer + dest(j) * slot,
+                    buffer + source(j) * slot,
+                    slot as usize,
                     signals + 8 * me as u64,
                     1,
                     SignalOp::Set,
@@ -501,11 +549,11 @@ impl Pe {
         Ok(())
     }
 
-    /// Waits until every PE set its word of the signal array at `base`,
+    /// Waits until every peer set its word of the signal array at `base`,
     /// then clears the words (ordered after the wait).
     fn await_all(&mut self, base: u64, waits: Waits) -> Res<()> {
         let (me, stream) = (self.rank, self.stream());
-        for p in 0..self.shape.pes {
+        for p in (0..self.shape.pes).filter(|&p| p != me) {
             let word = base + 8 * p as u64;
             if self.device.platform == Platform::Cuda && waits == Waits::Stream {
                 self.world
@@ -545,8 +593,8 @@ impl Pe {
             dtype: s.dtype,
             config: self.ops,
             variant: Variant::WarpSpecialized,
-            inputs: &[self.b.recv],
-            output: self.b.out,
+            inputs: &[self.b.rows],
+            output: self.b.results,
             bytes: block * (s.pes * s.local_experts()) as u64,
             scale: 0.0,
             scales: Some(GroupScales {
@@ -554,11 +602,12 @@ impl Pe {
                 group_bytes: block,
             }),
         };
-        // SAFETY: `recv`, `out` and `scales` are distinct buffers of this
-        // PE's heap (`recv` and `out` of exactly these bytes, `scales` of
-        // one f32 per block), alive as long as the world; no peer writes
-        // `recv` until this PE's combine of the step (see the module docs)
-        // and nobody else touches `out`.
+        // SAFETY: `rows`, `results` and `scales` are distinct buffers of
+        // this PE's heap (the first P slots of `rows` and of `results` are
+        // exactly these bytes, `scales` one f32 per block), alive as long
+        // as the world; no peer writes those slots of `rows` until this
+        // PE's combine of the step, nor those of `results` ever (see the
+        // module docs).
         unsafe { xcall_warpspec::run(&call) }.context("experts")
     }
 
