@@ -54,30 +54,72 @@ pub struct Inputs {
     pub probs: Vec<f32>,
 }
 
-/// The stream of random numbers of (seed, step, rank).
-fn generator(seed: u64, step: usize, rank: usize) -> XorShift {
+/// Tokens drawn from one stream of random numbers: blocks of them are
+/// drawn on different threads.
+const DRAW_BLOCK: usize = 256;
+
+/// The stream of random numbers of (seed, step, rank, block of tokens).
+fn generator(seed: u64, step: usize, rank: usize, block: usize) -> XorShift {
     XorShift::new(
         seed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            ^ (rank as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f),
+            ^ (rank as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+            ^ (block as u64).wrapping_mul(0x1656_67b1_9e37_79f9),
     )
 }
 
-/// Draws PE `rank`'s tokens and router decisions of step `step`.
-pub fn draw(shape: &Shape, seed: u64, step: usize, rank: usize) -> Inputs {
-    let (t, e, k) = (shape.tokens, shape.experts, shape.topk);
-    let mut g = generator(seed, step, rank);
-    let values: Vec<f32> = (0..t * shape.hidden).map(|_| 3.0 * g.next_f32()).collect();
-    let x = match shape.dtype {
-        DType::Bf16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    };
+/// Draws PE `rank`'s tokens and router decisions of step `step`, the
+/// blocks of [`DRAW_BLOCK`] tokens split over up to `threads` threads
+/// (the same inputs on any number).
+pub fn draw(shape: &Shape, seed: u64, step: usize, rank: usize, threads: usize) -> Inputs {
+    let (t, e) = (shape.tokens, shape.experts);
+    let row = shape.row_bytes();
+    let mut x = vec![0u8; t * row];
     let mut routing = vec![0u8; t * e];
     let mut probs = vec![0f32; t * e];
+    let blocks = t.div_ceil(DRAW_BLOCK);
+    // Blocks per thread.
+    let share = blocks.div_ceil(threads.clamp(1, blocks.max(1))).max(1);
+    std::thread::scope(|scope| {
+        let parts = x
+            .chunks_mut(share * DRAW_BLOCK * row)
+            .zip(routing.chunks_mut(share * DRAW_BLOCK * e))
+            .zip(probs.chunks_mut(share * DRAW_BLOCK * e));
+        for (i, ((x, routing), probs)) in parts.enumerate() {
+            scope.spawn(move || {
+                let blocks = x
+                    .chunks_mut(DRAW_BLOCK * row)
+                    .zip(routing.chunks_mut(DRAW_BLOCK * e))
+                    .zip(probs.chunks_mut(DRAW_BLOCK * e));
+                for (j, ((x, routing), probs)) in blocks.enumerate() {
+                    let mut g = generator(seed, step, rank, i * share + j);
+                    draw_block(shape, &mut g, x, routing, probs);
+                }
+            });
+        }
+    });
+    Inputs { x, routing, probs }
+}
+
+/// Draws the tokens whose rows `x`, routing and probs are given: first
+/// every value of `x`, then each token's logits.
+fn draw_block(
+    shape: &Shape,
+    g: &mut XorShift,
+    x: &mut [u8],
+    routing: &mut [u8],
+    probs: &mut [f32],
+) {
+    let (e, k) = (shape.experts, shape.topk);
+    match shape.dtype {
+        DType::Bf16 => x
+            .chunks_exact_mut(2)
+            .for_each(|v| v.copy_from_slice(&bf16::from_f32(3.0 * g.next_f32()).to_le_bytes())),
+        _ => x
+            .chunks_exact_mut(4)
+            .for_each(|v| v.copy_from_slice(&(3.0 * g.next_f32()).to_le_bytes())),
+    }
     let mut order: Vec<usize> = (0..e).collect();
-    for tok in 0..t {
+    for (routing, probs) in routing.chunks_exact_mut(e).zip(probs.chunks_exact_mut(e)) {
         let logits: Vec<f32> = (0..e).map(|_| 4.0 * g.next_f32()).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         let top = &order[..k];
@@ -88,11 +130,10 @@ pub fn draw(shape: &Shape, seed: u64, step: usize, rank: usize) -> Inputs {
             .collect();
         let sum: f64 = weights.iter().sum();
         for (&x, w) in top.iter().zip(&weights) {
-            routing[tok * e + x] = 1;
-            probs[tok * e + x] = (w / sum) as f32;
+            routing[x] = 1;
+            probs[x] = (w / sum) as f32;
         }
     }
-    Inputs { x, routing, probs }
 }
 
 /// Decodes `[n]` values of `dtype` (f32 or bf16) to f64.
@@ -269,7 +310,7 @@ mod tests {
     #[test]
     fn the_check_is_the_same_on_any_number_of_threads() {
         let s = shape(DType::Bf16, 64);
-        let inputs = draw(&s, 5, 2, 0);
+        let inputs = draw(&s, 5, 2, 0, 2);
         let mut y = layer(&s, &inputs);
         // Two bad elements, in tokens 50 and 5 (the first one reported).
         let row = s.row_bytes();
@@ -288,11 +329,26 @@ mod tests {
     #[test]
     fn draws_are_reproducible_top_k_and_normalised() {
         let s = shape(DType::F32, 64);
-        let a = draw(&s, 7, 3, 1);
-        let b = draw(&s, 7, 3, 1);
-        assert_eq!((&a.x, &a.routing, &a.probs), (&b.x, &b.routing, &b.probs));
-        assert_ne!(a.x, draw(&s, 7, 4, 1).x, "steps differ");
-        assert_ne!(a.x, draw(&s, 7, 3, 0).x, "ranks differ");
+        let a = draw(&s, 7, 3, 1, 1);
+        // The same inputs on any number of threads, blocks of tokens included.
+        for threads in [0, 2, 3, 64] {
+            let b = draw(&s, 7, 3, 1, threads);
+            assert_eq!((&a.x, &a.routing, &a.probs), (&b.x, &b.routing, &b.probs));
+        }
+        let long = Shape { tokens: 1000, ..s };
+        let one = draw(&long, 7, 3, 1, 1);
+        for threads in [2, 3, 4, 5, 1000] {
+            let b = draw(&long, 7, 3, 1, threads);
+            assert_eq!(
+                (&one.x, &one.routing, &one.probs),
+                (&b.x, &b.routing, &b.probs)
+            );
+        }
+        // Blocks of tokens differ (each has its own stream).
+        let row = long.row_bytes();
+        assert_ne!(one.x[..row], one.x[256 * row..257 * row]);
+        assert_ne!(a.x, draw(&s, 7, 4, 1, 1).x, "steps differ");
+        assert_ne!(a.x, draw(&s, 7, 3, 0, 1).x, "ranks differ");
         for tok in 0..s.tokens {
             let row = &a.routing[tok * 4..tok * 4 + 4];
             assert_eq!(row.iter().filter(|&&r| r == 1).count(), 2);
@@ -305,7 +361,7 @@ mod tests {
     #[test]
     fn capacity_keeps_the_first_tokens_of_each_expert() {
         let s = shape(DType::F32, 3);
-        let inputs = draw(&s, 1, 0, 0);
+        let inputs = draw(&s, 1, 0, 0, 1);
         let kept = kept_routes(&s, &inputs.routing);
         for e in 0..4 {
             let routed: Vec<usize> = (0..64)
@@ -321,7 +377,7 @@ mod tests {
         for dtype in [DType::F32, DType::Bf16] {
             for capacity in [64, 20] {
                 let s = shape(dtype, capacity);
-                let inputs = draw(&s, 11, 0, 1);
+                let inputs = draw(&s, 11, 0, 1, 2);
                 let y = layer(&s, &inputs);
                 let ok = check(&s, &inputs, &y, 3);
                 assert_eq!(ok.mismatches, 0, "{dtype} {capacity}: {ok:?}");
@@ -349,7 +405,7 @@ mod tests {
                     s.tokens * s.hidden
                 );
                 // The outputs of another step.
-                let other = layer(&s, &draw(&s, 11, 1, 1));
+                let other = layer(&s, &draw(&s, 11, 1, 1, 2));
                 assert!(check(&s, &inputs, &other, 3).mismatches > s.tokens * s.hidden / 2);
             }
         }

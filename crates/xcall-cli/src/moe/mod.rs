@@ -239,6 +239,8 @@ struct PeLog {
     draw_time: Duration,
     /// Time the PE waited for room in its checker's queue.
     queue_wait: Duration,
+    /// Time the PE waited for its drawer's inputs.
+    input_wait: Duration,
     /// Memory in use after the warm-up step and after the last step.
     memory: (Option<u64>, Option<u64>),
 }
@@ -340,7 +342,7 @@ fn run_pe(
         }
         Platform::Cuda => {
             let drawn = run.verify.drawn(run.total());
-            let (inputs, draw_work) = verify::drawer(run.shape, run.seed, rank, drawn);
+            let (inputs, draw_work) = verify::drawer(run.shape, run.seed, rank, drawn, threads);
             let (jobs, check_work) = verify::checker(run.shape, threads);
             let spawned =
                 |name: &str| std::thread::Builder::new().name(format!("moe-{name}-{rank}"));
@@ -385,8 +387,9 @@ fn pe_steps(
     for n in 0..total {
         let checked = run.verify.checks(n, total);
         if n == 0 || checked {
-            let d = checks.inputs(n)?;
+            let (d, waited) = checks.inputs(n)?;
             log.draw_time += d.took;
+            log.input_wait += waited;
             // The previous step may still run on the device.
             pe.drain()?;
             pe.upload(&d.inputs)?;
@@ -561,6 +564,7 @@ fn report(
     let check_time: Duration = pes.iter().flat_map(|p| &p.checks).map(|c| c.took).sum();
     let draw_time: Duration = pes.iter().map(|p| p.draw_time).sum();
     let queue_wait = pes.iter().map(|p| p.queue_wait).max().unwrap_or_default();
+    let input_wait = pes.iter().map(|p| p.input_wait).max().unwrap_or_default();
     let memory = |f: fn(&PeLog) -> Option<u64>| pes.iter().filter_map(f).max();
     let memory = (memory(|p| p.memory.0), memory(|p| p.memory.1));
     let max_rel = checks.iter().map(|c| c.max_relative).fold(0.0, f64::max);
@@ -662,7 +666,7 @@ fn report(
         s.pes, run.verify,
     );
     println!(
-        "  check cost     checks {:.2} s ({per_check:.1} ms per checked PE-step on {} thread(s)), draws {:.2} s, {}; the PEs waited {:.2} s for the checker queues; wall time {:.2} s",
+        "  check cost     checks {:.2} s ({per_check:.1} ms per checked PE-step on {} thread(s)), draws {:.2} s, {}; the PEs waited {:.2} s for inputs and {:.2} s for the checker queues; wall time {:.2} s",
         check_time.as_secs_f64(),
         check_threads(s.pes),
         draw_time.as_secs_f64(),
@@ -670,6 +674,7 @@ fn report(
             Platform::Host => "between the steps (outside their times)",
             Platform::Cuda => "on threads beside the GPU work",
         },
+        input_wait.as_secs_f64(),
         queue_wait.as_secs_f64(),
         wall.as_secs_f64()
     );
@@ -714,7 +719,7 @@ fn report(
             "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel,
                 "mode": run.verify.to_string(), "checked_steps": checked_steps, "total_steps": total,
                 "check_s": check_time.as_secs_f64(), "draw_s": draw_time.as_secs_f64(),
-                "wait_s": queue_wait.as_secs_f64()},
+                "wait_s": queue_wait.as_secs_f64(), "input_wait_s": input_wait.as_secs_f64()},
         });
         out.write("moe", &devices, doc)?;
     }

@@ -132,10 +132,10 @@ pub struct Checked {
     pub took: Duration,
 }
 
-/// Draws PE `rank`'s inputs of step `step`.
-pub fn draw_for(shape: &Shape, seed: u64, rank: usize, step: usize) -> Drawn {
+/// Draws PE `rank`'s inputs of step `step` on `threads` threads.
+pub fn draw_for(shape: &Shape, seed: u64, rank: usize, step: usize, threads: usize) -> Drawn {
     let start = Instant::now();
-    let inputs = draw(shape, seed, step, rank);
+    let inputs = draw(shape, seed, step, rank, threads);
     let routing = &inputs.routing;
     let kept = kept_routes(shape, routing);
     let dropped = kept
@@ -162,18 +162,22 @@ pub fn check_job(shape: &Shape, job: Job, threads: usize) -> Checked {
     }
 }
 
-/// Draws PE `rank`'s inputs for the `steps` in order into a queue of
-/// [`QUEUE`]; stops when the receiver goes away.
+/// Draws PE `rank`'s inputs for the `steps` in order (each on `threads`
+/// threads) into a queue of [`QUEUE`]; stops when the receiver goes away.
 pub fn drawer(
     shape: Shape,
     seed: u64,
     rank: usize,
     steps: Vec<usize>,
+    threads: usize,
 ) -> (Receiver<Drawn>, impl FnOnce() + Send) {
     let (tx, rx) = sync_channel::<Drawn>(QUEUE);
     let work = move || {
         for step in steps {
-            if tx.send(draw_for(&shape, seed, rank, step)).is_err() {
+            if tx
+                .send(draw_for(&shape, seed, rank, step, threads))
+                .is_err()
+            {
                 return;
             }
         }
@@ -216,7 +220,7 @@ pub enum Checks {
         seed: u64,
         /// The PE.
         rank: usize,
-        /// Threads of one check.
+        /// Threads of one draw or check.
         threads: usize,
         /// The checks so far.
         done: Vec<Checked>,
@@ -224,20 +228,30 @@ pub enum Checks {
 }
 
 impl Checks {
-    /// The inputs of step `n`, the next step that gets some.
-    pub fn inputs(&mut self, n: usize) -> Result<Drawn, String> {
-        let d = match self {
-            Checks::Beside { inputs, .. } => inputs
-                .recv()
-                .map_err(|_| format!("step {n}: the input drawer stopped"))?,
+    /// The inputs of step `n`, the next step that gets some, and how long
+    /// the PE waited for them (zero when drawn now: the draw's own time is
+    /// in its [`Drawn`]).
+    pub fn inputs(&mut self, n: usize) -> Result<(Drawn, Duration), String> {
+        let start = Instant::now();
+        let (d, waited) = match self {
+            Checks::Beside { inputs, .. } => {
+                let d = inputs
+                    .recv()
+                    .map_err(|_| format!("step {n}: the input drawer stopped"))?;
+                (d, start.elapsed())
+            }
             Checks::Inline {
-                shape, seed, rank, ..
-            } => draw_for(shape, *seed, *rank, n),
+                shape,
+                seed,
+                rank,
+                threads,
+                ..
+            } => (draw_for(shape, *seed, *rank, n, *threads), Duration::ZERO),
         };
         if d.step != n {
             return Err(format!("step {n}: the drawer sent step {}", d.step));
         }
-        Ok(d)
+        Ok((d, waited))
     }
 
     /// Checks `job`: queues it (returning how long the queue kept the PE
@@ -333,7 +347,7 @@ mod tests {
             capacity: 12,
             dtype: DType::F32,
         };
-        let (inputs, draw_work) = drawer(shape, 3, 0, vec![0, 2, 5]);
+        let (inputs, draw_work) = drawer(shape, 3, 0, vec![0, 2, 5], 2);
         let (jobs, check_work) = checker(shape, 2);
         let (drawn, checked) = std::thread::scope(|s| {
             let d = s.spawn(draw_work);
@@ -357,7 +371,7 @@ mod tests {
         let steps: Vec<usize> = drawn.iter().map(|d| d.step).collect();
         assert_eq!(steps, [0, 2, 5]);
         for d in &drawn {
-            let again = draw(&shape, 3, d.step, 0);
+            let again = draw(&shape, 3, d.step, 0, 1);
             assert_eq!(d.inputs.x, again.x, "step {}", d.step);
             let c = check(&shape, &d.inputs, &vec![0; 40 * 32], 1);
             assert_eq!(d.dropped, c.dropped, "step {}", d.step);
@@ -382,7 +396,7 @@ mod tests {
             capacity: 4,
             dtype: DType::F32,
         };
-        let (inputs, work) = drawer(shape, 1, 0, (0..1_000_000).collect());
+        let (inputs, work) = drawer(shape, 1, 0, (0..1_000_000).collect(), 1);
         drop(inputs);
         let start = Instant::now();
         work();
