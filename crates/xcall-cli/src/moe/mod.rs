@@ -329,16 +329,8 @@ fn run_pe(
                 seed: run.seed,
                 rank,
                 threads,
-                done: Vec::new(),
             };
-            let log = pe_steps(run, &mut pe, cache, progress, &mut checks)?;
-            match checks {
-                Checks::Inline { done, .. } => PeLog {
-                    checks: done,
-                    ..log
-                },
-                Checks::Beside { .. } => log,
-            }
+            pe_steps(run, &mut pe, cache, progress, &mut checks)?
         }
         Platform::Cuda => {
             let drawn = run.verify.drawn(run.total());
@@ -372,7 +364,8 @@ fn run_pe(
 }
 
 /// Every step of the run on `pe`: fresh inputs for the steps that get
-/// them, each checked output to `checks` (see [`verify`]).
+/// them, each checked output to `checks` (see [`verify`]); the log holds
+/// the checks made on this thread (none when a checker thread makes them).
 fn pe_steps(
     run: &Run,
     pe: &mut Pe,
@@ -412,7 +405,9 @@ fn pe_steps(
         if checked {
             let y = pe.download()?;
             let inputs = current.clone().ok_or("a checked step without inputs")?;
-            log.queue_wait += checks.submit(Job { step: n, inputs, y })?;
+            let (waited, checked) = checks.submit(Job { step: n, inputs, y })?;
+            log.queue_wait += waited;
+            log.checks.extend(checked);
         }
         if rank == 0 {
             progress.step(n, run.steps);

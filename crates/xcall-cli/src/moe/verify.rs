@@ -222,8 +222,6 @@ pub enum Checks {
         rank: usize,
         /// Threads of one draw or check.
         threads: usize,
-        /// The checks so far.
-        done: Vec<Checked>,
     },
 }
 
@@ -254,25 +252,20 @@ impl Checks {
         Ok((d, waited))
     }
 
-    /// Checks `job`: queues it (returning how long the queue kept the PE
-    /// waiting) or checks it now (returning zero: the check's own time is
-    /// in its [`Checked`]).
-    pub fn submit(&mut self, job: Job) -> Result<Duration, String> {
+    /// Checks `job`: queues it for the checker thread (returning how long
+    /// the queue kept the PE waiting, and no check: the thread returns it)
+    /// or checks it now (returning zero and the check, whose own time is
+    /// in it).
+    pub fn submit(&mut self, job: Job) -> Result<(Duration, Option<Checked>), String> {
         match self {
             Checks::Beside { jobs, .. } => {
                 let (start, step) = (Instant::now(), job.step);
                 jobs.send(job)
                     .map_err(|_| format!("step {step}: the output checker stopped"))?;
-                Ok(start.elapsed())
+                Ok((start.elapsed(), None))
             }
-            Checks::Inline {
-                shape,
-                threads,
-                done,
-                ..
-            } => {
-                done.push(check_job(shape, job, *threads));
-                Ok(Duration::ZERO)
+            Checks::Inline { shape, threads, .. } => {
+                Ok((Duration::ZERO, Some(check_job(shape, job, *threads))))
             }
         }
     }
