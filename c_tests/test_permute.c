@@ -139,6 +139,26 @@ int main(void) {
   }
   CHECK_STATUS(xcall_permute_alias_table(77, pairs, 4, &count), XCALL_STATUS_INVALID_ARGUMENT);
 
+  /* Expert groups of one expert and 3 rows: expert e starts at row 3e, and
+     expert 2's fourth route (token 4) is dropped (known answers). */
+  CHECK_STATUS(xcall_make_row_id_map_grouped(&host, &r_t, 0, 1, 3, &map_t, &tpe_t, &off_t), XCALL_STATUS_OK);
+  CHECK(offsets[0] == 0 && offsets[1] == 3 && offsets[2] == 6 && offsets[3] == 9);
+  CHECK(tpe[0] == 2 && tpe[1] == 2 && tpe[2] == 3);
+  CHECK(map[4][2 * E] == 1 && map[4][0] == 1 && map[4][E] == 0);
+  CHECK(map[3][2 * E] == 1 && map[3][0] == 8 && map[3][E] == 2);
+  CHECK(map[2][2 * E] == 2 && map[2][0] == 4 && map[2][1] == 7);
+  {
+  int32_t saved[T][2 * E + 1];
+  memcpy(saved, map, sizeof map);
+  CHECK_STATUS(xcall_make_row_id_map_grouped(&host, &r_t, 0, 2, 3, &map_t, &tpe_t, &off_t),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "do not split into groups of 2");
+  CHECK_STATUS(xcall_make_row_id_map_grouped(&host, &r_t, 0, 1, 0, &map_t, &tpe_t, &off_t),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "at least 1");
+  CHECK(memcmp(saved, map, sizeof map) == 0);
+  }
+
   /* Bad arguments: NULL target and tensors, negative dims, E = 0, wrong dtype. */
   CHECK_STATUS(xcall_make_row_id_map(NULL, &r_t, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(xcall_make_row_id_map(&host, NULL, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_NULL_ARGUMENT);

@@ -1340,6 +1340,35 @@ xcall_status xcall_make_row_id_map(const xcall_target *target,
                                    xcall_tensor *expert_offsets);
 
 /**
+ * `xcall_make_row_id_map` with the experts in groups whose chunks start at
+ * fixed rows (no cap, no capacity): group `g` (experts `[g *
+ * group_experts, (g + 1) * group_experts)`) owns the rows `[g *
+ * group_rows, (g + 1) * group_rows)` and packs its experts' chunks
+ * densely from its first row, in expert order, each padded to `align`
+ * (0: no padding). `E / group_experts * group_rows` output rows in all,
+ * whatever the routing, e.g. one group per destination of an
+ * expert-parallel exchange, each sized for the worst case. A route whose
+ * row would reach its group's end is dropped (the tail of the group's
+ * expert-major order); with `group_rows >= T * min(topk, group_experts)`
+ * (plus `group_experts * (align - 1)` when padded) no route of a top-k
+ * routing is dropped. A group's rows past its last chunk's kept routes
+ * are padding of its last expert (`expert_offsets[e + 1]` of the group's
+ * last expert is the next group's first row).
+ *
+ * Bad input: as `xcall_make_row_id_map`; also `group_experts` or
+ * `group_rows` below 1, `group_experts` not dividing E, or more than
+ * 2^31 - 1 rows in all: `XCALL_STATUS_INVALID_ARGUMENT`, nothing written.
+ */
+xcall_status xcall_make_row_id_map_grouped(const xcall_target *target,
+                                           const xcall_tensor *routing,
+                                           int64_t align,
+                                           int64_t group_experts,
+                                           int64_t group_rows,
+                                           xcall_tensor *row_id_map,
+                                           xcall_tensor *tokens_per_expert,
+                                           xcall_tensor *expert_offsets);
+
+/**
  * Groups tokens by expert: `output[dst] = input[t]` for every route,
  * `permuted_probs[dst] = probs[t, e]`, `permuted_scales[dst] =
  * scales[t]`; rows no route writes are zeroed. `input` `[T, H]` (any
@@ -1833,8 +1862,9 @@ struct XLA_FFI_Error *xcall_xla_unreportable_error(void);
  * `[T, E]` pred/u8. Results: `row_id_map` `[T, 2E + 1]` s32,
  * `tokens_per_expert` `[E]` s64, `expert_offsets` `[E + 1]` s64.
  * Attributes (integers, optional): `num_out_tokens` (-1: no cap), `align`
- * (0: none), `capacity` (0: none), `graph_cache`. See
- * `xcall_make_row_id_map`.
+ * (0: none), `capacity` (0: none), `group_experts` and `group_rows` (0:
+ * no groups), `graph_cache`. See `xcall_make_row_id_map` and
+ * `xcall_make_row_id_map_grouped`.
  *
  * Bad input: a malformed call frame (NULL, short structs, an unknown
  * stage, a NULL or short metadata extension, a looping extension chain,

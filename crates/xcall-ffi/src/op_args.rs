@@ -11,7 +11,7 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{CEnum, DType, Status};
 use xcall_permute::call::{self, Target, Tensor};
 use xcall_permute::chunks::Direction;
-use xcall_permute::RowIdMapOptions;
+use xcall_permute::{ExpertGroups, RowIdMapOptions};
 
 use crate::guard::{DTypeCode, FfiError};
 
@@ -160,6 +160,19 @@ pub(crate) unsafe fn make_row_id_map(t: &Target, s: &impl Source) -> Result<(), 
             num_out_tokens: (cap >= 0).then_some(cap as usize),
             align: s.non_negative("align")?,
             capacity: s.non_negative("capacity")?,
+            groups: match (
+                s.non_negative("group_experts")?,
+                s.non_negative("group_rows")?,
+            ) {
+                (None, None) => None,
+                (Some(experts), Some(rows)) => Some(ExpertGroups { experts, rows }),
+                _ => {
+                    return Err(FfiError::new(
+                        Status::InvalidArgument,
+                        "group_experts and group_rows are both 0 (no groups) or both positive",
+                    ))
+                }
+            },
         },
         row_id_map: s.required("row_id_map")?,
         tokens_per_expert: s.required("tokens_per_expert")?,

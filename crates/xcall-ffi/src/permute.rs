@@ -213,6 +213,55 @@ pub extern "C" fn xcall_make_row_id_map(
     })
 }
 
+/// `xcall_make_row_id_map` with the experts in groups whose chunks start at
+/// fixed rows (no cap, no capacity): group `g` (experts `[g *
+/// group_experts, (g + 1) * group_experts)`) owns the rows `[g *
+/// group_rows, (g + 1) * group_rows)` and packs its experts' chunks
+/// densely from its first row, in expert order, each padded to `align`
+/// (0: no padding). `E / group_experts * group_rows` output rows in all,
+/// whatever the routing, e.g. one group per destination of an
+/// expert-parallel exchange, each sized for the worst case. A route whose
+/// row would reach its group's end is dropped (the tail of the group's
+/// expert-major order); with `group_rows >= T * min(topk, group_experts)`
+/// (plus `group_experts * (align - 1)` when padded) no route of a top-k
+/// routing is dropped. A group's rows past its last chunk's kept routes
+/// are padding of its last expert (`expert_offsets[e + 1]` of the group's
+/// last expert is the next group's first row).
+///
+/// Bad input: as `xcall_make_row_id_map`; also `group_experts` or
+/// `group_rows` below 1, `group_experts` not dividing E, or more than
+/// 2^31 - 1 rows in all: `XCALL_STATUS_INVALID_ARGUMENT`, nothing written.
+#[no_mangle]
+pub extern "C" fn xcall_make_row_id_map_grouped(
+    target: *const xcall_target,
+    routing: *const xcall_tensor,
+    align: i64,
+    group_experts: i64,
+    group_rows: i64,
+    row_id_map: *mut xcall_tensor,
+    tokens_per_expert: *mut xcall_tensor,
+    expert_offsets: *mut xcall_tensor,
+) -> Status {
+    ffi_call!({
+        if group_experts < 1 || group_rows < 1 {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!(
+                    "group_experts {group_experts} and group_rows {group_rows}: both must be at least 1"
+                ),
+            ));
+        }
+        run_c_op!(
+            op_args::make_row_id_map,
+            target,
+            [routing, row_id_map, tokens_per_expert, expert_offsets],
+            align = align,
+            group_experts = group_experts,
+            group_rows = group_rows
+        )
+    })
+}
+
 /// Groups tokens by expert: `output[dst] = input[t]` for every route,
 /// `permuted_probs[dst] = probs[t, e]`, `permuted_scales[dst] =
 /// scales[t]`; rows no route writes are zeroed. `input` `[T, H]` (any

@@ -267,30 +267,37 @@ extern "C" __global__ void rim_scan_blocks(const RowIdMapParams p) {
     if (threadIdx.x == 0) p.tpe[e] = carry;
 }
 
-// Phase 2b, one block: padded expert offsets, and the routes each expert
-// keeps under the cap and the capacity (tpe holds raw counts on entry, kept
-// on exit). capacity > 0: every chunk is exactly capacity rows.
+// Phase 2b, one block per expert group (one group of all E without
+// groups): padded expert offsets, and the routes each expert keeps under
+// the cap, the capacity and its group's end (tpe holds raw counts on entry,
+// kept on exit). capacity > 0: every chunk is exactly capacity rows. With
+// groups (group_rows > 0), group g's chunks are packed from row
+// g * group_rows and clamped to the group's end.
 extern "C" __global__ void rim_offsets(const RowIdMapParams p) {
     __shared__ i64 warps[32];
     i64* tpe = p.tpe;
     i64* offsets = p.offsets;
-    const int E = (int)p.experts;
-    const i64 align = p.align, cap = p.cap, capacity = p.capacity;
-    i64 carry = 0;
-    for (int base = 0; base < E; base += blockDim.x) {
-        int e = base + threadIdx.x;
-        i64 count = e < E ? tpe[e] : 0;
-        i64 padded = e >= E ? 0 : capacity > 0 ? capacity : (count + align - 1) / align * align;
+    const int E = (int)p.experts, GE = (int)p.group_experts;
+    const int first = blockIdx.x * GE, last = min(E, first + GE);
+    const i64 align = p.align, capacity = p.capacity, rows = p.group_rows;
+    const i64 base = rows > 0 ? (i64)blockIdx.x * rows : 0;
+    const i64 end = rows > 0 ? base + rows : p.cap;
+    i64 carry = base;
+    for (int at = first; at < last; at += blockDim.x) {
+        int e = at + threadIdx.x;
+        i64 count = e < last ? tpe[e] : 0;
+        i64 padded = e >= last ? 0 : capacity > 0 ? capacity : (count + align - 1) / align * align;
         i64 total;
         i64 incl = block_scan(padded, warps, &total);
-        if (e < E) {
+        if (e < last) {
             i64 off = carry + incl - padded;
+            if (rows > 0) off = min(off, end);
             offsets[e] = off;
-            tpe[e] = max((i64)0, min(min(count, cap - off), capacity > 0 ? capacity : count));
+            tpe[e] = max((i64)0, min(min(count, end - off), capacity > 0 ? capacity : count));
         }
         carry += total;
     }
-    if (threadIdx.x == 0) offsets[E] = carry;
+    if (threadIdx.x == 0 && last == E) offsets[E] = rows > 0 ? (i64)gridDim.x * rows : carry;
 }
 
 // Phase 3: ranks within the block, then one warp per token writes its row.
@@ -326,7 +333,8 @@ extern "C" __global__ void rim_write(const RowIdMapParams p) {
                 int v = tile[i * E + e];
                 if (v) {
                     dst = start[e] + v - 1;
-                    kept = dst < cap && (capacity <= 0 || dst - offsets[e] < capacity);
+                    kept = dst < cap && (capacity <= 0 || dst - offsets[e] < capacity) &&
+                           (p.group_rows <= 0 || dst < (i64)(e / (int)p.group_experts + 1) * p.group_rows);
                 }
             }
             unsigned mask = __ballot_sync(0xffffffffu, kept);

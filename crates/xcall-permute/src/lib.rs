@@ -40,5 +40,7 @@ pub mod ops;
 pub mod row_id_map;
 
 pub use error::PermuteError;
-pub use row_id_map::{make_row_id_map, MapFaults, RowIdMap, RowIdMapOptions, RowIdMapRef};
+pub use row_id_map::{
+    make_row_id_map, ExpertGroups, MapFaults, RowIdMap, RowIdMapOptions, RowIdMapRef,
+};
 pub use xcall_core::{Device, Error, Platform, Result};

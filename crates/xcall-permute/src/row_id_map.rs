@@ -105,6 +105,30 @@ pub struct RowIdMapOptions {
     /// free are padding (zeroed by `permute`). Not combinable with
     /// `num_out_tokens` or `align`.
     pub capacity: Option<usize>,
+    /// Expert groups with fixed bases: see [`ExpertGroups`]. Combinable
+    /// with `align`, not with `num_out_tokens` or `capacity`.
+    pub groups: Option<ExpertGroups>,
+}
+
+/// Consecutive experts in groups whose chunks start at fixed rows, e.g.
+/// one group per destination of an expert-parallel exchange: group `g`
+/// (experts `[g * experts, (g + 1) * experts)`) owns the rows
+/// `[g * rows, (g + 1) * rows)` and packs its experts' chunks densely from
+/// its first row, in expert order (each padded to `align` when given).
+/// The layout's group bases do not depend on the routing (`E / experts *
+/// rows` output rows in all), while within a group no row is spent on an
+/// expert's unused capacity. A route whose row would reach its group's
+/// end is dropped (the tail of the group's expert-major order); with
+/// `rows >= T * min(k, experts)` (plus `experts * (align - 1)` when
+/// padded) nothing is dropped when every token has at most `k` routes.
+/// The rows of a group past its last chunk's kept routes are padding of
+/// its last expert (zeroed by `permute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertGroups {
+    /// Experts per group: at least 1, a divisor of `E`.
+    pub experts: usize,
+    /// Rows per group: at least 1.
+    pub rows: usize,
 }
 
 /// A row-id map and the facts derived with it.
@@ -356,6 +380,19 @@ pub fn check_options(options: RowIdMapOptions) -> Result<(), PermuteError> {
             ));
         }
     }
+    if let Some(g) = options.groups {
+        if g.experts == 0 || g.rows == 0 {
+            return Err(shape(format!(
+                "expert groups of {} experts and {} rows: both must be at least 1",
+                g.experts, g.rows
+            )));
+        }
+        if options.capacity.is_some() || options.num_out_tokens.is_some() {
+            return Err(shape(
+                "expert groups cannot be combined with num_out_tokens or capacity: they fix every group's rows",
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -370,6 +407,23 @@ pub fn check_layout(
 ) -> Result<(), PermuteError> {
     check_options(options)?;
     let rows_max = i32::MAX as u128;
+    if let Some(g) = options.groups {
+        if experts % g.experts != 0 {
+            return Err(shape(format!(
+                "{experts} experts do not split into groups of {}",
+                g.experts
+            )));
+        }
+        let rows = (experts / g.experts) as u128 * g.rows as u128;
+        if rows > rows_max {
+            return Err(shape(format!(
+                "{} groups of {} rows need {rows} rows, past the i32 row-id map ({rows_max})",
+                experts / g.experts,
+                g.rows
+            )));
+        }
+        return Ok(());
+    }
     let chunk = match (options.capacity, options.align) {
         (Some(c), _) => c as u128,
         // The most an expert can hold: every token, padded.
@@ -427,8 +481,19 @@ pub fn make_row_id_map(
     };
     let align = i64::try_from(options.align.unwrap_or(1)).map_err(|_| too_many("align"))?;
     let mut offsets = try_vec(experts + 1, 0i64, "expert offsets")?;
+    // The first row past each expert's group: where its routes stop
+    // (checked to fit the i32 map above).
+    let group_end = |e: usize| {
+        options
+            .groups
+            .map_or(i64::MAX, |g| ((e / g.experts + 1) * g.rows) as i64)
+    };
     let mut at = 0i64;
     for (e, &c) in counts.iter().enumerate() {
+        if let Some(g) = options.groups.filter(|g| e % g.experts == 0) {
+            at = ((e / g.experts) * g.rows) as i64;
+        }
+        at = at.min(group_end(e));
         offsets[e] = at;
         let chunk = match options.capacity {
             Some(capacity) => i64::try_from(capacity).ok(),
@@ -444,8 +509,11 @@ pub fn make_row_id_map(
                 })
             })?;
     }
-    offsets[experts] = at;
-    let out_rows = options.num_out_tokens.unwrap_or(at as usize);
+    offsets[experts] = match options.groups {
+        Some(g) => ((experts / g.experts) * g.rows) as i64,
+        None => at,
+    };
+    let out_rows = options.num_out_tokens.unwrap_or(offsets[experts] as usize);
     if out_rows > i32::MAX as usize {
         return Err(shape(format!(
             "{out_rows} output rows do not fit the i32 row-id map"
@@ -467,7 +535,10 @@ pub fn make_row_id_map(
             }
             let dst = offsets[e] + rank[e];
             rank[e] += 1;
-            if dst < cap && options.capacity.is_none_or(|c| rank[e] <= c as i64) {
+            if dst < cap
+                && dst < group_end(e)
+                && options.capacity.is_none_or(|c| rank[e] <= c as i64)
+            {
                 row[n] = dst as i32;
                 row[experts + n] = e as i32;
                 n += 1;
@@ -580,6 +651,7 @@ mod tests {
                     num_out_tokens: cap,
                     align,
                     capacity: None,
+                    groups: None,
                 },
             )
             .unwrap();

@@ -15,7 +15,7 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::{MapFaults, PermuteError, RowIdMapOptions};
+use xcall_permute::{ExpertGroups, MapFaults, PermuteError, RowIdMapOptions};
 
 const POISON: u8 = 0xa5;
 
@@ -190,13 +190,14 @@ struct Case {
     cap: Option<usize>,
     align: Option<usize>,
     capacity: Option<usize>,
+    groups: Option<ExpertGroups>,
     dtype: DType,
 }
 
 fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
     let what = format!(
-        "T={} E={} H={} topk={} cap={:?} align={:?} capacity={:?} {}",
-        c.t, c.e, c.h, c.topk, c.cap, c.align, c.capacity, c.dtype
+        "T={} E={} H={} topk={} cap={:?} align={:?} capacity={:?} groups={:?} {}",
+        c.t, c.e, c.h, c.topk, c.cap, c.align, c.capacity, c.groups, c.dtype
     );
     let mut g = XorShift::new(seed);
     let (t, e, h) = (c.t as u64, c.e as u64, c.h as u64);
@@ -208,6 +209,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
         num_out_tokens: c.cap,
         align: c.align,
         capacity: c.capacity,
+        groups: c.groups,
     };
     both(gpu, autotune, |tg, dev| {
         let pick = |p: &Pair| if dev { p.d() } else { p.h() };
@@ -381,6 +383,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: None,
                 align: None,
                 capacity: None,
+                groups: None,
                 dtype,
             },
             Case {
@@ -391,6 +394,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: Some(2039),
                 align: None,
                 capacity: None,
+                groups: None,
                 dtype,
             },
             Case {
@@ -401,6 +405,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: None,
                 align: Some(16),
                 capacity: None,
+                groups: None,
                 dtype,
             },
             Case {
@@ -411,6 +416,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: None,
                 align: Some(128),
                 capacity: None,
+                groups: None,
                 dtype,
             },
             Case {
@@ -421,6 +427,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: Some(5000),
                 align: None,
                 capacity: None,
+                groups: None,
                 dtype,
             },
             Case {
@@ -431,6 +438,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: None,
                 align: None,
                 capacity: None,
+                groups: None,
                 dtype,
             },
             Case {
@@ -441,6 +449,7 @@ fn every_op_and_dtype_equals_the_host() {
                 cap: None,
                 align: Some(8),
                 capacity: None,
+                groups: None,
                 dtype,
             },
         ]);
@@ -455,6 +464,27 @@ fn every_op_and_dtype_equals_the_host() {
             cap: None,
             align: None,
             capacity: Some(capacity),
+            groups: None,
+            dtype,
+        });
+    }
+    // Expert groups: no drop (one group of 256 experts holding T * k rows,
+    // two of 4 holding T * 2), drops with padding, and every group full.
+    for (t, e, topk, experts, rows, align, dtype) in [
+        (300, 256, 8, 256, 2400, None, DType::Bf16),
+        (4096, 8, 2, 4, 8192, None, DType::F32),
+        (1000, 64, 6, 16, 1200, Some(8), DType::Bf16),
+        (500, 12, 3, 3, 100, None, DType::F16),
+    ] {
+        cases.push(Case {
+            t,
+            e,
+            h: 1024,
+            topk,
+            cap: None,
+            align,
+            capacity: None,
+            groups: Some(ExpertGroups { experts, rows }),
             dtype,
         });
     }
@@ -466,6 +496,7 @@ fn every_op_and_dtype_equals_the_host() {
         cap: None,
         align: None,
         capacity: None,
+        groups: None,
         dtype: DType::Bf16,
     });
     for c in &cases {
@@ -492,6 +523,7 @@ fn fp8_permute_and_unpermute_equal_the_host() {
             cap: None,
             align: Some(4),
             capacity: None,
+            groups: None,
             dtype,
         });
         cases.push(Case {
@@ -502,6 +534,7 @@ fn fp8_permute_and_unpermute_equal_the_host() {
             cap: Some(90),
             align: None,
             capacity: None,
+            groups: None,
             dtype,
         });
     }
@@ -528,6 +561,7 @@ fn autotuned_results_equal_untuned_and_tuning_writes_nothing_visible() {
             cap: None,
             align: Some(8),
             capacity: None,
+            groups: None,
             dtype,
         };
         run_case(&mut gpu, &c, 900 + i as u64, false);
@@ -566,6 +600,7 @@ fn every_launch_config_equals_the_host() {
             cap: None,
             align: (i % 2 == 0).then_some(4),
             capacity: None,
+            groups: None,
             dtype,
         };
         let forced = [
@@ -872,6 +907,7 @@ fn under_capture_nothing_is_tuned_and_the_graph_replays_correctly() {
                         num_out_tokens: Some(cap),
                         align: None,
                         capacity: None,
+                        groups: None,
                     },
                     row_id_map: pick(&map),
                     tokens_per_expert: pick(&tpe),

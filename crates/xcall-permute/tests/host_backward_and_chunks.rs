@@ -29,6 +29,7 @@ fn unpermute_backward_matches_the_definition() {
             num_out_tokens: Some(500),
             align: None,
             capacity: None,
+            groups: None,
         },
     )
     .unwrap();

@@ -146,6 +146,7 @@ fn check_case(
             num_out_tokens: cap,
             align,
             capacity,
+            groups: None,
         },
     )
     .unwrap();
@@ -449,6 +450,7 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
             align: Some(4),
             num_out_tokens: Some(4),
             capacity: None,
+            groups: None,
         }
     )
     .is_err());
@@ -457,6 +459,7 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
             num_out_tokens: cap,
             align,
             capacity: Some(capacity),
+            groups: None,
         };
         assert!(
             matches!(make_row_id_map(&[1, 0], 1, 2, opts), Err(PermuteError::Shape(m)) if m.contains("capacity")),
@@ -509,4 +512,161 @@ fn bad_inputs_are_refused_and_nothing_is_written() {
     .unwrap_err();
     assert_eq!(err.status(), xcall_core::Status::Unsupported);
     out.fill(0);
+}
+
+/// Expert groups against a reference that walks each group's experts and
+/// their tokens in order, placing rows from the group's base (padded to
+/// `align`) and dropping those that reach the group's end; also the
+/// options the groups refuse, and the per-group bound of the i32 map.
+#[test]
+fn expert_groups_pack_each_group_from_its_base() {
+    use xcall_permute::ExpertGroups;
+    for (tokens, experts, topk, per_group, rows, align, seed) in [
+        (300, 256, 8, 256, 2400, None, 1u64),
+        (200, 8, 2, 4, 400, None, 2),
+        (200, 8, 3, 4, 100, None, 3),
+        (500, 64, 6, 16, 700, Some(8), 4),
+        (97, 12, 3, 3, 1, None, 5),
+        (0, 4, 2, 2, 5, Some(4), 6),
+    ] {
+        let r = routing(tokens, experts, topk, seed);
+        let options = RowIdMapOptions {
+            align,
+            groups: Some(ExpertGroups {
+                experts: per_group,
+                rows,
+            }),
+            ..RowIdMapOptions::default()
+        };
+        let map = make_row_id_map(&r, tokens, experts, options).unwrap();
+        let what = format!(
+            "T={tokens} E={experts} k={topk} groups of {per_group} x {rows} align={align:?}"
+        );
+        let groups = experts / per_group;
+        assert_eq!(map.out_rows, groups * rows, "{what}");
+        let mut want = HashMap::new();
+        let (mut offsets, mut kept) = (vec![0i64; experts + 1], vec![0i64; experts]);
+        for g in 0..groups {
+            let end = (g + 1) * rows;
+            let mut at = g * rows;
+            for e in g * per_group..(g + 1) * per_group {
+                offsets[e] = at.min(end) as i64;
+                let mut n = 0;
+                for t in (0..tokens).filter(|&t| r[t * experts + e] != 0) {
+                    if at + n < end {
+                        want.insert((t, e), at + n);
+                        kept[e] += 1;
+                    }
+                    n += 1;
+                }
+                at += n.div_ceil(align.unwrap_or(1)) * align.unwrap_or(1);
+            }
+        }
+        offsets[experts] = (groups * rows) as i64;
+        let got: HashMap<(usize, usize), usize> = (0..tokens)
+            .flat_map(|t| map.routes(t).map(move |(dst, e)| ((t, e), dst)))
+            .collect();
+        assert_eq!(got, want, "{what}");
+        assert_eq!(map.tokens_per_expert, kept, "{what}");
+        assert_eq!(map.expert_offsets, offsets, "{what}");
+        // The map passes the checks every consumer runs.
+        xcall_permute::RowIdMapRef::new(
+            tokens,
+            experts,
+            &map.map,
+            &map.tokens_per_expert,
+            &map.expert_offsets,
+            map.out_rows,
+        )
+        .unwrap();
+    }
+    // With rows = T * min(k, group) nothing is dropped (known answer).
+    let r = routing(300, 16, 5, 9);
+    let groups = Some(ExpertGroups {
+        experts: 4,
+        rows: 300 * 4,
+    });
+    let map = make_row_id_map(
+        &r,
+        300,
+        16,
+        RowIdMapOptions {
+            groups,
+            ..RowIdMapOptions::default()
+        },
+    )
+    .unwrap();
+    let routes: usize = r.iter().map(|&b| b as usize).sum();
+    assert_eq!(map.tokens_per_expert.iter().sum::<i64>() as usize, routes);
+
+    let refused = |options: RowIdMapOptions, experts: usize, needle: &str| {
+        let r = vec![1u8; 2 * experts];
+        match make_row_id_map(&r, 2, experts, options) {
+            Err(PermuteError::Shape(m)) => assert!(m.contains(needle), "{options:?}: {m}"),
+            other => panic!("{options:?}: {other:?}"),
+        }
+    };
+    let g = |experts, rows| Some(ExpertGroups { experts, rows });
+    let none = RowIdMapOptions::default();
+    refused(
+        RowIdMapOptions {
+            groups: g(0, 4),
+            ..none
+        },
+        4,
+        "at least 1",
+    );
+    refused(
+        RowIdMapOptions {
+            groups: g(2, 0),
+            ..none
+        },
+        4,
+        "at least 1",
+    );
+    refused(
+        RowIdMapOptions {
+            groups: g(3, 4),
+            ..none
+        },
+        4,
+        "do not split",
+    );
+    refused(
+        RowIdMapOptions {
+            groups: g(2, 4),
+            capacity: Some(2),
+            ..none
+        },
+        4,
+        "cannot be combined",
+    );
+    refused(
+        RowIdMapOptions {
+            groups: g(2, 4),
+            num_out_tokens: Some(2),
+            ..none
+        },
+        4,
+        "cannot be combined",
+    );
+    // 2 groups of 2^30 rows fit the i32 map only just not.
+    refused(
+        RowIdMapOptions {
+            groups: g(2, 1 << 30),
+            ..none
+        },
+        4,
+        "past the i32 row-id map",
+    );
+    assert!(make_row_id_map(
+        &[1; 8],
+        2,
+        4,
+        RowIdMapOptions {
+            groups: g(2, (1 << 30) - 1),
+            ..none
+        }
+    )
+    .is_ok());
 }

@@ -104,7 +104,7 @@ proptest! {
     ) {
         let mut routing = routing;
         routing.resize(tokens * experts, 0);
-        let options = RowIdMapOptions { num_out_tokens: cap, align, capacity };
+        let options = RowIdMapOptions { num_out_tokens: cap, align, capacity, groups: None };
         if let Ok(m) = make_row_id_map(&routing, tokens, experts, options) {
             prop_assert!(m.out_rows <= i32::MAX as usize);
             prop_assert!(m.expert_offsets.windows(2).all(|w| w[0] <= w[1]));

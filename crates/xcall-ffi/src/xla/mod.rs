@@ -340,8 +340,9 @@ fn handle(spec: &Spec, side: Side, frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FF
 /// `[T, E]` pred/u8. Results: `row_id_map` `[T, 2E + 1]` s32,
 /// `tokens_per_expert` `[E]` s64, `expert_offsets` `[E + 1]` s64.
 /// Attributes (integers, optional): `num_out_tokens` (-1: no cap), `align`
-/// (0: none), `capacity` (0: none), `graph_cache`. See
-/// `xcall_make_row_id_map`.
+/// (0: none), `capacity` (0: none), `group_experts` and `group_rows` (0:
+/// no groups), `graph_cache`. See `xcall_make_row_id_map` and
+/// `xcall_make_row_id_map_grouped`.
 ///
 /// Bad input: a malformed call frame (NULL, short structs, an unknown
 /// stage, a NULL or short metadata extension, a looping extension chain,

@@ -107,7 +107,13 @@ pub(super) static MAKE_ROW_ID_MAP: Spec = Spec {
         always("tokens_per_expert"),
         always("expert_offsets"),
     ],
-    scalars: &["num_out_tokens", "align", "capacity"],
+    scalars: &[
+        "num_out_tokens",
+        "align",
+        "capacity",
+        "group_experts",
+        "group_rows",
+    ],
     cuda_traits: CBC,
     run: op_args::make_row_id_map,
 };

@@ -115,11 +115,14 @@ pub(crate) unsafe fn make_row_id_map(
         align: a.options.align.unwrap_or(1) as i64,
         cap: a.options.num_out_tokens.map_or(i64::MAX, |c| c as i64),
         capacity: a.options.capacity.map_or(0, |c| c as i64),
+        group_experts: a.options.groups.map_or(e, |g| g.experts) as i64,
+        group_rows: a.options.groups.map_or(0, |g| g.rows) as i64,
     };
+    let groups = a.options.groups.map_or(1, |g| e / g.experts) as u64;
     let kernel = |name| (Family::Movement, name);
     launch(target, kernel("rim_count"), nblocks, 256, tb * e, &p)?;
     launch(target, kernel("rim_scan_blocks"), e as u64, 256, 0, &p)?;
-    launch(target, kernel("rim_offsets"), 1, 1024, 0, &p)?;
+    launch(target, kernel("rim_offsets"), groups, 1024, 0, &p)?;
     launch(
         target,
         kernel("rim_write"),

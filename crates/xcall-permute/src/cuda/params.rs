@@ -32,6 +32,10 @@ kernel_params! {
         cap: i64 => "i64",
         /// Rows per chunk when > 0 (fixed capacity).
         capacity: i64 => "i64",
+        /// Experts per group (`E` without groups).
+        group_experts: i64 => "i64",
+        /// Rows per group, or 0 without groups.
+        group_rows: i64 => "i64",
     }
 }
 
