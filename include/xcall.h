@@ -1827,6 +1827,45 @@ xcall_status xcall_ws_run_grouped(const xcall_target *target,
                                   const float *scales,
                                   size_t group_bytes);
 
+/**
+ * `xcall_ws_run_grouped` with groups of rows whose sizes are data (e.g.
+ * each expert's row count, written on the device by the PE that routed
+ * the rows): `output = silu(input) * scales[i]` over the rows of ragged
+ * group `i`. The buffers are `segments` segments of `segment_bytes`
+ * bytes (`bytes = segments * segment_bytes`); segment `s` holds
+ * `groups` groups of whole rows of `row_bytes` bytes packed from its
+ * first byte, group `(s, g)` being `rows[s * groups + g]` rows scaled by
+ * `scales[s * groups + g]`. The bytes of a segment past its groups are
+ * neither read nor written. `rows` (int64) and `scales` (float) hold
+ * `segments * groups` values each (host memory on a Host target, device
+ * memory on CUDA, where they are read when the kernel runs).
+ *
+ * Errors: those of `xcall_ws_run`; `XCALL_STATUS_NULL_ARGUMENT` for NULL
+ * `rows` or `scales`; `XCALL_STATUS_INVALID_ARGUMENT` for misaligned
+ * `rows` (8 bytes) or `scales` (4), no segment or group or more than
+ * 1024 groups in all, `row_bytes` not a positive multiple of 16 or not
+ * dividing `segment_bytes`, segments not making `bytes`, `rows` or
+ * `scales` overlapping the output; on Host also a negative count or
+ * groups passing their segment's end (a CUDA kernel, which cannot fail,
+ * takes a negative count as 0 and cuts groups at their segment's end);
+ * `XCALL_STATUS_UNSUPPORTED` where the config's pipeline leaves no
+ * shared memory for the groups' table.
+ *
+ * Bad input: as listed under Errors, each checked before anything runs
+ * (sizes in 64 bits); nothing is written on an error.
+ */
+xcall_status xcall_ws_run_ragged(const xcall_target *target,
+                                 xcall_dtype dtype,
+                                 const xcall_ws_op_config *config,
+                                 const void *input,
+                                 void *output,
+                                 size_t segments,
+                                 size_t groups,
+                                 size_t segment_bytes,
+                                 size_t row_bytes,
+                                 const int64_t *rows,
+                                 const float *scales);
+
 /* ======================================================================
  * XLA FFI handlers
  *

@@ -10,9 +10,14 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
     let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe") else {
         return;
     };
-    // The f32 run checks every other step, its checks beside the GPU work.
-    for (dtype, factor, verify) in [("bf16", "1.25", "every"), ("f32", "0.7", "sample:2")] {
-        let path = json_path(&format!("cuda-moe-{dtype}"));
+    // The f32 run checks every other step, its checks beside the GPU work;
+    // factor 0 is dropless.
+    for (dtype, factor, verify) in [
+        ("bf16", "1.25", "every"),
+        ("f32", "0.7", "sample:2"),
+        ("bf16", "0", "every"),
+    ] {
+        let path = json_path(&format!("cuda-moe-{dtype}-{factor}"));
         let steps = 5;
         let (out, stdout) = run(&[
             "moe",
@@ -55,9 +60,12 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
         assert!(stderr.contains("xcall moe: 9/9 steps done"), "{stderr}");
         let memory = &j["memory_bytes"];
         assert_eq!(memory["kind"], "device_in_use");
-        // The layer's buffers at least: 4 x [E*C, H] per PE.
-        let buffers =
-            4 * 8 * j["capacity"].as_u64().unwrap() * 1024 * if dtype == "f32" { 4 } else { 2 };
+        // The layer's buffers at least: the symmetric heap, whose slots
+        // hold 2 x (2P - 1) x [S, H] per PE.
+        let buffers = j["heap_bytes"].as_u64().unwrap();
+        let slots = 2 * (2 * gpus as u64 - 1) * j["slot_rows"].as_u64().unwrap() * 1024;
+        assert!(buffers > slots * if dtype == "f32" { 4 } else { 2 }, "{j}");
+        assert_eq!(j["dropless"], factor == "0");
         assert!(
             memory["after_warmup"].as_u64().unwrap() > buffers,
             "{memory}"

@@ -211,6 +211,72 @@ fn host_layer_with_drops_f32_and_other_pe_counts() {
     }
 }
 
+/// Dropless: no route dropped at any PE count, with top-k below and
+/// above the experts per PE (the slot holds T * min(k, L) rows), where the
+/// default capacity drops routes on the same inputs.
+#[test]
+fn dropless_layer_drops_nothing_and_reports_its_slots() {
+    for (pes, experts, topk, dtype, flag) in [
+        ("1", "8", "3", "bf16", "--dropless"),
+        ("2", "4", "3", "f32", "--capacity-factor=0"),
+        ("3", "6", "1", "bf16", "--dropless"),
+        ("4", "8", "2", "f32", "--dropless"),
+        ("8", "16", "4", "bf16", "--dropless"),
+    ] {
+        let common = [
+            "moe",
+            "--pes",
+            pes,
+            "--experts",
+            experts,
+            "--topk",
+            topk,
+            "--dtype",
+            dtype,
+            "--tokens",
+            "200",
+            "--hidden",
+            "32",
+            "--steps",
+            "2",
+            "--seed",
+            "5",
+        ];
+        let path = json_path(&format!("moe-dropless-{pes}"));
+        let mut args = common.to_vec();
+        args.extend([flag, "--json", path.to_str().unwrap()]);
+        let (out, stdout) = run(&args);
+        assert!(out.status.success(), "{pes} PEs: {stdout}");
+        assert!(stdout.contains("dropless: slots of"), "{stdout}");
+        assert!(stdout.contains("slot fill"), "{stdout}");
+        let j = read_json(&path);
+        assert_eq!(j["verification"]["verdict"], "PASS", "{pes} PEs");
+        assert_eq!(j["verification"]["mismatches"], 0, "{pes} PEs");
+        assert_eq!(j["dropped_routes"], 0, "{pes} PEs");
+        assert_eq!(j["dropless"], true);
+        assert_eq!(j["capacity_factor"], 0.0);
+        let (p, e, k): (u64, u64, u64) = (
+            pes.parse().unwrap(),
+            experts.parse().unwrap(),
+            topk.parse().unwrap(),
+        );
+        assert_eq!(j["slot_rows"], 200 * k.min(e / p), "{pes} PEs");
+        // Every route of every PE-step kept: the fill is routes / rows.
+        let fill = j["capacity_fill"].as_f64().unwrap();
+        let want = (200 * k) as f64 / (p * 200 * k.min(e / p)) as f64;
+        assert!(
+            (fill - want).abs() < 1e-9,
+            "{pes} PEs: fill {fill}, want {want}"
+        );
+        // The same inputs with a tight capacity drop routes.
+        let mut args = common.to_vec();
+        args.extend(["--capacity-factor", "0.5"]);
+        let (out, stdout) = run(&args);
+        assert!(out.status.success(), "{stdout}");
+        assert!(!stdout.contains(" 0 route(s) dropped"), "{stdout}");
+    }
+}
+
 #[test]
 fn bad_flags_are_one_line_and_a_failure() {
     for (args, want) in [
@@ -228,6 +294,10 @@ fn bad_flags_are_one_line_and_a_failure() {
         (
             vec!["--capacity-factor=-1"],
             "--capacity-factor -1: must be positive",
+        ),
+        (
+            vec!["--dropless", "--capacity-factor", "2"],
+            "a dropless layer has no capacity",
         ),
         (
             vec!["--tokens", "4000000", "--hidden", "65536"],

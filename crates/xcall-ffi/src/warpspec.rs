@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{DType, Status};
 use xcall_warpspec::codegen::{generate, ElementwiseOp};
-use xcall_warpspec::ops::{GroupScales, OpConfig, OpError};
+use xcall_warpspec::ops::{GroupScales, OpConfig, OpError, RaggedGroups};
 use xcall_warpspec::verify::{verify_within, Budget};
 use xcall_warpspec::OpCall;
 use xcall_warpspec::{PipelinePlan, PipelineSpec, PlanError, RegisterSplit};
@@ -342,7 +342,7 @@ pub extern "C" fn xcall_ws_run(
         // SAFETY: the caller's promises, as documented above.
         unsafe {
             run(
-                target, op, dtype, config, inputs, num_inputs, output, bytes, scale, None,
+                target, op, dtype, config, inputs, num_inputs, output, bytes, scale, None, None,
             )
         }
     })
@@ -396,13 +396,89 @@ pub extern "C" fn xcall_ws_run_grouped(
                 bytes,
                 0.0,
                 Some(scales),
+                None,
             )
         }
     })
 }
 
-/// What `xcall_ws_run` and `xcall_ws_run_grouped` do after reading their
-/// arguments.
+/// `xcall_ws_run_grouped` with groups of rows whose sizes are data (e.g.
+/// each expert's row count, written on the device by the PE that routed
+/// the rows): `output = silu(input) * scales[i]` over the rows of ragged
+/// group `i`. The buffers are `segments` segments of `segment_bytes`
+/// bytes (`bytes = segments * segment_bytes`); segment `s` holds
+/// `groups` groups of whole rows of `row_bytes` bytes packed from its
+/// first byte, group `(s, g)` being `rows[s * groups + g]` rows scaled by
+/// `scales[s * groups + g]`. The bytes of a segment past its groups are
+/// neither read nor written. `rows` (int64) and `scales` (float) hold
+/// `segments * groups` values each (host memory on a Host target, device
+/// memory on CUDA, where they are read when the kernel runs).
+///
+/// Errors: those of `xcall_ws_run`; `XCALL_STATUS_NULL_ARGUMENT` for NULL
+/// `rows` or `scales`; `XCALL_STATUS_INVALID_ARGUMENT` for misaligned
+/// `rows` (8 bytes) or `scales` (4), no segment or group or more than
+/// 1024 groups in all, `row_bytes` not a positive multiple of 16 or not
+/// dividing `segment_bytes`, segments not making `bytes`, `rows` or
+/// `scales` overlapping the output; on Host also a negative count or
+/// groups passing their segment's end (a CUDA kernel, which cannot fail,
+/// takes a negative count as 0 and cuts groups at their segment's end);
+/// `XCALL_STATUS_UNSUPPORTED` where the config's pipeline leaves no
+/// shared memory for the groups' table.
+///
+/// Bad input: as listed under Errors, each checked before anything runs
+/// (sizes in 64 bits); nothing is written on an error.
+#[allow(clippy::too_many_arguments)]
+#[no_mangle]
+pub extern "C" fn xcall_ws_run_ragged(
+    target: *const xcall_target,
+    dtype: DTypeCode,
+    config: *const xcall_ws_op_config,
+    input: *const c_void,
+    output: *mut c_void,
+    segments: usize,
+    groups: usize,
+    segment_bytes: usize,
+    row_bytes: usize,
+    rows: *const i64,
+    scales: *const f32,
+) -> Status {
+    ffi_call!({
+        let ragged = RaggedGroups {
+            scales: scales as u64,
+            rows: rows as u64,
+            segments: segments as u64,
+            groups: groups as u64,
+            segment_bytes: segment_bytes as u64,
+            row_bytes: row_bytes as u64,
+        };
+        let bytes = segments.checked_mul(segment_bytes).ok_or_else(|| {
+            FfiError::new(
+                Status::InvalidArgument,
+                format!("{segments} segments of {segment_bytes} bytes overflow a size"),
+            )
+        })?;
+        let inputs = [input];
+        // SAFETY: the caller's promises, as documented above.
+        unsafe {
+            run(
+                target,
+                WsOpCode(ElementwiseOp::SiluScale as u32),
+                dtype,
+                config,
+                inputs.as_ptr(),
+                1,
+                output,
+                bytes,
+                0.0,
+                None,
+                Some(ragged),
+            )
+        }
+    })
+}
+
+/// What `xcall_ws_run`, `xcall_ws_run_grouped` and `xcall_ws_run_ragged`
+/// do after reading their arguments.
 ///
 /// # Safety
 /// The pointers as the two functions document them.
@@ -418,6 +494,7 @@ unsafe fn run(
     bytes: usize,
     scale: f32,
     scales: Option<GroupScales>,
+    ragged: Option<RaggedGroups>,
 ) -> Result<(), FfiError> {
     let target = xcall_target::read(target, "target")?;
     let device = target.device()?;
@@ -459,6 +536,7 @@ unsafe fn run(
         bytes: bytes as u64,
         scale,
         scales,
+        ragged,
     };
     // SAFETY: the caller's promises on the buffers and the stream, as
     // documented on the two functions.

@@ -50,6 +50,7 @@ fn main() {
         output: po,
         bytes: BYTES,
         scales: None,
+        ragged: None,
     };
     let s = stream.cu_stream();
     let run = |variant: Variant, config: &OpConfig| {
@@ -184,6 +185,7 @@ fn silu_tables(
                     addr: ds.device_ptr(stream).0,
                     group_bytes: bytes / experts as u64,
                 }),
+                ragged: None,
             };
             let s = stream.cu_stream();
             let run = |variant: Variant, config: &OpConfig| {

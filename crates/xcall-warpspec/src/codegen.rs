@@ -62,6 +62,7 @@ impl ElementwiseOp {
 const PRELUDE: &str = include_str!("kernels/prelude.cu");
 const PIPELINED: &str = include_str!("kernels/pipelined.cu");
 const PLAIN: &str = include_str!("kernels/plain.cu");
+const RAGGED: &str = include_str!("kernels/ragged.cu");
 
 /// Bytes of the plain kernel's work item (`PLAIN_TILE` in its template:
 /// 256 threads x 2 vectors of 16 bytes; a unit test checks they agree).
@@ -84,6 +85,18 @@ xcall_core::kernel_params! {
         /// Bytes of a scale group: a divisor of `bytes` (all of it for one
         /// group); work items never cross a group.
         group_bytes: u64 => "u64",
+        /// Ragged groups' row counts (device address of `segments *
+        /// groups` i64), or 0 for fixed groups; `scales` then holds one
+        /// f32 per ragged group.
+        rows: u64 => "const long long*",
+        /// Bytes of a ragged segment.
+        segment_bytes: u64 => "u64",
+        /// Bytes of a row of a ragged group (a multiple of 16).
+        row_bytes: u64 => "u64",
+        /// Ragged segments.
+        segments: u32 => "u32",
+        /// Ragged groups per segment.
+        groups: u32 => "u32",
         /// `SiluScale`'s scale when `scales` is 0.
         scale: f32 => "float",
         /// Zero.
@@ -186,10 +199,10 @@ fn element_holes(op: ElementwiseOp, dtype: DType) -> [(&'static str, String); 7]
     ]
 }
 
-/// The source text every kernel starts with: the helpers and the
-/// parameter struct.
+/// The source text every kernel starts with: the helpers, the parameter
+/// struct and the ragged groups' helpers.
 fn preamble() -> String {
-    format!("{PRELUDE}{}", WsParams::c_definition())
+    format!("{PRELUDE}{}{RAGGED}", WsParams::c_definition())
 }
 
 /// Launch facts of a generated kernel.
@@ -373,6 +386,10 @@ pub fn generate(
             ("CONSUMER_PHASE", t.consumer_phase.to_string()),
             ("TILE", tile.to_string()),
             ("PRODUCER_THREADS", producer_threads.to_string()),
+            (
+                "TABLE_OFF",
+                crate::cuda::table_offset(plan.smem_bytes).to_string(),
+            ),
             ("THREADS", plan.threads_per_block.to_string()),
             ("NAME", name.clone()),
             ("DEC", dec),
@@ -472,7 +489,7 @@ mod tests {
             assert!(err.contains(missing), "{template}: {err}");
         }
         // Both kernels take WsParams and read only its fields.
-        for template in [PIPELINED, PLAIN] {
+        for template in [PIPELINED, PLAIN, RAGGED] {
             assert_eq!(WsParams::check_reads(template), Ok(()));
         }
         // The launch's grid counts the plain kernel's items as it does.

@@ -15,7 +15,10 @@ use xcall_core::{DType, Device, DeviceMap, Error, KernelCache, KernelSource, Res
 use crate::codegen::{
     generate, generate_plain, ElementwiseOp, GeneratedKernel, WsParams, PLAIN_TILE_BYTES,
 };
-use crate::ops::{check_scales, GroupScales, OpConfig};
+use crate::ops::{
+    check_ragged, check_scales, ragged_table_bytes, GroupScales, OpConfig, RaggedGroups,
+    MAX_RAGGED_GROUPS,
+};
 
 /// Where the operands and the result live on the device.
 #[derive(Clone, Copy, Debug)]
@@ -29,6 +32,9 @@ pub struct DeviceBuffers<'a> {
     /// `SiluScale`'s scales per group (device memory), or `None` for the
     /// launch's one scale.
     pub scales: Option<GroupScales>,
+    /// `SiluScale`'s ragged groups (counts and scales in device memory)
+    /// instead.
+    pub ragged: Option<RaggedGroups>,
 }
 
 /// Which kernel to run.
@@ -78,14 +84,22 @@ fn check(op: ElementwiseOp, dtype: DType, b: &DeviceBuffers<'_>) -> Result<u64> 
             return Err(Error::InvalidArgument(format!("output overlaps input {i}")));
         }
     }
-    match (op, &b.scales) {
-        (_, None) => Ok(b.bytes),
-        (ElementwiseOp::SiluScale, Some(s)) => {
+    match (op, &b.scales, &b.ragged) {
+        (_, None, None) => Ok(b.bytes),
+        (ElementwiseOp::SiluScale, Some(s), None) => {
             check_scales(s, b.bytes, dtype.size_bytes() as u64, b.output)
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?;
             Ok(s.group_bytes)
         }
-        (op, Some(_)) => Err(Error::InvalidArgument(format!("{op:?} takes no scales"))),
+        (ElementwiseOp::SiluScale, None, Some(r)) => {
+            check_ragged(r, b.bytes, b.output)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            Ok(b.bytes)
+        }
+        (ElementwiseOp::SiluScale, Some(_), Some(_)) => Err(Error::InvalidArgument(
+            "grouped scales and ragged groups cannot be combined".into(),
+        )),
+        (op, ..) => Err(Error::InvalidArgument(format!("{op:?} takes no scales"))),
     }
 }
 
@@ -94,6 +108,10 @@ struct Prepared {
     function: CudaFunction,
     threads: u32,
     smem_bytes: u32,
+    /// The dynamic shared memory the function may take: its own, and the
+    /// table of [`MAX_RAGGED_GROUPS`] ragged groups where the device holds
+    /// both.
+    max_smem_bytes: u32,
     multiprocessors: u32,
     _module: Arc<LoadedModule>,
 }
@@ -149,18 +167,31 @@ impl WsKernels {
             },
         )?;
         let function = module.function(&generated.name)?;
-        // SAFETY: sets an attribute of a function loaded in this context.
-        cuda::on(device, "cuFuncSetAttribute", || unsafe {
-            sys::cuFuncSetAttribute(
-                function.cu_function(),
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                generated.smem_bytes as i32,
-            )
-        })?;
+        // Room for the ragged groups' table past the kernel's own shared
+        // memory, where the device has it; otherwise the kernel's own.
+        let with_table = table_offset(generated.smem_bytes) + ragged_table_bytes(MAX_RAGGED_GROUPS);
+        let set = |bytes: u64| {
+            // SAFETY: sets an attribute of a function loaded in this context.
+            cuda::on(device, "cuFuncSetAttribute", || unsafe {
+                sys::cuFuncSetAttribute(
+                    function.cu_function(),
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+            })
+        };
+        let max_smem_bytes = match set(with_table) {
+            Ok(()) => with_table as u32,
+            Err(_) => {
+                set(generated.smem_bytes as u64)?;
+                generated.smem_bytes
+            }
+        };
         let prepared = Arc::new(Prepared {
             function,
             threads: generated.threads,
             smem_bytes: generated.smem_bytes,
+            max_smem_bytes,
             multiprocessors: info.multiprocessors as u32,
             _module: module,
         });
@@ -201,23 +232,62 @@ impl WsKernels {
             Variant::WarpSpecialized => (config.tile_bytes as u64, p.multiprocessors as u64),
             Variant::Plain => (PLAIN_TILE_BYTES, p.multiprocessors as u64 * 8),
         };
-        let items = (buffers.bytes / group_bytes) * group_bytes.div_ceil(tile);
+        // Ragged groups: at most one partial tile per group beyond the
+        // buffer's whole tiles.
+        let items = match buffers.ragged {
+            Some(r) => buffers.bytes.div_ceil(tile) + r.count(),
+            None => (buffers.bytes / group_bytes) * group_bytes.div_ceil(tile),
+        };
         let grid = items.min(blocks) as u32;
+        let smem = match buffers.ragged {
+            Some(r) => {
+                let need = table_offset(p.smem_bytes) + ragged_table_bytes(r.count());
+                if need > p.max_smem_bytes as u64 {
+                    return Err(Error::Unsupported(format!(
+                        "{} ragged groups need {need} bytes of shared memory with this pipeline; the kernel may take {}",
+                        r.count(),
+                        p.max_smem_bytes
+                    )));
+                }
+                need as u32
+            }
+            None => p.smem_bytes,
+        };
+        let ragged = buffers.ragged.unwrap_or(RaggedGroups {
+            scales: 0,
+            rows: 0,
+            segments: 0,
+            groups: 0,
+            segment_bytes: 0,
+            row_bytes: 0,
+        });
         let mut params = Params::new().record(&WsParams {
             src0: buffers.inputs[0],
             src1: buffers.inputs.get(1).copied().unwrap_or(0),
             dst: buffers.output,
             bytes: buffers.bytes,
-            scales: buffers.scales.map_or(0, |s| s.addr),
+            scales: buffers.scales.map_or(ragged.scales, |s| s.addr),
             group_bytes,
+            rows: ragged.rows,
+            segment_bytes: ragged.segment_bytes,
+            row_bytes: ragged.row_bytes,
+            segments: ragged.segments as u32,
+            groups: ragged.groups as u32,
             scale,
             reserved: 0,
         });
-        let config = Launch::linear(grid, p.threads, stream).with_shared(p.smem_bytes);
+        let config = Launch::linear(grid, p.threads, stream).with_shared(smem);
         // SAFETY: every generated kernel takes one `WsParams` (its C
         // definition generated from the Rust struct, layout asserted); the
         // buffers were checked for count, alignment, overlap and element
         // size.
         unsafe { cuda::launch(device, &p.function, config, &mut params) }
     }
+}
+
+/// Where the ragged groups' table starts in a kernel's dynamic shared
+/// memory: past the kernel's own `smem_bytes`, 16-byte aligned (the
+/// templates' `@TABLE_OFF@`).
+pub fn table_offset(smem_bytes: u32) -> u64 {
+    (smem_bytes as u64).next_multiple_of(16)
 }

@@ -119,6 +119,141 @@ pub struct GroupScales {
     pub group_bytes: u64,
 }
 
+/// The most groups (segments x groups per segment) of one
+/// [`RaggedGroups`] call: the CUDA kernels keep a table of them in shared
+/// memory.
+pub const MAX_RAGGED_GROUPS: u64 = 1024;
+
+/// Bytes of the CUDA kernels' shared-memory table of `groups` ragged
+/// groups (each group's first byte and length, then each group's first
+/// work item and the item count).
+pub fn ragged_table_bytes(groups: u64) -> u64 {
+    24 * groups + 8
+}
+
+/// Ragged groups of rows for `silu(x) * scale`, sized by data the caller
+/// may write on the device (e.g. each expert's row count from a row-id
+/// map, received from the PE that routed the rows): the buffer is
+/// `segments` segments of `segment_bytes` bytes, and segment `s` holds
+/// `groups` groups of whole rows packed from its first byte, group `(s,
+/// g)` being `rows[s * groups + g]` rows of `row_bytes` bytes scaled by
+/// `scales[s * groups + g]`. The bytes of a segment past its groups are
+/// neither read nor written, so one launch covers every expert of every
+/// sender whatever the routing, at the cost of the rows routed.
+///
+/// Counts are read when the op runs: the Host refuses a negative count or
+/// groups passing their segment's end (nothing written); a CUDA kernel,
+/// which cannot fail, takes a negative count as 0 and cuts groups at their
+/// segment's end (nothing outside the segment is read or written).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RaggedGroups {
+    /// Address of `segments * groups` f32 scales (4-byte aligned).
+    pub scales: u64,
+    /// Address of `segments * groups` i64 row counts (8-byte aligned).
+    pub rows: u64,
+    /// Segments: at least 1, with `groups`, at most
+    /// [`MAX_RAGGED_GROUPS`] groups in all.
+    pub segments: u64,
+    /// Groups per segment: at least 1.
+    pub groups: u64,
+    /// Bytes of a segment: the op's bytes are `segments * segment_bytes`;
+    /// a multiple of `row_bytes`.
+    pub segment_bytes: u64,
+    /// Bytes of a row: a positive multiple of 16.
+    pub row_bytes: u64,
+}
+
+impl RaggedGroups {
+    /// Groups in all (`segments * groups`; checked by [`check_ragged`]).
+    pub fn count(&self) -> u64 {
+        self.segments.saturating_mul(self.groups)
+    }
+}
+
+/// Checks ragged groups for a `bytes`-byte buffer written at `output`:
+/// NULL and alignment of the scales and the counts, the group count, the
+/// segments covering the buffer exactly, whole 16-byte rows, and neither
+/// array overlapping the output (64-bit sizes). Returns the groups in all.
+pub fn check_ragged(r: &RaggedGroups, bytes: u64, output: u64) -> Result<u64, OpError> {
+    if r.scales == 0 || r.rows == 0 {
+        return Err(OpError::Null(
+            "the ragged groups' scales or row counts are NULL".into(),
+        ));
+    }
+    if r.scales % 4 != 0 || r.rows % 8 != 0 {
+        return Err(OpError::Input(format!(
+            "the scales at {:#x} must be 4-byte aligned and the row counts at {:#x} 8-byte aligned",
+            r.scales, r.rows
+        )));
+    }
+    let groups = r.count();
+    if r.segments == 0 || r.groups == 0 || groups > MAX_RAGGED_GROUPS {
+        return Err(OpError::Input(format!(
+            "{} segments of {} groups: at least 1 of each and at most {MAX_RAGGED_GROUPS} groups in all",
+            r.segments, r.groups
+        )));
+    }
+    if r.row_bytes == 0 || r.row_bytes % 16 != 0 || r.segment_bytes % r.row_bytes != 0 {
+        return Err(OpError::Input(format!(
+            "rows of {} bytes in segments of {}: a row is a positive multiple of 16 bytes and divides a segment",
+            r.row_bytes, r.segment_bytes
+        )));
+    }
+    if r.segments.checked_mul(r.segment_bytes) != Some(bytes) {
+        return Err(OpError::Input(format!(
+            "{} segments of {} bytes do not make the buffer's {bytes} bytes",
+            r.segments, r.segment_bytes
+        )));
+    }
+    for (what, addr, size) in [("scales", r.scales, 4), ("row counts", r.rows, 8)] {
+        let end = addr.checked_add(groups * size).ok_or_else(|| {
+            OpError::Input(format!("the {what} pass the end of the address space"))
+        })?;
+        if bytes > 0 && addr < output.saturating_add(bytes) && output < end {
+            return Err(OpError::Input(format!("the output overlaps the {what}")));
+        }
+    }
+    Ok(groups)
+}
+
+/// The byte range and scale of every non-empty ragged group, from the
+/// counts on the Host, or why the counts do not fit their segments.
+pub fn ragged_pieces(
+    r: &RaggedGroups,
+    rows: &[i64],
+    scales: &[f32],
+) -> Result<Vec<(std::ops::Range<usize>, f32)>, OpError> {
+    let mut pieces = Vec::new();
+    for s in 0..r.segments {
+        let mut at = 0u64;
+        for g in 0..r.groups {
+            let i = (s * r.groups + g) as usize;
+            let n = u64::try_from(rows[i]).map_err(|_| {
+                OpError::Input(format!(
+                    "ragged group {g} of segment {s} has {} rows",
+                    rows[i]
+                ))
+            })?;
+            let end = n
+                .checked_mul(r.row_bytes)
+                .and_then(|b| b.checked_add(at))
+                .filter(|&end| end <= r.segment_bytes)
+                .ok_or_else(|| {
+                    OpError::Input(format!(
+                        "ragged group {g} of segment {s} ({n} rows of {} bytes from byte {at}) passes the segment's {} bytes",
+                        r.row_bytes, r.segment_bytes
+                    ))
+                })?;
+            if end > at {
+                let base = s * r.segment_bytes;
+                pieces.push(((base + at) as usize..(base + end) as usize, scales[i]));
+            }
+            at = end;
+        }
+    }
+    Ok(pieces)
+}
+
 /// The scale of `silu(x) * scale` on the Host.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Scale<'a> {
@@ -241,6 +376,41 @@ pub fn mul_host(
     config: &OpConfig,
 ) -> Result<(), OpError> {
     run_elementwise(dtype, &[a, b], out, config, |_, v| v[0] * v[1])
+}
+
+/// `out[range] = silu(x[range]) * scale` for every `(range, scale)` of
+/// `pieces` (disjoint byte ranges inside the buffers, e.g. from
+/// [`ragged_pieces`]) on the Host executor; the rest of `out` is not
+/// written.
+pub fn silu_scale_pieces_host(
+    dtype: DType,
+    x: &[u8],
+    pieces: &[(std::ops::Range<usize>, f32)],
+    out: &mut [u8],
+    config: &OpConfig,
+) -> Result<(), OpError> {
+    if x.len() != out.len() {
+        return Err(OpError::Input(format!(
+            "input of {} bytes, output of {}: they must match",
+            x.len(),
+            out.len()
+        )));
+    }
+    for (range, scale) in pieces {
+        let (x, out) = match (x.get(range.clone()), out.get_mut(range.clone())) {
+            (Some(x), Some(out)) => (x, out),
+            _ => {
+                return Err(OpError::Input(format!(
+                    "a piece {range:?} outside the {}-byte buffers",
+                    x.len()
+                )))
+            }
+        };
+        run_elementwise(dtype, &[x], out, config, |_, v| {
+            silu_scale_f32(v[0], *scale)
+        })?;
+    }
+    Ok(())
 }
 
 /// `out = silu(x) * scale` elementwise on the Host executor (one async

@@ -3,7 +3,8 @@
 //! [`run`] checks, in this order and before anything runs: the operand
 //! count, NULL addresses, overlap of the output with every input (refused;
 //! sizes in 64 bits), grouped scales (only `SiluScale` takes them; NULL,
-//! alignment, groups that divide the buffer, overlap with the output), the
+//! alignment, groups that divide the buffer, overlap with the output) or
+//! ragged groups (see [`check_ragged`]), the
 //! Host device's ordinal; then runs the op on the
 //! Host executor or enqueues the warp-specialized kernel on the caller's
 //! stream, with the process's prepared kernels ([`shared_kernels`]).
@@ -14,7 +15,10 @@ use xcall_core::{DType, Device, Platform};
 
 use crate::codegen::ElementwiseOp;
 use crate::cuda::{DeviceBuffers, Variant, WsKernels};
-use crate::ops::{check_scales, mul_host, silu_scale_host, GroupScales, OpConfig, OpError, Scale};
+use crate::ops::{
+    check_ragged, check_scales, mul_host, ragged_pieces, silu_scale_host, silu_scale_pieces_host,
+    GroupScales, OpConfig, OpError, RaggedGroups, Scale,
+};
 
 /// A call of a built-in op.
 #[derive(Clone, Copy, Debug)]
@@ -42,6 +46,9 @@ pub struct OpCall<'a> {
     /// `SiluScale`'s scales per group instead of `scale` (`Mul` takes
     /// none).
     pub scales: Option<GroupScales>,
+    /// `SiluScale`'s ragged groups instead of `scale` or `scales`: only
+    /// the groups' rows are read and written.
+    pub ragged: Option<RaggedGroups>,
 }
 
 /// The process's prepared CUDA kernels of the built-in ops (per device).
@@ -69,12 +76,16 @@ fn check(c: &OpCall<'_>) -> Result<(), OpError> {
             return Err(OpError::Input(format!("the output overlaps input {i}")));
         }
     }
-    match (c.op, &c.scales) {
-        (_, None) => Ok(()),
-        (ElementwiseOp::SiluScale, Some(s)) => {
+    match (c.op, &c.scales, &c.ragged) {
+        (_, None, None) => Ok(()),
+        (ElementwiseOp::SiluScale, Some(s), None) => {
             check_scales(s, c.bytes, c.dtype.size_bytes() as u64, c.output).map(|_| ())
         }
-        (op, Some(_)) => Err(OpError::Input(format!("{op:?} takes no scales"))),
+        (ElementwiseOp::SiluScale, None, Some(r)) => check_ragged(r, c.bytes, c.output).map(|_| ()),
+        (ElementwiseOp::SiluScale, Some(_), Some(_)) => Err(OpError::Input(
+            "grouped scales and ragged groups cannot be combined".into(),
+        )),
+        (op, ..) => Err(OpError::Input(format!("{op:?} takes no scales"))),
     }
 }
 
@@ -82,7 +93,8 @@ fn check(c: &OpCall<'_>) -> Result<(), OpError> {
 ///
 /// # Safety
 /// Every input must be `bytes` readable bytes and the output `bytes`
-/// writable bytes (and grouped scales `bytes / group_bytes` readable f32)
+/// writable bytes (and grouped scales `bytes / group_bytes` readable f32,
+/// ragged groups' scales and counts `segments * groups` readable values)
 /// of `call.device` (host memory on Host; on CUDA device
 /// memory, until the enqueued kernel completes), and on CUDA the stream must
 /// be a live stream of that device.
@@ -108,6 +120,20 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
                 .collect();
             // SAFETY: as above, for the output.
             let out = unsafe { std::slice::from_raw_parts_mut(call.output as *mut u8, bytes) };
+            if let Some(r) = call.ragged {
+                let n = r.count() as usize;
+                // SAFETY: `n` i64 counts and `n` f32 scales at aligned
+                // addresses (checked; the caller's contract), neither
+                // overlapping the output (checked).
+                let (rows, scales) = unsafe {
+                    (
+                        std::slice::from_raw_parts(r.rows as *const i64, n),
+                        std::slice::from_raw_parts(r.scales as *const f32, n),
+                    )
+                };
+                let pieces = ragged_pieces(&r, rows, scales)?;
+                return silu_scale_pieces_host(call.dtype, ins[0], &pieces, out, &call.config);
+            }
             let scale = match call.scales {
                 None => Scale::One(call.scale),
                 Some(s) => Scale::PerGroup {
@@ -136,6 +162,7 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
                 output: call.output,
                 bytes: call.bytes,
                 scales: call.scales,
+                ragged: call.ragged,
             };
             // SAFETY: the caller's contract on the stream and the buffers.
             unsafe {

@@ -85,6 +85,7 @@ fn generated_kernels_equal_the_host_executor() {
                         output: out.device_ptr(&stream).0,
                         bytes: a.len() as u64,
                         scales: None,
+                        ragged: None,
                     };
                     for variant in [Variant::WarpSpecialized, Variant::Plain] {
                         let launch = Launch {
@@ -244,6 +245,7 @@ fn grouped_scales_equal_the_host() {
                     addr: ds.device_ptr(&stream).0,
                     group_bytes: group_bytes as u64,
                 }),
+                ragged: None,
             };
             for variant in [Variant::WarpSpecialized, Variant::Plain] {
                 let launch = Launch {
@@ -258,6 +260,107 @@ fn grouped_scales_equal_the_host() {
                 // SAFETY: allocations of x.len() bytes and `groups` scales.
                 let got = unsafe { launch.run(&bufs, 99.0, &out) };
                 let what = format!("{dtype} {variant:?} {config:?} {groups} x {per_group}");
+                assert_silu_close(dtype, &got, &want, &what);
+            }
+        }
+    }
+}
+
+/// Ragged groups on both kernels against the Host executor on the same
+/// data (the Host with the counts the kernel takes: negative as 0, cut at
+/// the segment's end), poisoned outputs; rows past the groups keep the
+/// poison. The MoE layout: one segment per sender, one group per expert.
+#[test]
+fn ragged_groups_equal_the_host_executor() {
+    use xcall_warpspec::ops::{ragged_pieces, silu_scale_pieces_host, RaggedGroups};
+    if hopper().is_none() {
+        return;
+    }
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let kernels = WsKernels::new();
+    let configs = [
+        OpConfig::default(),
+        OpConfig {
+            stages: 2,
+            tile_bytes: 8192,
+            compute_warpgroups: 1,
+        },
+    ];
+    // (dtype, row elements, rows per segment, segments, groups, count seed)
+    let cases = [
+        (DType::Bf16, 7168usize, 64usize, 1usize, 256usize, 1u64),
+        (DType::Bf16, 4096, 300, 2, 4, 2),
+        (DType::F32, 2048, 40, 3, 33, 3),
+        (DType::F32, 4, 1000, 4, 2, 4),
+    ];
+    for (dtype, row, seg_rows, segments, groups, seed) in cases {
+        let row_bytes = row * dtype.size_bytes();
+        let bytes = segments * seg_rows * row_bytes;
+        let x = random_bytes(dtype, bytes / dtype.size_bytes(), 1000 + seed);
+        // Counts summing to about 3/4 of a segment, one negative, one
+        // segment whose counts pass its end.
+        let mut g = xcall_core::testing::XorShift::new(seed);
+        let mut rows: Vec<i64> = (0..segments * groups)
+            .map(|_| (g.next_u64() % (seg_rows * 3 / 2 / groups + 1) as u64) as i64)
+            .collect();
+        rows[groups / 2] = -5;
+        rows[segments * groups - 1] += seg_rows as i64;
+        let taken: Vec<i64> = rows
+            .chunks(groups)
+            .flat_map(|seg| {
+                let mut left = seg_rows as i64;
+                seg.iter()
+                    .map(|&c| {
+                        let n = c.max(0).min(left);
+                        left -= n;
+                        n
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let scales: Vec<f32> = (0..rows.len()).map(|i| 0.5 + i as f32 / 16.0).collect();
+        let host_ragged = RaggedGroups {
+            scales: 0,
+            rows: 0,
+            segments: segments as u64,
+            groups: groups as u64,
+            segment_bytes: (seg_rows * row_bytes) as u64,
+            row_bytes: row_bytes as u64,
+        };
+        let pieces = ragged_pieces(&host_ragged, &taken, &scales).unwrap();
+        let dx = stream.clone_htod(&x).unwrap();
+        let ds = stream.clone_htod(&scales).unwrap();
+        let dr = stream.clone_htod(&rows).unwrap();
+        for config in &configs {
+            let mut want = vec![0xa5u8; bytes];
+            silu_scale_pieces_host(dtype, &x, &pieces, &mut want, config).unwrap();
+            for variant in [Variant::WarpSpecialized, Variant::Plain] {
+                let out = stream.clone_htod(&vec![0xa5u8; bytes]).unwrap(); // poisoned
+                let inputs = [dx.device_ptr(&stream).0];
+                let bufs = DeviceBuffers {
+                    inputs: &inputs,
+                    output: out.device_ptr(&stream).0,
+                    bytes: bytes as u64,
+                    scales: None,
+                    ragged: Some(RaggedGroups {
+                        scales: ds.device_ptr(&stream).0,
+                        rows: dr.device_ptr(&stream).0,
+                        ..host_ragged
+                    }),
+                };
+                let launch = Launch {
+                    kernels: &kernels,
+                    stream: &stream,
+                    op: ElementwiseOp::SiluScale,
+                    dtype,
+                    variant,
+                    config,
+                };
+                // SAFETY: allocations of `bytes` bytes and of every count
+                // and scale.
+                let got = unsafe { launch.run(&bufs, 99.0, &out) };
+                let what = format!("{dtype} {variant:?} {config:?} {segments} x {groups} groups of {row}-element rows");
                 assert_silu_close(dtype, &got, &want, &what);
             }
         }
@@ -279,6 +382,7 @@ fn bad_buffers_are_refused() {
             output,
             bytes,
             scales: None,
+            ragged: None,
         };
         // SAFETY: every call below is refused before anything launches.
         unsafe {

@@ -314,3 +314,212 @@ fn the_executor_follows_the_roles_groups_and_starts() {
     let err = host::run(&broken, &[&data, &data], Duration::from_secs(1), |_| {}).unwrap_err();
     assert!(matches!(err, HostError::Input(_)), "{err}");
 }
+
+/// Ragged groups through `run` on the Host, against a loop over rows:
+/// each row's group found by walking its segment's counts, rows past the
+/// groups keep the poison.
+#[test]
+fn ragged_groups_match_a_loop_over_rows_and_leave_the_rest() {
+    use xcall_core::Device;
+    use xcall_warpspec::codegen::ElementwiseOp;
+    use xcall_warpspec::cuda::Variant;
+    use xcall_warpspec::ops::RaggedGroups;
+    use xcall_warpspec::OpCall;
+    let mut seed = 700;
+    // (dtype, row elements, rows per segment, counts per segment)
+    for (dtype, row, seg_rows, counts) in [
+        (
+            DType::F32,
+            8usize,
+            10usize,
+            vec![vec![3i64, 0, 4], vec![0, 0, 0], vec![10, 0, 0]],
+        ),
+        (DType::Bf16, 24, 7, vec![vec![1, 2, 3, 1]]),
+        (DType::Bf16, 8, 5, vec![vec![0, 2], vec![5, 0], vec![1, 1]]),
+    ] {
+        seed += 1;
+        let (segments, groups) = (counts.len(), counts[0].len());
+        let row_bytes = row * dtype.size_bytes();
+        let bytes = segments * seg_rows * row_bytes;
+        let x = random_bytes(dtype, bytes / dtype.size_bytes(), seed);
+        let rows: Vec<i64> = counts.concat();
+        let scales: Vec<f32> = (0..rows.len()).map(|g| 0.75 + g as f32 * 0.5).collect();
+        let mut out = vec![0xa5u8; bytes];
+        let ragged = RaggedGroups {
+            scales: scales.as_ptr() as u64,
+            rows: rows.as_ptr() as u64,
+            segments: segments as u64,
+            groups: groups as u64,
+            segment_bytes: (seg_rows * row_bytes) as u64,
+            row_bytes: row_bytes as u64,
+        };
+        let inputs = [x.as_ptr() as u64];
+        let call = OpCall {
+            device: Device::HOST,
+            stream: std::ptr::null_mut(),
+            op: ElementwiseOp::SiluScale,
+            dtype,
+            config: OpConfig {
+                stages: 2,
+                tile_bytes: 64,
+                compute_warpgroups: 2,
+            },
+            variant: Variant::WarpSpecialized,
+            inputs: &inputs,
+            output: out.as_mut_ptr() as u64,
+            bytes: bytes as u64,
+            scale: 99.0,
+            scales: None,
+            ragged: Some(ragged),
+        };
+        // SAFETY: host buffers of the sizes the call names.
+        unsafe { xcall_warpspec::run(&call) }.unwrap();
+        let xs = decode(dtype, &x);
+        let mut want = vec![0xa5u8; bytes];
+        for s in 0..segments {
+            for r in 0..seg_rows {
+                // The group holding row r: the first whose running count passes it.
+                let mut total = 0;
+                let group = counts[s].iter().position(|&c| {
+                    total += c as usize;
+                    r < total
+                });
+                let Some(g) = group else { continue };
+                let first = (s * seg_rows + r) * row;
+                let vals: Vec<f32> = xs[first..first + row]
+                    .iter()
+                    .map(|&v| silu_scale_f32(v, scales[s * groups + g]))
+                    .collect();
+                want[first * dtype.size_bytes()..(first + row) * dtype.size_bytes()]
+                    .copy_from_slice(&encode(dtype, &vals));
+            }
+        }
+        assert_eq!(out, want, "{dtype} {counts:?}");
+    }
+}
+
+/// Ragged groups' checks: each refusal with its kind, nothing written.
+#[test]
+fn bad_ragged_groups_are_refused() {
+    use xcall_warpspec::ops::{check_ragged, ragged_pieces, RaggedGroups, MAX_RAGGED_GROUPS};
+    let ok = RaggedGroups {
+        scales: 0x1000,
+        rows: 0x1800,
+        segments: 2,
+        groups: 3,
+        segment_bytes: 320,
+        row_bytes: 32,
+    };
+    // 640 output bytes at 0x4000.
+    let check = |r: RaggedGroups| check_ragged(&r, 640, 0x4000);
+    assert_eq!(check(ok).unwrap(), 6);
+    for (r, want) in [
+        (
+            RaggedGroups {
+                scales: 0x1002,
+                ..ok
+            },
+            "4-byte aligned",
+        ),
+        (RaggedGroups { rows: 0x1804, ..ok }, "8-byte aligned"),
+        (
+            RaggedGroups {
+                segments: 0,
+                segment_bytes: 0,
+                ..ok
+            },
+            "at least 1",
+        ),
+        (RaggedGroups { groups: 0, ..ok }, "at least 1"),
+        (
+            RaggedGroups {
+                segments: 1,
+                groups: MAX_RAGGED_GROUPS + 1,
+                segment_bytes: 640,
+                ..ok
+            },
+            "at most 1024",
+        ),
+        (
+            RaggedGroups {
+                groups: u64::MAX,
+                ..ok
+            },
+            "at most 1024",
+        ),
+        (
+            RaggedGroups { row_bytes: 0, ..ok },
+            "positive multiple of 16",
+        ),
+        (
+            RaggedGroups {
+                row_bytes: 40,
+                segment_bytes: 320,
+                ..ok
+            },
+            "positive multiple of 16",
+        ),
+        (
+            RaggedGroups {
+                row_bytes: 48,
+                ..ok
+            },
+            "divides a segment",
+        ),
+        (
+            RaggedGroups {
+                segment_bytes: 160,
+                ..ok
+            },
+            "do not make the buffer's 640 bytes",
+        ),
+        (
+            RaggedGroups {
+                scales: 0x4000 - 20,
+                ..ok
+            },
+            "overlaps the scales",
+        ),
+        (
+            RaggedGroups {
+                rows: 0x4000 + 632,
+                ..ok
+            },
+            "overlaps the row counts",
+        ),
+        (
+            RaggedGroups {
+                rows: u64::MAX - 15,
+                ..ok
+            },
+            "end of the address space",
+        ),
+    ] {
+        let e = check(r).unwrap_err();
+        assert!(matches!(e, OpError::Input(_)), "{r:?}: {e}");
+        assert!(e.to_string().contains(want), "{r:?}: {e}");
+    }
+    for r in [
+        RaggedGroups { scales: 0, ..ok },
+        RaggedGroups { rows: 0, ..ok },
+    ] {
+        assert!(matches!(check(r), Err(OpError::Null(_))), "{r:?}");
+    }
+    // Counts read when the op runs: negative, or passing the segment.
+    let scales = [1.0f32; 6];
+    for (rows, want) in [
+        ([1i64, -1, 0, 0, 0, 0], "has -1 rows"),
+        ([4, 4, 3, 0, 0, 0], "passes the segment's 320 bytes"),
+        ([0, 0, 0, 0, 11, 0], "passes the segment's 320 bytes"),
+        ([0, 0, 0, i64::MAX, 0, 0], "passes the segment's 320 bytes"),
+    ] {
+        let e = ragged_pieces(&ok, &rows, &scales).unwrap_err();
+        assert!(e.to_string().contains(want), "{rows:?}: {e}");
+    }
+    // Exactly full segments are fine: 10 rows of 32 bytes.
+    let pieces = ragged_pieces(&ok, &[4, 0, 6, 0, 10, 0], &scales).unwrap();
+    assert_eq!(
+        pieces.iter().map(|p| p.0.clone()).collect::<Vec<_>>(),
+        [0..128, 128..320, 320..640]
+    );
+}

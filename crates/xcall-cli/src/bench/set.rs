@@ -145,6 +145,7 @@ impl Set {
             bytes: self.tensor_bytes(),
             scale: 1.5,
             scales: None,
+            ragged: None,
         };
         // SAFETY: `perm` and `dst` are distinct heap buffers of the
         // tensor's bytes on the platform's device; nothing else touches

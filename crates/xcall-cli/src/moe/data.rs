@@ -20,8 +20,12 @@ pub struct Shape {
     pub experts: usize,
     /// Experts per token.
     pub topk: usize,
-    /// Rows each expert takes from each PE.
+    /// Rows each expert takes from each PE (`tokens` when dropless: an
+    /// expert takes every token).
     pub capacity: usize,
+    /// Dropless: every PE's rows for one destination are packed densely
+    /// in a slot of [`Shape::slot_rows`] rows, sized for the worst case.
+    pub dropless: bool,
     /// f32 or bf16.
     pub dtype: DType,
 }
@@ -30,6 +34,18 @@ impl Shape {
     /// Experts per PE.
     pub fn local_experts(&self) -> usize {
         self.experts / self.pes
+    }
+
+    /// Rows of one slot, what one PE sends another: `L * C` with a
+    /// capacity; dropless, `T * min(k, L)`, the most rows a PE's tokens
+    /// can route to one PE's `L` experts (a token routes to at most
+    /// `min(k, L)` of them).
+    pub fn slot_rows(&self) -> usize {
+        if self.dropless {
+            self.tokens * self.topk.min(self.local_experts())
+        } else {
+            self.local_experts() * self.capacity
+        }
     }
 
     /// Bytes of one token row.
@@ -275,6 +291,7 @@ mod tests {
             experts: 4,
             topk: 2,
             capacity,
+            dropless: false,
             dtype,
         }
     }

@@ -73,9 +73,15 @@ pub struct MoeArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Expert capacity per PE as a multiple of the mean load
-    /// (`ceil(f * tokens * topk / experts)` rows, at most `tokens`).
-    #[arg(long, default_value_t = 1.25, allow_negative_numbers = true)]
-    capacity_factor: f64,
+    /// (`ceil(f * tokens * topk / experts)` rows, at most `tokens`); 0 is
+    /// `--dropless` [default: 1.25].
+    #[arg(long, allow_negative_numbers = true)]
+    capacity_factor: Option<f64>,
+    /// No route is dropped: each PE's rows for one destination are packed
+    /// densely into a slot sized for the worst case (`tokens * min(topk,
+    /// experts per PE)` rows), and the experts read only the rows routed.
+    #[arg(long)]
+    dropless: bool,
     /// Which steps' outputs are checked against the f64 reference:
     /// `every`, `first:N` (the warm-up step and the N - 1 after it),
     /// `sample:K` (every K-th step and the last) or `off`. The checks run
@@ -176,12 +182,27 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
     if topk == 0 || topk > experts {
         return Err(format!("--topk {topk}: must be in [1, {experts}]"));
     }
-    let f = a.capacity_factor;
-    if !(f.is_finite() && f > 0.0) {
-        return Err(format!("--capacity-factor {f}: must be positive"));
+    let f = a
+        .capacity_factor
+        .unwrap_or(if a.dropless { 0.0 } else { 1.25 });
+    if !(f.is_finite() && f >= 0.0) {
+        return Err(format!(
+            "--capacity-factor {f}: must be positive, or 0 for --dropless"
+        ));
+    }
+    let dropless = a.dropless || f == 0.0;
+    if a.dropless && f != 0.0 {
+        return Err(format!(
+            "--dropless with --capacity-factor {f}: a dropless layer has no capacity"
+        ));
     }
     let mean = tokens as f64 * topk as f64 / experts as f64;
-    let capacity = ((f * mean).ceil() as usize).clamp(1, tokens);
+    // Dropless, an expert may take every token.
+    let capacity = if dropless {
+        tokens
+    } else {
+        ((f * mean).ceil() as usize).clamp(1, tokens)
+    };
     let dtype = match a.dtype {
         DtypeArg::F32 => DType::F32,
         DtypeArg::Bf16 => DType::Bf16,
@@ -189,7 +210,12 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
     // In f64: the sizes come from the command line and may be anything; the
     // bound below keeps every product the run makes later far from usize's.
     let size = dtype.size_bytes() as f64;
-    let bytes = experts as f64 * capacity as f64 * hidden as f64 * size * 4.0
+    let slot_rows = if dropless {
+        tokens as f64 * topk.min(experts / pes) as f64
+    } else {
+        (experts / pes) as f64 * capacity as f64
+    };
+    let bytes = slot_rows * (2 * pes - 1) as f64 * hidden as f64 * size * 2.0
         + tokens as f64 * hidden as f64 * size * 2.0;
     if bytes > 64.0 * (1u64 << 30) as f64 {
         return Err(format!(
@@ -204,6 +230,7 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
         experts,
         topk,
         capacity,
+        dropless,
         dtype,
     };
     let heap = crate::layer::heap_size(Pe::heap_bytes(&shape), "this shape")?;
@@ -213,7 +240,7 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
         heap,
         steps: a.steps,
         seed: a.seed,
-        capacity_factor: f,
+        capacity_factor: if dropless { 0.0 } else { f },
         verify: a.verify.unwrap_or(Verify::default_for(a.steps)),
         progress_every: a.progress_every,
     })
@@ -288,16 +315,18 @@ fn check_threads(pes: usize) -> usize {
 }
 
 /// The bytes each phase must move through one PE's memory at the least
-/// (reads plus writes, [`PHASES`] order), with `N = E*C` permuted rows: the
-/// map reads the routing and writes the map; permute reads the tokens and
-/// writes every permuted row; dispatch and combine read the `P - 1` slots
-/// for peers and take the `P - 1` slots peers write (a PE's own slot stays
-/// in place: nothing on one PE); the experts read `N` rows and write `N`;
-/// unpermute reads the map, the probs and the routed rows and writes `y`.
-/// Waits move nothing.
+/// (reads plus writes, [`PHASES`] order), with `N = P*S` permuted rows (`P`
+/// slots of `S` rows): the map reads the routing and writes the map;
+/// permute reads the tokens and writes every permuted row; dispatch and
+/// combine read the `P - 1` slots for peers and take the `P - 1` slots
+/// peers write (a PE's own slot stays in place: nothing on one PE); the
+/// experts read and write `N` rows with a capacity, dropless only the
+/// `T*k` rows routed to them (on average); unpermute reads the map, the
+/// probs and the routed rows and writes `y`. Waits move nothing.
 fn phase_bytes(s: &Shape) -> [f64; 8] {
     let (t, e, row) = (s.tokens as f64, s.experts as f64, s.row_bytes() as f64);
-    let n = e * s.capacity as f64;
+    let n = (s.pes * s.slot_rows()) as f64;
+    let expert_rows = if s.dropless { t * s.topk as f64 } else { n };
     let map = t * (2.0 * e + 1.0) * 4.0;
     let peers = 2.0 * n * row * (s.pes - 1) as f64 / s.pes as f64;
     [
@@ -305,7 +334,7 @@ fn phase_bytes(s: &Shape) -> [f64; 8] {
         t * row + n * row + map,
         peers,
         0.0,
-        2.0 * n * row,
+        2.0 * expert_rows * row,
         peers,
         0.0,
         map + t * e * 4.0 + (t * s.topk as f64).min(n) * row + t * row,
@@ -554,7 +583,7 @@ fn report(
     let dropped: usize = pes.iter().flat_map(|p| &p.dropped).sum();
     let total = run.total();
     let routes = (s.pes * s.tokens * s.topk * total) as f64;
-    let fill = (routes - dropped as f64) / ((s.pes * s.experts * s.capacity * total) as f64);
+    let fill = (routes - dropped as f64) / ((s.pes * s.pes * s.slot_rows() * total) as f64);
     let checked_steps = pes.first().map_or(0, |p| p.checks.len());
     let check_time: Duration = pes.iter().flat_map(|p| &p.checks).map(|c| c.took).sum();
     let draw_time: Duration = pes.iter().map(|p| p.draw_time).sum();
@@ -587,7 +616,7 @@ fn report(
         .map(|v| v.iter().copied().fold(0.0, f64::max))
         .collect();
     let mut copies: Vec<f64> = pes.iter().filter_map(|p| p.copy_ms).collect();
-    let copied = 2.0 * (s.experts * s.capacity * s.row_bytes()) as f64;
+    let copied = 2.0 * (s.pes * Pe::slot_bytes(&s)) as f64;
     // Bytes per ms.
     let copy_rate = (!copies.is_empty()).then(|| copied / median(&mut copies));
     let bytes = phase_bytes(&s);
@@ -610,10 +639,19 @@ fn report(
         s.topk,
         s.dtype
     );
-    println!(
-        "  capacity {} rows per expert per PE (factor {}), {} timed steps after 1 warm-up step",
-        s.capacity, run.capacity_factor, run.steps
-    );
+    let heap_mib = Pe::heap_bytes(&s) as f64 / (1u64 << 20) as f64;
+    if s.dropless {
+        println!(
+            "  dropless: slots of {} rows (tokens x min(top-k, experts per PE)) per sender, {heap_mib:.0} MiB of symmetric heap per PE; {} timed steps after 1 warm-up step",
+            s.slot_rows(),
+            run.steps
+        );
+    } else {
+        println!(
+            "  capacity {} rows per expert per PE (factor {}), {heap_mib:.0} MiB of symmetric heap per PE; {} timed steps after 1 warm-up step",
+            s.capacity, run.capacity_factor, run.steps
+        );
+    }
     let memory_kind = match run.platform {
         Platform::Host => "process resident set",
         Platform::Cuda => "device memory in use (most of any GPU)",
@@ -631,7 +669,12 @@ fn report(
         between / 1e6,
     );
     println!(
-        "  capacity fill  {:.1}% of expert rows used, {} route(s) dropped over all steps",
+        "  {}  {:.1}% of the permuted rows used, {} route(s) dropped over all steps",
+        if s.dropless {
+            "slot fill     "
+        } else {
+            "capacity fill "
+        },
         fill * 100.0,
         dropped
     );
@@ -690,6 +733,7 @@ fn report(
             "platform": platform,
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
             "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
+            "dropless": s.dropless, "slot_rows": s.slot_rows(), "heap_bytes": Pe::heap_bytes(&s),
             "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
             "step_ms": {"median": med, "min": min, "max": max, "first": first,
                 "first_tenth": first_tenth, "last_tenth": last_tenth},

@@ -18,20 +18,31 @@
 //!   `unpermute` reads the last `P` (own first, then slot `j` from PE
 //!   `(me + j) mod P`, the order `permute` wrote).
 //!
+//! A slot holds `S` rows: `L*C` with an expert capacity `C` (expert `l`'s
+//! rows at `[l*C, (l+1)*C)` of its slot), or, dropless, `T*min(k, L)`:
+//! the most rows a PE's tokens can route to one PE's experts, each
+//! destination's experts packed densely from its slot's first row. Either
+//! way every slot's size and offset is fixed whatever the routing, so every
+//! copy below has a fixed size and a captured step replays for new data.
+//! Dropless, the experts' row counts travel with the rows: `counts` holds
+//! `[P-1 slots of L counts from peers | the PE's own E tokens_per_expert]`,
+//! so that its first `P*L` counts describe the first `P` slots of `rows`.
+//!
 //! The step on PE `me` (the same code on Host and CUDA; on CUDA every call
 //! is enqueued on the PE's stream, so the graph cache can capture it):
-//! 1. `make_row_id_map` with an expert capacity `C`: expert `e`'s rows
-//!    are `[e*C, (e+1)*C)` whatever the routing, so every copy below has a
-//!    fixed size and offset, and a captured step replays for new data;
+//! 1. `make_row_id_map` with the expert capacity `C`, or dropless with
+//!    one expert group of `L` experts and `S` rows per destination;
 //! 2. `permute` groups the PE's tokens by (rotated) expert into the send
 //!    half of `rows`;
 //! 3. dispatch: slot `j >= 1` goes to PE `q = (me + j) mod P`
-//!    (`put_signal`, SET `dispatch[me] = 1` there); the PE waits for
+//!    (dropless, its `L` counts first, on the same stream; then
+//!    `put_signal`, SET `dispatch[me] = 1` there); the PE waits for
 //!    `dispatch[s] == 1` from every peer `s` and clears it;
 //! 4. its experts run `silu(x) * scale_e` (warpspec) from the receive
 //!    half of `rows` into the send half of `results`: one call over every
 //!    (sender, local expert) block of `C` rows, each with its expert's
-//!    scale (`scales`, written once);
+//!    scale (`scales`, written once); dropless, one call over the ragged
+//!    groups the counts give (only the routed rows are read and written);
 //! 5. combine: the slot of PE `s`'s rows goes back to PE `s`'s `results`
 //!    (`put_signal`, `combine[me] = 1`); the PE waits for every peer's
 //!    `combine[q]`, clears it, and `unpermute` with the merging probs
@@ -54,11 +65,11 @@ use xcall_core::{Device, Platform};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache, Outcome};
 use xcall_permute::call::Target;
-use xcall_permute::RowIdMapOptions;
+use xcall_permute::{ExpertGroups, RowIdMapOptions};
 use xcall_shmem::{Cmp, Config, SignalOp, World};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
-use xcall_warpspec::ops::{GroupScales, OpConfig};
+use xcall_warpspec::ops::{GroupScales, OpConfig, RaggedGroups};
 use xcall_warpspec::OpCall;
 
 use super::data::{Inputs, Shape};
@@ -103,6 +114,9 @@ enum Mark {
 #[derive(Clone, Copy, Debug)]
 struct Buffers {
     layer: Layer,
+    /// `(P-1)*L + E` i64: the counts received with the peers' slots, then
+    /// `layer.tpe`.
+    counts: u64,
     /// `2P - 1` slots: received rows, the own slot, rows to send.
     rows: u64,
     /// `2P - 1` slots: results to send, the own slot, received results.
@@ -143,7 +157,7 @@ impl Pe {
             (t * e, BufferRole::In),
             (t * e * 4, BufferRole::In),
             (t * (2 * e + 1) * 4, BufferRole::InOut),
-            (e * 8, BufferRole::InOut),
+            (((p - 1) * shape.local_experts() + e) * 8, BufferRole::InOut),
             ((e + 1) * 8, BufferRole::InOut),
             (slots, BufferRole::InOut),
             (slots, BufferRole::InOut),
@@ -192,9 +206,10 @@ impl Pe {
                 routing: addrs[1],
                 probs: addrs[2],
                 map: addrs[3],
-                tpe: addrs[4],
+                tpe: addrs[4] + ((p - 1) * shape.local_experts() * 8) as u64,
                 offsets: addrs[5],
             },
+            counts: addrs[4],
             rows: addrs[6],
             results: addrs[7],
             y: addrs[8],
@@ -319,10 +334,10 @@ impl Pe {
         self.world.barrier_all().context("shmem barrier")
     }
 
-    /// Bytes of one slot: `[L][C]` rows, what one PE sends another in
-    /// dispatch and in combine.
+    /// Bytes of one slot: [`Shape::slot_rows`] rows, what one PE sends
+    /// another in dispatch and in combine.
     pub fn slot_bytes(shape: &Shape) -> usize {
-        shape.local_experts() * shape.capacity * shape.row_bytes()
+        shape.slot_rows() * shape.row_bytes()
     }
 
     /// The graph-cache key of this PE's step: its device, the shape and
@@ -330,7 +345,10 @@ impl Pe {
     fn key(&self) -> CallKey {
         let mut h = DefaultHasher::new();
         let s = &self.shape;
-        (s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity).hash(&mut h);
+        (
+            s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity, s.dropless,
+        )
+            .hash(&mut h);
         s.dtype.hash(&mut h);
         self.rank.hash(&mut h);
         for pe in 0..s.pes {
@@ -432,14 +450,14 @@ impl Pe {
     }
 
     /// The median ms of a device-to-device copy of the permuted tensor
-    /// (`[E*C, H]`, the send half of `rows`) into the first `P` slots of
+    /// (`P` slots, the send half of `rows`) into the first `P` slots of
     /// `results` on the PE's stream: the bandwidth the
     /// phases' byte floors are measured against. `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
             return Ok(None);
         };
-        let bytes = self.shape.experts * self.shape.capacity * self.shape.row_bytes();
+        let bytes = self.shape.pes * Self::slot_bytes(&self.shape);
         let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         g.ctx.bind_to_thread().context("CUDA context")?;
         let mut ms = Vec::new();
@@ -473,20 +491,30 @@ impl Pe {
             tokens: s.tokens as u64,
             hidden: s.hidden as u64,
             experts: s.experts as u64,
-            rows: (s.experts * s.capacity) as u64,
+            rows: (s.pes * s.slot_rows()) as u64,
             dtype: s.dtype,
         };
-        let options = RowIdMapOptions {
-            capacity: Some(s.capacity),
-            ..RowIdMapOptions::default()
+        let options = if s.dropless {
+            RowIdMapOptions {
+                groups: Some(ExpertGroups {
+                    experts: s.local_experts(),
+                    rows: s.slot_rows(),
+                }),
+                ..RowIdMapOptions::default()
+            }
+        } else {
+            RowIdMapOptions {
+                capacity: Some(s.capacity),
+                ..RowIdMapOptions::default()
+            }
         };
         let (p, slot) = (s.pes as u64, Self::slot_bytes(&s) as u64);
         // SAFETY: (this and the layer calls below) every buffer is this PE's
         // heap allocation for exactly these dims, alive for the world's life.
         unsafe { b.layer.make_row_id_map(&target, d, options) }?;
         self.mark(marks)?;
-        // SAFETY: as above; the send half of `rows` holds [E*C, H] (P
-        // slots), none of which a peer writes.
+        // SAFETY: as above; the send half of `rows` holds P slots of
+        // [S, H], none of which a peer writes.
         unsafe { b.layer.permute(&target, d, b.rows + (p - 1) * slot) }?;
         self.mark(marks)?;
         // Send slot j >= 1 (slot P - 1 + j of `rows`) goes to PE me + j,
@@ -506,8 +534,8 @@ impl Pe {
         self.mark(marks)?;
         self.await_all(b.combine, waits)?;
         self.mark(marks)?;
-        // SAFETY: as above; the receive half of `results` holds [E*C, H]
-        // in the order permute wrote, and `y` [T, H].
+        // SAFETY: as above; the receive half of `results` holds P slots
+        // of [S, H] in the order permute wrote, and `y` [T, H].
         unsafe {
             b.layer
                 .unpermute(&target, d, b.results + (p - 1) * slot, b.y)
@@ -528,8 +556,27 @@ impl Pe {
     ) -> Res<()> {
         let (me, p) = (self.rank, self.shape.pes);
         let slot = Self::slot_bytes(&self.shape) as u64;
+        let l = self.shape.local_experts() as u64;
+        let with_counts = self.shape.dropless && signals == self.b.dispatch;
         for j in 1..p as u64 {
             let q = (me + j as usize) % p;
+            if with_counts {
+                // The slot's L counts (tokens_per_expert of PE q's experts)
+                // into the counts of the slot they land in there; ordered
+                // before the put_signal below on the same stream.
+                // SAFETY: `tpe` holds E = P*L counts and `counts` (P-1)*L
+                // before it; both indices are in range.
+                unsafe {
+                    self.world.put_nbi(
+                        self.b.counts + (p as u64 - 1 - j) * l * 8,
+                        self.b.layer.tpe + j * l * 8,
+                        (l * 8) as usize,
+                        q,
+                        stream,
+                    )
+                }
+                .map_err(|e| e.to_string())?;
+            }
             // SAFETY: `buffer` is one of this PE's heap buffers of 2P - 1
             // slots, and both slot indices are below 2P - 1.
             unsafe {
@@ -576,10 +623,28 @@ impl Pe {
     }
 
     /// `out = silu(recv) * scale_e` for every (sender, local expert)
-    /// block of `C` rows, in one call.
+    /// block of `C` rows, or dropless every ragged group of rows the
+    /// counts give, in one call.
     fn experts(&mut self, stream: *mut c_void) -> Res<()> {
         let s = self.shape;
         let block = (s.capacity * s.row_bytes()) as u64;
+        let (scales, ragged) = if s.dropless {
+            let ragged = RaggedGroups {
+                scales: self.b.scales,
+                rows: self.b.counts,
+                segments: s.pes as u64,
+                groups: s.local_experts() as u64,
+                segment_bytes: Self::slot_bytes(&s) as u64,
+                row_bytes: s.row_bytes() as u64,
+            };
+            (None, Some(ragged))
+        } else {
+            let scales = GroupScales {
+                addr: self.b.scales,
+                group_bytes: block,
+            };
+            (Some(scales), None)
+        };
         // A Host PE's device names its slot in the world (host:rank); the
         // op itself runs on the one Host device.
         let device = match self.device.platform {
@@ -595,16 +660,15 @@ impl Pe {
             variant: Variant::WarpSpecialized,
             inputs: &[self.b.rows],
             output: self.b.results,
-            bytes: block * (s.pes * s.local_experts()) as u64,
+            bytes: (s.pes * Self::slot_bytes(&s)) as u64,
             scale: 0.0,
-            scales: Some(GroupScales {
-                addr: self.b.scales,
-                group_bytes: block,
-            }),
+            scales,
+            ragged,
         };
-        // SAFETY: `rows`, `results` and `scales` are distinct buffers of
-        // this PE's heap (the first P slots of `rows` and of `results` are
-        // exactly these bytes, `scales` one f32 per block), alive as long
+        // SAFETY: `rows`, `results`, `scales` and `counts` are distinct
+        // buffers of this PE's heap (the first P slots of `rows` and of
+        // `results` are exactly these bytes, `scales` one f32 per block,
+        // `counts` P*L counts from its first), alive as long
         // as the world; no peer writes those slots of `rows` until this
         // PE's combine of the step, nor those of `results` ever (see the
         // module docs).

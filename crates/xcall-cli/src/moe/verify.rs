@@ -338,6 +338,7 @@ mod tests {
             experts: 4,
             topk: 2,
             capacity: 12,
+            dropless: false,
             dtype: DType::F32,
         };
         let (inputs, draw_work) = drawer(shape, 3, 0, vec![0, 2, 5], 2);
@@ -387,6 +388,7 @@ mod tests {
             experts: 2,
             topk: 1,
             capacity: 4,
+            dropless: false,
             dtype: DType::F32,
         };
         let (inputs, work) = drawer(shape, 1, 0, (0..1_000_000).collect(), 1);

@@ -11,6 +11,7 @@
 #define CONSUMER_PHASE @CONSUMER_PHASE@u
 #define TILE @TILE@ull
 #define PRODUCER_THREADS @PRODUCER_THREADS@u
+#define TABLE_OFF @TABLE_OFF@u
 
 extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams p) {
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
@@ -23,12 +24,17 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+    // Ragged groups: their table, past the pipeline's shared memory.
+    u64 *tab = (u64 *)(smem + TABLE_OFF);
+    const u32 G = p.segments * p.groups;
+    if (p.rows) ragged_table(p, tab, TILE);
     __syncthreads();
     // Work items: the tiles of every scale group (one group when the op
-    // has one scale); every role walks them in the same order.
+    // has one scale) or of every ragged group; every role walks them in
+    // the same order.
     const u64 group = p.group_bytes;
     const u64 tiles_per_group = (group + TILE - 1) / TILE;
-    const u64 items = p.bytes / group * tiles_per_group;
+    const u64 items = p.rows ? tab[3 * G] : p.bytes / group * tiles_per_group;
     if (tid < PRODUCER_THREADS) {
         @DEC@
         const u32 warp = tid / 32, lane = tid % 32;
@@ -43,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
                 // here cost ~3% bandwidth on H100 (it waits for this
                 // producer's copies in flight) and changed no result.
                 mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), st.phase);
-                const Item it = item_of(i, tiles_per_group, group, TILE);
+                const Item it = p.rows ? ragged_item(tab, G, i, TILE) : item_of(i, tiles_per_group, group, TILE);
                 const u32 bulk = it.n & ~15u;
                 const u32 full = smem_addr(smem + FULL_OFF[warp * STAGES + s]);
                 if (bulk) {
@@ -60,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
         PipeState st = {0u, CONSUMER_PHASE};
         for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
             const u32 s = st.index;
-            const Item it = item_of(i, tiles_per_group, group, TILE);
+            const Item it = p.rows ? ragged_item(tab, G, i, TILE) : item_of(i, tiles_per_group, group, TILE);
             const float scale = p.scales ? p.scales[it.group] : p.scale;
             (void)scale;
             for (u32 w = 0; w < WARPS; ++w) mbar_wait(smem_addr(smem + FULL_OFF[w * STAGES + s]), st.phase);

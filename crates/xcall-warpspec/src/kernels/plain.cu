@@ -9,11 +9,16 @@
 
 extern "C" __global__ void __launch_bounds__(PLAIN_THREADS) @NAME@(const WsParams p) {
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
+    // Ragged groups: their table (the kernel's only shared memory).
+    extern __shared__ __align__(16) unsigned char smem[];
+    u64 *tab = (u64 *)smem;
+    const u32 G = p.segments * p.groups;
+    if (p.rows) ragged_table(p, tab, PLAIN_TILE);
     const u64 group = p.group_bytes;
     const u64 tiles_per_group = (group + PLAIN_TILE - 1) / PLAIN_TILE;
-    const u64 items = p.bytes / group * tiles_per_group;
+    const u64 items = p.rows ? tab[3 * G] : p.bytes / group * tiles_per_group;
     for (u64 i = blockIdx.x; i < items; i += gridDim.x) {
-        const Item it = item_of(i, tiles_per_group, group, PLAIN_TILE);
+        const Item it = p.rows ? ragged_item(tab, G, i, PLAIN_TILE) : item_of(i, tiles_per_group, group, PLAIN_TILE);
         const float scale = p.scales ? p.scales[it.group] : p.scale;
         (void)scale;
         const u32 vecs = it.n / 16u;
