@@ -669,11 +669,11 @@ fn report(
         between / 1e6,
     );
     println!(
-        "  {}  {:.1}% of the permuted rows used, {} route(s) dropped over all steps",
+        "  {:<15}{:.1}% of the permuted rows used, {} route(s) dropped over all steps",
         if s.dropless {
-            "slot fill     "
+            "slot fill"
         } else {
-            "capacity fill "
+            "capacity fill"
         },
         fill * 100.0,
         dropped
