@@ -153,6 +153,51 @@ int main(void) {
     CHECK(mismatches == 0);
   }
 
+  /* Ragged groups: 2 segments of 10 rows of 4 floats, 3 groups each with
+     counts from data; rows past a segment's groups stay poisoned. */
+  {
+    static float scales[6] = {0.5f, 9.0f, 1.5f, 2.0f, 2.5f, 3.0f};
+    static int64_t rows[6] = {2, 0, 3, 4, 4, 2}, bad_rows[6] = {2, 0, 9, 0, 0, 0};
+    const xcall_target host = {XCALL_PLATFORM_HOST, 0, NULL};
+    const size_t row = 4 * sizeof(float), seg = 10 * row;
+    int r, seg_i, k;
+    for (i = 0; i < N; i++) out[i] = NAN; /* poisoned */
+    CHECK_STATUS(xcall_ws_run_ragged(&host, XCALL_DTYPE_F32, NULL, a, out, 2, 3, seg, row, rows, scales),
+                 XCALL_STATUS_OK);
+    mismatches = 0;
+    for (seg_i = 0; seg_i < 2; seg_i++) {
+      int start = 0;
+      for (k = 0; k < 3; k++) {
+        for (r = start; r < start + (int)rows[seg_i * 3 + k]; r++)
+          for (i = 0; i < 4; i++) {
+            int at = (seg_i * 10 + r) * 4 + i;
+            double want = (double)a[at] / (1.0 + exp(-(double)a[at])) * scales[seg_i * 3 + k];
+            mismatches += fabs(out[at] - want) > 1e-5 * (fabs(want) > 1.0 ? fabs(want) : 1.0);
+          }
+        start += (int)rows[seg_i * 3 + k];
+      }
+    }
+    CHECK(mismatches == 0);
+    for (i = 5 * 4; i < 10 * 4; i++) CHECK(isnan(out[i])); /* segment 0's rows 5-9 */
+    CHECK(isnan(out[80]));                                   /* past the buffer */
+
+    for (i = 0; i < N; i++) out[i] = NAN;
+    CHECK_STATUS(xcall_ws_run_ragged(&host, XCALL_DTYPE_F32, NULL, a, out, 2, 3, seg, row, bad_rows, scales),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "passes the segment's 160 bytes");
+    CHECK_STATUS(xcall_ws_run_ragged(&host, XCALL_DTYPE_F32, NULL, a, out, 2, 3, seg, row, NULL, scales),
+                 XCALL_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(xcall_ws_run_ragged(&host, XCALL_DTYPE_F32, NULL, a, out, 2, 3, seg, 8, rows, scales),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "positive multiple of 16");
+    CHECK_STATUS(xcall_ws_run_ragged(&host, XCALL_DTYPE_F32, NULL, a, out, (size_t)1 << 62, 3, 64, row, rows, scales),
+                 XCALL_STATUS_INVALID_ARGUMENT);
+    CHECK_CONTAINS(xcall_last_error_message(), "overflow a size");
+    mismatches = 0;
+    for (i = 0; i < N; i++) mismatches += !isnan(out[i]);
+    CHECK(mismatches == 0);
+  }
+
   /* Errors: overlap, operand count, NULLs, unknown op. */
   inputs[1] = out;
   CHECK_STATUS(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, NULL, inputs, 2, out,
