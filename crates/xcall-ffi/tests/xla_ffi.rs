@@ -123,7 +123,7 @@ fn attributes_are_checked() {
         )
     };
     let e = run(&mut m, &[("capacityy", Attr::I64(4))]).unwrap_err();
-    assert!(e.1.contains("has no attribute \"capacityy\" (it takes: num_out_tokens, align, capacity, graph_cache)"), "{}", e.1);
+    assert!(e.1.contains("has no attribute \"capacityy\" (it takes: num_out_tokens, align, capacity, group_experts, group_rows, graph_cache)"), "{}", e.1);
     let e = run(&mut m, &[("capacity", Attr::F32(2.0))]).unwrap_err();
     assert!(
         e.1.contains("attribute capacity: expected an integer scalar, got XLA dtype code 11"),
