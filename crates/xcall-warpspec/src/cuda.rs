@@ -253,14 +253,8 @@ impl WsKernels {
             }
             None => p.smem_bytes,
         };
-        let ragged = buffers.ragged.unwrap_or(RaggedGroups {
-            scales: 0,
-            rows: 0,
-            segments: 0,
-            groups: 0,
-            segment_bytes: 0,
-            row_bytes: 0,
-        });
+        // Zeros (no ragged groups) without them.
+        let ragged = buffers.ragged.unwrap_or_default();
         let mut params = Params::new().record(&WsParams {
             src0: buffers.inputs[0],
             src1: buffers.inputs.get(1).copied().unwrap_or(0),

@@ -145,7 +145,7 @@ pub fn ragged_table_bytes(groups: u64) -> u64 {
 /// groups passing their segment's end (nothing written); a CUDA kernel,
 /// which cannot fail, takes a negative count as 0 and cuts groups at their
 /// segment's end (nothing outside the segment is read or written).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RaggedGroups {
     /// Address of `segments * groups` f32 scales (4-byte aligned).
     pub scales: u64,

@@ -240,7 +240,7 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
         heap,
         steps: a.steps,
         seed: a.seed,
-        capacity_factor: if dropless { 0.0 } else { f },
+        capacity_factor: f,
         verify: a.verify.unwrap_or(Verify::default_for(a.steps)),
         progress_every: a.progress_every,
     })

@@ -519,8 +519,17 @@ impl Pe {
         self.mark(marks)?;
         // Send slot j >= 1 (slot P - 1 + j of `rows`) goes to PE me + j,
         // into the slot of me's rows there, P - 1 - j.
-        self.exchange(b.rows, |j| p - 1 + j, |j| p - 1 - j, b.dispatch, stream)
-            .context("dispatch put_signal")?;
+        // Dropless, each slot's row counts go with it.
+        let counts = s.dropless;
+        self.exchange(
+            b.rows,
+            |j| p - 1 + j,
+            |j| p - 1 - j,
+            b.dispatch,
+            counts,
+            stream,
+        )
+        .context("dispatch put_signal")?;
         self.mark(marks)?;
         self.await_all(b.dispatch, waits)?;
         self.mark(marks)?;
@@ -529,8 +538,15 @@ impl Pe {
         // The results of PE me + j's rows (slot j - 1, where they were in
         // `rows`) go back to it, into the slot of its send slot P - j (the
         // one it sent to me): slot 2P - 1 - j of its `results`.
-        self.exchange(b.results, |j| j - 1, |j| 2 * p - 1 - j, b.combine, stream)
-            .context("combine put_signal")?;
+        self.exchange(
+            b.results,
+            |j| j - 1,
+            |j| 2 * p - 1 - j,
+            b.combine,
+            false,
+            stream,
+        )
+        .context("combine put_signal")?;
         self.mark(marks)?;
         self.await_all(b.combine, waits)?;
         self.mark(marks)?;
@@ -545,19 +561,20 @@ impl Pe {
 
     /// For every peer `q = me + j` (`j` in `1..P`): the slot at
     /// `source(j)` of `buffer` goes to slot `dest(j)` of `buffer` on PE
-    /// `q`, followed by SET `signals[me] = 1` there.
+    /// `q`, followed by SET `signals[me] = 1` there; `with_counts`: the
+    /// slot's `L` counts (of `tpe`) first, into `counts` there.
     fn exchange(
         &mut self,
         buffer: u64,
         source: impl Fn(u64) -> u64,
         dest: impl Fn(u64) -> u64,
         signals: u64,
+        with_counts: bool,
         stream: *mut c_void,
     ) -> Res<()> {
         let (me, p) = (self.rank, self.shape.pes);
         let slot = Self::slot_bytes(&self.shape) as u64;
         let l = self.shape.local_experts() as u64;
-        let with_counts = self.shape.dropless && signals == self.b.dispatch;
         for j in 1..p as u64 {
             let q = (me + j as usize) % p;
             if with_counts {
