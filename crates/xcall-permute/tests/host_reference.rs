@@ -670,3 +670,58 @@ fn expert_groups_pack_each_group_from_its_base() {
     )
     .is_ok());
 }
+
+/// A map made elsewhere: each entry outside its range refused with its
+/// message (known answers), whether the chunks are known, and the output
+/// row bounds at i32::MAX exactly.
+#[test]
+fn maps_made_elsewhere_are_checked_entry_by_entry() {
+    use xcall_permute::{ExpertGroups, RowIdMapRef};
+    // One token, 2 experts: [row0, row1, e0, e1, n].
+    let good = [3, 1, 0, 1, 2];
+    let view = RowIdMapRef::routes_only(1, 2, &good, 4).unwrap();
+    assert!(!view.has_chunks());
+    let with = RowIdMapRef::new(1, 2, &good, &[1, 1], &[3, 1, 4], 4);
+    assert!(with.is_err(), "expert 0's chunk [3, 1) is not valid");
+    let chunked = RowIdMapRef::new(1, 2, &[0, 1, 0, 1, 2], &[1, 1], &[0, 1, 2], 2).unwrap();
+    assert!(chunked.has_chunks());
+    for (map, want) in [
+        ([3, 1, 0, 1, -1], "has -1 routes"),
+        ([3, 1, 0, 1, 3], "has 3 routes"),
+        ([-1, 1, 0, 1, 2], "is (row -1, expert 0)"),
+        ([4, 1, 0, 1, 2], "is (row 4, expert 0)"),
+        ([3, 1, -1, 1, 2], "is (row 3, expert -1)"),
+        ([3, 1, 0, 2, 2], "is (row 1, expert 2)"),
+    ] {
+        match RowIdMapRef::routes_only(1, 2, &map, 4) {
+            Err(PermuteError::Shape(m)) => assert!(m.contains(want), "{map:?}: {m}"),
+            other => panic!("{map:?}: {other:?}"),
+        }
+    }
+    // Output rows up to i32::MAX fit the map, whichever option sets them.
+    let max = i32::MAX as usize;
+    let capped = RowIdMapOptions {
+        num_out_tokens: Some(max),
+        ..RowIdMapOptions::default()
+    };
+    assert_eq!(
+        make_row_id_map(&[1, 1], 1, 2, capped).unwrap().out_rows,
+        max
+    );
+    let over = RowIdMapOptions {
+        num_out_tokens: Some(max + 1),
+        ..RowIdMapOptions::default()
+    };
+    assert!(make_row_id_map(&[1, 1], 1, 2, over).is_err());
+    let one_group = RowIdMapOptions {
+        groups: Some(ExpertGroups {
+            experts: 2,
+            rows: max,
+        }),
+        ..RowIdMapOptions::default()
+    };
+    assert_eq!(
+        make_row_id_map(&[1, 1], 1, 2, one_group).unwrap().out_rows,
+        max
+    );
+}
