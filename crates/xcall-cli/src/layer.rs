@@ -123,6 +123,7 @@ impl Layer {
             permuted_probs: None,
             permuted_scales: None,
             in_place: false,
+            output_segments: None,
         };
         // SAFETY: the caller's contract.
         unsafe { call::permute(target, &args) }.context("permute")
@@ -141,6 +142,7 @@ impl Layer {
             permuted_probs: None,
             output: Tensor::new(output, d.dtype, &[d.tokens, d.hidden]),
             unpermuted_probs: None,
+            input_segments: None,
         };
         // SAFETY: the caller's contract.
         unsafe { call::unpermute(target, &args) }.context("unpermute")

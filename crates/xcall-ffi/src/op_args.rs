@@ -198,6 +198,7 @@ pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError
         permuted_probs: s.tensor("permuted_probs")?,
         permuted_scales: s.tensor("permuted_scales")?,
         in_place: s.flag("in_place"),
+        output_segments: None,
     };
     // SAFETY: the caller's promise on the tensors.
     Ok(unsafe { call::permute(t, &args) }?)
@@ -215,6 +216,7 @@ pub(crate) unsafe fn unpermute(t: &Target, s: &impl Source) -> Result<(), FfiErr
         permuted_probs: s.tensor("permuted_probs")?,
         output: s.required("output")?,
         unpermuted_probs: s.tensor("unpermuted_probs")?,
+        input_segments: None,
     };
     // SAFETY: the caller's promise on the tensors.
     Ok(unsafe { call::unpermute(t, &args) }?)

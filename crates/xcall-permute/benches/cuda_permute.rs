@@ -257,6 +257,7 @@ fn ops_of(
         permuted_probs: None,
         output: back.clone(),
         unpermuted_probs: None,
+        input_segments: None,
     };
     let backward = UnpermuteBackwardArgs {
         grad: back,
@@ -279,6 +280,7 @@ fn ops_of(
         permuted_probs: Some(permuted_probs),
         permuted_scales: None,
         in_place: false,
+        output_segments: None,
     };
     (permute, unpermute, backward)
 }

@@ -309,6 +309,7 @@ fn run_shape(
         permuted_probs: bf16.then(|| Tensor::new(b.pp, DType::F32, &[n as u64])),
         permuted_scales: None,
         in_place: false,
+        output_segments: None,
     };
     let unpermute = UnpermuteArgs {
         input: nt(b.perm, n),
@@ -317,6 +318,7 @@ fn run_shape(
         permuted_probs: None,
         output: b.back.clone(),
         unpermuted_probs: None,
+        input_segments: None,
     };
     let backward = UnpermuteBackwardArgs {
         grad: b.grad.clone(),

@@ -126,6 +126,40 @@ impl Tensor {
     }
 }
 
+/// The most segments a [`Segments`] may name (the CUDA kernels take the
+/// bases as launch parameters).
+pub const MAX_SEGMENTS: usize = 32;
+
+/// The rows of a permuted `[N, H]` tensor split over separate
+/// allocations (for example one per destination PE of a symmetric heap,
+/// reached through peer pointers): row `r` lives in segment `r / rows`, at
+/// row `r % rows` of it. Each segment holds `rows` dense rows; `N` is
+/// `bases.len() * rows`. The tensor the segments stand for still gives
+/// the dtype and the dims, and its address must be `bases[0]`.
+///
+/// On CUDA a base may be another device's memory that the target's
+/// device reaches by peer access (enabled beforehand, as xcall-shmem's
+/// worlds do); the checks refuse memory the device cannot reach.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Segments {
+    /// The first byte of each segment, at most [`MAX_SEGMENTS`].
+    pub bases: Vec<u64>,
+    /// Rows per segment (at least 1).
+    pub rows: u64,
+}
+
+impl Segments {
+    /// The region of segment `s` for rows of `row_bytes` bytes (checked:
+    /// the segments were accepted).
+    pub(crate) fn region<'a>(&self, name: &'a str, s: usize, row_bytes: u64) -> Region<'a> {
+        Region {
+            name,
+            address: self.bases[s],
+            bytes: self.rows * row_bytes,
+        }
+    }
+}
+
 /// Arguments of [`make_row_id_map`](crate::call::make_row_id_map).
 #[derive(Clone, Debug)]
 pub struct MakeRowIdMapArgs {
@@ -165,6 +199,12 @@ pub struct PermuteArgs {
     pub permuted_scales: Option<Tensor>,
     /// Outputs may overlap inputs (see [`call`](crate::call)).
     pub in_place: bool,
+    /// `output`'s rows in segments (see [`Segments`]). Then only the
+    /// routed rows are written: the rows no route writes are left as they
+    /// are (the reader of a segmented output, such as a grouped op over
+    /// each expert's routed rows, reads only those). Not with
+    /// `permuted_probs`, `permuted_scales` or `in_place`.
+    pub output_segments: Option<Segments>,
 }
 
 /// Arguments of [`unpermute`](crate::call::unpermute).
@@ -182,6 +222,9 @@ pub struct UnpermuteArgs {
     pub output: Tensor,
     /// Output `[T, E]` f32, with `permuted_probs`.
     pub unpermuted_probs: Option<Tensor>,
+    /// `input`'s rows in segments (see [`Segments`]). Not with
+    /// `permuted_probs`.
+    pub input_segments: Option<Segments>,
 }
 
 /// Arguments of [`unpermute_backward`](crate::call::unpermute_backward).

@@ -15,6 +15,17 @@
 //! cost is one extra read and write of those inputs and the scratch for
 //! the duration of the call. Outputs overlapping each other stay refused.
 //!
+//! Segmented tensors: `permute`'s output and `unpermute`'s input may be
+//! split over up to [`MAX_SEGMENTS`] separate allocations of equal rows
+//! ([`Segments`]; `output_segments` / `input_segments`), for example the
+//! receive slots of every PE of a symmetric heap, so a MoE layer's
+//! dispatch is the permute itself and its combine the unpermute. Each
+//! segment is checked like a tensor (NULL, alignment, overlap with every
+//! other buffer and segment; on CUDA, memory the device reaches, its own or
+//! a peer's). A segmented permute writes the routed rows only. Segment
+//! bases are launch parameters of pointer type: a graph-cache exec update
+//! moves those inside the call's buffers like any other pointer.
+//!
 //! A call goes: the checks (a [`Checked`] or an error), staging of in-place
 //! inputs, then one backend: Host or [`cuda`]. Neither
 //! backend calls back into this module.
@@ -30,7 +41,8 @@ use xcall_core::Platform;
 use crate::alias;
 pub use crate::args::{
     autotune_default, checked_default, env_settings, MakeChunkSortMapArgs, MakeRowIdMapArgs,
-    PermuteArgs, SortChunksArgs, Target, Tensor, UnpermuteArgs, UnpermuteBackwardArgs,
+    PermuteArgs, Segments, SortChunksArgs, Target, Tensor, UnpermuteArgs, UnpermuteBackwardArgs,
+    MAX_SEGMENTS,
 };
 use crate::check;
 pub use crate::check::{Checked, Dims};

@@ -11,8 +11,8 @@ use xcall_core::DType;
 
 use crate::alias::{self, Op, Region};
 use crate::args::{
-    MakeChunkSortMapArgs, MakeRowIdMapArgs, NamedTensors, PermuteArgs, SortChunksArgs, Tensor,
-    UnpermuteArgs, UnpermuteBackwardArgs,
+    MakeChunkSortMapArgs, MakeRowIdMapArgs, NamedTensors, PermuteArgs, Segments, SortChunksArgs,
+    Tensor, UnpermuteArgs, UnpermuteBackwardArgs, MAX_SEGMENTS,
 };
 use crate::error::{shape, PermuteError};
 use crate::row_id_map;
@@ -120,6 +120,57 @@ fn dim(name: &str, t: &Tensor, axis: usize, want: u64, meaning: &str) -> Result<
     }
 }
 
+/// Checks the segments of tensor `name` (`t`, already checked as a
+/// tensor; rows of `row` bytes): 1 to [`MAX_SEGMENTS`] bases, the first at
+/// `t`'s address; `rows >= 1` with `bases * rows` the tensor's rows; each
+/// base non-NULL, aligned to the element size, its rows inside the
+/// address space.
+fn check_segments(name: &str, t: &Tensor, s: &Segments, row: u64) -> Result<(), PermuteError> {
+    let n = s.bases.len();
+    if n == 0 || n > MAX_SEGMENTS {
+        return Err(shape(format!(
+            "{name} segments: {n} bases, expected 1 to {MAX_SEGMENTS}"
+        )));
+    }
+    if s.bases[0] != t.address {
+        return Err(shape(format!(
+            "{name} segments: the first base {:#x} is not {name}'s address {:#x}",
+            s.bases[0], t.address
+        )));
+    }
+    if s.rows == 0 || (n as u64).checked_mul(s.rows) != Some(t.dims[0]) {
+        return Err(shape(format!(
+            "{name} segments: {n} segments of {} rows do not make {name}'s {} rows",
+            s.rows, t.dims[0]
+        )));
+    }
+    // The tensor's bytes were bounded by i64::MAX, so one segment's are.
+    let bytes = s.rows * row;
+    let align = t.dtype.size_bytes() as u64;
+    for (i, &b) in s.bases.iter().enumerate() {
+        if bytes == 0 {
+            break;
+        }
+        if b == 0 {
+            return Err(PermuteError::Null(format!(
+                "{name} segment {i} is NULL but holds {bytes} bytes"
+            )));
+        }
+        if b % align != 0 {
+            return Err(shape(format!(
+                "{name} segment {i} address {b:#x} is not aligned to its {align}-byte {} elements",
+                t.dtype
+            )));
+        }
+        if b.checked_add(bytes).is_none() {
+            return Err(shape(format!(
+                "{name} segment {i} at {b:#x} overflows the address space"
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn usize_of(v: u64) -> usize {
     // Checked tensors' dims multiply to less than i64::MAX bytes.
     v as usize
@@ -128,9 +179,36 @@ pub(crate) fn usize_of(v: u64) -> usize {
 /// Refuses overlaps (see the module docs); `in_place` allows outputs over
 /// inputs, which the call then stages (copies away).
 fn check_overlap(op: Op, a: &impl NamedTensors, in_place: bool) -> Result<(), PermuteError> {
+    check_overlap_segmented(op, a, in_place, None)
+}
+
+/// [`check_overlap`] with one tensor (`name`) in segments: each segment is
+/// a region of its own in that tensor's place.
+fn check_overlap_segmented(
+    op: Op,
+    a: &impl NamedTensors,
+    in_place: bool,
+    segmented: Option<(&str, &Segments, u64)>,
+) -> Result<(), PermuteError> {
     let (inputs, outputs) = (a.inputs(), a.outputs());
-    let ins: Vec<Region<'_>> = inputs.iter().map(|(n, t)| t.region(n)).collect();
-    let outs: Vec<Region<'_>> = outputs.iter().map(|(n, t)| t.region(n)).collect();
+    let names: Vec<String> = segmented.map_or(Vec::new(), |(name, s, _)| {
+        (0..s.bases.len())
+            .map(|i| format!("{name} segment {i}"))
+            .collect()
+    });
+    let regions = |list: &[(&'static str, &Tensor)]| -> Vec<Region<'_>> {
+        let mut v = Vec::new();
+        for &(n, t) in list {
+            match segmented {
+                Some((name, s, row)) if name == n => {
+                    v.extend(names.iter().enumerate().map(|(i, m)| s.region(m, i, row)));
+                }
+                _ => v.push(t.region(n)),
+            }
+        }
+        v
+    };
+    let (ins, outs) = (regions(&inputs), regions(&outputs));
     let mut allowed: Vec<(&str, &str)> = alias::alias_table(op).to_vec();
     if in_place {
         for (i, _) in &inputs {
@@ -241,7 +319,29 @@ pub fn permute(a: &PermuteArgs) -> Result<Checked<'_, PermuteArgs>, PermuteError
         dim("permuted_scales", ps, 0, n, "output rows")?;
         dim("permuted_scales", ps, 1, s, "scales per token")?;
     }
-    check_overlap(Op::Permute, a, a.in_place)?;
+    if let Some(segs) = &a.output_segments {
+        let row = h * a.input.dtype.size_bytes() as u64;
+        check_segments("output", &a.output, segs, row)?;
+        for (given, name) in [
+            (a.permuted_probs.is_some(), "permuted_probs"),
+            (a.permuted_scales.is_some(), "permuted_scales"),
+            (a.in_place, "in_place"),
+        ] {
+            if given {
+                return Err(PermuteError::Unsupported(format!(
+                    "permute with output segments writes the routed rows only, not {name}"
+                )));
+            }
+        }
+    }
+    check_overlap_segmented(
+        Op::Permute,
+        a,
+        a.in_place,
+        a.output_segments
+            .as_ref()
+            .map(|s| ("output", s, h * a.input.dtype.size_bytes() as u64)),
+    )?;
     Ok(Checked::new(
         a,
         Dims {
@@ -293,7 +393,27 @@ pub fn unpermute(a: &UnpermuteArgs) -> Result<Checked<'_, UnpermuteArgs>, Permut
         dim("unpermuted_probs", up, 0, t, "tokens")?;
         dim("unpermuted_probs", up, 1, e, "experts")?;
     }
-    check_overlap(Op::Unpermute, a, false)?;
+    if let Some(segs) = &a.input_segments {
+        check_segments(
+            "input",
+            &a.input,
+            segs,
+            h * a.input.dtype.size_bytes() as u64,
+        )?;
+        if a.permuted_probs.is_some() {
+            return Err(PermuteError::Unsupported(
+                "unpermute with input segments does not take permuted_probs".into(),
+            ));
+        }
+    }
+    check_overlap_segmented(
+        Op::Unpermute,
+        a,
+        false,
+        a.input_segments
+            .as_ref()
+            .map(|s| ("input", s, h * a.input.dtype.size_bytes() as u64)),
+    )?;
     Ok(Checked::new(
         a,
         Dims {

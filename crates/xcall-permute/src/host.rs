@@ -38,6 +38,27 @@ unsafe fn host_slice_mut<'a, T>(t: &Tensor) -> &'a mut [T] {
     }
 }
 
+/// `bytes` bytes of a checked segment at `base`; see the module docs.
+unsafe fn segment<'a>(base: u64, bytes: usize) -> &'a [u8] {
+    if bytes == 0 {
+        &[]
+    } else {
+        // SAFETY: see the module docs; checked non-NULL, its bytes inside
+        // the address space.
+        unsafe { std::slice::from_raw_parts(base as *const u8, bytes) }
+    }
+}
+
+/// See [`segment`]; the overlap check makes the slice exclusive.
+unsafe fn segment_mut<'a>(base: u64, bytes: usize) -> &'a mut [u8] {
+    if bytes == 0 {
+        &mut []
+    } else {
+        // SAFETY: see segment; no other slice of the call overlaps it.
+        unsafe { std::slice::from_raw_parts_mut(base as *mut u8, bytes) }
+    }
+}
+
 /// The row-id map with its expert chunks, over checked tensors; see the
 /// module docs.
 unsafe fn chunked_map<'a>(
@@ -82,6 +103,27 @@ pub(crate) unsafe fn permute(c: &Checked<'_, PermuteArgs>) -> Result<(), Permute
     // SAFETY: checked (and staged) tensors, see the module docs.
     unsafe {
         let map = chunked_map(dims, &a.row_id_map, &a.tokens_per_expert, &a.expert_offsets)?;
+        if let Some(segs) = &a.output_segments {
+            let row = dims.hidden * a.input.dtype.size_bytes();
+            let rows = usize_of(segs.rows);
+            let mut parts: Vec<&mut [u8]> = segs
+                .bases
+                .iter()
+                .map(|&b| segment_mut(b, rows * row))
+                .collect();
+            return ops::permute_segmented(
+                map,
+                &ops::PermuteInputs {
+                    input: host_slice(&a.input),
+                    dtype: a.input.dtype,
+                    hidden: dims.hidden,
+                    probs: None,
+                    scales: None,
+                },
+                &mut parts,
+                rows,
+            );
+        }
         ops::permute(
             map,
             &ops::PermuteInputs {
@@ -111,6 +153,27 @@ pub(crate) unsafe fn unpermute(c: &Checked<'_, UnpermuteArgs>) -> Result<(), Per
             host_slice(&a.row_id_map),
             dims.out_rows,
         )?;
+        if let Some(segs) = &a.input_segments {
+            let row = dims.hidden * a.input.dtype.size_bytes();
+            let rows = usize_of(segs.rows);
+            let parts: Vec<&[u8]> = segs.bases.iter().map(|&b| segment(b, rows * row)).collect();
+            return ops::unpermute_segmented(
+                map,
+                &parts,
+                rows,
+                &ops::UnpermuteInputs {
+                    input: &[],
+                    dtype: a.input.dtype,
+                    hidden: dims.hidden,
+                    merging_probs: a.merging_probs.as_ref().map(|t| host_slice(t)),
+                    permuted_probs: None,
+                },
+                &mut ops::UnpermuteOutputs {
+                    output: host_slice_mut(&a.output),
+                    unpermuted_probs: None,
+                },
+            );
+        }
         ops::unpermute(
             map,
             &ops::UnpermuteInputs {

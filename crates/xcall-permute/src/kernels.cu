@@ -459,6 +459,7 @@ __device__ void zero_body(const PermuteParams& p) { zero_region<V>(p, blockIdx.x
 #define ZERO_PARTS 16
 template <int V>
 __device__ void zero_regions(const PermuteParams& p) {
+    if (p.seg_rows > 0) return;  // a segmented output keeps its unwritten rows
     const int work = ((int)p.experts + 1) * ZERO_PARTS;
     for (int w = blockIdx.x; w < work; w += gridDim.x) zero_region<V>(p, w / ZERO_PARTS, w % ZERO_PARTS, ZERO_PARTS);
 }
@@ -486,6 +487,17 @@ template <bool WARP> struct Group {
         else __syncthreads();
     }
 };
+
+// Row d of a permuted tensor: dense at `base`, or (seg_rows > 0) row
+// d % seg_rows of segment d / seg_rows. Rows fit an int (the map is i32),
+// so past the first segment seg_rows does too.
+template <typename B>
+__device__ __forceinline__ B* row_at(B* base, B* const* segs, i64 seg_rows, int d, i64 row) {
+    if (seg_rows == 0) return base + (i64)d * row;
+    if (d < seg_rows) return segs[0] + (i64)d * row;
+    const int s = d / (int)seg_rows;
+    return segs[s] + (i64)(d - s * (int)seg_rows) * row;
+}
 
 // A store that evicts first: the outputs are written once and not read
 // again by the kernel.
@@ -538,7 +550,7 @@ __device__ void permute_body(const PermuteParams& p) {
                 for (int k = 0; k < kn; ++k) {
                     const int d = rows[k];
                     if (d < 0) continue;
-                    Vt* dst = (Vt*)(p.out + (i64)d * row);
+                    Vt* dst = (Vt*)row_at(p.out, p.segs, p.seg_rows, d, row);
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         i64 i = base + (i64)u * g.step;
@@ -647,7 +659,7 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                     wk = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
                 }
                 if (d < 0) continue;
-                const P* src = (const P*)(p.input + (i64)d * row);
+                const P* src = (const P*)row_at(p.input, p.segs, p.seg_rows, d, row);
                 P pk[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {

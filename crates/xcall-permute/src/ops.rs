@@ -149,6 +149,54 @@ pub fn permute(
     Ok(())
 }
 
+/// [`permute`] into an output in segments: row `r` of the `[S*rows, H]`
+/// output is row `r % rows` of `segments[r / rows]` (each `rows` rows of
+/// `H` elements). Only the routed rows are written; the others keep their
+/// bytes. Takes no probs or scales.
+pub fn permute_segmented(
+    map: RowIdMapRef<'_>,
+    inputs: &PermuteInputs<'_>,
+    segments: &mut [&mut [u8]],
+    rows: usize,
+) -> Result<(), PermuteError> {
+    let (t, h, n) = (map.tokens(), inputs.hidden, map.out_rows());
+    if inputs.probs.is_some() || inputs.scales.is_some() {
+        return Err(PermuteError::Unsupported(
+            "permute with output segments takes no probs or scales".into(),
+        ));
+    }
+    let row = h
+        .checked_mul(inputs.dtype.size_bytes())
+        .ok_or_else(|| shape(format!("hidden size {h} overflows a row's bytes")))?;
+    expect_len("input (bytes)", inputs.input.len(), &[t, row])?;
+    expect_len("output rows", n, &[segments.len(), rows])?;
+    for (i, seg) in segments.iter().enumerate() {
+        expect_len(
+            &format!("output segment {i} (bytes)"),
+            seg.len(),
+            &[rows, row],
+        )?;
+    }
+    let ins = [Region::of("input", inputs.input)];
+    let names: Vec<String> = (0..segments.len())
+        .map(|i| format!("output segment {i}"))
+        .collect();
+    let outs: Vec<Region<'_>> = segments
+        .iter()
+        .zip(&names)
+        .map(|(seg, name)| Region::of(name, seg))
+        .collect();
+    alias::check(&ins, &outs, alias::alias_table(Op::Permute))?;
+    for token in 0..t {
+        for (dst, _) in map.routes(token) {
+            let (seg, at) = (dst / rows, dst % rows);
+            segments[seg][at * row..(at + 1) * row]
+                .copy_from_slice(&inputs.input[token * row..(token + 1) * row]);
+        }
+    }
+    Ok(())
+}
+
 /// The codec of an accumulating op's dtype (f32, f16 or bf16).
 fn codec(op: &str, dtype: DType) -> Result<FloatCodec, PermuteError> {
     FloatCodec::new(dtype).ok_or_else(|| {
@@ -188,6 +236,37 @@ pub fn unpermute(
     inputs: &UnpermuteInputs<'_>,
     outputs: &mut UnpermuteOutputs<'_>,
 ) -> Result<(), PermuteError> {
+    let rows = map.out_rows();
+    unpermute_rows(map, &[inputs.input], rows, inputs, outputs)
+}
+
+/// [`unpermute`] of an input in segments: row `r` of the `[S*rows, H]`
+/// input is row `r % rows` of `segments[r / rows]`. `inputs.input` must be
+/// empty (the segments stand for it) and `inputs.permuted_probs` absent.
+pub fn unpermute_segmented(
+    map: RowIdMapRef<'_>,
+    segments: &[&[u8]],
+    rows: usize,
+    inputs: &UnpermuteInputs<'_>,
+    outputs: &mut UnpermuteOutputs<'_>,
+) -> Result<(), PermuteError> {
+    if !inputs.input.is_empty() || inputs.permuted_probs.is_some() {
+        return Err(shape(
+            "unpermute with input segments takes its rows from the segments: input must be empty and permuted_probs absent",
+        ));
+    }
+    unpermute_rows(map, segments, rows, inputs, outputs)
+}
+
+/// `unpermute` with the input's rows in `segments` of `rows` rows each
+/// (one segment of every row for a dense input).
+fn unpermute_rows(
+    map: RowIdMapRef<'_>,
+    segments: &[&[u8]],
+    rows: usize,
+    inputs: &UnpermuteInputs<'_>,
+    outputs: &mut UnpermuteOutputs<'_>,
+) -> Result<(), PermuteError> {
     let codec = match inputs.merging_probs {
         // Without weights the sum is data movement plus adds: fp8 too.
         None => FloatCodec::with_fp8(inputs.dtype).ok_or_else(|| {
@@ -200,7 +279,16 @@ pub fn unpermute(
     };
     let (t, e, h, n) = (map.tokens(), map.experts(), inputs.hidden, map.out_rows());
     let size = inputs.dtype.size_bytes();
-    expect_len("input (bytes)", inputs.input.len(), &[n, h, size])?;
+    expect_len("input rows", n, &[segments.len(), rows])?;
+    let names: Vec<String> = (0..segments.len())
+        .map(|i| match segments.len() {
+            1 => "input (bytes)".to_string(),
+            _ => format!("input segment {i} (bytes)"),
+        })
+        .collect();
+    for (seg, name) in segments.iter().zip(&names) {
+        expect_len(name, seg.len(), &[rows, h, size])?;
+    }
     expect_len("output (bytes)", outputs.output.len(), &[t, h, size])?;
     if let Some(m) = inputs.merging_probs {
         expect_len("merging_probs", m.len(), &[t, e])?;
@@ -214,7 +302,15 @@ pub fn unpermute(
         (None, Some(_)) => return Err(shape("unpermuted_probs given without permuted_probs")),
         (None, None) => {}
     }
-    let mut ins = vec![Region::of("input", inputs.input)];
+    let region_names: Vec<&str> = names
+        .iter()
+        .map(|m| m.strip_suffix(" (bytes)").unwrap_or(m))
+        .collect();
+    let mut ins: Vec<Region<'_>> = segments
+        .iter()
+        .zip(&region_names)
+        .map(|(seg, name)| Region::of(name, seg))
+        .collect();
     ins.extend(inputs.merging_probs.map(|m| Region::of("merging_probs", m)));
     ins.extend(
         inputs
@@ -240,7 +336,7 @@ pub fn unpermute(
         acc.fill(0.0);
         for (dst, expert) in map.routes(token) {
             let w = inputs.merging_probs.map_or(1.0, |m| m[token * e + expert]);
-            codec.load_slice(inputs.input, dst * h, &mut x);
+            codec.load_slice(segments[dst / rows], (dst % rows) * h, &mut x);
             for (a, v) in acc.iter_mut().zip(&x) {
                 *a += v * w;
             }

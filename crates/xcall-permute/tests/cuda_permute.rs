@@ -266,6 +266,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
                     permuted_probs: Some(pick(&pp)),
                     permuted_scales: Some(pick(&ps)),
                     in_place: false,
+                    output_segments: None,
                 },
             )
         }
@@ -289,6 +290,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
                         permuted_probs: None,
                         output: pick(&plain),
                         unpermuted_probs: None,
+                        input_segments: None,
                     },
                 )
             }
@@ -314,6 +316,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
                     permuted_probs: Some(pick(&pp)),
                     output: pick(&back),
                     unpermuted_probs: Some(pick(&up)),
+                    input_segments: None,
                 },
             )?;
             call::unpermute(
@@ -325,6 +328,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
                     permuted_probs: None,
                     output: pick(&plain),
                     unpermuted_probs: None,
+                    input_segments: None,
                 },
             )
         }
@@ -813,6 +817,7 @@ fn permute_in_place_equals_out_of_place() {
         permuted_probs: None,
         permuted_scales: None,
         in_place,
+        output_segments: None,
     };
     for autotune in [false, true] {
         let dbuf2 = gpu.upload(&buf);
@@ -927,6 +932,7 @@ fn under_capture_nothing_is_tuned_and_the_graph_replays_correctly() {
                     permuted_probs: None,
                     permuted_scales: None,
                     in_place: false,
+                    output_segments: None,
                 },
             )?;
             call::make_chunk_sort_map(
@@ -1290,6 +1296,7 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
                                 permuted_probs: Some(outs[1].clone()),
                                 permuted_scales: None,
                                 in_place: false,
+                                output_segments: None,
                             },
                         )
                     }
@@ -1312,6 +1319,7 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
                                 permuted_probs: Some(pick(&pprobs_in)),
                                 output: outs[0].clone(),
                                 unpermuted_probs: Some(outs[1].clone()),
+                                input_segments: None,
                             },
                         )
                     }
@@ -1442,6 +1450,7 @@ fn checked_mode_passes_valid_maps_and_records_faults_under_capture() {
             permuted_probs: None,
             permuted_scales: None,
             in_place: false,
+            output_segments: None,
         }
     };
     let checked = Target {
@@ -1567,6 +1576,7 @@ fn tuning_trials_leave_the_real_outputs_untouched() {
                     permuted_probs: Some(pick(&permuted_probs)),
                     permuted_scales: None,
                     in_place: false,
+                    output_segments: None,
                 },
             )
         }
@@ -1589,6 +1599,7 @@ fn tuning_trials_leave_the_real_outputs_untouched() {
                 permuted_probs: None,
                 output: pick(&back),
                 unpermuted_probs: None,
+                input_segments: None,
             },
         )
     };
@@ -1628,4 +1639,229 @@ fn tuning_trials_leave_the_real_outputs_untouched() {
         ["permute", "unpermute", "unpermute_backward"],
         "each kernel tuned once, here"
     );
+}
+
+/// Runs permute into `segs` (device buffers of `rows` rows of `row` bytes)
+/// and unpermute from them into `y`, on Host (`host: true`, the segments
+/// and `y` are host addresses) or CUDA.
+#[allow(clippy::too_many_arguments)]
+fn segmented_layer(
+    target: &Target,
+    (x, map, tpe, offsets, probs): (&Tensor, &Tensor, &Tensor, &Tensor, &Tensor),
+    segs: &[u64],
+    rows: u64,
+    y: &Tensor,
+) -> Result<(), PermuteError> {
+    let (dtype, h) = (x.dtype, x.dims[1]);
+    let n = segs.len() as u64 * rows;
+    let segments = Some(call::Segments {
+        bases: segs.to_vec(),
+        rows,
+    });
+    // SAFETY: every tensor and segment is a live allocation of its size
+    // on the target's device.
+    unsafe {
+        call::permute(
+            target,
+            &PermuteArgs {
+                input: x.clone(),
+                row_id_map: map.clone(),
+                tokens_per_expert: tpe.clone(),
+                expert_offsets: offsets.clone(),
+                probs: None,
+                scales: None,
+                output: Tensor::new(segs[0], dtype, &[n, h]),
+                permuted_probs: None,
+                permuted_scales: None,
+                in_place: false,
+                output_segments: segments.clone(),
+            },
+        )?;
+        call::unpermute(
+            target,
+            &UnpermuteArgs {
+                input: Tensor::new(segs[0], dtype, &[n, h]),
+                row_id_map: map.clone(),
+                merging_probs: Some(probs.clone()),
+                permuted_probs: None,
+                output: y.clone(),
+                unpermuted_probs: None,
+                input_segments: segments,
+            },
+        )
+    }
+}
+
+#[test]
+fn segmented_permute_and_unpermute_equal_the_host_eager_and_captured() {
+    if cuda_devices_or_skip("permute cuda segments").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    // (T, E, k, H, dtype, segments, rows per segment): full groups, a
+    // group too small for its routes, odd row sizes (narrow vectors).
+    for (seed, (t, e, k, h, dtype, s, rows)) in [
+        (
+            1u64,
+            (
+                300usize,
+                16usize,
+                4usize,
+                1024u64,
+                DType::Bf16,
+                4usize,
+                330u64,
+            ),
+        ),
+        (2, (257, 8, 2, 72, DType::F32, 2, 200)),
+        (3, (128, 32, 8, 3, DType::F16, 8, 40)),
+        (4, (64, 4, 1, 4096, DType::Bf16, 1, 70)),
+    ] {
+        let mut g = XorShift::new(seed);
+        let r = routing(t, e, k, &mut g);
+        let groups = RowIdMapOptions {
+            groups: Some(ExpertGroups {
+                experts: e / s,
+                rows: rows as usize,
+            }),
+            ..RowIdMapOptions::default()
+        };
+        let m = xcall_permute::make_row_id_map(&r, t, e, groups).unwrap();
+        let (t64, e64) = (t as u64, e as u64);
+        let x = Pair::new(
+            &mut gpu,
+            random_values(dtype, t * h as usize, &mut g),
+            dtype,
+            &[t64, h],
+        );
+        let map = Pair::new(&mut gpu, bytes_of(&m.map), DType::I32, &[t64, 2 * e64 + 1]);
+        let tpe = Pair::new(&mut gpu, bytes_of(&m.tokens_per_expert), DType::I64, &[e64]);
+        let offsets = Pair::new(
+            &mut gpu,
+            bytes_of(&m.expert_offsets),
+            DType::I64,
+            &[e64 + 1],
+        );
+        let probs = Pair::new(&mut gpu, f32s(t * e, &mut g), DType::F32, &[t64, e64]);
+        let seg_dims = [rows, h];
+        let mut host_segs: Vec<Pair> = (0..s)
+            .map(|_| Pair::poisoned(&mut gpu, dtype, &seg_dims))
+            .collect();
+        let mut y = Pair::poisoned(&mut gpu, dtype, &[t64, h]);
+        let host_bases: Vec<u64> = host_segs
+            .iter_mut()
+            .map(|p| p.host.as_mut_ptr() as u64)
+            .collect();
+        segmented_layer(
+            &Target::host(),
+            (&x.h(), &map.h(), &tpe.h(), &offsets.h(), &probs.h()),
+            &host_bases,
+            rows,
+            &Tensor::new(y.host.as_mut_ptr() as u64, dtype, &[t64, h]),
+        )
+        .unwrap();
+        let (xd, md, td, od, pd) = (x.d(), map.d(), tpe.d(), offsets.d(), probs.d());
+        let bases: Vec<u64> = host_segs.iter().map(|p| p.device).collect();
+        for autotune in [false, true] {
+            segmented_layer(
+                &gpu.target(autotune),
+                (&xd, &md, &td, &od, &pd),
+                &bases,
+                rows,
+                &y.d(),
+            )
+            .unwrap();
+            for (i, seg) in host_segs.iter().enumerate() {
+                seg.same(
+                    &gpu,
+                    &format!("seed {seed} autotune {autotune}: segment {i}"),
+                );
+            }
+            y.same(&gpu, &format!("seed {seed} autotune {autotune}: y"));
+        }
+        // Captured: re-poison, replay, compare again.
+        let target = gpu.target(true);
+        let poison_all = || {
+            for p in host_segs.iter().chain(std::iter::once(&y)) {
+                // SAFETY: a live allocation of this context of exactly
+                // these bytes; the stream is idle.
+                unsafe {
+                    sys::cuMemsetD8_v2(p.device, POISON, p.host.len())
+                        .result()
+                        .unwrap()
+                };
+            }
+        };
+        gpu.capture_and_replay(
+            || segmented_layer(&target, (&xd, &md, &td, &od, &pd), &bases, rows, &y.d()),
+            poison_all,
+        );
+        for (i, seg) in host_segs.iter().enumerate() {
+            seg.same(&gpu, &format!("seed {seed} captured: segment {i}"));
+        }
+        y.same(&gpu, &format!("seed {seed} captured: y"));
+    }
+}
+
+#[test]
+fn a_segment_in_host_memory_is_refused_on_cuda() {
+    if cuda_devices_or_skip("permute cuda segments in host memory").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    let mut g = XorShift::new(9);
+    let (t, e, h) = (16usize, 4usize, 8u64);
+    let r = routing(t, e, 2, &mut g);
+    let m = xcall_permute::make_row_id_map(&r, t, e, RowIdMapOptions::default()).unwrap();
+    let n = m.out_rows as u64;
+    let x = Pair::new(
+        &mut gpu,
+        f32s(t * h as usize, &mut g),
+        DType::F32,
+        &[t as u64, h],
+    );
+    let map = Pair::new(
+        &mut gpu,
+        bytes_of(&m.map),
+        DType::I32,
+        &[t as u64, 2 * e as u64 + 1],
+    );
+    let tpe = Pair::new(
+        &mut gpu,
+        bytes_of(&m.tokens_per_expert),
+        DType::I64,
+        &[e as u64],
+    );
+    let offsets = Pair::new(
+        &mut gpu,
+        bytes_of(&m.expert_offsets),
+        DType::I64,
+        &[e as u64 + 1],
+    );
+    let out = Pair::poisoned(&mut gpu, DType::F32, &[n, h]);
+    let mut host = vec![0f32; (n * h) as usize];
+    // Two segments of n/2 rows (n is even: 2 routes a token), the second in
+    // host memory.
+    let args = PermuteArgs {
+        input: x.d(),
+        row_id_map: map.d(),
+        tokens_per_expert: tpe.d(),
+        expert_offsets: offsets.d(),
+        probs: None,
+        scales: None,
+        output: Tensor::new(out.device, DType::F32, &[n, h]),
+        permuted_probs: None,
+        permuted_scales: None,
+        in_place: false,
+        output_segments: Some(call::Segments {
+            bases: vec![out.device, host.as_mut_ptr() as u64],
+            rows: n / 2,
+        }),
+    };
+    // SAFETY: the device tensors are live; the call is refused before it
+    // touches the host segment.
+    let e = unsafe { call::permute(&gpu.target(false), &args) }.unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("output segment 1 at"), "{e}");
+    out.same(&gpu, "a refused segmented permute");
 }

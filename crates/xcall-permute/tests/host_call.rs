@@ -162,6 +162,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
                         permuted_probs: Some(b.tensor("permuted_probs", m)),
                         permuted_scales: Some(b.tensor("permuted_scales", m)),
                         in_place: false,
+                        output_segments: None,
                     },
                 )
             },
@@ -181,6 +182,7 @@ fn ops() -> Vec<(&'static str, Vec<&'static str>, Vec<&'static str>, Runner)> {
                         permuted_probs: Some(b.tensor("permuted_probs", m)),
                         output: b.tensor("back", m),
                         unpermuted_probs: Some(b.tensor("unpermuted_probs", m)),
+                        input_segments: None,
                     },
                 )
             },

@@ -20,6 +20,10 @@ macro_rules! param_fields {
 }
 param_fields!(u64, i64, u32, i32, f32);
 
+// An array of 8-byte words: with a C type `T*[N]`, `N` device pointers.
+impl<const N: usize> sealed::Sealed for [u64; N] {}
+impl<const N: usize> ParamField for [u64; N] {}
+
 /// A kernel parameter struct shared with CUDA C. Implement it with
 /// [`kernel_params!`](crate::kernel_params), never by hand.
 ///
@@ -33,9 +37,10 @@ pub unsafe trait KernelRecord: Copy + 'static {
     /// Each field's (name, CUDA C type, byte offset, size), in order.
     fn fields() -> Vec<(&'static str, &'static str, usize, usize)>;
 
-    /// Byte offsets of the fields that hold a device pointer (C type
-    /// ending in `*`, 8 bytes, 8-byte aligned), worked out once per type:
-    /// a launch reads them without allocating.
+    /// Byte offsets of the 8-byte words that hold a device pointer (a
+    /// field of C type ending in `*`, or each word of an array field of C
+    /// type `T*[N]`), worked out once per type: a launch reads them
+    /// without allocating.
     fn pointer_offsets() -> &'static [usize];
 
     /// The CUDA C definition, followed by `static_assert`s that its size
@@ -48,7 +53,11 @@ pub unsafe trait KernelRecord: Copy + 'static {
         let fields = Self::fields();
         let mut s = format!("struct {name} {{\n");
         for (field, ctype, _, _) in &fields {
-            s += &format!("    {ctype} {field};\n");
+            // An array type `T[N]` is declared `T field[N]`.
+            match ctype.find('[') {
+                Some(at) => s += &format!("    {} {field}{};\n", &ctype[..at], &ctype[at..]),
+                None => s += &format!("    {ctype} {field};\n"),
+            }
         }
         s += "};\n";
         s += &format!(
@@ -92,16 +101,28 @@ pub unsafe trait KernelRecord: Copy + 'static {
     }
 }
 
-/// The byte offsets of the pointer fields among `fields` (as
-/// [`KernelRecord::fields`] lists them): C type ending in `*`, 8 bytes,
-/// 8-byte aligned.
+/// The byte offsets of the pointers among `fields` (as
+/// [`KernelRecord::fields`] lists them): a field of C type ending in `*`,
+/// 8 bytes, 8-byte aligned; or every 8-byte word of an array field of C
+/// type `T*[N]` (8-byte aligned, `8 * N` bytes).
 pub fn pointer_offsets(fields: &[(&str, &str, usize, usize)]) -> Vec<usize> {
     fields
         .iter()
-        .filter(|(_, ctype, offset, size)| {
-            ctype.trim_end().ends_with('*') && *size == 8 && offset % 8 == 0
+        .flat_map(|&(_, ctype, offset, size)| {
+            let ctype = ctype.trim_end();
+            let words = match ctype.find('[') {
+                Some(at) if ctype[..at].trim_end().ends_with('*') => {
+                    let n: Option<usize> = ctype[at + 1..]
+                        .strip_suffix(']')
+                        .and_then(|n| n.parse().ok());
+                    n.filter(|&n| n * 8 == size).unwrap_or(0)
+                }
+                None if ctype.ends_with('*') && size == 8 => 1,
+                _ => 0,
+            };
+            let words = if offset % 8 == 0 { words } else { 0 };
+            (0..words).map(move |w| offset + 8 * w)
         })
-        .map(|&(_, _, offset, _)| offset)
         .collect()
 }
 
@@ -235,6 +256,34 @@ mod tests {
             /// A length.
             d: i64 => "long long",
         }
+    }
+
+    crate::kernel_params! {
+        /// A test struct with an array of pointers.
+        struct WithArray {
+            /// A count.
+            n: i64 => "long long",
+            /// Three pointers.
+            at: [u64; 3] => "unsigned char*[3]",
+            /// One pointer.
+            one: u64 => "const int*",
+        }
+    }
+
+    #[test]
+    fn an_array_field_is_declared_as_an_array_and_each_word_is_a_pointer() {
+        let text = WithArray::c_definition();
+        assert!(text.contains("    unsigned char* at[3];\n"), "{text}");
+        assert!(
+            text.contains("static_assert(sizeof(WithArray::at) == 24"),
+            "{text}"
+        );
+        assert_eq!(WithArray::pointer_offsets(), &[8, 16, 24, 32]);
+        // A size that does not match the declared length is no pointer.
+        assert_eq!(
+            pointer_offsets(&[("a", "unsigned char*[4]", 0, 24), ("b", "int[2]", 24, 8)]),
+            Vec::<usize>::new()
+        );
     }
 
     #[test]

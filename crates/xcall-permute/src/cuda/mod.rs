@@ -35,11 +35,13 @@ use crate::check::{Checked, Dims};
 use crate::chunks::{self, Direction};
 use crate::error::PermuteError;
 use module::{
-    capturing, check_device_memory, check_map_on_device, launch, read_back, Family, FunctionKey,
-    Loaded, SMEM_LIMIT,
+    capturing, check_device_memory, check_map_on_device, check_segments_reachable, launch,
+    read_back, Family, FunctionKey, Loaded, SMEM_LIMIT,
 };
 pub(crate) use module::{copy_of, take_faults};
-use params::{ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams};
+use params::{
+    segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
+};
 use tune::{
     arith_width, choose, default_config, grid_for, routes_class, row_class, width, TuneKey,
 };
@@ -175,6 +177,10 @@ fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
 pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(target, a)?;
+    let segs = a.output_segments.as_ref();
+    if let Some(s) = segs {
+        check_segments_reachable(target, "output", s, a.output.bytes() / s.bases.len() as u64)?;
+    }
     check_map_on_device(
         target,
         &a.row_id_map,
@@ -194,11 +200,23 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
         row,
     );
     if d.tokens == 0 || (row == 0 && d.scales == 0 && a.probs.is_none()) {
-        return zero_unwritten(target, &outputs);
+        // A segmented output keeps the rows no route writes.
+        return match segs {
+            Some(_) => Ok(()),
+            None => zero_unwritten(target, &outputs),
+        };
     }
     // The permute kernels zero the unwritten rows themselves (one launch).
-    let v = width(row, &[a.input.address, a.output.address]);
+    let mut addresses = vec![a.input.address, a.output.address];
+    addresses.extend(segs.map_or(&[][..], |s| &s.bases));
+    let v = width(row, &addresses);
     let run = |c: Config, outs: &[u64]| -> Result<()> {
+        // Autotuning runs on dense scratch outputs; only the call's own
+        // output is segmented.
+        let (seg_rows, bases) = match segs {
+            Some(s) if outs[0] == a.output.address => (s.rows as i64, segment_bases(&s.bases)),
+            _ => (0, segment_bases(&[])),
+        };
         launch(
             target,
             (
@@ -217,6 +235,8 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
                 pprobs: outs[1],
                 pscales: outs[2],
                 tokens: d.tokens as i64,
+                seg_rows,
+                segs: bases,
                 ..outputs
             },
         )
@@ -253,13 +273,23 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
 pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
     check_device_memory(target, a)?;
+    let segs = a.input_segments.as_ref();
+    if let Some(s) = segs {
+        check_segments_reachable(target, "input", s, a.input.bytes() / s.bases.len() as u64)?;
+    }
     check_map_on_device(target, &a.row_id_map, None, d)?;
     if d.tokens == 0 {
         return Ok(());
     }
     let dtype = a.input.dtype;
     let row = (d.hidden * dtype.size_bytes()) as u64;
-    let v = arith_width(dtype, row, &[a.input.address, a.output.address]);
+    let mut addresses = vec![a.input.address, a.output.address];
+    addresses.extend(segs.map_or(&[][..], |s| &s.bases));
+    let v = arith_width(dtype, row, &addresses);
+    let (seg_rows, bases) = match segs {
+        Some(s) => (s.rows as i64, segment_bases(&s.bases)),
+        None => (0, segment_bases(&[])),
+    };
     let dev = target.device;
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
@@ -283,6 +313,8 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
                 experts: d.experts as i64,
                 hidden: d.hidden as i64,
                 out_rows: d.out_rows as i64,
+                seg_rows,
+                segs: bases,
             },
         )
     };
@@ -359,6 +391,7 @@ pub(crate) unsafe fn unpermute_backward(
                 experts: d.experts as i64,
                 hidden: d.hidden as i64,
                 out_rows: d.out_rows as i64,
+                ..UnpermuteParams::default()
             },
         )
     };

@@ -16,7 +16,7 @@ use super::params::{
 };
 use super::tune::WARP_INFIX;
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
-use crate::args::{NamedTensors, Target, Tensor};
+use crate::args::{NamedTensors, Segments, Target, Tensor};
 use crate::check::Dims;
 use crate::error::{shape, PermuteError};
 use crate::MapFaults;
@@ -467,6 +467,50 @@ pub(super) fn check_device_memory(target: &Target, a: &impl NamedTensors) -> Res
                 } else {
                     cuda::describe(cudarc::driver::DriverError(r))
                 }
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a segment of tensor `name` (`bytes` bytes each, `Some` past
+/// the first, which [`check_device_memory`] checked as the tensor) that
+/// is not device memory the target's device reaches: its own, or a GPU's
+/// it can access as a peer (xcall-shmem's worlds enable that access).
+pub(super) fn check_segments_reachable(
+    target: &Target,
+    name: &str,
+    s: &Segments,
+    bytes: u64,
+) -> Result<()> {
+    let ordinal = cuda::check_device(target.device)?;
+    if bytes == 0 {
+        return Ok(());
+    }
+    for (i, &base) in s.bases.iter().enumerate().skip(1) {
+        let mut dev: i32 = -1;
+        // SAFETY: writes one int; any address value is legal to query.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut dev as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                base,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(shape(format!(
+                "{name} segment {i} at {base:#x} is not device memory ({})",
+                cuda::describe(cudarc::driver::DriverError(r))
+            )));
+        }
+        if dev == ordinal as i32 {
+            continue;
+        }
+        let owner = Device::cuda(dev.max(0) as u32);
+        if !cuda::can_access_peer(target.device, owner).unwrap_or(false) {
+            return Err(shape(format!(
+                "{name} segment {i} at {base:#x} belongs to cuda:{dev}, which {} cannot access as a peer",
+                target.device
             )));
         }
     }

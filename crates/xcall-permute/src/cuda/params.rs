@@ -6,6 +6,18 @@
 use xcall_core::cuda::KernelRecord;
 use xcall_core::kernel_params;
 
+use crate::args::MAX_SEGMENTS;
+
+// The C array length of the `segs` fields is written out: keep it equal.
+const _: () = assert!(MAX_SEGMENTS == 32);
+
+/// The `segs` field of a launch: `bases` then zeros.
+pub(super) fn segment_bases(bases: &[u64]) -> [u64; MAX_SEGMENTS] {
+    let mut segs = [0u64; MAX_SEGMENTS];
+    segs[..bases.len()].copy_from_slice(bases);
+    segs
+}
+
 kernel_params! {
     /// Building a row-id map from a 0/1 routing map (`rim_count`,
     /// `rim_scan_blocks`, `rim_offsets`, `rim_write`).
@@ -95,6 +107,11 @@ kernel_params! {
         nscales: i64 => "i64",
         /// Output rows `N`.
         out_rows: i64 => "i64",
+        /// Rows per segment of a segmented `out` (`segs`), or 0: `out`
+        /// is dense.
+        seg_rows: i64 => "i64",
+        /// The segments' bases (the first `N / seg_rows`).
+        segs: [u64; MAX_SEGMENTS] => "unsigned char*[32]",
     }
 }
 
@@ -146,6 +163,11 @@ kernel_params! {
         hidden: i64 => "i64",
         /// Rows `N`.
         out_rows: i64 => "i64",
+        /// Rows per segment of a segmented forward `input` (`segs`), or
+        /// 0: `input` is dense.
+        seg_rows: i64 => "i64",
+        /// The segments' bases (the first `N / seg_rows`).
+        segs: [u64; MAX_SEGMENTS] => "const unsigned char*[32]",
     }
 }
 
@@ -216,8 +238,9 @@ mod tests {
             assert_eq!(text.matches(&format!("struct {name} {{")).count(), 1);
             assert!(text.contains(&format!("static_assert(sizeof({name}) == ")));
         }
-        // 8 bytes a field: PermuteParams has 14.
-        assert_eq!(std::mem::size_of::<PermuteParams>(), 14 * 8);
+        // 8 bytes a field: PermuteParams has 15, then 32 segment bases.
+        assert_eq!(std::mem::size_of::<PermuteParams>(), (15 + 32) * 8);
+        assert!(text.contains("    unsigned char* segs[32];\n"));
         assert!(text.contains(
             "static_assert(sizeof(PermuteParams::out_rows) == 8, \"PermuteParams.out_rows (at byte 104)"
         ));
