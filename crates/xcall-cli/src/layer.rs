@@ -3,7 +3,9 @@
 //! error context both report.
 
 use xcall_core::DType;
-use xcall_permute::call::{self, MakeRowIdMapArgs, PermuteArgs, Target, Tensor, UnpermuteArgs};
+use xcall_permute::call::{
+    self, MakeRowIdMapArgs, PermuteArgs, Segments, Target, Tensor, UnpermuteArgs,
+};
 use xcall_permute::RowIdMapOptions;
 
 /// A result with a message naming what failed.
@@ -104,6 +106,69 @@ impl Layer {
         };
         // SAFETY: the caller's contract.
         unsafe { call::make_row_id_map(target, &args) }.context("make_row_id_map")
+    }
+
+    /// `permute` of the tokens into segments of `rows` rows at `bases`
+    /// (`N = bases.len() * rows`): routed rows only.
+    ///
+    /// # Safety
+    /// As [`Layer::make_row_id_map`], and each base holds `[rows, H]`
+    /// that the target's device reaches.
+    pub unsafe fn permute_segments(
+        &self,
+        target: &Target,
+        d: Dims,
+        bases: &[u64],
+        rows: u64,
+    ) -> Res<()> {
+        let (tpe, offsets) = self.chunks(d);
+        let args = PermuteArgs {
+            input: Tensor::new(self.x, d.dtype, &[d.tokens, d.hidden]),
+            row_id_map: self.map(d),
+            tokens_per_expert: tpe,
+            expert_offsets: offsets,
+            probs: None,
+            scales: None,
+            output: Tensor::new(bases[0], d.dtype, &[d.rows, d.hidden]),
+            permuted_probs: None,
+            permuted_scales: None,
+            in_place: false,
+            output_segments: Some(Segments {
+                bases: bases.to_vec(),
+                rows,
+            }),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { call::permute(target, &args) }.context("permute")
+    }
+
+    /// `unpermute` with the merging probs of segments of `rows` rows at
+    /// `bases` into `output` (`[T, H]`).
+    ///
+    /// # Safety
+    /// As [`Layer::permute_segments`], and `output` holds `[T, H]`.
+    pub unsafe fn unpermute_segments(
+        &self,
+        target: &Target,
+        d: Dims,
+        bases: &[u64],
+        rows: u64,
+        output: u64,
+    ) -> Res<()> {
+        let args = UnpermuteArgs {
+            input: Tensor::new(bases[0], d.dtype, &[d.rows, d.hidden]),
+            row_id_map: self.map(d),
+            merging_probs: Some(Tensor::new(self.probs, DType::F32, &[d.tokens, d.experts])),
+            permuted_probs: None,
+            output: Tensor::new(output, d.dtype, &[d.tokens, d.hidden]),
+            unpermuted_probs: None,
+            input_segments: Some(Segments {
+                bases: bases.to_vec(),
+                rows,
+            }),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { call::unpermute(target, &args) }.context("unpermute")
     }
 
     /// `permute` of the tokens into `output` (`[N, H]`).

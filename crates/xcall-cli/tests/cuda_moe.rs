@@ -61,9 +61,10 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
         let memory = &j["memory_bytes"];
         assert_eq!(memory["kind"], "device_in_use");
         // The layer's buffers at least: the symmetric heap, whose slots
-        // hold 2 x (2P - 1) x [S, H] per PE.
+        // hold 2 x P x [S, H] per PE (the fused exchange).
+        assert_eq!(j["exchange"], "fused");
         let buffers = j["heap_bytes"].as_u64().unwrap();
-        let slots = 2 * (2 * gpus as u64 - 1) * j["slot_rows"].as_u64().unwrap() * 1024;
+        let slots = 2 * gpus as u64 * j["slot_rows"].as_u64().unwrap() * 1024;
         assert!(buffers > slots * if dtype == "f32" { 4 } else { 2 }, "{j}");
         assert_eq!(j["dropless"], factor == "0");
         assert!(
@@ -100,5 +101,72 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
             let (ms, floor) = (p["ms"].as_f64().unwrap(), p["floor_ms"].as_f64().unwrap());
             assert!(ms >= 0.0 && ms >= 0.5 * floor, "{p}");
         }
+    }
+}
+
+/// Several PEs on one GPU (`--devices 0,0,..`): the exchange runs between
+/// PEs whatever the GPU count, fused (the permute's stores into the peers'
+/// slots, the unpermute's loads from them) and copied, with a capacity
+/// and dropless, each PE's step captured once and replayed.
+#[test]
+fn pes_sharing_a_gpu_exchange_fused_and_copied() {
+    if xcall_core::testing::cuda_devices_or_skip("cuda_moe shared GPU").is_none() {
+        return;
+    }
+    for (devices, exchange, factor) in [
+        ("0,0", "fused", "1.25"),
+        ("0,0", "copy", "1.25"),
+        ("0,0,0", "fused", "0"),
+        ("0,0,0", "copy", "0"),
+    ] {
+        let what = format!("--devices {devices} --exchange {exchange} --capacity-factor {factor}");
+        let path = json_path(&format!("cuda-moe-shared-{exchange}-{factor}"));
+        let pes = devices.split(',').count() as u64;
+        let steps = 4;
+        let (out, stdout) = run(&[
+            "moe",
+            "--platform",
+            "cuda",
+            "--devices",
+            devices,
+            "--exchange",
+            exchange,
+            "--tokens",
+            "1024",
+            "--hidden",
+            "512",
+            "--experts",
+            "12",
+            "--topk",
+            "4",
+            "--capacity-factor",
+            factor,
+            "--steps",
+            &steps.to_string(),
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{what}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("{what}\n{stdout}");
+        let j = read_json(&path);
+        assert_eq!(j["verification"]["verdict"], "PASS", "{what}");
+        assert_eq!(j["verification"]["checked_steps"], steps + 4, "{what}");
+        assert_eq!(j["pes"], pes, "{what}");
+        assert_eq!(j["exchange"], exchange, "{what}");
+        assert_eq!(j["dropless"], factor == "0", "{what}");
+        if factor == "0" {
+            assert_eq!(j["dropped_routes"], 0, "{what}");
+        }
+        assert_eq!(j["outcomes"]["captured"], pes, "{what}: {}", j["outcomes"]);
+        assert_eq!(
+            j["outcomes"]["replayed"],
+            pes * (steps - 1),
+            "{what}: {}",
+            j["outcomes"]
+        );
     }
 }

@@ -9,8 +9,19 @@ use common::{json_path, read_json, run};
 fn host_layer_matches_the_reference_and_reports_json() {
     let path = json_path("moe-host");
     let p = path.to_str().unwrap();
+    // The copy exchange: whole slots cross (the byte model below).
     let (out, stdout) = run(&[
-        "moe", "--tokens", "300", "--hidden", "64", "--steps", "3", "--json", p,
+        "moe",
+        "--tokens",
+        "300",
+        "--hidden",
+        "64",
+        "--steps",
+        "3",
+        "--exchange",
+        "copy",
+        "--json",
+        p,
     ]);
     assert!(
         out.status.success(),
@@ -23,6 +34,7 @@ fn host_layer_matches_the_reference_and_reports_json() {
     assert_eq!(j["verification"]["verdict"], "PASS");
     assert_eq!(j["verification"]["mismatches"], 0);
     assert_eq!(j["pes"], 4);
+    assert_eq!(j["exchange"], "copy");
     // ceil(1.25 * 300 * 2 / 8) rows per expert per PE.
     assert_eq!(j["capacity"], 94);
     // Every timed step of every PE went through the cache (run directly).
@@ -277,6 +289,82 @@ fn dropless_layer_drops_nothing_and_reports_its_slots() {
     }
 }
 
+/// The fused exchange (permute into the peers' slots, unpermute from
+/// them) against the copy on the same inputs: both match the reference at
+/// every PE count, with a capacity and dropless; fused, dispatch and
+/// combine move no bytes, only the routed rows cross and each buffer has
+/// `P` slots instead of `2P - 1`.
+#[test]
+fn fused_and_copied_exchanges_both_match_the_reference() {
+    for (pes, experts, topk, mode) in [
+        ("2", "4", "3", "--capacity-factor=1.0"),
+        ("3", "6", "2", "--dropless"),
+        ("5", "10", "4", "--capacity-factor=0.7"),
+        ("8", "16", "2", "--dropless"),
+    ] {
+        let (mut heap, mut slot_bytes) = (Vec::new(), 0.0);
+        for exchange in ["fused", "copy"] {
+            let path = json_path(&format!("moe-{exchange}-{pes}"));
+            let (out, stdout) = run(&[
+                "moe",
+                "--pes",
+                pes,
+                "--experts",
+                experts,
+                "--topk",
+                topk,
+                mode,
+                "--exchange",
+                exchange,
+                "--tokens",
+                "150",
+                "--hidden",
+                "24",
+                "--steps",
+                "2",
+                "--seed",
+                "3",
+                "--json",
+                path.to_str().unwrap(),
+            ]);
+            let what = format!("{pes} PEs {mode} {exchange}");
+            assert!(out.status.success(), "{what}: {stdout}");
+            let j = read_json(&path);
+            assert_eq!(j["verification"]["verdict"], "PASS", "{what}");
+            assert_eq!(j["verification"]["mismatches"], 0, "{what}");
+            assert_eq!(j["exchange"], exchange, "{what}");
+            let p: f64 = pes.parse().unwrap();
+            let slot = j["slot_rows"].as_f64().unwrap() * 48.0;
+            let fill = j["capacity_fill"].as_f64().unwrap();
+            let phases = j["phases"].as_array().unwrap();
+            let (dispatch, combine) = (&phases[2]["bytes"], &phases[5]["bytes"]);
+            let crossing = j["exchange_bytes_per_step"].as_f64().unwrap();
+            if exchange == "fused" {
+                assert_eq!((dispatch, combine), (&0.0.into(), &0.0.into()), "{what}");
+                let want = 2.0 * fill * slot * p * (p - 1.0);
+                assert!(
+                    (crossing - want).abs() < 1e-6 * want,
+                    "{what}: {crossing} vs {want}"
+                );
+            } else {
+                assert!(dispatch.as_f64().unwrap() > 0.0, "{what}");
+                assert_eq!(crossing, 2.0 * slot * p * (p - 1.0), "{what}");
+            }
+            heap.push(j["heap_bytes"].as_f64().unwrap());
+            slot_bytes = slot;
+        }
+        // Two buffers of P - 1 slots fewer (each slot 256-byte aligned
+        // already or not: within the alignment of the two buffers).
+        let p: f64 = pes.parse().unwrap();
+        let saved = heap[1] - heap[0];
+        let want = 2.0 * (p - 1.0) * slot_bytes;
+        assert!(
+            (saved - want).abs() <= 512.0,
+            "{pes} PEs: {saved} vs {want}"
+        );
+    }
+}
+
 #[test]
 fn bad_flags_are_one_line_and_a_failure() {
     for (args, want) in [
@@ -304,6 +392,14 @@ fn bad_flags_are_one_line_and_a_failure() {
             "reduce --tokens or --hidden",
         ),
         (vec!["--dtype", "f16"], "invalid value 'f16'"),
+        (
+            vec!["--pes", "40", "--experts", "40", "--exchange", "fused"],
+            "--exchange fused: at most 32 PEs (one permute segment per PE), not 40",
+        ),
+        (
+            vec!["--devices", "0,0"],
+            "--devices names CUDA devices: use it with --platform cuda",
+        ),
         // Thousands of threads are refused at once, with the reason.
         (
             vec!["--pes", "1000", "--experts", "1000"],
@@ -331,15 +427,16 @@ fn bad_flags_are_one_line_and_a_failure() {
 #[test]
 fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise() {
     let moe = ["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"];
-    // The heap: the layer's buffers (256-byte aligned) with 2 x 7 slots
-    // of 2 experts x 32 rows x 64 bytes, signal words and 1 MiB to spare.
+    // The heap: the layer's buffers (256-byte aligned) with 2 x 4 slots
+    // (fused) of 2 experts x 32 rows x 64 bytes, signal words and 1 MiB
+    // to spare.
     for (value, ok, want) in [
         ("64M", true, "verification   PASS"),
         ("64MiB", true, "verification   PASS"),
         (
             "1K",
             false,
-            "XCALL_SHMEM_HEAP_BYTES=1024 bytes is less than the 1131392 bytes per PE this shape needs",
+            "XCALL_SHMEM_HEAP_BYTES=1024 bytes is less than the 1106816 bytes per PE this shape needs",
         ),
         ("lots", false, "XCALL_SHMEM_HEAP_BYTES=\"lots\" is not a size"),
     ] {

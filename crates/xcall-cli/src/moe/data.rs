@@ -26,6 +26,11 @@ pub struct Shape {
     /// Dropless: every PE's rows for one destination are packed densely
     /// in a slot of [`Shape::slot_rows`] rows, sized for the worst case.
     pub dropless: bool,
+    /// Fused exchange: `permute` writes each peer's rows straight into
+    /// its receive slot and `unpermute` reads the results from the peers'
+    /// slots (peer pointers); else whole slots are copied with
+    /// `put_signal` (see `pe`).
+    pub fused: bool,
     /// f32 or bf16.
     pub dtype: DType,
 }
@@ -292,6 +297,7 @@ mod tests {
             topk: 2,
             capacity,
             dropless: false,
+            fused: true,
             dtype,
         }
     }

@@ -42,6 +42,20 @@ pub enum DtypeArg {
     Bf16,
 }
 
+/// How rows reach other PEs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExchangeArg {
+    /// `permute` writes each peer's rows straight into its receive slot
+    /// and `unpermute` reads the results from the peers' slots (loads and
+    /// stores through peer pointers): no staging copy, only routed rows
+    /// cross.
+    Fused,
+    /// `permute` into local send slots, whole slots copied with
+    /// `put_signal` both ways: the path of a transport without load/store
+    /// access to peers.
+    Copy,
+}
+
 /// Flags of `xcall moe`.
 #[derive(Args, Debug, Clone)]
 pub struct MoeArgs {
@@ -82,6 +96,16 @@ pub struct MoeArgs {
     /// experts per PE)` rows), and the experts read only the rows routed.
     #[arg(long)]
     dropless: bool,
+    /// How rows reach other PEs [default: fused up to 32 PEs (the
+    /// segments a permute takes), else copy].
+    #[arg(long, value_enum)]
+    exchange: Option<ExchangeArg>,
+    /// The CUDA device of each PE, comma-separated [default: 0, 1, ..];
+    /// a device may repeat (`0,0` runs two PEs on one GPU, which tests
+    /// the exchange but shares the GPU's bandwidth). Sets `--pes` when
+    /// that is not given.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<u32>>,
     /// Which steps' outputs are checked against the f64 reference:
     /// `every`, `first:N` (the warm-up step and the N - 1 after it),
     /// `sample:K` (every K-th step and the last) or `off`. The checks run
@@ -103,6 +127,8 @@ pub struct MoeArgs {
 struct Run {
     platform: Platform,
     shape: Shape,
+    /// The device of each PE.
+    devices: Vec<Device>,
     /// The heap per PE when xcall moe sizes it; `None` when
     /// `XCALL_SHMEM_HEAP_BYTES` gives one at least as large (the world
     /// then reads it).
@@ -152,16 +178,36 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
             ))
         }
         (Platform::Host, p) => p.unwrap_or(4),
-        (Platform::Cuda, p) => {
-            match p {
-                Some(p) if p > gpus => {
-                    return Err(format!(
-                        "--pes {p}: only {gpus} CUDA device(s); one PE per GPU"
-                    ))
-                }
-                p => p.unwrap_or(gpus),
+        (Platform::Cuda, p) => match (p, &a.devices) {
+            (Some(p), Some(d)) if p != d.len() => {
+                return Err(format!(
+                    "--pes {p} with --devices naming {} device(s): one device per PE",
+                    d.len()
+                ))
             }
+            (_, Some(d)) => d.len(),
+            (Some(p), None) if p > gpus => {
+                return Err(format!(
+                    "--pes {p}: only {gpus} CUDA device(s); one PE per GPU (or name the devices with --devices)"
+                ))
+            }
+            (p, None) => p.unwrap_or(gpus),
+        },
+    };
+    let devices: Vec<Device> = match (platform, &a.devices) {
+        (Platform::Host, Some(_)) => {
+            return Err("--devices names CUDA devices: use it with --platform cuda".into())
         }
+        (Platform::Host, None) => (0..pes as u32).map(|r| Device::new(platform, r)).collect(),
+        (Platform::Cuda, Some(d)) => {
+            if let Some(bad) = d.iter().find(|&&o| o as usize >= gpus) {
+                return Err(format!(
+                    "--devices: cuda:{bad} is not one of the {gpus} visible CUDA device(s)"
+                ));
+            }
+            d.iter().map(|&o| Device::cuda(o)).collect()
+        }
+        (Platform::Cuda, None) => (0..pes as u32).map(Device::cuda).collect(),
     };
     let tokens = a.tokens.unwrap_or(if host { 1024 } else { 8192 });
     let hidden = a.hidden.unwrap_or(if host { 1024 } else { 4096 });
@@ -215,7 +261,18 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
     } else {
         (experts / pes) as f64 * capacity as f64
     };
-    let bytes = slot_rows * (2 * pes - 1) as f64 * hidden as f64 * size * 2.0
+    let max = xcall_permute::call::MAX_SEGMENTS;
+    let fused = match a.exchange {
+        Some(ExchangeArg::Fused) if pes > max => {
+            return Err(format!(
+                "--exchange fused: at most {max} PEs (one permute segment per PE), not {pes}; use --exchange copy"
+            ))
+        }
+        Some(x) => x == ExchangeArg::Fused,
+        None => pes <= max,
+    };
+    let slots = if fused { pes } else { 2 * pes - 1 };
+    let bytes = slot_rows * slots as f64 * hidden as f64 * size * 2.0
         + tokens as f64 * hidden as f64 * size * 2.0;
     if bytes > 64.0 * (1u64 << 30) as f64 {
         return Err(format!(
@@ -231,12 +288,14 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
         topk,
         capacity,
         dropless,
+        fused,
         dtype,
     };
     let heap = crate::layer::heap_size(Pe::heap_bytes(&shape), "this shape")?;
     Ok(Run {
         platform,
         shape,
+        devices,
         heap,
         steps: a.steps,
         seed: a.seed,
@@ -317,9 +376,11 @@ fn check_threads(pes: usize) -> usize {
 /// The bytes each phase must move through one PE's memory at the least
 /// (reads plus writes, [`PHASES`] order), with `N = P*S` permuted rows (`P`
 /// slots of `S` rows): the map reads the routing and writes the map;
-/// permute reads the tokens and writes every permuted row; dispatch and
-/// combine read the `P - 1` slots for peers and take the `P - 1` slots
-/// peers write (a PE's own slot stays in place: nothing on one PE); the
+/// permute reads the tokens and writes every permuted row; copied,
+/// dispatch and combine read the `P - 1` slots for peers and take the
+/// `P - 1` slots peers write (a PE's own slot stays in place: nothing on
+/// one PE), fused they move nothing (the permute's stores and the
+/// unpermute's loads reach the peers' slots); the
 /// experts read and write `N` rows with a capacity, dropless only the
 /// `T*k` rows routed to them (on average); unpermute reads the map, the
 /// probs and the routed rows and writes `y`. Waits move nothing.
@@ -328,7 +389,11 @@ fn phase_bytes(s: &Shape) -> [f64; 8] {
     let n = (s.pes * s.slot_rows()) as f64;
     let expert_rows = if s.dropless { t * s.topk as f64 } else { n };
     let map = t * (2.0 * e + 1.0) * 4.0;
-    let peers = 2.0 * n * row * (s.pes - 1) as f64 / s.pes as f64;
+    // Fused, the permute and the unpermute move the peers' rows themselves.
+    let peers = match s.fused {
+        true => 0.0,
+        false => 2.0 * n * row * (s.pes - 1) as f64 / s.pes as f64,
+    };
     [
         t * e + map + (2.0 * e + 1.0) * 8.0,
         t * row + n * row + map,
@@ -348,7 +413,7 @@ fn run_pe(
     cache: &GraphCache<CudaGraphs>,
     progress: &Progress,
 ) -> Result<PeLog, String> {
-    let device = Device::new(run.platform, rank as u32);
+    let device = run.devices[rank];
     let mut pe = Pe::new(run.shape, run.heap, rank, device, group)?;
     let threads = check_threads(run.shape.pes);
     let mut log = match run.platform {
@@ -571,9 +636,6 @@ fn report(
     );
     let med = median(&mut times);
     let tokens_per_s = (s.pes * s.tokens) as f64 / (med / 1e3);
-    let slot = Pe::slot_bytes(&s) as f64;
-    let between = 2.0 * slot * (s.pes * (s.pes - 1)) as f64;
-    let gbps = between / (med / 1e3) / 1e9;
     let checks: Vec<&Check> = pes
         .iter()
         .flat_map(|p| &p.checks)
@@ -584,6 +646,11 @@ fn report(
     let total = run.total();
     let routes = (s.pes * s.tokens * s.topk * total) as f64;
     let fill = (routes - dropped as f64) / ((s.pes * s.pes * s.slot_rows() * total) as f64);
+    // Copied, whole slots cross both ways; fused, only the routed rows
+    // (the slots' fill on average).
+    let slot = Pe::slot_bytes(&s) as f64 * if s.fused { fill } else { 1.0 };
+    let between = 2.0 * slot * (s.pes * (s.pes - 1)) as f64;
+    let gbps = between / (med / 1e3) / 1e9;
     let checked_steps = pes.first().map_or(0, |p| p.checks.len());
     let check_time: Duration = pes.iter().flat_map(|p| &p.checks).map(|c| c.took).sum();
     let draw_time: Duration = pes.iter().map(|p| p.draw_time).sum();
@@ -594,7 +661,12 @@ fn report(
     let max_rel = checks.iter().map(|c| c.max_relative).fold(0.0, f64::max);
     let devices: Vec<Device> = match run.platform {
         Platform::Host => vec![Device::HOST],
-        Platform::Cuda => (0..s.pes as u32).map(Device::cuda).collect(),
+        Platform::Cuda => {
+            let mut d = run.devices.clone();
+            d.sort_by_key(|d| d.ordinal);
+            d.dedup();
+            d
+        }
     };
     let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
     for p in pes {
@@ -665,7 +737,12 @@ fn report(
     );
     println!("  tokens/s       {tokens_per_s:.0}");
     println!(
-        "  exchange       {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
+        "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
+        if s.fused {
+            "fused (permute writes the peers' slots, unpermute reads them)"
+        } else {
+            "copy (whole slots with put_signal)"
+        },
         between / 1e6,
     );
     println!(
@@ -733,7 +810,8 @@ fn report(
             "platform": platform,
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
             "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
-            "dropless": s.dropless, "slot_rows": s.slot_rows(), "heap_bytes": Pe::heap_bytes(&s),
+            "dropless": s.dropless, "exchange": if s.fused { "fused" } else { "copy" },
+            "slot_rows": s.slot_rows(), "heap_bytes": Pe::heap_bytes(&s),
             "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
             "step_ms": {"median": med, "min": min, "max": max, "first": first,
                 "first_tenth": first_tenth, "last_tenth": last_tenth},

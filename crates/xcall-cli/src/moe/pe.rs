@@ -7,8 +7,22 @@
 //! and slot `j` goes to PE `(me + j) mod P`, with every destination's
 //! experts in their natural order.
 //!
-//! Two symmetric buffers of `2P - 1` slots hold the exchanged rows, so
-//! that a PE's own rows are never copied:
+//! Two symmetric buffers hold the exchanged rows, so that a PE's own rows
+//! are never copied. With the fused exchange (the default) each has `P`
+//! slots:
+//! - `rows`: `[P-1 slots from peers | own slot]`. `permute` writes every
+//!   destination's rows straight into its slot for this PE (segments, one
+//!   per destination PE, reached through the world's peer pointers): PE
+//!   `s`'s rows land in slot `(s - me - 1) mod P` of `me`'s `rows`, its
+//!   own in slot `P - 1`. The experts read all `P`.
+//! - `results`: the same layout; the experts write it, and `unpermute`
+//!   reads each destination's results where they are (segments again:
+//!   PE `me + j`'s slot `P - 1 - j`).
+//!
+//! Then dispatch and combine move no rows: each is one signal per peer,
+//! enqueued after the kernel whose stores (or whose results) it
+//! announces. With the copy exchange (`--exchange copy`, for transports
+//! without load/store access to peers) each buffer has `2P - 1` slots:
 //! - `rows`: `[P-1 slots from peers | own slot | P-1 slots to peers]`.
 //!   `permute` writes the last `P` slots (own first); the experts read the
 //!   first `P` (peers' rows, then its own). PE `s`'s rows land in slot
@@ -32,28 +46,33 @@
 //! is enqueued on the PE's stream, so the graph cache can capture it):
 //! 1. `make_row_id_map` with the expert capacity `C`, or dropless with
 //!    one expert group of `L` experts and `S` rows per destination;
-//! 2. `permute` groups the PE's tokens by (rotated) expert into the send
-//!    half of `rows`;
-//! 3. dispatch: slot `j >= 1` goes to PE `q = (me + j) mod P`
-//!    (dropless, its `L` counts first, on the same stream; then
-//!    `put_signal`, SET `dispatch[me] = 1` there); the PE waits for
-//!    `dispatch[s] == 1` from every peer `s` and clears it;
+//! 2. `permute` groups the PE's tokens by (rotated) expert into the
+//!    destinations' slots (fused) or the send half of `rows` (copy);
+//! 3. dispatch: to PE `q = (me + j) mod P` for `j >= 1`, dropless its
+//!    slot's `L` counts first, on the same stream; then `put_signal`, SET
+//!    `dispatch[me] = 1` there, with the slot (copy) or no bytes (fused);
+//!    the PE waits for `dispatch[s] == 1` from every peer `s` and clears
+//!    it;
 //! 4. its experts run `silu(x) * scale_e` (warpspec) from the receive
 //!    half of `rows` into the send half of `results`: one call over every
 //!    (sender, local expert) block of `C` rows, each with its expert's
 //!    scale (`scales`, written once); dropless, one call over the ragged
 //!    groups the counts give (only the routed rows are read and written);
-//! 5. combine: the slot of PE `s`'s rows goes back to PE `s`'s `results`
-//!    (`put_signal`, `combine[me] = 1`); the PE waits for every peer's
-//!    `combine[q]`, clears it, and `unpermute` with the merging probs
-//!    writes `y` (`[T, H]`).
+//! 5. combine: `put_signal` SET `combine[me] = 1` on PE `s`, with the
+//!    slot of PE `s`'s rows (copy: into PE `s`'s `results`) or no bytes
+//!    (fused); the PE waits for every peer's `combine[q]`, clears it, and
+//!    `unpermute` with the merging probs reads the results (from the
+//!    peers' slots when fused) and writes `y` (`[T, H]`).
 //!
 //! No step needs a barrier: a PE writes into a peer's receive slots only
 //! after that peer's combine of the previous step reached it, which the
-//! peer sends after its experts read them; likewise for `results` and the
-//! signal words (cleared before the signal that lets the next write
-//! happen is sent). A PE's own writes (permute, experts) never touch the
-//! slots its peers write.
+//! peer sends after its experts read them. Fused, a PE's experts
+//! overwrite the `results` its peers read only after every peer's next
+//! dispatch signal, which each sends after its unpermute; copied, a PE
+//! writes a peer's `results` only after that. The signal words are
+//! cleared before the signal that lets the next write happen is sent. A
+//! PE's own writes (permute, experts) never touch the slots its peers
+//! write.
 
 use std::ffi::c_void;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -151,7 +170,7 @@ impl Pe {
         let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
         let s = shape.dtype.size_bytes();
         let p = shape.pes;
-        let slots = (2 * p - 1) * Self::slot_bytes(shape);
+        let slots = Self::slots(shape) * Self::slot_bytes(shape);
         [
             (t * h * s, BufferRole::In),
             (t * e, BufferRole::In),
@@ -242,6 +261,12 @@ impl Pe {
         let zeros = vec![0u8; p * 8];
         pe.write(b.dispatch, &zeros)?;
         pe.write(b.combine, &zeros)?;
+        // The slots start zeroed: with a capacity the experts read whole
+        // slots, whose rows no route writes a fused permute leaves as
+        // they are.
+        let slots = (Self::slots(&shape) * Self::slot_bytes(&shape)) as u64;
+        pe.zero(b.rows, slots)?;
+        pe.zero(b.results, slots)?;
         // The scale of every (sender, local expert) block the experts read.
         let scales: Vec<u8> = (0..p * shape.local_experts())
             .flat_map(|block| {
@@ -266,6 +291,20 @@ impl Pe {
         // SAFETY: `bytes` is a live host slice; the world checks `dest`.
         unsafe { self.world.put(dest, bytes.as_ptr() as u64, bytes.len(), me) }
             .context("shmem put (upload)")
+    }
+
+    /// Zeroes `bytes` of this PE's buffer at `dest` (blocking, in chunks
+    /// of at most 64 MiB).
+    fn zero(&mut self, dest: u64, bytes: u64) -> Res<()> {
+        const CHUNK: u64 = 64 << 20;
+        let zeros = vec![0u8; bytes.min(CHUNK) as usize];
+        let mut at = 0;
+        while at < bytes {
+            let n = (bytes - at).min(CHUNK) as usize;
+            self.write(dest + at, &zeros[..n])?;
+            at += n as u64;
+        }
+        Ok(())
     }
 
     /// Uploads a step's inputs, routing and probs in this PE's expert
@@ -332,6 +371,16 @@ impl Pe {
     /// Waits for every PE before the next step.
     pub fn barrier(&mut self) -> Res<()> {
         self.world.barrier_all().context("shmem barrier")
+    }
+
+    /// Slots of `rows` and of `results`: `P` with the fused exchange (the
+    /// receive slots and the own one), `2P - 1` with the copy.
+    pub fn slots(shape: &Shape) -> usize {
+        if shape.fused {
+            shape.pes
+        } else {
+            2 * shape.pes - 1
+        }
     }
 
     /// Bytes of one slot: [`Shape::slot_rows`] rows, what one PE sends
@@ -449,9 +498,9 @@ impl Pe {
         Ok(())
     }
 
-    /// The median ms of a device-to-device copy of the permuted tensor
-    /// (`P` slots, the send half of `rows`) into the first `P` slots of
-    /// `results` on the PE's stream: the bandwidth the
+    /// The median ms of a device-to-device copy of `P` slots (the size of
+    /// the permuted tensor), the first `P` of `rows` into the first `P` of
+    /// `results`, on the PE's stream: the bandwidth the
     /// phases' byte floors are measured against. `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
@@ -465,13 +514,14 @@ impl Pe {
             let a = g.ctx.new_event(timed).context("CUDA event")?;
             let z = g.ctx.new_event(timed).context("CUDA event")?;
             a.record(&g.stream).context("CUDA event")?;
-            let send = self.b.rows + ((self.shape.pes - 1) * Self::slot_bytes(&self.shape)) as u64;
             // SAFETY: `rows` and `results` are distinct device allocations
-            // of this PE's heap, each holding `bytes` from these addresses;
-            // neither is read or written by anyone else between steps.
-            unsafe { sys::cuMemcpyDtoDAsync_v2(self.b.results, send, bytes, g.stream.cu_stream()) }
-                .result()
-                .context("cuMemcpyDtoDAsync")?;
+            // of this PE's heap, each holding at least P slots; neither is
+            // read or written by anyone else between steps.
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(self.b.results, self.b.rows, bytes, g.stream.cu_stream())
+            }
+            .result()
+            .context("cuMemcpyDtoDAsync")?;
             z.record(&g.stream).context("CUDA event")?;
             z.synchronize().context("CUDA event")?;
             ms.push(a.elapsed_ms(&z).context("CUDA event")? as f64);
@@ -513,20 +563,34 @@ impl Pe {
         // heap allocation for exactly these dims, alive for the world's life.
         unsafe { b.layer.make_row_id_map(&target, d, options) }?;
         self.mark(marks)?;
-        // SAFETY: as above; the send half of `rows` holds P slots of
-        // [S, H], none of which a peer writes.
-        unsafe { b.layer.permute(&target, d, b.rows + (p - 1) * slot) }?;
+        if s.fused {
+            // Destination j's rows go straight to PE me + j's receive slot
+            // for me's rows, P - 1 - j (the own slot, P - 1, for j = 0).
+            let bases = self.peer_slots(b.rows, |j| p - 1 - j)?;
+            // SAFETY: as above; each base is a slot of [S, H] in a PE's
+            // `rows` (a peer's through its mapping), none of which another
+            // PE writes or the owner reads until this step's dispatch
+            // signal (see the module docs).
+            unsafe {
+                b.layer
+                    .permute_segments(&target, d, &bases, s.slot_rows() as u64)
+            }?;
+        } else {
+            // SAFETY: as above; the send half of `rows` holds P slots of
+            // [S, H], none of which a peer writes.
+            unsafe { b.layer.permute(&target, d, b.rows + (p - 1) * slot) }?;
+        }
         self.mark(marks)?;
         // Send slot j >= 1 (slot P - 1 + j of `rows`) goes to PE me + j,
-        // into the slot of me's rows there, P - 1 - j.
-        // Dropless, each slot's row counts go with it.
-        let counts = s.dropless;
+        // into the slot of me's rows there, P - 1 - j (fused: already
+        // there, only the signal goes). Dropless, each slot's row counts
+        // go with it.
+        let (counts, copy) = (s.dropless, !s.fused);
         self.exchange(
             b.rows,
-            |j| p - 1 + j,
-            |j| p - 1 - j,
+            (|j| p - 1 + j, |j| p - 1 - j),
             b.dispatch,
-            counts,
+            (counts, copy),
             stream,
         )
         .context("dispatch put_signal")?;
@@ -537,39 +601,67 @@ impl Pe {
         self.mark(marks)?;
         // The results of PE me + j's rows (slot j - 1, where they were in
         // `rows`) go back to it, into the slot of its send slot P - j (the
-        // one it sent to me): slot 2P - 1 - j of its `results`.
+        // one it sent to me): slot 2P - 1 - j of its `results`. Fused,
+        // only the signal goes: PE me + j reads them where they are.
         self.exchange(
             b.results,
-            |j| j - 1,
-            |j| 2 * p - 1 - j,
+            (|j| j - 1, |j| 2 * p - 1 - j),
             b.combine,
-            false,
+            (false, copy),
             stream,
         )
         .context("combine put_signal")?;
         self.mark(marks)?;
         self.await_all(b.combine, waits)?;
         self.mark(marks)?;
-        // SAFETY: as above; the receive half of `results` holds P slots
-        // of [S, H] in the order permute wrote, and `y` [T, H].
-        unsafe {
-            b.layer
-                .unpermute(&target, d, b.results + (p - 1) * slot, b.y)
-        }?;
+        if s.fused {
+            // Destination j's results are in PE me + j's `results`, in the
+            // slot of me's rows there, P - 1 - j.
+            let bases = self.peer_slots(b.results, |j| p - 1 - j)?;
+            // SAFETY: as above; each base is a slot of [S, H] that its
+            // owner's experts wrote before its combine signal, and no PE
+            // writes until this PE's next dispatch signal.
+            unsafe {
+                b.layer
+                    .unpermute_segments(&target, d, &bases, s.slot_rows() as u64, b.y)
+            }?;
+        } else {
+            // SAFETY: as above; the receive half of `results` holds P
+            // slots of [S, H] in the order permute wrote, and `y` [T, H].
+            unsafe {
+                b.layer
+                    .unpermute(&target, d, b.results + (p - 1) * slot, b.y)
+            }?;
+        }
         self.mark(marks)
     }
 
-    /// For every peer `q = me + j` (`j` in `1..P`): the slot at
-    /// `source(j)` of `buffer` goes to slot `dest(j)` of `buffer` on PE
-    /// `q`, followed by SET `signals[me] = 1` there; `with_counts`: the
+    /// For each destination `j` in `0..P` (PE `me + j`): the address, as
+    /// this PE reaches it, of slot `slot(j)` of `buffer` on that PE.
+    fn peer_slots(&self, buffer: u64, slot: impl Fn(u64) -> u64) -> Res<Vec<u64>> {
+        let (me, p) = (self.rank, self.shape.pes);
+        let bytes = Self::slot_bytes(&self.shape) as u64;
+        (0..p as u64)
+            .map(|j| {
+                let q = (me + j as usize) % p;
+                self.world
+                    .ptr(q, buffer + slot(j) * bytes)
+                    .ok_or_else(|| format!("PE {q} has no address for this PE's slot {}", slot(j)))
+            })
+            .collect()
+    }
+
+    /// For every peer `q = me + j` (`j` in `1..P`): with `copy`, the slot
+    /// at `source(j)` of `buffer` goes to slot `dest(j)` of `buffer` on PE
+    /// `q`; then SET `signals[me] = 1` there (ordered after the slot, and
+    /// after everything enqueued before on CUDA). `with_counts`: the
     /// slot's `L` counts (of `tpe`) first, into `counts` there.
     fn exchange(
         &mut self,
         buffer: u64,
-        source: impl Fn(u64) -> u64,
-        dest: impl Fn(u64) -> u64,
+        (source, dest): (impl Fn(u64) -> u64, impl Fn(u64) -> u64),
         signals: u64,
-        with_counts: bool,
+        (with_counts, copy): (bool, bool),
         stream: *mut c_void,
     ) -> Res<()> {
         let (me, p) = (self.rank, self.shape.pes);
@@ -594,13 +686,17 @@ impl Pe {
                 }
                 .map_err(|e| e.to_string())?;
             }
+            // Fused: a signal only (no bytes), after the permute's or the
+            // experts' stores into and out of the peers' slots.
+            let bytes = if copy { slot } else { 0 };
             // SAFETY: `buffer` is one of this PE's heap buffers of 2P - 1
-            // slots, and both slot indices are below 2P - 1.
+            // slots when copying, and both slot indices are below 2P - 1;
+            // fused, nothing is copied.
             unsafe {
                 self.world.put_signal_nbi(
-                    buffer + dest(j) * slot,
-                    buffer + source(j) * slot,
-                    slot as usize,
+                    buffer + if copy { dest(j) * slot } else { 0 },
+                    buffer + if copy { source(j) * slot } else { 0 },
+                    bytes as usize,
                     signals + 8 * me as u64,
                     1,
                     SignalOp::Set,

@@ -339,6 +339,7 @@ mod tests {
             topk: 2,
             capacity: 12,
             dropless: false,
+            fused: true,
             dtype: DType::F32,
         };
         let (inputs, draw_work) = drawer(shape, 3, 0, vec![0, 2, 5], 2);
@@ -389,6 +390,7 @@ mod tests {
             topk: 1,
             capacity: 4,
             dropless: false,
+            fused: true,
             dtype: DType::F32,
         };
         let (inputs, work) = drawer(shape, 1, 0, (0..1_000_000).collect(), 1);
