@@ -104,31 +104,28 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
     }
 }
 
-/// Several PEs on one GPU (`--devices 0,0,..`): the exchange runs between
-/// PEs whatever the GPU count, fused (the permute's stores into the peers'
-/// slots, the unpermute's loads from them) and copied, with a capacity
-/// and dropless, each PE's step captured once and replayed.
+/// The fused exchange (the permute's stores into the peers' slots, the
+/// unpermute's loads from them) and the copy, with a capacity and
+/// dropless, on every visible GPU: each matches the reference, each PE's
+/// step captured once and replayed. A device named twice is refused.
 #[test]
-fn pes_sharing_a_gpu_exchange_fused_and_copied() {
-    if xcall_core::testing::cuda_devices_or_skip("cuda_moe shared GPU").is_none() {
+fn fused_and_copied_exchanges_match_the_reference() {
+    let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe exchanges") else {
         return;
-    }
-    for (devices, exchange, factor) in [
-        ("0,0", "fused", "1.25"),
-        ("0,0", "copy", "1.25"),
-        ("0,0,0", "fused", "0"),
-        ("0,0,0", "copy", "0"),
+    };
+    for (exchange, factor) in [
+        ("fused", "1.25"),
+        ("copy", "1.25"),
+        ("fused", "0"),
+        ("copy", "0"),
     ] {
-        let what = format!("--devices {devices} --exchange {exchange} --capacity-factor {factor}");
-        let path = json_path(&format!("cuda-moe-shared-{exchange}-{factor}"));
-        let pes = devices.split(',').count() as u64;
+        let what = format!("--exchange {exchange} --capacity-factor {factor}");
+        let path = json_path(&format!("cuda-moe-{exchange}-{factor}"));
         let steps = 4;
         let (out, stdout) = run(&[
             "moe",
             "--platform",
             "cuda",
-            "--devices",
-            devices,
             "--exchange",
             exchange,
             "--tokens",
@@ -136,7 +133,7 @@ fn pes_sharing_a_gpu_exchange_fused_and_copied() {
             "--hidden",
             "512",
             "--experts",
-            "12",
+            "24",
             "--topk",
             "4",
             "--capacity-factor",
@@ -153,6 +150,7 @@ fn pes_sharing_a_gpu_exchange_fused_and_copied() {
         );
         println!("{what}\n{stdout}");
         let j = read_json(&path);
+        let pes = gpus as u64;
         assert_eq!(j["verification"]["verdict"], "PASS", "{what}");
         assert_eq!(j["verification"]["checked_steps"], steps + 4, "{what}");
         assert_eq!(j["pes"], pes, "{what}");
@@ -169,4 +167,13 @@ fn pes_sharing_a_gpu_exchange_fused_and_copied() {
             j["outcomes"]
         );
     }
+    let (out, _) = run(&["moe", "--platform", "cuda", "--devices", "0,0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(
+            "--devices: cuda:0 is named twice (PEs 0 and 1); a world takes one PE per device"
+        ),
+        "{stderr}"
+    );
 }

@@ -100,9 +100,8 @@ pub struct MoeArgs {
     /// segments a permute takes), else copy].
     #[arg(long, value_enum)]
     exchange: Option<ExchangeArg>,
-    /// The CUDA device of each PE, comma-separated [default: 0, 1, ..];
-    /// a device may repeat (`0,0` runs two PEs on one GPU, which tests
-    /// the exchange but shares the GPU's bandwidth). Sets `--pes` when
+    /// The CUDA device of each PE, comma-separated and distinct (a world
+    /// takes one PE per device) [default: 0, 1, ..]. Sets `--pes` when
     /// that is not given.
     #[arg(long, value_delimiter = ',')]
     devices: Option<Vec<u32>>,
@@ -203,6 +202,12 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
             if let Some(bad) = d.iter().find(|&&o| o as usize >= gpus) {
                 return Err(format!(
                     "--devices: cuda:{bad} is not one of the {gpus} visible CUDA device(s)"
+                ));
+            }
+            if let Some((i, o)) = d.iter().enumerate().find(|(i, o)| d[..*i].contains(o)) {
+                return Err(format!(
+                    "--devices: cuda:{o} is named twice (PEs {} and {i}); a world takes one PE per device",
+                    d.iter().position(|x| x == o).unwrap_or(0)
                 ));
             }
             d.iter().map(|&o| Device::cuda(o)).collect()
