@@ -1,7 +1,8 @@
 /*
  * One expert-parallel MoE step through the C ABI only, on Host: two PEs
  * (pthreads) of a symmetric-memory world, each with T tokens and E / 2 of
- * the E experts. This is the flow `xcall moe` runs, written out in C:
+ * the E experts. This is the flow `xcall moe` runs, written out in C, with
+ * its two exchanges. Copied:
  *
  *   make_row_id_map (expert capacity C: expert e owns rows [e*C, (e+1)*C))
  *   permute            tokens -> send [E*C, H], grouped by expert
@@ -9,6 +10,12 @@
  *   experts            out = silu(recv) * scale_e   (xcall_ws_run)
  *   combine            out slot p -> ret on PE p (put_signal, then wait)
  *   unpermute          ret -> y [T, H], weighted by the merging probs
+ *
+ * Fused: permute writes each destination's rows straight into its recv
+ * slot for this PE (xcall_permute_segmented over the peers' addresses from
+ * xcall_shmem_ptr), dispatch and combine are signals only, and unpermute
+ * reads the results from each destination's out slot
+ * (xcall_unpermute_segmented): no send or ret buffer is touched.
  *
  * The step runs through the graph cache (on Host the record function runs
  * directly; on CUDA the same code would be captured once and replayed,
@@ -28,7 +35,8 @@ struct pe {
   uint32_t rank;
   const xcall_graph_cache *cache;
   int failures;
-  uint32_t outcome;
+  int fused;
+  uint32_t outcome[2];
   uint64_t leaked;
   xcall_shmem_world *w;
   /* Symmetric buffers: the same offsets on both PEs. */
@@ -88,11 +96,27 @@ static uint32_t step(void *user_data, void *stream) {
   const size_t slot = (size_t)LOCAL * C * H; /* floats per destination PE */
   const size_t block = (size_t)C * H;        /* floats per (sender, expert) */
 
+  /* Fused: segment q is PE q's slot for this PE's rows. */
+  const void *recv_at[PES], *out_at[PES];
+  for (uint32_t q = 0; q < PES; q++) {
+    recv_at[q] = xcall_shmem_ptr(p->w, q, p->recv + p->rank * slot);
+    out_at[q] = xcall_shmem_ptr(p->w, q, p->out + p->rank * slot);
+    if (recv_at[q] == NULL || out_at[q] == NULL) return XCALL_STATUS_INVALID_ARGUMENT;
+  }
+  const size_t bytes = slot * sizeof(float);
+
   TRY(xcall_make_row_id_map(&target, &routing, -1, 0, C, &map, &tpe, &offsets));
-  TRY(xcall_permute(&target, &x, &map, &tpe, &offsets, NULL, NULL, &send, NULL, NULL, false));
+  if (p->fused) {
+    xcall_tensor recv = tensor((void *)recv_at[0], XCALL_DTYPE_F32, E * C, H);
+    TRY(xcall_permute_segmented(&target, &x, &map, &tpe, &offsets, &recv, recv_at, PES,
+                                LOCAL * C));
+  } else {
+    TRY(xcall_permute(&target, &x, &map, &tpe, &offsets, NULL, NULL, &send, NULL, NULL, false));
+  }
+  /* Fused, the signal carries no bytes: the rows are already there. */
   for (uint32_t q = 0; q < PES; q++)
     TRY(xcall_shmem_put_signal(p->w, p->recv + p->rank * slot, p->send + q * slot,
-                               slot * sizeof(float), &p->dispatch[p->rank], 1,
+                               p->fused ? 0 : bytes, &p->dispatch[p->rank], 1,
                                XCALL_SHMEM_SIGNAL_OP_SET, q));
   TRY(await_all(p, p->dispatch));
   for (int q = 0; q < PES; q++) {
@@ -105,10 +129,15 @@ static uint32_t step(void *user_data, void *stream) {
   }
   for (uint32_t q = 0; q < PES; q++)
     TRY(xcall_shmem_put_signal(p->w, p->ret + p->rank * slot, p->out + q * slot,
-                               slot * sizeof(float), &p->combine[p->rank], 1,
+                               p->fused ? 0 : bytes, &p->combine[p->rank], 1,
                                XCALL_SHMEM_SIGNAL_OP_SET, q));
   TRY(await_all(p, p->combine));
-  TRY(xcall_unpermute(&target, &ret, &map, &probs, NULL, &y, NULL));
+  if (p->fused) {
+    xcall_tensor out = tensor((void *)out_at[0], XCALL_DTYPE_F32, E * C, H);
+    TRY(xcall_unpermute_segmented(&target, &out, out_at, PES, LOCAL * C, &map, &probs, &y));
+  } else {
+    TRY(xcall_unpermute(&target, &ret, &map, &probs, NULL, &y, NULL));
+  }
   return XCALL_STATUS_OK;
 }
 
@@ -160,39 +189,53 @@ static void *run_pe(void *arg) {
     }
   }
   for (int q = 0; q < PES; q++) p->dispatch[q] = p->combine[q] = 0;
-  for (int i = 0; i < T * H; i++) p->y[i] = NAN; /* poison */
-  PE_EXPECT(xcall_shmem_barrier_all(p->w) == XCALL_STATUS_OK);
 
   xcall_buffer bufs[] = {
       {(uint64_t)(uintptr_t)p->x, sizeof(float) * T * H, XCALL_BUFFER_ROLE_IN},
       {(uint64_t)(uintptr_t)p->routing, T * E, XCALL_BUFFER_ROLE_IN},
       {(uint64_t)(uintptr_t)p->y, sizeof(float) * T * H, XCALL_BUFFER_ROLE_OUT},
   };
-  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 0x6d6f65, T * 1000 + H, bufs, 3, 0};
-  PE_EXPECT(xcall_graph_cache_execute(p->cache, &call, step, p, &p->outcome) ==
-            XCALL_STATUS_OK);
+  /* The copied step, then the fused one (its own cache key). */
+  for (int fused = 0; fused < 2; fused++) {
+    p->fused = fused;
+    for (int i = 0; i < T * H; i++) p->y[i] = NAN; /* poison */
+    for (size_t i = 0; i < (size_t)E * C * H; i++) p->send[i] = p->ret[i] = NAN;
+    PE_EXPECT(xcall_shmem_barrier_all(p->w) == XCALL_STATUS_OK);
+    xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 0x6d6f65, T * 1000 + H + fused, bufs, 3, 0};
+    PE_EXPECT(xcall_graph_cache_execute(p->cache, &call, step, p, &p->outcome[fused]) ==
+              XCALL_STATUS_OK);
 
-  /* Reference: expert e keeps its first C tokens; y = sum over kept routes
-   * of prob * silu(x) * scale_e. */
-  int taken[E] = {0}, dropped = 0;
-  double worst = 0;
-  for (int t = 0; t < T; t++) {
-    int kept[E];
-    for (int e = 0; e < E; e++) {
-      kept[e] = p->routing[t * E + e] && taken[e] < C;
-      taken[e] += kept[e];
-      dropped += p->routing[t * E + e] && !kept[e];
+    /* Reference: expert e keeps its first C tokens; y = sum over kept
+     * routes of prob * silu(x) * scale_e. */
+    int taken[E] = {0}, dropped = 0;
+    double worst = 0;
+    for (int t = 0; t < T; t++) {
+      int kept[E];
+      for (int e = 0; e < E; e++) {
+        kept[e] = p->routing[t * E + e] && taken[e] < C;
+        taken[e] += kept[e];
+        dropped += p->routing[t * E + e] && !kept[e];
+      }
+      for (int j = 0; j < H; j++) {
+        double v = p->x[t * H + j], want = 0;
+        for (int e = 0; e < E; e++)
+          if (kept[e]) want += p->probs[t * E + e] * v / (1.0 + exp(-v)) * scale_of(e);
+        double err = fabs(p->y[t * H + j] - want) / (fabs(want) + 1e-6);
+        worst = err > worst || isnan(err) ? err : worst;
+      }
     }
-    for (int j = 0; j < H; j++) {
-      double v = p->x[t * H + j], want = 0;
-      for (int e = 0; e < E; e++)
-        if (kept[e]) want += p->probs[t * E + e] * v / (1.0 + exp(-v)) * scale_of(e);
-      double err = fabs(p->y[t * H + j] - want) / (fabs(want) + 1e-6);
-      worst = err > worst || isnan(err) ? err : worst;
+    PE_EXPECT(!isnan(worst) && worst < 1e-5);
+    PE_EXPECT(dropped > 0); /* the capacity took effect */
+    /* Fused, the send and ret buffers were never touched. */
+    if (fused) {
+      int untouched = 1;
+      for (size_t i = 0; i < (size_t)E * C * H; i++)
+        untouched &= isnan(p->send[i]) && isnan(p->ret[i]);
+      PE_EXPECT(untouched);
     }
+    /* No PE poisons the next run's buffers while a peer still reads. */
+    PE_EXPECT(xcall_shmem_barrier_all(p->w) == XCALL_STATUS_OK);
   }
-  PE_EXPECT(!isnan(worst) && worst < 1e-5);
-  PE_EXPECT(dropped > 0); /* the capacity took effect */
 
   void *all[] = {p->x, p->routing, p->probs, p->map, p->tpe, p->offsets, p->send,
                  p->recv, p->out, p->ret, p->y, p->dispatch, p->combine};
@@ -217,12 +260,13 @@ int main(void) {
   for (uint32_t r = 0; r < PES; r++) {
     CHECK(pthread_join(threads[r], NULL) == 0);
     CHECK(pes[r].failures == 0);
-    CHECK(pes[r].outcome == XCALL_GRAPH_OUTCOME_EAGER_HOST);
+    CHECK(pes[r].outcome[0] == XCALL_GRAPH_OUTCOME_EAGER_HOST);
+    CHECK(pes[r].outcome[1] == XCALL_GRAPH_OUTCOME_EAGER_HOST);
     CHECK(pes[r].leaked == 0);
   }
   xcall_graph_stats stats;
   CHECK_STATUS(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, &stats), XCALL_STATUS_OK);
-  CHECK(stats.eager_host == PES);
+  CHECK(stats.eager_host == 2 * PES);
   xcall_graph_cache_free(cache);
   return xt_summary("test_moe_step");
 }

@@ -190,5 +190,57 @@ int main(void) {
   CHECK(strstr(xcall_last_error_message(), "exceeds") == NULL);
   bad = xt_tensor(NULL, XCALL_DTYPE_F32, 2, T, H);
   CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, NULL, NULL, &bad, NULL), XCALL_STATUS_NULL_ARGUMENT);
+
+  /* Segmented: the 8 rows in two separate segments of 4; each route's row
+     lands in its segment, the other rows keep their poison, and unpermute
+     from the segments gives y = sum of weighted copies as above. */
+  {
+  float seg0[4][H], seg1[4][H], y2[T][H], saved[4][H];
+  CHECK_STATUS(xcall_make_row_id_map(&host, &r_t, -1, 0, 0, &map_t, &tpe_t, &off_t), XCALL_STATUS_OK);
+  memset(seg0, 0xa5, sizeof seg0);
+  memset(seg1, 0xa5, sizeof seg1);
+  const void *segs[2] = {seg0, seg1};
+  xcall_tensor st = xt_tensor(seg0, XCALL_DTYPE_F32, 2, 8, H);
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, segs, 2, 4),
+               XCALL_STATUS_OK);
+  int written = 0;
+  ok = 1;
+  for (t = 0; t < T; t++)
+    for (k = 0; k < map[t][2 * E]; k++) {
+      int d = map[t][k];
+      ok &= memcmp(d < 4 ? seg0[d] : seg1[d - 4], input[t], sizeof input[t]) == 0;
+      written++;
+    }
+  CHECK(ok && written == 8);
+  xcall_tensor y2_t = xt_tensor(y2, XCALL_DTYPE_F32, 2, T, H);
+  CHECK_STATUS(xcall_unpermute_segmented(&host, &st, segs, 2, 4, &map_t, &probs_t, &y2_t), XCALL_STATUS_OK);
+  CHECK_STATUS(xcall_unpermute(&host, &out_t, &map_t, &probs_t, NULL, &back_t, NULL), XCALL_STATUS_OK);
+  CHECK(memcmp(y2, back, sizeof y2) == 0);
+  /* Refused, nothing written: no segments, too many, NULL, a negative or
+     mismatched row count, output.data not the first segment. */
+  memset(seg1, 0xa5, sizeof seg1);
+  memcpy(saved, seg1, sizeof saved);
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, segs, 0, 4),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "num_segments is 0, expected 1 to 32");
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, segs,
+                                       XCALL_PERMUTE_MAX_SEGMENTS + 1, 4),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, NULL, 2, 4),
+               XCALL_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, segs, 2, -4),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "rows_per_segment is negative (-4)");
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, segs, 2, 3),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "2 segments of 3 rows do not make output's 8 rows");
+  const void *swapped[2] = {seg1, seg0};
+  CHECK_STATUS(xcall_permute_segmented(&host, &in_t, &map_t, &tpe_t, &off_t, &st, swapped, 2, 4),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK_CONTAINS(xcall_last_error_message(), "is not output's address");
+  CHECK_STATUS(xcall_unpermute_segmented(&host, &st, segs, 2, 5, &map_t, &probs_t, &y2_t),
+               XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK(memcmp(saved, seg1, sizeof saved) == 0);
+  }
   return xt_summary("test_permute");
 }

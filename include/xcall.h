@@ -100,6 +100,12 @@ struct XLA_FFI_Error;
 #define XCALL_PERMUTE_FAULT_SORT_MAP 64
 
 /**
+ * The most segments `xcall_permute_segmented` and
+ * `xcall_unpermute_segmented` take.
+ */
+#define XCALL_PERMUTE_MAX_SEGMENTS 32
+
+/**
  * Result code of an xcall operation (`xcall_status` in C; 0 means success).
  *
  * Codes are stable across releases and never reused.
@@ -1418,6 +1424,53 @@ xcall_status xcall_unpermute(const xcall_target *target,
                              const xcall_tensor *permuted_probs,
                              xcall_tensor *output,
                              xcall_tensor *unpermuted_probs);
+
+/**
+ * `xcall_permute` (no probs or scales) into an output split over
+ * `num_segments` allocations of `rows_per_segment` rows each: row `r` of
+ * `output` (`[N, H]`, N = `num_segments * rows_per_segment`) is row `r %
+ * rows_per_segment` of `segments[r / rows_per_segment]`. `output` gives
+ * the dtype and dims; its `data` must be `segments[0]`. Only the routed
+ * rows are written: the rows no route writes keep their bytes. On CUDA a
+ * segment may be a peer GPU's memory the target's device reaches
+ * (`xcall_shmem_ptr` of a world's object, peer access enabled by the
+ * world). This is how a MoE layer's dispatch writes each destination PE's
+ * receive slot directly.
+ *
+ * Bad input: as `xcall_permute`, each segment checked like a tensor (NULL,
+ * alignment, overlap with every other buffer and segment; on CUDA memory
+ * the device cannot reach: `XCALL_STATUS_INVALID_ARGUMENT`); also
+ * `num_segments` 0 or past `XCALL_PERMUTE_MAX_SEGMENTS`, a negative or
+ * mismatched `rows_per_segment`, or `output.data` not `segments[0]`:
+ * `XCALL_STATUS_INVALID_ARGUMENT`; NULL `segments`:
+ * `XCALL_STATUS_NULL_ARGUMENT`. Nothing is written on an error.
+ */
+xcall_status xcall_permute_segmented(const xcall_target *target,
+                                     const xcall_tensor *input,
+                                     const xcall_tensor *row_id_map,
+                                     const xcall_tensor *tokens_per_expert,
+                                     const xcall_tensor *expert_offsets,
+                                     xcall_tensor *output,
+                                     const void *const *segments,
+                                     size_t num_segments,
+                                     int64_t rows_per_segment);
+
+/**
+ * `xcall_unpermute` (no permuted probs) of an input split over
+ * `num_segments` allocations of `rows_per_segment` rows each (as in
+ * `xcall_permute_segmented`; `input.data` must be `segments[0]`): how a
+ * MoE layer's combine reads each destination PE's results where they lie.
+ *
+ * Bad input: as `xcall_permute_segmented`.
+ */
+xcall_status xcall_unpermute_segmented(const xcall_target *target,
+                                       const xcall_tensor *input,
+                                       const void *const *segments,
+                                       size_t num_segments,
+                                       int64_t rows_per_segment,
+                                       const xcall_tensor *row_id_map,
+                                       const xcall_tensor *merging_probs,
+                                       xcall_tensor *output);
 
 /**
  * The backward of `xcall_unpermute` with merging probs: `act_grad[dst] =

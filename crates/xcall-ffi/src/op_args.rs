@@ -182,12 +182,13 @@ pub(crate) unsafe fn make_row_id_map(t: &Target, s: &impl Source) -> Result<(), 
     Ok(unsafe { call::make_row_id_map(t, &args) }?)
 }
 
-/// Runs `permute` on `s`'s arguments.
-///
-/// # Safety
-/// As [`make_row_id_map`].
-pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
-    let args = call::PermuteArgs {
+/// `permute`'s arguments from `s`, with `output`'s rows in `segments`
+/// when given.
+fn permute_args(
+    s: &impl Source,
+    segments: Option<call::Segments>,
+) -> Result<call::PermuteArgs, FfiError> {
+    Ok(call::PermuteArgs {
         input: s.required("input")?,
         row_id_map: s.required("row_id_map")?,
         tokens_per_expert: s.required("tokens_per_expert")?,
@@ -198,10 +199,49 @@ pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError
         permuted_probs: s.tensor("permuted_probs")?,
         permuted_scales: s.tensor("permuted_scales")?,
         in_place: s.flag("in_place"),
-        output_segments: None,
-    };
+        output_segments: segments,
+    })
+}
+
+/// Runs `permute` on `s`'s arguments.
+///
+/// # Safety
+/// As [`make_row_id_map`].
+pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = permute_args(s, None)?;
     // SAFETY: the caller's promise on the tensors.
     Ok(unsafe { call::permute(t, &args) }?)
+}
+
+/// Runs `permute` on `s`'s arguments into `segments`.
+///
+/// # Safety
+/// As [`make_row_id_map`], and every segment holds its rows.
+pub(crate) unsafe fn permute_segmented(
+    t: &Target,
+    s: &impl Source,
+    segments: call::Segments,
+) -> Result<(), FfiError> {
+    let args = permute_args(s, Some(segments))?;
+    // SAFETY: the caller's promise on the tensors and segments.
+    Ok(unsafe { call::permute(t, &args) }?)
+}
+
+/// `unpermute`'s arguments from `s`, with `input`'s rows in `segments`
+/// when given.
+fn unpermute_args(
+    s: &impl Source,
+    segments: Option<call::Segments>,
+) -> Result<call::UnpermuteArgs, FfiError> {
+    Ok(call::UnpermuteArgs {
+        input: s.required("input")?,
+        row_id_map: s.required("row_id_map")?,
+        merging_probs: s.tensor("merging_probs")?,
+        permuted_probs: s.tensor("permuted_probs")?,
+        output: s.required("output")?,
+        unpermuted_probs: s.tensor("unpermuted_probs")?,
+        input_segments: segments,
+    })
 }
 
 /// Runs `unpermute` on `s`'s arguments.
@@ -209,16 +249,22 @@ pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError
 /// # Safety
 /// As [`make_row_id_map`].
 pub(crate) unsafe fn unpermute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
-    let args = call::UnpermuteArgs {
-        input: s.required("input")?,
-        row_id_map: s.required("row_id_map")?,
-        merging_probs: s.tensor("merging_probs")?,
-        permuted_probs: s.tensor("permuted_probs")?,
-        output: s.required("output")?,
-        unpermuted_probs: s.tensor("unpermuted_probs")?,
-        input_segments: None,
-    };
+    let args = unpermute_args(s, None)?;
     // SAFETY: the caller's promise on the tensors.
+    Ok(unsafe { call::unpermute(t, &args) }?)
+}
+
+/// Runs `unpermute` on `s`'s arguments from `segments`.
+///
+/// # Safety
+/// As [`permute_segmented`].
+pub(crate) unsafe fn unpermute_segmented(
+    t: &Target,
+    s: &impl Source,
+    segments: call::Segments,
+) -> Result<(), FfiError> {
+    let args = unpermute_args(s, Some(segments))?;
+    // SAFETY: the caller's promise on the tensors and segments.
     Ok(unsafe { call::unpermute(t, &args) }?)
 }
 

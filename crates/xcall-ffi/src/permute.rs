@@ -1,6 +1,6 @@
 //! C ABI of the MoE permutation ops (xcall-permute).
 
-use std::ffi::c_char;
+use std::ffi::{c_char, c_void};
 
 use static_assertions::{assert_eq_size, const_assert_eq};
 use xcall_core::Status;
@@ -346,6 +346,134 @@ pub extern "C" fn xcall_unpermute(
                 unpermuted_probs
             ]
         )
+    })
+}
+
+/// The most segments `xcall_permute_segmented` and
+/// `xcall_unpermute_segmented` take.
+pub const XCALL_PERMUTE_MAX_SEGMENTS: usize = 32;
+const_assert_eq!(XCALL_PERMUTE_MAX_SEGMENTS, call::MAX_SEGMENTS);
+
+/// `segments` (`count` bases) as the library's segments of `rows` rows;
+/// the bases are read only once `count` is bounded.
+fn segments_arg(
+    segments: *const *const c_void,
+    count: usize,
+    rows: i64,
+) -> Result<call::Segments, FfiError> {
+    if count == 0 || count > XCALL_PERMUTE_MAX_SEGMENTS {
+        return Err(FfiError::new(
+            Status::InvalidArgument,
+            format!("num_segments is {count}, expected 1 to {XCALL_PERMUTE_MAX_SEGMENTS}"),
+        ));
+    }
+    if segments.is_null() {
+        return Err(FfiError::new(Status::NullArgument, "segments is NULL"));
+    }
+    if rows < 0 {
+        return Err(FfiError::new(
+            Status::InvalidArgument,
+            format!("rows_per_segment is negative ({rows})"),
+        ));
+    }
+    // SAFETY: the header's contract: `segments` holds `count` pointers
+    // (bounded above).
+    let bases = unsafe { std::slice::from_raw_parts(segments, count) };
+    Ok(call::Segments {
+        bases: bases.iter().map(|&b| b as u64).collect(),
+        rows: rows as u64,
+    })
+}
+
+/// `xcall_permute` (no probs or scales) into an output split over
+/// `num_segments` allocations of `rows_per_segment` rows each: row `r` of
+/// `output` (`[N, H]`, N = `num_segments * rows_per_segment`) is row `r %
+/// rows_per_segment` of `segments[r / rows_per_segment]`. `output` gives
+/// the dtype and dims; its `data` must be `segments[0]`. Only the routed
+/// rows are written: the rows no route writes keep their bytes. On CUDA a
+/// segment may be a peer GPU's memory the target's device reaches
+/// (`xcall_shmem_ptr` of a world's object, peer access enabled by the
+/// world). This is how a MoE layer's dispatch writes each destination PE's
+/// receive slot directly.
+///
+/// Bad input: as `xcall_permute`, each segment checked like a tensor (NULL,
+/// alignment, overlap with every other buffer and segment; on CUDA memory
+/// the device cannot reach: `XCALL_STATUS_INVALID_ARGUMENT`); also
+/// `num_segments` 0 or past `XCALL_PERMUTE_MAX_SEGMENTS`, a negative or
+/// mismatched `rows_per_segment`, or `output.data` not `segments[0]`:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; NULL `segments`:
+/// `XCALL_STATUS_NULL_ARGUMENT`. Nothing is written on an error.
+#[no_mangle]
+pub extern "C" fn xcall_permute_segmented(
+    target: *const xcall_target,
+    input: *const xcall_tensor,
+    row_id_map: *const xcall_tensor,
+    tokens_per_expert: *const xcall_tensor,
+    expert_offsets: *const xcall_tensor,
+    output: *mut xcall_tensor,
+    segments: *const *const c_void,
+    num_segments: usize,
+    rows_per_segment: i64,
+) -> Status {
+    ffi_call!({
+        let segs = segments_arg(segments, num_segments, rows_per_segment)?;
+        let t = target_arg(target)?;
+        let args = CArgs {
+            target: &t,
+            tensors: &[
+                ("input", input),
+                ("row_id_map", row_id_map),
+                ("tokens_per_expert", tokens_per_expert),
+                ("expert_offsets", expert_offsets),
+                ("probs", std::ptr::null()),
+                ("scales", std::ptr::null()),
+                ("output", output as *const xcall_tensor),
+                ("permuted_probs", std::ptr::null()),
+                ("permuted_scales", std::ptr::null()),
+            ],
+            ints: &[],
+        };
+        // SAFETY: the header's contract: every tensor's data and every
+        // segment is valid for its size on (or reachable from) the
+        // target's device.
+        unsafe { op_args::permute_segmented(&t, &args, segs) }
+    })
+}
+
+/// `xcall_unpermute` (no permuted probs) of an input split over
+/// `num_segments` allocations of `rows_per_segment` rows each (as in
+/// `xcall_permute_segmented`; `input.data` must be `segments[0]`): how a
+/// MoE layer's combine reads each destination PE's results where they lie.
+///
+/// Bad input: as `xcall_permute_segmented`.
+#[no_mangle]
+pub extern "C" fn xcall_unpermute_segmented(
+    target: *const xcall_target,
+    input: *const xcall_tensor,
+    segments: *const *const c_void,
+    num_segments: usize,
+    rows_per_segment: i64,
+    row_id_map: *const xcall_tensor,
+    merging_probs: *const xcall_tensor,
+    output: *mut xcall_tensor,
+) -> Status {
+    ffi_call!({
+        let segs = segments_arg(segments, num_segments, rows_per_segment)?;
+        let t = target_arg(target)?;
+        let args = CArgs {
+            target: &t,
+            tensors: &[
+                ("input", input),
+                ("row_id_map", row_id_map),
+                ("merging_probs", merging_probs),
+                ("permuted_probs", std::ptr::null()),
+                ("output", output as *const xcall_tensor),
+                ("unpermuted_probs", std::ptr::null()),
+            ],
+            ints: &[],
+        };
+        // SAFETY: as in `xcall_permute_segmented`.
+        unsafe { op_args::unpermute_segmented(&t, &args, segs) }
     })
 }
 
