@@ -395,7 +395,7 @@ impl Pe {
         let mut h = DefaultHasher::new();
         let s = &self.shape;
         (
-            s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity, s.dropless,
+            s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity, s.dropless, s.fused,
         )
             .hash(&mut h);
         s.dtype.hash(&mut h);
