@@ -121,25 +121,12 @@ impl Layer {
         bases: &[u64],
         rows: u64,
     ) -> Res<()> {
-        let (tpe, offsets) = self.chunks(d);
-        let args = PermuteArgs {
-            input: Tensor::new(self.x, d.dtype, &[d.tokens, d.hidden]),
-            row_id_map: self.map(d),
-            tokens_per_expert: tpe,
-            expert_offsets: offsets,
-            probs: None,
-            scales: None,
-            output: Tensor::new(bases[0], d.dtype, &[d.rows, d.hidden]),
-            permuted_probs: None,
-            permuted_scales: None,
-            in_place: false,
-            output_segments: Some(Segments {
-                bases: bases.to_vec(),
-                rows,
-            }),
+        let segments = Segments {
+            bases: bases.to_vec(),
+            rows,
         };
         // SAFETY: the caller's contract.
-        unsafe { call::permute(target, &args) }.context("permute")
+        unsafe { self.permute_to(target, d, bases[0], Some(segments)) }
     }
 
     /// `unpermute` with the merging probs of segments of `rows` rows at
@@ -155,20 +142,12 @@ impl Layer {
         rows: u64,
         output: u64,
     ) -> Res<()> {
-        let args = UnpermuteArgs {
-            input: Tensor::new(bases[0], d.dtype, &[d.rows, d.hidden]),
-            row_id_map: self.map(d),
-            merging_probs: Some(Tensor::new(self.probs, DType::F32, &[d.tokens, d.experts])),
-            permuted_probs: None,
-            output: Tensor::new(output, d.dtype, &[d.tokens, d.hidden]),
-            unpermuted_probs: None,
-            input_segments: Some(Segments {
-                bases: bases.to_vec(),
-                rows,
-            }),
+        let segments = Segments {
+            bases: bases.to_vec(),
+            rows,
         };
         // SAFETY: the caller's contract.
-        unsafe { call::unpermute(target, &args) }.context("unpermute")
+        unsafe { self.unpermute_from(target, d, bases[0], Some(segments), output) }
     }
 
     /// `permute` of the tokens into `output` (`[N, H]`).
@@ -176,6 +155,32 @@ impl Layer {
     /// # Safety
     /// As [`Layer::make_row_id_map`], and `output` holds `[N, H]`.
     pub unsafe fn permute(&self, target: &Target, d: Dims, output: u64) -> Res<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.permute_to(target, d, output, None) }
+    }
+
+    /// `unpermute` of `input` (`[N, H]`) into `output` (`[T, H]`) with the
+    /// merging probs.
+    ///
+    /// # Safety
+    /// As [`Layer::permute`], and `output` holds `[T, H]`.
+    pub unsafe fn unpermute(&self, target: &Target, d: Dims, input: u64, output: u64) -> Res<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.unpermute_from(target, d, input, None, output) }
+    }
+
+    /// `permute` into `output`, dense or in `segments` (whose first base
+    /// is `output`).
+    ///
+    /// # Safety
+    /// As [`Layer::permute`] or [`Layer::permute_segments`].
+    unsafe fn permute_to(
+        &self,
+        target: &Target,
+        d: Dims,
+        output: u64,
+        segments: Option<Segments>,
+    ) -> Res<()> {
         let (tpe, offsets) = self.chunks(d);
         let args = PermuteArgs {
             input: Tensor::new(self.x, d.dtype, &[d.tokens, d.hidden]),
@@ -188,18 +193,25 @@ impl Layer {
             permuted_probs: None,
             permuted_scales: None,
             in_place: false,
-            output_segments: None,
+            output_segments: segments,
         };
         // SAFETY: the caller's contract.
         unsafe { call::permute(target, &args) }.context("permute")
     }
 
-    /// `unpermute` of `input` (`[N, H]`) into `output` (`[T, H]`) with the
-    /// merging probs.
+    /// `unpermute` with the merging probs of `input`, dense or in
+    /// `segments` (whose first base is `input`), into `output`.
     ///
     /// # Safety
-    /// As [`Layer::permute`], and `output` holds `[T, H]`.
-    pub unsafe fn unpermute(&self, target: &Target, d: Dims, input: u64, output: u64) -> Res<()> {
+    /// As [`Layer::unpermute`] or [`Layer::unpermute_segments`].
+    unsafe fn unpermute_from(
+        &self,
+        target: &Target,
+        d: Dims,
+        input: u64,
+        segments: Option<Segments>,
+        output: u64,
+    ) -> Res<()> {
         let args = UnpermuteArgs {
             input: Tensor::new(input, d.dtype, &[d.rows, d.hidden]),
             row_id_map: self.map(d),
@@ -207,7 +219,7 @@ impl Layer {
             permuted_probs: None,
             output: Tensor::new(output, d.dtype, &[d.tokens, d.hidden]),
             unpermuted_probs: None,
-            input_segments: None,
+            input_segments: segments,
         };
         // SAFETY: the caller's contract.
         unsafe { call::unpermute(target, &args) }.context("unpermute")
