@@ -1956,7 +1956,10 @@ struct XLA_FFI_Error *xcall_xla_unreportable_error(void);
  * Attributes (integers, optional): `num_out_tokens` (-1: no cap), `align`
  * (0: none), `capacity` (0: none), `group_experts` and `group_rows` (0:
  * no groups), `graph_cache`. See `xcall_make_row_id_map` and
- * `xcall_make_row_id_map_grouped`.
+ * `xcall_make_row_id_map_grouped`. Any s64 operand or result of the
+ * permutation handlers may instead be an s32 buffer with a trailing dim
+ * of 2 (one value per pair of words, low word first), for runtimes
+ * without 64-bit types: `tokens_per_expert` `[E, 2]` s32.
  *
  * Bad input: a malformed call frame (NULL, short structs, an unknown
  * stage, a NULL or short metadata extension, a looping extension chain,
@@ -2053,7 +2056,8 @@ struct XLA_FFI_Error *xcall_xla_unpermute_backward_cuda(struct XLA_FFI_CallFrame
 /**
  * XLA FFI handler of `make_chunk_sort_map` for "cpu". Operands:
  * `split_sizes` `[S]` s64, `sorted_indices` `[S]` s64. Result: `map` `[T]`
- * s64. See `xcall_make_chunk_sort_map`.
+ * s64 (each s64 may be an s32 `[..., 2]` pair, as for
+ * `xcall_xla_make_row_id_map_host`). See `xcall_make_chunk_sort_map`.
  *
  * Bad input: a malformed call frame (NULL, short structs, an unknown
  * stage, a NULL or short metadata extension, a looping extension chain,

@@ -21,11 +21,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
-
 import jax.numpy as jnp  # noqa: E402
-import xcall_jax as xj  # noqa: E402
+
+import xcall.jax as xj  # noqa: E402
 
 
 def timed(f, *args, reps=7, calls=50):
@@ -78,18 +76,52 @@ def main():
     np.testing.assert_array_equal(np.asarray(permute(x)), np.asarray(jnp_permute(x)))
     copy_in = jax.jit(lambda y: y + jnp.zeros((), y.dtype))
 
+    # The layer API from top-k ids: xcall's dispatch (map, permute, probs)
+    # and combine, against the usual jnp form (a stable sort of the ids,
+    # a gather, a scatter-add back).
+    ids = jax.device_put(jnp.asarray(top.astype(np.int32)), dev)
+    pk = jax.device_put(jnp.asarray(np.take_along_axis(probs, top, axis=1)), dev)
+    dispatch = jax.jit(lambda x, i, q: xj.token_dispatch(x, i, q, num_experts=e)[:3])
+
+    def jnp_dispatch_fn(x, i, q):
+        order = jnp.argsort(i.reshape(-1), stable=True)
+        return x[order // k], q.reshape(-1)[order], order
+
+    jnp_dispatch = jax.jit(jnp_dispatch_fn)
+    yd, ypd, rmap = dispatch(x, ids, pk)
+    jy, jyp, order = jnp_dispatch(x, ids, pk)
+    np.testing.assert_array_equal(np.asarray(yd), np.asarray(jy))
+    np.testing.assert_array_equal(np.asarray(ypd), np.asarray(jyp))
+    combine = jax.jit(lambda y, m, q, i: xj.token_combine(y, m, q, routing=i))
+
+    def jnp_combine_fn(y, order, pp):
+        w = y.astype(jnp.float32) * pp[:, None]
+        return jnp.zeros((t, h), jnp.float32).at[order // k].add(w).astype(y.dtype)
+
+    jnp_combine = jax.jit(jnp_combine_fn)
+    np.testing.assert_allclose(
+        np.asarray(combine(yd, rmap, pk, ids), np.float32),
+        np.asarray(jnp_combine(jy, order, jyp), np.float32),
+        rtol=2e-2,
+        atol=2e-2,
+    )
+
     rows = []
     moved = 2 * n * h * 2  # permute: read + write of N rows of bf16
-    for name, f, arg in [
-        ("xcall permute (XLA FFI)", permute, x),
-        ("jnp gather permute", jnp_permute, x),
-        ("xcall unpermute+probs (XLA FFI)", unpermute, y),
-        ("jnp unpermute+probs", jnp_unpermute, y),
-        ("copy of N rows (y + 0)", copy_in, y),
+    gathered = n * h * 2 + t * h * 2  # N rows one way, T rows the other
+    for name, f, args, nbytes in [
+        ("xcall permute (XLA FFI)", permute, (x,), moved),
+        ("jnp gather permute", jnp_permute, (x,), moved),
+        ("xcall unpermute+probs (XLA FFI)", unpermute, (y,), gathered),
+        ("jnp unpermute+probs", jnp_unpermute, (y,), gathered),
+        ("xcall token_dispatch (top-k ids)", dispatch, (x, ids, pk), gathered),
+        ("jnp sort + gather dispatch", jnp_dispatch, (x, ids, pk), gathered),
+        ("xcall token_combine (top-k probs)", combine, (yd, rmap, pk, ids), gathered),
+        ("jnp scatter-add combine", jnp_combine, (jy, order, jyp), gathered),
+        ("copy of N rows (y + 0)", copy_in, (y,), moved),
     ]:
-        s = timed(f, arg)
-        bw = moved / s if "unpermute" not in name else (n * h * 2 + t * h * 2) / s
-        rows.append((name, s * 1e6, bw / 1e9))
+        s = timed(f, *args)
+        rows.append((name, s * 1e6, nbytes / s / 1e9))
     copy_bw = rows[-1][2]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, T={t} E={e} H={h} top-{k} bf16")
     print(f"{'op':34} {'us/call':>9} {'GB/s':>8} {'/ copy':>7}")

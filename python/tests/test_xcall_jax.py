@@ -8,19 +8,13 @@ permute/unpermute with jnp scatters and gathers.
 """
 
 import os
-import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
-
-import jax.numpy as jnp  # noqa: E402
-import xcall_jax as xj  # noqa: E402
+import xcall.jax as xj
 
 
 def _platforms():
@@ -308,30 +302,53 @@ def test_bad_shape_raises_with_xcall_message(device):
 
 
 def test_unknown_attribute_is_refused(device):
-    (r,) = on(device, np.ones((4, 2), bool))
+    (r,) = on(device, np.ones((1, 4, 2), bool))
+    i32 = np.dtype(np.int32)
     with pytest.raises(Exception) as info:
         jax.block_until_ready(
             xj._call(
                 "make_row_id_map",
                 {"routing": r},
-                {
-                    "row_id_map": xj._sds((4, 5), jnp.int32),
-                    "tokens_per_expert": xj._sds((2,), jnp.int64),
-                    "expert_offsets": xj._sds((3,), jnp.int64),
-                },
+                (xj._row_id_map_results, (i32,)),
+                {"row_id_map": None, "tokens_per_expert": i32, "expert_offsets": i32},
                 capacityy=4,
             )
         )
     assert 'xcall_make_row_id_map has no attribute "capacityy"' in str(info.value)
 
 
-def test_x64_is_required():
-    jax.config.update("jax_enable_x64", False)
+def test_no_global_switch_and_int64_where_asked():
+    """Without jax_enable_x64 every integer result is int32; with it,
+    index_dtype=int64 gives the same values as int64; without it, asking
+    for int64 is a clear error."""
+    assert not jax.config.jax_enable_x64
+    rng = np.random.default_rng(21)
+    routing = top_k_routing(rng, 50, 6, 2)
+    m, tpe, off = xj.make_row_id_map(jnp.asarray(routing), align=8)
+    assert (m.dtype, tpe.dtype, off.dtype) == (jnp.int32,) * 3
+    _, ref_tpe, ref_off, ref_m = ref_row_id_map(routing, align=8)
+    np.testing.assert_array_equal(np.asarray(tpe), ref_tpe)
+    np.testing.assert_array_equal(np.asarray(off), ref_off)
+    smap = xj.make_chunk_sort_map(jnp.array([3, 4, 5]), jnp.array([2, 0, 1]), 14)
+    assert smap.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(smap), ref_chunk_map([3, 4, 5], [2, 0, 1], 14))
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        xj.make_row_id_map(jnp.asarray(routing), index_dtype=jnp.int64)
+    jax.config.update("jax_enable_x64", True)
     try:
-        with pytest.raises(ValueError, match="jax_enable_x64"):
-            xj.make_row_id_map(jnp.ones((4, 2), bool))
+        m64, tpe64, off64 = xj.make_row_id_map(jnp.asarray(routing), align=8, index_dtype=jnp.int64)
+        assert (tpe64.dtype, off64.dtype) == (jnp.int64, jnp.int64)
+        np.testing.assert_array_equal(np.asarray(tpe64), ref_tpe)
+        np.testing.assert_array_equal(np.asarray(off64), ref_off)
+        np.testing.assert_array_equal(np.asarray(m64), ref_m)
+        # int64 chunks go to permute as they are; int32 ones as pairs.
+        x = jnp.asarray(rng.standard_normal((50, 8)), jnp.float32)
+        a, _ = xj.permute(x, m64, tpe64, off64, num_out_rows=int(ref_off[-1]))
+        b, _ = xj.permute(x, m64, tpe64.astype(jnp.int32), off64.astype(jnp.int32),
+                          num_out_rows=int(ref_off[-1]))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     finally:
-        jax.config.update("jax_enable_x64", True)
+        jax.config.update("jax_enable_x64", False)
 
 
 def test_alias_table_gives_no_aliases():

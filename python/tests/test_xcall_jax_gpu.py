@@ -11,20 +11,14 @@ GPU unless XCALL_REQUIRE_CUDA=1.
 
 import json
 import os
-import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_xcall_jax import ref_permute, ref_row_id_map, ref_unpermute, top_k_routing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import jax  # noqa: E402
-
-jax.config.update("jax_enable_x64", True)
-
-import jax.numpy as jnp  # noqa: E402
-import xcall_jax as xj  # noqa: E402
-from test_xcall_jax import ref_permute, ref_row_id_map, ref_unpermute, top_k_routing  # noqa: E402
+import xcall.jax as xj
 
 
 def _gpus():

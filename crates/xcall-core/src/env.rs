@@ -109,9 +109,16 @@ pub const VARIABLES: &[Variable] = &[
     var(
         "XCALL_LIB",
         Kind::Path,
-        "the packaged library",
-        "Python (`xcall_jax`)",
-        "The `libxcall.so` the JAX module loads.",
+        "the package's own library",
+        "Python (`xcall`)",
+        "The `libxcall.so` the `xcall` package loads, in place of the one shipped inside it (a source checkout uses its `target/`).",
+    ),
+    var(
+        "XCALL_TEST_INSTALLED",
+        Kind::Flag,
+        "off",
+        "tests",
+        "The JAX suite tests the installed `xcall` package and its shipped library instead of the source tree; it fails if `xcall` is imported from the checkout.",
     ),
     var(
         "XCALL_REQUIRE_CUDA",

@@ -242,12 +242,12 @@ fn the_python_stats_mirror_matches_the_header() {
         .collect();
     let python = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../python/xcall_jax.py"
+        "/../../python/xcall/jax.py"
     ))
     .unwrap();
     let at = python
         .find("class _Stats(ctypes.Structure):")
-        .expect("_Stats in xcall_jax.py");
+        .expect("_Stats in python/xcall/jax.py");
     let body = &python[at..at + python[at..].find("\n\n\n").expect("end of _Stats")];
     let py_fields: Vec<&str> = body
         .lines()

@@ -498,3 +498,93 @@ proptest::proptest! {
         }
     }
 }
+
+/// 64-bit slots as s32 pairs (JAX without `jax_enable_x64`): the same
+/// values as s64 buffers, low word first; a pair form anywhere else, or
+/// with a trailing dim other than 2, is refused with nothing written.
+#[test]
+fn int64_slots_take_s32_pairs_and_nothing_else_does() {
+    let mut m = MapBufs::new(0);
+    call(xcall_xla_make_row_id_map_host, &mut m.frame(dtype::U8, &[])).unwrap();
+    let mut map = [-7i32; 15];
+    let mut tpe = [-7i32; 4];
+    let mut off = [-7i32; 6];
+    let mut routing = m.routing;
+    let (mapp, tpep, offp) = (ptr(&mut map), ptr(&mut tpe), ptr(&mut off));
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![buf(dtype::U8, ptr(&mut routing), &[3, 2])],
+        vec![
+            buf(dtype::S32, mapp, &[3, 5]),
+            buf(dtype::S32, tpep, &[2, 2]),
+            buf(dtype::S32, offp, &[3, 2]),
+        ],
+        &[],
+    );
+    call(xcall_xla_make_row_id_map_host, &mut f).unwrap();
+    assert_eq!(map, m.map);
+    let words = |v: &[i64]| -> Vec<i32> {
+        v.iter()
+            .flat_map(|x| [*x as i32, (*x >> 32) as i32])
+            .collect()
+    };
+    assert_eq!(tpe.to_vec(), words(&m.tpe));
+    assert_eq!(off.to_vec(), words(&m.off));
+
+    // permute reads the pairs as it reads the s64 chunks.
+    let mut x = [1.0f32, 2.0, 3.0];
+    let mut out = [f32::NAN; 5];
+    let outp = ptr(&mut out);
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![
+            buf(dtype::F32, ptr(&mut x), &[3, 1]),
+            buf(dtype::S32, mapp, &[3, 5]),
+            buf(dtype::S32, tpep, &[2, 2]),
+            buf(dtype::S32, offp, &[3, 2]),
+        ],
+        vec![buf(dtype::F32, outp, &[5, 1])],
+        &[],
+    );
+    call(xcall_xla_permute_host, &mut f).unwrap();
+    assert_eq!(out, [1.0, 3.0, 1.0, 2.0, 0.0]);
+
+    // A trailing dim of 3, and the pair form in a 32-bit slot (the
+    // row-id map as [3, 5, 2] would be 30 words): dtype or rank errors.
+    let refused = |rets: Vec<Box<xla_fake::Buf>>, routing: &mut [u8; 6]| {
+        let mut f = frame(
+            fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+            vec![buf(dtype::U8, ptr(routing), &[3, 2])],
+            rets,
+            &[],
+        );
+        call(xcall_xla_make_row_id_map_host, &mut f).unwrap_err()
+    };
+    let mut wide = [-7i32; 30];
+    let before = (map, tpe, off);
+    let (code, message) = refused(
+        vec![
+            buf(dtype::S32, mapp, &[3, 5]),
+            buf(dtype::S32, tpep, &[2, 3]),
+            buf(dtype::S32, offp, &[3, 2]),
+        ],
+        &mut routing,
+    );
+    assert_eq!(code, 12, "UNIMPLEMENTED: {message}");
+    assert!(
+        message.contains("tokens_per_expert") && message.contains("i32"),
+        "{message}"
+    );
+    let (code, message) = refused(
+        vec![
+            buf(dtype::S32, ptr(&mut wide), &[3, 5, 2]),
+            buf(dtype::S32, tpep, &[2, 2]),
+            buf(dtype::S32, offp, &[3, 2]),
+        ],
+        &mut routing,
+    );
+    assert_eq!(code, 3, "{message}");
+    assert!(message.contains("row_id_map"), "{message}");
+    assert_eq!((map, tpe, off), before, "nothing written");
+    assert!(wide.iter().all(|&w| w == -7));
+}

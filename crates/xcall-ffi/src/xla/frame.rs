@@ -206,7 +206,33 @@ pub(super) fn buffer(
         return Err(invalid(format!("{kind} {name} has a negative dim {d}")));
     }
     let dims: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    if let Some(scalars) = int32_pairs(name, dtype, &dims) {
+        return Ok(Tensor::new(b.data as u64, DType::I64, scalars));
+    }
     Ok(Tensor::new(b.data as u64, dtype, &dims))
+}
+
+/// The operands and results that hold 64-bit integers (chunk sizes,
+/// offsets, chunk-sort maps).
+pub(super) const INT64_SLOTS: [&str; 5] = [
+    "tokens_per_expert",
+    "expert_offsets",
+    "split_sizes",
+    "sorted_indices",
+    "map",
+];
+
+/// The dims of the s64 tensor an s32 buffer `[..., 2]` in a 64-bit slot
+/// stands for: each pair is one value, low word first (a runtime without
+/// 64-bit types, such as JAX without `jax_enable_x64`, passes them so).
+/// `None` for any other buffer. Little-endian targets only.
+pub(super) fn int32_pairs<'d>(name: &str, dtype: DType, dims: &'d [u64]) -> Option<&'d [u64]> {
+    let (&last, scalars) = dims.split_last()?;
+    (cfg!(target_endian = "little")
+        && dtype == DType::I32
+        && last == 2
+        && INT64_SLOTS.contains(&name))
+    .then_some(scalars)
 }
 
 /// The slots of `slots` the flags switch on.

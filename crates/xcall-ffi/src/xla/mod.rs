@@ -9,6 +9,11 @@
 //! the header lists; scalar parameters are integer (or bool) attributes;
 //! optional operands are switched on by `has_*` attributes. Unknown
 //! attributes are refused, so a misspelt one cannot be silently ignored.
+//! A 64-bit integer operand or result (`tokens_per_expert`,
+//! `expert_offsets`, `split_sizes`, `sorted_indices`, `map`) may also be
+//! an s32 buffer with one more trailing dim of 2: each pair of words is
+//! one value, low word first, for runtimes without 64-bit types (JAX
+//! without `jax_enable_x64`).
 //!
 //! Every failure, including the overlap refusal and bad shapes, returns an
 //! XLA FFI error whose message is xcall's, prefixed with the target name
@@ -342,7 +347,10 @@ fn handle(spec: &Spec, side: Side, frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FF
 /// Attributes (integers, optional): `num_out_tokens` (-1: no cap), `align`
 /// (0: none), `capacity` (0: none), `group_experts` and `group_rows` (0:
 /// no groups), `graph_cache`. See `xcall_make_row_id_map` and
-/// `xcall_make_row_id_map_grouped`.
+/// `xcall_make_row_id_map_grouped`. Any s64 operand or result of the
+/// permutation handlers may instead be an s32 buffer with a trailing dim
+/// of 2 (one value per pair of words, low word first), for runtimes
+/// without 64-bit types: `tokens_per_expert` `[E, 2]` s32.
 ///
 /// Bad input: a malformed call frame (NULL, short structs, an unknown
 /// stage, a NULL or short metadata extension, a looping extension chain,
@@ -459,7 +467,8 @@ pub extern "C" fn xcall_xla_unpermute_backward_cuda(
 
 /// XLA FFI handler of `make_chunk_sort_map` for "cpu". Operands:
 /// `split_sizes` `[S]` s64, `sorted_indices` `[S]` s64. Result: `map` `[T]`
-/// s64. See `xcall_make_chunk_sort_map`.
+/// s64 (each s64 may be an s32 `[..., 2]` pair, as for
+/// `xcall_xla_make_row_id_map_host`). See `xcall_make_chunk_sort_map`.
 ///
 /// Bad input: a malformed call frame (NULL, short structs, an unknown
 /// stage, a NULL or short metadata extension, a looping extension chain,

@@ -36,7 +36,7 @@ pub(super) const BOOL_ATTRS: [&str; 2] = ["graph_cache", "backward"];
 
 /// An op's handler: its signature and how it runs.
 pub(super) struct Spec {
-    /// The target name (error prefix; the name `xcall_jax` registers).
+    /// The target name (error prefix; the name `xcall.jax` registers).
     pub(super) name: &'static str,
     pub(super) args: &'static [Slot],
     pub(super) rets: &'static [Slot],
