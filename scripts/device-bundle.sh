@@ -80,12 +80,20 @@ done
 $cxx -std=c++17 -Wall -Wextra -Werror -pedantic -Iinclude examples/raii.cpp $libs -o "$out/examples/raii"
 echo "  $out/examples/"
 
-# The JAX suite of the XLA FFI handlers (run with the GPU machine's own
-# jax; the bundle carries no Python packages).
+# The JAX suite of the XLA FFI handlers, run against the xcall wheel
+# (built here with $XCALL_PYTHON, which needs python/requirements-ci.txt's
+# build tools) installed on the GPU machine beside its own jax.
 rm -rf "$out/python"
 mkdir -p "$out/python/tests"
-cp python/xcall_jax.py python/bench_xcall_jax.py "$out/python/"
-cp python/tests/test_*.py "$out/python/tests/"
+wheel_py=${XCALL_PYTHON:-python3}
+if ! "$wheel_py" -c "import build, auditwheel" 2>/dev/null; then
+  echo "device-bundle: $wheel_py cannot import build and auditwheel (pip install -r python/requirements-ci.txt, or set XCALL_PYTHON)" >&2
+  exit 1
+fi
+scripts/python-wheel.sh "$wheel_py" "$out/python" >/dev/null
+cp python/bench_xcall_jax.py python/README.md "$out/python/"
+cp python/tests/*.py "$out/python/tests/"
+echo "  $out/python/ ($(basename "$out"/python/xcall-*.whl))"
 
 cat >"$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -101,7 +109,8 @@ cat >"$out/run-all.sh" <<'RUN'
 #     errors on purpose and assert them themselves.
 #   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
 #   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
-#   imports jax and pytest, twice: XLA command buffers off, then on
+#   imports jax and pytest, against the bundle's xcall wheel installed
+#   into <logs>/python-site, twice: XLA command buffers off, then on
 #   (custom calls recorded into XLA's command buffers). With
 #   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
 #   go to <logs>/jax-report.jsonl.
@@ -179,16 +188,21 @@ jax_suite() { # <on|off>
   [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
   local platforms=cpu
   [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
-  XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 XCALL_LIB="$here/lib/libxcall.so" \
+  XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \
     XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
-    "$py" -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
+    env -u XCALL_LIB "$py" -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
   local rc=$?
   [ $rc -eq 5 ] && echo "pytest collected no tests"
   return $rc
 }
 py=${XCALL_PYTHON:-python3}
+# The wheel goes into a folder of its own, on PYTHONPATH beside the
+# interpreter's jax: the suite tests the installed package.
+site="$logs/python-site"
 if "$py" -c "import jax, pytest" 2>/dev/null; then
-  rm -f "$logs/jax-report.jsonl"
+  rm -rf "$site" "$logs/jax-report.jsonl"
+  run install-wheel "$py" -m pip install --quiet --disable-pip-version-check --no-deps \
+    --no-index --target "$site" "$here"/python/xcall-*.whl
   run jax-command-buffers-off jax_suite off
   run jax-command-buffers-on jax_suite on
 elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then

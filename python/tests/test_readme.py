@@ -1,0 +1,17 @@
+"""Runs every Python block of python/README.md, in order, in one
+namespace: the quickstart must work as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_code_runs():
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2, "python/README.md lost its examples"
+    namespace = {"__name__": "readme"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"{README}:block{i}", "exec"), namespace)
+    assert namespace["y"].shape == (256, 64)
