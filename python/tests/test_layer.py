@@ -3,6 +3,8 @@ xcall (cumsum row-id maps, jnp scatters and gathers), in both routing
 forms, [T, H] and [B, S, H] inputs, align, capacity, groups, gradients,
 vmap, and sharded over four CPU devices with no collective in the HLO."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,9 +174,12 @@ def collectives(compiled):
 
 
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 CPU devices (conftest sets XLA_FLAGS)")
-def test_token_sharded_layer_runs_locally_and_matches_unsharded():
-    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices("cpu")[:4], axis_types=(AUTO,))
+@pytest.mark.parametrize("axes", ["auto", "explicit", "explicit-set-mesh"])
+def test_token_sharded_layer_runs_locally_and_matches_unsharded(axes):
+    kind = AUTO if axes == "auto" else jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices("cpu")[:4], axis_types=(kind,))
     ids, _, pk, dense, x = case(13)
+    context = jax.sharding.set_mesh(mesh) if axes == "explicit-set-mesh" else contextlib.nullcontext()
 
     def layer(x, ids, pk):
         d = xj.token_dispatch(x, ids, pk, num_experts=E, num_groups=4)
@@ -183,10 +188,21 @@ def test_token_sharded_layer_runs_locally_and_matches_unsharded():
 
     rows = NamedSharding(mesh, P("d"))
     args = [jax.device_put(jnp.asarray(a), rows) for a in (x, ids, pk)]
-    compiled = jax.jit(layer).lower(*args).compile()
-    assert collectives(compiled) == [], compiled.as_text()[:4000]
-    permuted, out = compiled(*args)
+    with context:
+        compiled = jax.jit(layer).lower(*args).compile()
+        assert collectives(compiled) == [], compiled.as_text()[:4000]
+        permuted, out = compiled(*args)
+        # The gradient runs locally too.
+        grad = jax.jit(jax.grad(lambda x, i, p: jnp.sum(layer(x, i, p)[1] ** 2), argnums=(0, 2)))
+        grad_compiled = grad.lower(*args).compile()
+        assert collectives(grad_compiled) == [], grad_compiled.as_text()[:4000]
+        gx, gp = grad_compiled(*args)
     assert permuted.sharding.spec[0] == "d" and out.sharding.spec[0] == "d"
+    assert gx.sharding.spec[0] == "d"
+    one_device = [jnp.asarray(a) for a in (x, ids, pk)]
+    rgx, rgp = grad(*one_device)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rgx), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gp), np.asarray(rgp), rtol=1e-6, atol=1e-6)
     ref_permuted, ref_out = jax.jit(layer)(*(jax.device_put(jnp.asarray(a), jax.devices("cpu")[0]) for a in (x, ids, pk)))
     np.testing.assert_array_equal(np.asarray(permuted), np.asarray(ref_permuted))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))

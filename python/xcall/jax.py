@@ -305,37 +305,42 @@ def _factors(op, names, rets, wide_names):
     return [dims(_OPS[op][1], n) for n in names], [dims(_OPS[op][2], n) for n in rets]
 
 
+def _mesh_axes(ins, shardings):
+    """{factor: mesh axes} of the shardable factors, from the operands'
+    shardings (the first operand that shards a factor names its axes; the
+    hidden dim gives way to the group dim on a shared axis)."""
+    found = {}
+    for factors, sharding in zip(ins, shardings):
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        for i, f in enumerate(factors.split()):
+            if f in _SHARDABLE and f not in found and i < len(spec) and spec[i] is not None:
+                found[f] = spec[i]
+    if "h" in found and "g" in found:
+        g = found["g"] if isinstance(found["g"], tuple) else (found["g"],)
+        h = found["h"] if isinstance(found["h"], tuple) else (found["h"],)
+        if set(g) & set(h):
+            del found["h"]
+    return found
+
+
+def _specs(table, found):
+    return tuple(PartitionSpec(*[found.get(f) for f in factors.split()]) for factors in table)
+
+
 def _partitioned(run, ins, outs):
     """``run`` with a partitioning rule: the factors "g" and "h" keep the
     operands' sharding (each shard runs its own groups, its slice of the
     hidden dim), every other factor is replicated."""
     fn = custom_partitioning(run)
 
-    def axes(arg_shapes):
-        found = {}
-        for factors, shape in zip(ins, arg_shapes):
-            spec = tuple(shape.sharding.spec) if hasattr(shape.sharding, "spec") else ()
-            for i, f in enumerate(factors.split()):
-                if f in _SHARDABLE and f not in found and i < len(spec) and spec[i] is not None:
-                    found[f] = spec[i]
-        if "h" in found and "g" in found:
-            g = found["g"] if isinstance(found["g"], tuple) else (found["g"],)
-            h = found["h"] if isinstance(found["h"], tuple) else (found["h"],)
-            if set(g) & set(h):
-                del found["h"]
-        return found
-
     def shardings(mesh, table, found):
-        return tuple(
-            NamedSharding(mesh, PartitionSpec(*[found.get(f) for f in factors.split()]))
-            for factors in table
-        )
+        return tuple(NamedSharding(mesh, spec) for spec in _specs(table, found))
 
     def infer(mesh, arg_shapes, result_shape):
-        return shardings(mesh, outs, axes(arg_shapes))
+        return shardings(mesh, outs, _mesh_axes(ins, [a.sharding for a in arg_shapes]))
 
     def partition(mesh, arg_shapes, result_shape):
-        found = axes(arg_shapes)
+        found = _mesh_axes(ins, [a.sharding for a in arg_shapes])
         return mesh, run, shardings(mesh, outs, found), shardings(mesh, ins, found)
 
     # Factors in the order the rule names them (Shardy numbers them so).
@@ -372,12 +377,39 @@ def _batched(fn, count):
     return call
 
 
+def _explicit(fn, ins, outs):
+    """``fn`` on operands that may carry Explicit mesh axes in their types:
+    it runs with those axes made Auto (the partitioning rule then works as
+    under an Auto mesh), its results typed with the shardings the rule
+    gives them."""
+
+    def call(*arrays):
+        shardings = [getattr(jax.typeof(a), "sharding", None) for a in arrays]
+        explicit = any(
+            jax.sharding.AxisType.Explicit in tuple(getattr(s.mesh, "axis_types", ()) or ())
+            for s in shardings
+            if s is not None and getattr(s, "mesh", None) is not None and not s.mesh.empty
+        )
+        if not explicit:
+            return fn(*arrays)
+        out = _specs(outs, _mesh_axes(ins, shardings))
+        mesh = next(s.mesh for s in shardings if s is not None and not s.mesh.empty)
+        if jax.sharding.get_abstract_mesh().empty:
+            # Explicit operands outside `jax.sharding.set_mesh`: their mesh.
+            with jax.sharding.use_abstract_mesh(mesh):
+                return jax.sharding.auto_axes(fn, out_sharding=out)(*arrays)
+        return jax.sharding.auto_axes(fn, out_sharding=out)(*arrays)
+
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def _op(op, arg_names, ret_names, attrs, wide_names, specs, static):
     result_specs = functools.partial(specs, *static)
     single = _single(op, list(arg_names), list(ret_names), attrs, result_specs)
     ins, outs = _factors(op, arg_names, ret_names, wide_names)
-    return _batched(_partitioned(_grouped(single), ins, outs), len(ret_names))
+    fn = _batched(_partitioned(_grouped(single), ins, outs), len(ret_names))
+    return _explicit(fn, ins, outs)
 
 
 def _call(op, args: dict, specs, rets, **attrs):
@@ -795,7 +827,7 @@ def _chunks(row_id_map, align, capacity):
             size = kept
         return kept, jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(size)])
 
-    return jax.vmap(one)(row_id_map)
+    return _explicit(lambda m: tuple(jax.vmap(one)(m)), ["g t w"], ["g e", "g f"])(row_id_map)
 
 
 def _split(a, groups, what):
