@@ -131,7 +131,11 @@ struct GroupState {
     joined: Vec<bool>,
     members: usize,
     rounds: HashMap<u64, Round>,
-    failed: Option<String>,
+    /// The error every later collective of the group returns, and when it
+    /// was recorded (a failed group nobody joined expires after
+    /// `expires`, so its name can be used again).
+    failed: Option<(ShmemError, Instant)>,
+    expires: Duration,
 }
 
 struct Group {
@@ -177,22 +181,7 @@ impl InProcess {
     pub fn join(name: &str, rank: usize, size: usize, timeout: Duration) -> Result<InProcess> {
         check_rank(rank, size)?;
         let mut all = groups().lock().unwrap_or_else(|p| p.into_inner());
-        let group = all
-            .entry(name.to_string())
-            .or_insert_with(|| {
-                Arc::new(Group {
-                    name: name.to_string(),
-                    size,
-                    state: Mutex::new(GroupState {
-                        joined: vec![false; size],
-                        members: 0,
-                        rounds: HashMap::new(),
-                        failed: None,
-                    }),
-                    changed: Condvar::new(),
-                })
-            })
-            .clone();
+        let group = group_entry(&mut all, name, size, timeout);
         if group.size != size {
             return Err(ShmemError::Mismatch(format!(
                 "group {name:?} has {} PEs, rank {rank} asked for {size}",
@@ -200,6 +189,9 @@ impl InProcess {
             )));
         }
         let mut st = group.lock();
+        if let Some((e, _)) = &st.failed {
+            return Err(e.clone());
+        }
         if st.joined[rank] {
             return Err(ShmemError::State(format!(
                 "rank {rank} of group {name:?} is already joined (two PEs with one rank, or init twice)"
@@ -217,6 +209,71 @@ impl InProcess {
     }
 }
 
+/// Group `name` of `size` PEs: the live one, or a new one in its place
+/// when there is none or the one there failed with nobody joined and its
+/// failure has expired.
+fn group_entry(
+    all: &mut HashMap<String, Arc<Group>>,
+    name: &str,
+    size: usize,
+    timeout: Duration,
+) -> Arc<Group> {
+    let stale = all.get(name).is_some_and(|g| {
+        let st = g.lock();
+        st.members == 0
+            && st
+                .failed
+                .as_ref()
+                .is_some_and(|(_, at)| at.elapsed() >= st.expires)
+    });
+    if stale {
+        all.remove(name);
+    }
+    all.entry(name.to_string())
+        .or_insert_with(|| {
+            Arc::new(Group {
+                name: name.to_string(),
+                size,
+                state: Mutex::new(GroupState {
+                    joined: vec![false; size],
+                    members: 0,
+                    rounds: HashMap::new(),
+                    failed: None,
+                    expires: timeout,
+                }),
+                changed: Condvar::new(),
+            })
+        })
+        .clone()
+}
+
+/// Rank `rank` of in-process group `name` failed before it could join:
+/// the group fails at once (its members' waits and every later join and
+/// collective return [`ShmemError::PeerFailed`] naming `reason`) instead
+/// of waiting out their timeouts for a rank that will never arrive. A
+/// failed group nobody joins is forgotten after `timeout`. A group of
+/// another size is left alone (its own join reports the mismatch).
+pub fn abandon(name: &str, rank: usize, size: usize, timeout: Duration, reason: &str) {
+    let mut all = groups().lock().unwrap_or_else(|p| p.into_inner());
+    let group = group_entry(&mut all, name, size, timeout);
+    if group.size != size {
+        return;
+    }
+    let mut st = group.lock();
+    if st.failed.is_none() {
+        st.failed = Some((
+            ShmemError::PeerFailed(format!(
+                "group {name:?}: rank {rank} failed before joining: {reason}"
+            )),
+            Instant::now(),
+        ));
+        // A zero timeout (itself refused) still keeps the failure a while.
+        st.expires = timeout.max(Duration::from_secs(1));
+    }
+    drop(st);
+    group.changed.notify_all();
+}
+
 impl Bootstrap for InProcess {
     fn rank(&self) -> usize {
         self.rank
@@ -231,8 +288,8 @@ impl Bootstrap for InProcess {
         self.seq += 1;
         let deadline = Instant::now() + self.timeout;
         let mut st = g.lock();
-        if let Some(f) = &st.failed {
-            return Err(ShmemError::Timeout(f.clone()));
+        if let Some((e, _)) = &st.failed {
+            return Err(e.clone());
         }
         let round = st.rounds.entry(seq).or_insert_with(|| Round {
             data: vec![None; n],
@@ -246,8 +303,8 @@ impl Bootstrap for InProcess {
             if st.rounds[&seq].arrived == n {
                 break;
             }
-            if let Some(f) = &st.failed {
-                return Err(ShmemError::Timeout(f.clone()));
+            if let Some((e, _)) = &st.failed {
+                return Err(e.clone());
             }
             let now = Instant::now();
             if now >= deadline {
@@ -259,7 +316,7 @@ impl Bootstrap for InProcess {
                     self.timeout,
                     missing(&arrived)
                 );
-                st.failed = Some(msg.clone());
+                st.failed = Some((ShmemError::Timeout(msg.clone()), Instant::now()));
                 g.changed.notify_all();
                 return Err(ShmemError::Timeout(msg));
             }

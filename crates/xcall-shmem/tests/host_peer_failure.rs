@@ -424,3 +424,81 @@ fn the_socket_bootstrap_never_removes_what_is_not_a_stale_socket() {
     w.finalize().unwrap();
     assert!(!std::path::Path::new(&path).exists(), "removed after use");
 }
+
+/// A rank whose init fails before it joins its in-process group (here a
+/// heap too small) fails its peers at once with `PeerFailed` naming it,
+/// whether they were already waiting or join after it; they do not wait
+/// out their 30 s timeout. Once the failure expires, the name is free.
+#[test]
+fn a_rank_that_fails_before_joining_fails_its_peers_at_once() {
+    let _s = serial();
+    let n = 3;
+    let timeout = Duration::from_secs(30);
+    for (group, late) in [("early-fail-late", true), ("early-fail-first", false)] {
+        let started = std::time::Instant::now();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = std::sync::Mutex::new(rx);
+        run_ranks(n, move |rank| {
+            let mut c = spmt_config(group, rank, n, timeout);
+            if rank == 2 {
+                if late {
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                c.heap_bytes = Some(0);
+                let e = World::new().init(&c).unwrap_err();
+                assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+                if !late {
+                    // The failure is recorded: let the others start.
+                    for _ in 0..2 {
+                        tx.send(()).unwrap();
+                    }
+                }
+                return;
+            }
+            if !late {
+                rx.lock().unwrap().recv().unwrap();
+            }
+            let e = World::new().init(&c).unwrap_err();
+            assert_eq!(e.status(), Status::PeerFailed, "rank {rank}: {e}");
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("group {group:?}: rank 2 failed before joining"))
+                    && m.contains("too small"),
+                "rank {rank}: {m}"
+            );
+        });
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{group}: the peers took {:?} to fail",
+            started.elapsed()
+        );
+    }
+    // A failed group nobody joined is forgotten after the failing rank's
+    // timeout (at least 1 s): the same name then makes a healthy world.
+    let mut failing = spmt_config("early-fail-reuse", 1, 2, Duration::from_millis(1));
+    failing.heap_bytes = Some(0);
+    let e = World::new().init(&failing).unwrap_err();
+    assert_eq!(e.status(), Status::InvalidArgument);
+    let blocked = World::new()
+        .init(&spmt_config(
+            "early-fail-reuse",
+            0,
+            2,
+            Duration::from_secs(5),
+        ))
+        .unwrap_err();
+    assert_eq!(blocked.status(), Status::PeerFailed, "{blocked}");
+    std::thread::sleep(Duration::from_millis(1100));
+    run_ranks(2, |rank| {
+        let mut w = World::new();
+        w.init(&spmt_config(
+            "early-fail-reuse",
+            rank,
+            2,
+            Duration::from_secs(20),
+        ))
+        .unwrap();
+        w.barrier_all().unwrap();
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
+}

@@ -73,7 +73,9 @@ pub(super) fn fields(bytes: &[u8]) -> Vec<String> {
 }
 
 impl Live {
-    pub(super) fn init(c: &Config) -> Result<Live> {
+    /// The checks and the device binding before a PE joins its bootstrap:
+    /// (heap bytes, binding, the bootstrap's name).
+    fn before_joining(c: &Config) -> Result<(usize, registry::Binding, String)> {
         if c.size == 0 || c.rank >= c.size {
             return Err(ShmemError::InvalidArgument(format!(
                 "rank {} is not in a world of {} PE(s)",
@@ -100,6 +102,17 @@ impl Live {
             BootstrapKind::UnixSocket { path } => format!("socket {}", path.display()),
         };
         let binding = registry::bind(c.device, &name, c.rank)?;
+        Ok((len, binding, name))
+    }
+
+    pub(super) fn init(c: &Config) -> Result<Live> {
+        let (len, binding, name) = Self::before_joining(c).inspect_err(|e| {
+            if let BootstrapKind::InProcess { group } = &c.bootstrap {
+                // Its peers learn at once that this rank will never join
+                // (every failure after the join reaches them collectively).
+                crate::bootstrap::abandon(group, c.rank, c.size, c.timeout, &e.to_string());
+            }
+        })?;
         let started = Instant::now();
         let step = |what: &str| {
             tracing::debug!(
