@@ -111,6 +111,12 @@ fn check_rank(rank: usize, size: usize) -> Result<()> {
             "rank {rank} is not in a world of {size} PE(s)"
         )));
     }
+    if size > crate::world::MAX_PES {
+        return Err(ShmemError::InvalidArgument(format!(
+            "a world of {size} PEs is larger than the limit of {}",
+            crate::world::MAX_PES
+        )));
+    }
     Ok(())
 }
 
@@ -136,6 +142,8 @@ struct GroupState {
     /// `expires`, so its name can be used again).
     failed: Option<(ShmemError, Instant)>,
     expires: Duration,
+    /// The rank whose failure before joining failed the group.
+    abandoned_by: Option<usize>,
 }
 
 struct Group {
@@ -181,7 +189,7 @@ impl InProcess {
     pub fn join(name: &str, rank: usize, size: usize, timeout: Duration) -> Result<InProcess> {
         check_rank(rank, size)?;
         let mut all = groups().lock().unwrap_or_else(|p| p.into_inner());
-        let group = group_entry(&mut all, name, size, timeout);
+        let group = group_entry(&mut all, name, size, timeout, Some(rank));
         if group.size != size {
             return Err(ShmemError::Mismatch(format!(
                 "group {name:?} has {} PEs, rank {rank} asked for {size}",
@@ -211,20 +219,23 @@ impl InProcess {
 
 /// Group `name` of `size` PEs: the live one, or a new one in its place
 /// when there is none or the one there failed with nobody joined and its
-/// failure has expired.
+/// failure has expired or is the failure of `joining`, the rank that
+/// joins now (a PE retrying its init after its own failure).
 fn group_entry(
     all: &mut HashMap<String, Arc<Group>>,
     name: &str,
     size: usize,
     timeout: Duration,
+    joining: Option<usize>,
 ) -> Arc<Group> {
     let stale = all.get(name).is_some_and(|g| {
         let st = g.lock();
+        let retry = joining.is_some() && st.abandoned_by == joining;
         st.members == 0
             && st
                 .failed
                 .as_ref()
-                .is_some_and(|(_, at)| at.elapsed() >= st.expires)
+                .is_some_and(|(_, at)| retry || at.elapsed() >= st.expires)
     });
     if stale {
         all.remove(name);
@@ -240,6 +251,7 @@ fn group_entry(
                     rounds: HashMap::new(),
                     failed: None,
                     expires: timeout,
+                    abandoned_by: None,
                 }),
                 changed: Condvar::new(),
             })
@@ -251,11 +263,15 @@ fn group_entry(
 /// the group fails at once (its members' waits and every later join and
 /// collective return [`ShmemError::PeerFailed`] naming `reason`) instead
 /// of waiting out their timeouts for a rank that will never arrive. A
-/// failed group nobody joins is forgotten after `timeout`. A group of
-/// another size is left alone (its own join reports the mismatch).
+/// failed group nobody joins is forgotten after `timeout`, or when `rank`
+/// itself joins again. A group of another size is left alone (its own
+/// join reports the mismatch).
 pub fn abandon(name: &str, rank: usize, size: usize, timeout: Duration, reason: &str) {
+    if check_rank(rank, size).is_err() {
+        return; // no group can have this rank
+    }
     let mut all = groups().lock().unwrap_or_else(|p| p.into_inner());
-    let group = group_entry(&mut all, name, size, timeout);
+    let group = group_entry(&mut all, name, size, timeout, None);
     if group.size != size {
         return;
     }
@@ -269,6 +285,7 @@ pub fn abandon(name: &str, rank: usize, size: usize, timeout: Duration, reason: 
         ));
         // A zero timeout (itself refused) still keeps the failure a while.
         st.expires = timeout.max(Duration::from_secs(1));
+        st.abandoned_by = Some(rank);
     }
     drop(st);
     group.changed.notify_all();

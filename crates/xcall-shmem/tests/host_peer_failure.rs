@@ -489,6 +489,14 @@ fn a_rank_that_fails_before_joining_fails_its_peers_at_once() {
         .unwrap_err();
     assert_eq!(blocked.status(), Status::PeerFailed, "{blocked}");
     std::thread::sleep(Duration::from_millis(1100));
+    // The failing rank retrying with a good config starts afresh at once.
+    let mut retry = spmt_config("early-fail-retry", 0, 1, Duration::from_secs(20));
+    retry.heap_bytes = Some(0);
+    World::new().init(&retry).unwrap_err();
+    retry.heap_bytes = Some(1 << 20);
+    let mut w = World::new();
+    w.init(&retry).unwrap();
+    w.finalize().unwrap();
     run_ranks(2, |rank| {
         let mut w = World::new();
         w.init(&spmt_config(
