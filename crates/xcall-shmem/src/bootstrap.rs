@@ -706,6 +706,28 @@ impl Bootstrap for UnixSocket {
 mod tests {
     use super::*;
 
+    /// Ranks outside the world and sizes past `MAX_PES` are refused
+    /// before a group is made (nothing allocated for them); `MAX_PES`
+    /// itself joins. `abandon` with such a rank makes no group.
+    #[test]
+    fn joins_check_rank_and_size_first() {
+        let t = Duration::from_secs(5);
+        let max = crate::world::MAX_PES;
+        for (rank, size) in [(2, 2), (0, 0), (5, 3), (0, max + 1), (0, usize::MAX)] {
+            let e = InProcess::join("check-rank", rank, size, t)
+                .err()
+                .unwrap_or_else(|| panic!("rank {rank} of {size} joined"));
+            assert_eq!(e.status(), xcall_core::Status::InvalidArgument, "{e}");
+            abandon("check-rank-abandon", rank, size, t, "bad");
+            assert!(!group_alive("check-rank-abandon"), "rank {rank} of {size}");
+        }
+        assert!(!group_alive("check-rank"));
+        let b = InProcess::join("check-rank-max", max - 1, max, t).unwrap();
+        assert_eq!((b.rank(), b.size()), (max - 1, max));
+        drop(b);
+        assert!(!group_alive("check-rank-max"));
+    }
+
     /// While rank 0 listens, its socket is owner-only; a same-user rank 1
     /// is admitted and the collective works.
     #[test]
