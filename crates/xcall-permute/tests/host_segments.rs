@@ -307,3 +307,45 @@ fn unpermute_refuses_bad_segments_and_permuted_probs() {
     assert_eq!(e.status(), Status::Unsupported, "{e}");
     assert!(y.iter().all(|&b| b == POISON), "a refused call wrote y");
 }
+
+/// The argument check alone, before any platform: a CUDA target on a
+/// machine with or without CUDA. Overlapping segments are refused there
+/// (the Host op's own check comes later and a CUDA launch has none);
+/// exactly 32 segments pass it; a segment whose rows (rows x row bytes)
+/// run past the address space is refused even when rows + row bytes would
+/// not.
+#[test]
+fn the_argument_check_alone_refuses_overlaps_and_bounds_segments() {
+    // A stream that is never used: every call here fails its check.
+    let cuda = Target::cuda(0, std::ptr::dangling_mut::<u8>().cast());
+    let checked = |a: &PermuteArgs| {
+        // SAFETY: the call is refused by its argument check, before any
+        // tensor is touched or any CUDA call is made.
+        unsafe { call::permute(&cuda, a) }.expect_err("refused by the check")
+    };
+    let c = Case::new(9, (16, 4, 2, 8), 2, 24);
+    let mut segs = c.poisoned_segments();
+    let first = segs[0].as_ptr() as u64;
+    let mut a = c.permute_args(&mut segs);
+    a.output_segments.as_mut().unwrap().bases[1] = first + 64;
+    let e = checked(&a);
+    assert_eq!(e.status(), Status::Aliased, "{e}");
+    assert!(e.to_string().contains("output segment 1"), "{e}");
+    let input = a.input.address;
+    a.output_segments.as_mut().unwrap().bases[1] = input;
+    assert_eq!(checked(&a).status(), Status::Aliased);
+
+    // 32 segments of one row each, past the check; then past the end of
+    // the address space by their bytes (2 rows x 16 bytes), not by
+    // rows + bytes.
+    let c = Case::new(10, (16, 32, 2, 8), 32, 1);
+    let mut segs = c.poisoned_segments();
+    permute(&c.permute_args(&mut segs)).unwrap();
+    let c = Case::new(11, (16, 4, 2, 8), 2, 2);
+    let mut segs = c.poisoned_segments();
+    let mut a = c.permute_args(&mut segs);
+    let bytes = (2 * c.row()) as u64;
+    a.output_segments.as_mut().unwrap().bases[1] = (u64::MAX - bytes + 1) & !7;
+    let e = checked(&a);
+    assert!(e.to_string().contains("overflows the address space"), "{e}");
+}
