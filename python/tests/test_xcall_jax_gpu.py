@@ -156,15 +156,20 @@ def test_two_gpus_run_their_own_graphs(how):
             assert total["captures"] >= 3 and total["entries"] >= 3, total
 
 
-def test_token_sharded_layer_over_every_gpu():
+@pytest.mark.parametrize("axes", ["auto", "explicit-set-mesh"])
+def test_token_sharded_layer_over_every_gpu(axes):
     """token_dispatch/token_combine with the tokens sharded over every GPU
     (num_groups = GPUs): no collective in the compiled HLO, every GPU
     holds its block, and the values equal the same grouped layer on one
     GPU and the jnp reference of each block."""
+    import contextlib
+
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     n = len(GPUS)
-    mesh = jax.make_mesh((n,), ("d",), devices=GPUS, axis_types=(AxisType.Auto,))
+    kind = AxisType.Auto if axes == "auto" else AxisType.Explicit
+    mesh = jax.make_mesh((n,), ("d",), devices=GPUS, axis_types=(kind,))
+    context = jax.sharding.set_mesh(mesh) if axes != "auto" else contextlib.nullcontext()
     rng = np.random.default_rng(29)
     t = 512 * n
     ids = np.argsort(-rng.standard_normal((t, E)), axis=1)[:, :K].astype(np.int32)
@@ -177,11 +182,12 @@ def test_token_sharded_layer_over_every_gpu():
         return d.permuted, xj.token_combine(y, d.row_id_map, pk, routing=ids, num_groups=n)
 
     sharded = [jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("d"))) for a in (x, ids, pk)]
-    compiled = jax.jit(moe).lower(*sharded).compile()
-    text = compiled.as_text()
-    for c in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
-        assert c not in text, f"{c} in the token-sharded layer's HLO"
-    permuted, out = compiled(*sharded)
+    with context:
+        compiled = jax.jit(moe).lower(*sharded).compile()
+        text = compiled.as_text()
+        for c in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
+            assert c not in text, f"{c} in the token-sharded layer's HLO"
+        permuted, out = compiled(*sharded)
     assert {s.device for s in out.addressable_shards} == set(GPUS)
     one = [jax.device_put(jnp.asarray(a), GPUS[0]) for a in (x, ids, pk)]
     ref_permuted, ref_out = jax.jit(moe)(*one)
@@ -191,4 +197,4 @@ def test_token_sharded_layer_over_every_gpu():
     # tanh(x) weighted by the block's top-k probs.
     want = np.tanh(x) * pk.sum(axis=1)[:, None]
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
-    report("token_sharded_layer", {"gpus": n})
+    report("token_sharded_layer", {"gpus": n, "axes": axes})
