@@ -173,7 +173,6 @@ def collectives(compiled):
     return [c for c in COLLECTIVES if c in text]
 
 
-@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 CPU devices (conftest sets XLA_FLAGS)")
 # Explicit axes under set_mesh are tested here where CPU is JAX's default
 # backend; on a GPU machine test_xcall_jax_gpu.py tests them on the GPUs'
 # mesh (a mesh of CPU devices under set_mesh, in a process whose default
@@ -181,6 +180,7 @@ def collectives(compiled):
 AXES = ["auto", "explicit"] + (["explicit-set-mesh"] if jax.default_backend() == "cpu" else [])
 
 
+@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 CPU devices (conftest sets XLA_FLAGS)")
 @pytest.mark.parametrize("axes", AXES)
 def test_token_sharded_layer_runs_locally_and_matches_unsharded(axes):
     kind = AUTO if axes == "auto" else jax.sharding.AxisType.Explicit
