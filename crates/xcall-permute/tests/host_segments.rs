@@ -349,3 +349,80 @@ fn the_argument_check_alone_refuses_overlaps_and_bounds_segments() {
     let e = checked(&a);
     assert!(e.to_string().contains("overflows the address space"), "{e}");
 }
+
+/// The Host ops called directly (the public `ops` functions, with no
+/// argument check in front): a segmented permute refuses probs and
+/// scales each on its own; a segmented unpermute refuses a non-empty
+/// dense input and permuted probs each on its own; a dense unpermute of
+/// the wrong length names "input (bytes)", not a segment. Nothing is
+/// written.
+#[test]
+fn the_host_ops_refuse_what_segments_do_not_take() {
+    use xcall_permute::ops::{self, PermuteInputs, UnpermuteInputs, UnpermuteOutputs};
+    let c = Case::new(12, (16, 4, 2, 8), 2, 24);
+    let probs = vec![0.5f32; c.t * c.e];
+    let scales = vec![1.0f32; c.t];
+    let mut segs = c.poisoned_segments();
+    for (p, s) in [(Some(&probs[..]), None), (None, Some(&scales[..]))] {
+        let mut parts: Vec<&mut [u8]> = segs.iter_mut().map(|s| &mut s[..]).collect();
+        let e = ops::permute_segmented(
+            c.map.view(),
+            &PermuteInputs {
+                input: &c.x,
+                dtype: DType::Bf16,
+                hidden: c.h,
+                probs: p,
+                scales: s,
+            },
+            &mut parts,
+            c.rows,
+        )
+        .unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+    }
+    assert!(segs.iter().all(|s| s.iter().all(|&b| b == POISON)));
+    let parts: Vec<&[u8]> = segs.iter().map(|s| &s[..]).collect();
+    let pp = vec![0f32; c.s * c.rows];
+    let mut y = vec![POISON; c.t * c.row()];
+    for (input, permuted_probs) in [(&c.x[..2], None), (&[][..], Some(&pp[..]))] {
+        let e = ops::unpermute_segmented(
+            c.map.view(),
+            &parts,
+            c.rows,
+            &UnpermuteInputs {
+                input,
+                dtype: DType::Bf16,
+                hidden: c.h,
+                merging_probs: None,
+                permuted_probs,
+            },
+            &mut UnpermuteOutputs {
+                output: &mut y,
+                unpermuted_probs: None,
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("input must be empty"), "{e}");
+    }
+    let joined: Vec<u8> = segs.concat();
+    let e = ops::unpermute(
+        c.map.view(),
+        &UnpermuteInputs {
+            input: &joined[..joined.len() - 2],
+            dtype: DType::Bf16,
+            hidden: c.h,
+            merging_probs: None,
+            permuted_probs: None,
+        },
+        &mut UnpermuteOutputs {
+            output: &mut y,
+            unpermuted_probs: None,
+        },
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("input (bytes)") && !e.to_string().contains("segment"),
+        "{e}"
+    );
+    assert!(y.iter().all(|&b| b == POISON), "a refused call wrote y");
+}
