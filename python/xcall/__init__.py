@@ -59,12 +59,13 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
     global _lib
     if _lib is not None:
         return _lib
-    lib = ctypes.CDLL(path or library_path())
+    path = path or library_path()
+    lib = ctypes.CDLL(path)
     lib.xcall_version.restype = ctypes.c_char_p
     version = lib.xcall_version().decode()
     if version.split(".")[:2] != __version__.split(".")[:2]:
         raise OSError(
-            f"xcall: the library at {path or library_path()} is version {version}, "
+            f"xcall: the library at {path} is version {version}, "
             f"this package is {__version__}"
         )
     _lib = lib

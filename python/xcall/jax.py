@@ -25,6 +25,7 @@ error reaches Python as an exception carrying xcall's message.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from typing import NamedTuple, Optional
@@ -394,11 +395,14 @@ def _explicit(fn, ins, outs):
             return fn(*arrays)
         out = _specs(outs, _mesh_axes(ins, shardings))
         mesh = next(s.mesh for s in shardings if s is not None and not s.mesh.empty)
-        if jax.sharding.get_abstract_mesh().empty:
-            # Explicit operands outside `jax.sharding.set_mesh`: their mesh.
-            with jax.sharding.use_abstract_mesh(mesh):
-                return jax.sharding.auto_axes(fn, out_sharding=out)(*arrays)
-        return jax.sharding.auto_axes(fn, out_sharding=out)(*arrays)
+        # Explicit operands outside `jax.sharding.set_mesh`: their mesh.
+        context = (
+            jax.sharding.use_abstract_mesh(mesh)
+            if jax.sharding.get_abstract_mesh().empty
+            else contextlib.nullcontext()
+        )
+        with context:
+            return jax.sharding.auto_axes(fn, out_sharding=out)(*arrays)
 
     return call
 
@@ -449,8 +453,7 @@ def _row_id_map_results(index_dtype, args):
 
 def _permute_results(rows, args):
     x = args["input"]
-    out = {"output": _sds((rows, x.shape[1]), x.dtype), "permuted_probs": _sds((rows,), jnp.float32)}
-    return out
+    return {"output": _sds((rows, x.shape[1]), x.dtype), "permuted_probs": _sds((rows,), jnp.float32)}
 
 
 def _unpermute_results(args):
@@ -501,6 +504,15 @@ def _g_make_row_id_map(routing, num_out_tokens, align, capacity, index_dtype, gr
     )
 
 
+def _optional(args, rets, operand, value, result=None):
+    """Adds ``value`` as ``operand`` (and ``result`` to the results) when
+    it is given."""
+    if value is not None:
+        args[operand] = value
+        if result is not None:
+            rets[result] = None
+
+
 def _g_permute(x, row_id_map, tpe, offsets, probs, rows, graph_cache):
     args = {
         "input": x,
@@ -509,9 +521,7 @@ def _g_permute(x, row_id_map, tpe, offsets, probs, rows, graph_cache):
         "expert_offsets": _wide(offsets),
     }
     rets = {"output": None}
-    if probs is not None:
-        args["probs"] = probs
-        rets["permuted_probs"] = None
+    _optional(args, rets, "probs", probs, "permuted_probs")
     out = _call(
         "permute",
         args,
@@ -526,11 +536,8 @@ def _g_permute(x, row_id_map, tpe, offsets, probs, rows, graph_cache):
 def _g_unpermute(y, row_id_map, merging_probs, permuted_probs, graph_cache):
     args = {"input": y, "row_id_map": row_id_map}
     rets = {"output": None}
-    if merging_probs is not None:
-        args["merging_probs"] = merging_probs
-    if permuted_probs is not None:
-        args["permuted_probs"] = permuted_probs
-        rets["unpermuted_probs"] = None
+    _optional(args, rets, "merging_probs", merging_probs)
+    _optional(args, rets, "permuted_probs", permuted_probs, "unpermuted_probs")
     out = _call(
         "unpermute",
         args,
@@ -564,9 +571,7 @@ def _g_unpermute_backward(grad, fwd_input, row_id_map, tpe, offsets, merging_pro
 def _g_sort(x, sort_map, probs, backward, graph_cache):
     args = {"input": x, "map": _wide(sort_map)}
     rets = {"output": None}
-    if probs is not None:
-        args["probs"] = probs
-        rets["permuted_probs"] = None
+    _optional(args, rets, "probs", probs, "permuted_probs")
     out = _call(
         "sort_chunks_by_map",
         args,
