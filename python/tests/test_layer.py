@@ -173,11 +173,7 @@ def collectives(compiled):
     return [c for c in COLLECTIVES if c in text]
 
 
-# Explicit axes under set_mesh are tested here where CPU is JAX's default
-# backend; on a GPU machine test_xcall_jax_gpu.py tests them on the GPUs'
-# mesh (a mesh of CPU devices under set_mesh, in a process whose default
-# backend is a GPU, does not compile there with jax 0.11.2).
-AXES = ["auto", "explicit"] + (["explicit-set-mesh"] if jax.default_backend() == "cpu" else [])
+AXES = ["auto", "explicit", "explicit-set-mesh"]
 
 
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 CPU devices (conftest sets XLA_FLAGS)")

@@ -340,9 +340,17 @@ def _partitioned(run, ins, outs):
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, outs, _mesh_axes(ins, [a.sharding for a in arg_shapes]))
 
+    def local(*arrays):
+        # Each shard's calls are traced while XLA partitions the program,
+        # after its sharding constraints were resolved: traced under a
+        # context mesh (`jax.sharding.set_mesh`), Explicit axes would add
+        # constraints no later pass removes.
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return run(*arrays)
+
     def partition(mesh, arg_shapes, result_shape):
         found = _mesh_axes(ins, [a.sharding for a in arg_shapes])
-        return mesh, run, shardings(mesh, outs, found), shardings(mesh, ins, found)
+        return mesh, local, shardings(mesh, outs, found), shardings(mesh, ins, found)
 
     # Factors in the order the rule names them (Shardy numbers them so).
     every = list(dict.fromkeys(f for t in ins + outs for f in t.split()))
