@@ -48,6 +48,8 @@ copy_executables target/device-bundle-benches.json "$out/benches" bench
 echo "building xcall and libxcall (release)"
 cargo build --release --package xcall-cli --package xcall-ffi
 cp target/release/xcall "$out/bin/xcall"
+# The `xcall moe` figures of docs/BENCHMARKS.md: run by hand (needs 2 GPUs).
+cp scripts/moe-matrix.sh "$out/moe-matrix.sh"
 
 # The C tests link the shared library the bundle carries (one copy of
 # xcall instead of one per program keeps the bundle small); CI runs them

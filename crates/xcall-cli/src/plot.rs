@@ -148,6 +148,24 @@ fn shape(doc: &Value) -> String {
     )
 }
 
+/// A moe report's layout and, over more than one PE, its exchange:
+/// "dropless", "capacity 1.25", "capacity 1.25, fused".
+fn mode(doc: &Value) -> String {
+    let mut mode = if doc["dropless"].as_bool() == Some(true) {
+        "dropless".to_string()
+    } else {
+        doc["capacity_factor"]
+            .as_f64()
+            .map_or("?".into(), |f| format!("capacity {f}"))
+    };
+    if doc["pes"].as_u64().unwrap_or(0) > 1 {
+        if let Some(exchange) = doc["exchange"].as_str() {
+            mode = format!("{mode}, {exchange}");
+        }
+    }
+    mode
+}
+
 fn drawing<E: std::fmt::Debug>(e: E) -> String {
     format!("drawing the chart failed: {e:?}")
 }
@@ -411,9 +429,10 @@ fn moe_phases(stem: &str, doc: &Value) -> Result<Chart, String> {
     }
     let floors = entries.iter().any(|e| e.2.is_some());
     let title = format!(
-        "xcall moe: one step and its phases (slowest PE), {}; {}, {} PE(s), {}",
+        "xcall moe: one step and its phases (slowest PE), {}; {}, {}, {} PE(s), {}",
         run_title(doc),
         shape(doc),
+        mode(doc),
         doc["pes"].as_u64().unwrap_or(0),
         doc["dtype"].as_str().unwrap_or("?")
     );
@@ -437,8 +456,9 @@ fn moe_phases(stem: &str, doc: &Value) -> Result<Chart, String> {
 fn step_of(doc: &Value) -> Result<(String, f64, f64), String> {
     let step = &doc["step_ms"];
     let label = format!(
-        "{}, {} PE(s) {}",
+        "{}, {}, {} PE(s) {}",
         shape(doc),
+        mode(doc),
         doc["pes"].as_u64().unwrap_or(0),
         doc["platform"].as_str().unwrap_or("?")
     );

@@ -56,7 +56,18 @@ fn host_reports_become_charts_with_every_row() {
     );
     let large = report(
         "plot-moe-large",
-        &["moe", "--tokens", "200", "--hidden", "32", "--steps", "2"],
+        &[
+            "moe",
+            "--tokens",
+            "200",
+            "--hidden",
+            "32",
+            "--steps",
+            "2",
+            "--dropless",
+            "--exchange",
+            "copy",
+        ],
     );
     let dir = out_dir("host");
     let (code, stdout, stderr) = xcall_out(&[
@@ -137,8 +148,15 @@ fn host_reports_become_charts_with_every_row() {
     }
     let steps = read("moe-steps.svg");
     assert_eq!(bars(&steps, "#3465A4"), 2);
-    assert!(has_text(&steps, "T=100 H=32 E=8 top-2, 4 PE(s) host"));
-    assert!(has_text(&steps, "T=200 H=32 E=8 top-2, 4 PE(s) host"));
+    // Labelled with the layout and the exchange.
+    assert!(has_text(
+        &steps,
+        "T=100 H=32 E=8 top-2, capacity 1.25, fused, 4 PE(s) host"
+    ));
+    assert!(has_text(
+        &steps,
+        "T=200 H=32 E=8 top-2, dropless, copy, 4 PE(s) host"
+    ));
     for p in [small, large] {
         std::fs::remove_file(p).unwrap();
     }
