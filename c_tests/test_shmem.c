@@ -1,11 +1,17 @@
 /*
  * Symmetric memory through the C ABI: an SPMT world of 4 Host PEs made of
  * pthreads (put / get / put_signal / barrier round trip, collective malloc
- * with the same offsets), and the error paths.
+ * with the same offsets), meeting in process and again at a TCP address,
+ * and the error paths.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "xcall_test.h"
 
@@ -14,6 +20,8 @@
 
 struct pe {
   uint32_t rank;
+  xcall_shmem_bootstrap bootstrap;
+  const char *address;
   int failures; /* counted per thread; checked by the main thread */
   uint64_t leaked;
 };
@@ -31,8 +39,8 @@ static void *run_pe(void *arg) {
   c.size = PES;
   c.target.platform = XCALL_PLATFORM_HOST;
   c.target.ordinal = 700 + p->rank; /* the PE's registry slot */
-  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
-  c.address = "c-test-world";
+  c.bootstrap = p->bootstrap;
+  c.address = p->address;
   c.heap_bytes = 1 << 20;
   c.timeout_ms = 20000;
   PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_OK);
@@ -99,11 +107,28 @@ static void *run_pe(void *arg) {
   return NULL;
 }
 
-int main(void) {
+/* A TCP port nobody listens on now (the kernel's pick), 0 on failure. */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  struct sockaddr_in a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+static void run_world(xcall_shmem_bootstrap bootstrap, const char *address) {
   pthread_t threads[PES];
   struct pe pes[PES];
   for (uint32_t r = 0; r < PES; r++) {
-    pes[r] = (struct pe){.rank = r};
+    pes[r] = (struct pe){.rank = r, .bootstrap = bootstrap, .address = address};
     CHECK(pthread_create(&threads[r], NULL, run_pe, &pes[r]) == 0);
   }
   for (uint32_t r = 0; r < PES; r++) {
@@ -111,6 +136,15 @@ int main(void) {
     CHECK(pes[r].failures == 0);
     CHECK(pes[r].leaked == 1);
   }
+}
+
+int main(void) {
+  run_world(XCALL_SHMEM_BOOTSTRAP_IN_PROCESS, "c-test-world");
+  char address[32];
+  int port = free_port();
+  CHECK(port > 0);
+  snprintf(address, sizeof address, "127.0.0.1:%d", port);
+  run_world(XCALL_SHMEM_BOOTSTRAP_TCP, address);
 
   /* Use before init, NULL arguments, bad config. */
   xcall_shmem_world *w = NULL;

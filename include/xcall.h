@@ -594,6 +594,15 @@ enum xcall_shmem_bootstrap
    * PEs are processes of one host meeting at the Unix socket `address`.
    */
   XCALL_SHMEM_BOOTSTRAP_UNIX_SOCKET = 1,
+  /**
+   * PEs are processes (or threads) meeting at the TCP `address`,
+   * `host:port`, where rank 0 listens: what a launcher exports as
+   * `MASTER_ADDR` and `MASTER_PORT`. A connection is admitted when it
+   * speaks xcall's hello for a world of the same size: use a trusted
+   * network. Every PE must still be on one host (a peer on another is
+   * refused at init with `XCALL_STATUS_UNSUPPORTED`).
+   */
+  XCALL_SHMEM_BOOTSTRAP_TCP = 2,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -240,6 +240,13 @@ pub const VARIABLES: &[Variable] = &[
         "Set by the multi-process shmem tests on the processes they start.",
     ),
     var(
+        "XCALL_SHMEM_TEST_LAUNCH",
+        Kind::Text,
+        "unset",
+        "tests (internal)",
+        "Set by the launcher shmem test on the processes it starts (with a launcher's rank variables).",
+    ),
+    var(
         "XCALL_SHMEM_CUDA_TEST_PE",
         Kind::Text,
         "unset",

@@ -57,9 +57,16 @@ pub enum Bootstrap {
     InProcess = 0,
     /// PEs are processes of one host meeting at the Unix socket `address`.
     UnixSocket = 1,
+    /// PEs are processes (or threads) meeting at the TCP `address`,
+    /// `host:port`, where rank 0 listens: what a launcher exports as
+    /// `MASTER_ADDR` and `MASTER_PORT`. A connection is admitted when it
+    /// speaks xcall's hello for a world of the same size: use a trusted
+    /// network. Every PE must still be on one host (a peer on another is
+    /// refused at init with `XCALL_STATUS_UNSUPPORTED`).
+    Tcp = 2,
 }
 
-xcall_core::c_enum!(Bootstrap, "bootstrap kind", [InProcess, UnixSocket]);
+xcall_core::c_enum!(Bootstrap, "bootstrap kind", [InProcess, UnixSocket, Tcp]);
 
 /// How a world starts. The device is explicit (never the calling thread's
 /// current device): a CUDA ordinal, or on Host any ordinal naming the PE's
@@ -170,6 +177,7 @@ pub extern "C" fn xcall_shmem_init(
             Bootstrap::UnixSocket => BootstrapKind::UnixSocket {
                 path: address.into(),
             },
+            Bootstrap::Tcp => BootstrapKind::Tcp { address },
         };
         let config = Config {
             rank: c.rank as usize,

@@ -1,6 +1,6 @@
-// Over 600 lines: the two bootstraps behind one trait, with the framing and timeouts they share.
-//! Rendezvous of processing elements: in-process groups and Unix-socket
-//! bootstrap, with timeouts.
+// Over 600 lines: the bootstraps behind one trait, with the framing and timeouts they share.
+//! Rendezvous of processing elements: in-process groups, and processes
+//! meeting at a Unix socket or a TCP address, with timeouts.
 //!
 //! A [`Bootstrap`] moves small messages between the PEs of one world
 //! (identities at init, sizes at `malloc`, nothing on the data path). Every
@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -378,30 +379,81 @@ impl Drop for InProcess {
     }
 }
 
-// --------------------------------------------------------- Unix socket
+// ------------------------------------------------- star over streams
 
-/// PEs that are processes of one host, meeting at a Unix domain socket:
-/// rank 0 listens at the path (and removes it once every PE connected),
-/// the others connect to it. Collectives go through rank 0.
-pub struct UnixSocket {
+/// A stream the star bootstrap talks over: a Unix socket or a TCP
+/// connection.
+pub trait Conn: Read + Write + Send + Sized {
+    /// How long a read may block (`None`: forever).
+    fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()>;
+    /// Blocking or not.
+    fn nonblocking(&self, on: bool) -> std::io::Result<()>;
+    /// Closes both directions (a peer blocked in `read` sees it at once).
+    fn close(&self);
+}
+
+impl Conn for UnixStream {
+    fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.set_read_timeout(t)
+    }
+    fn nonblocking(&self, on: bool) -> std::io::Result<()> {
+        self.set_nonblocking(on)
+    }
+    fn close(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Conn for TcpStream {
+    fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.set_read_timeout(t)
+    }
+    fn nonblocking(&self, on: bool) -> std::io::Result<()> {
+        self.set_nonblocking(on)
+    }
+    fn close(&self) {
+        let _ = self.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// PEs meeting through rank 0: rank 0 accepts one stream per other rank,
+/// and every collective goes through it. [`UnixSocket`] (processes of one
+/// host) and [`Tcp`] (processes anywhere rank 0's address reaches).
+pub struct Star<S: Conn> {
     rank: usize,
     size: usize,
     /// Rank 0: the streams of ranks 1.. (index rank - 1). Others: rank 0's.
-    streams: Vec<UnixStream>,
+    streams: Vec<S>,
     timeout: Duration,
     failed: Option<String>,
 }
 
+/// PEs that are processes of one host, meeting at a Unix domain socket:
+/// rank 0 listens at the path (and removes it once every PE connected),
+/// the others connect to it. Only processes of this user are admitted.
+pub type UnixSocket = Star<UnixStream>;
+
+/// PEs that are processes on any hosts rank 0's address reaches, meeting
+/// at a TCP `host:port` (what launchers export as `MASTER_ADDR` and
+/// `MASTER_PORT`): rank 0 listens there until every PE connected, the
+/// others connect to it. A connection is admitted when its first frame is
+/// xcall's hello for a world of the same size; the network is trusted, as
+/// with the rendezvous stores of the launchers.
+pub type Tcp = Star<TcpStream>;
+
 const HELLO: u32 = 0x7863_616c; // "xcal"
 
-fn write_frame(s: &mut UnixStream, data: &[u8]) -> std::io::Result<()> {
+/// How long rank 0 waits for a new connection's hello.
+const HELLO_WAIT: Duration = Duration::from_secs(2);
+
+fn write_frame(s: &mut impl Conn, data: &[u8]) -> std::io::Result<()> {
     s.write_all(&(data.len() as u64).to_le_bytes())?;
     s.write_all(data)
 }
 
-fn read_frame(s: &mut UnixStream, deadline: Instant) -> std::io::Result<Vec<u8>> {
+fn read_frame(s: &mut impl Conn, deadline: Instant) -> std::io::Result<Vec<u8>> {
     let remaining = deadline.saturating_duration_since(Instant::now());
-    s.set_read_timeout(Some(remaining.max(Duration::from_millis(1))))?;
+    s.read_timeout(Some(remaining.max(Duration::from_millis(1))))?;
     let mut len = [0u8; 8];
     s.read_exact(&mut len)?;
     let len = u64::from_le_bytes(len) as usize;
@@ -420,145 +472,242 @@ fn timed_out(e: &std::io::Error) -> bool {
     )
 }
 
-impl UnixSocket {
-    /// Connects rank `rank` of `size` through the socket at `path`.
-    pub fn connect(path: &Path, rank: usize, size: usize, timeout: Duration) -> Result<UnixSocket> {
-        check_rank(rank, size)?;
-        let deadline = Instant::now() + timeout;
-        let streams = if rank == 0 {
-            Self::listen(path, size, deadline, timeout)?
-        } else {
-            vec![Self::dial(path, rank, size, deadline, timeout)?]
-        };
-        Ok(UnixSocket {
+fn hello(rank: usize, size: usize) -> Vec<u8> {
+    let mut hello = HELLO.to_le_bytes().to_vec();
+    hello.extend((rank as u32).to_le_bytes());
+    hello.extend((size as u64).to_le_bytes());
+    hello
+}
+
+/// Rank 0's side of the rendezvous at `place`: accepts until every rank
+/// of `size` sent its hello, or the deadline. `accept` gives the next
+/// pending connection (`WouldBlock` when none); `admit` may refuse one
+/// (closed; a rank that never gets in is named by the timeout), and so is
+/// a connection whose first frame is not xcall's hello.
+fn gather<S: Conn>(
+    mut accept: impl FnMut() -> std::io::Result<S>,
+    admit: impl Fn(&S) -> bool,
+    place: &str,
+    size: usize,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<S>> {
+    let mut by_rank: Vec<Option<S>> = (1..size).map(|_| None).collect();
+    while by_rank.iter().any(Option::is_none) {
+        match accept() {
+            Ok(mut s) => {
+                if !admit(&s) {
+                    continue;
+                }
+                s.nonblocking(false)
+                    .map_err(|e| ShmemError::os("set_nonblocking", e))?;
+                // A connection that sends nothing must not hold the others
+                // up for long, nor a stranger's bytes fail the world:
+                // either is dropped (a rank sends its hello as it connects).
+                let hello_by = deadline.min(Instant::now() + HELLO_WAIT);
+                let Ok(hello) = read_frame(&mut s, hello_by) else {
+                    continue;
+                };
+                if hello.len() != 16 || u32::from_le_bytes(hello[0..4].try_into().unwrap()) != HELLO
+                {
+                    continue; // not one of ours
+                }
+                let r = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
+                let n = u64::from_le_bytes(hello[8..16].try_into().unwrap()) as usize;
+                if n != size {
+                    return Err(ShmemError::Mismatch(format!(
+                        "rank {r} connected to {place} for a world of {n} PEs, rank 0 has {size}"
+                    )));
+                }
+                if r == 0 || r >= size || by_rank[r - 1].is_some() {
+                    return Err(ShmemError::Mismatch(format!(
+                        "a second PE connected to {place} as rank {r} (or rank out of range)"
+                    )));
+                }
+                by_rank[r - 1] = Some(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let arrived: Vec<bool> = std::iter::once(true)
+                        .chain(by_rank.iter().map(Option::is_some))
+                        .collect();
+                    return Err(ShmemError::Timeout(format!(
+                        "rank 0 waited {timeout:?} at {place} for rank(s) {:?}, which never connected",
+                        missing(&arrived)
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(ShmemError::os(format!("accept on {place}"), e)),
+        }
+    }
+    Ok(by_rank
+        .into_iter()
+        .map(|s| s.expect("every rank connected"))
+        .collect())
+}
+
+/// A rank's side: connects (retrying while rank 0 is not listening yet)
+/// and sends its hello.
+fn dial<S: Conn>(
+    mut connect: impl FnMut(Duration) -> std::io::Result<S>,
+    place: &str,
+    rank: usize,
+    size: usize,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<S> {
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match connect(left.max(Duration::from_millis(1))) {
+            Ok(s) => break s,
+            Err(e)
+                if Instant::now() < deadline
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::NotFound
+                            | std::io::ErrorKind::ConnectionRefused
+                            | std::io::ErrorKind::TimedOut
+                    ) =>
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                return Err(if Instant::now() >= deadline {
+                    ShmemError::Timeout(format!(
+                        "rank {rank} waited {timeout:?} for rank 0 to listen at {place} ({e})"
+                    ))
+                } else {
+                    ShmemError::os(format!("connect {place}"), e)
+                })
+            }
+        }
+    };
+    write_frame(&mut s, &hello(rank, size)).map_err(|e| ShmemError::os("sending hello", e))?;
+    Ok(s)
+}
+
+impl<S: Conn> Star<S> {
+    fn new(rank: usize, size: usize, streams: Vec<S>, timeout: Duration) -> Star<S> {
+        Star {
             rank,
             size,
             streams,
             timeout,
             failed: None,
-        })
-    }
-
-    fn listen(
-        path: &Path,
-        size: usize,
-        deadline: Instant,
-        timeout: Duration,
-    ) -> Result<Vec<UnixStream>> {
-        remove_stale_socket(path)?;
-        let listener =
-            UnixListener::bind(path).map_err(|e| ShmemError::os(format!("bind {path:?}"), e))?;
-        let _unlink = Unlink(path.to_path_buf());
-        // Owner only; a connection is admitted only from this user anyway
-        // (checked per connection below), this closes the door earlier.
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| ShmemError::os(format!("chmod 0600 {path:?}"), e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| ShmemError::os("set_nonblocking", e))?;
-        let mut by_rank: Vec<Option<UnixStream>> = (1..size).map(|_| None).collect();
-        while by_rank.iter().any(Option::is_none) {
-            match listener.accept() {
-                Ok((mut s, _)) => {
-                    if same_user(&s).is_err() {
-                        // Not admitted (a world must not take in strangers):
-                        // the connection is closed; a rank that never gets
-                        // in is named by the timeout.
-                        continue;
-                    }
-                    s.set_nonblocking(false)
-                        .map_err(|e| ShmemError::os("set_nonblocking", e))?;
-                    let hello = read_frame(&mut s, deadline)
-                        .map_err(|e| ShmemError::os("reading a PE's hello", e))?;
-                    if hello.len() != 16
-                        || u32::from_le_bytes(hello[0..4].try_into().unwrap()) != HELLO
-                    {
-                        continue; // not one of ours
-                    }
-                    let r = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
-                    let n = u64::from_le_bytes(hello[8..16].try_into().unwrap()) as usize;
-                    if n != size {
-                        return Err(ShmemError::Mismatch(format!(
-                            "rank {r} connected to {path:?} for a world of {n} PEs, rank 0 has {size}"
-                        )));
-                    }
-                    if r == 0 || r >= size || by_rank[r - 1].is_some() {
-                        return Err(ShmemError::Mismatch(format!(
-                            "a second PE connected to {path:?} as rank {r} (or rank out of range)"
-                        )));
-                    }
-                    by_rank[r - 1] = Some(s);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let arrived: Vec<bool> = std::iter::once(true)
-                            .chain(by_rank.iter().map(Option::is_some))
-                            .collect();
-                        return Err(ShmemError::Timeout(format!(
-                            "rank 0 waited {timeout:?} at {path:?} for rank(s) {:?}, which never connected",
-                            missing(&arrived)
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) => return Err(ShmemError::os(format!("accept on {path:?}"), e)),
-            }
         }
-        Ok(by_rank
-            .into_iter()
-            .map(|s| s.expect("every rank connected"))
-            .collect())
-    }
-
-    fn dial(
-        path: &Path,
-        rank: usize,
-        size: usize,
-        deadline: Instant,
-        timeout: Duration,
-    ) -> Result<UnixStream> {
-        let mut s = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e)
-                    if Instant::now() < deadline
-                        && matches!(
-                            e.kind(),
-                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                        ) =>
-                {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => {
-                    return Err(if Instant::now() >= deadline {
-                        ShmemError::Timeout(format!(
-                            "rank {rank} waited {timeout:?} for rank 0 to listen at {path:?} ({e})"
-                        ))
-                    } else {
-                        ShmemError::os(format!("connect {path:?}"), e)
-                    })
-                }
-            }
-        };
-        same_user(&s).map_err(|why| {
-            ShmemError::System(format!(
-                "the listener at {path:?} is not rank 0 of this user: {why}"
-            ))
-        })?;
-        let mut hello = HELLO.to_le_bytes().to_vec();
-        hello.extend((rank as u32).to_le_bytes());
-        hello.extend((size as u64).to_le_bytes());
-        write_frame(&mut s, &hello).map_err(|e| ShmemError::os("sending hello", e))?;
-        Ok(s)
     }
 
     fn fail(&mut self, msg: String) -> ShmemError {
         self.failed = Some(msg.clone());
         // Closing tells every peer at once instead of after its own timeout.
         for s in &self.streams {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            s.close();
         }
         ShmemError::Timeout(msg)
+    }
+}
+
+impl UnixSocket {
+    /// Connects rank `rank` of `size` through the socket at `path`.
+    pub fn connect(path: &Path, rank: usize, size: usize, timeout: Duration) -> Result<UnixSocket> {
+        check_rank(rank, size)?;
+        let deadline = Instant::now() + timeout;
+        let place = format!("{path:?}");
+        let streams = if rank == 0 {
+            remove_stale_socket(path)?;
+            let listener = UnixListener::bind(path)
+                .map_err(|e| ShmemError::os(format!("bind {path:?}"), e))?;
+            let _unlink = Unlink(path.to_path_buf());
+            // Owner only; a connection is admitted only from this user anyway
+            // (checked per connection), this closes the door earlier.
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| ShmemError::os(format!("chmod 0600 {path:?}"), e))?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|e| ShmemError::os("set_nonblocking", e))?;
+            // A world must not take in strangers: another user's
+            // connection is closed.
+            let admit = |s: &UnixStream| same_user(s).is_ok();
+            gather(
+                || listener.accept().map(|(s, _)| s),
+                admit,
+                &place,
+                size,
+                deadline,
+                timeout,
+            )?
+        } else {
+            let connect = |_| UnixStream::connect(path);
+            let s = dial(connect, &place, rank, size, deadline, timeout)?;
+            same_user(&s).map_err(|why| {
+                ShmemError::System(format!(
+                    "the listener at {path:?} is not rank 0 of this user: {why}"
+                ))
+            })?;
+            vec![s]
+        };
+        Ok(Star::new(rank, size, streams, timeout))
+    }
+}
+
+impl Tcp {
+    /// Connects rank `rank` of `size` through `address` (`host:port`):
+    /// rank 0 listens there (its host must be the one `host` names),
+    /// the others connect.
+    pub fn connect(address: &str, rank: usize, size: usize, timeout: Duration) -> Result<Tcp> {
+        check_rank(rank, size)?;
+        let deadline = Instant::now() + timeout;
+        let addrs: Vec<SocketAddr> = address
+            .to_socket_addrs()
+            .map_err(|e| {
+                ShmemError::InvalidArgument(format!(
+                    "the bootstrap address {address:?} is not a reachable host:port ({e})"
+                ))
+            })?
+            .collect();
+        if addrs.is_empty() {
+            return Err(ShmemError::InvalidArgument(format!(
+                "the bootstrap address {address:?} names no address"
+            )));
+        }
+        let place = format!("tcp {address}");
+        let streams = if rank == 0 {
+            let listener = TcpListener::bind(&addrs[..]).map_err(|e| {
+                let why = if e.kind() == std::io::ErrorKind::AddrInUse {
+                    "the port is in use (another world's rank 0?)"
+                } else {
+                    "rank 0 must run on the host the address names"
+                };
+                ShmemError::System(format!("rank 0 cannot listen at {address:?}: {e}; {why}"))
+            })?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|e| ShmemError::os("set_nonblocking", e))?;
+            gather(
+                || listener.accept().map(|(s, _)| s),
+                |_| true,
+                &place,
+                size,
+                deadline,
+                timeout,
+            )?
+        } else {
+            let mut next = 0;
+            let connect = |left: Duration| {
+                // Every address the name resolves to, in turn.
+                let a = addrs[next % addrs.len()];
+                next += 1;
+                TcpStream::connect_timeout(&a, left.min(Duration::from_secs(1)))
+            };
+            vec![dial(connect, &place, rank, size, deadline, timeout)?]
+        };
+        for s in &streams {
+            // Collectives are small frames, each answered: no batching.
+            s.set_nodelay(true)
+                .map_err(|e| ShmemError::os("TCP_NODELAY", e))?;
+        }
+        Ok(Star::new(rank, size, streams, timeout))
     }
 }
 
@@ -630,7 +779,7 @@ impl Drop for Unlink {
     }
 }
 
-impl Bootstrap for UnixSocket {
+impl<S: Conn> Bootstrap for Star<S> {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -756,6 +905,84 @@ mod tests {
         assert_eq!(all, vec![b"zero".to_vec(), b"one".to_vec()]);
         assert_eq!(zero.join().unwrap(), all);
         assert!(!path.exists(), "removed once every PE connected");
+    }
+
+    fn free_port() -> u16 {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    }
+
+    /// Over TCP a connection that is not a rank (silent, or sending
+    /// anything but the hello) is dropped and the world still forms; a
+    /// rank of another size fails it by name; a missing rank is named by
+    /// the timeout; an address that does not resolve is refused.
+    #[test]
+    fn tcp_ranks_meet_past_strangers() {
+        let address = format!("127.0.0.1:{}", free_port());
+        let t = Duration::from_secs(20);
+        let ranks: Vec<_> = (0..3)
+            .map(|r| {
+                let a = address.clone();
+                std::thread::spawn(move || {
+                    if r > 0 {
+                        // Rank 0 first, so the strangers below get in first.
+                        std::thread::sleep(Duration::from_millis(300));
+                    }
+                    let mut b = Tcp::connect(&a, r, 3, t)?;
+                    b.allgather(format!("rank {r}").as_bytes())
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + t;
+        let mut strangers = Vec::new();
+        while strangers.len() < 2 {
+            assert!(Instant::now() < deadline, "watchdog: rank 0 never listened");
+            match TcpStream::connect(&address) {
+                Ok(mut s) => {
+                    if strangers.is_empty() {
+                        s.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+                    }
+                    strangers.push(s); // the second stays silent
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        let want: Vec<Vec<u8>> = (0..3).map(|r| format!("rank {r}").into_bytes()).collect();
+        for (r, h) in ranks.into_iter().enumerate() {
+            assert_eq!(h.join().unwrap().unwrap(), want, "rank {r}");
+        }
+
+        let address = format!("127.0.0.1:{}", free_port());
+        let a = address.clone();
+        let zero = std::thread::spawn(move || Tcp::connect(&a, 0, 2, t).err());
+        let e = Tcp::connect(&address, 1, 3, t);
+        let e0 = zero.join().unwrap().expect("rank 0 took a rank of 3 PEs");
+        assert_eq!(e0.status(), xcall_core::Status::CollectiveMismatch, "{e0}");
+        assert!(
+            e0.to_string().contains("world of 3 PEs, rank 0 has 2"),
+            "{e0}"
+        );
+        drop(e);
+
+        let started = Instant::now();
+        let address = format!("127.0.0.1:{}", free_port());
+        let e = Tcp::connect(&address, 0, 2, Duration::from_millis(300))
+            .err()
+            .expect("a world with a missing rank formed");
+        assert_eq!(e.status(), xcall_core::Status::Timeout, "{e}");
+        assert!(e.to_string().contains("rank(s) [1]"), "{e}");
+        let e = Tcp::connect(&address, 1, 2, Duration::from_millis(300))
+            .err()
+            .expect("rank 1 connected to nobody");
+        assert_eq!(e.status(), xcall_core::Status::Timeout, "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+
+        let e = Tcp::connect("no-such-host.invalid:1", 1, 2, t)
+            .err()
+            .unwrap();
+        assert_eq!(e.status(), xcall_core::Status::InvalidArgument, "{e}");
+        let e = Tcp::connect("127.0.0.1", 1, 2, t).err().unwrap();
+        assert_eq!(e.status(), xcall_core::Status::InvalidArgument, "{e}");
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! A world of `n` PEs (processing elements); each PE has a rank and one
 //! device given explicitly at init (never the calling thread's current
 //! device). PEs meet through a [`bootstrap::Bootstrap`]: threads of one
-//! process by group name (SPMT, the JAX/XLA model) or processes of one host
-//! at a Unix socket. Each PE owns a symmetric heap; collective
+//! process by group name (SPMT, the JAX/XLA model), processes of one host
+//! at a Unix socket, or processes at a TCP address (rank 0's `host:port`,
+//! from the launcher's variables: [`launch`]). Each PE owns a symmetric heap; collective
 //! [`World::malloc`] gives every PE an object at the same offset, and
 //! [`World::ptr`] turns a local address into a peer's. See [`world`] for
 //! init and finalize step by step, [`registry`] for per-device state.
@@ -17,11 +18,10 @@
 //! engine (`cuMemcpyAsync` on mapped pointers).
 //!
 //! # Multi-node (planned, not built)
-//! A world spanning hosts would keep the same API and add two pieces:
-//! - a bootstrap over the network: a TCP store (rank 0 listens at
-//!   `host:port`, others connect; the same star collectives as the Unix
-//!   socket) or an MPI/PMI bootstrap implementing [`bootstrap::Bootstrap`]
-//!   with `MPI_Allgather`/`MPI_Barrier`;
+//! A world spanning hosts keeps the same API. Its bootstrap is built: the
+//! TCP bootstrap ([`bootstrap::Tcp`], the same star collectives as the
+//! Unix socket) with ranks from torchrun, `mpirun` or `srun`
+//! ([`launch`]). What is missing is
 //! - a transport for peers on other hosts: they are not directly
 //!   addressable, so [`World::ptr`] returns `None` for them and put/get go
 //!   through a proxy: an NCCL communicator (ncclSend/ncclRecv, or NCCL's
@@ -41,6 +41,7 @@ mod error;
 mod handoff;
 pub mod heap;
 mod host;
+pub mod launch;
 pub mod registry;
 pub mod world;
 

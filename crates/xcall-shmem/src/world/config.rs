@@ -17,6 +17,14 @@ pub enum BootstrapKind {
         /// Socket path; rank 0 removes it once every PE connected.
         path: PathBuf,
     },
+    /// Processes on any hosts, meeting at a TCP address (rank 0 listens
+    /// at `address`, `host:port`; see [`crate::launch`] for the launchers'
+    /// variables that give it). Today every PE must still be on one host:
+    /// init refuses a peer on another with a clear error.
+    Tcp {
+        /// `host:port` of rank 0.
+        address: String,
+    },
 }
 
 /// What `init` needs. The device is explicit: never inferred from the
@@ -62,6 +70,17 @@ impl Config {
     ) -> Config {
         Config {
             bootstrap: BootstrapKind::UnixSocket { path: path.into() },
+            ..Config::in_process("", rank, size, device)
+        }
+    }
+
+    /// A multi-process config: PEs meet at TCP `address` (`host:port`),
+    /// where rank 0 listens.
+    pub fn tcp(address: &str, rank: usize, size: usize, device: Device) -> Config {
+        Config {
+            bootstrap: BootstrapKind::Tcp {
+                address: address.to_string(),
+            },
             ..Config::in_process("", rank, size, device)
         }
     }

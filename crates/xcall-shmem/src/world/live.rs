@@ -100,6 +100,7 @@ impl Live {
         let name = match &c.bootstrap {
             BootstrapKind::InProcess { group } => format!("group {group}"),
             BootstrapKind::UnixSocket { path } => format!("socket {}", path.display()),
+            BootstrapKind::Tcp { address } => format!("tcp {address}"),
         };
         let binding = registry::bind(c.device, &name, c.rank)?;
         Ok((len, binding, name))
@@ -130,6 +131,9 @@ impl Live {
             }
             BootstrapKind::UnixSocket { path } => {
                 Box::new(UnixSocket::connect(path, c.rank, c.size, c.timeout)?)
+            }
+            BootstrapKind::Tcp { address } => {
+                Box::new(Tcp::connect(address, c.rank, c.size, c.timeout)?)
             }
         };
         let mut boot: Box<dyn Bootstrap> = Box::new(Logged::new(joined, name.clone()));

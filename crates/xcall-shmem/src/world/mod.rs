@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use xcall_core::{Device, Platform};
 
-use crate::bootstrap::{Bootstrap, InProcess, Logged, UnixSocket};
+use crate::bootstrap::{Bootstrap, InProcess, Logged, Tcp, UnixSocket};
 use crate::error::{Result, ShmemError};
 use crate::handoff::{self, Offer};
 use crate::heap::{Allocator, ALIGN};

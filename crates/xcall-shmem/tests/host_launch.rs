@@ -1,0 +1,190 @@
+//! Worlds of processes started the way launchers start them: the test
+//! binary spawns itself once per rank with torchrun's, Open MPI's or
+//! Slurm's variables (and `MASTER_ADDR`/`MASTER_PORT`), and each process
+//! joins through `Launch::from_env` and the TCP bootstrap; heaps in POSIX
+//! shared memory. A watchdog kills every child still running after 60 s
+//! and fails the test naming them.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use xcall_core::testing::XorShift;
+use xcall_core::{Device, Platform, Status};
+use xcall_shmem::launch::Launch;
+use xcall_shmem::{Cmp, SignalOp, World};
+
+/// Set in a child: what it checks ("ring:LAUNCHER" or "orphan").
+const ROLE_ENV: &str = "XCALL_SHMEM_TEST_LAUNCH";
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A launcher's variables for rank `r` of `n` (all on this host).
+fn vars(launcher: &str, r: usize, n: usize, port: u16) -> Vec<(String, String)> {
+    let names: &[&str] = match launcher {
+        "torchrun" => &["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+        "mpirun" => &[
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ],
+        _ => &["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
+    };
+    let values = [r, n, r, n];
+    let mut v: Vec<(String, String)> = names
+        .iter()
+        .zip(values)
+        .map(|(k, x)| (k.to_string(), x.to_string()))
+        .collect();
+    v.push(("MASTER_ADDR".into(), "127.0.0.1".into()));
+    v.push(("MASTER_PORT".into(), port.to_string()));
+    v
+}
+
+/// Spawns rank `r` of `n` as `launcher` would, in role `role`.
+fn spawn(launcher: &str, r: usize, n: usize, port: u16, role: &str) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "launched_worlds",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    // Only the variables of the launcher under test.
+    for name in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(name);
+    }
+    cmd.envs(vars(launcher, r, n, port))
+        .env(ROLE_ENV, role)
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for every child; kills the rest and fails after `limit`.
+fn wait_all(what: &str, mut children: Vec<Child>, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    let mut done = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r].is_none() {
+                done[r] = c.try_wait().unwrap();
+            }
+        }
+        if Instant::now() >= deadline {
+            let stuck: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
+            for &r in &stuck {
+                let _ = children[r].kill();
+                let _ = children[r].wait();
+            }
+            panic!("watchdog: {what}: rank(s) {stuck:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (r, status) in done.into_iter().enumerate() {
+        assert!(status.unwrap().success(), "{what}: rank {r} failed");
+    }
+}
+
+/// One process of a ring exchange, its rank and world from the launcher.
+fn ring_pe(launcher: &str) {
+    let launch = Launch::from_env().unwrap().expect("a launcher's variables");
+    assert_eq!(launch.launcher, launcher);
+    let (rank, n) = (launch.rank, launch.size);
+    let mut c = launch
+        .config(Device::new(Platform::Host, rank as u32))
+        .unwrap();
+    c.heap_bytes = Some(1 << 20);
+    c.timeout = Duration::from_secs(20);
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    let bytes = 65_536;
+    let buf = w.malloc(bytes).unwrap();
+    let sig = w.malloc(8).unwrap();
+    // SAFETY: this PE's own signal word.
+    unsafe { (sig as *mut u64).write(0) };
+    w.barrier_all().unwrap();
+    let mut g = XorShift::new(77 + rank as u64);
+    let data: Vec<u8> = (0..bytes).map(|_| g.next_u64() as u8).collect();
+    let right = (rank + 1) % n;
+    // SAFETY: `data` has `bytes` bytes.
+    unsafe {
+        w.put_signal(
+            buf,
+            data.as_ptr() as u64,
+            bytes,
+            sig,
+            1,
+            SignalOp::Add,
+            right,
+        )
+    }
+    .unwrap();
+    w.wait_until(sig, Cmp::Eq, 1).unwrap();
+    let left = (rank + n - 1) % n;
+    let mut want = XorShift::new(77 + left as u64);
+    // SAFETY: this PE's object of `bytes` bytes.
+    let got = unsafe { std::slice::from_raw_parts(buf as *const u8, bytes) };
+    assert!(
+        got.iter().all(|&b| b == want.next_u64() as u8),
+        "rank {rank}: data from rank {left}"
+    );
+    w.barrier_all().unwrap();
+    w.free(sig).unwrap();
+    w.free(buf).unwrap();
+    assert!(w.finalize().unwrap().leaked.is_empty());
+}
+
+/// A process of a world whose last rank never starts: init times out.
+fn orphan_pe() {
+    let launch = Launch::from_env().unwrap().unwrap();
+    let mut c = launch
+        .config(Device::new(Platform::Host, launch.rank as u32))
+        .unwrap();
+    c.heap_bytes = Some(1 << 20);
+    c.timeout = Duration::from_millis(800);
+    let e = World::new().init(&c).unwrap_err();
+    assert_eq!(e.status(), Status::Timeout, "rank {}: {e}", launch.rank);
+}
+
+#[test]
+fn launched_worlds() {
+    if let Ok(role) = std::env::var(ROLE_ENV) {
+        match role.split_once(':') {
+            Some(("ring", launcher)) => ring_pe(launcher),
+            _ => orphan_pe(),
+        }
+        return;
+    }
+    for (launcher, n) in [("torchrun", 4), ("mpirun", 2), ("srun", 3)] {
+        let port = free_port();
+        let role = format!("ring:{launcher}");
+        let children = (0..n).map(|r| spawn(launcher, r, n, port, &role)).collect();
+        wait_all(
+            &format!("{n} PEs under {launcher}"),
+            children,
+            Duration::from_secs(60),
+        );
+    }
+    // Rank 2 of 3 never starts: ranks 0 and 1 both time out, soon.
+    let port = free_port();
+    let started = Instant::now();
+    let children = (0..2)
+        .map(|r| spawn("torchrun", r, 3, port, "orphan"))
+        .collect();
+    wait_all("a world missing rank 2", children, Duration::from_secs(60));
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
