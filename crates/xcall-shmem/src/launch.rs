@@ -328,6 +328,28 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_values_are_accepted() {
+        let max = MAX_PES.to_string();
+        let last = (MAX_PES - 1).to_string();
+        let l = launch(&[
+            ("RANK", &last),
+            ("WORLD_SIZE", &max),
+            ("LOCAL_RANK", &last),
+            ("LOCAL_WORLD_SIZE", &max),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "65535"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((l.rank, l.size), (MAX_PES - 1, MAX_PES));
+        assert_eq!(
+            (l.local_rank, l.local_size),
+            (Some(MAX_PES - 1), Some(MAX_PES))
+        );
+        assert_eq!(l.address.as_deref(), Some("h:65535"));
+    }
+
+    #[test]
     fn a_config_needs_the_address() {
         let l = launch(&[("RANK", "1"), ("WORLD_SIZE", "2")])
             .unwrap()
