@@ -8,10 +8,11 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use xcall_core::testing::XorShift;
 use xcall_core::{Device, Platform, Status};
 use xcall_shmem::launch::Launch;
-use xcall_shmem::{Cmp, SignalOp, World};
+use xcall_shmem::World;
+
+mod common;
 
 /// Set in a child: what it checks ("ring:LAUNCHER" or "orphan").
 const ROLE_ENV: &str = "XCALL_SHMEM_TEST_LAUNCH";
@@ -111,37 +112,7 @@ fn ring_pe(launcher: &str) {
     c.timeout = Duration::from_secs(20);
     let mut w = World::new();
     w.init(&c).unwrap();
-    let bytes = 65_536;
-    let buf = w.malloc(bytes).unwrap();
-    let sig = w.malloc(8).unwrap();
-    // SAFETY: this PE's own signal word.
-    unsafe { (sig as *mut u64).write(0) };
-    w.barrier_all().unwrap();
-    let mut g = XorShift::new(77 + rank as u64);
-    let data: Vec<u8> = (0..bytes).map(|_| g.next_u64() as u8).collect();
-    let right = (rank + 1) % n;
-    // SAFETY: `data` has `bytes` bytes.
-    unsafe {
-        w.put_signal(
-            buf,
-            data.as_ptr() as u64,
-            bytes,
-            sig,
-            1,
-            SignalOp::Add,
-            right,
-        )
-    }
-    .unwrap();
-    w.wait_until(sig, Cmp::Eq, 1).unwrap();
-    let left = (rank + n - 1) % n;
-    let mut want = XorShift::new(77 + left as u64);
-    // SAFETY: this PE's object of `bytes` bytes.
-    let got = unsafe { std::slice::from_raw_parts(buf as *const u8, bytes) };
-    assert!(
-        got.iter().all(|&b| b == want.next_u64() as u8),
-        "rank {rank}: data from rank {left}"
-    );
+    let (buf, sig, _) = common::ring(&mut w, rank, n, 77, 65_536);
     w.barrier_all().unwrap();
     w.free(sig).unwrap();
     w.free(buf).unwrap();

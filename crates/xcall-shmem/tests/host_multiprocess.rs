@@ -5,9 +5,10 @@
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use xcall_core::testing::XorShift;
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::{Cmp, Config, SignalOp, World};
+use xcall_shmem::{Config, World};
+
+mod common;
 
 const PE_ENV: &str = "XCALL_SHMEM_TEST_PE";
 
@@ -24,36 +25,8 @@ fn ring_pe(socket: &str, rank: usize, n: usize) {
     let mut w = World::new();
     w.init(&config(socket, rank, n, 20_000)).unwrap();
     let bytes = 100_000;
-    let buf = w.malloc(bytes).unwrap();
-    let sig = w.malloc(8).unwrap();
-    // SAFETY: this PE's own signal word.
-    unsafe { (sig as *mut u64).write(0) };
-    w.barrier_all().unwrap();
-    let mut g = XorShift::new(1000 + rank as u64);
-    let data: Vec<u8> = (0..bytes).map(|_| g.next_u64() as u8).collect();
+    let (buf, sig, data) = common::ring(&mut w, rank, n, 1000, bytes);
     let right = (rank + 1) % n;
-    // SAFETY: `data` has `bytes` bytes.
-    unsafe {
-        w.put_signal(
-            buf,
-            data.as_ptr() as u64,
-            bytes,
-            sig,
-            1,
-            SignalOp::Add,
-            right,
-        )
-    }
-    .unwrap();
-    w.wait_until(sig, Cmp::Eq, 1).unwrap();
-    let left = (rank + n - 1) % n;
-    let mut want = XorShift::new(1000 + left as u64);
-    // SAFETY: this PE's object of `bytes` bytes.
-    let got = unsafe { std::slice::from_raw_parts(buf as *const u8, bytes) };
-    assert!(
-        got.iter().all(|&b| b == want.next_u64() as u8),
-        "rank {rank}: data from rank {left}"
-    );
     let mut back = vec![0u8; bytes];
     // SAFETY: `back` has `bytes` bytes.
     unsafe { w.get(back.as_mut_ptr() as u64, buf, bytes, right) }.unwrap();
