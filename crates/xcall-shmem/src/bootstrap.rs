@@ -392,29 +392,24 @@ pub trait Conn: Read + Write + Send + Sized {
     fn close(&self);
 }
 
-impl Conn for UnixStream {
-    fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
-        self.set_read_timeout(t)
-    }
-    fn nonblocking(&self, on: bool) -> std::io::Result<()> {
-        self.set_nonblocking(on)
-    }
-    fn close(&self) {
-        let _ = self.shutdown(std::net::Shutdown::Both);
-    }
+/// Both std streams have the same three methods under these names.
+macro_rules! conn {
+    ($($stream:ty),*) => {$(
+        impl Conn for $stream {
+            fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+                self.set_read_timeout(t)
+            }
+            fn nonblocking(&self, on: bool) -> std::io::Result<()> {
+                self.set_nonblocking(on)
+            }
+            fn close(&self) {
+                let _ = self.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    )*};
 }
 
-impl Conn for TcpStream {
-    fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
-        self.set_read_timeout(t)
-    }
-    fn nonblocking(&self, on: bool) -> std::io::Result<()> {
-        self.set_nonblocking(on)
-    }
-    fn close(&self) {
-        let _ = self.shutdown(std::net::Shutdown::Both);
-    }
-}
+conn!(UnixStream, TcpStream);
 
 /// PEs meeting through rank 0: rank 0 accepts one stream per other rank,
 /// and every collective goes through it. [`UnixSocket`] (processes of one
