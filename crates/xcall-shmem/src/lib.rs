@@ -17,7 +17,7 @@
 //! CUDA, other process: CUDA IPC handles. Copies on CUDA use the copy
 //! engine (`cuMemcpyAsync` on mapped pointers).
 //!
-//! # Multi-node (planned, not built)
+//! # Multi-node (the bootstrap built, the transport planned)
 //! A world spanning hosts keeps the same API. Its bootstrap is built: the
 //! TCP bootstrap ([`bootstrap::Tcp`], the same star collectives as the
 //! Unix socket) with ranks from torchrun, `mpirun` or `srun`
