@@ -1,8 +1,9 @@
 /*
  * Symmetric memory through the C ABI: an SPMT world of 4 Host PEs made of
  * pthreads (put / get / put_signal / barrier round trip, collective malloc
- * with the same offsets), meeting in process and again at a TCP address,
- * and the error paths.
+ * with the same offsets, an all-to-all exchange and the transport of each
+ * pair), meeting in process and again at a TCP address, and the error
+ * paths.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <arpa/inet.h>
@@ -85,6 +86,50 @@ static void *run_pe(void *arg) {
   for (size_t i = 0; i < BYTES; i++) same &= buf[i] == pattern(right, i);
   PE_EXPECT(same);
 
+  /* An all-to-all exchange: PE a's segment of (BYTES / PES) bytes lands in
+   * slot a of every PE's buffer (the segment to itself included). */
+  enum { SLOT = BYTES / PES };
+  xcall_shmem_outgoing out[PES];
+  xcall_shmem_incoming in[PES];
+  for (uint32_t q = 0; q < PES; q++) {
+    uint32_t kind = 99;
+    PE_EXPECT(xcall_shmem_peer_transport(w, q, &kind) == XCALL_STATUS_OK);
+    PE_EXPECT(kind == XCALL_SHMEM_TRANSPORT_SAME_PROCESS);
+    out[q].pe = q;
+    out[q].src = data + q * SLOT;
+    out[q].dest = buf + p->rank * SLOT;
+    out[q].bytes = SLOT;
+    in[q].pe = q;
+    in[q].dest = buf + q * SLOT;
+    in[q].bytes = SLOT;
+  }
+  PE_EXPECT(xcall_shmem_barrier_all(w) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_exchange(w, out, PES, in, PES, NULL) ==
+            XCALL_STATUS_OK);
+  same = 1;
+  for (uint32_t a = 0; a < PES; a++)
+    for (size_t i = 0; i < SLOT; i++)
+      same &= buf[a * SLOT + i] == pattern(a, p->rank * SLOT + i);
+  PE_EXPECT(same);
+  PE_EXPECT(xcall_shmem_barrier_all(w) == XCALL_STATUS_OK);
+  /* Its errors, each before anything moves. */
+  PE_EXPECT(xcall_shmem_exchange(w, NULL, 1, in, 0, NULL) ==
+            XCALL_STATUS_NULL_ARGUMENT);
+  PE_EXPECT(xcall_shmem_exchange(w, out, (uint64_t)1 << 40, in, 0, NULL) ==
+            XCALL_STATUS_INVALID_ARGUMENT);
+  xcall_shmem_outgoing bad = out[0];
+  bad.pe = PES;
+  PE_EXPECT(xcall_shmem_exchange(w, &bad, 1, NULL, 0, NULL) ==
+            XCALL_STATUS_INVALID_ARGUMENT);
+  bad = out[0];
+  bad.dest = data;
+  PE_EXPECT(xcall_shmem_exchange(w, &bad, 1, NULL, 0, NULL) ==
+            XCALL_STATUS_INVALID_ARGUMENT);
+  uint32_t kind = 0;
+  PE_EXPECT(xcall_shmem_peer_transport(w, PES, &kind) ==
+            XCALL_STATUS_INVALID_ARGUMENT);
+  PE_EXPECT(xcall_shmem_peer_transport(w, 0, NULL) == XCALL_STATUS_NULL_ARGUMENT);
+
   /* Errors: outside the heap, bad PE, Host has no stream barrier. */
   PE_EXPECT(xcall_shmem_put(w, data, data, 8, right) ==
             XCALL_STATUS_INVALID_ARGUMENT);
@@ -163,6 +208,14 @@ int main(void) {
   c.address = "c-test-alone";
   c.bootstrap = 9;
   CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_INVALID_ARGUMENT);
+  /* An unknown transport policy; NCCL for a Host world. */
+  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  c.pairs = 7;
+  CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_INVALID_ARGUMENT);
+  c.pairs = XCALL_SHMEM_PAIRS_NCCL;
+  CHECK_STATUS(xcall_shmem_init(w, &c), XCALL_STATUS_UNSUPPORTED);
+  CHECK(strstr(xcall_last_error_message(), "CUDA worlds only") != NULL);
+  c.pairs = XCALL_SHMEM_PAIRS_DEFAULT;
   /* A world of 2 whose second PE never comes: a timeout, not a hang. */
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   c.heap_bytes = 1 << 16;

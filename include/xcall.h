@@ -106,6 +106,11 @@ struct XLA_FFI_Error;
 #define XCALL_PERMUTE_MAX_SEGMENTS 32
 
 /**
+ * The most segments one `xcall_shmem_exchange` takes on each side.
+ */
+#define XCALL_SHMEM_MAX_SEGMENTS (1 << 20)
+
+/**
  * Result code of an xcall operation (`xcall_status` in C; 0 means success).
  *
  * Codes are stable across releases and never reused.
@@ -599,8 +604,9 @@ enum xcall_shmem_bootstrap
    * `host:port`, where rank 0 listens: what a launcher exports as
    * `MASTER_ADDR` and `MASTER_PORT`. A connection is admitted when it
    * speaks xcall's hello for a world of the same size: use a trusted
-   * network. Every PE must still be on one host (a peer on another is
-   * refused at init with `XCALL_STATUS_UNSUPPORTED`).
+   * network. PEs on other hosts are reached through NCCL (CUDA worlds;
+   * a Host world spans one host and refuses them with
+   * `XCALL_STATUS_UNSUPPORTED`).
    */
   XCALL_SHMEM_BOOTSTRAP_TCP = 2,
 };
@@ -609,6 +615,72 @@ enum xcall_shmem_bootstrap
 typedef enum xcall_shmem_bootstrap xcall_shmem_bootstrap;
 #else
 typedef uint32_t xcall_shmem_bootstrap;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * Which transport the pairs of a world take (`xcall_shmem_config.pairs`).
+ */
+enum xcall_shmem_pairs
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * `XCALL_SHMEM_TRANSPORT` (`auto` or `nccl`), else auto.
+   */
+  XCALL_SHMEM_PAIRS_DEFAULT = 0,
+  /**
+   * The most direct transport per pair: a PE of this process by its
+   * address, of this host by shared memory or a CUDA IPC handle, of
+   * another host through NCCL.
+   */
+  XCALL_SHMEM_PAIRS_AUTO = 1,
+  /**
+   * NCCL for every pair, a PE with itself included (CUDA only): one
+   * host runs the path of peers on other hosts.
+   */
+  XCALL_SHMEM_PAIRS_NCCL = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_shmem_pairs xcall_shmem_pairs;
+#else
+typedef uint32_t xcall_shmem_pairs;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How this PE reaches a peer (`xcall_shmem_peer_transport`).
+ */
+enum xcall_shmem_transport
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * This PE, or a PE of this process: its address as is.
+   */
+  XCALL_SHMEM_TRANSPORT_SAME_PROCESS = 0,
+  /**
+   * A Host heap of another process, in POSIX shared memory.
+   */
+  XCALL_SHMEM_TRANSPORT_HOST_SHARED_MEMORY = 1,
+  /**
+   * A CUDA heap of another process, through its IPC handle.
+   */
+  XCALL_SHMEM_TRANSPORT_CUDA_IPC = 2,
+  /**
+   * NCCL: not addressable (`xcall_shmem_ptr` gives NULL); data moves
+   * with `xcall_shmem_exchange` only.
+   */
+  XCALL_SHMEM_TRANSPORT_NCCL = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_shmem_transport xcall_shmem_transport;
+#else
+typedef uint32_t xcall_shmem_transport;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -930,7 +1002,53 @@ typedef struct {
    * Timeout of every wait on other PEs in ms; 0: 60000.
    */
   uint64_t timeout_ms;
+  /**
+   * An `xcall_shmem_pairs` value; 0 (`XCALL_SHMEM_PAIRS_DEFAULT`):
+   * `XCALL_SHMEM_TRANSPORT`, else auto.
+   */
+  xcall_shmem_pairs pairs;
 } xcall_shmem_config;
+
+/**
+ * One segment this PE sends in `xcall_shmem_exchange`.
+ */
+typedef struct {
+  /**
+   * The receiving PE.
+   */
+  uint64_t pe;
+  /**
+   * This PE's data (on CUDA: device memory of this PE's device).
+   */
+  const void *src;
+  /**
+   * Where it lands: a symmetric address (this PE's address of the
+   * object).
+   */
+  void *dest;
+  /**
+   * Bytes.
+   */
+  uint64_t bytes;
+} xcall_shmem_outgoing;
+
+/**
+ * One segment this PE receives in `xcall_shmem_exchange`.
+ */
+typedef struct {
+  /**
+   * The sending PE.
+   */
+  uint64_t pe;
+  /**
+   * Where it lands in this PE's heap: the sender's `dest`.
+   */
+  void *dest;
+  /**
+   * Bytes.
+   */
+  uint64_t bytes;
+} xcall_shmem_incoming;
 
 /**
  * What a pipeline must do. Each async warp issues one bulk load of
@@ -1732,6 +1850,42 @@ xcall_status xcall_shmem_wait_until(xcall_shmem_world *w,
                                     xcall_shmem_cmp cmp,
                                     uint64_t value,
                                     uint64_t *out_observed);
+
+/**
+ * How this PE reaches PE `pe`, as an `xcall_shmem_transport` value in
+ * `*out_transport`.
+ *
+ * Bad input: the world rules of `xcall_shmem_world`; NULL
+ * `out_transport`: `XCALL_STATUS_NULL_ARGUMENT`; `pe` not a PE:
+ * `XCALL_STATUS_INVALID_ARGUMENT`; a world that is not live:
+ * `XCALL_STATUS_INVALID_STATE`.
+ */
+xcall_status xcall_shmem_peer_transport(xcall_shmem_world *w, uint32_t pe, uint32_t *out_transport);
+
+/**
+ * Moves data between PEs in one collective step, on every transport (the
+ * only way to a PE reached through NCCL): each outgoing segment copies
+ * `bytes` from this PE's `src` to the object at `dest` on PE `pe`; each
+ * incoming one is this PE's side of a peer's outgoing segment. PE `a`
+ * lists an outgoing segment to `b` exactly when `b` lists an incoming one
+ * from `a`, with the same bytes and `dest`, in the same order per pair.
+ * With a NULL `stream`: blocking (every incoming segment landed). With a
+ * `CUstream` of this PE's device: every copy, signal, wait and NCCL call
+ * is enqueued there (capturable); on Host the stream is ignored.
+ *
+ * Bad input: the world rules of `xcall_shmem_world`; NULL segment arrays
+ * with counts above 0, a NULL `src` with bytes above 0:
+ * `XCALL_STATUS_NULL_ARGUMENT`; more than `XCALL_SHMEM_MAX_SEGMENTS` on
+ * a side, `pe` not a PE, a destination not inside one live object of the
+ * heap: `XCALL_STATUS_INVALID_ARGUMENT`; every segment is checked before
+ * anything moves.
+ */
+xcall_status xcall_shmem_exchange(xcall_shmem_world *w,
+                                  const xcall_shmem_outgoing *outgoing,
+                                  uint64_t outgoing_count,
+                                  const xcall_shmem_incoming *incoming,
+                                  uint64_t incoming_count,
+                                  void *stream);
 
 /* ======================================================================
  * Warp specialization

@@ -29,6 +29,9 @@ struct Found {
     devices: Vec<Device>,
     /// `peer[from][to]`: `Some(can access)`, `None` when the query failed.
     peer: Vec<Vec<Option<bool>>>,
+    /// The NCCL a world would load: (version, path, one-sided
+    /// operations), or why none loads.
+    nccl: Result<(String, String, bool), String>,
 }
 
 fn find() -> Found {
@@ -53,12 +56,22 @@ fn find() -> Found {
         let why = "CUDA is unavailable".to_string();
         (Err(why.clone()), Err(why))
     };
+    let nccl = xcall_shmem::nccl::library()
+        .map(|l| {
+            (
+                l.version().to_string(),
+                l.path().display().to_string(),
+                l.one_sided(),
+            )
+        })
+        .map_err(|e| e.to_string());
     Found {
         cuda,
         driver,
         nvrtc,
         devices,
         peer,
+        nccl,
     }
 }
 
@@ -106,6 +119,15 @@ fn body(f: &Found) -> serde_json::Value {
             },
         },
         "peer_access": f.peer,
+        "nccl": match &f.nccl {
+            Ok((version, path, one_sided)) => json!({
+                "found": true, "version": version, "path": path, "one_sided": one_sided,
+                "error": null,
+            }),
+            Err(e) => json!({
+                "found": false, "version": null, "path": null, "one_sided": null, "error": e,
+            }),
+        },
     })
 }
 
@@ -113,10 +135,20 @@ fn text(out: &mut impl Write, f: &Found) -> io::Result<()> {
     writeln!(out, "xcall {}", env!("CARGO_PKG_VERSION"))?;
     writeln!(out, "platforms:")?;
     writeln!(out, "  host  available, 1 device")?;
+    let nccl = match &f.nccl {
+        Ok((version, path, true)) => {
+            format!("nccl {version} at {path} (one-sided put/signal: yes)")
+        }
+        Ok((version, path, false)) => {
+            format!("nccl {version} at {path} (send/receive; one-sided put/signal needs NCCL 2.29)")
+        }
+        Err(e) => format!("nccl unavailable: {e} (needed only by CUDA worlds across hosts)"),
+    };
     let count = match &f.cuda {
         Ok(count) => *count,
         Err(e) => {
             writeln!(out, "  cuda  unavailable: {e}")?;
+            writeln!(out, "{nccl}")?;
             writeln!(
                 out,
                 "Host only: every xcall capability runs on the Host platform."
@@ -136,6 +168,7 @@ fn text(out: &mut impl Write, f: &Found) -> io::Result<()> {
             "nvrtc unavailable: {e} (CUDA kernels cannot be compiled)"
         )?,
     }
+    writeln!(out, "{nccl}")?;
     writeln!(out, "cuda devices:")?;
     for &device in &f.devices {
         match cuda::device_info(device) {

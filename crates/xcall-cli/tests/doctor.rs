@@ -15,6 +15,14 @@ fn doctor_reports_platforms_and_exits_zero() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("host  available, 1 device"), "{stdout}");
+    // NCCL is reported either way: its version and file, or why not.
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("nccl ") && l.contains(" at "))
+            || (stdout.contains("nccl unavailable: ") && stdout.contains("NCCL was not found")),
+        "{stdout}"
+    );
     let count = xcall_core::testing::cuda_devices_or_skip("doctor_lists_cuda_devices");
     match count {
         None => assert!(stdout.contains("cuda  unavailable: "), "{stdout}"),

@@ -100,6 +100,20 @@ pub const VARIABLES: &[Variable] = &[
         "Symmetric heap per PE when the world's config names none. `xcall moe` and `xcall bench` size the heap themselves; they use this one instead when it is at least what the run needs, and refuse a smaller one.",
     ),
     var(
+        "XCALL_SHMEM_TRANSPORT",
+        Kind::Text,
+        "auto",
+        "library",
+        "Which transport the pairs of a shmem world take when its config names none: `auto` (a PE of this process by address, of this host by shared memory or CUDA IPC, of another host through NCCL) or `nccl` (NCCL for every pair, a PE with itself included, so one host or one GPU runs the path across hosts; CUDA only). Every PE of a world must use the same.",
+    ),
+    var(
+        "XCALL_NCCL_LIB",
+        Kind::Path,
+        "searched",
+        "library, `xcall doctor`",
+        "The NCCL library (a file, or a folder holding `libnccl.so.2`) a CUDA world loads when a pair takes NCCL; nothing else is tried when it is set. Unset: the loader's path, then the NVIDIA Python wheels' `nvidia/nccl/lib` under the site-packages xcall finds. `xcall doctor` shows the one found.",
+    ),
+    var(
         "XCALL_LOG",
         Kind::Text,
         "off",

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
-use xcall_shmem::{BootstrapKind, Cmp, Config, ShmemError, SignalOp, World};
+use xcall_shmem::{
+    BootstrapKind, Cmp, Config, Incoming, Outgoing, Pairs, ShmemError, SignalOp, Transport, World,
+};
 
 use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
 use crate::handle::{self, Handle};
@@ -15,7 +17,9 @@ use crate::target::xcall_target;
 assert_eq_size!(Cmp, u32);
 assert_eq_align!(Cmp, u32);
 assert_eq_size!(SignalOp, u32);
-assert_eq_size!(xcall_shmem_config, [u64; 7]);
+assert_eq_size!(xcall_shmem_config, [u64; 8]);
+assert_eq_size!(xcall_shmem_outgoing, [u64; 4]);
+assert_eq_size!(xcall_shmem_incoming, [u64; 3]);
 assert_eq_align!(xcall_shmem_config, u64);
 
 impl From<ShmemError> for FfiError {
@@ -61,12 +65,75 @@ pub enum Bootstrap {
     /// `host:port`, where rank 0 listens: what a launcher exports as
     /// `MASTER_ADDR` and `MASTER_PORT`. A connection is admitted when it
     /// speaks xcall's hello for a world of the same size: use a trusted
-    /// network. Every PE must still be on one host (a peer on another is
-    /// refused at init with `XCALL_STATUS_UNSUPPORTED`).
+    /// network. PEs on other hosts are reached through NCCL (CUDA worlds;
+    /// a Host world spans one host and refuses them with
+    /// `XCALL_STATUS_UNSUPPORTED`).
     Tcp = 2,
 }
 
 xcall_core::c_enum!(Bootstrap, "bootstrap kind", [InProcess, UnixSocket, Tcp]);
+
+/// Which transport the pairs of a world take (`xcall_shmem_config.pairs`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PairPolicy {
+    /// `XCALL_SHMEM_TRANSPORT` (`auto` or `nccl`), else auto.
+    Default = 0,
+    /// The most direct transport per pair: a PE of this process by its
+    /// address, of this host by shared memory or a CUDA IPC handle, of
+    /// another host through NCCL.
+    Auto = 1,
+    /// NCCL for every pair, a PE with itself included (CUDA only): one
+    /// host runs the path of peers on other hosts.
+    Nccl = 2,
+}
+
+xcall_core::c_enum!(PairPolicy, "transport policy", [Default, Auto, Nccl]);
+
+/// How this PE reaches a peer (`xcall_shmem_peer_transport`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerTransport {
+    /// This PE, or a PE of this process: its address as is.
+    SameProcess = 0,
+    /// A Host heap of another process, in POSIX shared memory.
+    HostSharedMemory = 1,
+    /// A CUDA heap of another process, through its IPC handle.
+    CudaIpc = 2,
+    /// NCCL: not addressable (`xcall_shmem_ptr` gives NULL); data moves
+    /// with `xcall_shmem_exchange` only.
+    Nccl = 3,
+}
+
+/// One segment this PE sends in `xcall_shmem_exchange`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_shmem_outgoing {
+    /// The receiving PE.
+    pub pe: u64,
+    /// This PE's data (on CUDA: device memory of this PE's device).
+    pub src: *const c_void,
+    /// Where it lands: a symmetric address (this PE's address of the
+    /// object).
+    pub dest: *mut c_void,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// One segment this PE receives in `xcall_shmem_exchange`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct xcall_shmem_incoming {
+    /// The sending PE.
+    pub pe: u64,
+    /// Where it lands in this PE's heap: the sender's `dest`.
+    pub dest: *mut c_void,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// The most segments one `xcall_shmem_exchange` takes on each side.
+pub const XCALL_SHMEM_MAX_SEGMENTS: u64 = 1 << 20;
 
 /// How a world starts. The device is explicit (never the calling thread's
 /// current device): a CUDA ordinal, or on Host any ordinal naming the PE's
@@ -90,6 +157,9 @@ pub struct xcall_shmem_config {
     pub heap_bytes: u64,
     /// Timeout of every wait on other PEs in ms; 0: 60000.
     pub timeout_ms: u64,
+    /// An `xcall_shmem_pairs` value; 0 (`XCALL_SHMEM_PAIRS_DEFAULT`):
+    /// `XCALL_SHMEM_TRANSPORT`, else auto.
+    pub pairs: PairPolicyCode,
 }
 
 /// The world behind a handle, held for this call: a handle another thread
@@ -189,6 +259,11 @@ pub extern "C" fn xcall_shmem_init(
                 xcall_shmem::world::DEFAULT_TIMEOUT
             } else {
                 Duration::from_millis(c.timeout_ms)
+            },
+            pairs: match c.pairs.get()? {
+                PairPolicy::Default => None,
+                PairPolicy::Auto => Some(Pairs::Auto),
+                PairPolicy::Nccl => Some(Pairs::Nccl),
             },
         };
         w.init(&config)?;
@@ -460,6 +535,127 @@ pub extern "C" fn xcall_shmem_wait_until(
     })
 }
 
+/// How this PE reaches PE `pe`, as an `xcall_shmem_transport` value in
+/// `*out_transport`.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; NULL
+/// `out_transport`: `XCALL_STATUS_NULL_ARGUMENT`; `pe` not a PE:
+/// `XCALL_STATUS_INVALID_ARGUMENT`; a world that is not live:
+/// `XCALL_STATUS_INVALID_STATE`.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_peer_transport(
+    w: *mut xcall_shmem_world,
+    pe: u32,
+    out_transport: *mut u32,
+) -> Status {
+    ffi_call!({
+        let t = match world(w)?.transport(pe as usize)? {
+            Transport::SameProcess => PeerTransport::SameProcess,
+            Transport::HostSharedMemory => PeerTransport::HostSharedMemory,
+            Transport::CudaIpc => PeerTransport::CudaIpc,
+            Transport::Nccl => PeerTransport::Nccl,
+        };
+        *out_ptr(out_transport, "out_transport")? = t as u32;
+        Ok(())
+    })
+}
+
+/// Moves data between PEs in one collective step, on every transport (the
+/// only way to a PE reached through NCCL): each outgoing segment copies
+/// `bytes` from this PE's `src` to the object at `dest` on PE `pe`; each
+/// incoming one is this PE's side of a peer's outgoing segment. PE `a`
+/// lists an outgoing segment to `b` exactly when `b` lists an incoming one
+/// from `a`, with the same bytes and `dest`, in the same order per pair.
+/// With a NULL `stream`: blocking (every incoming segment landed). With a
+/// `CUstream` of this PE's device: every copy, signal, wait and NCCL call
+/// is enqueued there (capturable); on Host the stream is ignored.
+///
+/// Bad input: the world rules of `xcall_shmem_world`; NULL segment arrays
+/// with counts above 0, a NULL `src` with bytes above 0:
+/// `XCALL_STATUS_NULL_ARGUMENT`; more than `XCALL_SHMEM_MAX_SEGMENTS` on
+/// a side, `pe` not a PE, a destination not inside one live object of the
+/// heap: `XCALL_STATUS_INVALID_ARGUMENT`; every segment is checked before
+/// anything moves.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_exchange(
+    w: *mut xcall_shmem_world,
+    outgoing: *const xcall_shmem_outgoing,
+    outgoing_count: u64,
+    incoming: *const xcall_shmem_incoming,
+    incoming_count: u64,
+    stream: *mut c_void,
+) -> Status {
+    ffi_call!({
+        let out = segments(outgoing, outgoing_count, "outgoing")?;
+        let inc = segments(incoming, incoming_count, "incoming")?;
+        let pe = |p: u64| usize::try_from(p).unwrap_or(usize::MAX);
+        let mut o = Vec::with_capacity(out.len());
+        for s in out {
+            check_src(s.src, s.bytes)?;
+            o.push(Outgoing {
+                pe: pe(s.pe),
+                src: s.src as u64,
+                dest: s.dest as u64,
+                bytes: bytes_arg(s.bytes)?,
+            });
+        }
+        let mut i = Vec::with_capacity(inc.len());
+        for s in inc {
+            i.push(Incoming {
+                pe: pe(s.pe),
+                dest: s.dest as u64,
+                bytes: bytes_arg(s.bytes)?,
+            });
+        }
+        let mut w = world(w)?;
+        // SAFETY: every `src` readable for its bytes until the exchange
+        // completes, per the documentation.
+        Ok(unsafe {
+            if stream.is_null() {
+                w.exchange(&o, &i)
+            } else {
+                w.exchange_on_stream(&o, &i, stream)
+            }
+        }?)
+    })
+}
+
+/// `count` segments at `p`, checked: NULL only when empty, at most
+/// `XCALL_SHMEM_MAX_SEGMENTS`.
+fn segments<'a, T>(p: *const T, count: u64, what: &str) -> Result<&'a [T], FfiError> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if count > XCALL_SHMEM_MAX_SEGMENTS {
+        return Err(FfiError::new(
+            Status::InvalidArgument,
+            format!("{count} {what} segments; at most {XCALL_SHMEM_MAX_SEGMENTS}"),
+        ));
+    }
+    if p.is_null() {
+        return Err(FfiError::new(
+            Status::NullArgument,
+            format!("{what} is NULL with {count} segments"),
+        ));
+    }
+    // SAFETY: `count` (bounded above) readable segments at `p`, per the
+    // documentation.
+    Ok(unsafe { std::slice::from_raw_parts(p, count as usize) })
+}
+
+fn bytes_arg(b: u64) -> Result<usize, FfiError> {
+    usize::try_from(b).map_err(|_| {
+        FfiError::new(
+            Status::InvalidArgument,
+            format!("{b} bytes do not fit an address space"),
+        )
+    })
+}
+
+c_code!(
+    /// An `xcall_shmem_pairs` as passed.
+    PairPolicyCode => PairPolicy
+);
 c_code!(
     /// An `xcall_shmem_bootstrap` as passed.
     BootstrapCode => Bootstrap

@@ -266,6 +266,19 @@ impl Stream {
         Ok(Stream { device, raw })
     }
 
+    /// Whether everything enqueued so far has completed (`cuStreamQuery`).
+    pub fn idle(&self) -> Result<bool> {
+        let _ctx = xcall_core::cuda::ContextGuard::primary(self.device)?;
+        // SAFETY: a live stream of this device.
+        match unsafe { sys::cuStreamQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(xcall_core::cuda::check("cuStreamQuery", self.device, e)
+                .unwrap_err()
+                .into()),
+        }
+    }
+
     pub fn sync(&self) -> Result<()> {
         // SAFETY: a live stream of this device.
         on(self.device, "cuStreamSynchronize", || unsafe {

@@ -42,11 +42,13 @@ mod handoff;
 pub mod heap;
 mod host;
 pub mod launch;
+pub mod nccl;
 pub mod registry;
 pub mod world;
 
 pub use error::{Result, ShmemError};
 pub use world::{
-    BootstrapKind, Cmp, Config, FinalizeReport, Phase, SignalOp, Transport, World, MAX_PES,
+    BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
+    Transport, World, MAX_PES, TRANSPORT_ENV,
 };
 pub use xcall_core::{Device, Platform};

@@ -113,6 +113,7 @@ fn ring_pe(launcher: &str) {
     let mut w = World::new();
     w.init(&c).unwrap();
     let (buf, sig, _) = common::ring(&mut w, rank, n, 77, 65_536);
+    common::all_to_all(&mut w, rank, n, 78, 4, 5000);
     w.barrier_all().unwrap();
     w.free(sig).unwrap();
     w.free(buf).unwrap();

@@ -32,6 +32,8 @@ fn ring_pe(socket: &str, rank: usize, n: usize) {
     unsafe { w.get(back.as_mut_ptr() as u64, buf, bytes, right) }.unwrap();
     assert_eq!(back, data, "rank {rank}: get from rank {right}");
     assert!(w.ptr(right, buf).is_some());
+    // Exchanges between processes: shared memory and signals.
+    common::all_to_all(&mut w, rank, n, 4000, 6, 3000);
     w.barrier_all().unwrap();
     w.free(sig).unwrap();
     w.free(buf).unwrap();

@@ -44,6 +44,37 @@ pub struct Config {
     pub heap_bytes: Option<usize>,
     /// Timeout of every wait on other PEs.
     pub timeout: Duration,
+    /// Which transports the pairs take; `None`: [`TRANSPORT_ENV`], else
+    /// [`Pairs::Auto`].
+    pub pairs: Option<Pairs>,
+}
+
+/// Environment variable with the transport policy when the config gives
+/// none: `auto` or `nccl`.
+pub const TRANSPORT_ENV: &str = "XCALL_SHMEM_TRANSPORT";
+
+/// Which transport each pair of PEs takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pairs {
+    /// The most direct one: a PE of this process by its address (CUDA:
+    /// peer access), a PE of another process on this host by shared
+    /// memory or a CUDA IPC handle, a PE on another host through NCCL
+    /// (CUDA only).
+    Auto,
+    /// NCCL for every pair, a PE with itself included, so that one host
+    /// (or one GPU) runs the path of peers on other hosts. CUDA only.
+    Nccl,
+}
+
+impl Pairs {
+    /// `auto` or `nccl`.
+    pub fn parse(s: &str) -> Option<Pairs> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(Pairs::Auto),
+            "nccl" => Some(Pairs::Nccl),
+            _ => None,
+        }
+    }
 }
 
 impl Config {
@@ -58,6 +89,7 @@ impl Config {
             },
             heap_bytes: None,
             timeout: DEFAULT_TIMEOUT,
+            pairs: None,
         }
     }
 
@@ -83,6 +115,30 @@ impl Config {
             },
             ..Config::in_process("", rank, size, device)
         }
+    }
+
+    /// The transport policy: the config's, else [`TRANSPORT_ENV`]'s, else
+    /// auto; NCCL is refused on Host.
+    pub(super) fn pairs(&self) -> Result<Pairs> {
+        let pairs = match self.pairs {
+            Some(p) => p,
+            None => match env::text(TRANSPORT_ENV)
+                .map_err(|e| ShmemError::InvalidArgument(e.to_string()))?
+            {
+                None => Pairs::Auto,
+                Some(v) => Pairs::parse(&v).ok_or_else(|| {
+                    ShmemError::InvalidArgument(format!(
+                        "{TRANSPORT_ENV}={v:?} is not a transport policy: auto or nccl"
+                    ))
+                })?,
+            },
+        };
+        if pairs == Pairs::Nccl && self.device.platform != Platform::Cuda {
+            return Err(ShmemError::Unsupported(
+                "the NCCL transport carries CUDA worlds only; a Host world takes auto".into(),
+            ));
+        }
+        Ok(pairs)
     }
 
     pub(super) fn heap(&self) -> Result<usize> {

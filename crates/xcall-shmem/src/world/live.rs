@@ -4,9 +4,16 @@
 use super::*;
 
 /// Bytes reserved at offset 0 of every heap: `n` arrival words, the epoch
-/// word, the error word, `n` peer pointers. `n` is at most [`MAX_PES`].
+/// word, the error word, `n` peer pointers, `n` exchange words (one per
+/// sender). `n` is at most [`MAX_PES`].
 pub(super) fn internal_bytes(n: usize) -> usize {
-    (8 * n + 16 + 8 * n).next_multiple_of(ALIGN)
+    (8 * n + 16 + 8 * n + 8 * n).next_multiple_of(ALIGN)
+}
+
+/// Offset of the exchange word that counts PE `from`'s exchanges into a
+/// heap, in a world of `n` PEs.
+pub(super) fn exchange_word(n: usize, from: usize) -> u64 {
+    (16 * n + 16 + 8 * from) as u64
 }
 
 pub(super) enum Memory {
@@ -20,17 +27,24 @@ pub(super) enum PeerMap {
     /// A PE of this process (this PE included): its heap, held so that it
     /// stays mapped while this PE can reach it.
     SameProcess(#[allow(dead_code)] Arc<Memory>),
+    /// A PE reached through NCCL only: nothing mapped.
+    Nccl,
     Host(#[allow(dead_code)] HostMapping),
     Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
 }
 
 pub(super) struct Peer {
     pub(super) device: Device,
+    /// Its heap's base in this process; 0 when it is not mapped (NCCL).
     pub(super) base: u64,
     pub(super) map: PeerMap,
+    pub(super) transport: Transport,
 }
 
 pub(super) struct Live {
+    // Dropped first: an aborted communicator ends its kernels before the
+    // memory they use goes.
+    pub(super) nccl: Option<crate::nccl::Comm>,
     pub(super) state: StatePage,
     pub(super) rank: usize,
     pub(super) size: usize,
@@ -94,6 +108,7 @@ impl Live {
             ));
         }
         let len = c.heap()?;
+        c.pairs()?;
         if c.device.platform == Platform::Cuda {
             c.device.validate()?;
         }
@@ -140,13 +155,15 @@ impl Live {
         step("bootstrap joined");
 
         // 3. identities.
+        let pairs = c.pairs()?;
         let me = format!(
-            "{}\n{}\n{}\n{}\n{}",
+            "{}\n{}\n{}\n{}\n{}\n{:?}",
             host_identity(),
             std::process::id(),
             c.device.platform as u32,
             c.device.ordinal,
-            len
+            len,
+            pairs
         );
         let ids: Vec<Vec<String>> = boot
             .allgather(me.as_bytes())?
@@ -156,11 +173,17 @@ impl Live {
         let devices = check_identities(&ids, c, len);
         let devices = agree(boot.as_mut(), devices)?;
         step("identities exchanged");
-        let same_process = |r: usize| ids[r][0] == ids[c.rank][0] && ids[r][1] == ids[c.rank][1];
-        let cross = (0..c.size).any(|r| !same_process(r));
+        let same_host = |r: usize| ids[r][0] == ids[c.rank][0];
+        let same_process = |r: usize| same_host(r) && ids[r][1] == ids[c.rank][1];
+        // NCCL carries a pair when forced to, and every pair across hosts.
+        let by_nccl = |r: usize| pairs == Pairs::Nccl || !same_host(r);
+        let cross = (0..c.size).any(|r| same_host(r) && !same_process(r));
+        let ipc = (0..c.size).any(|r| same_host(r) && !same_process(r) && !by_nccl(r));
 
-        // 4. the world's state page (rank 0 makes it), and the heap.
-        let (state, _state_offer) = state_page(boot.as_mut(), c, cross, &same_process)?;
+        // 4. the state page of this host's PEs (its lowest rank makes it),
+        // and the heap.
+        let leader = (0..c.size).find(|&r| same_host(r)).unwrap_or(c.rank);
+        let (state, _state_offer) = state_page(boot.as_mut(), c, leader, cross, &same_process)?;
         let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
         let memory = match c.device.platform {
             Platform::Host if cross => HostHeap::shared(&shm_name, len).map(Memory::Host),
@@ -172,7 +195,7 @@ impl Live {
         let (base, export) = match &*memory {
             Memory::Host(h) => (h.base, shm_name.clone()),
             Memory::Cuda(d) => {
-                let handle = if cross {
+                let handle = if ipc {
                     agree(boot.as_mut(), d.ipc_handle())?
                 } else {
                     agree(boot.as_mut(), Ok(Vec::new()))?
@@ -187,15 +210,34 @@ impl Live {
             .iter()
             .map(|b| fields(b))
             .collect();
-        let peers = map_peers(&descs, &devices, c, len, &same_process);
+        let peers = map_peers(&descs, &devices, c, len, &same_process, &by_nccl);
         let peers = agree(boot.as_mut(), peers)?;
+        // NCCL's communicator, when some pair takes it: rank 0's id
+        // spread by the bootstrap.
+        let nccl = if (0..c.size).any(by_nccl) {
+            agree(boot.as_mut(), crate::nccl::library().map(|_| ()))?;
+            let id = match c.rank {
+                0 => crate::nccl::unique_id(c.device),
+                _ => Ok(Vec::new()),
+            };
+            let id = agree(boot.as_mut(), id)?;
+            let id = boot.broadcast(0, &id)?;
+            let comm = crate::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, &|| {
+                state.check()
+            });
+            let comm = agree(boot.as_mut(), comm)?;
+            step("NCCL communicator up");
+            Some(comm)
+        } else {
+            None
+        };
         for (pe, p) in peers.iter().enumerate() {
             tracing::debug!(
                 rank = c.rank,
                 pe,
                 device = %c.device,
                 peer_device = %p.device,
-                transport = p.map.transport().name(),
+                transport = p.transport.name(),
                 "init: peer mapped"
             );
         }
@@ -222,6 +264,7 @@ impl Live {
         .transpose();
         let stream = agree(boot.as_mut(), stream)?;
         let mut live = Live {
+            nccl,
             state,
             rank: c.rank,
             size: c.size,
@@ -302,6 +345,10 @@ impl Live {
         for &(o, _) in &leaked {
             keep(self.alloc.free(o).map(|_| ()));
         }
+        if let Some(comm) = self.nccl.take() {
+            let state = &self.state;
+            keep(comm.finalize(self.timeout, &|| state.check()));
+        }
         // Close other processes' heaps and let go of same-process ones.
         for p in &mut self.peers {
             p.map = PeerMap::Released;
@@ -356,6 +403,11 @@ impl Live {
                 self.rank
             ))),
         };
+        if pe != self.rank && self.peers[pe].transport == Transport::Nccl {
+            return Err(ShmemError::Unsupported(format!(
+                "{what}: PE {pe} is reached through NCCL (two-sided): move data to it with World::exchange"
+            )));
+        }
         // Allocations are symmetric: a block live here is live on every PE.
         if self.alloc.containing(o, bytes).is_none() {
             return Err(ShmemError::InvalidArgument(format!(
@@ -427,6 +479,36 @@ impl Live {
                 Ok(())
             }
             Some(s) => {
+                if let Some(comm) = &self.nccl {
+                    // NCCL's kernels wait for their peers: poll, so that a
+                    // failed or silent peer ends in an error, not a hang.
+                    let deadline = Instant::now() + self.timeout;
+                    let polled = loop {
+                        match s.idle() {
+                            Ok(true) => break Ok(()),
+                            Ok(false) => {}
+                            Err(e) => break Err(e),
+                        }
+                        if let Err(e) = comm.check().and_then(|_| self.state.check()) {
+                            break Err(e);
+                        }
+                        if Instant::now() >= deadline {
+                            break Err(ShmemError::Timeout(format!(
+                                "rank {}: this PE's transfers did not complete within {:?} (a peer of an NCCL pair did not take part)",
+                                self.rank, self.timeout
+                            )));
+                        }
+                        std::thread::sleep(Duration::from_micros(50));
+                    };
+                    if let Err(e) = polled {
+                        // Aborting the communicator ends its kernels; the
+                        // world is failed for every PE of this host.
+                        self.nccl = None;
+                        self.state.fail(NCCL_FAILED, self.rank);
+                        tracing::warn!(rank = self.rank, error = %e, "NCCL transfers failed; communicator aborted");
+                        return Err(e);
+                    }
+                }
                 s.sync()?;
                 let err_word = self.base + 8 * self.size as u64 + 8;
                 let e = self.read_word(err_word)?;
@@ -446,6 +528,145 @@ impl Live {
                     return Err(e);
                 }
                 Ok(())
+            }
+        }
+    }
+
+    /// [`World::exchange`] on `stream` (`None`: this PE's own stream).
+    ///
+    /// # Safety
+    /// Every outgoing `src` readable for its bytes until it completes.
+    pub(super) unsafe fn exchange(
+        &mut self,
+        outgoing: &[Outgoing],
+        incoming: &[Incoming],
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        self.state.check()?;
+        let (me, n) = (self.rank, self.size);
+        let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Nccl;
+        // Every segment is checked before anything moves.
+        let (mut copies, mut sends, mut to) = (Vec::new(), Vec::new(), Vec::new());
+        for o in outgoing {
+            self.check_pe(o.pe)?;
+            self.remote(o.dest, o.bytes, me, "exchange destination")?;
+            if by_nccl(self, o.pe) {
+                sends.push(crate::nccl::Segment {
+                    peer: o.pe,
+                    address: o.src,
+                    bytes: o.bytes,
+                });
+            } else {
+                let dest = self.remote(o.dest, o.bytes, o.pe, "exchange destination")?;
+                copies.push((dest, o.src, o.bytes));
+                if o.pe != me && !to.contains(&o.pe) {
+                    to.push(o.pe);
+                }
+            }
+        }
+        let (mut recvs, mut from) = (Vec::new(), Vec::new());
+        for i in incoming {
+            self.check_pe(i.pe)?;
+            let dest = self.remote(i.dest, i.bytes, me, "exchange receive")?;
+            if by_nccl(self, i.pe) {
+                recvs.push(crate::nccl::Segment {
+                    peer: i.pe,
+                    address: dest,
+                    bytes: i.bytes,
+                });
+            } else if i.pe != me && !from.contains(&i.pe) {
+                from.push(i.pe);
+            }
+        }
+        for &(dest, src, bytes) in &copies {
+            // SAFETY: `dest` was checked to lie in one allocation of the
+            // peer's mapped heap; `src` is the caller's contract.
+            unsafe { self.copy(dest, src, bytes, stream) }?;
+        }
+        // One signal per receiver, after all of its data.
+        for &q in &to {
+            let word = self.peers[q].base + exchange_word(n, me);
+            self.add_to_word(word, 1, stream)?;
+        }
+        if !sends.is_empty() || !recvs.is_empty() {
+            let comm = self.nccl.as_ref().ok_or_else(|| {
+                ShmemError::State(
+                    "the world's NCCL communicator was aborted after a failure; only finalize remains"
+                        .into(),
+                )
+            })?;
+            let state = &self.state;
+            // SAFETY: every receive lies in this PE's heap (checked) and
+            // every send is the caller's contract; the stream is the
+            // caller's or this PE's own.
+            unsafe {
+                comm.group(
+                    &sends,
+                    &recvs,
+                    self.stream_or(stream).cast(),
+                    self.timeout,
+                    &|| state.check(),
+                )
+            }?;
+        }
+        // One wait per sender, then its count taken back.
+        for &s in &from {
+            let word = self.base + exchange_word(n, s);
+            match self.device.platform {
+                Platform::Host => {
+                    let deadline = Instant::now() + self.timeout;
+                    let mut spins = 0u32;
+                    while self.read_word(word)? == 0 {
+                        self.state.check()?;
+                        if Instant::now() >= deadline {
+                            return Err(ShmemError::Timeout(format!(
+                                "rank {me} waited {:?} for PE {s}'s exchange segments",
+                                self.timeout
+                            )));
+                        }
+                        spins += 1;
+                        if spins > 64 {
+                            std::thread::yield_now();
+                        }
+                    }
+                }
+                Platform::Cuda => {
+                    crate::cuda::wait_value(self.device, self.stream_or(stream), word, 1, false)?
+                }
+            }
+            self.add_to_word(word, u64::MAX, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Adds `value` (wrapping: `u64::MAX` takes one back) to the signal
+    /// word at `word`, a mapped address; on CUDA ordered on the stream.
+    fn add_to_word(
+        &self,
+        word: u64,
+        value: u64,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        match self.device.platform {
+            Platform::Host => {
+                // SAFETY: an aligned word of a mapped heap's internal
+                // region; every access to it is atomic.
+                let w = unsafe { &*(word as *const AtomicU64) };
+                w.fetch_add(value, Ordering::AcqRel);
+                Ok(())
+            }
+            Platform::Cuda => {
+                let k = crate::cuda::kernels(self.device)?;
+                let params = crate::cuda::SignalParams {
+                    signal: word,
+                    value,
+                    op: SignalOp::Add as u64,
+                };
+                // SAFETY: xcall_shmem_signal takes SignalParams; `word` is
+                // an aligned word of a mapped heap's internal region.
+                unsafe {
+                    crate::cuda::launch(self.device, &k.signal, 1, self.stream_or(stream), &params)
+                }
             }
         }
     }
@@ -498,7 +719,7 @@ pub(super) fn describe_call(record: &[u8]) -> String {
 fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<Device>> {
     let mut devices = Vec::with_capacity(c.size);
     for (r, f) in ids.iter().enumerate() {
-        if f.len() != 5 {
+        if f.len() != 6 {
             return Err(ShmemError::Mismatch(format!(
                 "rank {r} sent a malformed identity"
             )));
@@ -523,11 +744,17 @@ fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<D
                 f[4], c.rank
             )));
         }
-        if f[0] != ids[c.rank][0] {
+        if f[5] != ids[c.rank][5] {
+            return Err(ShmemError::Mismatch(format!(
+                "rank {r} takes the transport policy {} and rank {} {} (set {TRANSPORT_ENV} alike on every PE)",
+                f[5], c.rank, ids[c.rank][5]
+            )));
+        }
+        if f[0] != ids[c.rank][0] && platform == Platform::Host {
             return Err(ShmemError::Unsupported(format!(
-                    "rank {r} is on another host ({}); worlds span one host (see the crate docs for multi-node)",
-                    f[0]
-                )));
+                "rank {r} is on another host ({}); a Host world spans one host (CUDA worlds reach other hosts through NCCL)",
+                f[0]
+            )));
         }
         for (q, g) in ids.iter().enumerate().take(r) {
             if g[0] == f[0] && g[1] == f[1] && g[2] == f[2] && g[3] == f[3] {
@@ -550,6 +777,7 @@ fn map_peers(
     c: &Config,
     len: usize,
     same_process: &dyn Fn(usize) -> bool,
+    by_nccl: &dyn Fn(usize) -> bool,
 ) -> Result<Vec<Peer>> {
     let mut peers = Vec::with_capacity(c.size);
     for (r, d) in descs.iter().enumerate() {
@@ -558,6 +786,15 @@ fn map_peers(
         })?;
         let export = d.get(1).cloned().unwrap_or_default();
         let device = devices[r];
+        if by_nccl(r) && r != c.rank {
+            peers.push(Peer {
+                device,
+                base: 0,
+                map: PeerMap::Nccl,
+                transport: Transport::Nccl,
+            });
+            continue;
+        }
         let held = || -> Result<PeerMap> {
             let token = d.get(2).and_then(|t| t.parse().ok()).unwrap_or(0);
             handoff::take::<Memory>(token)
@@ -584,7 +821,16 @@ fn map_peers(
                 (m.base, PeerMap::Cuda(m))
             }
         };
-        peers.push(Peer { device, base, map });
+        let transport = match by_nccl(r) {
+            true => Transport::Nccl,
+            false => map.transport(),
+        };
+        peers.push(Peer {
+            device,
+            base,
+            map,
+            transport,
+        });
     }
     Ok(peers)
 }

@@ -72,9 +72,12 @@ mod config;
 mod live;
 mod state;
 
-pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, SignalOp};
+pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, TRANSPORT_ENV};
 use live::{agree, fields, internal_bytes, Live, PeerMap};
-use state::{finalize_step, state_page, unique, StatePage, FINALIZE_FAILED, LEFT_WITHOUT_FINALIZE};
+use state::{
+    finalize_step, state_page, unique, StatePage, FINALIZE_FAILED, LEFT_WITHOUT_FINALIZE,
+    NCCL_FAILED,
+};
 pub use state::{set_finalize_hook, FinalizeHook, FinalizeStep};
 
 /// Lifecycle phase of a [`World`].
@@ -99,6 +102,10 @@ pub enum Transport {
     HostSharedMemory,
     /// CUDA heap of another process, opened from its IPC handle.
     CudaIpc,
+    /// A PE on another host, or any PE when NCCL is forced
+    /// ([`Pairs::Nccl`]): not mapped; data moves with [`World::exchange`]
+    /// (NCCL send/receive groups).
+    Nccl,
 }
 
 impl Transport {
@@ -108,6 +115,7 @@ impl Transport {
             Transport::SameProcess => "same_process",
             Transport::HostSharedMemory => "host_shared_memory",
             Transport::CudaIpc => "cuda_ipc",
+            Transport::Nccl => "nccl",
         }
     }
 }
@@ -118,6 +126,7 @@ impl PeerMap {
             PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
             PeerMap::Host(_) => Transport::HostSharedMemory,
             PeerMap::Cuda(_) => Transport::CudaIpc,
+            PeerMap::Nccl => Transport::Nccl,
         }
     }
 }
@@ -187,7 +196,7 @@ impl World {
     pub fn transport(&self, pe: usize) -> Result<Transport> {
         let l = self.live()?;
         l.check_pe(pe)?;
-        Ok(l.peers[pe].map.transport())
+        Ok(l.peers[pe].transport)
     }
 
     /// This PE's heap: (base address, bytes). User allocations start after
@@ -273,9 +282,9 @@ impl World {
     }
 
     /// PE `pe`'s address of the object at `local` (an address in this
-    /// PE's heap), or `None` when `local` is outside the heap or `pe` is
-    /// not a PE. Every PE of a world is directly addressable (init refuses
-    /// a world where one is not).
+    /// PE's heap), or `None` when `local` is outside the heap, `pe` is
+    /// not a PE, or `pe` is reached through NCCL (not addressable; this PE
+    /// itself always is).
     ///
     /// The address stays mapped while this PE is live, even after PE `pe`
     /// left; xcall checks nothing done through it.
@@ -284,7 +293,8 @@ impl World {
         let offset = local
             .checked_sub(l.base)
             .filter(|&o| (o as usize) < l.len)?;
-        l.peers.get(pe).map(|p| p.base + offset)
+        let p = l.peers.get(pe)?;
+        (pe == l.rank || p.transport != Transport::Nccl).then_some(p.base + offset)
     }
 
     /// Copies `bytes` from `src` (this PE's memory: Host memory, or on
@@ -402,6 +412,11 @@ impl World {
                 "barrier_on_stream needs a CUDA world; use barrier_all on Host".into(),
             ));
         }
+        if l.nccl.is_some() {
+            return Err(ShmemError::Unsupported(
+                "barrier_on_stream needs every PE addressable; a world with NCCL pairs takes barrier_all".into(),
+            ));
+        }
         l.state.check()?;
         let k = crate::cuda::kernels(l.device)?;
         let n = l.size as u64;
@@ -513,6 +528,48 @@ impl World {
         }
     }
 
+    /// Moves data between PEs in one collective step, on every transport:
+    /// each [`Outgoing`] copies `bytes` from this PE's `src` to the object
+    /// at the symmetric address `dest` on PE `pe`; each [`Incoming`] is
+    /// this PE's side of a peer's outgoing segment. Blocking: returns once
+    /// every incoming segment has landed and every outgoing one was read.
+    ///
+    /// The one way to move data to a PE reached through NCCL (whose
+    /// send/receive are two-sided): the NCCL pairs' segments go as one
+    /// NCCL group, the others as copies (direct pointers, shared memory,
+    /// IPC) each followed by a signal to its receiver, who waits for it.
+    /// Every PE calls it; PE `a` lists an outgoing segment to `b` exactly
+    /// when `b` lists an incoming one from `a`, with the same bytes and
+    /// the same `dest`, in the same order per pair (NCCL's rule). A
+    /// destination is written once its sender reaches the exchange: as
+    /// with [`World::put`], a PE must not reuse one before its owner is
+    /// done with the data there.
+    ///
+    /// # Safety
+    /// Every `src` readable for its bytes until the exchange completes
+    /// (on CUDA: memory of this PE's device; NCCL reads it on the device).
+    pub unsafe fn exchange(&mut self, outgoing: &[Outgoing], incoming: &[Incoming]) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.live_mut()?.exchange(outgoing, incoming, None) }?;
+        self.quiet()
+    }
+
+    /// [`World::exchange`] ordered on the caller's CUDA `stream`: every
+    /// copy, signal, wait and NCCL call is enqueued there (capturable into
+    /// a graph); on Host it is the blocking exchange.
+    ///
+    /// # Safety
+    /// As [`World::exchange`], for as long as the stream runs it.
+    pub unsafe fn exchange_on_stream(
+        &mut self,
+        outgoing: &[Outgoing],
+        incoming: &[Incoming],
+        stream: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.live_mut()?.exchange(outgoing, incoming, Some(stream)) }
+    }
+
     /// Waits until the signal word at `signal` (a symmetric address of
     /// this PE) satisfies `cmp` against `value`; returns the value seen.
     /// Gives up after the world's timeout.
@@ -582,6 +639,32 @@ impl Drop for World {
             drop(live);
         }
     }
+}
+
+/// A segment this PE sends in a [`World::exchange`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outgoing {
+    /// The receiving PE.
+    pub pe: usize,
+    /// The data: this PE's memory.
+    pub src: u64,
+    /// Where it lands: a symmetric address (this PE's address of the
+    /// object), inside one allocation.
+    pub dest: u64,
+    /// Bytes.
+    pub bytes: usize,
+}
+
+/// A segment this PE receives in a [`World::exchange`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Incoming {
+    /// The sending PE.
+    pub pe: usize,
+    /// Where it lands: the symmetric address of the sender's `dest`, in
+    /// this PE's heap, inside one allocation.
+    pub dest: u64,
+    /// Bytes.
+    pub bytes: usize,
 }
 
 /// Direction of [`World::transfer`].

@@ -40,6 +40,7 @@ pub(super) fn finalize_step(rank: usize, step: FinalizeStep) {
 /// Why a world failed, in its state word: `reason << 32 | (rank + 1)`.
 pub(super) const LEFT_WITHOUT_FINALIZE: u64 = 1;
 pub(super) const FINALIZE_FAILED: u64 = 2;
+pub(super) const NCCL_FAILED: u64 = 3;
 
 /// The world's state page: host memory every PE of the world maps (its
 /// first word is 0 while the world is healthy).
@@ -76,6 +77,7 @@ impl StatePage {
         let why = match code >> 32 {
             LEFT_WITHOUT_FINALIZE => "left the world without finalize",
             FINALIZE_FAILED => "failed in finalize",
+            NCCL_FAILED => "saw its NCCL transfers fail",
             _ => "failed",
         };
         Err(ShmemError::PeerFailed(format!(
@@ -84,17 +86,20 @@ impl StatePage {
     }
 }
 
-/// Rank 0 makes the world's state page (shared memory when some PE is in
-/// another process); every PE maps it: same-process PEs by a handoff,
-/// others by name. Returns the page and, on rank 0, its offer (withdrawn
-/// once every PE mapped it).
+/// The lowest rank of each host (`leader`) makes the state page of its
+/// host's PEs (shared memory when some PE of the host is in another
+/// process, `cross`); every PE maps its host's: same-process PEs by a
+/// handoff, others by name. Returns the page and, on a leader, its offer
+/// (withdrawn once every PE mapped it). PEs on other hosts learn of a
+/// failure through NCCL's errors or the world's timeout.
 pub(super) fn state_page(
     boot: &mut dyn Bootstrap,
     c: &Config,
+    leader: usize,
     cross: bool,
     same_process: &dyn Fn(usize) -> bool,
 ) -> Result<(StatePage, Option<Offer>)> {
-    let made = if c.rank == 0 {
+    let made = if c.rank == leader {
         let name = format!("/xcall-state-{}-{}", std::process::id(), unique());
         let page = if cross {
             HostHeap::shared(&name, STATE_PAGE)
@@ -106,30 +111,33 @@ pub(super) fn state_page(
             (p.clone(), handoff::offer(p), name)
         })
     } else {
-        Err(ShmemError::State("not rank 0".into()))
+        Err(ShmemError::State("not a leader".into()))
     };
     let (announce, local) = match made {
         Ok((page, offer, name)) => (Ok(format!("{}\n{name}", offer.token)), Some((page, offer))),
-        Err(e) if c.rank == 0 => (Err(e), None),
+        Err(e) if c.rank == leader => (Err(e), None),
         Err(_) => (Ok(String::new()), None),
     };
     let announce = agree(boot, announce)?;
-    let from_zero = fields(&boot.broadcast(0, announce.as_bytes())?);
+    let announced = boot.allgather(announce.as_bytes())?;
+    let from_leader = fields(&announced[leader]);
     let mapped = match local {
         Some((page, offer)) => Ok((StatePage::SameProcess(page), Some(offer))),
-        None if same_process(0) => from_zero
+        None if same_process(leader) => from_leader
             .first()
             .and_then(|t| t.parse().ok())
             .and_then(handoff::take::<HostHeap>)
             .map(|p| (StatePage::SameProcess(p), None))
             .ok_or_else(|| {
-                ShmemError::Mismatch("rank 0's state page is not on offer in this process".into())
+                ShmemError::Mismatch(format!(
+                    "rank {leader}'s state page is not on offer in this process"
+                ))
             }),
-        None => match from_zero.get(1) {
+        None => match from_leader.get(1) {
             Some(name) => HostMapping::open(name, STATE_PAGE).map(|m| (StatePage::Mapped(m), None)),
-            None => Err(ShmemError::Mismatch(
-                "rank 0 sent a malformed state page name".into(),
-            )),
+            None => Err(ShmemError::Mismatch(format!(
+                "rank {leader} sent a malformed state page name"
+            ))),
         },
     };
     agree(boot, mapped)

@@ -1,3 +1,4 @@
+#![allow(dead_code)] // each test binary uses a part of it
 //! What the multi-process Host tests share.
 
 use xcall_core::testing::XorShift;
@@ -39,4 +40,106 @@ pub fn ring(w: &mut World, rank: usize, n: usize, seed: u64, bytes: usize) -> (u
         "rank {rank}: data from rank {left}"
     );
     (buf, sig, data)
+}
+
+/// Bytes of PE `from`'s segment to PE `to` in round `round`: 1 to `max`,
+/// from a hash of the three (both sides compute it alone).
+pub fn segment_bytes(from: usize, to: usize, round: usize, max: usize) -> usize {
+    let mut g = XorShift::new(((from * 7919 + to) * 104_729 + round) as u64 + 1);
+    1 + (g.next_u64() as usize) % max
+}
+
+/// The data of PE `from`'s segment to PE `to` in round `round`.
+pub fn segment_data(seed: u64, from: usize, to: usize, round: usize, bytes: usize) -> Vec<u8> {
+    let mut g = XorShift::new(seed ^ ((from as u64) << 40 | (to as u64) << 20 | round as u64));
+    (0..bytes).map(|_| g.next_u64() as u8).collect()
+}
+
+/// `rounds` all-to-all exchanges on a live world (every PE to every PE,
+/// itself included), alternating two buffers of `n` slots of `max` bytes
+/// with no barrier between rounds: PE `a`'s segment lands in slot `a` of
+/// the receiver's buffer, and the segment to the right neighbour goes in
+/// two pieces. Each round's sizes and data differ (stale data fails the
+/// check), and every PE checks every slot it received against the data
+/// computed here.
+pub fn all_to_all(w: &mut World, rank: usize, n: usize, seed: u64, rounds: usize, max: usize) {
+    use xcall_shmem::{Incoming, Outgoing};
+    let bufs = [w.malloc(n * max).unwrap(), w.malloc(n * max).unwrap()];
+    w.barrier_all().unwrap();
+    let right = (rank + 1) % n;
+    for round in 0..rounds {
+        let buf = bufs[round % 2];
+        let data: Vec<Vec<u8>> = (0..n)
+            .map(|to| segment_data(seed, rank, to, round, segment_bytes(rank, to, round, max)))
+            .collect();
+        let mut outgoing = Vec::new();
+        for (to, d) in data.iter().enumerate() {
+            let dest = buf + (rank * max) as u64;
+            let src = d.as_ptr() as u64;
+            if to == right && d.len() > 1 {
+                let half = d.len() / 2;
+                outgoing.push(Outgoing {
+                    pe: to,
+                    src,
+                    dest,
+                    bytes: half,
+                });
+                outgoing.push(Outgoing {
+                    pe: to,
+                    src: src + half as u64,
+                    dest: dest + half as u64,
+                    bytes: d.len() - half,
+                });
+            } else {
+                outgoing.push(Outgoing {
+                    pe: to,
+                    src,
+                    dest,
+                    bytes: d.len(),
+                });
+            }
+        }
+        let mut incoming = Vec::new();
+        for from in 0..n {
+            let bytes = segment_bytes(from, rank, round, max);
+            let dest = buf + (from * max) as u64;
+            if rank == (from + 1) % n && bytes > 1 {
+                let half = bytes / 2;
+                incoming.push(Incoming {
+                    pe: from,
+                    dest,
+                    bytes: half,
+                });
+                incoming.push(Incoming {
+                    pe: from,
+                    dest: dest + half as u64,
+                    bytes: bytes - half,
+                });
+            } else {
+                incoming.push(Incoming {
+                    pe: from,
+                    dest,
+                    bytes,
+                });
+            }
+        }
+        // SAFETY: every src is a live vector of its bytes.
+        unsafe { w.exchange(&outgoing, &incoming) }.unwrap();
+        for from in 0..n {
+            let bytes = segment_bytes(from, rank, round, max);
+            let want = segment_data(seed, from, rank, round, bytes);
+            // SAFETY: slot `from` of this PE's buffer, `max` >= bytes.
+            let got = unsafe {
+                std::slice::from_raw_parts((buf + (from * max) as u64) as *const u8, bytes)
+            };
+            assert!(
+                got == want.as_slice(),
+                "rank {rank}, round {round}: the segment from PE {from}"
+            );
+        }
+    }
+    w.barrier_all().unwrap();
+    for b in bufs {
+        w.free(b).unwrap();
+    }
 }

@@ -1,0 +1,356 @@
+//! CUDA worlds whose pairs all take NCCL (`Pairs::Nccl`, the path of peers
+//! on other hosts): a world of one PE exchanging with itself (one GPU, also
+//! captured into a graph), two GPUs in one process, two processes on
+//! NCCL's network path (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`), and a
+//! process that dies before its exchange (its peer fails within the
+//! timeout). Every receive buffer is poisoned first and every byte checked
+//! against data computed on the receiving side.
+//!
+//! Skips without a GPU or without NCCL unless XCALL_REQUIRE_CUDA=1; the
+//! two-GPU tests skip on a one-GPU machine with a SKIP line.
+
+use std::ffi::c_void;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+use xcall_core::testing::{cuda_devices_or_skip, cuda_required, run_threads, skip, watchdog};
+use xcall_core::{Device, Status};
+use xcall_shmem::{Config, Incoming, Outgoing, Pairs, Transport, World};
+
+mod common;
+
+/// Set in a child process: "ROLE:RANK:ADDRESS".
+const PE_ENV: &str = "XCALL_SHMEM_CUDA_TEST_PE";
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The GPU count when there is a GPU and NCCL loads; else a SKIP line
+/// (a failure under XCALL_REQUIRE_CUDA=1).
+fn gpus_with_nccl(test: &str, need: usize) -> bool {
+    let Some(n) = cuda_devices_or_skip(test) else {
+        return false;
+    };
+    match xcall_shmem::nccl::library() {
+        Ok(lib) => eprintln!("{test}: NCCL {} at {}", lib.version(), lib.path().display()),
+        Err(e) if cuda_required() => panic!("{test}: XCALL_REQUIRE_CUDA=1 but {e}"),
+        Err(e) => {
+            skip(test, &e.to_string());
+            return false;
+        }
+    }
+    if n < need {
+        skip(test, &format!("needs {need} GPUs, this machine has {n}"));
+        return false;
+    }
+    true
+}
+
+fn config(c: Config) -> Config {
+    Config {
+        heap_bytes: Some(64 << 20),
+        timeout: Duration::from_secs(30),
+        pairs: Some(Pairs::Nccl),
+        ..c
+    }
+}
+
+/// Writes `bytes` into this PE's heap at `addr` (a put to itself).
+fn write_own(w: &mut World, addr: u64, bytes: &[u8]) {
+    let me = w.rank().unwrap();
+    // SAFETY: `bytes` is a live slice.
+    unsafe { w.put(addr, bytes.as_ptr() as u64, bytes.len(), me) }.unwrap();
+}
+
+fn read_own(w: &mut World, addr: u64, bytes: usize) -> Vec<u8> {
+    let mut v = vec![0u8; bytes];
+    let me = w.rank().unwrap();
+    // SAFETY: `v` has `bytes` bytes.
+    unsafe { w.get(v.as_mut_ptr() as u64, addr, bytes, me) }.unwrap();
+    v
+}
+
+/// The segments of one all-to-all round: PE `a`'s data for `b` at slot
+/// `b` of `send`, landing in slot `a` of `recv` on `b`.
+fn segments(
+    rank: usize,
+    n: usize,
+    round: usize,
+    max: usize,
+    (send, recv): (u64, u64),
+) -> (Vec<Outgoing>, Vec<Incoming>) {
+    let outgoing = (0..n)
+        .map(|to| Outgoing {
+            pe: to,
+            src: send + (to * max) as u64,
+            dest: recv + (rank * max) as u64,
+            bytes: common::segment_bytes(rank, to, round, max),
+        })
+        .collect();
+    let incoming = (0..n)
+        .map(|from| Incoming {
+            pe: from,
+            dest: recv + (from * max) as u64,
+            bytes: common::segment_bytes(from, rank, round, max),
+        })
+        .collect();
+    (outgoing, incoming)
+}
+
+/// Fills slot `b` of `send` with this round's data for PE `b` and
+/// poisons `recv` (no peer writes it before this PE's exchange: NCCL's
+/// receives are this PE's own calls).
+fn prepare(w: &mut World, rank: usize, n: usize, round: usize, max: usize, bufs: (u64, u64)) {
+    for to in 0..n {
+        let bytes = common::segment_bytes(rank, to, round, max);
+        let data = common::segment_data(5, rank, to, round, bytes);
+        write_own(w, bufs.0 + (to * max) as u64, &data);
+    }
+    write_own(w, bufs.1, &vec![0xa5; n * max]);
+}
+
+fn check(w: &mut World, rank: usize, n: usize, round: usize, max: usize, recv: u64) {
+    let got = read_own(w, recv, n * max);
+    for from in 0..n {
+        let bytes = common::segment_bytes(from, rank, round, max);
+        let want = common::segment_data(5, from, rank, round, bytes);
+        let slot = &got[from * max..from * max + bytes];
+        assert!(
+            slot == want.as_slice(),
+            "rank {rank}, round {round}: PE {from}'s segment"
+        );
+        assert!(
+            got[from * max + bytes..(from + 1) * max]
+                .iter()
+                .all(|&b| b == 0xa5),
+            "rank {rank}, round {round}: bytes past PE {from}'s segment were written"
+        );
+    }
+}
+
+/// Rounds of all-to-all exchanges, blocking and on a stream of the
+/// caller's, every pair through NCCL.
+fn rounds(w: &mut World, rank: usize, n: usize) {
+    for pe in 0..n {
+        assert_eq!(w.transport(pe).unwrap(), Transport::Nccl);
+    }
+    let max = 300_000;
+    let bufs = (w.malloc(n * max).unwrap(), w.malloc(n * max).unwrap());
+    // A peer's object has no address here; this PE's own has.
+    assert_eq!(w.ptr(rank, bufs.1), Some(bufs.1));
+    if n > 1 {
+        let peer = (rank + 1) % n;
+        assert_eq!(w.ptr(peer, bufs.1), None);
+        let x = [1u8; 8];
+        // SAFETY: `x` has 8 bytes.
+        let e = unsafe { w.put(bufs.1, x.as_ptr() as u64, 8, peer) }.unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported, "{e}");
+        assert!(e.to_string().contains("World::exchange"), "{e}");
+    }
+    let ctx = CudaContext::new(w.device_of(rank).unwrap().ordinal as usize).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let raw: *mut c_void = s.cu_stream().cast();
+    for round in 0..6 {
+        prepare(w, rank, n, round, max, bufs);
+        w.barrier_all().unwrap();
+        let (out, inc) = segments(rank, n, round, max, bufs);
+        if round % 2 == 0 {
+            // SAFETY: every segment lies in this PE's heap objects.
+            unsafe { w.exchange(&out, &inc) }.unwrap();
+        } else {
+            // SAFETY: as above, and the stream is synchronized below.
+            unsafe { w.exchange_on_stream(&out, &inc, raw) }.unwrap();
+            s.synchronize().unwrap();
+        }
+        check(w, rank, n, round, max, bufs.1);
+        w.barrier_all().unwrap();
+    }
+    w.free(bufs.1).unwrap();
+    w.free(bufs.0).unwrap();
+}
+
+#[test]
+fn one_gpu_exchanges_with_itself_through_nccl() {
+    let _s = serial();
+    if !gpus_with_nccl("shmem nccl one pe", 1) {
+        return;
+    }
+    let mut w = World::new();
+    w.init(&config(Config::in_process(
+        "nccl-one",
+        0,
+        1,
+        Device::cuda(0),
+    )))
+    .unwrap();
+    rounds(&mut w, 0, 1);
+    // barrier_on_stream needs addressable peers.
+    let e = w.barrier_on_stream(std::ptr::null_mut()).unwrap_err();
+    assert_eq!(e.status(), Status::Unsupported, "{e}");
+
+    // Captured into a graph and replayed for new data.
+    let max = 1 << 20;
+    let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let raw: *mut c_void = s.cu_stream().cast();
+    let (out, inc) = segments(0, 1, 100, max, bufs);
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    // SAFETY: the segments lie in this PE's objects, alive until the end.
+    let captured = unsafe { w.exchange_on_stream(&out, &inc, raw) };
+    let graph = s
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap();
+    captured.unwrap();
+    let graph = graph.expect("a captured graph");
+    for replay in 0..3 {
+        // Round 100's sizes, fresh data each replay.
+        let bytes = common::segment_bytes(0, 0, 100, max);
+        let data = common::segment_data(7 + replay, 0, 0, 100, bytes);
+        write_own(&mut w, bufs.0, &data);
+        write_own(&mut w, bufs.1, &vec![0xa5; max]);
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        let got = read_own(&mut w, bufs.1, max);
+        assert!(got[..bytes] == data[..], "replay {replay}");
+        assert!(got[bytes..].iter().all(|&b| b == 0xa5), "replay {replay}");
+    }
+    drop(graph);
+    w.free(bufs.1).unwrap();
+    w.free(bufs.0).unwrap();
+    assert!(w.finalize().unwrap().leaked.is_empty());
+}
+
+#[test]
+fn two_gpus_one_process_through_nccl() {
+    let _s = serial();
+    if !gpus_with_nccl("shmem nccl spmt", 2) {
+        return;
+    }
+    run_threads("nccl spmt", 2, watchdog(), |rank| {
+        let mut w = World::new();
+        w.init(&config(Config::in_process(
+            "nccl-spmt",
+            rank,
+            2,
+            Device::cuda(rank as u32),
+        )))
+        .unwrap();
+        rounds(&mut w, rank, 2);
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
+}
+
+fn spawn(test: &str, role: &str, rank: usize, address: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(PE_ENV, format!("{role}:{rank}:{address}"))
+        .env("NCCL_P2P_DISABLE", "1")
+        .env("NCCL_SHM_DISABLE", "1")
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for both children under the watchdog; returns their success.
+fn wait_both(what: &str, mut children: Vec<Child>) -> Vec<bool> {
+    let deadline = Instant::now() + watchdog();
+    let mut done = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r].is_none() {
+                done[r] = c.try_wait().unwrap();
+            }
+        }
+        if Instant::now() >= deadline {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            panic!("watchdog: {what}: still running after {:?}", watchdog());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done.into_iter().map(|s| s.unwrap().success()).collect()
+}
+
+fn free_address() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// A child's part: "ROLE:RANK:ADDRESS" from [`PE_ENV`].
+fn child(spec: &str) {
+    let mut parts = spec.splitn(3, ':');
+    let (role, rank, address) = (
+        parts.next().unwrap(),
+        parts.next().unwrap().parse::<usize>().unwrap(),
+        parts.next().unwrap(),
+    );
+    let mut c = config(Config::tcp(address, rank, 2, Device::cuda(rank as u32)));
+    if role == "dies" {
+        c.timeout = Duration::from_secs(10);
+    }
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    match role {
+        "rounds" => {
+            rounds(&mut w, rank, 2);
+            assert!(w.finalize().unwrap().leaked.is_empty());
+        }
+        _ if rank == 1 => {
+            // Leaves without a word once the world is up.
+            w.barrier_all().unwrap();
+            std::process::exit(0);
+        }
+        _ => {
+            w.barrier_all().unwrap();
+            let buf = w.malloc(1 << 20).unwrap();
+            let (out, inc) = segments(0, 2, 0, 1 << 19, (buf, buf + (1 << 19)));
+            let started = Instant::now();
+            // SAFETY: the segments lie in `buf`.
+            let r = unsafe { w.exchange(&out, &inc) };
+            let e = r.expect_err("rank 1 is gone");
+            assert!(
+                matches!(
+                    e.status(),
+                    Status::Timeout | Status::PeerFailed | Status::System
+                ),
+                "{e}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(40), "{e}");
+            eprintln!("rank 0 after rank 1 died: {e}");
+            // Only finalize remains, and it does not hang.
+            let e2 = w.finalize().unwrap_err();
+            eprintln!("rank 0 finalize: {e2}");
+        }
+    }
+}
+
+#[test]
+fn two_processes_on_nccls_network_path() {
+    let _s = serial();
+    if let Ok(spec) = std::env::var(PE_ENV) {
+        child(&spec);
+        return;
+    }
+    if !gpus_with_nccl("shmem nccl two processes", 2) {
+        return;
+    }
+    let test = "two_processes_on_nccls_network_path";
+    let address = free_address();
+    let children = (0..2).map(|r| spawn(test, "rounds", r, &address)).collect();
+    assert_eq!(
+        wait_both("2 processes through NCCL", children),
+        [true, true]
+    );
+    // Rank 1 dies after init: rank 0 fails with an error, never hangs.
+    let address = free_address();
+    let started = Instant::now();
+    let children = (0..2).map(|r| spawn(test, "dies", r, &address)).collect();
+    assert_eq!(wait_both("a peer that dies", children), [true, true]);
+    eprintln!("the failure took {:?}", started.elapsed());
+}
