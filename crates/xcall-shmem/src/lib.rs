@@ -11,27 +11,25 @@
 //! [`World::ptr`] turns a local address into a peer's. See [`world`] for
 //! init and finalize step by step, [`registry`] for per-device state.
 //!
-//! Transports: Host, same process: plain memory. Host, other process: POSIX
-//! shared memory. CUDA, same process: direct device pointers after enabling
-//! peer access (never IPC handles inside one process: they fail there).
-//! CUDA, other process: CUDA IPC handles. Copies on CUDA use the copy
-//! engine (`cuMemcpyAsync` on mapped pointers).
+//! Transports (per pair, [`World::transport`]): Host, same process:
+//! plain memory. Host, other process: POSIX shared memory. CUDA, same
+//! process: direct device pointers after enabling peer access (never IPC
+//! handles inside one process: they fail there). CUDA, other process: CUDA
+//! IPC handles. CUDA, another host (or every pair with [`Pairs::Nccl`]):
+//! NCCL ([`nccl`], opened at run time), through [`World::exchange`]. Copies
+//! on CUDA use the copy engine (`cuMemcpyAsync` on mapped pointers).
 //!
-//! # Multi-node (the bootstrap built, the transport planned)
-//! A world spanning hosts keeps the same API. Its bootstrap is built: the
-//! TCP bootstrap ([`bootstrap::Tcp`], the same star collectives as the
-//! Unix socket) with ranks from torchrun, `mpirun` or `srun`
-//! ([`launch`]). What is missing is
-//! - a transport for peers on other hosts: they are not directly
-//!   addressable, so [`World::ptr`] returns `None` for them and put/get go
-//!   through a proxy: an NCCL communicator (ncclSend/ncclRecv, or NCCL's
-//!   symmetric windows registered at the same heap offset on every rank)
-//!   or InfiniBand verbs with the heap registered as one memory region.
-//!   Signals become RDMA atomics. Peers on the same host keep the direct
-//!   transports; init exchanges (host, pid, device) already and would pick
-//!   the transport per pair.
-//!
-//! Today a peer on another host is refused at init with a clear error.
+//! # Multi-node
+//! A CUDA world spanning hosts keeps the same API: the TCP bootstrap
+//! ([`bootstrap::Tcp`]) with ranks from torchrun, `mpirun` or `srun`
+//! ([`launch`]), and NCCL for the pairs on other hosts. Those peers are
+//! not addressable: [`World::ptr`] returns `None` for them and data moves
+//! with [`World::exchange`], a collective whose NCCL part is one
+//! send/receive group. Still planned:
+//! - one-sided `put`/`put_signal` across hosts on NCCL 2.29's windows
+//!   (`ncclPutSignal`, detected and reported, not used yet);
+//! - a Host transport across hosts (a Host world spans one host);
+//! - `barrier_on_stream` in a world with NCCL pairs.
 
 #![deny(missing_docs)]
 

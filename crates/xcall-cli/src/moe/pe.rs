@@ -85,7 +85,7 @@ use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache, Outcome};
 use xcall_permute::call::Target;
 use xcall_permute::{ExpertGroups, RowIdMapOptions};
-use xcall_shmem::{Cmp, Config, SignalOp, World};
+use xcall_shmem::{Cmp, Config, Incoming, Outgoing, SignalOp, Transport, World};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::{GroupScales, OpConfig, RaggedGroups};
@@ -161,6 +161,71 @@ pub struct Pe {
     sizes: Vec<(u64, usize, BufferRole)>,
     gpu: Option<Gpu>,
     ops: OpConfig,
+    /// Some peer is reached through NCCL: the copy exchange moves its
+    /// slots with `World::exchange` (NCCL send/receive groups).
+    nccl: bool,
+}
+
+/// The segments of the copy exchange on PE `me` as one
+/// `World::exchange`: the dispatch (`combine == false`: dropless, each
+/// slot's counts first, then the slot of `rows`) or the combine (the
+/// results' slots), with the slot indices of the `put_signal` path (see
+/// the module docs). PE `me + j` receives what `me` sends it, in order.
+fn copy_segments(
+    shape: &Shape,
+    b: &Buffers,
+    me: usize,
+    combine: bool,
+) -> (Vec<Outgoing>, Vec<Incoming>) {
+    let p = shape.pes;
+    let slot = Pe::slot_bytes(shape) as u64;
+    let l = shape.local_experts() as u64;
+    let (mut out, mut inc) = (Vec::new(), Vec::new());
+    for j in 1..p as u64 {
+        let to = (me + j as usize) % p;
+        let from = (me + p - j as usize) % p;
+        if combine {
+            out.push(Outgoing {
+                pe: to,
+                src: b.results + (j - 1) * slot,
+                dest: b.results + (2 * p as u64 - 1 - j) * slot,
+                bytes: slot as usize,
+            });
+            inc.push(Incoming {
+                pe: from,
+                dest: b.results + (2 * p as u64 - 1 - j) * slot,
+                bytes: slot as usize,
+            });
+            continue;
+        }
+        let counts = b.counts + (p as u64 - 1 - j) * l * 8;
+        let rows = b.rows + (p as u64 - 1 - j) * slot;
+        if shape.dropless {
+            out.push(Outgoing {
+                pe: to,
+                src: b.layer.tpe + j * l * 8,
+                dest: counts,
+                bytes: (l * 8) as usize,
+            });
+            inc.push(Incoming {
+                pe: from,
+                dest: counts,
+                bytes: (l * 8) as usize,
+            });
+        }
+        out.push(Outgoing {
+            pe: to,
+            src: b.rows + (p as u64 - 1 + j) * slot,
+            dest: rows,
+            bytes: slot as usize,
+        });
+        inc.push(Incoming {
+            pe: from,
+            dest: rows,
+            bytes: slot as usize,
+        });
+    }
+    (out, inc)
 }
 
 impl Pe {
@@ -257,7 +322,18 @@ impl Pe {
                 .collect(),
             gpu,
             ops: OpConfig::default(),
+            nccl: false,
         };
+        for q in 0..p {
+            if q != rank && pe.world.transport(q).context("shmem transport")? == Transport::Nccl {
+                if shape.fused {
+                    return Err(format!(
+                        "--exchange fused needs every PE addressable, and PE {q} is reached through NCCL: use --exchange copy"
+                    ));
+                }
+                pe.nccl = true;
+            }
+        }
         let zeros = vec![0u8; p * 8];
         pe.write(b.dispatch, &zeros)?;
         pe.write(b.combine, &zeros)?;
@@ -586,16 +662,21 @@ impl Pe {
         // there, only the signal goes). Dropless, each slot's row counts
         // go with it.
         let (counts, copy) = (s.dropless, !s.fused);
-        self.exchange(
-            b.rows,
-            (|j| p - 1 + j, |j| p - 1 - j),
-            b.dispatch,
-            (counts, copy),
-            stream,
-        )
-        .context("dispatch put_signal")?;
-        self.mark(marks)?;
-        self.await_all(b.dispatch, waits)?;
+        if self.nccl {
+            self.exchange_all(false, stream)?;
+            self.mark(marks)?;
+        } else {
+            self.exchange(
+                b.rows,
+                (|j| p - 1 + j, |j| p - 1 - j),
+                b.dispatch,
+                (counts, copy),
+                stream,
+            )
+            .context("dispatch put_signal")?;
+            self.mark(marks)?;
+            self.await_all(b.dispatch, waits)?;
+        }
         self.mark(marks)?;
         self.experts(stream)?;
         self.mark(marks)?;
@@ -603,16 +684,21 @@ impl Pe {
         // `rows`) go back to it, into the slot of its send slot P - j (the
         // one it sent to me): slot 2P - 1 - j of its `results`. Fused,
         // only the signal goes: PE me + j reads them where they are.
-        self.exchange(
-            b.results,
-            (|j| j - 1, |j| 2 * p - 1 - j),
-            b.combine,
-            (false, copy),
-            stream,
-        )
-        .context("combine put_signal")?;
-        self.mark(marks)?;
-        self.await_all(b.combine, waits)?;
+        if self.nccl {
+            self.exchange_all(true, stream)?;
+            self.mark(marks)?;
+        } else {
+            self.exchange(
+                b.results,
+                (|j| j - 1, |j| 2 * p - 1 - j),
+                b.combine,
+                (false, copy),
+                stream,
+            )
+            .context("combine put_signal")?;
+            self.mark(marks)?;
+            self.await_all(b.combine, waits)?;
+        }
         self.mark(marks)?;
         if s.fused {
             // Destination j's results are in PE me + j's `results`, in the
@@ -707,6 +793,19 @@ impl Pe {
             .map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// The copy exchange's dispatch or combine as one `World::exchange`
+    /// on `stream` (a world with NCCL pairs; its waits are the
+    /// exchange's own, so its "wait" phase is empty).
+    fn exchange_all(&mut self, combine: bool, stream: *mut c_void) -> Res<()> {
+        let (out, inc) = copy_segments(&self.shape, &self.b, self.rank, combine);
+        let what = if combine { "combine" } else { "dispatch" };
+        // SAFETY: every segment is a slot (or a slot's counts) of this
+        // PE's heap buffers, alive for the world's life, and no PE writes
+        // a slot that its owner still reads (see the module docs).
+        unsafe { self.world.exchange_on_stream(&out, &inc, stream) }
+            .map_err(|e| format!("{what} exchange: {e}"))
     }
 
     /// Waits until every peer set its word of the signal array at `base`,
@@ -811,4 +910,103 @@ fn resident_bytes() -> Option<u64> {
     // SAFETY: sysconf reads a constant of the system.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     u64::try_from(page).ok()?.checked_mul(pages)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xcall_core::DType;
+
+    fn shape(pes: usize, dropless: bool) -> Shape {
+        Shape {
+            pes,
+            tokens: 64,
+            hidden: 16,
+            experts: 4 * pes,
+            topk: 2,
+            dtype: DType::F32,
+            capacity: 40,
+            dropless,
+            fused: false,
+        }
+    }
+
+    fn buffers() -> Buffers {
+        Buffers {
+            layer: Layer {
+                x: 1 << 40,
+                routing: 2 << 40,
+                probs: 3 << 40,
+                map: 4 << 40,
+                tpe: (5 << 40) + 4096,
+                offsets: 6 << 40,
+            },
+            counts: 5 << 40,
+            rows: 7 << 40,
+            results: 8 << 40,
+            y: 9 << 40,
+            dispatch: 10 << 40,
+            combine: 11 << 40,
+            scales: 12 << 40,
+        }
+    }
+
+    /// Every PE's exchange pairs up with every other's (NCCL's rule: the
+    /// same bytes to the same place, in order), fills each receive slot
+    /// exactly once, and sends from the send half only.
+    #[test]
+    fn copy_segments_pair_up_and_cover_every_receive_slot() {
+        let b = buffers();
+        for pes in [1, 2, 3, 5] {
+            for dropless in [false, true] {
+                let s = shape(pes, dropless);
+                let slot = Pe::slot_bytes(&s) as u64;
+                for combine in [false, true] {
+                    let all: Vec<_> = (0..pes)
+                        .map(|me| copy_segments(&s, &b, me, combine))
+                        .collect();
+                    let per_peer = if dropless && !combine { 2 } else { 1 };
+                    for (a, (out, inc)) in all.iter().enumerate() {
+                        assert_eq!(out.len(), (pes - 1) * per_peer);
+                        assert_eq!(inc.len(), (pes - 1) * per_peer);
+                        for q in (0..pes).filter(|&q| q != a) {
+                            let sent: Vec<(u64, usize)> = out
+                                .iter()
+                                .filter(|o| o.pe == q)
+                                .map(|o| (o.dest, o.bytes))
+                                .collect();
+                            let got: Vec<(u64, usize)> = all[q]
+                                .1
+                                .iter()
+                                .filter(|i| i.pe == a)
+                                .map(|i| (i.dest, i.bytes))
+                                .collect();
+                            assert_eq!(
+                                sent, got,
+                                "P={pes} dropless={dropless} combine={combine}: {a} -> {q}"
+                            );
+                        }
+                        assert!(out.iter().all(|o| o.pe != a) && inc.iter().all(|i| i.pe != a));
+                        let (base, recv_half, send_half) = match combine {
+                            // Results: send the first P - 1 slots, receive into the last P - 1.
+                            true => (b.results, pes as u64..2 * pes as u64 - 1, 0..pes as u64 - 1),
+                            // Rows: receive into the first P - 1, send the last P - 1.
+                            false => (b.rows, 0..pes as u64 - 1, pes as u64..2 * pes as u64 - 1),
+                        };
+                        let mut slots: Vec<u64> = inc
+                            .iter()
+                            .filter(|i| i.bytes == slot as usize && i.dest >= base)
+                            .map(|i| (i.dest - base) / slot)
+                            .collect();
+                        slots.sort();
+                        assert_eq!(slots, recv_half.collect::<Vec<_>>());
+                        for o in out.iter().filter(|o| o.bytes == slot as usize) {
+                            assert!(send_half.contains(&((o.src - base) / slot)));
+                            assert_eq!((o.src - base) % slot, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -19,8 +19,8 @@ pub enum BootstrapKind {
     },
     /// Processes on any hosts, meeting at a TCP address (rank 0 listens
     /// at `address`, `host:port`; see [`crate::launch`] for the launchers'
-    /// variables that give it). Today every PE must still be on one host:
-    /// init refuses a peer on another with a clear error.
+    /// variables that give it). A CUDA world reaches PEs on other hosts
+    /// through NCCL; a Host world refuses them at init.
     Tcp {
         /// `host:port` of rank 0.
         address: String,
