@@ -334,6 +334,8 @@ struct PeLog {
     input_wait: Duration,
     /// Memory in use after the warm-up step and after the last step.
     memory: (Option<u64>, Option<u64>),
+    /// Some pair of the PE's world took NCCL.
+    nccl: bool,
 }
 
 /// The progress of a run: the bar when one is drawn, else a line on
@@ -456,6 +458,7 @@ fn run_pe(
         }
     };
     pe.barrier()?;
+    log.nccl = pe.nccl();
     log.copy_ms = pe.copy_ms()?;
     pe.barrier()?;
     pe.finish()?;
@@ -745,6 +748,8 @@ fn report(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
         if s.fused {
             "fused (permute writes the peers' slots, unpermute reads them)"
+        } else if pes.iter().any(|l| l.nccl) {
+            "copy (whole slots, one World::exchange per phase, through NCCL)"
         } else {
             "copy (whole slots with put_signal)"
         },

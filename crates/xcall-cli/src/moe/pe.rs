@@ -415,6 +415,11 @@ impl Pe {
         Ok(y)
     }
 
+    /// Whether some peer is reached through NCCL.
+    pub fn nccl(&self) -> bool {
+        self.nccl
+    }
+
     /// This PE's rank.
     pub fn rank(&self) -> usize {
         self.rank
