@@ -204,15 +204,7 @@ impl Library {
         let mut code: c_int = 0;
         // SAFETY: writes one int.
         let r = unsafe { get_version(&mut code) };
-        if r != SUCCESS || code <= 0 {
-            return Err(format!("ncclGetVersion failed ({r})"));
-        }
-        let version = Version::from_code(code as u32);
-        if version < MIN_VERSION {
-            return Err(format!(
-                "it is NCCL {version}; xcall needs {MIN_VERSION} or newer (non-blocking communicators)"
-            ));
-        }
+        let version = usable_version(r, code)?;
         let one_sided = ["ncclCommWindowRegister", "ncclPutSignal", "ncclWaitSignal"]
             .iter()
             .all(|name| {
@@ -288,6 +280,21 @@ impl Library {
             ShmemError::System(msg)
         }
     }
+}
+
+/// The version `ncclGetVersion` returned (`r`, `code`), when xcall can use
+/// it.
+fn usable_version(r: NcclResult, code: c_int) -> std::result::Result<Version, String> {
+    if r != SUCCESS || code <= 0 {
+        return Err(format!("ncclGetVersion failed ({r}, version {code})"));
+    }
+    let version = Version::from_code(code as u32);
+    if version < MIN_VERSION {
+        return Err(format!(
+            "it is NCCL {version}; xcall needs {MIN_VERSION} or newer (non-blocking communicators)"
+        ));
+    }
+    Ok(version)
 }
 
 /// The places searched after [`LIB_ENV`], in order: the loader's names,
@@ -665,6 +672,32 @@ mod tests {
         assert!(Version::from_code(21400) >= MIN_VERSION);
         assert!(Version::from_code(21399) < MIN_VERSION);
         assert_eq!(MIN_VERSION.code(), 21400);
+    }
+
+    #[test]
+    fn only_a_working_nccl_of_2_14_or_newer_is_used() {
+        assert_eq!(usable_version(SUCCESS, 21400), Ok(MIN_VERSION));
+        assert_eq!(
+            usable_version(SUCCESS, 22803).unwrap().to_string(),
+            "2.28.3"
+        );
+        let old = usable_version(SUCCESS, 21309).unwrap_err();
+        assert!(
+            old.contains("NCCL 2.13.9") && old.contains("2.14.0 or newer"),
+            "{old}"
+        );
+        assert!(usable_version(SUCCESS, 2804)
+            .unwrap_err()
+            .contains("NCCL 2.8.4"));
+        for (r, code) in [
+            (3, 22803),
+            (SUCCESS, 0),
+            (SUCCESS, -1),
+            (IN_PROGRESS, 22803),
+        ] {
+            let e = usable_version(r, code).unwrap_err();
+            assert!(e.starts_with("ncclGetVersion failed"), "{r} {code}: {e}");
+        }
     }
 
     #[test]
