@@ -574,37 +574,23 @@ impl Comm {
             return Err(lib.error("ncclGroupStart", r, self.raw));
         }
         let mut first: Option<ShmemError> = None;
-        for s in sends {
+        let posts = sends
+            .iter()
+            .map(|s| (true, s))
+            .chain(recvs.iter().map(|s| (false, s)));
+        for (send, s) in posts {
+            let (address, peer) = (s.address as *mut c_void, s.peer as c_int);
             // SAFETY: the caller's contract; `peer` is below the size
             // (checked by the world).
             let r = unsafe {
-                (lib.send)(
-                    s.address as *const c_void,
-                    s.bytes,
-                    UINT8,
-                    s.peer as c_int,
-                    self.raw,
-                    stream,
-                )
+                match send {
+                    true => (lib.send)(address, s.bytes, UINT8, peer, self.raw, stream),
+                    false => (lib.recv)(address, s.bytes, UINT8, peer, self.raw, stream),
+                }
             };
             if r != SUCCESS && r != IN_PROGRESS {
-                first.get_or_insert_with(|| lib.error("ncclSend", r, self.raw));
-            }
-        }
-        for s in recvs {
-            // SAFETY: as above.
-            let r = unsafe {
-                (lib.recv)(
-                    s.address as *mut c_void,
-                    s.bytes,
-                    UINT8,
-                    s.peer as c_int,
-                    self.raw,
-                    stream,
-                )
-            };
-            if r != SUCCESS && r != IN_PROGRESS {
-                first.get_or_insert_with(|| lib.error("ncclRecv", r, self.raw));
+                let call = if send { "ncclSend" } else { "ncclRecv" };
+                first.get_or_insert_with(|| lib.error(call, r, self.raw));
             }
         }
         // A group started is always ended, also after a failed call in it.

@@ -257,24 +257,8 @@ fn spawn(test: &str, role: &str, rank: usize, address: &str) -> Child {
 }
 
 /// Waits for both children under the watchdog; returns their success.
-fn wait_both(what: &str, mut children: Vec<Child>) -> Vec<bool> {
-    let deadline = Instant::now() + watchdog();
-    let mut done = vec![None; children.len()];
-    while done.iter().any(Option::is_none) {
-        for (r, c) in children.iter_mut().enumerate() {
-            if done[r].is_none() {
-                done[r] = c.try_wait().unwrap();
-            }
-        }
-        if Instant::now() >= deadline {
-            for c in &mut children {
-                let _ = c.kill();
-            }
-            panic!("watchdog: {what}: still running after {:?}", watchdog());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done.into_iter().map(|s| s.unwrap().success()).collect()
+fn wait_both(what: &str, children: Vec<Child>) -> Vec<bool> {
+    common::wait_children(what, children, watchdog())
 }
 
 fn free_address() -> String {

@@ -75,28 +75,13 @@ fn spawn(launcher: &str, r: usize, n: usize, port: u16, role: &str) -> Child {
         .unwrap()
 }
 
-/// Waits for every child; kills the rest and fails after `limit`.
-fn wait_all(what: &str, mut children: Vec<Child>, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    let mut done = vec![None; children.len()];
-    while done.iter().any(Option::is_none) {
-        for (r, c) in children.iter_mut().enumerate() {
-            if done[r].is_none() {
-                done[r] = c.try_wait().unwrap();
-            }
-        }
-        if Instant::now() >= deadline {
-            let stuck: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
-            for &r in &stuck {
-                let _ = children[r].kill();
-                let _ = children[r].wait();
-            }
-            panic!("watchdog: {what}: rank(s) {stuck:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for (r, status) in done.into_iter().enumerate() {
-        assert!(status.unwrap().success(), "{what}: rank {r} failed");
+/// Waits for every child under the watchdog; each must succeed.
+fn wait_all(what: &str, children: Vec<Child>, limit: Duration) {
+    for (r, ok) in common::wait_children(what, children, limit)
+        .into_iter()
+        .enumerate()
+    {
+        assert!(ok, "{what}: rank {r} failed");
     }
 }
 
