@@ -104,3 +104,27 @@ impl ShmemError {
 
 /// Result with [`ShmemError`].
 pub type Result<T, E = ShmemError> = std::result::Result<T, E>;
+
+/// Calls `ready` until it returns `Ok(true)` or an error (returned as
+/// is); `Ok(false)` when `timeout` passed first. Spins 64 times, then
+/// yields the thread between calls. Every wait of a PE on its peers (a
+/// signal, an exchange, NCCL's work) polls through it.
+pub(crate) fn poll(
+    timeout: std::time::Duration,
+    mut ready: impl FnMut() -> Result<bool>,
+) -> Result<bool> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut spins = 0u32;
+    loop {
+        if ready()? {
+            return Ok(true);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        spins += 1;
+        if spins > 64 {
+            std::thread::yield_now();
+        }
+    }
+}

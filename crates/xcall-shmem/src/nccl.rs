@@ -32,7 +32,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use xcall_core::cuda::ContextGuard;
 use xcall_core::Device;
@@ -503,18 +503,20 @@ impl Comm {
         Ok(comm)
     }
 
-    /// The communicator's asynchronous error, if it has one (a peer that
-    /// failed or left, a network error); never waits.
-    pub fn check(&self) -> Result<()> {
-        let mut state: NcclResult = SUCCESS;
+    /// Whether the communicator's pending work (init, a group, finalize)
+    /// is done; its asynchronous error (a failed `call`, a peer that
+    /// failed or left, a network error) if it has one. Never waits.
+    pub fn progress(&self, call: &str) -> Result<bool> {
+        let mut state: NcclResult = IN_PROGRESS;
         // SAFETY: a live communicator; writes one result.
         let r = unsafe { (self.lib.async_error)(self.raw, &mut state) };
         if r != SUCCESS {
             return Err(self.lib.error("ncclCommGetAsyncError", r, self.raw));
         }
         match state {
-            SUCCESS | IN_PROGRESS => Ok(()),
-            e => Err(self.lib.error("a transfer", e, self.raw)),
+            SUCCESS => Ok(true),
+            IN_PROGRESS => Ok(false),
+            e => Err(self.lib.error(call, e, self.raw)),
         }
     }
 
@@ -522,32 +524,19 @@ impl Comm {
     /// enqueued: its error if it failed, a timeout after `timeout`, the
     /// error of `healthy` if it fails first.
     fn wait(&self, call: &str, timeout: Duration, healthy: &dyn Fn() -> Result<()>) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let mut spins = 0u32;
-        loop {
-            let mut state: NcclResult = IN_PROGRESS;
-            // SAFETY: a live communicator; writes one result.
-            let r = unsafe { (self.lib.async_error)(self.raw, &mut state) };
-            if r != SUCCESS {
-                return Err(self.lib.error("ncclCommGetAsyncError", r, self.raw));
+        let done = crate::error::poll(timeout, || {
+            if self.progress(call)? {
+                return Ok(true);
             }
-            match state {
-                SUCCESS => return Ok(()),
-                IN_PROGRESS => {}
-                e => return Err(self.lib.error(call, e, self.raw)),
-            }
-            healthy()?;
-            if Instant::now() >= deadline {
-                return Err(ShmemError::Timeout(format!(
-                    "rank {}: NCCL {call} did not complete within {timeout:?} (a peer did not join or stopped)",
-                    self.rank
-                )));
-            }
-            spins += 1;
-            if spins > 64 {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+            healthy().map(|_| false)
+        })?;
+        if done {
+            return Ok(());
         }
+        Err(ShmemError::Timeout(format!(
+            "rank {}: NCCL {call} did not complete within {timeout:?} (a peer did not join or stopped)",
+            self.rank
+        )))
     }
 
     /// Enqueues every send and receive on `stream` as one NCCL group

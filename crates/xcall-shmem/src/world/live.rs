@@ -482,24 +482,20 @@ impl Live {
                 if let Some(comm) = &self.nccl {
                     // NCCL's kernels wait for their peers: poll, so that a
                     // failed or silent peer ends in an error, not a hang.
-                    let deadline = Instant::now() + self.timeout;
-                    let polled = loop {
-                        match s.idle() {
-                            Ok(true) => break Ok(()),
-                            Ok(false) => {}
-                            Err(e) => break Err(e),
-                        }
-                        if let Err(e) = comm.check().and_then(|_| self.state.check()) {
-                            break Err(e);
-                        }
-                        if Instant::now() >= deadline {
-                            break Err(ShmemError::Timeout(format!(
-                                "rank {}: this PE's transfers did not complete within {:?} (a peer of an NCCL pair did not take part)",
-                                self.rank, self.timeout
-                            )));
-                        }
-                        std::thread::sleep(Duration::from_micros(50));
-                    };
+                    let state = &self.state;
+                    let polled = crate::error::poll(self.timeout, || {
+                        let idle = s.idle()?;
+                        comm.progress("a transfer")?;
+                        state.check()?;
+                        Ok(idle)
+                    })
+                    .and_then(|idle| match idle {
+                        true => Ok(()),
+                        false => Err(ShmemError::Timeout(format!(
+                            "rank {}: this PE's transfers did not complete within {:?} (a peer of an NCCL pair did not take part)",
+                            self.rank, self.timeout
+                        ))),
+                    });
                     if let Err(e) = polled {
                         // Aborting the communicator ends its kernels; the
                         // world is failed for every PE of this host.
@@ -547,10 +543,14 @@ impl Live {
         let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Nccl;
         // Every segment is checked before anything moves.
         let (mut copies, mut sends, mut to) = (Vec::new(), Vec::new(), Vec::new());
+        // Which peers got a segment (sent to / received from): one signal
+        // and one wait per peer, however many segments.
+        let (mut sent, mut got) = (vec![false; n], vec![false; n]);
         for o in outgoing {
             self.check_pe(o.pe)?;
-            self.remote(o.dest, o.bytes, me, "exchange destination")?;
             if by_nccl(self, o.pe) {
+                // The receiver writes it; checked here as this PE's object.
+                self.remote(o.dest, o.bytes, me, "exchange destination")?;
                 sends.push(crate::nccl::Segment {
                     peer: o.pe,
                     address: o.src,
@@ -559,7 +559,7 @@ impl Live {
             } else {
                 let dest = self.remote(o.dest, o.bytes, o.pe, "exchange destination")?;
                 copies.push((dest, o.src, o.bytes));
-                if o.pe != me && !to.contains(&o.pe) {
+                if o.pe != me && !std::mem::replace(&mut sent[o.pe], true) {
                     to.push(o.pe);
                 }
             }
@@ -574,7 +574,7 @@ impl Live {
                     address: dest,
                     bytes: i.bytes,
                 });
-            } else if i.pe != me && !from.contains(&i.pe) {
+            } else if i.pe != me && !std::mem::replace(&mut got[i.pe], true) {
                 from.push(i.pe);
             }
         }
@@ -614,20 +614,15 @@ impl Live {
             let word = self.base + exchange_word(n, s);
             match self.device.platform {
                 Platform::Host => {
-                    let deadline = Instant::now() + self.timeout;
-                    let mut spins = 0u32;
-                    while self.read_word(word)? == 0 {
+                    let landed = crate::error::poll(self.timeout, || {
                         self.state.check()?;
-                        if Instant::now() >= deadline {
-                            return Err(ShmemError::Timeout(format!(
-                                "rank {me} waited {:?} for PE {s}'s exchange segments",
-                                self.timeout
-                            )));
-                        }
-                        spins += 1;
-                        if spins > 64 {
-                            std::thread::yield_now();
-                        }
+                        Ok(self.read_word(word)? != 0)
+                    })?;
+                    if !landed {
+                        return Err(ShmemError::Timeout(format!(
+                            "rank {me} waited {:?} for PE {s}'s exchange segments",
+                            self.timeout
+                        )));
                     }
                 }
                 Platform::Cuda => {

@@ -577,29 +577,23 @@ impl World {
         let l = self.live_mut()?;
         let rank = l.rank;
         let sig = l.signal_word(signal, rank)?;
-        let deadline = Instant::now() + l.timeout;
-        let mut spins = 0u32;
-        loop {
-            // A peer that left will never signal: say so now, not at the
-            // timeout.
+        let mut x = 0;
+        // A peer that left will never signal: say so now, not at the
+        // timeout.
+        let held = crate::error::poll(l.timeout, || {
             l.state.check()?;
-            let x = l.read_word(sig)?;
-            if cmp.holds(x, value) {
-                return Ok(x);
-            }
-            if Instant::now() >= deadline {
-                let e = ShmemError::Timeout(format!(
-                    "rank {rank} waited {:?} for signal {signal:#x} {cmp:?} {value}; it holds {x}",
-                    l.timeout
-                ));
-                tracing::warn!(rank, error = %e, "wait_until timed out");
-                return Err(e);
-            }
-            spins += 1;
-            if spins > 64 {
-                std::thread::yield_now();
-            }
+            x = l.read_word(sig)?;
+            Ok(cmp.holds(x, value))
+        })?;
+        if held {
+            return Ok(x);
         }
+        let e = ShmemError::Timeout(format!(
+            "rank {rank} waited {:?} for signal {signal:#x} {cmp:?} {value}; it holds {x}",
+            l.timeout
+        ));
+        tracing::warn!(rank, error = %e, "wait_until timed out");
+        Err(e)
     }
 
     /// Makes the caller's CUDA `stream` wait until the signal word at
