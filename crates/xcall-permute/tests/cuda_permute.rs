@@ -1783,10 +1783,13 @@ fn segmented_permute_and_unpermute_equal_the_host_eager_and_captured() {
         let target = gpu.target(true);
         let poison_all = || {
             for p in host_segs.iter().chain(std::iter::once(&y)) {
+                // On the test's stream, so the replay comes after it: a
+                // plain cuMemset runs on the legacy stream, which this
+                // non-blocking stream does not wait for.
                 // SAFETY: a live allocation of this context of exactly
-                // these bytes; the stream is idle.
+                // these bytes, on a live stream of that context.
                 unsafe {
-                    sys::cuMemsetD8_v2(p.device, POISON, p.host.len())
+                    sys::cuMemsetD8Async(p.device, POISON, p.host.len(), gpu.stream.cu_stream())
                         .result()
                         .unwrap()
                 };
