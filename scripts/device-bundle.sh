@@ -110,6 +110,8 @@ cat >"$out/run-all.sh" <<'RUN'
 #     each tool. API errors are not reported: negative tests provoke driver
 #     errors on purpose and assert them themselves.
 #   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
+#   NCCL_NVLS_ENABLE is always 0 here: NCCL never creates NVLink SHARP
+#   (multicast) objects, which can take a shared host's GPUs out of service.
 #   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
 #   imports jax and pytest, against the bundle's xcall wheel installed
 #   into <logs>/python-site, twice: XLA command buffers off, then on
@@ -119,6 +121,7 @@ cat >"$out/run-all.sh" <<'RUN'
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export XCALL_REQUIRE_CUDA=${XCALL_REQUIRE_CUDA:-1}
+export NCCL_NVLS_ENABLE=0
 # A boolean as xcall spells it (docs/ENVIRONMENT.md), made 1 or 0 here.
 case "$(printf '%s' "$XCALL_REQUIRE_CUDA" | tr '[:upper:]' '[:lower:]' | tr -d ' ')" in
   1 | true | yes | on) XCALL_REQUIRE_CUDA=1 ;;
