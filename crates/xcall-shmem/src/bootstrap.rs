@@ -446,15 +446,27 @@ fn write_frame(s: &mut impl Conn, data: &[u8]) -> std::io::Result<()> {
     s.write_all(data)
 }
 
-fn read_frame(s: &mut impl Conn, deadline: Instant) -> std::io::Result<Vec<u8>> {
+/// The largest frame a bootstrap sends: one collective's data of every PE
+/// together, as rank 0 answers it.
+pub const MAX_FRAME: usize = 1 << 30;
+
+/// Reads one frame of at most `max` bytes (checked before anything is
+/// allocated).
+fn read_frame(s: &mut impl Conn, deadline: Instant, max: usize) -> std::io::Result<Vec<u8>> {
     let remaining = deadline.saturating_duration_since(Instant::now());
     s.read_timeout(Some(remaining.max(Duration::from_millis(1))))?;
     let mut len = [0u8; 8];
     s.read_exact(&mut len)?;
-    let len = u64::from_le_bytes(len) as usize;
-    if len > 1 << 30 {
-        return Err(std::io::Error::other(format!("frame of {len} bytes")));
-    }
+    let len = u64::from_le_bytes(len);
+    let len = match usize::try_from(len) {
+        Ok(l) if l <= max => l,
+        _ => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a frame of {len} bytes, past the {max} bytes left for it"),
+            ))
+        }
+    };
     let mut data = vec![0u8; len];
     s.read_exact(&mut data)?;
     Ok(data)
@@ -500,7 +512,7 @@ fn gather<S: Conn>(
                 // up for long, nor a stranger's bytes fail the world:
                 // either is dropped (a rank sends its hello as it connects).
                 let hello_by = deadline.min(Instant::now() + HELLO_WAIT);
-                let Ok(hello) = read_frame(&mut s, hello_by) else {
+                let Ok(hello) = read_frame(&mut s, hello_by, 64) else {
                     continue;
                 };
                 if hello.len() != 16 || u32::from_le_bytes(hello[0..4].try_into().unwrap()) != HELLO
@@ -790,12 +802,24 @@ impl<S: Conn> Bootstrap for Star<S> {
         let deadline = Instant::now() + self.timeout;
         if self.rank == 0 {
             let mut all = vec![data.to_vec()];
+            // What rank 0 answers holds every PE's data with its length.
+            let mut left = MAX_FRAME.checked_sub(8 + data.len());
             for r in 1..self.size {
-                match read_frame(&mut self.streams[r - 1], deadline) {
-                    Ok(d) => all.push(d),
+                let Some(room) = left.and_then(|l| l.checked_sub(8)) else {
+                    return Err(self.fail(format!(
+                        "rank 0 stopped a collective at rank {r}: its PEs' data together pass the bootstrap's frame limit of {MAX_FRAME} bytes"
+                    )));
+                };
+                match read_frame(&mut self.streams[r - 1], deadline, room) {
+                    Ok(d) => {
+                        left = room.checked_sub(d.len());
+                        all.push(d);
+                    }
                     Err(e) => {
                         let why = if timed_out(&e) {
                             format!("never arrived within {:?}", self.timeout)
+                        } else if e.kind() == std::io::ErrorKind::InvalidData {
+                            format!("sent more than the collective's data may hold together ({MAX_FRAME} bytes): {e}")
                         } else {
                             format!("left the world ({e})")
                         };
@@ -805,7 +829,7 @@ impl<S: Conn> Bootstrap for Star<S> {
                     }
                 }
             }
-            let mut packed = Vec::new();
+            let mut packed = Vec::with_capacity(all.iter().map(|d| 8 + d.len()).sum());
             for d in &all {
                 packed.extend((d.len() as u64).to_le_bytes());
                 packed.extend(d);
@@ -819,7 +843,7 @@ impl<S: Conn> Bootstrap for Star<S> {
         } else {
             let rank = self.rank;
             let packed = write_frame(&mut self.streams[0], data)
-                .and_then(|()| read_frame(&mut self.streams[0], deadline));
+                .and_then(|()| read_frame(&mut self.streams[0], deadline, MAX_FRAME));
             let packed = match packed {
                 Ok(p) => p,
                 Err(e) => {
@@ -831,19 +855,30 @@ impl<S: Conn> Bootstrap for Star<S> {
                     return Err(self.fail(format!("rank {rank} in a collective: {why}")));
                 }
             };
-            let mut all = Vec::with_capacity(self.size);
-            let mut at = 0;
-            while at + 8 <= packed.len() {
-                let len = u64::from_le_bytes(packed[at..at + 8].try_into().unwrap()) as usize;
-                all.push(packed[at + 8..at + 8 + len].to_vec());
-                at += 8 + len;
+            match unpack(&packed, self.size) {
+                Some(all) => Ok(all),
+                None => Err(self.fail(format!("rank {rank}: malformed answer from rank 0"))),
             }
-            if all.len() != self.size {
-                return Err(self.fail(format!("rank {rank}: malformed answer from rank 0")));
-            }
-            Ok(all)
         }
     }
+}
+
+/// The `size` records of rank 0's answer (each a little-endian u64 length
+/// and its bytes), or `None` when it is not exactly that.
+fn unpack(packed: &[u8], size: usize) -> Option<Vec<Vec<u8>>> {
+    let mut all = Vec::with_capacity(size.min(packed.len() / 8));
+    let mut rest = packed;
+    while !rest.is_empty() {
+        let (len, tail) = rest.split_first_chunk::<8>()?;
+        let len = usize::try_from(u64::from_le_bytes(*len)).ok()?;
+        if len > tail.len() {
+            return None;
+        }
+        let (record, tail) = tail.split_at(len);
+        all.push(record.to_vec());
+        rest = tail;
+    }
+    (all.len() == size).then_some(all)
 }
 
 #[cfg(test)]
@@ -984,5 +1019,50 @@ mod tests {
     fn same_user_accepts_this_process() {
         let (a, _b) = UnixStream::pair().unwrap();
         assert_eq!(same_user(&a), Ok(()));
+    }
+
+    /// Rank 0's answer is split into exactly `size` records; a length
+    /// past the end, a short tail or a wrong count is malformed (never a
+    /// panic), and empty records count.
+    #[test]
+    fn answers_unpack_exactly_or_not_at_all() {
+        let pack = |records: &[&[u8]]| {
+            let mut p = Vec::new();
+            for r in records {
+                p.extend((r.len() as u64).to_le_bytes());
+                p.extend(*r);
+            }
+            p
+        };
+        let good = pack(&[b"ab", b"", b"xyz"]);
+        assert_eq!(
+            unpack(&good, 3),
+            Some(vec![b"ab".to_vec(), vec![], b"xyz".to_vec()])
+        );
+        assert_eq!(unpack(&good, 2), None);
+        assert_eq!(unpack(&good, 4), None);
+        assert_eq!(unpack(&good[..good.len() - 1], 3), None);
+        assert_eq!(unpack(&good[..5], 1), None);
+        let mut huge = good.clone();
+        huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(unpack(&huge, 3), None);
+        assert_eq!(unpack(&[], 0), Some(vec![]));
+    }
+
+    /// A frame longer than the room left is refused from its length alone,
+    /// before its bytes are read or allocated; one that fits is read.
+    #[test]
+    fn frames_past_their_room_are_refused_by_length() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let by = || Instant::now() + Duration::from_secs(5);
+        write_frame(&mut a, b"0123456789").unwrap();
+        assert_eq!(read_frame(&mut b, by(), 10).unwrap(), b"0123456789");
+        write_frame(&mut a, b"0123456789").unwrap();
+        let e = read_frame(&mut b, by(), 9).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains("10 bytes"), "{e}");
+        a.write_all(&u64::MAX.to_le_bytes()).unwrap();
+        let e = read_frame(&mut b, by(), MAX_FRAME).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
     }
 }

@@ -47,6 +47,6 @@ pub mod world;
 pub use error::{Result, ShmemError};
 pub use world::{
     BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
-    Transport, World, MAX_PES, TRANSPORT_ENV,
+    Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,
 };
 pub use xcall_core::{Device, Platform};

@@ -99,6 +99,10 @@ fn ring_pe(launcher: &str) {
     w.init(&c).unwrap();
     let (buf, sig, _) = common::ring(&mut w, rank, n, 77, 65_536);
     common::all_to_all(&mut w, rank, n, 78, 4, 5000);
+    // Host bytes through the TCP bootstrap: rank r offers r * 3000 + 1.
+    let offer = |r: usize| common::segment_data(79, r, 0, 0, r * 3000 + 1);
+    let all = w.allgather(&offer(rank)).unwrap();
+    assert_eq!(all, (0..n).map(offer).collect::<Vec<_>>(), "rank {rank}");
     w.barrier_all().unwrap();
     w.free(sig).unwrap();
     w.free(buf).unwrap();

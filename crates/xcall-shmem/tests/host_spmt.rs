@@ -208,6 +208,69 @@ fn mismatched_malloc_is_reported_on_every_pe() {
     }
 }
 
+/// `allgather` hands every PE every PE's bytes by rank, of any length
+/// (empty included), round after round; a PE offering more than the
+/// limit, or a PE in another collective, fails the call on every PE
+/// naming it, and the world stays in step.
+#[test]
+fn allgather_gives_every_pe_every_pes_bytes_and_refuses_on_all() {
+    let _serial = serial();
+    // Rank r's data of round k: (r * 7 + k) % 5 * 1000 + r bytes, from a
+    // seed of its own.
+    let data = |r: usize, k: u64| {
+        let mut g = XorShift::new(r as u64 * 131 + k + 1);
+        (0..((r * 7 + k as usize) % 5) * 1000 + r)
+            .map(|_| g.next_u64() as u8)
+            .collect::<Vec<u8>>()
+    };
+    let n = 5;
+    let errors = spmt("allgather", n, 1 << 20, move |rank, w| {
+        for k in 0..4 {
+            let all = w.allgather(&data(rank, k)).unwrap();
+            assert_eq!(all.len(), n);
+            for (r, d) in all.iter().enumerate() {
+                assert_eq!(*d, data(r, k), "rank {rank} round {k}: rank {r}'s bytes");
+            }
+        }
+        let big = vec![7u8; xcall_shmem::MAX_GATHER_BYTES + usize::from(rank == 3)];
+        let too_big = w.allgather(&big).unwrap_err();
+        let mismatch = match rank {
+            1 => w.barrier_all().unwrap_err(),
+            _ => w.allgather(b"x").unwrap_err(),
+        };
+        // Still in step: the next round gathers.
+        let all = w.allgather(&[rank as u8]).unwrap();
+        assert_eq!(all, (0..n as u8).map(|r| vec![r]).collect::<Vec<_>>());
+        (too_big, mismatch)
+    });
+    for (rank, (too_big, mismatch)) in errors.iter().enumerate() {
+        assert_eq!(
+            too_big.status(),
+            Status::InvalidArgument,
+            "rank {rank}: {too_big}"
+        );
+        assert!(
+            too_big.to_string().contains(&format!(
+                "rank 3 offered {} bytes",
+                xcall_shmem::MAX_GATHER_BYTES + 1
+            )),
+            "rank {rank}: {too_big}"
+        );
+        assert_eq!(
+            mismatch.status(),
+            Status::CollectiveMismatch,
+            "rank {rank}: {mismatch}"
+        );
+        let m = mismatch.to_string();
+        assert!(
+            m.contains("rank 1: barrier_all #")
+                && m.contains("rank 0: allgather #")
+                && m.contains("of 1 bytes"),
+            "rank {rank}: {m}"
+        );
+    }
+}
+
 #[test]
 fn a_missing_pe_times_out_on_every_other_pe() {
     let _serial = serial();

@@ -679,16 +679,80 @@ impl Live {
         if all.iter().all(|a| a == mine.as_bytes()) {
             return Ok(());
         }
-        let calls: Vec<String> = all
-            .iter()
-            .enumerate()
-            .map(|(r, a)| format!("rank {r}: {}", describe_call(a)))
-            .collect();
-        Err(ShmemError::Mismatch(format!(
-            "PEs disagree in collective call #{seq} (malloc, free, barrier_all and finalize must be called in the same order with the same sizes on every PE): {}",
-            calls.join("; ")
-        )))
+        Err(disagreement(seq, &all))
     }
+
+    /// Every PE's `data` (at most [`MAX_GATHER_BYTES`]) through the
+    /// bootstrap, as a collective: a PE in another collective is a
+    /// mismatch, and a PE offering too much makes every PE fail naming it.
+    pub(super) fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.state.check()?;
+        let seq = self.seq;
+        self.seq += 1;
+        let fits = data.len() <= MAX_GATHER_BYTES;
+        let mut mine = format!("allgather\n{seq}\n{}\n", data.len()).into_bytes();
+        if fits {
+            mine.extend_from_slice(data);
+        }
+        let all = self.boot.allgather(&mine)?;
+        // (bytes offered, where the data starts) of an allgather #seq.
+        let head = |a: &[u8]| -> Option<(usize, usize)> {
+            let record = call_record(a);
+            if record.len() == a.len() {
+                return None;
+            }
+            match fields(record).as_slice() {
+                [w, s, n] if w == "allgather" && *s == seq.to_string() => {
+                    Some((n.parse().ok()?, record.len() + 1))
+                }
+                _ => None,
+            }
+        };
+        let mut out = Vec::with_capacity(all.len());
+        for (r, a) in all.iter().enumerate() {
+            let Some((n, at)) = head(a) else {
+                return Err(disagreement(seq, &all));
+            };
+            if n > MAX_GATHER_BYTES {
+                return Err(ShmemError::InvalidArgument(format!(
+                    "rank {r} offered {n} bytes to allgather #{seq}; at most {MAX_GATHER_BYTES} bytes per PE"
+                )));
+            }
+            if n <= MAX_GATHER_BYTES && a.len() - at != n {
+                return Err(ShmemError::Mismatch(format!(
+                    "rank {r}'s allgather #{seq} record is malformed"
+                )));
+            }
+            out.push(a[at..].to_vec());
+        }
+        Ok(out)
+    }
+}
+
+/// The most bytes one PE gives [`Live::allgather`].
+pub const MAX_GATHER_BYTES: usize = 16 << 20;
+
+/// A collective's record without its data: up to the third line break
+/// (`what\nseq\narg`), or all of it.
+fn call_record(record: &[u8]) -> &[u8] {
+    let mut breaks = record.iter().enumerate().filter(|(_, &b)| b == b'\n');
+    match breaks.nth(2) {
+        Some((i, _)) => &record[..i],
+        None => record,
+    }
+}
+
+/// The error of collective call `seq` whose PEs made the calls `all`.
+fn disagreement(seq: u64, all: &[Vec<u8>]) -> ShmemError {
+    let calls: Vec<String> = all
+        .iter()
+        .enumerate()
+        .map(|(r, a)| format!("rank {r}: {}", describe_call(call_record(a))))
+        .collect();
+    ShmemError::Mismatch(format!(
+        "PEs disagree in collective call #{seq} (malloc, free, barrier_all, allgather and finalize must be called in the same order with the same sizes on every PE): {}",
+        calls.join("; ")
+    ))
 }
 
 /// One PE's collective call as the others see it ("malloc #3 of 4096
@@ -697,7 +761,7 @@ pub(super) fn describe_call(record: &[u8]) -> String {
     let f = fields(record);
     let (what, seq, arg) = match f.as_slice() {
         [w, s, a] => (w.as_str(), s.as_str(), a.as_str()),
-        _ => return "a call that is not malloc, free, barrier_all or finalize".into(),
+        _ => return "a call that is not malloc, free, barrier_all, allgather or finalize".into(),
     };
     match what {
         "malloc" => format!("malloc #{seq} of {arg} bytes"),
@@ -705,6 +769,7 @@ pub(super) fn describe_call(record: &[u8]) -> String {
             format!("free #{seq} of an address outside the heap")
         }
         "free" => format!("free #{seq} of offset {arg}"),
+        "allgather" => format!("allgather #{seq} of {arg} bytes"),
         _ => format!("{what} #{seq}"),
     }
 }

@@ -73,6 +73,7 @@ mod live;
 mod state;
 
 pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, TRANSPORT_ENV};
+pub use live::MAX_GATHER_BYTES;
 use live::{agree, fields, internal_bytes, Live, PeerMap};
 use state::{
     finalize_step, state_page, unique, StatePage, FINALIZE_FAILED, LEFT_WITHOUT_FINALIZE,
@@ -398,6 +399,19 @@ impl World {
         let l = self.live_mut()?;
         l.quiet()?;
         l.collective("barrier_all", 0)
+    }
+
+    /// Every PE's `data`, indexed by rank: small host-side messages (sizes,
+    /// offsets, results to report) through the world's bootstrap, never
+    /// the data path. Collective: every PE calls it, in the same order as
+    /// its other collectives, each with its own `data` (lengths may
+    /// differ). At most [`MAX_GATHER_BYTES`] per PE; a PE offering more
+    /// makes the call fail on every PE naming it. Over a TCP or Unix
+    /// socket bootstrap every PE's data together must fit in
+    /// [`crate::bootstrap::MAX_FRAME`] bytes. A PE that never calls makes
+    /// the others time out; completes nothing on the stream (no quiet).
+    pub fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.live_mut()?.allgather(data)
     }
 
     /// A barrier of all PEs as a kernel on the caller's CUDA `stream`:
