@@ -177,3 +177,78 @@ fn fused_and_copied_exchanges_match_the_reference() {
         "{stderr}"
     );
 }
+
+/// Two processes under torchrun's variables, each taking its share of the
+/// visible GPUs (one GPU: both take it, reached through CUDA IPC): the
+/// fused and the copied exchange match the reference across processes,
+/// and each process captures its PE's step once. With two GPUs or more,
+/// the same with every pair forced onto NCCL (the copy exchange).
+#[test]
+fn launched_processes_make_one_cuda_world() {
+    let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe launched") else {
+        return;
+    };
+    let mut cases = vec![("fused", "auto"), ("copy", "auto")];
+    if gpus >= 2 {
+        cases.push(("copy", "nccl"));
+    }
+    for (exchange, transport) in cases {
+        let what = format!("2 processes, --exchange {exchange}, transport {transport}");
+        let path = json_path(&format!("cuda-moe-launched-{exchange}-{transport}"));
+        let steps = 4;
+        let outs = common::launch(
+            "torchrun",
+            2,
+            &[
+                "moe",
+                "--platform",
+                "cuda",
+                "--exchange",
+                exchange,
+                "--tokens",
+                "1024",
+                "--hidden",
+                "512",
+                "--experts",
+                "8",
+                "--steps",
+                &steps.to_string(),
+                "--timeout",
+                "60s",
+                "--json",
+                path.to_str().unwrap(),
+            ],
+            &[
+                ("XCALL_SHMEM_TRANSPORT", transport),
+                ("NCCL_NVLS_ENABLE", "0"),
+            ],
+        );
+        for (r, o) in outs.iter().enumerate() {
+            assert!(
+                o.status.success(),
+                "{what}: process {r}: {}\n{}",
+                common::text(&o.stdout),
+                common::text(&o.stderr)
+            );
+        }
+        println!("{what}\n{}", common::text(&outs[0].stdout));
+        let j = read_json(&path);
+        assert_eq!(j["verification"]["verdict"], "PASS", "{what}");
+        assert_eq!(j["processes"], 2, "{what}");
+        assert_eq!(j["nccl"], transport == "nccl", "{what}");
+        let per = if gpus >= 2 { gpus / 2 } else { 1 } as u64;
+        assert_eq!(j["pes"], 2 * per, "{what}");
+        assert_eq!(
+            j["outcomes"]["captured"],
+            2 * per,
+            "{what}: {}",
+            j["outcomes"]
+        );
+        assert_eq!(
+            j["outcomes"]["replayed"],
+            2 * per * (steps - 1),
+            "{what}: {}",
+            j["outcomes"]
+        );
+    }
+}

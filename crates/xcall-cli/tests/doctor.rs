@@ -1,6 +1,5 @@
 //! `xcall doctor` runs on every machine and says what it found.
 
-#[allow(dead_code)]
 mod common;
 
 use common::xcall;

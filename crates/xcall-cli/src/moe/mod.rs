@@ -1,8 +1,17 @@
 //! `xcall moe`: an expert-parallel MoE layer step built from every xcall
 //! crate, run for a number of steps on Host PEs (threads) or one thread
 //! per GPU, every output checked against an f64 reference.
+//!
+//! Under a launcher (torchrun, Open MPI's `mpirun`, Slurm's `srun`: see
+//! `xcall_shmem::launch`) each process runs its own PEs, one thread each,
+//! and the world spans the processes through the TCP bootstrap at
+//! `MASTER_ADDR:MASTER_PORT`. PE ranks go process by process (process `p`
+//! of `n` with `k` PEs holds ranks `p*k .. p*k + k`); every process checks
+//! its own PEs' outputs, the logs meet through the world's `allgather`,
+//! and process 0 prints the report of the whole world.
 
 mod data;
+mod gather;
 mod pe;
 mod verify;
 
@@ -16,6 +25,8 @@ use serde_json::json;
 use xcall_core::{DType, Device, Platform};
 use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Config as CacheConfig, GraphCache, Outcome, Stats};
+use xcall_shmem::launch::Launch;
+use xcall_shmem::{BootstrapKind, MAX_PES};
 
 use data::Check;
 pub use data::Shape;
@@ -62,7 +73,11 @@ pub struct MoeArgs {
     /// Where the PEs run.
     #[arg(long, value_enum, default_value_t = PlatformArg::Host)]
     platform: PlatformArg,
-    /// PEs [default: 4 on Host; on CUDA every visible GPU].
+    /// PEs [default: 4 on Host; on CUDA every visible GPU]. Under a
+    /// launcher, the PEs of each process [default: 1 on Host; on CUDA the
+    /// process's share of the visible GPUs, `GPUs / local processes`
+    /// from `local rank * share`, or one GPU when there are fewer GPUs
+    /// than local processes].
     #[arg(long)]
     pes: Option<usize>,
     /// Tokens per PE [default: 1024 on Host, 8192 on CUDA].
@@ -102,7 +117,7 @@ pub struct MoeArgs {
     exchange: Option<ExchangeArg>,
     /// The CUDA device of each PE, comma-separated and distinct (a world
     /// takes one PE per device) [default: 0, 1, ..]. Sets `--pes` when
-    /// that is not given.
+    /// that is not given. Under a launcher, this process's devices.
     #[arg(long, value_delimiter = ',')]
     devices: Option<Vec<u32>>,
     /// Which steps' outputs are checked against the f64 reference:
@@ -116,9 +131,27 @@ pub struct MoeArgs {
     /// drawn (stderr not a terminal, or log lines going there).
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     progress_every: Duration,
-    /// Also write the figures as JSON to this file.
+    /// How long a PE waits for any other (a PE that stopped, a process
+    /// that died) before the run fails naming what it waited for.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Also write the figures as JSON to this file (under a launcher:
+    /// process 0 writes it).
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// A run whose PEs are processes started by a launcher (more than one).
+#[derive(Clone, Debug)]
+struct Launched {
+    /// "torchrun", "mpirun" or "srun".
+    launcher: &'static str,
+    /// This process's rank among `processes`.
+    process: usize,
+    /// Processes in the job.
+    processes: usize,
+    /// Rank 0's `host:port`.
+    address: String,
 }
 
 /// A checked configuration.
@@ -126,8 +159,13 @@ pub struct MoeArgs {
 struct Run {
     platform: Platform,
     shape: Shape,
-    /// The device of each PE.
+    /// The device of each PE of this process.
     devices: Vec<Device>,
+    /// The processes of a launched run; `None`: every PE is a thread of
+    /// this process.
+    launched: Option<Launched>,
+    /// How long a PE waits for another.
+    timeout: Duration,
     /// The heap per PE when xcall moe sizes it; `None` when
     /// `XCALL_SHMEM_HEAP_BYTES` gives one at least as large (the world
     /// then reads it).
@@ -143,6 +181,26 @@ impl Run {
     /// Steps of the run: the warm-up, the timed and the instrumented ones.
     fn total(&self) -> usize {
         self.steps + 1 + PHASE_STEPS
+    }
+
+    /// The rank of this process's first PE.
+    fn first_rank(&self) -> usize {
+        self.launched
+            .as_ref()
+            .map_or(0, |l| l.process * self.devices.len())
+    }
+
+    /// How the PEs meet: an in-process group named `group`, or the
+    /// launcher's TCP address.
+    fn bootstrap(&self, group: &str) -> BootstrapKind {
+        match &self.launched {
+            None => BootstrapKind::InProcess {
+                group: group.to_string(),
+            },
+            Some(l) => BootstrapKind::Tcp {
+                address: l.address.clone(),
+            },
+        }
     }
 }
 
@@ -161,14 +219,59 @@ pub fn cuda_devices() -> Result<usize, Failure> {
     }
 }
 
-/// Checks the flags; `gpus` is the CUDA device count on CUDA. Every error
-/// is a usage error.
-fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
+/// The CUDA devices of a launched process that names none: `per` GPUs
+/// (`--pes`, else its share of the visible ones) from `local rank * per`;
+/// one GPU each wraps when the GPUs are fewer than the local processes
+/// (a launcher that gives each process its own GPU shows it as device 0).
+fn launched_gpus(l: &Launch, pes: Option<usize>, gpus: usize) -> Result<Vec<u32>, String> {
+    let share = match l.local_size {
+        Some(n) if gpus >= n => gpus / n,
+        _ => 1,
+    };
+    let per = pes.unwrap_or(share);
+    let local = l.local_rank.unwrap_or(0);
+    let first = local
+        .checked_mul(per)
+        // One GPU each, fewer GPUs than processes: they take turns.
+        .map(|f| if per == 1 && gpus > 0 { f % gpus } else { f })
+        .filter(|f| f.saturating_add(per) <= gpus)
+        .ok_or_else(|| {
+            format!(
+                "--pes {per}: process {} ({} local rank {local}) has no {per} GPU(s) of its own among the {gpus} visible; name them with --devices",
+                l.rank, l.launcher
+            )
+        })?;
+    Ok((first..first + per).map(|o| o as u32).collect())
+}
+
+/// Checks the flags; `gpus` is the CUDA device count on CUDA, `launch`
+/// what a launcher told this process. Every error is a usage error.
+fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, String> {
     let platform = match a.platform {
         PlatformArg::Host => Platform::Host,
         PlatformArg::Cuda => Platform::Cuda,
     };
     let host = platform == Platform::Host;
+    let launched = match launch {
+        Some(l) if l.size > 1 => Some(Launched {
+            launcher: l.launcher,
+            process: l.rank,
+            processes: l.size,
+            address: l.address.clone().ok_or_else(|| {
+                format!(
+                    "{} started this process as rank {} of {} but gave no rank 0 address: set MASTER_ADDR and MASTER_PORT",
+                    l.launcher, l.rank, l.size
+                )
+            })?,
+        }),
+        _ => None,
+    };
+    // The devices a launched CUDA process takes when it names none.
+    let launched_devices = match (platform, launch, &launched, &a.devices) {
+        (Platform::Cuda, Some(l), Some(_), None) => Some(launched_gpus(l, a.pes, gpus)?),
+        _ => None,
+    };
+    let devices_arg = a.devices.as_ref().or(launched_devices.as_ref());
     let pes = match (platform, a.pes) {
         (_, Some(0)) => return Err("--pes must be at least 1".into()),
         (Platform::Host, Some(p)) if p > MAX_HOST_PES => {
@@ -176,8 +279,8 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
                 "--pes {p}: at most {MAX_HOST_PES} on Host (PEs are threads that spin while they wait for each other; more would only take turns on this machine's cores)"
             ))
         }
-        (Platform::Host, p) => p.unwrap_or(4),
-        (Platform::Cuda, p) => match (p, &a.devices) {
+        (Platform::Host, p) => p.unwrap_or(if launched.is_some() { 1 } else { 4 }),
+        (Platform::Cuda, p) => match (p, devices_arg) {
             (Some(p), Some(d)) if p != d.len() => {
                 return Err(format!(
                     "--pes {p} with --devices naming {} device(s): one device per PE",
@@ -193,11 +296,26 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
             (p, None) => p.unwrap_or(gpus),
         },
     };
-    let devices: Vec<Device> = match (platform, &a.devices) {
+    // The PEs of this process, and of the world.
+    let processes = launched.as_ref().map_or(1, |l| l.processes);
+    let first = launched.as_ref().map_or(0, |l| l.process * pes);
+    let local = pes;
+    let pes = pes
+        .checked_mul(processes)
+        .filter(|&n| n <= MAX_PES)
+        .ok_or_else(|| {
+            format!(
+                "{local} PE(s) in each of {processes} processes pass the limit of {MAX_PES} PEs"
+            )
+        })?;
+    let devices: Vec<Device> = match (platform, devices_arg) {
         (Platform::Host, Some(_)) => {
             return Err("--devices names CUDA devices: use it with --platform cuda".into())
         }
-        (Platform::Host, None) => (0..pes as u32).map(|r| Device::new(platform, r)).collect(),
+        // A Host PE's ordinal names its slot in this process: its rank.
+        (Platform::Host, None) => (first..first + local)
+            .map(|r| Device::new(platform, r as u32))
+            .collect(),
         (Platform::Cuda, Some(d)) => {
             if let Some(bad) = d.iter().find(|&&o| o as usize >= gpus) {
                 return Err(format!(
@@ -212,7 +330,7 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
             }
             d.iter().map(|&o| Device::cuda(o)).collect()
         }
-        (Platform::Cuda, None) => (0..pes as u32).map(Device::cuda).collect(),
+        (Platform::Cuda, None) => (0..local as u32).map(Device::cuda).collect(),
     };
     let tokens = a.tokens.unwrap_or(if host { 1024 } else { 8192 });
     let hidden = a.hidden.unwrap_or(if host { 1024 } else { 4096 });
@@ -297,10 +415,15 @@ fn validate(a: &MoeArgs, gpus: usize) -> Result<Run, String> {
         dtype,
     };
     let heap = crate::layer::heap_size(Pe::heap_bytes(&shape), "this shape")?;
+    if a.timeout.is_zero() {
+        return Err("--timeout must be above zero".into());
+    }
     Ok(Run {
         platform,
         shape,
         devices,
+        launched,
+        timeout: a.timeout,
         heap,
         steps: a.steps,
         seed: a.seed,
@@ -336,6 +459,48 @@ struct PeLog {
     memory: (Option<u64>, Option<u64>),
     /// Some pair of the PE's world took NCCL.
     nccl: bool,
+    /// The graph caches of the PE's process (on its first PE only).
+    graphs: Vec<GraphLine>,
+}
+
+/// One device's graph cache as the report shows it.
+#[derive(Clone, Debug)]
+struct GraphLine {
+    /// "cuda:0", or "process 1 cuda:0" in a launched run.
+    label: String,
+    /// Its stats as a line of text.
+    line: String,
+    /// Its stats as JSON.
+    stats: serde_json::Value,
+}
+
+/// The graph caches of this process's `devices` (Host: one), labelled
+/// with the process in a launched run.
+fn graph_lines(
+    cache: &GraphCache<CudaGraphs>,
+    devices: &[Device],
+    launched: Option<&Launched>,
+) -> Vec<GraphLine> {
+    let mut devices = devices.to_vec();
+    if devices
+        .first()
+        .is_some_and(|d| d.platform == Platform::Host)
+    {
+        devices = vec![Device::HOST];
+    }
+    devices.sort_by_key(|d| d.ordinal);
+    devices.dedup();
+    devices
+        .iter()
+        .map(|d| GraphLine {
+            label: match launched {
+                None => d.to_string(),
+                Some(l) => format!("process {} {d}", l.process),
+            },
+            line: stats_line(&cache.stats(*d)),
+            stats: stats_json(&cache.stats(*d)),
+        })
+        .collect()
 }
 
 /// The progress of a run: the bar when one is drawn, else a line on
@@ -413,16 +578,32 @@ fn phase_bytes(s: &Shape) -> [f64; 8] {
     ]
 }
 
+/// What one PE thread ends with: its log, and on a launched run's first
+/// PE of each process every PE's log (by rank) through `allgather`.
+struct PeEnd {
+    log: PeLog,
+    world: Option<Vec<PeLog>>,
+}
+
+/// Runs this process's PE `local`.
 fn run_pe(
     run: &Run,
-    rank: usize,
+    local: usize,
     group: &str,
     cache: &GraphCache<CudaGraphs>,
     progress: &Progress,
-) -> Result<PeLog, String> {
-    let device = run.devices[rank];
-    let mut pe = Pe::new(run.shape, run.heap, rank, device, group)?;
-    let threads = check_threads(run.shape.pes);
+) -> Result<PeEnd, String> {
+    let device = run.devices[local];
+    let rank = run.first_rank() + local;
+    let mut pe = Pe::new(
+        run.shape,
+        run.heap,
+        rank,
+        device,
+        &run.bootstrap(group),
+        run.timeout,
+    )?;
+    let threads = check_threads(run.devices.len());
     let mut log = match run.platform {
         Platform::Host => {
             let mut checks = Checks::Inline {
@@ -457,12 +638,24 @@ fn run_pe(
             })?
         }
     };
+    // Every PE's steps are done: the caches' counts are final.
     pe.barrier()?;
     log.nccl = pe.nccl();
     log.copy_ms = pe.copy_ms()?;
     pe.barrier()?;
+    let mut world = None;
+    if run.launched.is_some() {
+        if local == 0 {
+            log.graphs = graph_lines(cache, &run.devices, run.launched.as_ref());
+        }
+        let mine = serde_json::to_vec(&gather::encode(&log)).map_err(|e| e.to_string())?;
+        let all = pe.allgather(&mine)?;
+        if local == 0 {
+            world = Some(gather::decode_all(&all)?);
+        }
+    }
     pe.finish()?;
-    Ok(log)
+    Ok(PeEnd { log, world })
 }
 
 /// Every step of the run on `pe`: fresh inputs for the steps that get
@@ -556,20 +749,33 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
         PlatformArg::Host => 0,
         PlatformArg::Cuda => cuda_devices()?,
     };
-    let run = validate(args, gpus).map_err(Failure::Usage)?;
-    let json = JsonOut::open_optional(args.json.as_ref())?;
+    let launch = Launch::from_env().map_err(|e| Failure::Usage(e.to_string()))?;
+    let run = validate(args, gpus, launch.as_ref()).map_err(Failure::Usage)?;
+    // Process 0 of a launched run writes the report.
+    let reports = run.launched.as_ref().is_none_or(|l| l.process == 0);
+    let json = match reports {
+        true => JsonOut::open_optional(args.json.as_ref())?,
+        false => None,
+    };
     let s = run.shape;
     let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).map_err(|e| e.to_string())?;
     let group = format!("xcall-moe-{}", std::process::id());
     // The warm-up step (kernel compilation and autotuning), the timed
     // steps and the instrumented ones; drawn on stderr when it is a
     // terminal and no log lines go there, else a line every few seconds.
-    let bar = crate::report::progress_bar(run.total() as u64).with_style(
+    let bar = match reports {
+        true => crate::report::progress_bar(run.total() as u64),
+        false => ProgressBar::hidden(),
+    }
+    .with_style(
         ProgressStyle::with_template("moe {prefix}: {msg} [{bar:30}] {pos}/{len} steps {elapsed}")
             .expect("a valid template")
             .progress_chars("=> "),
     );
-    bar.set_prefix(format!("{} PE(s)", s.pes));
+    bar.set_prefix(match &run.launched {
+        None => format!("{} PE(s)", s.pes),
+        Some(l) => format!("{} PE(s) in {} processes", s.pes, l.processes),
+    });
     bar.set_message("warm-up (compiling kernels)");
     bar.enable_steady_tick(std::time::Duration::from_millis(200));
     let start = Instant::now();
@@ -580,24 +786,29 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
         last: Mutex::new(start),
         total: run.total(),
     };
-    let logs: Vec<Mutex<Option<Result<PeLog, String>>>> =
-        (0..s.pes).map(|_| Mutex::new(None)).collect();
+    let ends: Vec<Mutex<Option<Result<PeEnd, String>>>> =
+        run.devices.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
-        for (rank, slot) in logs.iter().enumerate() {
+        for (local, slot) in ends.iter().enumerate() {
             let (run, group, cache, progress) = (&run, &group, &cache, &progress);
             scope.spawn(move || {
-                let r = run_pe(run, rank, group, cache, progress);
+                let r = run_pe(run, local, group, cache, progress);
                 *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             });
         }
     });
     progress.bar.finish_and_clear();
     let wall = start.elapsed();
-    let mut pes = Vec::with_capacity(s.pes);
+    let mut pes = Vec::with_capacity(ends.len());
+    let mut world = None;
     let mut errors = Vec::new();
-    for (rank, slot) in logs.into_iter().enumerate() {
+    for (local, slot) in ends.into_iter().enumerate() {
+        let rank = run.first_rank() + local;
         match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(log)) => pes.push(log),
+            Some(Ok(end)) => {
+                pes.push(end.log);
+                world = world.or(end.world);
+            }
             Some(Err(e)) => errors.push(format!("PE {rank}: {e}")),
             None => errors.push(format!("PE {rank}: its thread panicked")),
         }
@@ -605,7 +816,45 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     if !errors.is_empty() {
         return Err(Failure::Runtime(errors.join("; ")));
     }
-    Ok(report(&run, &pes, &cache, wall, json)?)
+    match (&run.launched, world) {
+        (None, _) => {
+            let graphs = graph_lines(&cache, &run.devices, None);
+            Ok(report(&run, &pes, &graphs, wall, json)?)
+        }
+        (Some(_), Some(world)) if reports => {
+            let graphs: Vec<GraphLine> = world.iter().flat_map(|p| p.graphs.clone()).collect();
+            Ok(report(&run, &world, &graphs, wall, json)?)
+        }
+        (Some(l), Some(world)) => {
+            let bad: usize = world
+                .iter()
+                .flat_map(|p| &p.checks)
+                .map(|c| c.check.mismatches)
+                .sum();
+            let first = run.first_rank();
+            let mine = match run.devices.len() {
+                1 => format!("PE {first}"),
+                k => format!("PEs {first}..{}", first + k - 1),
+            };
+            println!(
+                "xcall moe: process {} of {} ({}), {mine} of {} on {}: {} over the world, {bad} mismatching element(s); process 0 prints the report",
+                l.process,
+                l.processes,
+                l.launcher,
+                s.pes,
+                run.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", "),
+                match (run.verify, bad) {
+                    (Verify::Off, _) => "verification OFF",
+                    (_, 0) => "verification PASS",
+                    _ => "verification FAIL",
+                },
+            );
+            Ok(bad == 0)
+        }
+        (Some(_), None) => Err(Failure::Runtime(
+            "the world's logs never reached this process".into(),
+        )),
+    }
 }
 
 /// The median of the first and of the last tenth of `times` (at least one
@@ -627,7 +876,7 @@ fn mib(bytes: Option<u64>) -> String {
 fn report(
     run: &Run,
     pes: &[PeLog],
-    cache: &GraphCache<CudaGraphs>,
+    graphs: &[GraphLine],
     wall: Duration,
     json: Option<JsonOut>,
 ) -> Result<bool, String> {
@@ -708,10 +957,20 @@ fn report(
         _ => "FAIL",
     };
     let platform = run.platform.name();
+    let nccl = pes.iter().any(|l| l.nccl);
+    let layout = match (&run.launched, run.platform) {
+        (Some(l), _) => format!(
+            " ({} processes under {}, {} PE(s) each, one thread per PE)",
+            l.processes,
+            l.launcher,
+            run.devices.len()
+        ),
+        (None, Platform::Host) => " (threads)".into(),
+        (None, _) => " (one thread per GPU)".into(),
+    };
     println!(
-        "xcall moe: {platform}, {} PE(s){}, {} tokens/PE, hidden {}, {} experts ({} per PE), top-{}, {}",
+        "xcall moe: {platform}, {} PE(s){layout}, {} tokens/PE, hidden {}, {} experts ({} per PE), top-{}, {}",
         s.pes,
-        if run.platform == Platform::Host { " (threads)" } else { " (one thread per GPU)" },
         s.tokens,
         s.hidden,
         s.experts,
@@ -748,7 +1007,7 @@ fn report(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
         if s.fused {
             "fused (permute writes the peers' slots, unpermute reads them)"
-        } else if pes.iter().any(|l| l.nccl) {
+        } else if nccl {
             "copy (whole slots, one World::exchange per phase, through NCCL)"
         } else {
             "copy (whole slots with put_signal)"
@@ -765,8 +1024,8 @@ fn report(
         fill * 100.0,
         dropped
     );
-    for d in &devices {
-        println!("  graph cache    {d}: {}", stats_line(&cache.stats(*d)));
+    for g in graphs {
+        println!("  graph cache    {}: {}", g.label, g.line);
     }
     println!(
         "  phases         median of {PHASE_STEPS} eager steps with each phase's end marked, slowest PE{}",
@@ -793,7 +1052,7 @@ fn report(
     println!(
         "  check cost     checks {:.2} s ({per_check:.1} ms per checked PE-step on {} thread(s)), draws {:.2} s, {}; the PEs waited {:.2} s for inputs and {:.2} s for the checker queues; wall time {:.2} s",
         check_time.as_secs_f64(),
-        check_threads(s.pes),
+        check_threads(run.devices.len()),
         draw_time.as_secs_f64(),
         match run.platform {
             Platform::Host => "between the steps (outside their times)",
@@ -816,7 +1075,7 @@ fn report(
         }
     }
     if let Some(out) = json {
-        let doc = json!({
+        let mut doc = json!({
             "platform": platform,
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
             "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
@@ -840,15 +1099,147 @@ fn report(
             "copy_gb_per_s": copy_rate.map(|r| r / 1e6),
             "step_floor_ms": step_floor,
             "outcomes": outcomes,
-            "graph_cache": devices.iter()
-                .map(|d| (d.to_string(), stats_json(&cache.stats(*d))))
+            "graph_cache": graphs.iter()
+                .map(|g| (g.label.clone(), g.stats.clone()))
                 .collect::<serde_json::Map<_, _>>(),
             "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel,
                 "mode": run.verify.to_string(), "checked_steps": checked_steps, "total_steps": total,
                 "check_s": check_time.as_secs_f64(), "draw_s": draw_time.as_secs_f64(),
                 "wait_s": queue_wait.as_secs_f64(), "input_wait_s": input_wait.as_secs_f64()},
         });
+        // Past json!'s recursion limit in one literal.
+        doc["nccl"] = json!(nccl);
+        doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
+        doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
         out.write("moe", &devices, doc)?;
     }
     Ok(bad == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        moe: MoeArgs,
+    }
+
+    fn args(flags: &[&str]) -> MoeArgs {
+        let mut argv = vec!["moe"];
+        argv.extend(flags);
+        Cli::parse_from(argv).moe
+    }
+
+    fn launch(rank: usize, size: usize, local: Option<(usize, Option<usize>)>) -> Launch {
+        Launch {
+            launcher: "torchrun",
+            rank,
+            size,
+            local_rank: local.map(|l| l.0),
+            local_size: local.and_then(|l| l.1),
+            address: Some("127.0.0.1:29500".into()),
+        }
+    }
+
+    /// A launched process without `--devices` takes its share of the
+    /// visible GPUs from its local rank, one GPU (wrapping) when there are
+    /// fewer GPUs than local processes, and is refused when `--pes` asks
+    /// for GPUs it cannot have.
+    #[test]
+    fn launched_processes_take_their_share_of_the_gpus() {
+        let gpus = |l: &Launch, pes: Option<usize>, n: usize| launched_gpus(l, pes, n);
+        assert_eq!(
+            gpus(&launch(1, 2, Some((1, Some(2)))), None, 8),
+            Ok(vec![4, 5, 6, 7])
+        );
+        assert_eq!(
+            gpus(&launch(0, 2, Some((0, Some(2)))), None, 8),
+            Ok(vec![0, 1, 2, 3])
+        );
+        assert_eq!(
+            gpus(&launch(1, 3, Some((1, Some(3)))), None, 8),
+            Ok(vec![2, 3])
+        );
+        // Each process sees its own GPU as device 0.
+        assert_eq!(
+            gpus(&launch(5, 8, Some((5, Some(8)))), None, 1),
+            Ok(vec![0])
+        );
+        assert_eq!(
+            gpus(&launch(1, 2, Some((1, Some(2)))), None, 3),
+            Ok(vec![1])
+        );
+        // No local size (srun): one GPU by local rank, wrapping.
+        assert_eq!(gpus(&launch(3, 4, Some((3, None))), None, 2), Ok(vec![1]));
+        assert_eq!(gpus(&launch(3, 4, None), None, 2), Ok(vec![0]));
+        assert_eq!(
+            gpus(&launch(1, 2, Some((1, Some(2)))), Some(2), 8),
+            Ok(vec![2, 3])
+        );
+        for (local, pes, n) in [(2, 3, 8), (0, 9, 8), (1, 2, 3), (4, 2, 8), (0, 1, 0)] {
+            let e = gpus(&launch(local, 4, Some((local, Some(4)))), Some(pes), n).unwrap_err();
+            assert!(
+                e.contains(&format!("--pes {pes}")) && e.contains("--devices"),
+                "{e}"
+            );
+        }
+    }
+
+    /// Under a launcher of more than one process, `--pes` counts this
+    /// process's PEs, their ranks follow the process's, and the world
+    /// meets at the launcher's address; one process is a plain run.
+    #[test]
+    fn launched_runs_number_their_pes_process_by_process() {
+        let run = validate(&args(&[]), 0, Some(&launch(2, 4, Some((2, Some(4)))))).unwrap();
+        assert_eq!(run.devices, [Device::new(Platform::Host, 2)]);
+        assert_eq!((run.shape.pes, run.first_rank()), (4, 2));
+        assert_eq!(
+            run.bootstrap("g"),
+            BootstrapKind::Tcp {
+                address: "127.0.0.1:29500".into()
+            }
+        );
+        let run = validate(&args(&["--pes", "2"]), 0, Some(&launch(2, 4, None))).unwrap();
+        assert_eq!(
+            run.devices,
+            [
+                Device::new(Platform::Host, 4),
+                Device::new(Platform::Host, 5)
+            ]
+        );
+        assert_eq!((run.shape.pes, run.first_rank()), (8, 4));
+        // One process: every PE a thread of it, as without a launcher.
+        let run = validate(&args(&[]), 0, Some(&launch(0, 1, None))).unwrap();
+        assert!(run.launched.is_none());
+        assert_eq!((run.shape.pes, run.devices.len()), (4, 4));
+        assert_eq!(
+            run.bootstrap("g"),
+            BootstrapKind::InProcess { group: "g".into() }
+        );
+        // CUDA: the process's share of the GPUs, or the ones it names.
+        let l = launch(1, 2, Some((1, Some(2))));
+        let run = validate(&args(&["--platform", "cuda"]), 4, Some(&l)).unwrap();
+        assert_eq!(run.devices, [Device::cuda(2), Device::cuda(3)]);
+        assert_eq!((run.shape.pes, run.first_rank()), (4, 2));
+        let run = validate(
+            &args(&["--platform", "cuda", "--devices", "0"]),
+            4,
+            Some(&l),
+        )
+        .unwrap();
+        assert_eq!(run.devices, [Device::cuda(0)]);
+        assert_eq!(run.shape.pes, 2);
+
+        let mut bare = launch(1, 2, None);
+        bare.address = None;
+        let e = validate(&args(&[]), 0, Some(&bare)).unwrap_err();
+        assert!(e.contains("MASTER_ADDR and MASTER_PORT"), "{e}");
+        let e = validate(&args(&["--pes", "64"]), 0, Some(&launch(0, 2000, None))).unwrap_err();
+        assert!(e.contains("64 PE(s) in each of 2000 processes"), "{e}");
+        let e = validate(&args(&["--timeout", "0s"]), 0, None).unwrap_err();
+        assert!(e.contains("--timeout"), "{e}");
+    }
 }

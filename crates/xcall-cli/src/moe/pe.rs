@@ -85,7 +85,7 @@ use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache, Outcome};
 use xcall_permute::call::Target;
 use xcall_permute::{ExpertGroups, RowIdMapOptions};
-use xcall_shmem::{Cmp, Config, Incoming, Outgoing, SignalOp, Transport, World};
+use xcall_shmem::{BootstrapKind, Cmp, Config, Incoming, Outgoing, SignalOp, Transport, World};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::{GroupScales, OpConfig, RaggedGroups};
@@ -96,9 +96,6 @@ use crate::layer::{Context, Dims, Layer, Res};
 
 /// The graph-cache target id of the MoE step.
 const TARGET: u64 = 0x6d6f_655f_7374_6570; // "moe_step"
-
-/// How long any PE waits for another.
-const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Where the PE waits for its peers' signals.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -263,7 +260,8 @@ impl Pe {
             + (1 << 20)
     }
 
-    /// Joins the world `group` as `rank` on `device` and allocates the
+    /// Joins the world met through `bootstrap` as `rank` on `device`,
+    /// waiting at most `timeout` for any other PE, and allocates the
     /// layer's buffers in a heap of `heap` bytes (`None`: the world's
     /// default, `XCALL_SHMEM_HEAP_BYTES`).
     pub fn new(
@@ -271,13 +269,15 @@ impl Pe {
         heap: Option<usize>,
         rank: usize,
         device: Device,
-        group: &str,
+        bootstrap: &BootstrapKind,
+        timeout: Duration,
     ) -> Res<Pe> {
         let p = shape.pes;
         let sizes = Self::buffer_sizes(&shape);
-        let mut config = Config::in_process(group, rank, p, device);
+        let mut config = Config::in_process("", rank, p, device);
+        config.bootstrap = bootstrap.clone();
         config.heap_bytes = heap;
-        config.timeout = TIMEOUT;
+        config.timeout = timeout;
         let mut world = World::new();
         world.init(&config).context("shmem init")?;
         let mut addrs = Vec::with_capacity(sizes.len());
@@ -452,6 +452,12 @@ impl Pe {
     /// Waits for every PE before the next step.
     pub fn barrier(&mut self) -> Res<()> {
         self.world.barrier_all().context("shmem barrier")
+    }
+
+    /// Every PE's `data`, by rank (a collective through the world's
+    /// bootstrap).
+    pub fn allgather(&mut self, data: &[u8]) -> Res<Vec<Vec<u8>>> {
+        self.world.allgather(data).context("shmem allgather")
     }
 
     /// Slots of `rows` and of `results`: `P` with the fused exchange (the

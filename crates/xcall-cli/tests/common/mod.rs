@@ -1,6 +1,8 @@
 //! Running the xcall binary from tests.
+#![allow(dead_code)]
 
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// The xcall binary: `XCALL_BIN` where a test bundle moved it, else cargo's.
 pub fn xcall() -> Command {
@@ -76,4 +78,111 @@ pub fn check_report(doc: &serde_json::Value) {
         }
     }
     walk(doc, "");
+}
+
+/// Every launcher's variables, removed from what a child inherits.
+pub const LAUNCH_VARS: [&str; 13] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+];
+
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// `xcall args...` as process `r` of `n` under `launcher` (all on this
+/// host), meeting at `port`, with `envs` added.
+pub fn spawn(
+    launcher: &str,
+    r: usize,
+    n: usize,
+    port: u16,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> Child {
+    let names: &[&str] = match launcher {
+        "torchrun" => &LAUNCH_VARS[..4],
+        "mpirun" => &LAUNCH_VARS[4..8],
+        _ => &LAUNCH_VARS[8..11],
+    };
+    let mut cmd = xcall();
+    for v in LAUNCH_VARS {
+        cmd.env_remove(v);
+    }
+    for (name, value) in names.iter().zip([r, n, r, n]) {
+        cmd.env(name, value.to_string());
+    }
+    cmd.envs(envs.iter().copied())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn xcall")
+}
+
+/// Waits for every child; one still running after `limit` is killed, and
+/// the test fails naming the ones that were.
+pub fn wait_all(what: &str, mut children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if children
+            .iter_mut()
+            .all(|c| matches!(c.try_wait(), Ok(Some(_))))
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut hung = Vec::new();
+    for (r, c) in children.iter_mut().enumerate() {
+        if !matches!(c.try_wait(), Ok(Some(_))) {
+            let _ = c.kill();
+            hung.push(r);
+        }
+    }
+    let outputs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("a child's output"))
+        .collect();
+    assert!(
+        hung.is_empty(),
+        "{what}: process(es) {hung:?} still ran after {limit:?} and were killed; stderr: {:?}",
+        outputs
+            .iter()
+            .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+            .collect::<Vec<_>>()
+    );
+    outputs
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Runs `n` processes of `xcall args...` under `launcher` with `envs`
+/// added; returns each one's output.
+pub fn launch(launcher: &str, n: usize, args: &[&str], envs: &[(&str, &str)]) -> Vec<Output> {
+    let port = free_port();
+    let children = (0..n)
+        .map(|r| spawn(launcher, r, n, port, args, envs))
+        .collect();
+    wait_all(
+        &format!("{n} processes under {launcher}"),
+        children,
+        Duration::from_secs(120),
+    )
 }
