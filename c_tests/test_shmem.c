@@ -169,6 +169,71 @@ static int free_port(void) {
   return port;
 }
 
+/* A PE of a world whose pairs all take TCP connections (the path of Host
+ * PEs on other hosts): no pointers to peers, puts refused, the
+ * all-to-all exchange delivered. */
+static void *run_tcp_pe(void *arg) {
+  struct pe *p = arg;
+  xcall_shmem_world *w = NULL;
+  PE_EXPECT(xcall_shmem_world_new(&w) == XCALL_STATUS_OK);
+  xcall_shmem_config c = {0};
+  c.rank = p->rank;
+  c.size = PES;
+  c.target.platform = XCALL_PLATFORM_HOST;
+  c.target.ordinal = 800 + p->rank;
+  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  c.address = p->address;
+  c.heap_bytes = 1 << 20;
+  c.timeout_ms = 20000;
+  c.pairs = XCALL_SHMEM_PAIRS_TCP;
+  PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_OK);
+  unsigned char *buf = NULL;
+  PE_EXPECT(xcall_shmem_malloc(w, BYTES, (void **)&buf) == XCALL_STATUS_OK);
+  unsigned char data[BYTES];
+  for (size_t i = 0; i < BYTES; i++) data[i] = pattern(p->rank + 10, i);
+  enum { SLOT = BYTES / PES };
+  xcall_shmem_outgoing out[PES];
+  xcall_shmem_incoming in[PES];
+  for (uint32_t q = 0; q < PES; q++) {
+    uint32_t kind = 99;
+    PE_EXPECT(xcall_shmem_peer_transport(w, q, &kind) == XCALL_STATUS_OK);
+    if (q == p->rank) {
+      PE_EXPECT(kind == XCALL_SHMEM_TRANSPORT_SAME_PROCESS);
+    } else {
+      PE_EXPECT(kind == XCALL_SHMEM_TRANSPORT_TCP);
+      PE_EXPECT(xcall_shmem_ptr(w, q, buf) == NULL);
+      PE_EXPECT(xcall_shmem_put(w, buf, data, 8, q) == XCALL_STATUS_UNSUPPORTED);
+    }
+    out[q] = (xcall_shmem_outgoing){.pe = q, .src = data + q * SLOT,
+                                    .dest = buf + p->rank * SLOT, .bytes = SLOT};
+    in[q] = (xcall_shmem_incoming){.pe = q, .dest = buf + q * SLOT, .bytes = SLOT};
+  }
+  PE_EXPECT(xcall_shmem_exchange(w, out, PES, in, PES, NULL) == XCALL_STATUS_OK);
+  int same = 1;
+  for (uint32_t a = 0; a < PES; a++)
+    for (size_t i = 0; i < SLOT; i++)
+      same &= buf[a * SLOT + i] == pattern(a + 10, p->rank * SLOT + i);
+  PE_EXPECT(same);
+  PE_EXPECT(xcall_shmem_free(w, buf) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_finalize(w, &p->leaked) == XCALL_STATUS_OK);
+  xcall_shmem_world_free(w);
+  return NULL;
+}
+
+static void run_tcp_world(void) {
+  pthread_t threads[PES];
+  struct pe pes[PES];
+  for (uint32_t r = 0; r < PES; r++) {
+    pes[r] = (struct pe){.rank = r, .address = "c-test-tcp"};
+    CHECK(pthread_create(&threads[r], NULL, run_tcp_pe, &pes[r]) == 0);
+  }
+  for (uint32_t r = 0; r < PES; r++) {
+    CHECK(pthread_join(threads[r], NULL) == 0);
+    CHECK(pes[r].failures == 0);
+    CHECK(pes[r].leaked == 0);
+  }
+}
+
 static void run_world(xcall_shmem_bootstrap bootstrap, const char *address) {
   pthread_t threads[PES];
   struct pe pes[PES];
@@ -190,6 +255,7 @@ int main(void) {
   CHECK(port > 0);
   snprintf(address, sizeof address, "127.0.0.1:%d", port);
   run_world(XCALL_SHMEM_BOOTSTRAP_TCP, address);
+  run_tcp_world();
 
   /* Use before init, NULL arguments, bad config. */
   xcall_shmem_world *w = NULL;

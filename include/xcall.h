@@ -604,9 +604,8 @@ enum xcall_shmem_bootstrap
    * `host:port`, where rank 0 listens: what a launcher exports as
    * `MASTER_ADDR` and `MASTER_PORT`. A connection is admitted when it
    * speaks xcall's hello for a world of the same size: use a trusted
-   * network. PEs on other hosts are reached through NCCL (CUDA worlds;
-   * a Host world spans one host and refuses them with
-   * `XCALL_STATUS_UNSUPPORTED`).
+   * network. PEs on other hosts are reached through NCCL (CUDA worlds)
+   * or TCP connections (Host worlds), with `xcall_shmem_exchange`.
    */
   XCALL_SHMEM_BOOTSTRAP_TCP = 2,
 };
@@ -627,13 +626,13 @@ enum xcall_shmem_pairs
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
   /**
-   * `XCALL_SHMEM_TRANSPORT` (`auto` or `nccl`), else auto.
+   * `XCALL_SHMEM_TRANSPORT` (`auto`, `nccl` or `tcp`), else auto.
    */
   XCALL_SHMEM_PAIRS_DEFAULT = 0,
   /**
    * The most direct transport per pair: a PE of this process by its
    * address, of this host by shared memory or a CUDA IPC handle, of
-   * another host through NCCL.
+   * another host through NCCL (CUDA) or TCP connections (Host).
    */
   XCALL_SHMEM_PAIRS_AUTO = 1,
   /**
@@ -641,6 +640,11 @@ enum xcall_shmem_pairs
    * host runs the path of peers on other hosts.
    */
   XCALL_SHMEM_PAIRS_NCCL = 2,
+  /**
+   * TCP connections for every pair but a PE with itself (Host only):
+   * one host runs the path of Host peers on other hosts.
+   */
+  XCALL_SHMEM_PAIRS_TCP = 3,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -675,6 +679,11 @@ enum xcall_shmem_transport
    * with `xcall_shmem_exchange` only.
    */
   XCALL_SHMEM_TRANSPORT_NCCL = 3,
+  /**
+   * A TCP connection (Host): not addressable; data moves with
+   * `xcall_shmem_exchange` only.
+   */
+  XCALL_SHMEM_TRANSPORT_TCP = 4,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

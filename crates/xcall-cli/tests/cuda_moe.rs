@@ -235,7 +235,15 @@ fn launched_processes_make_one_cuda_world() {
         let j = read_json(&path);
         assert_eq!(j["verification"]["verdict"], "PASS", "{what}");
         assert_eq!(j["processes"], 2, "{what}");
-        assert_eq!(j["nccl"], transport == "nccl", "{what}");
+        assert_eq!(
+            j["remote_transport"],
+            if transport == "nccl" {
+                serde_json::json!("nccl")
+            } else {
+                serde_json::Value::Null
+            },
+            "{what}"
+        );
         let per = if gpus >= 2 { gpus / 2 } else { 1 } as u64;
         assert_eq!(j["pes"], 2 * per, "{what}");
         assert_eq!(

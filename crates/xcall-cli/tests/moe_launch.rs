@@ -60,7 +60,7 @@ fn four_processes_under_torchrun_make_one_world_and_one_report() {
     assert_eq!(j["processes"], 4);
     assert_eq!(j["launcher"], "torchrun");
     assert_eq!(j["pes"], 4);
-    assert_eq!(j["nccl"], false);
+    assert_eq!(j["remote_transport"], serde_json::Value::Null);
     assert_eq!(j["verification"]["verdict"], "PASS");
     assert_eq!(j["outcomes"]["eager_host"], 12);
     assert_eq!(j["graph_cache"]["process 3 host:0"]["eager_host"], 3);
@@ -82,32 +82,76 @@ fn processes_of_several_pes_under_srun_and_mpirun_match_the_reference() {
         ),
         ("mpirun", 3, &["--experts", "6", "--dropless"][..]),
     ] {
-        let mut args = vec!["moe", "--tokens", "150", "--hidden", "32", "--steps", "2"];
-        args.extend(extra);
-        let outs = launch(launcher, n, &args, &[]);
-        for (r, o) in outs.iter().enumerate() {
-            assert!(
-                o.status.success(),
-                "{launcher} {extra:?} process {r}: {}\n{}",
-                text(&o.stdout),
-                text(&o.stderr)
-            );
-        }
-        let report = text(&outs[0].stdout);
-        assert!(report.contains("verification   PASS"), "{report}");
-        assert!(
-            report.contains(&format!("processes under {launcher}")),
-            "{report}"
-        );
-        if launcher == "srun" {
-            assert!(report.contains("2 PE(s) each"), "{report}");
-            let line = text(&outs[1].stdout);
-            assert!(
-                line.contains("PEs 2..3 of 4 on host:2, host:3: verification PASS"),
-                "{line}"
-            );
-        }
+        launched(launcher, n, extra, &[]);
     }
+}
+
+/// Every pair but a PE with itself through TCP connections (the path of
+/// Host PEs on other hosts): the copy exchange goes as one
+/// `World::exchange` per phase and matches the reference; the fused one
+/// is refused naming the copy.
+#[test]
+fn tcp_pairs_carry_the_layer_across_processes() {
+    let tcp = [("XCALL_SHMEM_TRANSPORT", "tcp")];
+    let report = launched("torchrun", 3, &["--experts", "6", "--pes", "2"], &tcp);
+    assert!(
+        report.contains("copy (whole slots, one World::exchange per phase, through TCP)"),
+        "{report}"
+    );
+    launched("srun", 2, &["--dropless", "--dtype", "f32"], &tcp);
+    let outs = launch(
+        "torchrun",
+        2,
+        &[
+            "moe",
+            "--exchange",
+            "fused",
+            "--steps",
+            "1",
+            "--timeout",
+            "5s",
+        ],
+        &tcp,
+    );
+    for (r, o) in outs.iter().enumerate() {
+        let err = text(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "process {r}: {err}");
+        assert!(
+            err.contains("reached through tcp: use --exchange copy"),
+            "process {r}: {err}"
+        );
+    }
+}
+
+/// `n` processes of `xcall moe` with `extra` flags under `launcher`, each
+/// succeeding; returns process 0's report.
+fn launched(launcher: &str, n: usize, extra: &[&str], envs: &[(&str, &str)]) -> String {
+    let mut args = vec!["moe", "--tokens", "150", "--hidden", "32", "--steps", "2"];
+    args.extend(extra);
+    let outs = launch(launcher, n, &args, envs);
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "{launcher} {extra:?} process {r}: {}\n{}",
+            text(&o.stdout),
+            text(&o.stderr)
+        );
+    }
+    let report = text(&outs[0].stdout);
+    assert!(report.contains("verification   PASS"), "{report}");
+    assert!(
+        report.contains(&format!("{n} processes under {launcher}")),
+        "{report}"
+    );
+    if extra.starts_with(&["--pes", "2"]) && n == 2 {
+        assert!(report.contains("2 PE(s) each"), "{report}");
+        let line = text(&outs[1].stdout);
+        assert!(
+            line.contains("PEs 2..3 of 4 on host:2, host:3: verification PASS"),
+            "{line}"
+        );
+    }
+    report
 }
 
 /// A process killed mid-run makes every other fail with a message naming
@@ -116,6 +160,15 @@ fn processes_of_several_pes_under_srun_and_mpirun_match_the_reference() {
 /// are refused clearly, never a hang.
 #[test]
 fn a_dying_process_and_bad_launches_fail_every_process_clearly() {
+    // Pairs mapped through shared memory, then every pair through TCP.
+    for transport in ["auto", "tcp"] {
+        a_process_dies(transport);
+    }
+    bad_launches();
+}
+
+/// Process 2 of 3 is killed while they step: the others fail.
+fn a_process_dies(transport: &str) {
     let port = free_port();
     let args = [
         "moe",
@@ -134,8 +187,9 @@ fn a_dying_process_and_bad_launches_fail_every_process_clearly() {
         "--progress-every",
         "100ms",
     ];
+    let env = [("XCALL_SHMEM_TRANSPORT", transport)];
     let mut children: Vec<Child> = (0..3)
-        .map(|r| spawn("mpirun", r, 3, port, &args, &[]))
+        .map(|r| spawn("mpirun", r, 3, port, &args, &env))
         .collect();
     std::thread::sleep(Duration::from_secs(3));
     children[2].kill().expect("kill process 2");
@@ -155,16 +209,21 @@ fn a_dying_process_and_bad_launches_fail_every_process_clearly() {
     assert!(err.contains("steps done (timed steps)"), "{err}");
     for (r, o) in outs.iter().enumerate().take(2) {
         let err = text(&o.stderr);
-        assert_eq!(o.status.code(), Some(1), "process {r}: {err}");
+        assert_eq!(o.status.code(), Some(1), "{transport}: process {r}: {err}");
         assert!(
             err.contains(&format!("PE {r}:"))
                 && (err.contains("left the world")
                     || err.contains("closed the bootstrap")
+                    || err.contains("its connection closed")
                     || err.contains("timeout")),
-            "process {r}: {err}"
+            "{transport}: process {r}: {err}"
         );
     }
+}
 
+/// A launched process without rank 0's address, and processes that
+/// disagree on the PEs each runs.
+fn bad_launches() {
     // No MASTER_ADDR: a usage error naming the variables, at once.
     let out = xcall()
         .env_clear()

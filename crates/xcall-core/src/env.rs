@@ -104,7 +104,14 @@ pub const VARIABLES: &[Variable] = &[
         Kind::Text,
         "auto",
         "library",
-        "Which transport the pairs of a shmem world take when its config names none: `auto` (a PE of this process by address, of this host by shared memory or CUDA IPC, of another host through NCCL) or `nccl` (NCCL for every pair, a PE with itself included, so one host or one GPU runs the path across hosts; CUDA only). Every PE of a world must use the same.",
+        "Which transport the pairs of a shmem world take when its config names none: `auto` (a PE of this process by address, of this host by shared memory or CUDA IPC, of another host through NCCL on CUDA and TCP connections on Host), `nccl` (NCCL for every pair, a PE with itself included, so one host or one GPU runs the path across hosts; CUDA only) or `tcp` (TCP connections for every pair but a PE with itself; Host only). Every PE of a world must use the same.",
+    ),
+    var(
+        "XCALL_SHMEM_HOST",
+        Kind::Text,
+        "the hostname and boot id",
+        "library",
+        "Names this process's host in a shmem world (one line, 1 to 255 bytes). Processes of one machine given different names form a world of several hosts: their pairs take the transport across hosts (`auto`: NCCL on CUDA, TCP on Host) and each named host has its own state page, so one machine runs the path across hosts.",
     ),
     var(
         "XCALL_NCCL_LIB",

@@ -65,9 +65,8 @@ pub enum Bootstrap {
     /// `host:port`, where rank 0 listens: what a launcher exports as
     /// `MASTER_ADDR` and `MASTER_PORT`. A connection is admitted when it
     /// speaks xcall's hello for a world of the same size: use a trusted
-    /// network. PEs on other hosts are reached through NCCL (CUDA worlds;
-    /// a Host world spans one host and refuses them with
-    /// `XCALL_STATUS_UNSUPPORTED`).
+    /// network. PEs on other hosts are reached through NCCL (CUDA worlds)
+    /// or TCP connections (Host worlds), with `xcall_shmem_exchange`.
     Tcp = 2,
 }
 
@@ -77,18 +76,21 @@ xcall_core::c_enum!(Bootstrap, "bootstrap kind", [InProcess, UnixSocket, Tcp]);
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PairPolicy {
-    /// `XCALL_SHMEM_TRANSPORT` (`auto` or `nccl`), else auto.
+    /// `XCALL_SHMEM_TRANSPORT` (`auto`, `nccl` or `tcp`), else auto.
     Default = 0,
     /// The most direct transport per pair: a PE of this process by its
     /// address, of this host by shared memory or a CUDA IPC handle, of
-    /// another host through NCCL.
+    /// another host through NCCL (CUDA) or TCP connections (Host).
     Auto = 1,
     /// NCCL for every pair, a PE with itself included (CUDA only): one
     /// host runs the path of peers on other hosts.
     Nccl = 2,
+    /// TCP connections for every pair but a PE with itself (Host only):
+    /// one host runs the path of Host peers on other hosts.
+    Tcp = 3,
 }
 
-xcall_core::c_enum!(PairPolicy, "transport policy", [Default, Auto, Nccl]);
+xcall_core::c_enum!(PairPolicy, "transport policy", [Default, Auto, Nccl, Tcp]);
 
 /// How this PE reaches a peer (`xcall_shmem_peer_transport`).
 #[repr(u32)]
@@ -103,6 +105,9 @@ pub enum PeerTransport {
     /// NCCL: not addressable (`xcall_shmem_ptr` gives NULL); data moves
     /// with `xcall_shmem_exchange` only.
     Nccl = 3,
+    /// A TCP connection (Host): not addressable; data moves with
+    /// `xcall_shmem_exchange` only.
+    Tcp = 4,
 }
 
 /// One segment this PE sends in `xcall_shmem_exchange`.
@@ -264,6 +269,7 @@ pub extern "C" fn xcall_shmem_init(
                 PairPolicy::Default => None,
                 PairPolicy::Auto => Some(Pairs::Auto),
                 PairPolicy::Nccl => Some(Pairs::Nccl),
+                PairPolicy::Tcp => Some(Pairs::Tcp),
             },
         };
         w.init(&config)?;
@@ -554,6 +560,7 @@ pub extern "C" fn xcall_shmem_peer_transport(
             Transport::HostSharedMemory => PeerTransport::HostSharedMemory,
             Transport::CudaIpc => PeerTransport::CudaIpc,
             Transport::Nccl => PeerTransport::Nccl,
+            Transport::Tcp => PeerTransport::Tcp,
         };
         *out_ptr(out_transport, "out_transport")? = t as u32;
         Ok(())

@@ -39,6 +39,12 @@ pub trait Bootstrap: Send {
     fn barrier(&mut self) -> Result<()> {
         self.allgather(&[]).map(|_| ())
     }
+    /// The address this PE reaches its peers from, where the bootstrap
+    /// knows one (TCP: the local end of its connection to rank 0); `None`
+    /// for a bootstrap of one host.
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        None
+    }
     /// `data` of PE `root` on every PE.
     fn broadcast(&mut self, root: usize, data: &[u8]) -> Result<Vec<u8>> {
         if root >= self.size() {
@@ -79,6 +85,10 @@ impl Bootstrap for Logged {
 
     fn size(&self) -> usize {
         self.inner.size()
+    }
+
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.inner.local_ip()
     }
 
     fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
@@ -390,11 +400,16 @@ pub trait Conn: Read + Write + Send + Sized {
     fn nonblocking(&self, on: bool) -> std::io::Result<()>;
     /// Closes both directions (a peer blocked in `read` sees it at once).
     fn close(&self);
+    /// The local end's IP address (TCP only).
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        None
+    }
 }
 
-/// Both std streams have the same three methods under these names.
+/// Both std streams have the same three methods under these names; TCP
+/// also says its local address.
 macro_rules! conn {
-    ($($stream:ty),*) => {$(
+    ($stream:ty $(, $ip:expr)?) => {
         impl Conn for $stream {
             fn read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
                 self.set_read_timeout(t)
@@ -405,11 +420,20 @@ macro_rules! conn {
             fn close(&self) {
                 let _ = self.shutdown(std::net::Shutdown::Both);
             }
+            $(
+            fn local_ip(&self) -> Option<std::net::IpAddr> {
+                ($ip)(self)
+            }
+            )?
         }
-    )*};
+    };
 }
 
-conn!(UnixStream, TcpStream);
+conn!(UnixStream);
+conn!(TcpStream, |s: &TcpStream| s
+    .local_addr()
+    .ok()
+    .map(|a| a.ip()));
 
 /// PEs meeting through rank 0: rank 0 accepts one stream per other rank,
 /// and every collective goes through it. [`UnixSocket`] (processes of one
@@ -789,6 +813,10 @@ impl Drop for Unlink {
 impl<S: Conn> Bootstrap for Star<S> {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn local_ip(&self) -> Option<std::net::IpAddr> {
+        self.streams.first().and_then(Conn::local_ip)
     }
 
     fn size(&self) -> usize {

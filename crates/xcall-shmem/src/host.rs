@@ -138,7 +138,27 @@ impl Drop for HostMapping {
 }
 
 /// "hostname/boot-id": equal for two processes of one running machine.
-pub(crate) fn host_identity() -> String {
+/// Environment variable that names this process's host in a world in
+/// place of its hostname and boot id: processes of one machine given
+/// different names form a world of several hosts (their pairs take the
+/// transport across hosts, each "host" has its own state page), so one
+/// machine runs that path.
+pub const HOST_ENV: &str = "XCALL_SHMEM_HOST";
+
+/// This process's host as the PEs of a world compare it: [`HOST_ENV`]
+/// when set (one line of at most 255 bytes), else the hostname and the
+/// kernel's boot id.
+pub(crate) fn host_identity() -> crate::error::Result<String> {
+    if let Some(name) = xcall_core::env::text(HOST_ENV)
+        .map_err(|e| crate::error::ShmemError::InvalidArgument(e.to_string()))?
+    {
+        if name.is_empty() || name.len() > 255 || name.contains(['\n', '\r']) {
+            return Err(crate::error::ShmemError::InvalidArgument(format!(
+                "{HOST_ENV}={name:?}: a host's name is one line of 1 to 255 bytes"
+            )));
+        }
+        return Ok(format!("named/{name}"));
+    }
     let mut buf = [0u8; 256];
     // SAFETY: writes at most `buf.len()` bytes.
     let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
@@ -149,5 +169,5 @@ pub(crate) fn host_identity() -> String {
         "unknown-host".to_string()
     };
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{name}/{}", boot.trim())
+    Ok(format!("{name}/{}", boot.trim()))
 }

@@ -16,19 +16,22 @@
 //! process: direct device pointers after enabling peer access (never IPC
 //! handles inside one process: they fail there). CUDA, other process: CUDA
 //! IPC handles. CUDA, another host (or every pair with [`Pairs::Nccl`]):
-//! NCCL ([`nccl`], opened at run time), through [`World::exchange`]. Copies
-//! on CUDA use the copy engine (`cuMemcpyAsync` on mapped pointers).
+//! NCCL ([`nccl`], opened at run time), through [`World::exchange`]. Host,
+//! another host (or every other pair with [`Pairs::Tcp`]): TCP connections
+//! ([`sockets`]), through [`World::exchange`]. Copies on CUDA use the copy
+//! engine (`cuMemcpyAsync` on mapped pointers).
 //!
 //! # Multi-node
-//! A CUDA world spanning hosts keeps the same API: the TCP bootstrap
+//! A world spanning hosts keeps the same API: the TCP bootstrap
 //! ([`bootstrap::Tcp`]) with ranks from torchrun, `mpirun` or `srun`
-//! ([`launch`]), and NCCL for the pairs on other hosts. Those peers are
-//! not addressable: [`World::ptr`] returns `None` for them and data moves
-//! with [`World::exchange`], a collective whose NCCL part is one
-//! send/receive group. Still planned:
+//! ([`launch`]), and for the pairs on other hosts NCCL (CUDA) or TCP
+//! connections (Host). Those peers are not addressable: [`World::ptr`]
+//! returns `None` for them and data moves with [`World::exchange`], a
+//! collective whose NCCL part is one send/receive group. [`HOST_ENV`]
+//! names a process's host, so one machine runs the path across hosts.
+//! Still planned:
 //! - one-sided `put`/`put_signal` across hosts on NCCL 2.29's windows
 //!   (`ncclPutSignal`, detected and reported, not used yet);
-//! - a Host transport across hosts (a Host world spans one host);
 //! - `barrier_on_stream` in a world with NCCL pairs.
 
 #![deny(missing_docs)]
@@ -42,9 +45,11 @@ mod host;
 pub mod launch;
 pub mod nccl;
 pub mod registry;
+pub mod sockets;
 pub mod world;
 
 pub use error::{Result, ShmemError};
+pub use host::HOST_ENV;
 pub use world::{
     BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
     Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,

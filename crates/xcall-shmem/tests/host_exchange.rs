@@ -1,7 +1,8 @@
 //! `World::exchange` on Host: SPMT all-to-all rounds against data
-//! computed independently on each side, the checks that refuse a bad
-//! segment before anything moves, a missing sender timing out, and the
-//! transport policy's refusals.
+//! computed independently on each side (through direct pairs and through
+//! TCP pairs), the checks that refuse a bad segment before anything
+//! moves, a missing sender timing out, and the transport policy's
+//! refusals.
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,42 @@ fn all_to_all_rounds_between_threads() {
                 assert_eq!(w.transport(pe).unwrap(), Transport::SameProcess);
             }
             common::all_to_all(&mut w, rank, n, 9, 8, 2000);
+            assert!(w.finalize().unwrap().leaked.is_empty());
+        });
+    }
+}
+
+/// Every pair but a PE with itself forced onto TCP: the transports say
+/// so, a TCP peer has no pointer and refuses put and get by name, and the
+/// all-to-all rounds (each PE's own segment a plain copy) arrive intact;
+/// one PE alone has no TCP pair at all.
+#[test]
+fn all_to_all_rounds_through_tcp_pairs() {
+    let _s = serial();
+    for n in [1, 2, 4] {
+        run_threads(&format!("tcp exchange {n}"), n, watchdog(), move |rank| {
+            let mut c = config(&format!("xtcp{n}"), rank, n, Duration::from_secs(20));
+            c.pairs = Some(Pairs::Tcp);
+            let mut w = World::new();
+            w.init(&c).unwrap();
+            let obj = w.malloc(64).unwrap();
+            for pe in 0..n {
+                let t = w.transport(pe).unwrap();
+                if pe == rank {
+                    assert_eq!(t, Transport::SameProcess);
+                    assert!(w.ptr(pe, obj).is_some());
+                    continue;
+                }
+                assert_eq!(t, Transport::Tcp);
+                assert_eq!(w.ptr(pe, obj), None);
+                let src = [1u8; 8];
+                // SAFETY: `src` is 8 readable bytes; refused before use.
+                let e = unsafe { w.put(obj, src.as_ptr() as u64, 8, pe) }.unwrap_err();
+                assert_eq!(e.status(), Status::Unsupported, "{e}");
+                assert!(e.to_string().contains("through TCP"), "{e}");
+            }
+            common::all_to_all(&mut w, rank, n, 19, 6, 70_000);
+            w.free(obj).unwrap();
             assert!(w.finalize().unwrap().leaked.is_empty());
         });
     }
@@ -191,7 +228,14 @@ fn nccl_is_refused_on_host_and_policies_parse() {
     let e = World::new().init(&c).unwrap_err();
     assert_eq!(e.status(), Status::Unsupported, "{e}");
     assert!(e.to_string().contains("CUDA worlds only"), "{e}");
+    let mut g = c.clone();
+    g.device = Device::cuda(0);
+    g.pairs = Some(Pairs::Tcp);
+    let e = World::new().init(&g).unwrap_err();
+    assert_eq!(e.status(), Status::Unsupported, "{e}");
+    assert!(e.to_string().contains("Host worlds only"), "{e}");
     assert_eq!(Pairs::parse("nccl"), Some(Pairs::Nccl));
+    assert_eq!(Pairs::parse("Tcp"), Some(Pairs::Tcp));
     assert_eq!(Pairs::parse(" AUTO "), Some(Pairs::Auto));
     assert_eq!(Pairs::parse("ib"), None);
     // The same world with the default policy comes up.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use xcall_core::{Device, Platform, Status};
 use xcall_shmem::launch::Launch;
-use xcall_shmem::World;
+use xcall_shmem::{Transport, World};
 
 mod common;
 
@@ -69,6 +69,11 @@ fn spawn(launcher: &str, r: usize, n: usize, port: u16, role: &str) -> Child {
     ] {
         cmd.env_remove(name);
     }
+    cmd.env_remove(xcall_shmem::HOST_ENV);
+    if role == "hosts" {
+        // Two named hosts, alternating ranks.
+        cmd.env(xcall_shmem::HOST_ENV, format!("node{}", r % 2));
+    }
     cmd.envs(vars(launcher, r, n, port))
         .env(ROLE_ENV, role)
         .spawn()
@@ -109,6 +114,34 @@ fn ring_pe(launcher: &str) {
     assert!(w.finalize().unwrap().leaked.is_empty());
 }
 
+/// One process of a world over two named hosts (ranks alternate): pairs
+/// on the same host map each other's heaps, pairs across hosts take TCP;
+/// all-to-all exchanges and an allgather cross both.
+fn hosts_pe() {
+    let launch = Launch::from_env().unwrap().expect("a launcher's variables");
+    let (rank, n) = (launch.rank, launch.size);
+    let mut c = launch
+        .config(Device::new(Platform::Host, rank as u32))
+        .unwrap();
+    c.heap_bytes = Some(1 << 20);
+    c.timeout = Duration::from_secs(20);
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    for q in 0..n {
+        let want = match (q == rank, q % 2 == rank % 2) {
+            (true, _) => Transport::SameProcess,
+            (false, true) => Transport::HostSharedMemory,
+            (false, false) => Transport::Tcp,
+        };
+        assert_eq!(w.transport(q).unwrap(), want, "rank {rank} to {q}");
+    }
+    common::all_to_all(&mut w, rank, n, 81, 5, 40_000);
+    let all = w.allgather(&[rank as u8; 3]).unwrap();
+    assert_eq!(all, (0..n).map(|r| vec![r as u8; 3]).collect::<Vec<_>>());
+    w.barrier_all().unwrap();
+    assert!(w.finalize().unwrap().leaked.is_empty());
+}
+
 /// A process of a world whose last rank never starts: init times out.
 fn orphan_pe() {
     let launch = Launch::from_env().unwrap().unwrap();
@@ -126,6 +159,7 @@ fn launched_worlds() {
     if let Ok(role) = std::env::var(ROLE_ENV) {
         match role.split_once(':') {
             Some(("ring", launcher)) => ring_pe(launcher),
+            _ if role == "hosts" => hosts_pe(),
             _ => orphan_pe(),
         }
         return;
@@ -140,6 +174,13 @@ fn launched_worlds() {
             Duration::from_secs(60),
         );
     }
+    // Four processes on two named hosts: shared memory within a host,
+    // TCP across.
+    let port = free_port();
+    let children = (0..4)
+        .map(|r| spawn("torchrun", r, 4, port, "hosts"))
+        .collect();
+    wait_all("4 PEs on 2 named hosts", children, Duration::from_secs(60));
     // Rank 2 of 3 never starts: ranks 0 and 1 both time out, soon.
     let port = free_port();
     let started = Instant::now();

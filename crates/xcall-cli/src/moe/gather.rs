@@ -46,7 +46,7 @@ pub fn encode(log: &PeLog) -> Value {
         "queue_wait": secs(log.queue_wait),
         "input_wait": secs(log.input_wait),
         "memory": [log.memory.0, log.memory.1],
-        "nccl": log.nccl,
+        "remote": log.remote,
         "graphs": log.graphs.iter().map(|g| json!({
             "label": g.label, "line": g.line, "stats": g.stats,
         })).collect::<Vec<_>>(),
@@ -115,7 +115,14 @@ pub fn decode(v: &Value) -> Option<PeLog> {
         queue_wait: duration(&v["queue_wait"])?,
         input_wait: duration(&v["input_wait"])?,
         memory,
-        nccl: v["nccl"].as_bool()?,
+        remote: match &v["remote"] {
+            Value::Null => None,
+            r => Some(match r.as_str()? {
+                "nccl" => "nccl",
+                "tcp" => "tcp",
+                _ => return None,
+            }),
+        },
         graphs: v["graphs"]
             .as_array()?
             .iter()
@@ -185,7 +192,7 @@ mod tests {
             queue_wait: Duration::from_millis(2),
             input_wait: Duration::from_millis(4),
             memory: (Some(1 << 30), None),
-            nccl: true,
+            remote: Some("tcp"),
             graphs: vec![GraphLine {
                 label: "process 1 cuda:0".into(),
                 line: "2 capture(s)".into(),
@@ -208,7 +215,7 @@ mod tests {
             ("checks", json!([{"step": 1}])),
             ("memory", json!([1])),
             ("draw", json!(-1.0)),
-            ("nccl", Value::Null),
+            ("remote", json!("carrier pigeon")),
         ] {
             let mut v = encode(&log);
             v[field] = bad;

@@ -112,7 +112,8 @@ pub struct MoeArgs {
     #[arg(long)]
     dropless: bool,
     /// How rows reach other PEs [default: fused up to 32 PEs (the
-    /// segments a permute takes), else copy].
+    /// segments a permute takes), else copy; copy when
+    /// `XCALL_SHMEM_TRANSPORT` forces NCCL or TCP].
     #[arg(long, value_enum)]
     exchange: Option<ExchangeArg>,
     /// The CUDA device of each PE, comma-separated and distinct (a world
@@ -242,6 +243,18 @@ fn launched_gpus(l: &Launch, pes: Option<usize>, gpus: usize) -> Result<Vec<u32>
             )
         })?;
     Ok((first..first + per).map(|o| o as u32).collect())
+}
+
+/// Whether `XCALL_SHMEM_TRANSPORT` forces every pair onto a transport
+/// without peer pointers (NCCL or TCP).
+fn forced_remote() -> bool {
+    let policy = xcall_core::env::text(xcall_shmem::TRANSPORT_ENV)
+        .ok()
+        .flatten();
+    matches!(
+        policy.as_deref().and_then(xcall_shmem::Pairs::parse),
+        Some(xcall_shmem::Pairs::Nccl | xcall_shmem::Pairs::Tcp)
+    )
 }
 
 /// Checks the flags; `gpus` is the CUDA device count on CUDA, `launch`
@@ -392,7 +405,8 @@ fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, St
             ))
         }
         Some(x) => x == ExchangeArg::Fused,
-        None => pes <= max,
+        // A policy that forces pairs without pointers takes the copy.
+        None => pes <= max && !forced_remote(),
     };
     let slots = if fused { pes } else { 2 * pes - 1 };
     let bytes = slot_rows * slots as f64 * hidden as f64 * size * 2.0
@@ -457,8 +471,9 @@ struct PeLog {
     input_wait: Duration,
     /// Memory in use after the warm-up step and after the last step.
     memory: (Option<u64>, Option<u64>),
-    /// Some pair of the PE's world took NCCL.
-    nccl: bool,
+    /// The transport of the PE's pairs without pointers ("nccl", "tcp"),
+    /// when some pair took one.
+    remote: Option<&'static str>,
     /// The graph caches of the PE's process (on its first PE only).
     graphs: Vec<GraphLine>,
 }
@@ -640,7 +655,7 @@ fn run_pe(
     };
     // Every PE's steps are done: the caches' counts are final.
     pe.barrier()?;
-    log.nccl = pe.nccl();
+    log.remote = pe.remote().map(|t| t.name());
     log.copy_ms = pe.copy_ms()?;
     pe.barrier()?;
     let mut world = None;
@@ -957,7 +972,7 @@ fn report(
         _ => "FAIL",
     };
     let platform = run.platform.name();
-    let nccl = pes.iter().any(|l| l.nccl);
+    let remote = pes.iter().find_map(|l| l.remote);
     let layout = match (&run.launched, run.platform) {
         (Some(l), _) => format!(
             " ({} processes under {}, {} PE(s) each, one thread per PE)",
@@ -1007,8 +1022,10 @@ fn report(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
         if s.fused {
             "fused (permute writes the peers' slots, unpermute reads them)"
-        } else if nccl {
+        } else if remote == Some("nccl") {
             "copy (whole slots, one World::exchange per phase, through NCCL)"
+        } else if remote.is_some() {
+            "copy (whole slots, one World::exchange per phase, through TCP)"
         } else {
             "copy (whole slots with put_signal)"
         },
@@ -1108,7 +1125,7 @@ fn report(
                 "wait_s": queue_wait.as_secs_f64(), "input_wait_s": input_wait.as_secs_f64()},
         });
         // Past json!'s recursion limit in one literal.
-        doc["nccl"] = json!(nccl);
+        doc["remote_transport"] = json!(remote);
         doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
         doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
         out.write("moe", &devices, doc)?;

@@ -158,9 +158,10 @@ pub struct Pe {
     sizes: Vec<(u64, usize, BufferRole)>,
     gpu: Option<Gpu>,
     ops: OpConfig,
-    /// Some peer is reached through NCCL: the copy exchange moves its
-    /// slots with `World::exchange` (NCCL send/receive groups).
-    nccl: bool,
+    /// The transport of the peers without peer pointers (NCCL on CUDA,
+    /// TCP on Host), when some peer takes one: the copy exchange then
+    /// moves its slots with `World::exchange`.
+    remote: Option<Transport>,
 }
 
 /// The segments of the copy exchange on PE `me` as one
@@ -322,16 +323,18 @@ impl Pe {
                 .collect(),
             gpu,
             ops: OpConfig::default(),
-            nccl: false,
+            remote: None,
         };
         for q in 0..p {
-            if q != rank && pe.world.transport(q).context("shmem transport")? == Transport::Nccl {
+            let t = pe.world.transport(q).context("shmem transport")?;
+            if q != rank && matches!(t, Transport::Nccl | Transport::Tcp) {
                 if shape.fused {
                     return Err(format!(
-                        "--exchange fused needs every PE addressable, and PE {q} is reached through NCCL: use --exchange copy"
+                        "--exchange fused needs every PE addressable, and PE {q} is reached through {}: use --exchange copy",
+                        t.name()
                     ));
                 }
-                pe.nccl = true;
+                pe.remote = Some(t);
             }
         }
         let zeros = vec![0u8; p * 8];
@@ -415,9 +418,9 @@ impl Pe {
         Ok(y)
     }
 
-    /// Whether some peer is reached through NCCL.
-    pub fn nccl(&self) -> bool {
-        self.nccl
+    /// The transport of the peers without pointers, if any.
+    pub fn remote(&self) -> Option<Transport> {
+        self.remote
     }
 
     /// This PE's rank.
@@ -673,7 +676,7 @@ impl Pe {
         // there, only the signal goes). Dropless, each slot's row counts
         // go with it.
         let (counts, copy) = (s.dropless, !s.fused);
-        if self.nccl {
+        if self.remote.is_some() {
             self.exchange_all(false, stream)?;
             self.mark(marks)?;
         } else {
@@ -695,7 +698,7 @@ impl Pe {
         // `rows`) go back to it, into the slot of its send slot P - j (the
         // one it sent to me): slot 2P - 1 - j of its `results`. Fused,
         // only the signal goes: PE me + j reads them where they are.
-        if self.nccl {
+        if self.remote.is_some() {
             self.exchange_all(true, stream)?;
             self.mark(marks)?;
         } else {

@@ -20,7 +20,7 @@ pub enum BootstrapKind {
     /// Processes on any hosts, meeting at a TCP address (rank 0 listens
     /// at `address`, `host:port`; see [`crate::launch`] for the launchers'
     /// variables that give it). A CUDA world reaches PEs on other hosts
-    /// through NCCL; a Host world refuses them at init.
+    /// through NCCL, a Host world through TCP connections.
     Tcp {
         /// `host:port` of rank 0.
         address: String,
@@ -50,7 +50,7 @@ pub struct Config {
 }
 
 /// Environment variable with the transport policy when the config gives
-/// none: `auto` or `nccl`.
+/// none: `auto`, `nccl` (CUDA) or `tcp` (Host).
 pub const TRANSPORT_ENV: &str = "XCALL_SHMEM_TRANSPORT";
 
 /// Which transport each pair of PEs takes.
@@ -59,19 +59,24 @@ pub enum Pairs {
     /// The most direct one: a PE of this process by its address (CUDA:
     /// peer access), a PE of another process on this host by shared
     /// memory or a CUDA IPC handle, a PE on another host through NCCL
-    /// (CUDA only).
+    /// (CUDA) or TCP connections (Host, [`crate::sockets`]).
     Auto,
     /// NCCL for every pair, a PE with itself included, so that one host
     /// (or one GPU) runs the path of peers on other hosts. CUDA only.
     Nccl,
+    /// TCP connections for every pair but a PE with itself (a plain
+    /// copy), so that one host runs the path of Host peers on other
+    /// hosts. Host only.
+    Tcp,
 }
 
 impl Pairs {
-    /// `auto` or `nccl`.
+    /// `auto`, `nccl` or `tcp`.
     pub fn parse(s: &str) -> Option<Pairs> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Some(Pairs::Auto),
             "nccl" => Some(Pairs::Nccl),
+            "tcp" => Some(Pairs::Tcp),
             _ => None,
         }
     }
@@ -118,7 +123,7 @@ impl Config {
     }
 
     /// The transport policy: the config's, else [`TRANSPORT_ENV`]'s, else
-    /// auto; NCCL is refused on Host.
+    /// auto; NCCL is refused on Host, TCP on CUDA.
     pub(super) fn pairs(&self) -> Result<Pairs> {
         let pairs = match self.pairs {
             Some(p) => p,
@@ -128,14 +133,21 @@ impl Config {
                 None => Pairs::Auto,
                 Some(v) => Pairs::parse(&v).ok_or_else(|| {
                     ShmemError::InvalidArgument(format!(
-                        "{TRANSPORT_ENV}={v:?} is not a transport policy: auto or nccl"
+                        "{TRANSPORT_ENV}={v:?} is not a transport policy: auto, nccl (CUDA) or tcp (Host)"
                     ))
                 })?,
             },
         };
         if pairs == Pairs::Nccl && self.device.platform != Platform::Cuda {
             return Err(ShmemError::Unsupported(
-                "the NCCL transport carries CUDA worlds only; a Host world takes auto".into(),
+                "the NCCL transport carries CUDA worlds only; a Host world takes auto or tcp"
+                    .into(),
+            ));
+        }
+        if pairs == Pairs::Tcp && self.device.platform != Platform::Host {
+            return Err(ShmemError::Unsupported(
+                "the TCP transport carries Host worlds only; a CUDA world takes auto or nccl"
+                    .into(),
             ));
         }
         Ok(pairs)

@@ -27,15 +27,16 @@ pub(super) enum PeerMap {
     /// A PE of this process (this PE included): its heap, held so that it
     /// stays mapped while this PE can reach it.
     SameProcess(#[allow(dead_code)] Arc<Memory>),
-    /// A PE reached through NCCL only: nothing mapped.
-    Nccl,
+    /// A PE reached through NCCL or TCP only: nothing mapped.
+    Unmapped,
     Host(#[allow(dead_code)] HostMapping),
     Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
 }
 
 pub(super) struct Peer {
     pub(super) device: Device,
-    /// Its heap's base in this process; 0 when it is not mapped (NCCL).
+    /// Its heap's base in this process; 0 when it is not mapped (NCCL,
+    /// TCP).
     pub(super) base: u64,
     pub(super) map: PeerMap,
     pub(super) transport: Transport,
@@ -45,6 +46,8 @@ pub(super) struct Live {
     // Dropped first: an aborted communicator ends its kernels before the
     // memory they use goes.
     pub(super) nccl: Option<crate::nccl::Comm>,
+    /// The TCP connections of a Host PE's unmapped pairs.
+    pub(super) mesh: Option<crate::sockets::Mesh>,
     pub(super) state: StatePage,
     pub(super) rank: usize,
     pub(super) size: usize,
@@ -109,6 +112,7 @@ impl Live {
         }
         let len = c.heap()?;
         c.pairs()?;
+        host_identity()?;
         if c.device.platform == Platform::Cuda {
             c.device.validate()?;
         }
@@ -158,7 +162,7 @@ impl Live {
         let pairs = c.pairs()?;
         let me = format!(
             "{}\n{}\n{}\n{}\n{}\n{:?}",
-            host_identity(),
+            host_identity()?,
             std::process::id(),
             c.device.platform as u32,
             c.device.ordinal,
@@ -175,10 +179,19 @@ impl Live {
         step("identities exchanged");
         let same_host = |r: usize| ids[r][0] == ids[c.rank][0];
         let same_process = |r: usize| same_host(r) && ids[r][1] == ids[c.rank][1];
-        // NCCL carries a pair when forced to, and every pair across hosts.
-        let by_nccl = |r: usize| pairs == Pairs::Nccl || !same_host(r);
+        // Pairs across hosts take the platform's remote transport (CUDA:
+        // NCCL, Host: TCP), and every pair when one is forced (NCCL a PE
+        // with itself too).
+        let remote = |r: usize| match pairs {
+            Pairs::Auto => !same_host(r),
+            Pairs::Nccl => true,
+            Pairs::Tcp => r != c.rank,
+        };
+        let by_nccl = |r: usize| remote(r) && c.device.platform == Platform::Cuda;
+        let by_tcp = |r: usize| remote(r) && c.device.platform == Platform::Host;
         let cross = (0..c.size).any(|r| same_host(r) && !same_process(r));
-        let ipc = (0..c.size).any(|r| same_host(r) && !same_process(r) && !by_nccl(r));
+        // Some peer of another process maps this heap.
+        let ipc = (0..c.size).any(|r| same_host(r) && !same_process(r) && !remote(r));
 
         // 4. the state page of this host's PEs (its lowest rank makes it),
         // and the heap.
@@ -186,7 +199,7 @@ impl Live {
         let (state, _state_offer) = state_page(boot.as_mut(), c, leader, cross, &same_process)?;
         let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
         let memory = match c.device.platform {
-            Platform::Host if cross => HostHeap::shared(&shm_name, len).map(Memory::Host),
+            Platform::Host if ipc => HostHeap::shared(&shm_name, len).map(Memory::Host),
             Platform::Host => HostHeap::private(len).map(Memory::Host),
             Platform::Cuda => crate::cuda::DeviceHeap::new(c.device, len).map(Memory::Cuda),
         };
@@ -210,7 +223,12 @@ impl Live {
             .iter()
             .map(|b| fields(b))
             .collect();
-        let peers = map_peers(&descs, &devices, c, len, &same_process, &by_nccl);
+        let remote_transport = |r: usize| match c.device.platform {
+            _ if !remote(r) => None,
+            Platform::Cuda => Some(Transport::Nccl),
+            Platform::Host => Some(Transport::Tcp),
+        };
+        let peers = map_peers(&descs, &devices, c, len, &same_process, &remote_transport);
         let peers = agree(boot.as_mut(), peers)?;
         // NCCL's communicator, when some pair takes it: rank 0's id
         // spread by the bootstrap.
@@ -228,6 +246,32 @@ impl Live {
             let comm = agree(boot.as_mut(), comm)?;
             step("NCCL communicator up");
             Some(comm)
+        } else {
+            None
+        };
+        // The TCP connections of the Host pairs that take them.
+        let mesh = if (0..c.size).any(by_tcp) {
+            let listener = crate::sockets::listen(boot.local_ip());
+            let listener = agree(boot.as_mut(), listener)?;
+            let addresses: Vec<String> = boot
+                .allgather(listener.address.as_bytes())?
+                .iter()
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let token = match c.rank {
+                0 => crate::sockets::token().to_le_bytes().to_vec(),
+                _ => Vec::new(),
+            };
+            let token = boot.broadcast(0, &token)?;
+            let token =
+                u64::from_le_bytes(token.as_slice().try_into().map_err(|_| {
+                    ShmemError::Mismatch("rank 0 sent a malformed TCP token".into())
+                })?);
+            let tcp: Vec<bool> = (0..c.size).map(by_tcp).collect();
+            let mesh = listener.connect(c.rank, &tcp, &addresses, token, c.timeout);
+            let mesh = agree(boot.as_mut(), mesh)?;
+            step("TCP pairs connected");
+            Some(mesh)
         } else {
             None
         };
@@ -265,6 +309,7 @@ impl Live {
         let stream = agree(boot.as_mut(), stream)?;
         let mut live = Live {
             nccl,
+            mesh,
             state,
             rank: c.rank,
             size: c.size,
@@ -403,9 +448,13 @@ impl Live {
                 self.rank
             ))),
         };
-        if pe != self.rank && self.peers[pe].transport == Transport::Nccl {
+        if matches!(self.peers[pe].map, PeerMap::Unmapped) {
             return Err(ShmemError::Unsupported(format!(
-                "{what}: PE {pe} is reached through NCCL (two-sided): move data to it with World::exchange"
+                "{what}: PE {pe} is reached through {} (two-sided): move data to it with World::exchange",
+                match self.peers[pe].transport {
+                    Transport::Tcp => "TCP",
+                    _ => "NCCL",
+                }
             )));
         }
         // Allocations are symmetric: a block live here is live on every PE.
@@ -541,8 +590,10 @@ impl Live {
         self.state.check()?;
         let (me, n) = (self.rank, self.size);
         let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Nccl;
+        let by_tcp = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Tcp;
         // Every segment is checked before anything moves.
         let (mut copies, mut sends, mut to) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut tcp_sends, mut tcp_recvs) = (Vec::new(), Vec::new());
         // Which peers got a segment (sent to / received from): one signal
         // and one wait per peer, however many segments.
         let (mut sent, mut got) = (vec![false; n], vec![false; n]);
@@ -552,6 +603,13 @@ impl Live {
                 // The receiver writes it; checked here as this PE's object.
                 self.remote(o.dest, o.bytes, me, "exchange destination")?;
                 sends.push(crate::nccl::Segment {
+                    peer: o.pe,
+                    address: o.src,
+                    bytes: o.bytes,
+                });
+            } else if by_tcp(self, o.pe) {
+                self.remote(o.dest, o.bytes, me, "exchange destination")?;
+                tcp_sends.push(crate::sockets::Segment {
                     peer: o.pe,
                     address: o.src,
                     bytes: o.bytes,
@@ -570,6 +628,12 @@ impl Live {
             let dest = self.remote(i.dest, i.bytes, me, "exchange receive")?;
             if by_nccl(self, i.pe) {
                 recvs.push(crate::nccl::Segment {
+                    peer: i.pe,
+                    address: dest,
+                    bytes: i.bytes,
+                });
+            } else if by_tcp(self, i.pe) {
+                tcp_recvs.push(crate::sockets::Segment {
                     peer: i.pe,
                     address: dest,
                     bytes: i.bytes,
@@ -608,6 +672,15 @@ impl Live {
                     &|| state.check(),
                 )
             }?;
+        }
+        if !tcp_sends.is_empty() || !tcp_recvs.is_empty() {
+            let mesh = self.mesh.as_mut().ok_or_else(|| {
+                ShmemError::State("this PE has no TCP pairs; only finalize remains".into())
+            })?;
+            // SAFETY: every receive lies in one live allocation of this
+            // PE's heap (checked) and every send is the caller's
+            // contract; Host memory, this thread waits for the transfers.
+            unsafe { mesh.exchange(&tcp_sends, &tcp_recvs) }?;
         }
         // One wait per sender, then its count taken back.
         for &s in &from {
@@ -810,12 +883,6 @@ fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<D
                 f[5], c.rank, ids[c.rank][5]
             )));
         }
-        if f[0] != ids[c.rank][0] && platform == Platform::Host {
-            return Err(ShmemError::Unsupported(format!(
-                "rank {r} is on another host ({}); a Host world spans one host (CUDA worlds reach other hosts through NCCL)",
-                f[0]
-            )));
-        }
         for (q, g) in ids.iter().enumerate().take(r) {
             if g[0] == f[0] && g[1] == f[1] && g[2] == f[2] && g[3] == f[3] {
                 return Err(ShmemError::Mismatch(format!(
@@ -837,7 +904,7 @@ fn map_peers(
     c: &Config,
     len: usize,
     same_process: &dyn Fn(usize) -> bool,
-    by_nccl: &dyn Fn(usize) -> bool,
+    remote: &dyn Fn(usize) -> Option<Transport>,
 ) -> Result<Vec<Peer>> {
     let mut peers = Vec::with_capacity(c.size);
     for (r, d) in descs.iter().enumerate() {
@@ -846,14 +913,17 @@ fn map_peers(
         })?;
         let export = d.get(1).cloned().unwrap_or_default();
         let device = devices[r];
-        if by_nccl(r) && r != c.rank {
-            peers.push(Peer {
-                device,
-                base: 0,
-                map: PeerMap::Nccl,
-                transport: Transport::Nccl,
-            });
-            continue;
+        match remote(r) {
+            Some(transport) if r != c.rank => {
+                peers.push(Peer {
+                    device,
+                    base: 0,
+                    map: PeerMap::Unmapped,
+                    transport,
+                });
+                continue;
+            }
+            _ => {}
         }
         let held = || -> Result<PeerMap> {
             let token = d.get(2).and_then(|t| t.parse().ok()).unwrap_or(0);
@@ -881,10 +951,7 @@ fn map_peers(
                 (m.base, PeerMap::Cuda(m))
             }
         };
-        let transport = match by_nccl(r) {
-            true => Transport::Nccl,
-            false => map.transport(),
-        };
+        let transport = remote(r).unwrap_or_else(|| map.transport());
         peers.push(Peer {
             device,
             base,

@@ -107,6 +107,10 @@ pub enum Transport {
     /// ([`Pairs::Nccl`]): not mapped; data moves with [`World::exchange`]
     /// (NCCL send/receive groups).
     Nccl,
+    /// Host: a PE on another host, or any other PE when TCP is forced
+    /// ([`Pairs::Tcp`]): not mapped; data moves with [`World::exchange`]
+    /// over a TCP connection of the pair ([`crate::sockets`]).
+    Tcp,
 }
 
 impl Transport {
@@ -117,6 +121,7 @@ impl Transport {
             Transport::HostSharedMemory => "host_shared_memory",
             Transport::CudaIpc => "cuda_ipc",
             Transport::Nccl => "nccl",
+            Transport::Tcp => "tcp",
         }
     }
 }
@@ -127,7 +132,8 @@ impl PeerMap {
             PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
             PeerMap::Host(_) => Transport::HostSharedMemory,
             PeerMap::Cuda(_) => Transport::CudaIpc,
-            PeerMap::Nccl => Transport::Nccl,
+            // A pair whose transport maps nothing says which it is.
+            PeerMap::Unmapped => Transport::Nccl,
         }
     }
 }
@@ -295,7 +301,7 @@ impl World {
             .checked_sub(l.base)
             .filter(|&o| (o as usize) < l.len)?;
         let p = l.peers.get(pe)?;
-        (pe == l.rank || p.transport != Transport::Nccl).then_some(p.base + offset)
+        (!matches!(p.map, PeerMap::Unmapped)).then_some(p.base + offset)
     }
 
     /// Copies `bytes` from `src` (this PE's memory: Host memory, or on

@@ -1,0 +1,508 @@
+//! The Host platform's transport for PEs it cannot map: TCP connections
+//! between the pairs that take it, carrying [`crate::World::exchange`].
+//!
+//! Why TCP of xcall's own: a Host world that spans hosts needs only what
+//! NCCL gives a CUDA world — a connection per pair and ordered,
+//! length-checked byte streams for the exchange's segments — and the PEs
+//! already meet through a TCP (or in-process, or Unix socket) bootstrap
+//! with deadlines. An MPI library would add a build-time dependency and
+//! its own launcher to every consumer for that. The protocol is small:
+//!
+//! - init: every PE that has a TCP pair listens on an ephemeral port of
+//!   the address its bootstrap reaches rank 0 from (127.0.0.1 for a
+//!   bootstrap of one host), the addresses and a token from rank 0 go
+//!   round through the bootstrap, each PE dials its lower-ranked TCP
+//!   peers and accepts its higher-ranked ones. A connection is admitted
+//!   when its first 16 bytes are the world's token and an expected rank;
+//!   anything else is dropped.
+//! - exchange: per segment, a little-endian u64 length and the bytes,
+//!   in the order the PE lists them; the receiver checks each length
+//!   against its own list. A writer thread per peer sends while reader
+//!   threads receive, so no pattern of segments can deadlock on full
+//!   socket buffers.
+//! - failure: every read and write has the world's timeout. Any error
+//!   closes every connection of the PE (its peers see it at once, not at
+//!   their timeout) and leaves the mesh failed: later exchanges return the
+//!   first error.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::error::{Result, ShmemError};
+
+/// How long an accepted connection may take to send its hello.
+const HELLO_WAIT: Duration = Duration::from_secs(2);
+
+/// The connections of one PE to its TCP peers.
+pub struct Mesh {
+    rank: usize,
+    /// By rank; `None` for a PE reached otherwise (and this PE).
+    streams: Vec<Option<TcpStream>>,
+    timeout: Duration,
+    failed: Option<ShmemError>,
+}
+
+/// A listening socket, before the mesh is connected.
+pub struct Listener {
+    listener: TcpListener,
+    /// `ip:port` peers dial.
+    pub address: String,
+}
+
+/// Listens on an ephemeral port of `ip` (`None`: 127.0.0.1).
+pub fn listen(ip: Option<IpAddr>) -> Result<Listener> {
+    let ip = ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+        .map_err(|e| ShmemError::os(format!("listening on {ip} for the TCP pairs"), e))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| ShmemError::os("the TCP pairs' listening address", e))?
+        .to_string();
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ShmemError::os("set_nonblocking", e))?;
+    Ok(Listener { listener, address })
+}
+
+/// A world's token, hard to guess (rank 0 draws it; the others learn it
+/// through the bootstrap).
+pub fn token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+fn hello(token: u64, rank: usize) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[..8].copy_from_slice(&token.to_le_bytes());
+    h[8..].copy_from_slice(&(rank as u64).to_le_bytes());
+    h
+}
+
+impl Listener {
+    /// Connects PE `rank` to every PE `q` with `tcp[q]`: dials the lower
+    /// ranks at `addresses[q]`, accepts the higher ones, each connection
+    /// proven by `token`. Gives up after `timeout`, naming the missing
+    /// ranks.
+    pub fn connect(
+        self,
+        rank: usize,
+        tcp: &[bool],
+        addresses: &[String],
+        token: u64,
+        timeout: Duration,
+    ) -> Result<Mesh> {
+        let deadline = Instant::now() + timeout;
+        let mut streams: Vec<Option<TcpStream>> = tcp.iter().map(|_| None).collect();
+        // The lower ranks listen already (every PE bound before the
+        // addresses went round), so a dial waits at most for a backlog.
+        for q in (0..rank).filter(|&q| tcp[q]) {
+            let addr: SocketAddr = addresses[q].parse().map_err(|_| {
+                ShmemError::Mismatch(format!(
+                    "rank {q} sent {:?} as its TCP address",
+                    addresses[q]
+                ))
+            })?;
+            let mut s = loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match TcpStream::connect_timeout(
+                    &addr,
+                    left.clamp(Duration::from_millis(1), Duration::from_secs(1)),
+                ) {
+                    Ok(s) => break s,
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Err(e) => {
+                        return Err(ShmemError::Timeout(format!(
+                        "rank {rank} could not reach rank {q} at {addr} within {timeout:?} ({e})"
+                    )))
+                    }
+                }
+            };
+            s.write_all(&hello(token, rank))
+                .map_err(|e| ShmemError::os(format!("rank {rank} greeting rank {q}"), e))?;
+            streams[q] = Some(s);
+        }
+        let mut waiting: Vec<usize> = (rank + 1..tcp.len()).filter(|&q| tcp[q]).collect();
+        while !waiting.is_empty() {
+            match self.listener.accept() {
+                Ok((mut s, _)) => {
+                    let greeted = s
+                        .set_nonblocking(false)
+                        .and_then(|()| s.set_read_timeout(Some(HELLO_WAIT)))
+                        .and_then(|()| {
+                            let mut h = [0u8; 16];
+                            s.read_exact(&mut h).map(|()| h)
+                        });
+                    let Ok(h) = greeted else { continue };
+                    let from = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
+                    let Some(at) = waiting.iter().position(|&q| q as u64 == from) else {
+                        continue; // a stranger, or a rank already here
+                    };
+                    if h[..8] != token.to_le_bytes() {
+                        continue;
+                    }
+                    streams[waiting.swap_remove(at)] = Some(s);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        waiting.sort_unstable();
+                        return Err(ShmemError::Timeout(format!(
+                            "rank {rank} waited {timeout:?} for the TCP connections of rank(s) {waiting:?}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => {
+                    return Err(ShmemError::os(
+                        format!("rank {rank} accepting its TCP peers"),
+                        e,
+                    ))
+                }
+            }
+        }
+        for s in streams.iter().flatten() {
+            s.set_nodelay(true)
+                .and_then(|()| s.set_read_timeout(Some(timeout)))
+                .and_then(|()| s.set_write_timeout(Some(timeout)))
+                .map_err(|e| ShmemError::os("configuring a TCP pair", e))?;
+        }
+        Ok(Mesh {
+            rank,
+            streams,
+            timeout,
+            failed: None,
+        })
+    }
+}
+
+/// One segment of an exchange through the mesh: a peer, and where its
+/// bytes come from (a send) or go to (a receive) in this process.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    /// The peer's rank.
+    pub peer: usize,
+    /// Host address of the bytes.
+    pub address: u64,
+    /// Bytes.
+    pub bytes: usize,
+}
+
+impl Mesh {
+    /// Whether PE `q` is reached through the mesh.
+    pub fn reaches(&self, q: usize) -> bool {
+        self.streams.get(q).is_some_and(Option::is_some)
+    }
+
+    /// The first failure, if the mesh failed.
+    pub fn failed(&self) -> Option<&ShmemError> {
+        self.failed.as_ref()
+    }
+
+    /// Closes every connection: the peers see it at once.
+    fn close(&self) {
+        for s in self.streams.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Sends every segment of `sends` and receives every segment of
+    /// `recvs`, each peer's in list order, until all are done or one
+    /// fails. On a failure every connection is closed and the mesh stays
+    /// failed.
+    ///
+    /// # Safety
+    /// Every send's `address` readable and every receive's writable for
+    /// its bytes until this returns; no receive overlaps another or a
+    /// send.
+    pub unsafe fn exchange(&mut self, sends: &[Segment], recvs: &[Segment]) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let result = self.run(sends, recvs);
+        if let Err(e) = &result {
+            tracing::warn!(rank = self.rank, error = %e, "TCP exchange failed; closing every TCP pair");
+            self.close();
+            self.failed = Some(e.clone());
+        }
+        result
+    }
+
+    fn run(&self, sends: &[Segment], recvs: &[Segment]) -> Result<()> {
+        let (me, timeout) = (self.rank, self.timeout);
+        let peers = |list: &[Segment]| {
+            let mut p: Vec<usize> = list.iter().map(|s| s.peer).collect();
+            p.sort_unstable();
+            p.dedup();
+            p
+        };
+        for s in sends.iter().chain(recvs) {
+            if !self.reaches(s.peer) {
+                return Err(ShmemError::InvalidArgument(format!(
+                    "rank {me}: PE {} is not a TCP pair of this PE",
+                    s.peer
+                )));
+            }
+        }
+        let stream = |q: usize| self.streams[q].as_ref().expect("checked above");
+        std::thread::scope(|scope| {
+            let writers: Vec<_> = peers(sends)
+                .into_iter()
+                .map(|q| {
+                    let mut s = stream(q);
+                    scope.spawn(move || -> Result<()> {
+                        for seg in sends.iter().filter(|g| g.peer == q) {
+                            // SAFETY: the caller's contract: readable for
+                            // its bytes while this runs.
+                            let data = unsafe {
+                                std::slice::from_raw_parts(seg.address as *const u8, seg.bytes)
+                            };
+                            s.write_all(&(seg.bytes as u64).to_le_bytes())
+                                .and_then(|()| s.write_all(data))
+                                .map_err(|e| io_error(me, q, "sending to", e, timeout))?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            let readers: Vec<_> = peers(recvs)
+                .into_iter()
+                .map(|q| {
+                    let mut s = stream(q);
+                    scope.spawn(move || -> Result<()> {
+                        for seg in recvs.iter().filter(|g| g.peer == q) {
+                            let mut len = [0u8; 8];
+                            s.read_exact(&mut len)
+                                .map_err(|e| io_error(me, q, "receiving from", e, timeout))?;
+                            let len = u64::from_le_bytes(len);
+                            if len != seg.bytes as u64 {
+                                return Err(ShmemError::Mismatch(format!(
+                                    "rank {me} expected a segment of {} bytes from PE {q}, which sent {len}: the two PEs' exchange lists disagree",
+                                    seg.bytes
+                                )));
+                            }
+                            // SAFETY: the caller's contract: writable for
+                            // its bytes, overlapping nothing else in use.
+                            let dest = unsafe {
+                                std::slice::from_raw_parts_mut(seg.address as *mut u8, seg.bytes)
+                            };
+                            s.read_exact(dest)
+                                .map_err(|e| io_error(me, q, "receiving from", e, timeout))?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            let mut first = None;
+            for t in writers.into_iter().chain(readers) {
+                let r = t.join().unwrap_or_else(|_| {
+                    Err(ShmemError::System("a TCP exchange thread panicked".into()))
+                });
+                if let (Err(e), None) = (r, &first) {
+                    first = Some(e);
+                }
+            }
+            first.map_or(Ok(()), Err)
+        })
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn io_error(me: usize, q: usize, what: &str, e: std::io::Error, timeout: Duration) -> ShmemError {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ShmemError::Timeout(
+            format!("rank {me} {what} PE {q}: nothing moved for {timeout:?}"),
+        ),
+        _ => ShmemError::PeerFailed(format!(
+            "rank {me} {what} PE {q}: its connection closed ({e}); it failed or left"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` PEs as threads, every pair through the mesh; each runs `f`.
+    fn mesh<T: Send>(n: usize, timeout: Duration, f: impl Fn(usize, Mesh) -> T + Sync) -> Vec<T> {
+        let listeners: Vec<Listener> = (0..n).map(|_| listen(None).unwrap()).collect();
+        let addresses: Vec<String> = listeners.iter().map(|l| l.address.clone()).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(r, l)| {
+                    let (addresses, f) = (&addresses, &f);
+                    scope.spawn(move || {
+                        let tcp: Vec<bool> = (0..n).map(|q| q != r).collect();
+                        f(r, l.connect(r, &tcp, addresses, 42, timeout).unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Every PE sends every other two segments of its own bytes, larger
+    /// than a socket buffer, all at once: each arrives intact where its
+    /// receiver listed it.
+    #[test]
+    fn all_to_all_segments_arrive_intact_without_deadlock() {
+        let n = 4;
+        let bytes = |from: usize, to: usize, k: usize| -> Vec<u8> {
+            (0..300_000 + 1000 * k)
+                .map(|i| (i * 7 + from * 31 + to * 101 + k) as u8)
+                .collect()
+        };
+        let ok = mesh(n, Duration::from_secs(20), |me, mut m| {
+            let src: Vec<Vec<u8>> = (0..n)
+                .flat_map(|to| (0..2).map(move |k| (to, k)))
+                .map(|(to, k)| bytes(me, to, k))
+                .collect();
+            let mut dst: Vec<Vec<u8>> = (0..n)
+                .flat_map(|from| (0..2).map(move |k| (from, k)))
+                .map(|(from, k)| vec![0u8; bytes(from, me, k).len()])
+                .collect();
+            let sends: Vec<Segment> = (0..n)
+                .filter(|&q| q != me)
+                .flat_map(|q| (0..2).map(move |k| (q, k)))
+                .map(|(q, k)| Segment {
+                    peer: q,
+                    address: src[q * 2 + k].as_ptr() as u64,
+                    bytes: src[q * 2 + k].len(),
+                })
+                .collect();
+            let recvs: Vec<Segment> = (0..n)
+                .filter(|&q| q != me)
+                .flat_map(|q| (0..2).map(move |k| (q, k)))
+                .map(|(q, k)| Segment {
+                    peer: q,
+                    address: dst[q * 2 + k].as_mut_ptr() as u64,
+                    bytes: dst[q * 2 + k].len(),
+                })
+                .collect();
+            // SAFETY: every segment is a live Vec of its length; receives
+            // are distinct Vecs.
+            unsafe { m.exchange(&sends, &recvs) }.unwrap();
+            (0..n)
+                .filter(|&q| q != me)
+                .all(|q| (0..2).all(|k| dst[q * 2 + k] == bytes(q, me, k)))
+        });
+        assert_eq!(ok, vec![true; n]);
+    }
+
+    /// A receiver expecting another length, and a peer that closes its
+    /// connections, fail the exchange by name; the mesh then stays failed.
+    #[test]
+    fn a_disagreeing_length_and_a_closed_peer_fail_by_name() {
+        let errors = mesh(2, Duration::from_secs(10), |me, mut m| {
+            let data = [5u8; 64];
+            let mut got = [0u8; 64];
+            let (sends, recvs) = match me {
+                0 => (
+                    vec![Segment {
+                        peer: 1,
+                        address: data.as_ptr() as u64,
+                        bytes: 64,
+                    }],
+                    vec![],
+                ),
+                _ => (
+                    vec![],
+                    vec![Segment {
+                        peer: 0,
+                        address: got.as_mut_ptr() as u64,
+                        bytes: 32,
+                    }],
+                ),
+            };
+            // SAFETY: live arrays of at least the listed bytes.
+            let r = unsafe { m.exchange(&sends, &recvs) };
+            if me == 1 {
+                let e = r.unwrap_err();
+                // Failed: the next exchange returns the same error.
+                // SAFETY: as above.
+                assert_eq!(unsafe { m.exchange(&[], &recvs) }.unwrap_err(), e);
+                assert!(m.failed().is_some());
+                Some(e)
+            } else {
+                r.unwrap();
+                // Rank 1 closed every connection after its failure.
+                let recv = [Segment {
+                    peer: 1,
+                    address: got.as_mut_ptr() as u64,
+                    bytes: 8,
+                }];
+                // SAFETY: as above.
+                Some(unsafe { m.exchange(&[], &recv) }.unwrap_err())
+            }
+        });
+        let e1 = errors[1].as_ref().unwrap();
+        assert_eq!(e1.status(), xcall_core::Status::CollectiveMismatch, "{e1}");
+        assert!(
+            e1.to_string()
+                .contains("expected a segment of 32 bytes from PE 0, which sent 64"),
+            "{e1}"
+        );
+        let e0 = errors[0].as_ref().unwrap();
+        assert_eq!(e0.status(), xcall_core::Status::PeerFailed, "{e0}");
+        assert!(
+            e0.to_string().contains("rank 0 receiving from PE 1"),
+            "{e0}"
+        );
+    }
+
+    /// A peer that never connects is a timeout naming it; a stranger's
+    /// connection and a wrong token are dropped, not admitted.
+    #[test]
+    fn strangers_are_dropped_and_a_missing_peer_times_out() {
+        let l = listen(None).unwrap();
+        let addr = l.address.clone();
+        let stranger = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            let _ = s.write_all(&hello(7, 1)); // wrong token
+            let mut t = TcpStream::connect(&addr).unwrap();
+            let _ = t.write_all(b"GET / HTTP/1.0\r\n");
+        });
+        let started = Instant::now();
+        let e = l
+            .connect(
+                0,
+                &[false, true],
+                &["".into(), "".into()],
+                42,
+                Duration::from_millis(800),
+            )
+            .err()
+            .expect("a mesh without rank 1 formed");
+        stranger.join().unwrap();
+        assert_eq!(e.status(), xcall_core::Status::Timeout, "{e}");
+        assert!(e.to_string().contains("rank(s) [1]"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let e = listen(None)
+            .unwrap()
+            .connect(
+                1,
+                &[true, false],
+                &["not an address".into(), "".into()],
+                42,
+                Duration::from_secs(1),
+            )
+            .err()
+            .unwrap();
+        assert_eq!(e.status(), xcall_core::Status::CollectiveMismatch, "{e}");
+    }
+}
