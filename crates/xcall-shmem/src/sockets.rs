@@ -227,6 +227,13 @@ impl Mesh {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
+        // A bad list is refused before anything moves; the mesh stays up.
+        if let Some(s) = sends.iter().chain(recvs).find(|s| !self.reaches(s.peer)) {
+            return Err(ShmemError::InvalidArgument(format!(
+                "rank {}: PE {} is not a TCP pair of this PE",
+                self.rank, s.peer
+            )));
+        }
         let result = self.run(sends, recvs);
         if let Err(e) = &result {
             tracing::warn!(rank = self.rank, error = %e, "TCP exchange failed; closing every TCP pair");
@@ -244,15 +251,7 @@ impl Mesh {
             p.dedup();
             p
         };
-        for s in sends.iter().chain(recvs) {
-            if !self.reaches(s.peer) {
-                return Err(ShmemError::InvalidArgument(format!(
-                    "rank {me}: PE {} is not a TCP pair of this PE",
-                    s.peer
-                )));
-            }
-        }
-        let stream = |q: usize| self.streams[q].as_ref().expect("checked above");
+        let stream = |q: usize| self.streams[q].as_ref().expect("checked by exchange");
         std::thread::scope(|scope| {
             let writers: Vec<_> = peers(sends)
                 .into_iter()
@@ -504,5 +503,146 @@ mod tests {
             .err()
             .unwrap();
         assert_eq!(e.status(), xcall_core::Status::CollectiveMismatch, "{e}");
+    }
+
+    /// Tokens are drawn, not fixed: two worlds' tokens differ.
+    #[test]
+    fn tokens_differ_between_worlds() {
+        let t: Vec<u64> = (0..4).map(|_| token()).collect();
+        assert!(t.windows(2).all(|w| w[0] != w[1]), "{t:?}");
+    }
+
+    /// A dial retries while the lower rank is not listening yet, until
+    /// the deadline; nobody listening at all is a timeout naming the rank.
+    #[test]
+    fn dials_retry_until_the_peer_listens_or_the_deadline() {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let address = format!("127.0.0.1:{port}");
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let l = Listener {
+                listener,
+                address: format!("127.0.0.1:{port}"),
+            };
+            l.connect(
+                0,
+                &[false, true],
+                &["".into(), "".into()],
+                9,
+                Duration::from_secs(10),
+            )
+            .map(|m| m.reaches(1))
+        });
+        let m = listen(None)
+            .unwrap()
+            .connect(
+                1,
+                &[true, false],
+                &[address, "".into()],
+                9,
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        assert!(m.reaches(0) && !m.reaches(1) && !m.reaches(2));
+        assert_eq!(late.join().unwrap(), Ok(true));
+
+        let started = Instant::now();
+        let e = listen(None)
+            .unwrap()
+            .connect(
+                1,
+                &[true, false],
+                &[format!("127.0.0.1:{port}"), "".into()],
+                9,
+                Duration::from_millis(400),
+            )
+            .err()
+            .expect("reached a rank nobody runs");
+        assert_eq!(e.status(), xcall_core::Status::Timeout, "{e}");
+        assert!(e.to_string().contains("could not reach rank 0"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A segment naming a PE outside the mesh is refused before anything
+    /// moves; a receive nothing arrives for is a timeout; a peer whose
+    /// mesh is dropped is seen at once as gone.
+    #[test]
+    fn unknown_peers_silence_and_a_dropped_peer_fail_by_kind() {
+        let errors = mesh(3, Duration::from_millis(500), |me, mut m| {
+            let mut got = [0u8; 8];
+            let seg = |peer: usize, got: &mut [u8; 8]| Segment {
+                peer,
+                address: got.as_mut_ptr() as u64,
+                bytes: 8,
+            };
+            match me {
+                0 => {
+                    // SAFETY: `got` is 8 writable bytes.
+                    let bad = unsafe { m.exchange(&[], &[seg(0, &mut got)]) }.unwrap_err();
+                    // SAFETY: as above.
+                    // SAFETY: as above.
+                    let far = unsafe { m.exchange(&[], &[seg(7, &mut got)]) }.unwrap_err();
+                    // Refused before anything moved: the mesh still works.
+                    assert!(m.failed().is_none());
+                    // Rank 1 never sends: a timeout.
+                    // SAFETY: as above.
+                    let quiet = unsafe { m.exchange(&[], &[seg(1, &mut got)]) }.unwrap_err();
+                    vec![bad, far, quiet]
+                }
+                1 => {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    vec![]
+                }
+                _ => {
+                    // Rank 0 fails (at 500 ms) and closes its
+                    // connections: seen then, before this read's timeout.
+                    std::thread::sleep(Duration::from_millis(250));
+                    // SAFETY: `got` is 8 writable bytes.
+                    let gone = unsafe { m.exchange(&[], &[seg(0, &mut got)]) }.unwrap_err();
+                    drop(m);
+                    vec![gone]
+                }
+            }
+        });
+        let (bad, far, quiet) = (&errors[0][0], &errors[0][1], &errors[0][2]);
+        assert_eq!(bad.status(), xcall_core::Status::InvalidArgument, "{bad}");
+        assert!(bad.to_string().contains("PE 0 is not a TCP pair"), "{bad}");
+        assert_eq!(far.status(), xcall_core::Status::InvalidArgument, "{far}");
+        assert_eq!(quiet.status(), xcall_core::Status::Timeout, "{quiet}");
+        assert!(quiet.to_string().contains("receiving from PE 1"), "{quiet}");
+        let gone = &errors[2][0];
+        assert_eq!(gone.status(), xcall_core::Status::PeerFailed, "{gone}");
+    }
+
+    /// Dropping a mesh closes its connections: a peer waiting on it
+    /// learns at once, long before its timeout.
+    #[test]
+    fn a_dropped_mesh_is_seen_at_once() {
+        let waited = mesh(2, Duration::from_secs(20), |me, m| {
+            let mut m = m;
+            if me == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+                drop(m);
+                return None;
+            }
+            let mut got = [0u8; 8];
+            let started = Instant::now();
+            let seg = [Segment {
+                peer: 1,
+                address: got.as_mut_ptr() as u64,
+                bytes: 8,
+            }];
+            // SAFETY: `got` is 8 writable bytes.
+            let e = unsafe { m.exchange(&[], &seg) }.unwrap_err();
+            Some((e, started.elapsed()))
+        });
+        let (e, took) = waited[0].clone().unwrap();
+        assert_eq!(e.status(), xcall_core::Status::PeerFailed, "{e}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 }
