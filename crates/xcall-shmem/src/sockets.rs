@@ -314,12 +314,6 @@ impl Mesh {
     }
 }
 
-impl Drop for Mesh {
-    fn drop(&mut self) {
-        self.close();
-    }
-}
-
 fn io_error(me: usize, q: usize, what: &str, e: std::io::Error, timeout: Duration) -> ShmemError {
     match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ShmemError::Timeout(
