@@ -31,19 +31,26 @@ static unsigned char pattern(uint32_t rank, size_t i) {
   return (unsigned char)((i * 131u + rank * 17u + 1u) & 0xffu);
 }
 
-static void *run_pe(void *arg) {
-  struct pe *p = arg;
-  xcall_shmem_world *w = NULL;
-  PE_EXPECT(xcall_shmem_world_new(&w) == XCALL_STATUS_OK);
+/* The config of PE `p` of a Host world of PES, its registry slot
+ * `slots + rank`. */
+static xcall_shmem_config pe_config(const struct pe *p, uint32_t slots) {
   xcall_shmem_config c = {0};
   c.rank = p->rank;
   c.size = PES;
   c.target.platform = XCALL_PLATFORM_HOST;
-  c.target.ordinal = 700 + p->rank; /* the PE's registry slot */
+  c.target.ordinal = slots + p->rank;
   c.bootstrap = p->bootstrap;
   c.address = p->address;
   c.heap_bytes = 1 << 20;
   c.timeout_ms = 20000;
+  return c;
+}
+
+static void *run_pe(void *arg) {
+  struct pe *p = arg;
+  xcall_shmem_world *w = NULL;
+  PE_EXPECT(xcall_shmem_world_new(&w) == XCALL_STATUS_OK);
+  xcall_shmem_config c = pe_config(p, 700);
   PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_OK);
   uint32_t rank = 99, size = 0;
   PE_EXPECT(xcall_shmem_rank(w, &rank, &size) == XCALL_STATUS_OK);
@@ -176,15 +183,9 @@ static void *run_tcp_pe(void *arg) {
   struct pe *p = arg;
   xcall_shmem_world *w = NULL;
   PE_EXPECT(xcall_shmem_world_new(&w) == XCALL_STATUS_OK);
-  xcall_shmem_config c = {0};
-  c.rank = p->rank;
-  c.size = PES;
-  c.target.platform = XCALL_PLATFORM_HOST;
-  c.target.ordinal = 800 + p->rank;
-  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
-  c.address = p->address;
-  c.heap_bytes = 1 << 20;
-  c.timeout_ms = 20000;
+  struct pe in_process = *p;
+  in_process.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  xcall_shmem_config c = pe_config(&in_process, 800);
   c.pairs = XCALL_SHMEM_PAIRS_TCP;
   PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_OK);
   unsigned char *buf = NULL;

@@ -91,9 +91,10 @@ fn wait_all(what: &str, children: Vec<Child>, limit: Duration) {
 }
 
 /// One process of a ring exchange, its rank and world from the launcher.
-fn ring_pe(launcher: &str) {
+/// Joins the world the launcher's variables describe, one Host PE of
+/// this process: (the launcher, rank, size, the live world).
+fn join_launched() -> (&'static str, usize, usize, World) {
     let launch = Launch::from_env().unwrap().expect("a launcher's variables");
-    assert_eq!(launch.launcher, launcher);
     let (rank, n) = (launch.rank, launch.size);
     let mut c = launch
         .config(Device::new(Platform::Host, rank as u32))
@@ -102,6 +103,12 @@ fn ring_pe(launcher: &str) {
     c.timeout = Duration::from_secs(20);
     let mut w = World::new();
     w.init(&c).unwrap();
+    (launch.launcher, rank, n, w)
+}
+
+fn ring_pe(launcher: &str) {
+    let (from, rank, n, mut w) = join_launched();
+    assert_eq!(from, launcher);
     let (buf, sig, _) = common::ring(&mut w, rank, n, 77, 65_536);
     common::all_to_all(&mut w, rank, n, 78, 4, 5000);
     // Host bytes through the TCP bootstrap: rank r offers r * 3000 + 1.
@@ -118,15 +125,7 @@ fn ring_pe(launcher: &str) {
 /// on the same host map each other's heaps, pairs across hosts take TCP;
 /// all-to-all exchanges and an allgather cross both.
 fn hosts_pe() {
-    let launch = Launch::from_env().unwrap().expect("a launcher's variables");
-    let (rank, n) = (launch.rank, launch.size);
-    let mut c = launch
-        .config(Device::new(Platform::Host, rank as u32))
-        .unwrap();
-    c.heap_bytes = Some(1 << 20);
-    c.timeout = Duration::from_secs(20);
-    let mut w = World::new();
-    w.init(&c).unwrap();
+    let (_, rank, n, mut w) = join_launched();
     for q in 0..n {
         let want = match (q == rank, q % 2 == rank % 2) {
             (true, _) => Transport::SameProcess,

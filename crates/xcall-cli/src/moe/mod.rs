@@ -852,23 +852,28 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
                 k => format!("PEs {first}..{}", first + k - 1),
             };
             println!(
-                "xcall moe: process {} of {} ({}), {mine} of {} on {}: {} over the world, {bad} mismatching element(s); process 0 prints the report",
+                "xcall moe: process {} of {} ({}), {mine} of {} on {}: verification {} over the world, {bad} mismatching element(s); process 0 prints the report",
                 l.process,
                 l.processes,
                 l.launcher,
                 s.pes,
                 run.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", "),
-                match (run.verify, bad) {
-                    (Verify::Off, _) => "verification OFF",
-                    (_, 0) => "verification PASS",
-                    _ => "verification FAIL",
-                },
+                verdict(run.verify, bad),
             );
             Ok(bad == 0)
         }
         (Some(_), None) => Err(Failure::Runtime(
             "the world's logs never reached this process".into(),
         )),
+    }
+}
+
+/// The run's verdict: OFF when nothing was checked, else PASS or FAIL.
+fn verdict(verify: Verify, mismatches: usize) -> &'static str {
+    match (verify, mismatches) {
+        (Verify::Off, _) => "OFF",
+        (_, 0) => "PASS",
+        _ => "FAIL",
     }
 }
 
@@ -966,11 +971,7 @@ fn report(
     let bytes = phase_bytes(&s);
     let floors: Vec<Option<f64>> = bytes.iter().map(|b| copy_rate.map(|r| b / r)).collect();
     let step_floor = copy_rate.map(|r| bytes.iter().sum::<f64>() / r);
-    let verdict = match (run.verify, bad) {
-        (Verify::Off, _) => "OFF",
-        (_, 0) => "PASS",
-        _ => "FAIL",
-    };
+    let verdict = verdict(run.verify, bad);
     let platform = run.platform.name();
     let remote = pes.iter().find_map(|l| l.remote);
     let layout = match (&run.launched, run.platform) {
