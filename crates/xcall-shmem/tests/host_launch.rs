@@ -70,9 +70,22 @@ fn spawn(launcher: &str, r: usize, n: usize, port: u16, role: &str) -> Child {
         cmd.env_remove(name);
     }
     cmd.env_remove(xcall_shmem::HOST_ENV);
-    if role == "hosts" {
+    match role {
         // Two named hosts, alternating ranks.
-        cmd.env(xcall_shmem::HOST_ENV, format!("node{}", r % 2));
+        "hosts" => {
+            cmd.env(xcall_shmem::HOST_ENV, format!("node{}", r % 2));
+        }
+        // The longest name, one byte too long, and one of two lines.
+        "name:255" => {
+            cmd.env(xcall_shmem::HOST_ENV, "h".repeat(255));
+        }
+        "name:256" => {
+            cmd.env(xcall_shmem::HOST_ENV, "h".repeat(256));
+        }
+        "name:lines" => {
+            cmd.env(xcall_shmem::HOST_ENV, "node\rtwo");
+        }
+        _ => {}
     }
     cmd.envs(vars(launcher, r, n, port))
         .env(ROLE_ENV, role)
@@ -141,6 +154,28 @@ fn hosts_pe() {
     assert!(w.finalize().unwrap().leaked.is_empty());
 }
 
+/// A world of one process whose host is named by `XCALL_SHMEM_HOST`:
+/// up to 255 bytes on one line joins; a longer name or a second line is
+/// refused by name before any bootstrap.
+fn named_pe(which: &str) {
+    let launch = Launch::from_env().unwrap().unwrap();
+    let mut c = launch.config(Device::new(Platform::Host, 0)).unwrap();
+    c.heap_bytes = Some(1 << 20);
+    c.timeout = Duration::from_secs(20);
+    let mut w = World::new();
+    match which {
+        "255" => {
+            w.init(&c).unwrap();
+            w.finalize().unwrap();
+        }
+        _ => {
+            let e = w.init(&c).unwrap_err();
+            assert_eq!(e.status(), Status::InvalidArgument, "{which}: {e}");
+            assert!(e.to_string().contains("XCALL_SHMEM_HOST"), "{which}: {e}");
+        }
+    }
+}
+
 /// A process of a world whose last rank never starts: init times out.
 fn orphan_pe() {
     let launch = Launch::from_env().unwrap().unwrap();
@@ -159,6 +194,7 @@ fn launched_worlds() {
         match role.split_once(':') {
             Some(("ring", launcher)) => ring_pe(launcher),
             _ if role == "hosts" => hosts_pe(),
+            Some(("name", which)) => named_pe(which),
             _ => orphan_pe(),
         }
         return;
@@ -180,6 +216,15 @@ fn launched_worlds() {
         .map(|r| spawn("torchrun", r, 4, port, "hosts"))
         .collect();
     wait_all("4 PEs on 2 named hosts", children, Duration::from_secs(60));
+    for which in ["255", "256", "lines"] {
+        let port = free_port();
+        let child = spawn("torchrun", 0, 1, port, &format!("name:{which}"));
+        wait_all(
+            &format!("a host name of {which}"),
+            vec![child],
+            Duration::from_secs(60),
+        );
+    }
     // Rank 2 of 3 never starts: ranks 0 and 1 both time out, soon.
     let port = free_port();
     let started = Instant::now();
