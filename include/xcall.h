@@ -1802,8 +1802,12 @@ xcall_status xcall_shmem_put_nbi(xcall_shmem_world *w,
                                  void *stream);
 
 /**
- * Completes this PE's outstanding operations; reports a
- * `barrier_on_stream` that timed out.
+ * Completes this PE's outstanding operations; reports a wait on a CUDA
+ * stream that timed out since the last quiet (`barrier_on_stream`, an
+ * exchange's wait for a sender): `XCALL_STATUS_TIMEOUT`, naming what did
+ * not come. Stream waits are kernels that give up after the world's
+ * timeout, so a peer that never signals cannot hang a stream; an
+ * exchange that timed out also fails the world.
  *
  * Bad input: the world rules of `xcall_shmem_world`.
  */

@@ -1,6 +1,6 @@
 //! The CUDA side of a world: device heap, peer mappings (direct pointers
 //! with peer access inside one process, IPC handles across processes),
-//! copies on the copy engine, and the barrier and signal kernels.
+//! copies on the copy engine, and the barrier, signal and wait kernels.
 //!
 //! Every driver call runs with the PE's device made current explicitly
 //! (`xcall_core::cuda::with_context`), never the calling thread's.
@@ -40,6 +40,29 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `xcall_shmem_wait` (one thread).
+    pub(crate) struct WaitParams {
+        /// The 64-bit signal word waited on (a heap address, 8-byte
+        /// aligned).
+        signal: u64 => "const u64*",
+        /// The value compared with.
+        value: u64 => "u64",
+        /// 1: wait for `== value`; 0: for `>= value`.
+        eq: u64 => "u64",
+        /// Added to the word once the wait holds (0: nothing; `u64::MAX`
+        /// takes one back). Never added after a timeout.
+        take: u64 => "u64",
+        /// This PE's error word: set to `code` on a timeout, unless it
+        /// already holds an earlier error.
+        error_word: u64 => "u64*",
+        /// What a timeout reports (see [`WaitCode`]).
+        code: u64 => "u64",
+        /// How long to wait.
+        timeout_ns: u64 => "u64",
+    }
+}
+
+kernel_params! {
     /// `xcall_shmem_signal`.
     pub(crate) struct SignalParams {
         /// The 64-bit signal word (a heap address, 8-byte aligned).
@@ -55,8 +78,9 @@ kernel_params! {
 /// `kernels.cu`.
 pub(crate) fn source() -> String {
     format!(
-        "// Generated from xcall-shmem's cuda.rs.\ntypedef unsigned long long u64;\n{}{}{SOURCE}",
+        "// Generated from xcall-shmem's cuda.rs.\ntypedef unsigned long long u64;\n{}{}{}{SOURCE}",
         BarrierParams::c_definition(),
+        WaitParams::c_definition(),
         SignalParams::c_definition()
     )
 }
@@ -65,6 +89,7 @@ pub(crate) fn source() -> String {
 pub(crate) struct Kernels {
     pub barrier: CudaFunction,
     pub signal: CudaFunction,
+    pub wait: CudaFunction,
     _module: Arc<LoadedModule>,
 }
 
@@ -95,6 +120,7 @@ pub(crate) fn kernels(device: Device) -> Result<Arc<Kernels>> {
         Ok::<_, xcall_core::Error>(Arc::new(Kernels {
             barrier: module.function("xcall_shmem_barrier")?,
             signal: module.function("xcall_shmem_signal")?,
+            wait: module.function("xcall_shmem_wait")?,
             _module: module,
         }))
     })?;
@@ -336,24 +362,59 @@ pub(crate) unsafe fn launch<R: KernelRecord>(
     Ok(())
 }
 
-/// Waits on `stream` until the 64-bit word at `addr` is >= `value`
-/// (`eq`: == `value`).
-pub(crate) fn wait_value(
+/// What a stream wait that timed out leaves in its PE's error word:
+/// `kind << 32 | (1 + rank)`, kind 0 being the barrier kernel's (the rank
+/// that did not arrive).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WaitCode {
+    /// `barrier_on_stream`: this rank did not arrive.
+    Barrier { rank: usize },
+    /// `wait_until_on_stream` on this PE (`rank`) did not see its value.
+    Signal { rank: usize },
+    /// An exchange on the stream: this sender's segments did not land.
+    Exchange { sender: usize },
+}
+
+impl WaitCode {
+    pub(crate) fn word(self) -> u64 {
+        let (kind, rank) = match self {
+            WaitCode::Barrier { rank } => (0u64, rank),
+            WaitCode::Signal { rank } => (1, rank),
+            WaitCode::Exchange { sender } => (2, sender),
+        };
+        (kind << 32) | (rank as u64 + 1)
+    }
+
+    /// The code in an error word (`None`: no error, or a word no kernel
+    /// of this crate writes).
+    pub(crate) fn from_word(w: u64) -> Option<WaitCode> {
+        let rank = usize::try_from((w & 0xffff_ffff).checked_sub(1)?).ok()?;
+        match w >> 32 {
+            0 => Some(WaitCode::Barrier { rank }),
+            1 => Some(WaitCode::Signal { rank }),
+            2 => Some(WaitCode::Exchange { sender: rank }),
+            _ => None,
+        }
+    }
+}
+
+/// Makes `stream` wait until the 64-bit word at `p.signal` holds
+/// (`WaitParams` says how), with a kernel that gives up after
+/// `p.timeout_ns` and leaves `p.code` in the PE's error word: unlike a
+/// driver stream wait, a peer that never signals cannot hang the stream.
+///
+/// # Safety
+/// `p.signal` and `p.error_word` are aligned words of `device`'s heap
+/// that stay mapped while the stream runs.
+pub(crate) unsafe fn wait_on_stream(
     device: Device,
     stream: sys::CUstream,
-    addr: u64,
-    value: u64,
-    eq: bool,
+    p: &WaitParams,
 ) -> Result<()> {
-    let flag = if eq {
-        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ
-    } else {
-        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ
-    };
-    // SAFETY: `addr` is an 8-byte aligned word of the heap (checked).
-    on(device, "cuStreamWaitValue64", || unsafe {
-        sys::cuStreamWaitValue64_v2(stream, addr, value, flag as u32)
-    })
+    let k = kernels(device)?;
+    // SAFETY: xcall_shmem_wait takes WaitParams; the addresses are the
+    // caller's contract.
+    unsafe { launch(device, &k.wait, 1, stream, p) }
 }
 
 #[cfg(test)]
@@ -361,18 +422,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn wait_codes_are_the_words_the_kernels_write() {
+        // The barrier kernel writes 1 + rank (kind 0).
+        assert_eq!(WaitCode::Barrier { rank: 5 }.word(), 6);
+        assert_eq!(WaitCode::Signal { rank: 0 }.word(), 0x1_0000_0001);
+        assert_eq!(WaitCode::Exchange { sender: 3 }.word(), 0x2_0000_0004);
+        assert_eq!(WaitCode::from_word(6), Some(WaitCode::Barrier { rank: 5 }));
+        assert_eq!(
+            WaitCode::from_word(0x1_0000_0001),
+            Some(WaitCode::Signal { rank: 0 })
+        );
+        assert_eq!(
+            WaitCode::from_word(0x2_0000_0004),
+            Some(WaitCode::Exchange { sender: 3 })
+        );
+        // No error, no rank, or a kind no kernel writes.
+        assert_eq!(WaitCode::from_word(0), None);
+        assert_eq!(WaitCode::from_word(0x1_0000_0000), None);
+        assert_eq!(WaitCode::from_word(0x3_0000_0001), None);
+    }
+
+    #[test]
     fn each_kernel_takes_its_struct_and_reads_only_its_fields() {
         assert_eq!(BarrierParams::check_reads(SOURCE), Ok(()));
         assert_eq!(SignalParams::check_reads(SOURCE), Ok(()));
+        assert_eq!(WaitParams::check_reads(SOURCE), Ok(()));
         let text = source();
         assert!(text.contains("xcall_shmem_barrier(BarrierParams p)"));
         assert!(text.contains("xcall_shmem_signal(SignalParams p)"));
+        assert!(text.contains("xcall_shmem_wait(WaitParams p)"));
         // The definitions (and the typedef they use) come before the kernels.
         let kernels = text.find("__global__").expect("kernels");
         for needle in [
             "typedef unsigned long long u64;",
             "struct BarrierParams {",
             "struct SignalParams {",
+            "struct WaitParams {",
         ] {
             assert!(text.find(needle).is_some_and(|at| at < kernels), "{needle}");
         }

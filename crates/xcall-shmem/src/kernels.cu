@@ -1,5 +1,6 @@
 // CUDA kernels of xcall-shmem, compiled at run time with NVRTC after the
-// generated parameter structs (cuda.rs: u64, BarrierParams, SignalParams).
+// generated parameter structs (cuda.rs: u64, BarrierParams, WaitParams,
+// SignalParams).
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {
     u64 v;
@@ -51,4 +52,25 @@ extern "C" __global__ void xcall_shmem_signal(SignalParams p) {
     __threadfence_system();
     if (p.op == 0) store_release(p.signal, p.value);
     else atomicAdd_system(p.signal, p.value);
+}
+
+// Waits until *signal == value (eq) or >= value, then adds `take` to it
+// (0: nothing). A word that does not hold within timeout_ns sets
+// error_word to `code` (unless an earlier error is there) and the kernel
+// returns without taking anything: the stream goes on, and the Host
+// reports the timeout at the next quiet or barrier_all.
+extern "C" __global__ void xcall_shmem_wait(WaitParams p) {
+    if (threadIdx.x != 0) return;
+    const u64 start = now_ns();
+    for (;;) {
+        const u64 v = load_acquire(p.signal);
+        if (p.eq ? v == p.value : v >= p.value) break;
+        if (now_ns() - start > p.timeout_ns) {
+            atomicCAS(p.error_word, 0ull, p.code);
+            return;
+        }
+        __nanosleep(200);
+    }
+    if (p.take != 0) atomicAdd_system((u64*)p.signal, p.take);
+    __threadfence_system();
 }

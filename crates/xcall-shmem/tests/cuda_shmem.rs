@@ -291,3 +291,201 @@ fn barrier_on_stream_reports_a_pe_that_never_arrives() {
         w.finalize().unwrap();
     });
 }
+
+/// Writes `bytes` (host memory) to device memory at `addr` of device 0
+/// from the calling thread, through the driver.
+fn write_from_thread(ctx: &Arc<CudaContext>, addr: u64, bytes: &[u8]) {
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: `addr` is `bytes.len()` bytes of a live heap allocation of
+    // this device; `bytes` is live host memory.
+    let r =
+        unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+}
+
+#[test]
+fn wait_until_on_stream_orders_the_stream_and_gives_up_after_the_timeout() {
+    let _serial = serial();
+    if cuda_devices_or_skip("shmem cuda stream wait").is_none() {
+        return;
+    }
+    run_threads("cuda stream wait", 1, watchdog(), |_| {
+        let timeout = Duration::from_millis(400);
+        let mut w = World::new();
+        let mut c = Config::in_process("cuda-wait", 0, 1, Device::cuda(0));
+        c.heap_bytes = Some(32 << 20);
+        c.timeout = timeout;
+        w.init(&c).unwrap();
+        let (ctx, s) = stream(Device::cuda(0));
+        let raw: *mut c_void = s.cu_stream().cast();
+        let bytes = 1 << 20;
+        let sig = w.malloc(8).unwrap();
+        let src = w.malloc(bytes).unwrap();
+        let dst = w.malloc(bytes).unwrap();
+        let zero = 0u64;
+        // SAFETY: 8 bytes of a live local.
+        unsafe { w.put(sig, &zero as *const u64 as u64, 8, 0) }.unwrap();
+        let poison = vec![0xeeu8; bytes];
+        for a in [src, dst] {
+            // SAFETY: `poison` has `bytes` bytes.
+            unsafe { w.put(a, poison.as_ptr() as u64, bytes, 0) }.unwrap();
+        }
+
+        // A signal set from another thread releases the stream, and the
+        // copy after the wait sees the data written before the signal.
+        let data = random(71, bytes);
+        let started = std::time::Instant::now();
+        w.wait_until_on_stream(sig, Cmp::Ge, 3, raw).unwrap();
+        // SAFETY: `src` and `dst` are `bytes` bytes of this PE's heap.
+        unsafe { w.put_nbi(dst, src, bytes, 0, raw) }.unwrap();
+        let setter = {
+            let (ctx, data) = (ctx.clone(), data.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                write_from_thread(&ctx, src, &data);
+                write_from_thread(&ctx, sig, &5u64.to_ne_bytes());
+            })
+        };
+        s.synchronize().unwrap();
+        setter.join().unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        w.quiet().unwrap();
+        assert!(
+            read_own(&mut w, dst, bytes) == data,
+            "the copy ran before the wait held"
+        );
+
+        // A value that never comes: the stream goes on after the timeout
+        // and quiet reports it, once.
+        let started = std::time::Instant::now();
+        w.wait_until_on_stream(sig, Cmp::Eq, 9, raw).unwrap();
+        // SAFETY: as above.
+        unsafe { w.put_nbi(dst, src, bytes, 0, raw) }.unwrap();
+        s.synchronize().unwrap();
+        let waited = started.elapsed();
+        assert!(
+            waited >= timeout,
+            "gave up after {waited:?}, before the timeout"
+        );
+        let e = w.quiet().unwrap_err();
+        assert_eq!(e.status(), Status::Timeout, "{e}");
+        assert!(e.to_string().contains("the signal did not hold"), "{e}");
+        w.quiet().unwrap();
+
+        // The word (5) holds for >= 5 and == 5, not for == 4; Ge is
+        // unsigned, as on Host.
+        for (cmp, v, holds) in [
+            (Cmp::Ge, 5, true),
+            (Cmp::Eq, 5, true),
+            (Cmp::Eq, 4, false),
+            (Cmp::Ge, u64::MAX, false),
+        ] {
+            w.wait_until_on_stream(sig, cmp, v, raw).unwrap();
+            s.synchronize().unwrap();
+            assert_eq!(w.quiet().is_ok(), holds, "{cmp:?} {v}");
+        }
+        // A wait leaves the word as it was.
+        assert_eq!(read_own(&mut w, sig, 8), 5u64.to_ne_bytes());
+        // Only Eq and Ge run on a stream.
+        let e = w.wait_until_on_stream(sig, Cmp::Ne, 1, raw).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported);
+        for a in [sig, src, dst] {
+            w.free(a).unwrap();
+        }
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
+}
+
+/// Two processes on device 0 (IPC within one GPU): rank 1 never sends
+/// the exchange segments rank 0 waits for on its stream. Rank 0's stream
+/// goes on after the timeout, quiet reports it, and the world is failed
+/// for both (the exchange counts are off).
+#[test]
+fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
+    let _serial = serial();
+    const ROLE: &str = "XCALL_SHMEM_CUDA_TEST_SILENT_SENDER";
+    let config = |socket: &str, rank: usize| {
+        let mut c = Config::unix_socket(socket, rank, 2, Device::cuda(0));
+        c.heap_bytes = Some(16 << 20);
+        c.timeout = Duration::from_millis(500);
+        c
+    };
+    if let Ok(socket) = std::env::var(ROLE) {
+        let mut w = World::new();
+        w.init(&config(&socket, 1)).unwrap();
+        let buf = w.malloc(4096).unwrap();
+        // Wait (polling the state page) until rank 0 fails the world.
+        let deadline = std::time::Instant::now() + watchdog();
+        let e = loop {
+            match w.wait_until(buf, Cmp::Eq, 1) {
+                Err(e) if e.status() == Status::Timeout => {}
+                r => break r.unwrap_err(),
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "watchdog: rank 0 never failed the world"
+            );
+        };
+        assert_eq!(e.status(), Status::PeerFailed, "{e}");
+        assert!(
+            e.to_string().contains("rank 0 timed out in an exchange"),
+            "{e}"
+        );
+        assert_eq!(w.finalize().unwrap_err().status(), Status::PeerFailed);
+        return;
+    }
+    if cuda_devices_or_skip("shmem cuda exchange timeout").is_none() {
+        return;
+    }
+    let socket =
+        std::env::temp_dir().join(format!("xcall-cuda-silent-{}.sock", std::process::id()));
+    let socket = socket.to_str().unwrap().to_string();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes",
+            "--nocapture",
+        ])
+        .env(ROLE, &socket)
+        .spawn()
+        .unwrap();
+    let mut w = World::new();
+    w.init(&config(&socket, 0)).unwrap();
+    let buf = w.malloc(4096).unwrap();
+    let (_ctx, s) = stream(Device::cuda(0));
+    let raw: *mut c_void = s.cu_stream().cast();
+    let incoming = [xcall_shmem::Incoming {
+        pe: 1,
+        dest: buf,
+        bytes: 4096,
+    }];
+    // SAFETY: nothing goes out.
+    unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap();
+    s.synchronize().unwrap();
+    let e = w.quiet().unwrap_err();
+    assert_eq!(e.status(), Status::Timeout, "{e}");
+    assert!(
+        e.to_string().contains("PE 1's segments did not land"),
+        "{e}"
+    );
+    // Nothing more crosses: a later exchange could take stale counts.
+    // SAFETY: nothing goes out.
+    let e = unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap_err();
+    assert_eq!(e.status(), Status::PeerFailed, "{e}");
+    assert_eq!(w.finalize().unwrap_err().status(), Status::PeerFailed);
+    let deadline = std::time::Instant::now() + watchdog();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "watchdog: rank 1 (child process) did not finish within {:?}",
+                watchdog()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "rank 1 (child process) failed");
+}

@@ -103,7 +103,8 @@ pub enum Waits {
     /// The host thread polls (with the world's timeout): the eager
     /// warm-up step, where a failing peer must not hang the others.
     Host,
-    /// The PE's CUDA stream waits (`cuStreamWaitValue64`): capturable.
+    /// The PE's CUDA stream waits (a kernel that gives up after the
+    /// world's timeout; the barrier reports it): capturable.
     Stream,
 }
 

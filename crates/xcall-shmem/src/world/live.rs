@@ -476,6 +476,33 @@ impl Live {
         self.remote(signal, 8, pe, "signal word")
     }
 
+    /// This PE's error word: where its stream kernels (barrier, waits)
+    /// leave a timeout for the next quiet.
+    pub(super) fn error_word(&self) -> u64 {
+        self.base + 8 * self.size as u64 + 8
+    }
+
+    /// The parameters of a wait on this PE's stream that reports `code`
+    /// after the world's timeout.
+    pub(super) fn wait_params(
+        &self,
+        signal: u64,
+        value: u64,
+        eq: bool,
+        take: u64,
+        code: WaitCode,
+    ) -> crate::cuda::WaitParams {
+        crate::cuda::WaitParams {
+            signal,
+            value,
+            eq: eq as u64,
+            take,
+            error_word: self.error_word(),
+            code: code.word(),
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+        }
+    }
+
     pub(super) fn stream_or(
         &self,
         stream: Option<*mut std::ffi::c_void>,
@@ -555,24 +582,37 @@ impl Live {
                     }
                 }
                 s.sync()?;
-                let err_word = self.base + 8 * self.size as u64 + 8;
-                let e = self.read_word(err_word)?;
-                if e != 0 {
-                    // Clear it so the report comes once.
-                    // SAFETY: this PE's error word.
-                    unsafe {
-                        crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes())
-                    }?;
-                    let e = ShmemError::Timeout(format!(
-                        "barrier_on_stream on rank {}: rank {} did not arrive within {:?}",
-                        self.rank,
-                        e - 1,
-                        self.timeout
-                    ));
-                    tracing::warn!(rank = self.rank, error = %e, "barrier_on_stream timed out");
-                    return Err(e);
+                let err_word = self.error_word();
+                let word = self.read_word(err_word)?;
+                if word == 0 {
+                    return Ok(());
                 }
-                Ok(())
+                // Clear it so the report comes once.
+                // SAFETY: this PE's error word.
+                unsafe { crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes()) }?;
+                let (me, t) = (self.rank, self.timeout);
+                let e = ShmemError::Timeout(match WaitCode::from_word(word) {
+                    Some(WaitCode::Barrier { rank }) => format!(
+                        "barrier_on_stream on rank {me}: rank {rank} did not arrive within {t:?}"
+                    ),
+                    Some(WaitCode::Signal { .. }) => format!(
+                        "wait_until_on_stream on rank {me}: the signal did not hold within {t:?}"
+                    ),
+                    Some(WaitCode::Exchange { sender }) => {
+                        // The exchange counts are off: a later exchange
+                        // could take stale data for new. Nothing more
+                        // crosses this world.
+                        self.state.fail(EXCHANGE_TIMED_OUT, me);
+                        format!(
+                            "an exchange on rank {me}'s stream: PE {sender}'s segments did not land within {t:?}; only finalize remains"
+                        )
+                    }
+                    None => format!(
+                        "rank {me}'s error word holds {word:#x}, which no xcall kernel writes"
+                    ),
+                });
+                tracing::warn!(rank = me, error = %e, "a wait on the stream timed out");
+                Err(e)
             }
         }
     }
@@ -699,7 +739,20 @@ impl Live {
                     }
                 }
                 Platform::Cuda => {
-                    crate::cuda::wait_value(self.device, self.stream_or(stream), word, 1, false)?
+                    // The kernel takes the count back once it holds.
+                    let p = self.wait_params(
+                        word,
+                        1,
+                        false,
+                        u64::MAX,
+                        WaitCode::Exchange { sender: s },
+                    );
+                    // SAFETY: `word` and the error word are this PE's
+                    // internal region, mapped for the world's life.
+                    unsafe {
+                        crate::cuda::wait_on_stream(self.device, self.stream_or(stream), &p)
+                    }?;
+                    continue;
                 }
             }
             self.add_to_word(word, u64::MAX, stream)?;

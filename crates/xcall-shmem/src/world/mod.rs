@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 use xcall_core::{Device, Platform};
 
 use crate::bootstrap::{Bootstrap, InProcess, Logged, Tcp, UnixSocket};
+use crate::cuda::WaitCode;
 use crate::error::{Result, ShmemError};
 use crate::handoff::{self, Offer};
 use crate::heap::{Allocator, ALIGN};
@@ -76,8 +77,8 @@ pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, TR
 pub use live::MAX_GATHER_BYTES;
 use live::{agree, fields, internal_bytes, Live, PeerMap};
 use state::{
-    finalize_step, state_page, unique, StatePage, FINALIZE_FAILED, LEFT_WITHOUT_FINALIZE,
-    NCCL_FAILED,
+    finalize_step, state_page, unique, StatePage, EXCHANGE_TIMED_OUT, FINALIZE_FAILED,
+    LEFT_WITHOUT_FINALIZE, NCCL_FAILED,
 };
 pub use state::{set_finalize_hook, FinalizeHook, FinalizeStep};
 
@@ -395,7 +396,10 @@ impl World {
     }
 
     /// Completes every operation this PE issued on its own stream, and
-    /// reports a `barrier_on_stream` that timed out.
+    /// reports a wait on a CUDA stream that timed out since the last
+    /// quiet (`barrier_on_stream`, `wait_until_on_stream`, an exchange's;
+    /// sync the stream that ran it first). An exchange that timed out
+    /// also fails the world.
     pub fn quiet(&mut self) -> Result<()> {
         self.live_mut()?.quiet()
     }
@@ -444,7 +448,7 @@ impl World {
             peer_arrivals: l.base + 8 * n + 16,
             my_arrivals: l.base,
             epoch_word: l.base + 8 * n,
-            error_word: l.base + 8 * n + 8,
+            error_word: l.error_word(),
             rank: l.rank as i64,
             n: n as i64,
             timeout_ns: l.timeout.as_nanos().min(u64::MAX as u128) as u64,
@@ -617,7 +621,11 @@ impl World {
     }
 
     /// Makes the caller's CUDA `stream` wait until the signal word at
-    /// `signal` is `== value` ([`Cmp::Eq`]) or `>= value` ([`Cmp::Ge`]).
+    /// `signal` is `== value` ([`Cmp::Eq`]) or `>= value` ([`Cmp::Ge`],
+    /// unsigned, as in [`World::wait_until`]). Capturable into a graph.
+    /// The wait is a kernel that gives up after the world's timeout: the
+    /// stream then goes on (without the data the signal guarded), and
+    /// the next quiet or barrier_all reports the timeout.
     pub fn wait_until_on_stream(
         &mut self,
         signal: u64,
@@ -638,7 +646,11 @@ impl World {
         }
         let rank = l.rank;
         let sig = l.signal_word(signal, rank)?;
-        crate::cuda::wait_value(l.device, stream.cast(), sig, value, cmp == Cmp::Eq)
+        let params = l.wait_params(sig, value, cmp == Cmp::Eq, 0, WaitCode::Signal { rank });
+        // SAFETY: `sig` is an aligned word of this PE's heap (checked) and
+        // the error word is its internal region's, both mapped for the
+        // world's life.
+        unsafe { crate::cuda::wait_on_stream(l.device, stream.cast(), &params) }
     }
 }
 

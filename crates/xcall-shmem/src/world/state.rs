@@ -41,6 +41,7 @@ pub(super) fn finalize_step(rank: usize, step: FinalizeStep) {
 pub(super) const LEFT_WITHOUT_FINALIZE: u64 = 1;
 pub(super) const FINALIZE_FAILED: u64 = 2;
 pub(super) const NCCL_FAILED: u64 = 3;
+pub(super) const EXCHANGE_TIMED_OUT: u64 = 4;
 
 /// The world's state page: host memory every PE of the world maps (its
 /// first word is 0 while the world is healthy).
@@ -78,6 +79,7 @@ impl StatePage {
             LEFT_WITHOUT_FINALIZE => "left the world without finalize",
             FINALIZE_FAILED => "failed in finalize",
             NCCL_FAILED => "saw its NCCL transfers fail",
+            EXCHANGE_TIMED_OUT => "timed out in an exchange on its stream",
             _ => "failed",
         };
         Err(ShmemError::PeerFailed(format!(
