@@ -105,6 +105,8 @@ template <> struct VecT<2> { typedef unsigned short T; };
 template <> struct VecT<1> { typedef unsigned char T; };
 
 // ---------------------------------------------------------------- codecs
+// Each codec: load (S -> f32, exact) and store (f32 -> S, rounded); fp8
+// also load4 / store4 (a word of four values at once, the same results).
 struct F32 {
     typedef float S;
     static __device__ __forceinline__ float load(S v) { return v; }
@@ -159,6 +161,50 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         else if (exp == 0) mag = (float)man * pow2f(1 - BIAS - MB);
         else mag = (float)((1 << MB) + man) * pow2f(exp - BIAS - MB);
         return sign * mag;
+#endif
+    }
+    // Four values packed in a word (the first in its low byte), as they
+    // lie in memory.
+    static __device__ __forceinline__ void load4(unsigned int w, float* x) {
+#if __CUDA_ARCH__ >= 890
+        const unsigned short in[2] = {(unsigned short)(w & 0xffff), (unsigned short)(w >> 16)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            unsigned int h2;
+            if (FN) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in[h]));
+            else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in[h]));
+            asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * h]) : "h"((unsigned short)(h2 & 0xffff)));
+            asm("cvt.f32.f16 %0, %1;" : "=f"(x[2 * h + 1]) : "h"((unsigned short)(h2 >> 16)));
+        }
+#else
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = load((S)(w >> (8 * i)));
+#endif
+    }
+    // store of four values into one word, two conversions. A NaN input
+    // converts to some NaN encoding (any sign); those bytes become 0x7f
+    // with a carry-free add on the low seven bits of each byte (e4m3: NaN
+    // is 0x7f; e5m2: 0x7d..0x7f, and 0x7c, an infinity, never comes out
+    // of a saturating conversion).
+    static __device__ __forceinline__ unsigned int store4(const float* x) {
+#if __CUDA_ARCH__ >= 890
+        unsigned short lo, hi;
+        if (FN) {
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x[1]), "f"(x[0]));
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x[3]), "f"(x[2]));
+        } else {
+            asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x[1]), "f"(x[0]));
+            asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x[3]), "f"(x[2]));
+        }
+        const unsigned int r = (unsigned int)lo | ((unsigned int)hi << 16);
+        const unsigned int nan = ((r & 0x7f7f7f7fu) + (FN ? 0x01010101u : 0x04040404u)) & 0x80808080u;
+        const unsigned int mask = (nan >> 7) * 0xffu;
+        return (r & ~mask) | (0x7f7f7f7fu & mask);
+#else
+        unsigned int r = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r |= (unsigned int)store(x[i]) << (8 * i);
+        return r;
 #endif
     }
     static __device__ __forceinline__ S store(float x) {
@@ -670,8 +716,26 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * g.step;
                     if (i < nv) {
+                        if (p.mprobs) {
 #pragma unroll
-                        for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk[u].v[j]), wk));
+                            for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk[u].v[j]), wk));
+                        } else if constexpr (sizeof(typename C::S) == 1 && V % 4 == 0) {
+                            // wk is 1: the same sums without the multiply
+                            // (x * 1 is x, NaN included); fp8 converted a
+                            // word (four values) at a time.
+                            const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk[u].raw);
+#pragma unroll
+                            for (int q = 0; q < V / 4; ++q) {
+                                float x[4];
+                                C::load4(w[q], x);
+#pragma unroll
+                                for (int j = 0; j < 4; ++j) acc[u][4 * q + j] = __fadd_rn(acc[u][4 * q + j], x[j]);
+                            }
+                        } else {
+                            // wk is 1: the same sums without the multiply.
+#pragma unroll
+                            for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], C::load(pk[u].v[j]));
+                        }
                     }
                 }
             }
@@ -681,8 +745,14 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 i64 i = base + (i64)u * g.step;
                 if (i < nv) {
                     P pk;
+                    if constexpr (sizeof(typename C::S) == 1 && V % 4 == 0) {
+                        unsigned int* w = reinterpret_cast<unsigned int*>(&pk.raw);
 #pragma unroll
-                    for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
+                        for (int q = 0; q < V / 4; ++q) w[q] = C::store4(&acc[u][4 * q]);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
+                    }
                     store_once(&dst[i].raw, pk.raw);
                 }
             }
