@@ -403,14 +403,14 @@ fn wait_until_on_stream_orders_the_stream_and_gives_up_after_the_timeout() {
 #[test]
 fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
     let _serial = serial();
-    const ROLE: &str = "XCALL_SHMEM_CUDA_TEST_SILENT_SENDER";
     let config = |socket: &str, rank: usize| {
         let mut c = Config::unix_socket(socket, rank, 2, Device::cuda(0));
         c.heap_bytes = Some(16 << 20);
         c.timeout = Duration::from_millis(500);
         c
     };
-    if let Ok(socket) = std::env::var(ROLE) {
+    // The child (rank 1) runs only this test, with the socket in PE_ENV.
+    if let Ok(socket) = std::env::var(PE_ENV) {
         let mut w = World::new();
         w.init(&config(&socket, 1)).unwrap();
         let buf = w.malloc(4096).unwrap();
@@ -446,7 +446,7 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
             "an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes",
             "--nocapture",
         ])
-        .env(ROLE, &socket)
+        .env(PE_ENV, &socket)
         .spawn()
         .unwrap();
     let mut w = World::new();
