@@ -449,30 +449,44 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
         .env(PE_ENV, &socket)
         .spawn()
         .unwrap();
-    let mut w = World::new();
-    w.init(&config(&socket, 0)).unwrap();
-    let buf = w.malloc(4096).unwrap();
-    let (_ctx, s) = stream(Device::cuda(0));
-    let raw: *mut c_void = s.cu_stream().cast();
-    let incoming = [xcall_shmem::Incoming {
-        pe: 1,
-        dest: buf,
-        bytes: 4096,
-    }];
-    // SAFETY: nothing goes out.
-    unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap();
-    s.synchronize().unwrap();
-    let e = w.quiet().unwrap_err();
-    assert_eq!(e.status(), Status::Timeout, "{e}");
-    assert!(
-        e.to_string().contains("PE 1's segments did not land"),
-        "{e}"
-    );
-    // Nothing more crosses: a later exchange could take stale counts.
-    // SAFETY: nothing goes out.
-    let e = unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap_err();
-    assert_eq!(e.status(), Status::PeerFailed, "{e}");
-    assert_eq!(w.finalize().unwrap_err().status(), Status::PeerFailed);
+    // Rank 0 under a watchdog: a stream wait that cannot time out would
+    // hang its synchronize.
+    let rank0 = {
+        let socket = socket.clone();
+        std::panic::catch_unwind(move || {
+            run_threads("cuda exchange timeout", 1, watchdog(), move |_| {
+                let mut w = World::new();
+                w.init(&config(&socket, 0)).unwrap();
+                let buf = w.malloc(4096).unwrap();
+                let (_ctx, s) = stream(Device::cuda(0));
+                let raw: *mut c_void = s.cu_stream().cast();
+                let incoming = [xcall_shmem::Incoming {
+                    pe: 1,
+                    dest: buf,
+                    bytes: 4096,
+                }];
+                // SAFETY: nothing goes out.
+                unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap();
+                s.synchronize().unwrap();
+                let e = w.quiet().unwrap_err();
+                assert_eq!(e.status(), Status::Timeout, "{e}");
+                assert!(
+                    e.to_string().contains("PE 1's segments did not land"),
+                    "{e}"
+                );
+                // Nothing more crosses: a later exchange could take stale
+                // counts.
+                // SAFETY: nothing goes out.
+                let e = unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap_err();
+                assert_eq!(e.status(), Status::PeerFailed, "{e}");
+                assert_eq!(w.finalize().unwrap_err().status(), Status::PeerFailed);
+            })
+        })
+    };
+    if let Err(p) = rank0 {
+        let _ = child.kill();
+        std::panic::resume_unwind(p);
+    }
     let deadline = std::time::Instant::now() + watchdog();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
