@@ -1,8 +1,8 @@
 /*
  * Symmetric memory through the C ABI: an SPMT world of 4 Host PEs made of
  * pthreads (put / get / put_signal / barrier round trip, collective malloc
- * with the same offsets, an all-to-all exchange and the transport of each
- * pair), meeting in process and again at a TCP address, and the error
+ * with the same offsets, an all-to-all exchange, the transport of each
+ * pair and an allgather into slots), meeting in process and again at a TCP address, and the error
  * paths.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -136,6 +136,57 @@ static void *run_pe(void *arg) {
   PE_EXPECT(xcall_shmem_peer_transport(w, PES, &kind) ==
             XCALL_STATUS_INVALID_ARGUMENT);
   PE_EXPECT(xcall_shmem_peer_transport(w, 0, NULL) == XCALL_STATUS_NULL_ARGUMENT);
+
+  /* allgather: rank r offers 3 * (r + 1) bytes into slots of 16; each
+   * slot's tail keeps its poison. */
+  {
+    enum { SLOT_BYTES = 16 };
+    unsigned char mine[SLOT_BYTES], slots[PES * SLOT_BYTES];
+    uint64_t lengths[PES];
+    uint64_t offered = 3u * (p->rank + 1);
+    for (size_t i = 0; i < offered; i++) mine[i] = pattern(p->rank, i);
+    memset(slots, 0xee, sizeof slots);
+    PE_EXPECT(xcall_shmem_allgather(w, mine, offered, slots, SLOT_BYTES,
+                                    lengths) == XCALL_STATUS_OK);
+    same = 1;
+    for (uint32_t r = 0; r < PES; r++) {
+      same &= lengths[r] == 3u * (r + 1);
+      for (size_t i = 0; i < SLOT_BYTES; i++)
+        same &= slots[r * SLOT_BYTES + i] ==
+                (i < 3u * (r + 1) ? pattern(r, i) : 0xee);
+    }
+    PE_EXPECT(same);
+    /* Slots of 8: rank 2 offers 9 bytes, refused on every PE with
+     * nothing written. */
+    memset(slots, 0xee, sizeof slots);
+    lengths[0] = 77;
+    PE_EXPECT(xcall_shmem_allgather(w, mine, offered, slots, 8, lengths) ==
+              XCALL_STATUS_INVALID_ARGUMENT);
+    same = lengths[0] == 77;
+    for (size_t i = 0; i < sizeof slots; i++) same &= slots[i] == 0xee;
+    PE_EXPECT(same);
+    /* Rank 1 offers more than the limit: not read, refused on every PE. */
+    uint64_t big = p->rank == 1 ? XCALL_SHMEM_MAX_GATHER_BYTES + 1 : 1;
+    PE_EXPECT(xcall_shmem_allgather(w, mine, big, slots, SLOT_BYTES,
+                                    lengths) ==
+              XCALL_STATUS_INVALID_ARGUMENT);
+    /* Refused before the collective (every PE, so all stay in step). */
+    PE_EXPECT(xcall_shmem_allgather(w, mine, offered, slots, SLOT_BYTES,
+                                    NULL) == XCALL_STATUS_NULL_ARGUMENT);
+    PE_EXPECT(xcall_shmem_allgather(w, NULL, offered, slots, SLOT_BYTES,
+                                    lengths) == XCALL_STATUS_NULL_ARGUMENT);
+    PE_EXPECT(xcall_shmem_allgather(w, mine, offered, NULL, SLOT_BYTES,
+                                    lengths) == XCALL_STATUS_NULL_ARGUMENT);
+    PE_EXPECT(xcall_shmem_allgather(w, mine, offered, slots, UINT64_MAX / 2,
+                                    lengths) ==
+              XCALL_STATUS_INVALID_ARGUMENT);
+    /* Empty offers with no slots: every length 0. */
+    PE_EXPECT(xcall_shmem_allgather(w, NULL, 0, NULL, 0, lengths) ==
+              XCALL_STATUS_OK);
+    same = 1;
+    for (uint32_t r = 0; r < PES; r++) same &= lengths[r] == 0;
+    PE_EXPECT(same);
+  }
 
   /* Errors: outside the heap, bad PE, Host has no stream barrier. */
   PE_EXPECT(xcall_shmem_put(w, data, data, 8, right) ==

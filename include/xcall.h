@@ -111,6 +111,11 @@ struct XLA_FFI_Error;
 #define XCALL_SHMEM_MAX_SEGMENTS (1 << 20)
 
 /**
+ * The most bytes one PE may offer to `xcall_shmem_allgather` (16 MiB).
+ */
+#define XCALL_SHMEM_MAX_GATHER_BYTES (16 << 20)
+
+/**
  * Result code of an xcall operation (`xcall_status` in C; 0 means success).
  *
  * Codes are stable across releases and never reused.
@@ -1821,6 +1826,34 @@ xcall_status xcall_shmem_quiet(xcall_shmem_world *w);
  * PE's call.
  */
 xcall_status xcall_shmem_barrier_all(xcall_shmem_world *w);
+
+/**
+ * Every PE's `bytes` at `data` (host memory), by rank, through the
+ * world's bootstrap: PE r's bytes land at `out + r * slot_bytes` and
+ * their count in `out_lengths[r]`. For small host-side messages (sizes,
+ * offsets, results to report), not the data path. Collective: every PE
+ * calls it, in the same order as its other collectives, with the same
+ * `slot_bytes`; the PEs' `bytes` may differ. `out` must hold `size *
+ * slot_bytes` bytes and `out_lengths` `size` entries (`size` from
+ * `xcall_shmem_rank`). Over a TCP or Unix socket bootstrap, every PE's
+ * bytes together must fit in 1 GiB.
+ *
+ * Bad input, refused before the collective (the peers then wait out
+ * their timeout, as for a PE that never calls): the world rules of
+ * `xcall_shmem_world`; NULL `data` with `bytes` above 0, NULL `out` with
+ * `slot_bytes` above 0, NULL `out_lengths`: `XCALL_STATUS_NULL_ARGUMENT`;
+ * `size * slot_bytes` past the address space:
+ * `XCALL_STATUS_INVALID_ARGUMENT`. Refused on every PE after it, with
+ * nothing written: a PE offering more than `XCALL_SHMEM_MAX_GATHER_BYTES`
+ * or more than `slot_bytes`: `XCALL_STATUS_INVALID_ARGUMENT` naming it; a
+ * peer in another collective: `XCALL_STATUS_COLLECTIVE_MISMATCH`.
+ */
+xcall_status xcall_shmem_allgather(xcall_shmem_world *w,
+                                   const void *data,
+                                   uint64_t bytes,
+                                   void *out,
+                                   uint64_t slot_bytes,
+                                   uint64_t *out_lengths);
 
 /**
  * A barrier of all PEs as a kernel on `stream` (CUDA worlds; capturable).

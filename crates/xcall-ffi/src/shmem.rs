@@ -470,6 +470,101 @@ pub extern "C" fn xcall_shmem_barrier_all(w: *mut xcall_shmem_world) -> Status {
     ffi_call!({ Ok(world(w)?.barrier_all()?) })
 }
 
+/// The most bytes one PE may offer to `xcall_shmem_allgather` (16 MiB).
+pub const XCALL_SHMEM_MAX_GATHER_BYTES: u64 = 16 << 20;
+const _: () = assert!(XCALL_SHMEM_MAX_GATHER_BYTES == xcall_shmem::MAX_GATHER_BYTES as u64);
+
+/// Every PE's `bytes` at `data` (host memory), by rank, through the
+/// world's bootstrap: PE r's bytes land at `out + r * slot_bytes` and
+/// their count in `out_lengths[r]`. For small host-side messages (sizes,
+/// offsets, results to report), not the data path. Collective: every PE
+/// calls it, in the same order as its other collectives, with the same
+/// `slot_bytes`; the PEs' `bytes` may differ. `out` must hold `size *
+/// slot_bytes` bytes and `out_lengths` `size` entries (`size` from
+/// `xcall_shmem_rank`). Over a TCP or Unix socket bootstrap, every PE's
+/// bytes together must fit in 1 GiB.
+///
+/// Bad input, refused before the collective (the peers then wait out
+/// their timeout, as for a PE that never calls): the world rules of
+/// `xcall_shmem_world`; NULL `data` with `bytes` above 0, NULL `out` with
+/// `slot_bytes` above 0, NULL `out_lengths`: `XCALL_STATUS_NULL_ARGUMENT`;
+/// `size * slot_bytes` past the address space:
+/// `XCALL_STATUS_INVALID_ARGUMENT`. Refused on every PE after it, with
+/// nothing written: a PE offering more than `XCALL_SHMEM_MAX_GATHER_BYTES`
+/// or more than `slot_bytes`: `XCALL_STATUS_INVALID_ARGUMENT` naming it; a
+/// peer in another collective: `XCALL_STATUS_COLLECTIVE_MISMATCH`.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_allgather(
+    w: *mut xcall_shmem_world,
+    data: *const c_void,
+    bytes: u64,
+    out: *mut c_void,
+    slot_bytes: u64,
+    out_lengths: *mut u64,
+) -> Status {
+    ffi_call!({
+        let mut w = world(w)?;
+        let size = w.size()?;
+        check_src(data, bytes)?;
+        if out.is_null() && slot_bytes > 0 {
+            return Err(FfiError::new(Status::NullArgument, "out is NULL"));
+        }
+        if out_lengths.is_null() {
+            return Err(FfiError::new(Status::NullArgument, "out_lengths is NULL"));
+        }
+        let total = (size as u64)
+            .checked_mul(slot_bytes)
+            .and_then(|t| usize::try_from(t).ok())
+            .filter(|&t| t <= isize::MAX as usize)
+            .ok_or_else(|| {
+                FfiError::new(
+                    Status::InvalidArgument,
+                    format!("{size} slots of {slot_bytes} bytes do not fit an address space"),
+                )
+            })?;
+        // Only what fits the limit is ever read; above it the call fails
+        // on every PE without reading `data`.
+        let readable = bytes.min(XCALL_SHMEM_MAX_GATHER_BYTES) as usize;
+        let mine: &[u8] = if readable == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller's contract: `data` holds `bytes` bytes,
+            // of which this reads at most the first `readable`.
+            unsafe { std::slice::from_raw_parts(data.cast(), readable) }
+        };
+        let all = w.allgather_offered(bytes, mine)?;
+        if let Some((r, a)) = all
+            .iter()
+            .enumerate()
+            .find(|(_, a)| a.len() as u64 > slot_bytes)
+        {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!(
+                    "rank {r} offered {} bytes to allgather; the slots hold {slot_bytes}",
+                    a.len()
+                ),
+            ));
+        }
+        // SAFETY: the caller's contract: `out_lengths` holds `size`
+        // entries and `out` `size * slot_bytes` bytes (`total`, checked
+        // to be a valid length); neither overlaps what was read.
+        let lengths = unsafe { std::slice::from_raw_parts_mut(out_lengths, size) };
+        let slots: &mut [u8] = if total == 0 {
+            &mut []
+        } else {
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts_mut(out.cast(), total) }
+        };
+        for (r, a) in all.iter().enumerate() {
+            let at = r * slot_bytes as usize;
+            slots[at..at + a.len()].copy_from_slice(a);
+            lengths[r] = a.len() as u64;
+        }
+        Ok(())
+    })
+}
+
 /// A barrier of all PEs as a kernel on `stream` (CUDA worlds; capturable).
 ///
 /// Bad input: the world rules of `xcall_shmem_world`; a Host world:

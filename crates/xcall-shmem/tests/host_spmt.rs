@@ -241,9 +241,34 @@ fn allgather_gives_every_pe_every_pes_bytes_and_refuses_on_all() {
         // Still in step: the next round gathers.
         let all = w.allgather(&[rank as u8]).unwrap();
         assert_eq!(all, (0..n as u8).map(|r| vec![r]).collect::<Vec<_>>());
-        (too_big, mismatch)
+        // allgather_offered: data that does not hold what it offers is
+        // refused before the collective (on every PE here, so all stay in
+        // step); past the limit the data is not read (rank 2 offers
+        // u64::MAX bytes with none) and every PE fails naming it.
+        let short = w.allgather_offered(3, b"ab").unwrap_err();
+        assert_eq!(short.status(), Status::InvalidArgument, "{short}");
+        assert!(
+            short.to_string().contains("offers 3 bytes with 2"),
+            "{short}"
+        );
+        let offered = if rank == 2 { u64::MAX } else { 1 };
+        let data: &[u8] = if rank == 2 { &[] } else { b"z" };
+        let huge = w.allgather_offered(offered, data).unwrap_err();
+        let all = w.allgather_offered(1, &[rank as u8 + 10]).unwrap();
+        assert_eq!(all, (0..n as u8).map(|r| vec![r + 10]).collect::<Vec<_>>());
+        (too_big, mismatch, huge)
     });
-    for (rank, (too_big, mismatch)) in errors.iter().enumerate() {
+    for (rank, (too_big, mismatch, huge)) in errors.iter().enumerate() {
+        assert_eq!(
+            huge.status(),
+            Status::InvalidArgument,
+            "rank {rank}: {huge}"
+        );
+        assert!(
+            huge.to_string()
+                .contains(&format!("rank 2 offered {} bytes", u64::MAX)),
+            "rank {rank}: {huge}"
+        );
         assert_eq!(
             too_big.status(),
             Status::InvalidArgument,

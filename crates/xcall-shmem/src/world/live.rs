@@ -811,12 +811,20 @@ impl Live {
     /// Every PE's `data` (at most [`MAX_GATHER_BYTES`]) through the
     /// bootstrap, as a collective: a PE in another collective is a
     /// mismatch, and a PE offering too much makes every PE fail naming it.
-    pub(super) fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+    /// `offered` bytes, `data` when they fit (see
+    /// [`World::allgather_offered`]).
+    pub(super) fn allgather(&mut self, offered: u64, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let fits = offered <= MAX_GATHER_BYTES as u64;
+        if fits && data.len() as u64 != offered {
+            return Err(ShmemError::InvalidArgument(format!(
+                "allgather offers {offered} bytes with {} bytes of data",
+                data.len()
+            )));
+        }
         self.state.check()?;
         let seq = self.seq;
         self.seq += 1;
-        let fits = data.len() <= MAX_GATHER_BYTES;
-        let mut mine = format!("allgather\n{seq}\n{}\n", data.len()).into_bytes();
+        let mut mine = format!("allgather\n{seq}\n{offered}\n").into_bytes();
         if fits {
             mine.extend_from_slice(data);
         }

@@ -421,7 +421,16 @@ impl World {
     /// [`crate::bootstrap::MAX_FRAME`] bytes. A PE that never calls makes
     /// the others time out; completes nothing on the stream (no quiet).
     pub fn allgather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.live_mut()?.allgather(data)
+        self.live_mut()?.allgather(data.len() as u64, data)
+    }
+
+    /// [`World::allgather`] of `offered` bytes, for callers (the C ABI)
+    /// whose data need not be readable past the limit: above
+    /// [`MAX_GATHER_BYTES`], `data` is not read and the call fails on
+    /// every PE naming this one; otherwise `data` must hold exactly
+    /// `offered` bytes (`InvalidArgument` before the collective if not).
+    pub fn allgather_offered(&mut self, offered: u64, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.live_mut()?.allgather(offered, data)
     }
 
     /// A barrier of all PEs as a kernel on the caller's CUDA `stream`:
