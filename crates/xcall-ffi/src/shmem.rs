@@ -502,67 +502,108 @@ pub extern "C" fn xcall_shmem_allgather(
     slot_bytes: u64,
     out_lengths: *mut u64,
 ) -> Status {
-    ffi_call!({
-        let mut w = world(w)?;
-        let size = w.size()?;
-        check_src(data, bytes)?;
-        if out.is_null() && slot_bytes > 0 {
-            return Err(FfiError::new(Status::NullArgument, "out is NULL"));
-        }
-        if out_lengths.is_null() {
-            return Err(FfiError::new(Status::NullArgument, "out_lengths is NULL"));
-        }
-        let total = (size as u64)
-            .checked_mul(slot_bytes)
-            .and_then(|t| usize::try_from(t).ok())
-            .filter(|&t| t <= isize::MAX as usize)
-            .ok_or_else(|| {
-                FfiError::new(
-                    Status::InvalidArgument,
-                    format!("{size} slots of {slot_bytes} bytes do not fit an address space"),
-                )
-            })?;
-        // Only what fits the limit is ever read; above it the call fails
-        // on every PE without reading `data`.
-        let readable = bytes.min(XCALL_SHMEM_MAX_GATHER_BYTES) as usize;
-        let mine: &[u8] = if readable == 0 {
-            &[]
-        } else {
-            // SAFETY: the caller's contract: `data` holds `bytes` bytes,
-            // of which this reads at most the first `readable`.
-            unsafe { std::slice::from_raw_parts(data.cast(), readable) }
-        };
-        let all = w.allgather_offered(bytes, mine)?;
-        if let Some((r, a)) = all
-            .iter()
-            .enumerate()
-            .find(|(_, a)| a.len() as u64 > slot_bytes)
-        {
-            return Err(FfiError::new(
+    // SAFETY: the caller's contract, as documented above.
+    ffi_call!({ unsafe { allgather(w, data, bytes, out, slot_bytes, out_lengths) } })
+}
+
+/// The body of `xcall_shmem_allgather`.
+///
+/// # Safety
+/// `data` holds `bytes` bytes (at most the first
+/// `XCALL_SHMEM_MAX_GATHER_BYTES` are read), `out` `size * slot_bytes`
+/// writable bytes and `out_lengths` `size` writable entries.
+unsafe fn allgather(
+    w: *mut xcall_shmem_world,
+    data: *const c_void,
+    bytes: u64,
+    out: *mut c_void,
+    slot_bytes: u64,
+    out_lengths: *mut u64,
+) -> Result<(), FfiError> {
+    let mut w = world(w)?;
+    let size = w.size()?;
+    let total = allgather_args(data, bytes, out, slot_bytes, out_lengths, size)?;
+    // Only what fits the limit is ever read; above it the call fails
+    // on every PE without reading `data`.
+    let readable = bytes.min(XCALL_SHMEM_MAX_GATHER_BYTES) as usize;
+    let mine: &[u8] = if readable == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's contract: `data` holds `bytes` bytes,
+        // of which this reads at most the first `readable`.
+        unsafe { std::slice::from_raw_parts(data.cast(), readable) }
+    };
+    let all = w.allgather_offered(bytes, mine)?;
+    // SAFETY: the caller's contract: `out_lengths` holds `size`
+    // entries and `out` `size * slot_bytes` bytes (`total`, checked
+    // to be a valid length); neither overlaps what was read.
+    let lengths = unsafe { std::slice::from_raw_parts_mut(out_lengths, size) };
+    let slots: &mut [u8] = if total == 0 {
+        &mut []
+    } else {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(out.cast(), total) }
+    };
+    place(&all, slot_bytes, slots, lengths)
+}
+
+/// `xcall_shmem_allgather`'s checks before the collective; the bytes of
+/// `size` slots.
+fn allgather_args(
+    data: *const c_void,
+    bytes: u64,
+    out: *mut c_void,
+    slot_bytes: u64,
+    out_lengths: *mut u64,
+    size: usize,
+) -> Result<usize, FfiError> {
+    check_src(data, bytes)?;
+    if out.is_null() && slot_bytes > 0 {
+        return Err(FfiError::new(Status::NullArgument, "out is NULL"));
+    }
+    if out_lengths.is_null() {
+        return Err(FfiError::new(Status::NullArgument, "out_lengths is NULL"));
+    }
+    (size as u64)
+        .checked_mul(slot_bytes)
+        .and_then(|t| usize::try_from(t).ok())
+        .filter(|&t| t <= isize::MAX as usize)
+        .ok_or_else(|| {
+            FfiError::new(
                 Status::InvalidArgument,
-                format!(
-                    "rank {r} offered {} bytes to allgather; the slots hold {slot_bytes}",
-                    a.len()
-                ),
-            ));
-        }
-        // SAFETY: the caller's contract: `out_lengths` holds `size`
-        // entries and `out` `size * slot_bytes` bytes (`total`, checked
-        // to be a valid length); neither overlaps what was read.
-        let lengths = unsafe { std::slice::from_raw_parts_mut(out_lengths, size) };
-        let slots: &mut [u8] = if total == 0 {
-            &mut []
-        } else {
-            // SAFETY: as above.
-            unsafe { std::slice::from_raw_parts_mut(out.cast(), total) }
-        };
-        for (r, a) in all.iter().enumerate() {
-            let at = r * slot_bytes as usize;
-            slots[at..at + a.len()].copy_from_slice(a);
-            lengths[r] = a.len() as u64;
-        }
-        Ok(())
-    })
+                format!("{size} slots of {slot_bytes} bytes do not fit an address space"),
+            )
+        })
+}
+
+/// Every PE's bytes into its slot of `slot_bytes` and its length, or,
+/// when some PE offered more than a slot, an error naming it and nothing
+/// written.
+fn place(
+    all: &[Vec<u8>],
+    slot_bytes: u64,
+    slots: &mut [u8],
+    lengths: &mut [u64],
+) -> Result<(), FfiError> {
+    if let Some((r, a)) = all
+        .iter()
+        .enumerate()
+        .find(|(_, a)| a.len() as u64 > slot_bytes)
+    {
+        return Err(FfiError::new(
+            Status::InvalidArgument,
+            format!(
+                "rank {r} offered {} bytes to allgather; the slots hold {slot_bytes}",
+                a.len()
+            ),
+        ));
+    }
+    for (r, a) in all.iter().enumerate() {
+        let at = r * slot_bytes as usize;
+        slots[at..at + a.len()].copy_from_slice(a);
+        lengths[r] = a.len() as u64;
+    }
+    Ok(())
 }
 
 /// A barrier of all PEs as a kernel on `stream` (CUDA worlds; capturable).
