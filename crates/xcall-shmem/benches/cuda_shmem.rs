@@ -1,3 +1,8 @@
+//! One GPU: the cost of a wait on the stream (`wait_until_on_stream`, a
+//! kernel that can time out) on a word that already holds, eager and
+//! replayed from a graph, beside a driver stream wait
+//! (`cuStreamWaitValue64`, which cannot) in the same run.
+//!
 //! Two GPUs, one process (SPMT): put bandwidth from GPU 0's heap into GPU
 //! 1's heap for 4 KiB .. 1 GiB, side by side in one run with
 //! cuMemcpyPeerAsync of the same bytes between the same addresses; and
@@ -8,20 +13,113 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext};
-use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, skip};
+use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, skip};
 use xcall_core::{cuda, Device};
-use xcall_shmem::{Config, World};
+use xcall_shmem::{Cmp, Config, World};
 
 const MAX: usize = 1 << 30;
 const BARRIERS: usize = 100;
 const BARRIER_ROUNDS: usize = 30;
+const WAITS: usize = 100;
 
 fn main() {
-    match cuda_devices_or_skip("bench cuda_shmem") {
-        Some(n) if n >= 2 => {}
-        Some(n) => return skip("bench cuda_shmem", &format!("needs 2 GPUs, found {n}")),
-        None => return,
+    let Some(n) = cuda_devices_or_skip("bench cuda_shmem") else {
+        return;
+    };
+    waits();
+    if n < 2 {
+        return skip("bench cuda_shmem puts", &format!("needs 2 GPUs, found {n}"));
     }
+    puts_and_barriers();
+}
+
+/// Batches of WAITS waits on a word that holds: the kernel wait and the
+/// driver wait, eager and as graphs of WAITS waits.
+fn waits() {
+    let device = Device::cuda(0);
+    let mut c = Config::in_process("bench-waits", 0, 1, device);
+    c.heap_bytes = Some(16 << 20);
+    c.timeout = Duration::from_secs(10);
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    let sig = w.malloc(8).unwrap();
+    let one = 1u64;
+    // SAFETY: 8 bytes of a live local into this PE's heap.
+    unsafe { w.put(sig, &one as *const u64 as u64, 8, 0) }.unwrap();
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: this bench orders its own work on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let raw = stream.cu_stream();
+    let wp: *mut World = &mut w;
+    let kernel_waits = move || {
+        for _ in 0..WAITS {
+            // SAFETY: `w` outlives every use; only one closure runs at a
+            // time.
+            unsafe { (*wp).wait_until_on_stream(sig, Cmp::Ge, 1, raw.cast()) }.unwrap();
+        }
+    };
+    let driver_waits = move || {
+        for _ in 0..WAITS {
+            let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+            // SAFETY: `sig` is an aligned word of this PE's device heap.
+            unsafe { sys::cuStreamWaitValue64_v2(raw, sig, 1, geq) }
+                .result()
+                .unwrap();
+        }
+    };
+    // Load the kernels before the capture.
+    kernel_waits();
+    stream.synchronize().unwrap();
+    let kernel_graph = capture_exec(&stream, &mut || kernel_waits());
+    let driver_graph = capture_exec(&stream, &mut || driver_waits());
+    let t = interleaved_medians(
+        &ctx,
+        &stream,
+        30,
+        &mut [
+            Box::new(kernel_waits),
+            Box::new(driver_waits),
+            Box::new(|| {
+                // SAFETY: an instantiated graph of this context.
+                unsafe { sys::cuGraphLaunch(kernel_graph, raw) }
+                    .result()
+                    .unwrap()
+            }),
+            Box::new(|| {
+                // SAFETY: as above.
+                unsafe { sys::cuGraphLaunch(driver_graph, raw) }
+                    .result()
+                    .unwrap()
+            }),
+        ],
+    );
+    let us = |ms: f64| ms * 1e3 / WAITS as f64;
+    println!(
+        "{}: a wait on the stream on a word that holds, us per wait (median of 30 batches of {WAITS}):",
+        cuda::device_info(device).unwrap().name
+    );
+    println!("| path | wait_until_on_stream (kernel, times out) | cuStreamWaitValue64 (driver, cannot) | kernel / driver |");
+    println!("|---|---|---|---|");
+    println!(
+        "| eager | {:.2} | {:.2} | {:.2} |",
+        us(t[0]),
+        us(t[1]),
+        t[0] / t[1]
+    );
+    println!(
+        "| graph | {:.2} | {:.2} | {:.2} |",
+        us(t[2]),
+        us(t[3]),
+        t[2] / t[3]
+    );
+    stream.synchronize().unwrap();
+    w.quiet().unwrap();
+    w.free(sig).unwrap();
+    w.finalize().unwrap();
+}
+
+fn puts_and_barriers() {
     let names: Vec<String> = (0..2)
         .map(|d| cuda::device_info(Device::cuda(d)).unwrap().name)
         .collect();
