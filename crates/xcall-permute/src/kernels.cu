@@ -29,11 +29,8 @@ __device__ unsigned int xcall_map_faults;
 #define FAULT_COUNTS 32u
 #define FAULT_SORT_MAP 64u
 
-
-// The route count of map row m, 0 (recording a fault in *word) outside
-// [0, E].
-__device__ __forceinline__ int route_count(const int* m, int E, unsigned int* word = &xcall_map_faults) {
-    const int n = m[2 * E];
+// A route count n, or 0 (recording a fault in *word) outside [0, E].
+__device__ __forceinline__ int count_ok(int n, int E, unsigned int* word = &xcall_map_faults) {
     if (n < 0 || n > E) {
         atomicOr(word, FAULT_ROUTE_COUNT);
         return 0;
@@ -41,10 +38,14 @@ __device__ __forceinline__ int route_count(const int* m, int E, unsigned int* wo
     return n;
 }
 
-// Whether route k of map row m lies in [0, N) x [0, E); records the fault
-// of a route that does not in *word.
-__device__ __forceinline__ bool route_ok(const int* m, int k, int E, i64 N, unsigned int* word = &xcall_map_faults) {
-    const int d = m[k], e = m[E + k];
+// The route count of map row m, checked as count_ok.
+__device__ __forceinline__ int route_count(const int* m, int E, unsigned int* word = &xcall_map_faults) {
+    return count_ok(m[2 * E], E, word);
+}
+
+// Whether the route (row d, expert e) lies in [0, N) x [0, E); records the
+// fault of a route that does not in *word.
+__device__ __forceinline__ bool entry_ok(int d, int e, int E, i64 N, unsigned int* word = &xcall_map_faults) {
     if (e < 0 || e >= E) {
         atomicOr(word, FAULT_EXPERT);
         return false;
@@ -54,6 +55,12 @@ __device__ __forceinline__ bool route_ok(const int* m, int k, int E, i64 N, unsi
         return false;
     }
     return true;
+}
+
+// Whether route k of map row m lies in [0, N) x [0, E); records the fault
+// of a route that does not in *word.
+__device__ __forceinline__ bool route_ok(const int* m, int k, int E, i64 N, unsigned int* word = &xcall_map_faults) {
+    return entry_ok(m[k], m[E + k], E, N, word);
 }
 
 // Checked mode, before an op that follows a map (one thread per token):
@@ -566,17 +573,39 @@ __device__ void permute_body(const PermuteParams& p) {
     int* rows = staged[g.slot];
     const i64 nv = row / V;
     zero_regions<V>(p);
+    // The map is read ahead, so that a token starts with its row loads,
+    // not a chain of map reads: the route count two tokens ahead and,
+    // for this thread's first route (k = g.first), the (row, expert) of
+    // the next token (read only below the count, and inside the row).
+    const int* const map = p.map;
+    const i64 stride = 2 * (i64)E + 1;
+    auto count_at = [&](i64 t) { return t < T ? map[t * stride + 2 * E] : 0; };
+    auto entry_at = [&](i64 t, int c, int& d, int& e) {
+        d = -1;
+        e = -1;
+        if (t < T && g.first < min(c, E)) {
+            d = map[t * stride + g.first];
+            e = map[t * stride + E + g.first];
+        }
+    };
+    int c1 = count_at(g.t0), c2 = count_at(g.t0 + g.tstep), d1, e1;
+    entry_at(g.t0, c1, d1, e1);
     for (i64 t = g.t0; t < T; t += g.tstep) {
-        const int* m = p.map + t * (2 * E + 1);
-        const int n = route_count(m, E);
+        const int* m = map + t * stride;
+        const int n = count_ok(c1, E), my_d = d1, my_e = e1;
+        entry_at(t + g.tstep, c2, d1, e1);
+        c1 = c2;
+        c2 = count_at(t + 2 * g.tstep);
         for (int k0 = 0; k0 < n; k0 += ROUTE_CHUNK) {
             const int kn = min(ROUTE_CHUNK, n - k0);
             g.sync();  // the previous chunk's readers are done
             for (int j = g.first; j < kn; j += g.step) {
                 const int k = k0 + j;
-                const bool ok = route_ok(m, k, E, N);
-                rows[j] = ok ? m[k] : -1;
-                if (ok && p.pprobs) p.pprobs[m[k]] = p.probs[t * E + m[E + k]];
+                // k < n <= the count read ahead, so k == g.first was read.
+                const int d = k == g.first ? my_d : m[k], e = k == g.first ? my_e : m[E + k];
+                const bool ok = entry_ok(d, e, E, N);
+                rows[j] = ok ? d : -1;
+                if (ok && p.pprobs) p.pprobs[d] = p.probs[t * E + e];
             }
             g.sync();
             if (p.pscales) {
