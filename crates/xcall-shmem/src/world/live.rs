@@ -499,8 +499,13 @@ impl Live {
             take,
             error_word: self.error_word(),
             code: code.word(),
-            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            timeout_ns: self.timeout_ns(),
         }
+    }
+
+    /// The world's timeout for the stream kernels that wait.
+    pub(super) fn timeout_ns(&self) -> u64 {
+        self.timeout.as_nanos().min(u64::MAX as u128) as u64
     }
 
     pub(super) fn stream_or(
@@ -737,6 +742,7 @@ impl Live {
                             self.timeout
                         )));
                     }
+                    self.add_to_word(word, u64::MAX, None)?;
                 }
                 Platform::Cuda => {
                     // The kernel takes the count back once it holds.
@@ -752,10 +758,8 @@ impl Live {
                     unsafe {
                         crate::cuda::wait_on_stream(self.device, self.stream_or(stream), &p)
                     }?;
-                    continue;
                 }
             }
-            self.add_to_word(word, u64::MAX, stream)?;
         }
         Ok(())
     }

@@ -460,7 +460,7 @@ impl World {
             error_word: l.error_word(),
             rank: l.rank as i64,
             n: n as i64,
-            timeout_ns: l.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            timeout_ns: l.timeout_ns(),
         };
         // SAFETY: xcall_shmem_barrier takes BarrierParams; the addresses
         // are this PE's internal region (pointer table filled at init).
