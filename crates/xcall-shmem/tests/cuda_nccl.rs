@@ -286,13 +286,15 @@ fn child(spec: &str) {
             assert!(w.finalize().unwrap().leaked.is_empty());
         }
         _ if rank == 1 => {
-            // Leaves without a word once the world is up.
+            // Leaves without a word once the world is up and the buffer
+            // allocated (malloc is a collective rank 0 must not wait in).
+            w.malloc(1 << 20).unwrap();
             w.barrier_all().unwrap();
             std::process::exit(0);
         }
         _ => {
-            w.barrier_all().unwrap();
             let buf = w.malloc(1 << 20).unwrap();
+            w.barrier_all().unwrap();
             let (out, inc) = segments(0, 2, 0, 1 << 19, (buf, buf + (1 << 19)));
             let started = Instant::now();
             // SAFETY: the segments lie in `buf`.

@@ -163,6 +163,10 @@ pub struct Pe {
     /// TCP on Host), when some peer takes one: the copy exchange then
     /// moves its slots with `World::exchange`.
     remote: Option<Transport>,
+    /// How long the PE waits for anything another PE takes part in, its
+    /// own stream's work included (it may wait on peers' signals or NCCL
+    /// transfers).
+    timeout: Duration,
 }
 
 /// The segments of the copy exchange on PE `me` as one
@@ -325,6 +329,7 @@ impl Pe {
             gpu,
             ops: OpConfig::default(),
             remote: None,
+            timeout,
         };
         for q in 0..p {
             let t = pe.world.transport(q).context("shmem transport")?;
@@ -433,9 +438,39 @@ impl Pe {
     /// Host, whose steps run synchronously).
     pub fn drain(&self) -> Res<()> {
         match &self.gpu {
-            Some(g) => g.stream.synchronize().context("CUDA stream"),
+            Some(g) => {
+                let done = g.ctx.new_event(None).context("CUDA event")?;
+                done.record(&g.stream).context("CUDA event")?;
+                self.reached(&done)
+            }
             None => Ok(()),
         }
+    }
+
+    /// Waits until the PE's stream reached `event`, at most the run's
+    /// timeout. The stream may wait on other PEs (signals, NCCL
+    /// transfers): a peer that stopped must end in an error here, where a
+    /// plain synchronize would never return.
+    fn reached(&self, event: &CudaEvent) -> Res<()> {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        while !event.try_is_complete().context("CUDA event")? {
+            if start.elapsed() > self.timeout {
+                return Err(format!(
+                    "PE {}: its GPU work did not finish within {:?} (a peer stopped, or its transfers never came)",
+                    self.rank, self.timeout
+                ));
+            }
+            // Spin briefly (a step takes about a millisecond), then yield
+            // the core.
+            polls += 1;
+            if polls < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of memory in use: the device's (every context on it) on
@@ -533,7 +568,7 @@ impl Pe {
                     .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
                     .context("graph cache")?;
                 z.record(&stream).context("CUDA event")?;
-                z.synchronize().context("CUDA event")?;
+                self.reached(&z)?;
                 Ok((a.elapsed_ms(&z).context("CUDA event")? as f64, outcome))
             }
         }
@@ -563,7 +598,7 @@ impl Pe {
             .windows(2)
             .map(|w| match w {
                 [Mark::Event(a), Mark::Event(b)] => {
-                    b.synchronize().context("CUDA event")?;
+                    self.reached(b)?;
                     Ok(a.elapsed_ms(b).context("CUDA event")? as f64)
                 }
                 [Mark::Clock(a), Mark::Clock(b)] => Ok((*b - *a).as_secs_f64() * 1e3),
@@ -614,7 +649,7 @@ impl Pe {
             .result()
             .context("cuMemcpyDtoDAsync")?;
             z.record(&g.stream).context("CUDA event")?;
-            z.synchronize().context("CUDA event")?;
+            self.reached(&z)?;
             ms.push(a.elapsed_ms(&z).context("CUDA event")? as f64);
         }
         ms.sort_by(|x, y| x.total_cmp(y));
@@ -904,9 +939,7 @@ impl Pe {
 
     /// Frees the buffers and leaves the world; an error on a leak.
     pub fn finish(mut self) -> Res<()> {
-        if let Some(g) = &self.gpu {
-            g.stream.synchronize().context("CUDA stream")?;
-        }
+        self.drain()?;
         for &(a, _, _) in &self.sizes {
             self.world.free(a).context("shmem free")?;
         }
