@@ -12,6 +12,8 @@ use xcall_core::testing::{cuda_devices_or_skip, run_threads, skip, watchdog, Xor
 use xcall_core::{Device, KernelCache, KernelSource, Status};
 use xcall_shmem::{Cmp, Config, SignalOp, World};
 
+mod common;
+
 const PE_ENV: &str = "XCALL_SHMEM_CUDA_TEST_PE";
 
 /// Tests of this file bind devices (one live PE per device per process):
@@ -235,7 +237,7 @@ fn two_gpus_two_processes() {
     }
     let socket = std::env::temp_dir().join(format!("xcall-cuda-{}.sock", std::process::id()));
     let socket = socket.to_str().unwrap().to_string();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "two_gpus_two_processes", "--nocapture"])
         .env(PE_ENV, &socket)
         .spawn()
@@ -244,21 +246,11 @@ fn two_gpus_two_processes() {
     w.init(&config(Some(&socket), 0, 2)).unwrap();
     exchange(&mut w, 0, 2);
     assert!(w.finalize().unwrap().leaked.is_empty());
-    let deadline = std::time::Instant::now() + watchdog();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!(
-                "watchdog: rank 1 (child process) did not finish within {:?}",
-                watchdog()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(status.success(), "rank 1 (child process) failed");
+    assert_eq!(
+        common::wait_children("rank 1 (child process)", vec![child], watchdog()),
+        [true],
+        "rank 1 (child process) failed"
+    );
 }
 
 #[test]
@@ -487,19 +479,9 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
         let _ = child.kill();
         std::panic::resume_unwind(p);
     }
-    let deadline = std::time::Instant::now() + watchdog();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!(
-                "watchdog: rank 1 (child process) did not finish within {:?}",
-                watchdog()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(status.success(), "rank 1 (child process) failed");
+    assert_eq!(
+        common::wait_children("rank 1 (child process)", vec![child], watchdog()),
+        [true],
+        "rank 1 (child process) failed"
+    );
 }
