@@ -1838,7 +1838,7 @@ xcall_status xcall_shmem_barrier_all(xcall_shmem_world *w);
  * `xcall_shmem_rank`). Over a TCP or Unix socket bootstrap, every PE's
  * bytes together must fit in 1 GiB.
  *
- * Bad input, refused before the collective (the peers then wait out
+ * Bad input: refused before the collective (the peers then wait out
  * their timeout, as for a PE that never calls): the world rules of
  * `xcall_shmem_world`; NULL `data` with `bytes` above 0, NULL `out` with
  * `slot_bytes` above 0, NULL `out_lengths`: `XCALL_STATUS_NULL_ARGUMENT`;
