@@ -856,7 +856,7 @@ impl Live {
                     "rank {r} offered {n} bytes to allgather #{seq}; at most {MAX_GATHER_BYTES} bytes per PE"
                 )));
             }
-            if n <= MAX_GATHER_BYTES && a.len() - at != n {
+            if a.len() - at != n {
                 return Err(ShmemError::Mismatch(format!(
                     "rank {r}'s allgather #{seq} record is malformed"
                 )));
