@@ -281,6 +281,12 @@ pub extern "C" fn xcall_shmem_init(
 /// their count written to `*out_leaked` (may be NULL). The world is finalized
 /// even when a step fails; `xcall_shmem_init` may start it again.
 ///
+/// With NCCL pairs, destroy every CUDA graph (and executable graph) that
+/// captured this world's exchanges first: NCCL does not finish a
+/// communicator while one lives, so this PE is refused with
+/// `XCALL_STATUS_INVALID_STATE` naming how many, its world left live
+/// (destroy them and finalize again before its peers time out).
+///
 /// Bad input: the world rules of `xcall_shmem_world`; a world that is not
 /// live: `XCALL_STATUS_INVALID_STATE`.
 #[no_mangle]

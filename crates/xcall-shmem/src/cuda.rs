@@ -5,6 +5,7 @@
 //! Every driver call runs with the PE's device made current explicitly
 //! (`xcall_core::cuda::with_context`), never the calling thread's.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaFunction};
@@ -342,6 +343,73 @@ pub(crate) unsafe fn copy(
     on(device, "cuMemcpyAsync", || unsafe {
         sys::cuMemcpyAsync(dst, src, bytes, stream)
     })
+}
+
+/// Ties `count` to the graph `stream` is capturing, if it is: one more
+/// now, one less once the driver has destroyed that graph and every
+/// executable graph made from it (a CUDA user object the graph owns).
+/// Returns whether the stream was capturing.
+///
+/// # Safety
+/// `stream` is a live stream of `device`.
+pub(crate) unsafe fn count_while_captured(
+    device: Device,
+    stream: sys::CUstream,
+    count: &Arc<AtomicUsize>,
+) -> Result<bool> {
+    unsafe extern "C" fn release(p: *mut std::ffi::c_void) {
+        // SAFETY: `p` is the Box made below, released once by the driver.
+        let count = unsafe { Box::from_raw(p.cast::<Arc<AtomicUsize>>()) };
+        count.fetch_sub(1, Ordering::AcqRel);
+    }
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut graph) = (0 as sys::cuuint64_t, std::ptr::null_mut());
+    let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
+    // SAFETY: the caller's contract on `stream`; every output is a valid
+    // pointer.
+    on(device, "cuStreamGetCaptureInfo", || unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream,
+            &mut status,
+            &mut id,
+            &mut graph,
+            &mut deps,
+            &mut edges,
+            &mut n,
+        )
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null() {
+        return Ok(false);
+    }
+    count.fetch_add(1, Ordering::AcqRel);
+    let held = Box::into_raw(Box::new(count.clone()));
+    let mut object: sys::CUuserObject = std::ptr::null_mut();
+    let flags = sys::CUuserObject_flags_enum::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32;
+    // SAFETY: `release` frees `held` once, when the object's last
+    // reference goes; it calls no CUDA function.
+    let made = on(device, "cuUserObjectCreate", || unsafe {
+        sys::cuUserObjectCreate(&mut object, held.cast(), Some(release), 1, flags)
+    });
+    if let Err(e) = made {
+        // SAFETY: the driver did not take `held`.
+        drop(unsafe { Box::from_raw(held) });
+        count.fetch_sub(1, Ordering::AcqRel);
+        return Err(e);
+    }
+    let moved = sys::CUuserObjectRetain_flags_enum::CU_GRAPH_USER_OBJECT_MOVE as u32;
+    // SAFETY: the capture's graph and a live object; the graph takes this
+    // thread's reference.
+    let kept = on(device, "cuGraphRetainUserObject", || unsafe {
+        sys::cuGraphRetainUserObject(graph, object, 1, moved)
+    });
+    if let Err(e) = kept {
+        // SAFETY: this thread's reference; its release runs `release`.
+        let _ = on(device, "cuUserObjectRelease", || unsafe {
+            sys::cuUserObjectRelease(object, 1)
+        });
+        return Err(e);
+    }
+    Ok(true)
 }
 
 /// Launches `f` with one block of `threads`, passing `params` by value.

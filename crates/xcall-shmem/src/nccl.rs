@@ -31,7 +31,8 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use xcall_core::cuda::ContextGuard;
@@ -434,6 +435,9 @@ pub struct Comm {
     raw: RawComm,
     device: Device,
     rank: usize,
+    /// CUDA graphs alive that captured this communicator's work (see
+    /// [`Comm::graphs`]).
+    graphs: Arc<AtomicUsize>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a
@@ -494,6 +498,7 @@ impl Comm {
             raw,
             device,
             rank,
+            graphs: Arc::default(),
         };
         if res != SUCCESS && res != IN_PROGRESS {
             return Err(lib.error("ncclCommInitRankConfig", res, raw));
@@ -501,6 +506,25 @@ impl Comm {
         drop(ctx);
         comm.wait("ncclCommInitRankConfig", timeout, healthy)?;
         Ok(comm)
+    }
+
+    /// The count of CUDA graphs alive that captured this communicator's
+    /// work, for whoever captures it to keep: NCCL neither finishes nor
+    /// aborts a communicator before every such graph is destroyed.
+    pub fn graphs(&self) -> &Arc<AtomicUsize> {
+        &self.graphs
+    }
+
+    /// How many such graphs are alive, after waiting up to `grace` (at
+    /// most 2 s) for it to reach 0: a destroyed graph releases its count
+    /// on a driver thread, a moment later.
+    pub fn graphs_alive(&self, grace: Duration) -> usize {
+        let grace = grace.min(Duration::from_secs(2));
+        let gone = crate::error::poll(grace, || Ok(self.graphs.load(Ordering::Acquire) == 0));
+        match gone {
+            Ok(true) => 0,
+            _ => self.graphs.load(Ordering::Acquire),
+        }
     }
 
     /// Whether the communicator's pending work (init, a group, finalize)
@@ -622,6 +646,18 @@ impl Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
+        let alive = self.graphs_alive(Duration::from_secs(2));
+        if alive > 0 {
+            // NCCL's abort would wait for those graphs to be destroyed:
+            // the communicator is left to them instead (its memory stays
+            // valid for their replays).
+            tracing::warn!(
+                rank = self.rank,
+                graphs = alive,
+                "an NCCL communicator dropped while CUDA graphs that captured its work are alive is not aborted (left to the graphs)"
+            );
+            return;
+        }
         let ctx = ContextGuard::primary(self.device);
         // SAFETY: a live communicator, released once; abort also ends the
         // kernels of its pending work (a peer that never comes).

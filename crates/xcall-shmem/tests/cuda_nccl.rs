@@ -226,6 +226,83 @@ fn one_gpu_exchanges_with_itself_through_nccl() {
     assert!(w.finalize().unwrap().leaked.is_empty());
 }
 
+/// Captures one self-exchange of `w` (a one-PE world on GPU 0) into a
+/// graph on a new stream, replays it once, and returns the graph (alive).
+fn captured_self_exchange(w: &mut World, bufs: (u64, u64), max: usize) -> impl Drop {
+    let ctx = CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let raw: *mut c_void = s.cu_stream().cast();
+    let (out, inc) = segments(0, 1, 100, max, bufs);
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    // SAFETY: the segments lie in this PE's objects, alive until finalize.
+    let captured = unsafe { w.exchange_on_stream(&out, &inc, raw) };
+    let graph = s
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap();
+    captured.unwrap();
+    let graph = graph.expect("a captured graph");
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    graph
+}
+
+/// NCCL neither finishes nor aborts a communicator while a CUDA graph that
+/// captured its transfers lives. A PE that still holds one is refused
+/// finalize at once, naming the graphs, with its world left live (not a
+/// hang, nor a timeout with no reason); once the graph is destroyed the
+/// same world finalizes, and so do the next worlds on the GPU.
+#[test]
+fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
+    let _s = serial();
+    if !gpus_with_nccl("shmem nccl finalize with a live graph", 1) {
+        return;
+    }
+    run_threads("nccl graph finalize", 1, watchdog(), |_| {
+        let max = 1 << 16;
+        let mut w = World::new();
+        w.init(&config(Config::in_process(
+            "nccl-graph",
+            0,
+            1,
+            Device::cuda(0),
+        )))
+        .unwrap();
+        let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
+        let graph = captured_self_exchange(&mut w, bufs, max);
+        let started = Instant::now();
+        let e = w.finalize().unwrap_err();
+        eprintln!("finalize with a live graph: {e}");
+        assert_eq!(e.status(), Status::InvalidState, "{e}");
+        assert!(e.to_string().contains("1 CUDA graph(s)"), "{e}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "refused after {:?}, not at once",
+            started.elapsed()
+        );
+        // Nothing changed: the world is live and still exchanges.
+        assert_eq!(w.transport(0).unwrap(), Transport::Nccl);
+        drop(captured_self_exchange(&mut w, bufs, max));
+        drop(graph);
+        w.free(bufs.1).unwrap();
+        w.free(bufs.0).unwrap();
+        assert!(w.finalize().unwrap().leaked.is_empty());
+
+        // Destroyed first: finalize goes through, twice over.
+        for round in 0..2 {
+            let mut w = World::new();
+            let name = format!("nccl-graph-{round}");
+            w.init(&config(Config::in_process(&name, 0, 1, Device::cuda(0))))
+                .unwrap();
+            let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
+            drop(captured_self_exchange(&mut w, bufs, max));
+            w.free(bufs.1).unwrap();
+            w.free(bufs.0).unwrap();
+            assert!(w.finalize().unwrap().leaked.is_empty(), "round {round}");
+        }
+    });
+}
+
 #[test]
 fn two_gpus_one_process_through_nccl() {
     let _s = serial();

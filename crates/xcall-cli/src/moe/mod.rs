@@ -474,7 +474,8 @@ struct PeLog {
     /// The transport of the PE's pairs without pointers ("nccl", "tcp"),
     /// when some pair took one.
     remote: Option<&'static str>,
-    /// The graph caches of the PE's process (on its first PE only).
+    /// The graph cache lines this PE reports: its device's on CUDA; on
+    /// Host, its process's (the first PE of a launched process only).
     graphs: Vec<GraphLine>,
 }
 
@@ -659,10 +660,15 @@ fn run_pe(
     log.copy_ms = pe.copy_ms()?;
     pe.barrier()?;
     let mut world = None;
+    if device.platform == Platform::Cuda {
+        // This PE's graphs, reported before they go: NCCL's finalize waits
+        // until every graph that captured its transfers is destroyed.
+        log.graphs = graph_lines(cache, &[device], run.launched.as_ref());
+        cache.clear(device);
+    } else if run.launched.is_some() && local == 0 {
+        log.graphs = graph_lines(cache, &run.devices, run.launched.as_ref());
+    }
     if run.launched.is_some() {
-        if local == 0 {
-            log.graphs = graph_lines(cache, &run.devices, run.launched.as_ref());
-        }
         let mine = serde_json::to_vec(&gather::encode(&log)).map_err(|e| e.to_string())?;
         let all = pe.allgather(&mine)?;
         if local == 0 {
@@ -833,7 +839,10 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     }
     match (&run.launched, world) {
         (None, _) => {
-            let graphs = graph_lines(&cache, &run.devices, None);
+            let graphs = match run.platform {
+                Platform::Host => graph_lines(&cache, &run.devices, None),
+                Platform::Cuda => pes.iter().flat_map(|p| p.graphs.clone()).collect(),
+            };
             Ok(report(&run, &pes, &graphs, wall, json)?)
         }
         (Some(_), Some(world)) if reports => {

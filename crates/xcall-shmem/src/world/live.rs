@@ -422,6 +422,23 @@ impl Live {
         }
     }
 
+    /// Refuses finalize, changing nothing, while CUDA graphs that captured
+    /// this PE's NCCL transfers are alive: NCCL would not finish (nor
+    /// abort) the communicator before they are destroyed.
+    pub(super) fn no_graphs_hold_nccl(&self) -> Result<()> {
+        let Some(comm) = &self.nccl else {
+            return Ok(());
+        };
+        let alive = comm.graphs_alive(self.timeout);
+        if alive == 0 {
+            return Ok(());
+        }
+        Err(ShmemError::State(format!(
+            "finalize of rank {}: {alive} CUDA graph(s) that captured this world's NCCL transfers are alive, and NCCL does not finish a communicator before they are destroyed: destroy them (and their executable graphs), then finalize again; the world stays live",
+            self.rank
+        )))
+    }
+
     pub(super) fn check_pe(&self, pe: usize) -> Result<()> {
         if pe >= self.size {
             return Err(ShmemError::InvalidArgument(format!(
@@ -715,6 +732,16 @@ impl Live {
                     self.stream_or(stream).cast(),
                     self.timeout,
                     &|| state.check(),
+                )
+            }?;
+            // A graph that captured the group keeps NCCL's finalize
+            // waiting until it is destroyed: finalize counts them.
+            // SAFETY: the stream is live (as above).
+            unsafe {
+                crate::cuda::count_while_captured(
+                    self.device,
+                    self.stream_or(stream),
+                    comm.graphs(),
                 )
             }?;
         }

@@ -241,8 +241,17 @@ impl World {
     /// On a failed world (a peer left or failed) the collective steps are
     /// skipped: this PE releases what it holds and the error is
     /// [`ShmemError::PeerFailed`].
+    ///
+    /// With NCCL pairs: destroy every CUDA graph (and executable graph)
+    /// that captured this world's exchanges first. NCCL does not finish
+    /// (nor abort) a communicator while such a graph lives, so a PE that
+    /// still holds one is refused ([`ShmemError::State`], naming how many)
+    /// before any collective step, and its world stays live: destroy them
+    /// and finalize again, within the timeout its peers wait in finalize.
+    /// A world dropped while such graphs live leaves its communicator to
+    /// them rather than wait.
     pub fn finalize(&mut self) -> Result<FinalizeReport> {
-        self.live()?;
+        self.live()?.no_graphs_hold_nccl()?;
         let live = self.live.take().expect("checked live");
         self.phase = Phase::Finalized;
         let (rank, size) = (live.rank, live.size);
