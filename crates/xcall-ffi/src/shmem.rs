@@ -285,7 +285,8 @@ pub extern "C" fn xcall_shmem_init(
 /// captured this world's exchanges first: NCCL does not finish a
 /// communicator while one lives, so this PE is refused with
 /// `XCALL_STATUS_INVALID_STATE` naming how many, its world left live
-/// (destroy them and finalize again before its peers time out).
+/// (destroy them, `xcall_graph_cache_clear` for an xcall graph cache's,
+/// and finalize again before its peers time out).
 ///
 /// Bad input: the world rules of `xcall_shmem_world`; a world that is not
 /// live: `XCALL_STATUS_INVALID_STATE`.
