@@ -214,6 +214,29 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         return r;
 #endif
     }
+    // Four values' bytes of 0 + x, what a token with one route and no
+    // probs stores, with no conversion: x itself, except -0 (0x80) -> +0,
+    // any NaN -> 0x7f and (e5m2) an infinity -> the largest finite value
+    // of its sign, as store() saturates it.
+    static __device__ __forceinline__ unsigned int alone4(unsigned int w) {
+        const unsigned int low = w & 0x7f7f7f7fu;
+        // Bit 7 of a byte set where its low seven bits are 0: that sign
+        // bit goes (-0 -> +0).
+        const unsigned int zero = ~(low + 0x7f7f7f7fu) & 0x80808080u;
+        w &= ~(zero & w);
+        unsigned int nan;
+        if (FN) {
+            nan = (low + 0x01010101u) & 0x80808080u;  // low bits 0x7f
+        } else {
+            const unsigned int special = (low + 0x04040404u) & 0x80808080u;  // 0x7c..0x7f
+            const unsigned int inf = ~((low ^ 0x7c7c7c7cu) + 0x7f7f7f7fu) & 0x80808080u;
+            nan = special & ~inf;
+            const unsigned int im = (inf >> 7) * 0xffu;
+            w = (w & ~(im & 0x7f7f7f7fu)) | (im & (unsigned int)(MAXB * 0x01010101u));
+        }
+        const unsigned int nm = (nan >> 7) * 0xffu;
+        return (w & ~nm) | (0x7f7f7f7fu & nm);
+    }
     static __device__ __forceinline__ S store(float x) {
         if (isnan(x)) return 0x7f;
 #if __CUDA_ARCH__ >= 890
@@ -677,7 +700,11 @@ __device__ void sort_body(const SortParams& p) {
 // skipped as invalid); other routes are read from the map. The
 // unpermuted probs are zeroed and then each valid route writes its
 // expert's (the last valid route of an expert wins).
-template <typename C, int V, int U, bool WARP>
+// ALONE (fp8 without probs, launched when the map has at most one route
+// per token on average): a token with one route maps its row's bytes
+// instead of converting them; the others take the summing path. A
+// template argument, so that the summing kernels keep their registers.
+template <typename C, int V, int U, bool WARP, bool ALONE = false>
 __device__ void unpermute_body(const UnpermuteParams& p) {
     typedef Pack<C, V> P;
     const Group<WARP> g;
@@ -715,6 +742,34 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 wts[k] = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
             }
             g.sync();
+        }
+        if constexpr (ALONE && sizeof(typename C::S) == 1 && V % 4 == 0) {
+            // fp8, one route and no probs: the row's bytes mapped as 0 + x
+            // stores them, a word at a time, with no conversion (the
+            // conversions, not the memory, bound the summing path).
+            const int d0 = n != 1 || p.mprobs ? -1 : WARP ? rows[0] : route_ok(m, 0, E, N) ? m[0] : -1;
+            if (d0 >= 0) {
+                const P* src = (const P*)row_at(p.input, p.segs, p.seg_rows, d0, row);
+                P* dst = (P*)(p.out + t * row);
+                for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
+                    P pk[U];
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const i64 i = base + (i64)u * g.step;
+                        if (i < nv) pk[u].raw = src[i].raw;
+                    }
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const i64 i = base + (i64)u * g.step;
+                        if (i >= nv) continue;
+                        unsigned int* w = reinterpret_cast<unsigned int*>(&pk[u].raw);
+#pragma unroll
+                        for (int q = 0; q < V / 4; ++q) w[q] = C::alone4(w[q]);
+                        store_once(&dst[i].raw, pk[u].raw);
+                    }
+                }
+                continue;
+            }
         }
         for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
             float acc[U][EV];

@@ -541,6 +541,21 @@ fn fp8_permute_and_unpermute_equal_the_host() {
             groups: None,
             dtype,
         });
+        // Top-1: unpermute maps a row's bytes without converting them
+        // (rows of whole words), also with routes dropped by the cap.
+        for (t, h, cap, align) in [(300, 4096, None, Some(4)), (77, 36, Some(60), None)] {
+            cases.push(Case {
+                t,
+                e: 5,
+                h,
+                topk: 1,
+                cap,
+                align,
+                capacity: None,
+                groups: None,
+                dtype,
+            });
+        }
     }
     for (i, c) in cases.iter().enumerate() {
         run_case(&mut gpu, c, 900 + i as u64, i % 2 == 0);

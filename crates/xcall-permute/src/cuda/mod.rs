@@ -25,7 +25,7 @@ mod tune;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use xcall_core::{DeviceMap, KernelCache};
+use xcall_core::{DeviceMap, Fp8, KernelCache};
 
 use crate::args::{
     MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -291,12 +291,23 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
         None => (0, segment_bases(&[])),
     };
     let dev = target.device;
+    // fp8 without probs, at most one route per token on average: the
+    // kernels that copy a lone route's row as bytes (mapped as 0 + x
+    // stores it) rather than converting it.
+    let alone = match Fp8::of(dtype).is_some()
+        && v % 4 == 0
+        && a.merging_probs.is_none()
+        && routes_class(d.tokens, d.out_rows) == 0
+    {
+        true => module::ALONE_INFIX,
+        false => "",
+    };
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
             (
                 Family::Arith(dtype),
-                &format!("unpermute_{}{v}_{}", c.infix(), c.unroll),
+                &format!("unpermute_{alone}{}{v}_{}", c.infix(), c.unroll),
             ),
             grid_for(dev, d.tokens, c)?,
             c.threads,

@@ -34,6 +34,10 @@ pub(super) enum Family {
     Arith(DType),
 }
 
+/// The infix of fp8 unpermute's kernels that map a lone route's bytes
+/// (`unpermute_one_16_2`, `unpermute_one_w_16_2`).
+pub(super) const ALONE_INFIX: &str = "one_";
+
 /// The block-per-token and warp-per-token variants: kernel name infix and
 /// the body's `WARP` argument.
 const VARIANTS: [(&str, bool); 2] = [("", false), (WARP_INFIX, true)];
@@ -75,7 +79,17 @@ fn instantiations(family: Family) -> String {
                         );
                     }
                     if Fp8::of(dtype).is_some() {
-                        continue; // fp8: unpermute without probs only
+                        // fp8: unpermute without probs only, and its
+                        // byte-mapping variant for one route per token.
+                        if v % 4 == 0 {
+                            for (infix, warp) in VARIANTS {
+                                kernel(
+                                    format!("unpermute_{ALONE_INFIX}{infix}{v}_{u}"),
+                                    format!("unpermute_body<{codec}, {v}, {u}, {warp}, true>"),
+                                );
+                            }
+                        }
+                        continue;
                     }
                     kernel(
                         format!("unpermute_bwd_{v}_{u}"),
@@ -552,8 +566,9 @@ mod tests {
         // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
         // warp-per-token variants) + 5 zero fills; for two float types,
         // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
-        // the backward's warp variant); for fp8, the two unpermutes only.
-        assert_eq!(all.len(), 7 + 65 + 2 * 20 + 12, "{all:?}");
+        // the backward's warp variant); for fp8, the two unpermutes (2
+        // widths x 3 unrolls) and their lone-route variants (16 bytes wide).
+        assert_eq!(all.len(), 7 + 65 + 2 * 20 + 12 + 6, "{all:?}");
         for (name, params) in all {
             assert_eq!(params_of(&name), params, "{name}");
         }
