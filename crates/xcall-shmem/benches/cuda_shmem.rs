@@ -6,16 +6,23 @@
 //! Two GPUs, one process (SPMT): put bandwidth from GPU 0's heap into GPU
 //! 1's heap for 4 KiB .. 1 GiB, side by side in one run with
 //! cuMemcpyPeerAsync of the same bytes between the same addresses; and
-//! barrier_on_stream latency for 2 PEs. CUDA-event medians of interleaved
-//! rounds after warm-up.
+//! barrier_on_stream latency for 2 PEs. Then `World::exchange_on_stream`
+//! of the same sizes from GPU 0 to GPU 1, through a world of direct pairs
+//! (a peer copy and a signal; GPU 1 waits for it) and through a world whose
+//! pairs all take NCCL (a grouped send and receive), each beside
+//! cuMemcpyPeerAsync of the same bytes between the same GPUs in the same
+//! rounds (GPU 0's stream is timed). `NCCL_P2P_DISABLE=1
+//! NCCL_SHM_DISABLE=1` in the environment puts NCCL on its network path.
+//! CUDA-event medians of interleaved rounds after warm-up.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext};
 use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, skip};
 use xcall_core::{cuda, Device};
-use xcall_shmem::{Cmp, Config, World};
+use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, World};
 
 const MAX: usize = 1 << 30;
 const BARRIERS: usize = 100;
@@ -128,7 +135,11 @@ fn puts_and_barriers() {
     let handles: Vec<_> = (0..2usize)
         .map(|rank| {
             let go = go.clone();
-            std::thread::spawn(move || run(rank, &go))
+            std::thread::spawn(move || {
+                run(rank, &go);
+                exchanges(rank, None);
+                exchanges(rank, Some(Pairs::Nccl));
+            })
         })
         .collect();
     for h in handles {
@@ -225,6 +236,122 @@ fn run(rank: usize, go: &Barrier) {
         for _ in 0..(30 + BARRIER_ROUNDS) * BARRIERS {
             w.barrier_on_stream(raw.cast()).unwrap();
         }
+    }
+    stream.synchronize().unwrap();
+    w.quiet().unwrap();
+    w.barrier_all().unwrap();
+    w.free(dst).unwrap();
+    w.free(src).unwrap();
+    w.finalize().unwrap();
+}
+
+/// Rank 1's receive buffer, for rank 0's cuMemcpyPeerAsync reference.
+static PEER_DST: AtomicU64 = AtomicU64::new(0);
+
+/// `World::exchange_on_stream` of 4 KiB .. 1 GiB from PE 0 to PE 1 in a
+/// world of `pairs`, beside cuMemcpyPeerAsync of the same bytes; rank 1
+/// makes the matching calls (its receives, or its waits for the signal).
+fn exchanges(rank: usize, pairs: Option<Pairs>) {
+    let device = Device::cuda(rank as u32);
+    let name = if pairs.is_some() {
+        "bench-nccl"
+    } else {
+        "bench-direct"
+    };
+    let mut c = Config::in_process(name, rank, 2, device);
+    c.heap_bytes = Some(2 * MAX + (16 << 20));
+    c.timeout = Duration::from_secs(120);
+    c.pairs = pairs;
+    let mut w = World::new();
+    if let Err(e) = w.init(&c) {
+        if rank == 0 {
+            skip("bench cuda_shmem exchanges", &format!("{name}: {e}"));
+        }
+        return;
+    }
+    let src = w.malloc(MAX).unwrap();
+    let dst = w.malloc(MAX).unwrap();
+    let fill: Vec<u8> = (0..(1 << 20))
+        .map(|i: u32| (i.wrapping_mul(2654435761) >> 7) as u8 | 1)
+        .collect();
+    for off in (0..MAX).step_by(fill.len()) {
+        // SAFETY: `fill` lives across the blocking put into this PE's heap.
+        unsafe { w.put(src + off as u64, fill.as_ptr() as u64, fill.len(), rank) }.unwrap();
+    }
+    let ctx = CudaContext::new(rank).unwrap();
+    // SAFETY: this bench orders its own work on one stream per GPU.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let raw = stream.cu_stream();
+    if rank == 1 {
+        PEER_DST.store(dst, Ordering::Release);
+    }
+    w.barrier_all().unwrap();
+    let transport = w.transport(1 - rank).unwrap().name();
+    let mut bytes = 4096usize;
+    if rank == 0 {
+        println!("exchange from GPU 0 to GPU 1 through {transport} pairs; ref = cuMemcpyPeerAsync of the same bytes, same stream, same rounds");
+        println!("| bytes | exchange us | GB/s | cuMemcpyPeerAsync us | GB/s | exchange / ref |");
+        println!("|---|---|---|---|---|---|");
+    }
+    let peer_dst = PEER_DST.load(Ordering::Acquire);
+    let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.cu_ctx())).unwrap();
+    while bytes <= MAX {
+        let rounds = if bytes >= 256 << 20 { 10 } else { 30 };
+        let out = [Outgoing {
+            pe: 1,
+            src,
+            dest: dst,
+            bytes,
+        }];
+        let inc = [Incoming {
+            pe: 0,
+            dest: dst,
+            bytes,
+        }];
+        if rank == 0 {
+            let wp: *mut World = &mut w;
+            let ctx0 = ctx.cu_ctx();
+            let t = interleaved_medians(
+                &ctx,
+                &stream,
+                rounds,
+                &mut [
+                    Box::new(|| {
+                        // SAFETY: `w` outlives the closure and only it uses
+                        // `w` while timing; `src` and `dst` are live.
+                        unsafe { (*wp).exchange_on_stream(&out, &[], raw.cast()) }.unwrap()
+                    }),
+                    Box::new(|| {
+                        // SAFETY: live device ranges of `bytes` on GPU 0
+                        // and GPU 1 (rank 1's heap, mapped in this process).
+                        unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
+                            .result()
+                            .unwrap()
+                    }),
+                ],
+            );
+            let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+            println!(
+                "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
+                human(bytes),
+                t[0] * 1e3,
+                gbs(t[0]),
+                t[1] * 1e3,
+                gbs(t[1]),
+                t[1] / t[0]
+            );
+        } else {
+            // One matching call per exchange rank 0 makes (30 warm-up
+            // rounds, then the timed ones).
+            for _ in 0..30 + rounds {
+                // SAFETY: `dst` is this PE's live object.
+                unsafe { w.exchange_on_stream(&[], &inc, raw.cast()) }.unwrap();
+            }
+            stream.synchronize().unwrap();
+        }
+        w.barrier_all().unwrap();
+        bytes *= 4;
     }
     stream.synchronize().unwrap();
     w.quiet().unwrap();
