@@ -519,12 +519,7 @@ impl Comm {
     /// most 2 s) for it to reach 0: a destroyed graph releases its count
     /// on a driver thread, a moment later.
     pub fn graphs_alive(&self, grace: Duration) -> usize {
-        let grace = grace.min(Duration::from_secs(2));
-        let gone = crate::error::poll(grace, || Ok(self.graphs.load(Ordering::Acquire) == 0));
-        match gone {
-            Ok(true) => 0,
-            _ => self.graphs.load(Ordering::Acquire),
-        }
+        settled_count(&self.graphs, grace)
     }
 
     /// Whether the communicator's pending work (init, a group, finalize)
@@ -644,6 +639,16 @@ impl Comm {
     }
 }
 
+/// `count` once it is 0, or after `grace` (at most 2 s) has passed.
+fn settled_count(count: &AtomicUsize, grace: Duration) -> usize {
+    let grace = grace.min(Duration::from_secs(2));
+    let gone = crate::error::poll(grace, || Ok(count.load(Ordering::Acquire) == 0));
+    match gone {
+        Ok(true) => 0,
+        _ => count.load(Ordering::Acquire),
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         let alive = self.graphs_alive(Duration::from_secs(2));
@@ -669,6 +674,35 @@ impl Drop for Comm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_graph_count_is_awaited_for_its_grace_and_no_longer() {
+        let count = Arc::new(AtomicUsize::new(0));
+        assert_eq!(settled_count(&count, Duration::from_secs(5)), 0);
+        // Released on another thread within the grace: 0.
+        count.store(2, Ordering::Release);
+        let c = count.clone();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            c.fetch_sub(1, Ordering::AcqRel);
+            std::thread::sleep(Duration::from_millis(50));
+            c.fetch_sub(1, Ordering::AcqRel);
+        });
+        assert_eq!(settled_count(&count, Duration::from_secs(2)), 0);
+        releaser.join().unwrap();
+        // Held: the count after the grace, which is capped at 2 s.
+        count.store(3, Ordering::Release);
+        let started = std::time::Instant::now();
+        assert_eq!(settled_count(&count, Duration::from_millis(100)), 3);
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        let started = std::time::Instant::now();
+        assert_eq!(settled_count(&count, Duration::from_secs(3600)), 3);
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(2) && waited < Duration::from_secs(10),
+            "{waited:?}"
+        );
+    }
 
     #[test]
     fn versions_decode_both_encodings() {
