@@ -17,16 +17,19 @@
 //!   anything else is dropped.
 //! - exchange: per segment, a little-endian u64 length and the bytes,
 //!   in the order the PE lists them; the receiver checks each length
-//!   against its own list. A writer thread per peer sends while reader
-//!   threads receive, so no pattern of segments can deadlock on full
-//!   socket buffers.
-//! - failure: every read and write has the world's timeout. Any error
+//!   against its own list. The calling thread moves every pair's segments
+//!   both ways over non-blocking sockets under poll(2), so no pattern of
+//!   segments can deadlock on full socket buffers.
+//! - failure: an exchange in which nothing moves for the world's timeout
+//!   fails. Any error
 //!   closes every connection of the PE (its peers see it at once, not at
 //!   their timeout) and leaves the mesh failed: later exchanges return the
 //!   first error.
 
+use std::ffi::c_int;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::error::{Result, ShmemError};
@@ -169,10 +172,10 @@ impl Listener {
                 }
             }
         }
+        // Non-blocking: an exchange polls every pair's socket at once.
         for s in streams.iter().flatten() {
             s.set_nodelay(true)
-                .and_then(|()| s.set_read_timeout(Some(timeout)))
-                .and_then(|()| s.set_write_timeout(Some(timeout)))
+                .and_then(|()| s.set_nonblocking(true))
                 .map_err(|e| ShmemError::os("configuring a TCP pair", e))?;
         }
         Ok(Mesh {
@@ -243,74 +246,206 @@ impl Mesh {
         result
     }
 
+    /// Moves every segment on this thread: the sockets are non-blocking
+    /// and poll(2) says which can move, so sends and receives with every
+    /// peer interleave (no pattern can deadlock on full socket buffers)
+    /// and no thread is started per call.
     fn run(&self, sends: &[Segment], recvs: &[Segment]) -> Result<()> {
-        let (me, timeout) = (self.rank, self.timeout);
-        let peers = |list: &[Segment]| {
-            let mut p: Vec<usize> = list.iter().map(|s| s.peer).collect();
-            p.sort_unstable();
-            p.dedup();
-            p
-        };
-        let stream = |q: usize| self.streams[q].as_ref().expect("checked by exchange");
-        std::thread::scope(|scope| {
-            let writers: Vec<_> = peers(sends)
-                .into_iter()
-                .map(|q| {
-                    let mut s = stream(q);
-                    scope.spawn(move || -> Result<()> {
-                        for seg in sends.iter().filter(|g| g.peer == q) {
-                            // SAFETY: the caller's contract: readable for
-                            // its bytes while this runs.
-                            let data = unsafe {
-                                std::slice::from_raw_parts(seg.address as *const u8, seg.bytes)
-                            };
-                            s.write_all(&(seg.bytes as u64).to_le_bytes())
-                                .and_then(|()| s.write_all(data))
-                                .map_err(|e| io_error(me, q, "sending to", e, timeout))?;
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            let readers: Vec<_> = peers(recvs)
-                .into_iter()
-                .map(|q| {
-                    let mut s = stream(q);
-                    scope.spawn(move || -> Result<()> {
-                        for seg in recvs.iter().filter(|g| g.peer == q) {
-                            let mut len = [0u8; 8];
-                            s.read_exact(&mut len)
-                                .map_err(|e| io_error(me, q, "receiving from", e, timeout))?;
-                            let len = u64::from_le_bytes(len);
-                            if len != seg.bytes as u64 {
-                                return Err(ShmemError::Mismatch(format!(
-                                    "rank {me} expected a segment of {} bytes from PE {q}, which sent {len}: the two PEs' exchange lists disagree",
-                                    seg.bytes
-                                )));
-                            }
-                            // SAFETY: the caller's contract: writable for
-                            // its bytes, overlapping nothing else in use.
-                            let dest = unsafe {
-                                std::slice::from_raw_parts_mut(seg.address as *mut u8, seg.bytes)
-                            };
-                            s.read_exact(dest)
-                                .map_err(|e| io_error(me, q, "receiving from", e, timeout))?;
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            let mut first = None;
-            for t in writers.into_iter().chain(readers) {
-                let r = t.join().unwrap_or_else(|_| {
-                    Err(ShmemError::System("a TCP exchange thread panicked".into()))
-                });
-                if let (Err(e), None) = (r, &first) {
-                    first = Some(e);
+        let me = self.rank;
+        let mut flows: Vec<Flow> = Vec::new();
+        for (list, send) in [(sends, true), (recvs, false)] {
+            for (i, seg) in list.iter().enumerate() {
+                let f = match flows.iter().position(|f| f.peer == seg.peer) {
+                    Some(f) => f,
+                    None => {
+                        let stream = self.streams[seg.peer]
+                            .as_ref()
+                            .expect("checked by exchange");
+                        flows.push(Flow::new(seg.peer, stream));
+                        flows.len() - 1
+                    }
+                };
+                let queue = if send {
+                    &mut flows[f].sends
+                } else {
+                    &mut flows[f].recvs
+                };
+                queue.items.push(i);
+            }
+        }
+        let wait_ms = c_int::try_from(self.timeout.as_millis()).unwrap_or(c_int::MAX);
+        loop {
+            let mut fds: Vec<libc::pollfd> = Vec::with_capacity(flows.len());
+            let mut polled: Vec<usize> = Vec::with_capacity(flows.len());
+            for (f, flow) in flows.iter().enumerate() {
+                let mut events = 0;
+                if !flow.sends.done() {
+                    events |= libc::POLLOUT;
+                }
+                if !flow.recvs.done() {
+                    events |= libc::POLLIN;
+                }
+                if events != 0 {
+                    fds.push(libc::pollfd {
+                        fd: flow.stream.as_raw_fd(),
+                        events,
+                        revents: 0,
+                    });
+                    polled.push(f);
                 }
             }
-            first.map_or(Ok(()), Err)
-        })
+            if fds.is_empty() {
+                return Ok(());
+            }
+            // SAFETY: `fds` is a live array of `fds.len()` pollfd.
+            let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait_ms) };
+            if ready < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(ShmemError::os(
+                    format!("rank {me}: poll on the TCP pairs"),
+                    e,
+                ));
+            }
+            if ready == 0 {
+                // Named by the first pair still waiting, receives first.
+                let f = &flows[polled[0]];
+                let what = match f.recvs.done() {
+                    false => "receiving from",
+                    true => "sending to",
+                };
+                let e = std::io::Error::from(std::io::ErrorKind::TimedOut);
+                return Err(io_error(me, f.peer, what, e, self.timeout));
+            }
+            for (pfd, &f) in fds.iter().zip(&polled) {
+                let flow = &mut flows[f];
+                let (q, r) = (flow.peer, pfd.revents);
+                if r & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 && !flow.sends.done() {
+                    flow.send(sends)
+                        .map_err(|e| io_error(me, q, "sending to", e, self.timeout))?;
+                }
+                if r & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 && !flow.recvs.done() {
+                    flow.receive(me, recvs, self.timeout)?;
+                }
+            }
+        }
+    }
+}
+
+/// One peer's segments of an exchange, both ways, and how far each got.
+struct Flow<'a> {
+    peer: usize,
+    stream: &'a TcpStream,
+    sends: Queue,
+    recvs: Queue,
+}
+
+/// Segments (indices into the call's list) in order; the current one's
+/// 8-byte length header and then its bytes, `at` of them moved.
+#[derive(Default)]
+struct Queue {
+    items: Vec<usize>,
+    next: usize,
+    header: [u8; 8],
+    at: usize,
+}
+
+impl Queue {
+    fn done(&self) -> bool {
+        self.next == self.items.len()
+    }
+
+    /// The current segment's unmoved bytes after moving `moved` more:
+    /// the header first, then the segment; steps to the next segment at
+    /// its end.
+    fn advance(&mut self, moved: usize, bytes: usize) {
+        self.at += moved;
+        if self.at == 8 + bytes {
+            self.next += 1;
+            self.at = 0;
+        }
+    }
+}
+
+impl<'a> Flow<'a> {
+    fn new(peer: usize, stream: &'a TcpStream) -> Flow<'a> {
+        Flow {
+            peer,
+            stream,
+            sends: Queue::default(),
+            recvs: Queue::default(),
+        }
+    }
+
+    /// Writes what the socket takes now.
+    fn send(&mut self, list: &[Segment]) -> std::io::Result<()> {
+        while !self.sends.done() {
+            let seg = &list[self.sends.items[self.sends.next]];
+            let q = &mut self.sends;
+            if q.at == 0 {
+                q.header = (seg.bytes as u64).to_le_bytes();
+            }
+            let wrote = if q.at < 8 {
+                self.stream.write(&q.header[q.at..])
+            } else {
+                // SAFETY: the caller's contract: readable for its bytes
+                // while the exchange runs.
+                let data =
+                    unsafe { std::slice::from_raw_parts(seg.address as *const u8, seg.bytes) };
+                self.stream.write(&data[q.at - 8..])
+            };
+            match wrote {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => q.advance(n, seg.bytes),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads what the socket holds now; checks each header against the
+    /// segment listed.
+    fn receive(&mut self, me: usize, list: &[Segment], timeout: Duration) -> Result<()> {
+        let q = self.peer;
+        let failed = |e| io_error(me, q, "receiving from", e, timeout);
+        while !self.recvs.done() {
+            let seg = &list[self.recvs.items[self.recvs.next]];
+            let r = &mut self.recvs;
+            let read = if r.at < 8 {
+                let at = r.at;
+                (&mut &*self.stream).read(&mut r.header[at..])
+            } else {
+                // SAFETY: the caller's contract: writable for its bytes,
+                // overlapping nothing else in use.
+                let dest =
+                    unsafe { std::slice::from_raw_parts_mut(seg.address as *mut u8, seg.bytes) };
+                (&mut &*self.stream).read(&mut dest[r.at - 8..])
+            };
+            match read {
+                Ok(0) => return Err(failed(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => {
+                    let header_done = r.at < 8 && r.at + n == 8;
+                    r.advance(n, seg.bytes);
+                    if header_done {
+                        let len = u64::from_le_bytes(r.header);
+                        if len != seg.bytes as u64 {
+                            return Err(ShmemError::Mismatch(format!(
+                                "rank {me} expected a segment of {} bytes from PE {q}, which sent {len}: the two PEs' exchange lists disagree",
+                                seg.bytes
+                            )));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(failed(e)),
+            }
+        }
+        Ok(())
     }
 }
 
