@@ -319,16 +319,15 @@ impl Mesh {
                 let e = std::io::Error::from(std::io::ErrorKind::TimedOut);
                 return Err(io_error(me, f.peer, what, e, self.timeout));
             }
-            for (pfd, &f) in fds.iter().zip(&polled) {
+            // Every pair still moving tries both ways: a socket that
+            // cannot move returns WouldBlock at once, and one that failed
+            // (POLLERR, POLLHUP) returns its error.
+            for &f in &polled {
                 let flow = &mut flows[f];
-                let (q, r) = (flow.peer, pfd.revents);
-                if r & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 && !flow.sends.done() {
-                    flow.send(sends)
-                        .map_err(|e| io_error(me, q, "sending to", e, self.timeout))?;
-                }
-                if r & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 && !flow.recvs.done() {
-                    flow.receive(me, recvs, self.timeout)?;
-                }
+                let q = flow.peer;
+                flow.send(sends)
+                    .map_err(|e| io_error(me, q, "sending to", e, self.timeout))?;
+                flow.receive(me, recvs, self.timeout)?;
             }
         }
     }
