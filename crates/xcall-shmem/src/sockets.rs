@@ -463,6 +463,89 @@ fn io_error(me: usize, q: usize, what: &str, e: std::io::Error, timeout: Duratio
 mod tests {
     use super::*;
 
+    /// Two connected loopback sockets.
+    fn socket_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    /// Calls `step` until it reports done, with a 20 s limit.
+    fn until_done(mut step: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !step() {
+            assert!(start.elapsed() < Duration::from_secs(20), "no progress");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A length header that arrives a byte at a time is checked once
+    /// whole (not on its first byte), and the segment after it lands.
+    #[test]
+    fn a_header_split_over_reads_is_checked_once_whole() {
+        let (mut a, b) = socket_pair();
+        b.set_nonblocking(true).unwrap();
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 13 + 5) as u8).collect();
+        let sent = data.clone();
+        let writer = std::thread::spawn(move || {
+            for byte in 1000u64.to_le_bytes() {
+                a.write_all(&[byte]).unwrap();
+                a.flush().unwrap();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            a.write_all(&sent).unwrap();
+            a
+        });
+        let mut got = vec![0u8; 1000];
+        let recvs = [Segment {
+            peer: 0,
+            address: got.as_mut_ptr() as u64,
+            bytes: got.len(),
+        }];
+        let mut flow = Flow::new(0, &b);
+        flow.recvs.items.push(0);
+        until_done(|| {
+            flow.receive(1, &recvs, Duration::from_secs(5)).unwrap();
+            flow.recvs.done()
+        });
+        drop(writer.join().unwrap());
+        assert!(got == data);
+    }
+
+    /// A segment larger than both socket buffers: the sender's writes
+    /// stop at WouldBlock and go on later, and every byte arrives.
+    #[test]
+    fn a_segment_larger_than_the_socket_buffers_is_sent_in_turns() {
+        let (a, mut b) = socket_pair();
+        a.set_nonblocking(true).unwrap();
+        let data: Vec<u8> = (0..48u32 << 20).map(|i| (i % 251) as u8).collect();
+        let reader = std::thread::spawn(move || {
+            // Late, so that the sender meets full buffers.
+            std::thread::sleep(Duration::from_millis(200));
+            let mut header = [0u8; 8];
+            b.read_exact(&mut header).unwrap();
+            let mut got = vec![0u8; u64::from_le_bytes(header) as usize];
+            b.read_exact(&mut got).unwrap();
+            got
+        });
+        let sends = [Segment {
+            peer: 1,
+            address: data.as_ptr() as u64,
+            bytes: data.len(),
+        }];
+        let mut flow = Flow::new(1, &a);
+        flow.sends.items.push(0);
+        let mut calls = 0;
+        until_done(|| {
+            flow.send(&sends).unwrap();
+            calls += 1;
+            flow.sends.done()
+        });
+        assert!(calls > 1, "one call sent 48 MiB: no WouldBlock met");
+        assert!(reader.join().unwrap() == data);
+    }
+
     /// `n` PEs as threads, every pair through the mesh; each runs `f`.
     fn mesh<T: Send>(n: usize, timeout: Duration, f: impl Fn(usize, Mesh) -> T + Sync) -> Vec<T> {
         let listeners: Vec<Listener> = (0..n).map(|_| listen(None).unwrap()).collect();
