@@ -11,10 +11,11 @@
 
 use std::ffi::c_void;
 use std::process::{Child, Command};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 use xcall_core::testing::{cuda_devices_or_skip, cuda_required, run_threads, skip, watchdog};
 use xcall_core::{Device, Status};
 use xcall_shmem::{Config, Incoming, Outgoing, Pairs, Transport, World};
@@ -195,19 +196,8 @@ fn one_gpu_exchanges_with_itself_through_nccl() {
     // Captured into a graph and replayed for new data.
     let max = 1 << 20;
     let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
-    let ctx = CudaContext::new(0).unwrap();
-    let s = ctx.new_stream().unwrap();
-    let raw: *mut c_void = s.cu_stream().cast();
-    let (out, inc) = segments(0, 1, 100, max, bufs);
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
-    // SAFETY: the segments lie in this PE's objects, alive until the end.
-    let captured = unsafe { w.exchange_on_stream(&out, &inc, raw) };
-    let graph = s
-        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .unwrap();
-    captured.unwrap();
-    let graph = graph.expect("a captured graph");
+    let s = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let graph = captured_self_exchange(&mut w, bufs, max, &s);
     for replay in 0..3 {
         // Round 100's sizes, fresh data each replay.
         let bytes = common::segment_bytes(0, 0, 100, max);
@@ -226,11 +216,14 @@ fn one_gpu_exchanges_with_itself_through_nccl() {
     assert!(w.finalize().unwrap().leaked.is_empty());
 }
 
-/// Captures one self-exchange of `w` (a one-PE world on GPU 0) into a
-/// graph on a new stream, replays it once, and returns the graph (alive).
-fn captured_self_exchange(w: &mut World, bufs: (u64, u64), max: usize) -> impl Drop {
-    let ctx = CudaContext::new(0).unwrap();
-    let s = ctx.new_stream().unwrap();
+/// Captures one self-exchange of `w` (a one-PE world on GPU 0, round 100's
+/// segments) into a graph on `s`, replays it once, and returns the graph.
+fn captured_self_exchange(
+    w: &mut World,
+    bufs: (u64, u64),
+    max: usize,
+    s: &Arc<CudaStream>,
+) -> CudaGraph {
     let raw: *mut c_void = s.cu_stream().cast();
     let (out, inc) = segments(0, 1, 100, max, bufs);
     s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -260,6 +253,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
     }
     run_threads("nccl graph finalize", 1, watchdog(), |_| {
         let max = 1 << 16;
+        let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
         let mut w = World::new();
         w.init(&config(Config::in_process(
             "nccl-graph",
@@ -269,7 +263,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
         )))
         .unwrap();
         let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
-        let graph = captured_self_exchange(&mut w, bufs, max);
+        let graph = captured_self_exchange(&mut w, bufs, max, &stream);
         let started = Instant::now();
         let e = w.finalize().unwrap_err();
         eprintln!("finalize with a live graph: {e}");
@@ -282,7 +276,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
         );
         // Nothing changed: the world is live and still exchanges.
         assert_eq!(w.transport(0).unwrap(), Transport::Nccl);
-        drop(captured_self_exchange(&mut w, bufs, max));
+        drop(captured_self_exchange(&mut w, bufs, max, &stream));
         drop(graph);
         w.free(bufs.1).unwrap();
         w.free(bufs.0).unwrap();
@@ -295,7 +289,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
             w.init(&config(Config::in_process(&name, 0, 1, Device::cuda(0))))
                 .unwrap();
             let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
-            drop(captured_self_exchange(&mut w, bufs, max));
+            drop(captured_self_exchange(&mut w, bufs, max, &stream));
             w.free(bufs.1).unwrap();
             w.free(bufs.0).unwrap();
             assert!(w.finalize().unwrap().leaked.is_empty(), "round {round}");
