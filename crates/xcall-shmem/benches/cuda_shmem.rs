@@ -148,22 +148,7 @@ fn puts_and_barriers() {
 }
 
 fn run(rank: usize, go: &Barrier) {
-    let device = Device::cuda(rank as u32);
-    let mut c = Config::in_process("bench", rank, 2, device);
-    c.heap_bytes = Some(2 * MAX + (16 << 20));
-    c.timeout = Duration::from_secs(120);
-    let mut w = World::new();
-    w.init(&c).unwrap();
-    let src = w.malloc(MAX).unwrap();
-    let dst = w.malloc(MAX).unwrap();
-    // Random-ish, nonzero source bytes.
-    let fill: Vec<u8> = (0..(1 << 20))
-        .map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8 | 1)
-        .collect();
-    for off in (0..MAX).step_by(fill.len()) {
-        // SAFETY: `fill` lives across the blocking put into this PE's heap.
-        unsafe { w.put(src + off as u64, fill.as_ptr() as u64, fill.len(), rank) }.unwrap();
-    }
+    let (mut w, src, dst) = filled_world(rank, "bench", None).unwrap();
     let ctx = CudaContext::new(rank).unwrap();
     // SAFETY: this bench orders its own work on one stream per GPU.
     unsafe { ctx.disable_event_tracking() };
@@ -198,16 +183,7 @@ fn run(rank: usize, go: &Barrier) {
                     }),
                 ],
             );
-            let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
-            println!(
-                "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
-                human(bytes),
-                t[0] * 1e3,
-                gbs(t[0]),
-                t[1] * 1e3,
-                gbs(t[1]),
-                t[1] / t[0]
-            );
+            print_row(bytes, &t);
             bytes *= 4;
         }
     }
@@ -245,6 +221,47 @@ fn run(rank: usize, go: &Barrier) {
     w.finalize().unwrap();
 }
 
+/// PE `rank` of a 2-PE world `name` of `pairs`, with a source object of
+/// MAX random-ish nonzero bytes and a destination object of MAX; the init's
+/// error when the world cannot start.
+fn filled_world(
+    rank: usize,
+    name: &str,
+    pairs: Option<Pairs>,
+) -> xcall_shmem::Result<(World, u64, u64)> {
+    let mut c = Config::in_process(name, rank, 2, Device::cuda(rank as u32));
+    c.heap_bytes = Some(2 * MAX + (16 << 20));
+    c.timeout = Duration::from_secs(120);
+    c.pairs = pairs;
+    let mut w = World::new();
+    w.init(&c)?;
+    let src = w.malloc(MAX).unwrap();
+    let dst = w.malloc(MAX).unwrap();
+    let fill: Vec<u8> = (0..(1 << 20))
+        .map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8 | 1)
+        .collect();
+    for off in (0..MAX).step_by(fill.len()) {
+        // SAFETY: `fill` lives across the blocking put into this PE's heap.
+        unsafe { w.put(src + off as u64, fill.as_ptr() as u64, fill.len(), rank) }.unwrap();
+    }
+    Ok((w, src, dst))
+}
+
+/// One table row: the bytes, the two variants' times and rates, and the
+/// first's rate over the second's (the reference).
+fn print_row(bytes: usize, t: &[f64]) {
+    let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+    println!(
+        "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
+        human(bytes),
+        t[0] * 1e3,
+        gbs(t[0]),
+        t[1] * 1e3,
+        gbs(t[1]),
+        t[1] / t[0]
+    );
+}
+
 /// Rank 1's receive buffer, for rank 0's cuMemcpyPeerAsync reference.
 static PEER_DST: AtomicU64 = AtomicU64::new(0);
 
@@ -252,32 +269,20 @@ static PEER_DST: AtomicU64 = AtomicU64::new(0);
 /// world of `pairs`, beside cuMemcpyPeerAsync of the same bytes; rank 1
 /// makes the matching calls (its receives, or its waits for the signal).
 fn exchanges(rank: usize, pairs: Option<Pairs>) {
-    let device = Device::cuda(rank as u32);
     let name = if pairs.is_some() {
         "bench-nccl"
     } else {
         "bench-direct"
     };
-    let mut c = Config::in_process(name, rank, 2, device);
-    c.heap_bytes = Some(2 * MAX + (16 << 20));
-    c.timeout = Duration::from_secs(120);
-    c.pairs = pairs;
-    let mut w = World::new();
-    if let Err(e) = w.init(&c) {
-        if rank == 0 {
-            skip("bench cuda_shmem exchanges", &format!("{name}: {e}"));
+    let (mut w, src, dst) = match filled_world(rank, name, pairs) {
+        Ok(x) => x,
+        Err(e) => {
+            if rank == 0 {
+                skip("bench cuda_shmem exchanges", &format!("{name}: {e}"));
+            }
+            return;
         }
-        return;
-    }
-    let src = w.malloc(MAX).unwrap();
-    let dst = w.malloc(MAX).unwrap();
-    let fill: Vec<u8> = (0..(1 << 20))
-        .map(|i: u32| (i.wrapping_mul(2654435761) >> 7) as u8 | 1)
-        .collect();
-    for off in (0..MAX).step_by(fill.len()) {
-        // SAFETY: `fill` lives across the blocking put into this PE's heap.
-        unsafe { w.put(src + off as u64, fill.as_ptr() as u64, fill.len(), rank) }.unwrap();
-    }
+    };
     let ctx = CudaContext::new(rank).unwrap();
     // SAFETY: this bench orders its own work on one stream per GPU.
     unsafe { ctx.disable_event_tracking() };
@@ -331,16 +336,7 @@ fn exchanges(rank: usize, pairs: Option<Pairs>) {
                     }),
                 ],
             );
-            let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
-            println!(
-                "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3} |",
-                human(bytes),
-                t[0] * 1e3,
-                gbs(t[0]),
-                t[1] * 1e3,
-                gbs(t[1]),
-                t[1] / t[0]
-            );
+            print_row(bytes, &t);
         } else {
             // One matching call per exchange rank 0 makes (30 warm-up
             // rounds, then the timed ones).
