@@ -188,11 +188,17 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         for (int i = 0; i < 4; ++i) x[i] = load((S)(w >> (8 * i)));
 #endif
     }
-    // store of four values into one word, two conversions. A NaN input
-    // converts to some NaN encoding (any sign); those bytes become 0x7f
-    // with a carry-free add on the low seven bits of each byte (e4m3: NaN
-    // is 0x7f; e5m2: 0x7d..0x7f, and 0x7c, an infinity, never comes out
-    // of a saturating conversion).
+    // A NaN converts to some NaN encoding (any sign); those bytes of a
+    // saturating conversion's word become 0x7f with a carry-free add on
+    // the low seven bits of each byte (e4m3: NaN is 0x7f; e5m2:
+    // 0x7d..0x7f, and 0x7c, an infinity, never comes out of a saturating
+    // conversion).
+    static __device__ __forceinline__ unsigned int nan_to_7f(unsigned int r) {
+        const unsigned int nan = ((r & 0x7f7f7f7fu) + (FN ? 0x01010101u : 0x04040404u)) & 0x80808080u;
+        const unsigned int mask = (nan >> 7) * 0xffu;
+        return (r & ~mask) | (0x7f7f7f7fu & mask);
+    }
+    // store of four values into one word, two conversions.
     static __device__ __forceinline__ unsigned int store4(const float* x) {
 #if __CUDA_ARCH__ >= 890
         unsigned short lo, hi;
@@ -203,10 +209,7 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
             asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x[1]), "f"(x[0]));
             asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x[3]), "f"(x[2]));
         }
-        const unsigned int r = (unsigned int)lo | ((unsigned int)hi << 16);
-        const unsigned int nan = ((r & 0x7f7f7f7fu) + (FN ? 0x01010101u : 0x04040404u)) & 0x80808080u;
-        const unsigned int mask = (nan >> 7) * 0xffu;
-        return (r & ~mask) | (0x7f7f7f7fu & mask);
+        return nan_to_7f((unsigned int)lo | ((unsigned int)hi << 16));
 #else
         unsigned int r = 0;
 #pragma unroll
@@ -236,6 +239,47 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
         }
         const unsigned int nm = (nan >> 7) * 0xffu;
         return (w & ~nm) | (0x7f7f7f7fu & nm);
+    }
+    // Four values' bytes of (0 + a) + b, what a token with two routes and
+    // no probs stores, summed in f16 rather than f32: the same bytes.
+    // Every fp8 value is exact in f16 and 0 + a is exact; a + b rounds
+    // once to f16 (11 significant bits) and then to fp8 (4 or 3), and a
+    // sum of two values of p bits rounded first to p' >= 2p + 1 bits and
+    // then to p rounds as the exact sum would (the f32 path's sum of two
+    // fp8 values is exact or, for e5m2, also such a double rounding).
+    // Sums beyond f16's range become infinities, which saturate as the
+    // f32 path's large sums do. The test runs every pair of bytes.
+    static __device__ __forceinline__ unsigned int pair4(unsigned int a, unsigned int b) {
+#if __CUDA_ARCH__ >= 890
+        unsigned int r = 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned short ah = (unsigned short)(a >> (16 * h)), bh = (unsigned short)(b >> (16 * h));
+            unsigned int fa, fb, s;
+            unsigned short d;
+            if (FN) {
+                asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(fa) : "h"(ah));
+                asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(fb) : "h"(bh));
+            } else {
+                asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(fa) : "h"(ah));
+                asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(fb) : "h"(bh));
+            }
+            // 0 + a first: -0 + -0 would keep its sign; 0 + -0 + -0 is +0.
+            asm("add.rn.f16x2 %0, %1, %2;" : "=r"(s) : "r"(fa), "r"(0u));
+            asm("add.rn.f16x2 %0, %1, %2;" : "=r"(s) : "r"(s), "r"(fb));
+            if (FN) asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(s));
+            else asm("cvt.rn.satfinite.e5m2x2.f16x2 %0, %1;" : "=h"(d) : "r"(s));
+            r |= (unsigned int)d << (16 * h);
+        }
+        return nan_to_7f(r);
+#else
+        float x[4], y[4];
+        load4(a, x);
+        load4(b, y);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = __fadd_rn(__fadd_rn(0.0f, x[i]), y[i]);
+        return store4(x);
+#endif
     }
     static __device__ __forceinline__ S store(float x) {
         if (isnan(x)) return 0x7f;
@@ -531,13 +575,38 @@ __device__ void zero_body(const PermuteParams& p) { zero_region<V>(p, blockIdx.x
 
 // permute's own zero fill, before its tokens, each region in ZERO_PARTS
 // slices spread over the grid: the regions are disjoint from every routed
-// row, so no ordering is needed between the two.
+// row, so no ordering is needed between the two. The block's slices are
+// looked at all at once, a thread each, and only the non-empty ones are
+// zeroed: most regions are empty (an expert without padding), and a block
+// of a persistent grid would otherwise wait on one round of map loads per
+// slice, (E + 1) * ZERO_PARTS / grid of them in turn.
 #define ZERO_PARTS 16
+#define MAX_WARPS 16
 template <int V>
 __device__ void zero_regions(const PermuteParams& p) {
     if (p.seg_rows > 0) return;  // a segmented output keeps its unwritten rows
-    const int work = ((int)p.experts + 1) * ZERO_PARTS;
-    for (int w = blockIdx.x; w < work; w += gridDim.x) zero_region<V>(p, w / ZERO_PARTS, w % ZERO_PARTS, ZERO_PARTS);
+    const i64 E = p.experts, N = p.out_rows;
+    const i64 work = (E + 1) * ZERO_PARTS, grid = gridDim.x;
+    __shared__ int todo[MAX_WARPS * 32];
+    __shared__ int ntodo;
+    for (i64 w0 = blockIdx.x; w0 < work; w0 += grid * blockDim.x) {
+        if (threadIdx.x == 0) ntodo = 0;
+        __syncthreads();
+        const i64 w = w0 + (i64)threadIdx.x * grid;
+        if (w < work) {
+            const i64 c = w / ZERO_PARTS;
+            i64 lo = c < E ? p.offsets[c] + p.tpe[c] : p.offsets[E];
+            i64 hi = c < E ? p.offsets[c + 1] : N;
+            if (max((i64)0, min(lo, N)) < max((i64)0, min(hi, N))) todo[atomicAdd(&ntodo, 1)] = (int)threadIdx.x;
+        }
+        __syncthreads();
+        const int n = ntodo;
+        for (int i = 0; i < n; ++i) {
+            const i64 wi = w0 + (i64)todo[i] * grid;
+            zero_region<V>(p, (int)(wi / ZERO_PARTS), (int)(wi % ZERO_PARTS), ZERO_PARTS);
+        }
+        __syncthreads();  // todo is refilled
+    }
 }
 
 // ------------------------------------------------------------- movement
@@ -546,7 +615,6 @@ __device__ void zero_regions(const PermuteParams& p) {
 // (grid-stride over all warps), so a block keeps blockDim / 32 tokens in
 // flight with no block barrier between them. `staged` is the group's slice
 // of a kernel's shared staging arrays.
-#define MAX_WARPS 16
 template <bool WARP> struct Group {
     int first, step, slot;
     i64 t0, tstep;
@@ -694,17 +762,48 @@ __device__ void sort_body(const SortParams& p) {
 }
 
 // ------------------------------------------------------------ arithmetic
+// One fp8 token's output row from its one route's row s0 (bytes mapped,
+// F8::alone4) or (TWO) its two routes' rows s0 and s1 (summed in f16,
+// F8::pair4), U vectors per thread at a time.
+template <typename C, int V, int U, bool TWO>
+__device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<C, V>* s0, const Pack<C, V>* s1,
+                                        Pack<C, V>* dst) {
+    for (i64 base = first; base < nv; base += (i64)step * U) {
+        Pack<C, V> a[U], b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i64 i = base + (i64)u * step;
+            if (i < nv) {
+                a[u].raw = s0[i].raw;
+                if (TWO) b[u].raw = s1[i].raw;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i64 i = base + (i64)u * step;
+            if (i >= nv) continue;
+            unsigned int* w = reinterpret_cast<unsigned int*>(&a[u].raw);
+            const unsigned int* x = reinterpret_cast<const unsigned int*>(&b[u].raw);
+#pragma unroll
+            for (int q = 0; q < V / 4; ++q) w[q] = TWO ? C::pair4(w[q], x[q]) : C::alone4(w[q]);
+            store_once(&dst[i].raw, a[u].raw);
+        }
+    }
+}
+
 // unpermute: each element sums its routes in route order in f32:
 // acc = acc + x * w (weight 1 without merging probs). A warp stages its
 // first ROUTE_CHUNK routes' rows and weights in shared memory (-1: a route
 // skipped as invalid); other routes are read from the map. The
 // unpermuted probs are zeroed and then each valid route writes its
 // expert's (the last valid route of an expert wins).
-// ALONE (fp8 without probs, launched when the map has at most one route
-// per token on average): a token with one route maps its row's bytes
-// instead of converting them; the others take the summing path. A
-// template argument, so that the summing kernels keep their registers.
-template <typename C, int V, int U, bool WARP, bool ALONE = false>
+// FEW (fp8 without probs): 1 (launched when the map has at most one
+// route per token on average): a token with one valid route maps its
+// row's bytes instead of converting them; 2 (at most two on average): a
+// token with two valid routes also sums them in f16 (see F8::pair4). The
+// other tokens take the summing path. A template argument, so that each
+// kernel keeps the registers of the paths it needs.
+template <typename C, int V, int U, bool WARP, int FEW = 0>
 __device__ void unpermute_body(const UnpermuteParams& p) {
     typedef Pack<C, V> P;
     const Group<WARP> g;
@@ -743,31 +842,25 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
             }
             g.sync();
         }
-        if constexpr (ALONE && sizeof(typename C::S) == 1 && V % 4 == 0) {
-            // fp8, one route and no probs: the row's bytes mapped as 0 + x
-            // stores them, a word at a time, with no conversion (the
-            // conversions, not the memory, bound the summing path).
-            const int d0 = n != 1 || p.mprobs ? -1 : WARP ? rows[0] : route_ok(m, 0, E, N) ? m[0] : -1;
-            if (d0 >= 0) {
-                const P* src = (const P*)row_at(p.input, p.segs, p.seg_rows, d0, row);
-                P* dst = (P*)(p.out + t * row);
-                for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
-                    P pk[U];
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const i64 i = base + (i64)u * g.step;
-                        if (i < nv) pk[u].raw = src[i].raw;
-                    }
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const i64 i = base + (i64)u * g.step;
-                        if (i >= nv) continue;
-                        unsigned int* w = reinterpret_cast<unsigned int*>(&pk[u].raw);
-#pragma unroll
-                        for (int q = 0; q < V / 4; ++q) w[q] = C::alone4(w[q]);
-                        store_once(&dst[i].raw, pk[u].raw);
-                    }
+        if constexpr (FEW > 0 && sizeof(typename C::S) == 1 && V % 4 == 0) {
+            // fp8, few routes and no probs: a word (four values) at a
+            // time, with no f32 steps (the conversions, not the memory,
+            // bound the summing path). d0, d1: the valid routes' rows in
+            // route order, -1 past them.
+            int d0 = -1, d1 = -1;
+            if (!p.mprobs && n >= 1 && n <= FEW) {
+                for (int k = 0; k < n; ++k) {
+                    const int d = WARP ? rows[k] : route_ok(m, k, E, N) ? m[k] : -1;
+                    if (d >= 0) (d0 < 0 ? d0 : d1) = d;
                 }
+            }
+            if (d0 >= 0) {
+                const P* s0 = (const P*)row_at(p.input, p.segs, p.seg_rows, d0, row);
+                P* dst = (P*)(p.out + t * row);
+                if (d1 < 0) few_row<C, V, U, false>(g.first, g.step, nv, s0, s0, dst);
+                else if constexpr (FEW >= 2)
+                    few_row<C, V, U, true>(g.first, g.step, nv, s0,
+                                           (const P*)row_at(p.input, p.segs, p.seg_rows, d1, row), dst);
                 continue;
             }
         }

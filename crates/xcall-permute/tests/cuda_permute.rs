@@ -275,7 +275,15 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
     pp.same(gpu, &format!("{what}: permuted_probs"));
     ps.same(gpu, &format!("{what}: permuted_scales"));
     if !matches!(c.dtype, DType::F32 | DType::F16 | DType::Bf16) {
-        // fp8: unpermute without probs (sum in f32, saturating stores).
+        // fp8: unpermute without probs (sum in f32, saturating stores), of
+        // fresh rows (permute's output holds a token's row at each of its
+        // routes: its sums would add a value to itself).
+        let rows = Pair::new(
+            gpu,
+            random_values(c.dtype, n as usize * c.h, &mut g),
+            c.dtype,
+            &[n, h],
+        );
         let plain = Pair::poisoned(gpu, c.dtype, &[t, h]);
         both(gpu, autotune, |tg, dev| {
             let pick = |p: &Pair| if dev { p.d() } else { p.h() };
@@ -284,7 +292,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
                 call::unpermute(
                     tg,
                     &UnpermuteArgs {
-                        input: pick(&out),
+                        input: pick(&rows),
                         row_id_map: pick(&map),
                         merging_probs: None,
                         permuted_probs: None,
@@ -541,24 +549,91 @@ fn fp8_permute_and_unpermute_equal_the_host() {
             groups: None,
             dtype,
         });
-        // Top-1: unpermute maps a row's bytes without converting them
-        // (rows of whole words), also with routes dropped by the cap.
-        for (t, h, cap, align) in [(300, 4096, None, Some(4)), (77, 36, Some(60), None)] {
-            cases.push(Case {
-                t,
-                e: 5,
-                h,
-                topk: 1,
-                cap,
-                align,
-                capacity: None,
-                groups: None,
-                dtype,
-            });
+        // Top-1 and top-2: unpermute maps a lone route's bytes and sums
+        // two routes in f16 (rows of whole words), also with routes
+        // dropped by the cap.
+        for topk in [1, 2] {
+            for (t, h, cap, align) in [(300, 4096, None, Some(4)), (77, 36, Some(60), None)] {
+                cases.push(Case {
+                    t,
+                    e: 5,
+                    h,
+                    topk,
+                    cap,
+                    align: align.filter(|_| topk == 1),
+                    capacity: None,
+                    groups: None,
+                    dtype,
+                });
+            }
         }
     }
     for (i, c) in cases.iter().enumerate() {
         run_case(&mut gpu, c, 900 + i as u64, i % 2 == 0);
+    }
+}
+
+/// fp8 unpermute of tokens with two routes and no probs sums in f16 (see
+/// `F8::pair4` in kernels.cu), where the Host sums in f32: every pair of
+/// bytes (a, b), each format, must store the Host's byte.
+#[test]
+fn fp8_unpermute_sums_every_pair_of_bytes_as_the_host() {
+    if cuda_devices_or_skip("permute cuda fp8 pairs").is_none() {
+        return;
+    }
+    let mut gpu = Gpu::new();
+    // Every token routes to experts 0 and 1: token t's routes are rows t
+    // and T + t. Value j of token t is the pair (i % 256, i / 256) of
+    // i = t * H + j.
+    let (t, h) = (64u64, 1024u64);
+    let r = Pair::new(&mut gpu, vec![1u8; 2 * t as usize], DType::U8, &[t, 2]);
+    let map = Pair::poisoned(&mut gpu, DType::I32, &[t, 5]);
+    let tpe = Pair::poisoned(&mut gpu, DType::I64, &[2]);
+    let off = Pair::poisoned(&mut gpu, DType::I64, &[3]);
+    both(&gpu, false, |tg, dev| {
+        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+        // SAFETY: host vectors and device allocations of the tensors' sizes.
+        unsafe {
+            call::make_row_id_map(
+                tg,
+                &MakeRowIdMapArgs {
+                    routing: pick(&r),
+                    options: RowIdMapOptions::default(),
+                    row_id_map: pick(&map),
+                    tokens_per_expert: pick(&tpe),
+                    expert_offsets: pick(&off),
+                },
+            )
+        }
+    });
+    map.same(&gpu, "pairs: row_id_map");
+    let n = (t * h) as usize;
+    let rows: Vec<u8> = (0..n)
+        .map(|i| i as u8)
+        .chain((0..n).map(|i| (i >> 8) as u8))
+        .collect();
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        let input = Pair::new(&mut gpu, rows.clone(), dtype, &[2 * t, h]);
+        let out = Pair::poisoned(&mut gpu, dtype, &[t, h]);
+        both(&gpu, false, |tg, dev| {
+            let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+            // SAFETY: as above.
+            unsafe {
+                call::unpermute(
+                    tg,
+                    &UnpermuteArgs {
+                        input: pick(&input),
+                        row_id_map: pick(&map),
+                        merging_probs: None,
+                        permuted_probs: None,
+                        output: pick(&out),
+                        unpermuted_probs: None,
+                        input_segments: None,
+                    },
+                )
+            }
+        });
+        out.same(&gpu, &format!("{dtype}: every pair of bytes"));
     }
 }
 

@@ -291,15 +291,13 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
         None => (0, segment_bases(&[])),
     };
     let dev = target.device;
-    // fp8 without probs, at most one route per token on average: the
-    // kernels that copy a lone route's row as bytes (mapped as 0 + x
-    // stores it) rather than converting it.
-    let alone = match Fp8::of(dtype).is_some()
-        && v % 4 == 0
-        && a.merging_probs.is_none()
-        && routes_class(d.tokens, d.out_rows) == 0
-    {
-        true => module::ALONE_INFIX,
+    // fp8 without probs, at most one (two) routes per token on average:
+    // the kernels that copy a lone route's row as bytes (mapped as 0 + x
+    // stores it) rather than converting it (and sum two routes in f16
+    // rather than in f32).
+    let routes = routes_class(d.tokens, d.out_rows) as usize;
+    let few = match Fp8::of(dtype).is_some() && v % 4 == 0 && a.merging_probs.is_none() {
+        true => module::FEW_INFIXES.get(routes).map_or("", |f| f.0),
         false => "",
     };
     let run = |c: Config, outs: &[u64]| -> Result<()> {
@@ -307,7 +305,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
             target,
             (
                 Family::Arith(dtype),
-                &format!("unpermute_{alone}{}{v}_{}", c.infix(), c.unroll),
+                &format!("unpermute_{few}{}{v}_{}", c.infix(), c.unroll),
             ),
             grid_for(dev, d.tokens, c)?,
             c.threads,

@@ -34,9 +34,11 @@ pub(super) enum Family {
     Arith(DType),
 }
 
-/// The infix of fp8 unpermute's kernels that map a lone route's bytes
-/// (`unpermute_one_16_2`, `unpermute_one_w_16_2`).
-pub(super) const ALONE_INFIX: &str = "one_";
+/// The infixes of fp8 unpermute's kernels for few routes per token, and
+/// their bodies' `FEW` argument: `one_` maps a lone route's bytes
+/// (`unpermute_one_16_2`, `unpermute_one_w_16_2`), `two_` also sums two
+/// routes in f16.
+pub(super) const FEW_INFIXES: [(&str, u32); 2] = [("one_", 1), ("two_", 2)];
 
 /// The block-per-token and warp-per-token variants: kernel name infix and
 /// the body's `WARP` argument.
@@ -80,12 +82,15 @@ fn instantiations(family: Family) -> String {
                     }
                     if Fp8::of(dtype).is_some() {
                         // fp8: unpermute without probs only, and its
-                        // byte-mapping variant for one route per token.
+                        // variant for one or two routes per token.
                         if v % 4 == 0 {
-                            for (infix, warp) in VARIANTS {
+                            for ((few_infix, few), (infix, warp)) in FEW_INFIXES
+                                .into_iter()
+                                .flat_map(|f| VARIANTS.map(|w| (f, w)))
+                            {
                                 kernel(
-                                    format!("unpermute_{ALONE_INFIX}{infix}{v}_{u}"),
-                                    format!("unpermute_body<{codec}, {v}, {u}, {warp}, true>"),
+                                    format!("unpermute_{few_infix}{infix}{v}_{u}"),
+                                    format!("unpermute_body<{codec}, {v}, {u}, {warp}, {few}>"),
                                 );
                             }
                         }
