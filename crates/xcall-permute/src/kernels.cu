@@ -1112,3 +1112,114 @@ __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
         }
     }
 }
+
+// unpermute_backward holding the gradient row: one block of 256 threads per
+// token; thread i keeps groups i + 256 j (j < G) of the token's gradient in
+// registers for every route of the token (the row is read once, not once
+// per route) and sums them into dot slot i, the crate's order (the block
+// variant's with one slot per thread). Up to HELD_ROUTES valid routes at a
+// time: their x loads go in batches of R, issued before the batch's
+// stores; then warp w folds route w's 256 slots as the warp variant does.
+// The launch checks that a row is whole 16-byte groups, at most 256 * G.
+#define HELD_ROUTES 8
+template <typename C, int G, int R>
+__device__ void unpermute_bwd_held_body(const UnpermuteParams& p) {
+    typedef typename C::S S;
+    typedef Pack<C, 16> P;
+    const int* map = p.map;
+    const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
+    const int E = (int)p.experts;
+    const int GE = 16 / sizeof(S);
+    const i64 full = H / GE;
+    __shared__ float part[HELD_ROUTES][256];
+    __shared__ int rows[HELD_ROUTES], experts[HELD_ROUTES], taken, next;
+    __shared__ float weights[HELD_ROUTES];
+    const int i = threadIdx.x, lane = i & 31;
+    for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+        const int* m = map + t * (2 * E + 1);
+        const int n = route_count(m, E);
+        for (int e = i; e < E; e += blockDim.x) {
+            bool routed = false;
+            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
+            if (!routed) p.oprobs[t * E + e] = 0.0f;
+        }
+        const S* g = (const S*)(p.input + t * H * sizeof(S));
+        P pg[G];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const i64 q = i + 256 * j;
+            if (q < full) pg[j].raw = __ldcs((const uint4*)(g + q * GE));
+        }
+        for (int from = 0;;) {
+            if (i == 0) {
+                int c = 0, k = from;
+                for (; k < n && c < HELD_ROUTES; ++k) {
+                    if (!route_ok(m, k, E, N)) continue;
+                    rows[c] = m[k];
+                    experts[c] = m[E + k];
+                    weights[c] = p.mprobs[t * E + m[E + k]];
+                    ++c;
+                }
+                taken = c;
+                next = k;
+            }
+            __syncthreads();
+            const int c = taken;
+            from = next;
+            if (c == 0) {
+                __syncthreads();  // every thread read `taken` before the next write
+                break;
+            }
+            for (int k0 = 0; k0 < c; k0 += R) {
+                P px[R][G];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (k0 + r >= c) continue;
+                    const S* x = (const S*)(p.fwd + (i64)rows[k0 + r] * H * sizeof(S));
+#pragma unroll
+                    for (int j = 0; j < G; ++j) {
+                        const i64 q = i + 256 * j;
+                        if (q < full) px[r][j].raw = __ldcs((const uint4*)(x + q * GE));
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (k0 + r >= c) continue;
+                    const float w = weights[k0 + r];
+                    S* a = (S*)(p.out + (i64)rows[k0 + r] * H * sizeof(S));
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < G; ++j) {
+                        const i64 q = i + 256 * j;
+                        if (q >= full) continue;
+                        P pa;
+#pragma unroll
+                        for (int e = 0; e < GE; ++e) {
+                            const float gv = C::load(pg[j].v[e]);
+                            pa.v[e] = C::store(__fmul_rn(gv, w));
+                            sum = __fadd_rn(sum, __fmul_rn(C::load(px[r][j].v[e]), gv));
+                        }
+                        store_once((uint4*)(a + q * GE), pa.raw);
+                    }
+                    part[k0 + r][i] = sum;
+                }
+            }
+            __syncthreads();
+            for (int r = i >> 5; r < c; r += blockDim.x >> 5) {
+                float s8[8];
+#pragma unroll
+                for (int s = 0; s < 8; ++s) s8[s] = part[r][lane + 32 * s];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) s8[s] = __fadd_rn(s8[s], s8[s + 4]);
+#pragma unroll
+                for (int s = 0; s < 2; ++s) s8[s] = __fadd_rn(s8[s], s8[s + 2]);
+                float v = __fadd_rn(s8[0], s8[1]);
+#pragma unroll
+                for (int width = 16; width > 0; width >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, width));
+                if (lane == 0) p.oprobs[t * E + experts[r]] = v;
+            }
+            __syncthreads();  // part, rows and weights are free again
+            if (from >= n) break;
+        }
+    }
+}

@@ -678,7 +678,13 @@ fn every_launch_config_equals_the_host() {
     }
     use xcall_permute::cuda::{backward_candidates, movement_candidates, with_configs};
     let mut gpu = Gpu::new();
-    let (moves, backs) = (movement_candidates(), backward_candidates());
+    // The row-holding backward kernels take only some rows: their own
+    // test below.
+    let backs: Vec<_> = backward_candidates()
+        .into_iter()
+        .filter(|c| c.held == 0)
+        .collect();
+    let moves = movement_candidates();
     let cases = [
         (300, 8, 1000, 2, DType::Bf16),
         (97, 64, 7, 40, DType::F32),
@@ -708,6 +714,63 @@ fn every_launch_config_equals_the_host() {
             run_case(&mut gpu, &c, 1200 + i as u64, true);
             chunk_case(&mut gpu, 5, 301, h, dtype, 1300 + i as u64, true);
         });
+    }
+}
+
+/// The row-holding unpermute_backward kernels (each thread keeps its groups
+/// of the token's gradient in registers for all of the token's routes)
+/// against the Host: one batch of routes and several (top-40 goes in five
+/// batches of eight), capped and padded maps, and the widest row each
+/// holds (256 x `held` groups of 16 bytes), in every float dtype; a row
+/// one group wider runs with the default config instead.
+#[test]
+fn row_holding_backward_kernels_equal_the_host() {
+    if cuda_devices_or_skip("row-holding unpermute_backward").is_none() {
+        return;
+    }
+    use xcall_permute::cuda::{backward_candidates, with_configs};
+    let mut gpu = Gpu::new();
+    let held: Vec<_> = backward_candidates()
+        .into_iter()
+        .filter(|c| c.held > 0)
+        .collect();
+    assert!(held.len() >= 2, "{held:?}");
+    for (i, &b) in held.iter().enumerate() {
+        let widest = 256 * b.held as usize; // 16-byte groups
+        let cases = [
+            (300, 8, 1000, 2, None, None, DType::Bf16),
+            (97, 64, 48, 40, None, Some(4), DType::F32),
+            (
+                129,
+                16,
+                widest * 8,
+                3,
+                Some(129 * 3 * 3 / 4),
+                None,
+                DType::F16,
+            ),
+            (40, 4, widest * 4, 1, None, None, DType::F32),
+            (33, 8, widest * 8 - 8, 8, None, Some(8), DType::Bf16),
+            // One group too wide to hold: the default config runs it.
+            (40, 4, widest * 8 + 8, 2, None, None, DType::Bf16),
+        ];
+        for (j, &(t, e, h, topk, cap, align, dtype)) in cases.iter().enumerate() {
+            let c = Case {
+                t,
+                e,
+                h,
+                topk,
+                cap,
+                align,
+                capacity: None,
+                groups: None,
+                dtype,
+            };
+            eprintln!("config {b:?}, T={t} E={e} H={h} top-{topk} {dtype}");
+            with_configs(&[("unpermute_backward", b)], || {
+                run_case(&mut gpu, &c, 1500 + (i * 10 + j) as u64, true)
+            });
+        }
     }
 }
 

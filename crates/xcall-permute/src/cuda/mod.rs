@@ -43,7 +43,8 @@ use params::{
     segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
 };
 use tune::{
-    arith_width, choose, default_config, grid_for, routes_class, row_class, width, TuneKey,
+    arith_width, choose, default_config, grid_for, held_fits, routes_class, row_class, width,
+    TuneKey,
 };
 pub use tune::{
     backward_candidates, cached_configs, movement_candidates, set_after_tuning_hook, with_configs,
@@ -379,12 +380,19 @@ pub(crate) unsafe fn unpermute_backward(
         &[a.grad.address, a.fwd_input.address, a.act_grad.address],
     );
     let run = |c: Config, outs: &[u64]| -> Result<()> {
+        let name = match c.held {
+            0 => format!("unpermute_bwd_{}{v}_{}", c.infix(), c.unroll),
+            _ if held_fits(c, v, row) => format!("unpermute_bwd_h{}_{}", c.held, c.unroll),
+            _ => {
+                return Err(PermuteError::Unsupported(format!(
+                    "{c:?} holds rows of at most {} 16-byte groups; this row is {row} bytes in {v}-byte vectors",
+                    256 * c.held
+                )))
+            }
+        };
         launch(
             target,
-            (
-                Family::Arith(dtype),
-                &format!("unpermute_bwd_{}{v}_{}", c.infix(), c.unroll),
-            ),
+            (Family::Arith(dtype), &name),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
@@ -404,6 +412,13 @@ pub(crate) unsafe fn unpermute_backward(
             },
         )
     };
+    let default = Config {
+        threads: 128,
+        unroll: 2,
+        waves: 0,
+        per_warp: false,
+        held: 0,
+    };
     let config = choose(
         target,
         (
@@ -413,17 +428,19 @@ pub(crate) unsafe fn unpermute_backward(
             row_class(row),
             routes_class(d.tokens, d.out_rows),
         ),
-        Config {
-            threads: 128,
-            unroll: 2,
-            waves: 0,
-            per_warp: false,
-        },
+        default,
         &backward_candidates(),
         &[a.act_grad.bytes(), a.probs_grad.bytes()],
         &run,
     )?;
-    run(config, &[a.act_grad.address, a.probs_grad.address])
+    let outs = [a.act_grad.address, a.probs_grad.address];
+    match run(config, &outs) {
+        // A row-holding config chosen for a row it holds (16 KiB) and
+        // given a wider row of the same class (20 KiB) launched nothing:
+        // the default config takes the row.
+        Err(PermuteError::Unsupported(_)) if config.held > 0 => run(default, &outs),
+        r => r,
+    }
 }
 
 /// Largest chunk count the CUDA chunk map holds in shared memory (two

@@ -14,7 +14,7 @@ use super::params::{
     self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
     UnpermuteParams,
 };
-use super::tune::WARP_INFIX;
+use super::tune::{HELD, WARP_INFIX};
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::{NamedTensors, Segments, Target, Tensor};
 use crate::check::Dims;
@@ -100,6 +100,14 @@ fn instantiations(family: Family) -> String {
                         format!("unpermute_bwd_{v}_{u}"),
                         format!("unpermute_bwd_body<{codec}, {v}, {u}>"),
                     );
+                }
+                if Fp8::of(dtype).is_none() && v == 16 {
+                    for (held, routes) in HELD {
+                        kernel(
+                            format!("unpermute_bwd_h{held}_{routes}"),
+                            format!("unpermute_bwd_held_body<{codec}, {held}, {routes}>"),
+                        );
+                    }
                 }
                 if Fp8::of(dtype).is_none() {
                     // The warp variant holds all 256 dot slots (unroll 8).
@@ -571,9 +579,10 @@ mod tests {
         // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
         // warp-per-token variants) + 5 zero fills; for two float types,
         // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
-        // the backward's warp variant); for fp8, the two unpermutes (2
-        // widths x 3 unrolls) and their lone-route variants (16 bytes wide).
-        assert_eq!(all.len(), 7 + 65 + 2 * 20 + 12 + 6, "{all:?}");
+        // the backward's warp variant) and 3 row-holding backwards (16
+        // bytes wide); for fp8, the two unpermutes (2 widths x 3 unrolls)
+        // and their one- and two-route variants (16 bytes wide).
+        assert_eq!(all.len(), 7 + 65 + 2 * (20 + 3) + 12 + 12, "{all:?}");
         for (name, params) in all {
             assert_eq!(params_of(&name), params, "{name}");
         }

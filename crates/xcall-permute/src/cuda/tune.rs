@@ -31,6 +31,11 @@ pub struct Config {
     /// Each warp takes its own row (the `*_w_*` kernels) instead of the
     /// whole block taking one.
     pub per_warp: bool,
+    /// `unpermute_backward` only: 16-byte groups of the token's gradient
+    /// each of the block's 256 threads holds in registers for all of the
+    /// token's routes (the `unpermute_bwd_h*` kernels, rows of at most
+    /// 256 x `held` whole groups; `unroll` routes per batch); 0 otherwise.
+    pub held: u32,
 }
 
 impl Config {
@@ -73,8 +78,14 @@ pub(super) fn arith_width(dtype: DType, row_bytes: u64, addresses: &[u64]) -> us
     }
 }
 
+/// The class of a row's bytes, by half octaves: [2^k, 1.5 x 2^k) and
+/// [1.5 x 2^k, 2^(k+1)) differ, so that rows of 4096 and 7168 bf16 values
+/// (8 KiB, 14 KiB), whose best configs differ, tune apart.
 pub(super) fn row_class(row_bytes: u64) -> u32 {
-    64 - row_bytes.max(1).leading_zeros()
+    let r = row_bytes.max(1);
+    let octave = 63 - r.leading_zeros();
+    let upper = octave > 0 && (r >> (octave - 1)) & 1 == 1;
+    2 * octave + upper as u32
 }
 
 /// The class of `out_rows / tokens` (routes per token: 1, 2, 3-4, 5-8,
@@ -93,6 +104,7 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
         unroll: 2,
         waves: 0,
         per_warp: false,
+        held: 0,
     }
 }
 
@@ -109,6 +121,7 @@ pub fn movement_candidates() -> Vec<Config> {
                         unroll,
                         waves,
                         per_warp,
+                        held: 0,
                     });
                 }
             }
@@ -129,6 +142,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 unroll,
                 waves,
                 per_warp: false,
+                held: 0,
             });
         }
         for threads in [128, 256] {
@@ -137,10 +151,31 @@ pub fn backward_candidates() -> Vec<Config> {
                 unroll: 8,
                 waves,
                 per_warp: true,
+                held: 0,
             });
         }
     }
+    for (held, unroll) in HELD {
+        c.push(Config {
+            threads: 256,
+            unroll,
+            waves: 0,
+            per_warp: false,
+            held,
+        });
+    }
     c
+}
+
+/// The row-holding `unpermute_backward` kernels: (groups held per thread,
+/// routes per batch).
+pub(super) const HELD: [(u32, u32); 3] = [(4, 1), (4, 2), (8, 1)];
+
+/// Whether a row-holding `unpermute_backward` config fits rows of `row`
+/// bytes moved in `width`-byte vectors: whole 16-byte groups, at most 256
+/// x `held` of them.
+pub(super) fn held_fits(config: Config, width: usize, row: u64) -> bool {
+    width == 16 && row % 16 == 0 && row / 16 <= 256 * config.held as u64
 }
 
 type Forced = Vec<(&'static str, Config)>;
@@ -317,8 +352,13 @@ pub fn cached_configs(device: Device) -> Vec<(String, Config)> {
             .map(|(k, c)| {
                 (
                     format!(
-                        "{} dtype={} vec={} row~2^{} routes~2^{}",
-                        k.0, k.1, k.2, k.3, k.4
+                        "{} dtype={} vec={} row~{}2^{} routes~2^{}",
+                        k.0,
+                        k.1,
+                        k.2,
+                        if k.3 % 2 == 1 { "1.5x" } else { "" },
+                        k.3 / 2,
+                        k.4
                     ),
                     *c,
                 )
@@ -351,6 +391,7 @@ mod tests {
             unroll: 1,
             waves: 0,
             per_warp,
+            held: 0,
         };
         assert_eq!(c(256, true).rows_per_block(), 8);
         assert_eq!(c(256, false).rows_per_block(), 1);
@@ -378,27 +419,54 @@ mod tests {
     }
 
     #[test]
-    fn row_classes_are_powers_of_two() {
-        let classes: Vec<u32> = [0, 1, 2, 3, 1024, 1025, 14336]
-            .iter()
-            .map(|&r| row_class(r))
-            .collect();
-        assert_eq!(classes, [1, 1, 2, 2, 11, 11, 14]);
+    fn row_classes_are_half_octaves() {
+        let rows = [0, 1, 2, 3, 4, 5, 6, 7, 1024, 1535, 1536, 2047, 2048];
+        let classes: Vec<u32> = rows.iter().map(|&r| row_class(r)).collect();
+        assert_eq!(classes, [0, 0, 2, 3, 4, 4, 5, 5, 20, 20, 21, 21, 22]);
+        // bf16 rows of H = 4096 and H = 7168 tune apart.
+        assert_eq!((row_class(8192), row_class(14336)), (26, 27));
+        assert_eq!(row_class(u64::MAX), 127);
     }
 
     #[test]
     fn backward_candidates_keep_256_dot_slots_per_token() {
         let c = backward_candidates();
-        assert_eq!(c.len(), 15);
+        assert_eq!(c.len(), 18);
         for k in &c {
             if k.per_warp {
                 assert_eq!(k.unroll, 8, "{k:?}");
                 assert!(k.threads <= 256 && k.threads % 32 == 0, "{k:?}");
+            } else if k.held > 0 {
+                // One dot slot per thread; `unroll` routes per batch.
+                assert_eq!((k.threads, k.waves), (256, 0), "{k:?}");
+                assert!(HELD.contains(&(k.held, k.unroll)), "{k:?}");
             } else {
                 assert_eq!(k.threads * k.unroll, 256, "{k:?}");
             }
         }
         assert_eq!(movement_candidates().len(), 54);
+    }
+
+    #[test]
+    fn a_held_row_is_whole_16_byte_groups_at_most_256_per_held() {
+        let c = |held| Config {
+            threads: 256,
+            unroll: 1,
+            waves: 0,
+            per_warp: false,
+            held,
+        };
+        // 256 x 4 groups of 16 bytes: 16384 bytes.
+        assert!(held_fits(c(4), 16, 16384));
+        assert!(!held_fits(c(4), 16, 16384 + 16));
+        assert!(held_fits(c(8), 16, 16384 + 16));
+        assert!(held_fits(c(8), 16, 32768));
+        assert!(!held_fits(c(8), 16, 32768 + 16));
+        assert!(held_fits(c(4), 16, 16));
+        // Vectors narrower than 16 bytes (an unaligned address), or a row
+        // with a partial group, are not held.
+        assert!(!held_fits(c(4), 8, 1024));
+        assert!(!held_fits(c(4), 16, 1000));
     }
 
     #[test]
