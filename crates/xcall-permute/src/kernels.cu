@@ -1151,17 +1151,33 @@ __device__ void unpermute_bwd_held_body(const UnpermuteParams& p) {
             if (q < full) pg[j].raw = __ldcs((const uint4*)(g + q * GE));
         }
         for (int from = 0;;) {
-            if (i == 0) {
-                int c = 0, k = from;
-                for (; k < n && c < HELD_ROUTES; ++k) {
-                    if (!route_ok(m, k, E, N)) continue;
-                    rows[c] = m[k];
-                    experts[c] = m[E + k];
-                    weights[c] = p.mprobs[t * E + m[E + k]];
-                    ++c;
+            // Warp 0 takes the next HELD_ROUTES valid routes from `from`
+            // on, in route order: 32 routes checked at once (their map and
+            // prob loads in flight together, not one route's after
+            // another's), each valid one placed by its rank among them;
+            // `next` is the route after the last one taken.
+            if (i < 32) {
+                int c = 0, after = n;
+                for (int base = from; base < n && c < HELD_ROUTES; base += 32) {
+                    const int k = base + lane;
+                    const bool ok = k < n && route_ok(m, k, E, N);
+                    const int d = ok ? m[k] : 0, e = ok ? m[E + k] : 0;
+                    const float w = ok ? p.mprobs[t * E + e] : 0.0f;
+                    const unsigned int valid = __ballot_sync(0xffffffffu, ok);
+                    const int pos = c + __popc(valid & ((1u << lane) - 1u));
+                    if (ok && pos < HELD_ROUTES) {
+                        rows[pos] = d;
+                        experts[pos] = e;
+                        weights[pos] = w;
+                    }
+                    const unsigned int last = __ballot_sync(0xffffffffu, ok && pos == HELD_ROUTES - 1);
+                    if (last) after = base + __ffs(last);
+                    c = min(c + __popc(valid), HELD_ROUTES);
                 }
-                taken = c;
-                next = k;
+                if (i == 0) {
+                    taken = c;
+                    next = after;
+                }
             }
             __syncthreads();
             const int c = taken;
