@@ -169,10 +169,30 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| g.next_f32()).collect()
 }
 
+/// Held by [`capture_exec`] while it captures and by [`new_stream`] while it
+/// creates a stream: a test process's threads share the device's primary
+/// context, and cudarc's first stream of a context handle synchronizes the
+/// whole context, which fails while another thread captures and
+/// invalidates that capture.
+fn capture_guard() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A new stream of `ctx`, never created while another thread of this
+/// process captures through [`capture_exec`] (see [`capture_guard`]).
+/// Panics on a driver error (a test helper).
+pub fn new_stream(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> std::sync::Arc<cudarc::driver::CudaStream> {
+    let _guard = capture_guard();
+    ctx.new_stream().unwrap()
+}
+
 /// Captures one call of `f` on `stream` (thread-local capture mode) into an
-/// executable graph, for benches that time graph replays; the graph itself
-/// is destroyed once instantiated. Panics on a driver error (a bench
-/// helper).
+/// executable graph, for tests and benches that replay graphs; the graph
+/// itself is destroyed once instantiated. No stream is created through
+/// [`new_stream`] meanwhile. Panics on a driver error (a test helper).
 pub fn capture_exec(
     stream: &cudarc::driver::CudaStream,
     f: &mut dyn FnMut(),
@@ -180,6 +200,7 @@ pub fn capture_exec(
     use cudarc::driver::sys;
     let stream = stream.cu_stream();
     let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let _guard = capture_guard();
     // SAFETY: captures work enqueued on a live stream by this thread, then
     // instantiates it; the graph is destroyed once instantiated.
     unsafe {

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
-use xcall_core::testing::{capture_exec, cuda_devices_or_skip, XorShift};
+use xcall_core::testing::{capture_exec, cuda_devices_or_skip, new_stream, XorShift};
 use xcall_core::{DType, Status};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -28,7 +28,9 @@ struct Gpu {
 impl Gpu {
     fn new() -> Self {
         let ctx = CudaContext::new(0).unwrap();
-        let stream = ctx.new_stream().unwrap();
+        // Not while another test's thread captures: the first stream of a
+        // context handle synchronizes the context.
+        let stream = new_stream(&ctx);
         Gpu {
             _ctx: ctx,
             stream,
