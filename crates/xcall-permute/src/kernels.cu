@@ -803,7 +803,10 @@ __device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<
 // token with two valid routes also sums them in f16 (see F8::pair4). The
 // other tokens take the summing path. A template argument, so that each
 // kernel keeps the registers of the paths it needs.
-template <typename C, int V, int U, bool WARP, int FEW = 0>
+// LOADS (1 or 2): routes whose loads go out together in the summing path;
+// 2 (the `l2_` kernels) pays at many routes per token and costs at one or
+// two, so the launch picks it by routes per token.
+template <typename C, int V, int U, bool WARP, int FEW = 0, int LOADS = 1>
 __device__ void unpermute_body(const UnpermuteParams& p) {
     typedef Pack<C, V> P;
     const Group<WARP> g;
@@ -870,9 +873,12 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int j = 0; j < EV; ++j) acc[u][j] = 0.0f;
-            for (int k = 0; k < n; ++k) {
-                int d;
-                float wk;
+            // Route k's row (-1: past the routes or skipped as invalid)
+            // and weight.
+            auto route_at = [&](int k, int& d, float& wk) {
+                d = -1;
+                wk = 1.0f;
+                if (k >= n) return;
                 if (k < staged_n) {
                     d = rows[k];
                     wk = wts[k];
@@ -881,14 +887,16 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                     d = ok ? m[k] : -1;
                     wk = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
                 }
-                if (d < 0) continue;
+            };
+            auto load = [&](P (&pk)[U], int d) {
                 const P* src = (const P*)row_at(p.input, p.segs, p.seg_rows, d, row);
-                P pk[U];
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * g.step;
                     if (i < nv) pk[u].raw = src[i].raw;
                 }
+            };
+            auto add = [&](const P (&pk)[U], float wk) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * g.step;
@@ -914,6 +922,31 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                             for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], C::load(pk[u].v[j]));
                         }
                     }
+                }
+            };
+            if constexpr (LOADS == 2) {
+                // Two routes' loads go out before either is added; the
+                // sums stay in route order.
+                for (int k = 0; k < n; k += 2) {
+                    int d0, d1;
+                    float w0, w1;
+                    route_at(k, d0, w0);
+                    route_at(k + 1, d1, w1);
+                    P a[U], b[U];
+                    if (d0 >= 0) load(a, d0);
+                    if (d1 >= 0) load(b, d1);
+                    if (d0 >= 0) add(a, w0);
+                    if (d1 >= 0) add(b, w1);
+                }
+            } else {
+                for (int k = 0; k < n; ++k) {
+                    int d;
+                    float wk;
+                    route_at(k, d, wk);
+                    if (d < 0) continue;
+                    P a[U];
+                    load(a, d);
+                    add(a, wk);
                 }
             }
             P* dst = (P*)(p.out + t * row);

@@ -40,6 +40,11 @@ pub(super) enum Family {
 /// routes in f16.
 pub(super) const FEW_INFIXES: [(&str, u32); 2] = [("one_", 1), ("two_", 2)];
 
+/// The infix of unpermute's kernels that load two routes' vectors before
+/// adding either (`unpermute_l2_16_2`, `unpermute_l2_w_16_2`; float types,
+/// 16-byte vectors), launched at three or more routes per token on average.
+pub(super) const LOADS2_INFIX: &str = "l2_";
+
 /// The block-per-token and warp-per-token variants: kernel name infix and
 /// the body's `WARP` argument.
 const VARIANTS: [(&str, bool); 2] = [("", false), (WARP_INFIX, true)];
@@ -79,6 +84,12 @@ fn instantiations(family: Family) -> String {
                             format!("unpermute_{infix}{v}_{u}"),
                             format!("unpermute_body<{codec}, {v}, {u}, {warp}>"),
                         );
+                        if Fp8::of(dtype).is_none() && v == 16 {
+                            kernel(
+                                format!("unpermute_{LOADS2_INFIX}{infix}{v}_{u}"),
+                                format!("unpermute_body<{codec}, {v}, {u}, {warp}, 0, 2>"),
+                            );
+                        }
                     }
                     if Fp8::of(dtype).is_some() {
                         // fp8: unpermute without probs only, and its
@@ -579,10 +590,11 @@ mod tests {
         // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
         // warp-per-token variants) + 5 zero fills; for two float types,
         // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
-        // the backward's warp variant) and 3 row-holding backwards (16
-        // bytes wide); for fp8, the two unpermutes (2 widths x 3 unrolls)
-        // and their one- and two-route variants (16 bytes wide).
-        assert_eq!(all.len(), 7 + 65 + 2 * (20 + 3) + 12 + 12, "{all:?}");
+        // the backward's warp variant), 3 row-holding backwards and 6
+        // two-route-load unpermutes (16 bytes wide); for fp8, the two
+        // unpermutes (2 widths x 3 unrolls) and their one- and two-route
+        // variants (16 bytes wide).
+        assert_eq!(all.len(), 7 + 65 + 2 * (20 + 3 + 6) + 12 + 12, "{all:?}");
         for (name, params) in all {
             assert_eq!(params_of(&name), params, "{name}");
         }
