@@ -196,23 +196,20 @@ struct Case {
     dtype: DType,
 }
 
-fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
-    let what = format!(
-        "T={} E={} H={} topk={} cap={:?} align={:?} capacity={:?} groups={:?} {}",
-        c.t, c.e, c.h, c.topk, c.cap, c.align, c.capacity, c.groups, c.dtype
-    );
-    let mut g = XorShift::new(seed);
-    let (t, e, h) = (c.t as u64, c.e as u64, c.h as u64);
-    let r = Pair::new(gpu, routing(c.t, c.e, c.topk, &mut g), DType::U8, &[t, e]);
+/// make_row_id_map of `routing` ([T, E] bytes) on the Host and on CUDA
+/// into fresh poisoned tensors, its three outputs checked to agree:
+/// (row_id_map, tokens_per_expert, expert_offsets).
+fn row_id_map_on_both(
+    gpu: &mut Gpu,
+    routing: &Pair,
+    options: RowIdMapOptions,
+    autotune: bool,
+    what: &str,
+) -> (Pair, Pair, Pair) {
+    let (t, e) = (routing.dims[0], routing.dims[1]);
     let map = Pair::poisoned(gpu, DType::I32, &[t, 2 * e + 1]);
     let tpe = Pair::poisoned(gpu, DType::I64, &[e]);
     let off = Pair::poisoned(gpu, DType::I64, &[e + 1]);
-    let options = RowIdMapOptions {
-        num_out_tokens: c.cap,
-        align: c.align,
-        capacity: c.capacity,
-        groups: c.groups,
-    };
     both(gpu, autotune, |tg, dev| {
         let pick = |p: &Pair| if dev { p.d() } else { p.h() };
         // SAFETY: host vectors and device allocations of the tensors' sizes.
@@ -220,7 +217,7 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
             call::make_row_id_map(
                 tg,
                 &MakeRowIdMapArgs {
-                    routing: pick(&r),
+                    routing: pick(routing),
                     options,
                     row_id_map: pick(&map),
                     tokens_per_expert: pick(&tpe),
@@ -232,6 +229,24 @@ fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
     map.same(gpu, &format!("{what}: row_id_map"));
     tpe.same(gpu, &format!("{what}: tokens_per_expert"));
     off.same(gpu, &format!("{what}: expert_offsets"));
+    (map, tpe, off)
+}
+
+fn run_case(gpu: &mut Gpu, c: &Case, seed: u64, autotune: bool) {
+    let what = format!(
+        "T={} E={} H={} topk={} cap={:?} align={:?} capacity={:?} groups={:?} {}",
+        c.t, c.e, c.h, c.topk, c.cap, c.align, c.capacity, c.groups, c.dtype
+    );
+    let mut g = XorShift::new(seed);
+    let (t, e, h) = (c.t as u64, c.e as u64, c.h as u64);
+    let r = Pair::new(gpu, routing(c.t, c.e, c.topk, &mut g), DType::U8, &[t, e]);
+    let options = RowIdMapOptions {
+        num_out_tokens: c.cap,
+        align: c.align,
+        capacity: c.capacity,
+        groups: c.groups,
+    };
+    let (map, tpe, off) = row_id_map_on_both(gpu, &r, options, autotune, &what);
     let offsets: Vec<i64> = off
         .host
         .chunks(8)
@@ -589,26 +604,7 @@ fn fp8_unpermute_sums_every_pair_of_bytes_as_the_host() {
     // i = t * H + j.
     let (t, h) = (64u64, 1024u64);
     let r = Pair::new(&mut gpu, vec![1u8; 2 * t as usize], DType::U8, &[t, 2]);
-    let map = Pair::poisoned(&mut gpu, DType::I32, &[t, 5]);
-    let tpe = Pair::poisoned(&mut gpu, DType::I64, &[2]);
-    let off = Pair::poisoned(&mut gpu, DType::I64, &[3]);
-    both(&gpu, false, |tg, dev| {
-        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-        // SAFETY: host vectors and device allocations of the tensors' sizes.
-        unsafe {
-            call::make_row_id_map(
-                tg,
-                &MakeRowIdMapArgs {
-                    routing: pick(&r),
-                    options: RowIdMapOptions::default(),
-                    row_id_map: pick(&map),
-                    tokens_per_expert: pick(&tpe),
-                    expert_offsets: pick(&off),
-                },
-            )
-        }
-    });
-    map.same(&gpu, "pairs: row_id_map");
+    let (map, _, _) = row_id_map_on_both(&mut gpu, &r, RowIdMapOptions::default(), false, "pairs");
     let n = (t * h) as usize;
     let rows: Vec<u8> = (0..n)
         .map(|i| i as u8)
@@ -946,25 +942,8 @@ fn permute_in_place_equals_out_of_place() {
         DType::U8,
         &[t as u64, e as u64],
     );
-    let map = Pair::poisoned(&mut gpu, DType::I32, &[t as u64, 2 * e as u64 + 1]);
-    let tpe = Pair::poisoned(&mut gpu, DType::I64, &[e as u64]);
-    let off = Pair::poisoned(&mut gpu, DType::I64, &[e as u64 + 1]);
-    both(&gpu, false, |tg, dev| {
-        let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-        // SAFETY: as above.
-        unsafe {
-            call::make_row_id_map(
-                tg,
-                &MakeRowIdMapArgs {
-                    routing: pick(&r),
-                    options: RowIdMapOptions::default(),
-                    row_id_map: pick(&map),
-                    tokens_per_expert: pick(&tpe),
-                    expert_offsets: pick(&off),
-                },
-            )
-        }
-    });
+    let (map, tpe, off) =
+        row_id_map_on_both(&mut gpu, &r, RowIdMapOptions::default(), false, "in place");
     let n = i64::from_le_bytes(off.host[8 * e..].try_into().unwrap()) as usize;
     let row = h * dtype.size_bytes();
     let data = random_values(dtype, t * h, &mut g);
