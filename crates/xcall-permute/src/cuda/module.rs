@@ -112,19 +112,20 @@ fn instantiations(family: Family) -> String {
                         format!("unpermute_bwd_body<{codec}, {v}, {u}>"),
                     );
                 }
-                if Fp8::of(dtype).is_none() && v == 16 {
-                    for (held, routes) in HELD {
-                        kernel(
-                            format!("unpermute_bwd_h{held}_{routes}"),
-                            format!("unpermute_bwd_held_body<{codec}, {held}, {routes}>"),
-                        );
-                    }
-                }
                 if Fp8::of(dtype).is_none() {
                     // The warp variant holds all 256 dot slots (unroll 8).
                     kernel(
                         format!("unpermute_bwd_{WARP_INFIX}{v}_8"),
                         format!("unpermute_bwd_warp_body<{codec}, {v}>"),
+                    );
+                }
+            }
+            if Fp8::of(dtype).is_none() {
+                // Row-holding backwards: 16-byte groups whatever the width.
+                for (held, routes) in HELD {
+                    kernel(
+                        format!("unpermute_bwd_h{held}_{routes}"),
+                        format!("unpermute_bwd_held_body<{codec}, {held}, {routes}>"),
                     );
                 }
             }
@@ -595,6 +596,24 @@ mod tests {
         // unpermutes (2 widths x 3 unrolls) and their one- and two-route
         // variants (16 bytes wide).
         assert_eq!(all.len(), 7 + 65 + 2 * (20 + 3 + 6) + 12 + 12, "{all:?}");
+        // The launches ask for the two-route-load and few-route kernels
+        // at 16 bytes only: they are there at 16 bytes and at no other
+        // width.
+        let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+        for name in [
+            "unpermute_l2_16_1",
+            "unpermute_l2_w_16_4",
+            "unpermute_one_16_2",
+            "unpermute_one_w_16_1",
+            "unpermute_two_16_4",
+            "unpermute_two_w_16_2",
+        ] {
+            assert!(names.contains(&name), "{name}: {names:?}");
+        }
+        for name in &names {
+            let few = ["_l2_", "_one_", "_two_"].iter().any(|i| name.contains(i));
+            assert!(!few || name.contains("_16_"), "{name}");
+        }
         for (name, params) in all {
             assert_eq!(params_of(&name), params, "{name}");
         }
