@@ -299,7 +299,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     // Other types, three or more routes per token on average and whole
     // 16-byte vectors: the kernels that load two routes ahead of adding.
     let routes = routes_class(d.tokens, d.out_rows) as usize;
-    let few = match Fp8::of(dtype) {
+    let variant = match Fp8::of(dtype) {
         Some(_) if v % 4 == 0 && a.merging_probs.is_none() => {
             module::FEW_INFIXES.get(routes).map_or("", |f| f.0)
         }
@@ -311,7 +311,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
             target,
             (
                 Family::Arith(dtype),
-                &format!("unpermute_{few}{}{v}_{}", c.infix(), c.unroll),
+                &format!("unpermute_{variant}{}{v}_{}", c.infix(), c.unroll),
             ),
             grid_for(dev, d.tokens, c)?,
             c.threads,
