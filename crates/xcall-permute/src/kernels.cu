@@ -1052,6 +1052,21 @@ __device__ void unpermute_bwd_body(const UnpermuteParams& p) {
     }
 }
 
+// The fold of 256 dot slots a warp holds eight per lane (lane l: slots
+// l + 32 s): the halves 128, 64 and 32 within the lane, then 16 .. 1 by
+// shuffles, the crate's order (see ops::DOT_SLOTS); lane 0 gets the sum.
+// The slots are folded in place.
+__device__ __forceinline__ float fold_slots(float (&s)[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = __fadd_rn(s[i], s[i + 4]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) s[i] = __fadd_rn(s[i], s[i + 2]);
+    float v = __fadd_rn(s[0], s[1]);
+#pragma unroll
+    for (int width = 16; width > 0; width >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, width));
+    return v;
+}
+
 // unpermute_backward, one warp per token with the block variant's 256 dot
 // slots in registers: lane l holds slots l + 32 s (s < 8), so group q goes
 // to lane q % 32, register (q / 32) % 8, as in the block variant; the fold
@@ -1134,13 +1149,7 @@ __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
                     }
                 }
             }
-#pragma unroll
-            for (int s = 0; s < 4; ++s) acc[s] = __fadd_rn(acc[s], acc[s + 4]);
-#pragma unroll
-            for (int s = 0; s < 2; ++s) acc[s] = __fadd_rn(acc[s], acc[s + 2]);
-            float v = __fadd_rn(acc[0], acc[1]);
-#pragma unroll
-            for (int width = 16; width > 0; width >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, width));
+            const float v = fold_slots(acc);
             if (lane == 0) p.oprobs[t * E + m[E + k]] = v;
         }
     }
@@ -1258,13 +1267,7 @@ __device__ void unpermute_bwd_held_body(const UnpermuteParams& p) {
                 float s8[8];
 #pragma unroll
                 for (int s = 0; s < 8; ++s) s8[s] = part[r][lane + 32 * s];
-#pragma unroll
-                for (int s = 0; s < 4; ++s) s8[s] = __fadd_rn(s8[s], s8[s + 4]);
-#pragma unroll
-                for (int s = 0; s < 2; ++s) s8[s] = __fadd_rn(s8[s], s8[s + 2]);
-                float v = __fadd_rn(s8[0], s8[1]);
-#pragma unroll
-                for (int width = 16; width > 0; width >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, width));
+                const float v = fold_slots(s8);
                 if (lane == 0) p.oprobs[t * E + experts[r]] = v;
             }
             __syncthreads();  // part, rows and weights are free again
