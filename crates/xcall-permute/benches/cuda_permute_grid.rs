@@ -1,20 +1,25 @@
 //! The permute family over a grid of MoE shapes, each op replayed from a
 //! CUDA graph beside a device-to-device copy of the permuted tensor's bytes
-//! in the same run (the ratio is the op's GB/s over the copy's, with the
-//! byte model of `cuda_permute`). The grid: H in {1024, 2048, 4096, 7168}
-//! x topK in {1, 2, 6, 8} x E in {4, 8, 64, 128, 256} x T in {4096,
-//! 16384}; bf16 runs every op, f32 and fp8 (e4m3) permute and unpermute
-//! without probs; bf16 also runs with `num_out_tokens` = 3/4 of T x topK
-//! (routes dropped) and with each expert padded to 128 rows.
+//! in the same run. The ratio is the op's GB/s over the copy's, with the
+//! byte model of `cuda_permute` (with expert padding, unpermute and the
+//! backward read only the routed rows); the copy is the faster of the
+//! driver's and a plain kernel's (see common/mod.rs). The grid: H in {1024,
+//! 2048, 4096, 7168} x topK in {1, 2, 6, 8} x E in {4, 8, 64, 128, 256} x T
+//! in {4096, 16384}; bf16 runs every op, f32 and fp8 (e4m3) permute and
+//! unpermute without probs; bf16 also runs with `num_out_tokens` = 3/4 of
+//! T x topK (routes dropped) and with each expert padded to 128 rows.
 //!
 //! Writes one JSON object per measurement, one per line, to
 //! `$XCALL_GRID_JSON` (default `permute-grid.json`); `scripts/permute-grid.py`
 //! turns it into the table and heat map of docs/BENCHMARKS.md.
 //! `XCALL_GRID_QUICK=1` runs T = 4096 only.
 
+mod common;
+
 use std::io::Write;
 use std::sync::Arc;
 
+use common::KernelCopy;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, XorShift};
 use xcall_core::{cuda, DType, Device, FloatCodec};
@@ -83,6 +88,7 @@ fn main() {
     // SAFETY: this bench orders its own work on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().unwrap();
+    let copy = KernelCopy::new(&ctx);
     let target = Target {
         autotune: true,
         checked: false,
@@ -117,7 +123,7 @@ fn main() {
         Tensor::new(p(s), dtype, &dims)
     };
     println!(
-        "device: {} ({}), graph replays, CUDA-event medians of {ROUNDS} interleaved rounds; ratio = op GB/s / copy GB/s",
+        "device: {} ({}), graph replays, CUDA-event medians of {ROUNDS} interleaved rounds; ratio = op GB/s / copy GB/s (the faster of cuMemcpyDtoDAsync and a copy kernel)",
         info.name,
         info.arch()
     );
@@ -126,6 +132,12 @@ fn main() {
         "dtype", "variant", "shape (T,E,H,topK)", "op", "op us", "copy us", "ratio"
     );
     let mut worst: Vec<(String, f64)> = Vec::new();
+    let env = Env {
+        ctx: &ctx,
+        stream: &stream,
+        target: &target,
+        copy: &copy,
+    };
     for dtype in [DType::Bf16, DType::F32, DType::F8E4M3] {
         fill(&stream, &d_in, max_t * max_h * 4, dtype, 1);
         fill(&stream, &d_grad, max_t * max_h * 4, dtype, 2);
@@ -152,9 +164,7 @@ fn main() {
                         for &h in &HS {
                             let shape = Shape { t, e, h, k };
                             let lines = run_shape(
-                                &ctx,
-                                &stream,
-                                &target,
+                                &env,
                                 &shape,
                                 dtype,
                                 variant,
@@ -179,8 +189,8 @@ fn main() {
                             for l in lines {
                                 writeln!(
                                     json,
-                                    "{{\"device\":\"{}\",\"dtype\":\"{dtype}\",\"variant\":\"{variant}\",\"t\":{t},\"e\":{e},\"h\":{h},\"topk\":{k},\"op\":\"{}\",\"op_us\":{:.2},\"copy_us\":{:.2},\"ratio\":{:.4}}}",
-                                    info.name, l.op, l.op_us, l.copy_us, l.ratio
+                                    "{{\"device\":\"{}\",\"dtype\":\"{dtype}\",\"variant\":\"{variant}\",\"t\":{t},\"e\":{e},\"h\":{h},\"topk\":{k},\"op\":\"{}\",\"op_us\":{:.2},\"copy_us\":{:.2},\"memcpy_us\":{:.2},\"kernel_copy_us\":{:.2},\"ratio\":{:.4}}}",
+                                    info.name, l.op, l.op_us, l.copy_us, l.memcpy_us, l.kernel_copy_us, l.ratio
                                 )
                                 .unwrap();
                                 println!(
@@ -243,19 +253,29 @@ type TimedOp<'a> = (&'static str, f64, Box<dyn FnMut() + 'a>);
 struct Line {
     op: &'static str,
     op_us: f64,
+    /// The faster of the two copies below.
     copy_us: f64,
+    memcpy_us: f64,
+    kernel_copy_us: f64,
     ratio: f64,
 }
 
-fn run_shape(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    target: &Target,
-    s: &Shape,
-    dtype: DType,
-    variant: &str,
-    b: &Buffers,
-) -> Vec<Line> {
+/// What every shape's run uses: the context, the stream, the target and
+/// the reference copy kernel.
+struct Env<'a> {
+    ctx: &'a Arc<CudaContext>,
+    stream: &'a Arc<CudaStream>,
+    target: &'a Target,
+    copy: &'a KernelCopy,
+}
+
+fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers) -> Vec<Line> {
+    let Env {
+        ctx,
+        stream,
+        target,
+        copy,
+    } = *env;
     let (t, e, h, k) = (s.t, s.e, s.h, s.k);
     let options = match variant {
         "cap" => RowIdMapOptions {
@@ -357,6 +377,11 @@ fn run_shape(
     }
     let cs = stream.cu_stream();
     let (tr, nr) = ((t * row) as f64, (n * row) as f64);
+    // The rows of kept routes: all N but for `align`, whose padding rows
+    // permute and the backward write (zeros) and unpermute and the
+    // backward's forward input never read.
+    let routed: i64 = tpe.iter().sum();
+    let rr = (routed as usize * row) as f64;
     let probs_bytes = if bf16 { (n * 4) as f64 } else { 0.0 };
     let merge_bytes = if bf16 { (t * e * 4) as f64 } else { 0.0 };
     let (perm_addr, out_addr) = (b.perm, b.out);
@@ -372,6 +397,13 @@ fn run_shape(
             }),
         ),
         (
+            "kernel copy",
+            2.0 * nr,
+            // SAFETY: two live, disjoint, 16-byte aligned allocations of at
+            // least n * row bytes (a multiple of 16) on this context.
+            Box::new(move || unsafe { copy.enqueue(out_addr, perm_addr, n * row, cs) }),
+        ),
+        (
             "permute",
             tr + nr + probs_bytes,
             // SAFETY: as above.
@@ -379,7 +411,7 @@ fn run_shape(
         ),
         (
             "unpermute",
-            nr + tr + merge_bytes,
+            rr + tr + merge_bytes,
             // SAFETY: as above.
             Box::new(|| unsafe { call::unpermute(target, &unpermute).unwrap() }),
         ),
@@ -387,7 +419,7 @@ fn run_shape(
     if bf16 {
         ops.push((
             "unpermute_backward",
-            tr + 2.0 * nr + (t * e * 8) as f64,
+            tr + rr + nr + (t * e * 8) as f64,
             // SAFETY: as above.
             Box::new(|| unsafe { call::unpermute_backward(target, &backward).unwrap() }),
         ));
@@ -438,14 +470,18 @@ fn run_shape(
         // SAFETY: the timing synchronised; no replay is in flight.
         unsafe { sys::cuGraphExecDestroy(g) };
     }
-    let copy_gbs = ops[0].1 / ms[0];
+    // The reference is the faster of the two copies (see common/mod.rs).
+    let copy_ms = ms[0].min(ms[1]);
+    let copy_gbs = ops[0].1 / copy_ms;
     ops.iter()
         .zip(&ms)
-        .skip(1)
+        .skip(2)
         .map(|(op, &m)| Line {
             op: op.0,
             op_us: m * 1e3,
-            copy_us: ms[0] * 1e3,
+            copy_us: copy_ms * 1e3,
+            memcpy_us: ms[0] * 1e3,
+            kernel_copy_us: ms[1] * 1e3,
             ratio: op.1 / m / copy_gbs,
         })
         .collect()
