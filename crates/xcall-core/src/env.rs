@@ -156,6 +156,13 @@ pub const VARIABLES: &[Variable] = &[
         "The JAX suite fails instead of skipping when JAX is missing.",
     ),
     var(
+        "XCALL_REQUIRE_NVRTC",
+        Kind::Flag,
+        "off",
+        "tests",
+        "The compile-only kernel tests (every module compiled and assembled by NVRTC, no GPU) fail instead of skipping when NVRTC cannot be opened. CI sets it.",
+    ),
+    var(
         "XCALL_REQUIRE_PYTHON",
         Kind::Flag,
         "off",

@@ -113,6 +113,51 @@ pub fn cuda_devices_or_skip(test: &str) -> Option<usize> {
     }
 }
 
+/// The environment variable that makes a missing NVRTC a failure of the
+/// compile-only kernel tests (CI sets it: it installs NVRTC, not a GPU).
+pub const REQUIRE_NVRTC_ENV: &str = "XCALL_REQUIRE_NVRTC";
+
+/// NVRTC's version for compile-only test `test` (no GPU needed), or `None`
+/// after printing a skip line when the NVRTC library cannot be opened.
+///
+/// # Panics
+/// When NVRTC is missing and `XCALL_REQUIRE_NVRTC=1` is set.
+pub fn nvrtc_or_skip(test: &str) -> Option<(i32, i32)> {
+    match cuda::nvrtc_version() {
+        Ok(v) => Some(v),
+        Err(e) if required(REQUIRE_NVRTC_ENV) => panic!("{test}: {REQUIRE_NVRTC_ENV}=1 but {e}"),
+        Err(e) => {
+            skip(test, &e.to_string());
+            None
+        }
+    }
+}
+
+/// Compiles `code` (program `name`) with NVRTC for `arch`, with no GPU:
+/// `compute_XX` checks the C++ and makes PTX; `sm_XX` (or `sm_XXa`) also
+/// assembles it, so the inline PTX is checked as the driver would.
+///
+/// # Panics
+/// When NVRTC refuses the program: the message holds NVRTC's log.
+pub fn nvrtc_compiles(name: &str, code: &str, arch: &str, options: &[&str]) {
+    let mut all = vec![format!("--gpu-architecture={arch}")];
+    all.extend(options.iter().map(|o| o.to_string()));
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: all,
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(code, opts) {
+        let log = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        panic!("{name} does not compile for {arch}:\n{log}");
+    }
+}
+
 /// Prints `SKIP <test>: <reason>` on stderr. It writes to the stream
 /// directly, so the line shows even when the test harness captures output.
 pub fn skip(test: &str, reason: &str) {

@@ -489,6 +489,18 @@ pub(crate) unsafe fn wait_on_stream(
 mod tests {
     use super::*;
 
+    /// The module's kernels compile with NVRTC and assemble for sm_90 and
+    /// sm_80, no GPU needed.
+    #[test]
+    fn the_module_compiles_with_nvrtc() {
+        if xcall_core::testing::nvrtc_or_skip("shmem module with NVRTC").is_none() {
+            return;
+        }
+        for arch in ["sm_90", "sm_80"] {
+            xcall_core::testing::nvrtc_compiles("xcall_shmem.cu", &source(), arch, &[]);
+        }
+    }
+
     #[test]
     fn wait_codes_are_the_words_the_kernels_write() {
         // The barrier kernel writes 1 + rank (kind 0).

@@ -345,3 +345,45 @@ fn element_types_vector_widths_and_role_split_match_the_dtype_and_plan() {
     assert_eq!(ElementwiseOp::from_code(1), Some(ElementwiseOp::SiluScale));
     assert_eq!(ElementwiseOp::from_code(2), None);
 }
+
+/// The generated kernels compile with NVRTC and assemble for sm_90a (their
+/// mbarrier, bulk-copy and setmaxnreg PTX checked as the driver would), no
+/// GPU needed: each op and dtype, warp-specialized under two plans and
+/// plain.
+#[test]
+fn generated_kernels_compile_with_nvrtc() {
+    let Some(version) = xcall_core::testing::nvrtc_or_skip("warp-specialized kernels with NVRTC")
+    else {
+        return;
+    };
+    eprintln!("NVRTC {}.{}", version.0, version.1);
+    let configs = [
+        OpConfig {
+            stages: 3,
+            tile_bytes: 8192,
+            compute_warpgroups: 2,
+        },
+        OpConfig {
+            stages: 2,
+            tile_bytes: 4096,
+            compute_warpgroups: 1,
+        },
+    ];
+    let mut kernels = Vec::new();
+    for op in [ElementwiseOp::Mul, ElementwiseOp::SiluScale] {
+        for dtype in [DType::F32, DType::Bf16] {
+            for config in configs {
+                let plan = config.plan(op.operands()).unwrap();
+                kernels.push(generate(&plan, op, dtype).unwrap());
+            }
+            kernels.push(generate_plain(op, dtype));
+        }
+    }
+    std::thread::scope(|s| {
+        for k in &kernels {
+            s.spawn(move || {
+                xcall_core::testing::nvrtc_compiles(&k.name, &k.source, "sm_90a", &["-std=c++17"])
+            });
+        }
+    });
+}

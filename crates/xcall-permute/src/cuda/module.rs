@@ -560,6 +560,41 @@ pub(super) fn check_segments_reachable(
 mod tests {
     use super::*;
 
+    /// Every module this crate loads compiles with NVRTC, no GPU needed:
+    /// assembled for sm_90 (the fp8 conversions' inline PTX included) and
+    /// as PTX for compute_80 (the fp8 steps without those instructions).
+    #[test]
+    fn every_module_compiles_with_nvrtc() {
+        let Some(version) = xcall_core::testing::nvrtc_or_skip("permute modules with NVRTC") else {
+            return;
+        };
+        eprintln!("NVRTC {}.{}", version.0, version.1);
+        let families = [
+            Family::Movement,
+            Family::Arith(DType::Bf16),
+            Family::Arith(DType::F16),
+            Family::Arith(DType::F32),
+            Family::Arith(DType::F8E4M3),
+            Family::Arith(DType::F8E5M2),
+        ];
+        std::thread::scope(|s| {
+            for family in families {
+                for arch in ["sm_90", "compute_80"] {
+                    s.spawn(move || {
+                        let code =
+                            format!("{}{SOURCE}\n{}", params::prelude(), instantiations(family));
+                        xcall_core::testing::nvrtc_compiles(
+                            &format!("{family:?}"),
+                            &code,
+                            arch,
+                            &["-std=c++17"],
+                        );
+                    });
+                }
+            }
+        });
+    }
+
     /// Every `extern "C"` kernel of `source` with the struct its signature
     /// takes.
     fn signatures(source: &str) -> Vec<(String, String)> {
