@@ -2,7 +2,8 @@
 //! CUDA graph beside a device-to-device copy of the permuted tensor's bytes
 //! in the same run. The ratio is the op's GB/s over the copy's, with the
 //! byte model of `cuda_permute` (with expert padding, unpermute and the
-//! backward read only the routed rows); the copy is the faster of the
+//! backward read only the routed rows; with routes dropped, permute and
+//! the backward read only the tokens that keep one); the copy is the faster of the
 //! driver's and a plain kernel's (see common/mod.rs). The grid: H in {1024,
 //! 2048, 4096, 7168} x topK in {1, 2, 6, 8} x E in {4, 8, 64, 128, 256} x T
 //! in {4096, 16384}; bf16 runs every op, f32 and fp8 (e4m3) permute and
@@ -315,6 +316,22 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         "cap" => t * k * 3 / 4,
         _ => off[e] as usize,
     };
+    // The tokens permute (their rows) and the backward (their gradients)
+    // read: those with a kept route. With `cap` a token can lose every
+    // route (its map row's count is then 0).
+    let read_tokens = if variant == "cap" {
+        let mut map = vec![0i32; t * (2 * e + 1)];
+        // SAFETY: reads the map's t x (2e + 1) i32s of a live allocation;
+        // the stream finished writing it above.
+        unsafe {
+            sys::cuMemcpyDtoH_v2(map.as_mut_ptr().cast(), b.map.address, map.len() * 4)
+                .result()
+                .unwrap();
+        }
+        map.chunks(2 * e + 1).filter(|r| r[2 * e] > 0).count()
+    } else {
+        t
+    };
     let row = h * dtype.size_bytes();
     let nt = |addr: u64, rows: usize| Tensor::new(addr, dtype, &[rows as u64, h as u64]);
     let bf16 = dtype == DType::Bf16;
@@ -405,7 +422,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         ),
         (
             "permute",
-            tr + nr + probs_bytes,
+            (read_tokens * row) as f64 + nr + probs_bytes,
             // SAFETY: as above.
             Box::new(|| unsafe { call::permute(target, &permute).unwrap() }),
         ),
@@ -419,7 +436,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
     if bf16 {
         ops.push((
             "unpermute_backward",
-            tr + rr + nr + (t * e * 8) as f64,
+            (read_tokens * row) as f64 + rr + nr + (t * e * 8) as f64,
             // SAFETY: as above.
             Box::new(|| unsafe { call::unpermute_backward(target, &backward).unwrap() }),
         ));
