@@ -186,8 +186,16 @@ fn a_sender_that_never_sends_times_out_by_name() {
     let _s = serial();
     let results = run_threads("exchange timeout", 2, watchdog(), |rank| {
         let mut w = World::new();
-        w.init(&config("xlate", rank, 2, Duration::from_millis(600)))
-            .unwrap();
+        // PE 1 times out after 600 ms and only then joins the barrier
+        // below, where PE 0 has been waiting since its own exchange
+        // returned: PE 0 waits longer, so a loaded machine does not time
+        // its barrier out first.
+        let timeout = if rank == 1 {
+            Duration::from_millis(600)
+        } else {
+            Duration::from_secs(20)
+        };
+        w.init(&config("xlate", rank, 2, timeout)).unwrap();
         let buf = w.malloc(64).unwrap();
         let started = Instant::now();
         let r = if rank == 1 {
