@@ -593,25 +593,19 @@ fn fp8_permute_and_unpermute_equal_the_host() {
 /// fp8 unpermute of tokens with two routes and no probs sums in f16 (see
 /// `F8::pair4` in kernels.cu), where the Host sums in f32: every pair of
 /// bytes (a, b), each format, must store the Host's byte.
-#[test]
-fn fp8_unpermute_sums_every_pair_of_bytes_as_the_host() {
-    if cuda_devices_or_skip("permute cuda fp8 pairs").is_none() {
-        return;
-    }
+/// fp8 unpermute without probs on the Host and the GPU, both formats: T =
+/// 64 tokens of H = 1024 each route to experts 0 .. k (token t's route e
+/// is row e * T + t of the input), whose rows are `columns[e](i)` for
+/// value i = t * H + j.
+fn fp8_unpermute_rows_on_both(what: &str, columns: &[fn(usize) -> u8]) {
     let mut gpu = Gpu::new();
-    // Every token routes to experts 0 and 1: token t's routes are rows t
-    // and T + t. Value j of token t is the pair (i % 256, i / 256) of
-    // i = t * H + j.
-    let (t, h) = (64u64, 1024u64);
-    let r = Pair::new(&mut gpu, vec![1u8; 2 * t as usize], DType::U8, &[t, 2]);
-    let (map, _, _) = row_id_map_on_both(&mut gpu, &r, RowIdMapOptions::default(), false, "pairs");
+    let (t, h, k) = (64u64, 1024u64, columns.len() as u64);
+    let r = Pair::new(&mut gpu, vec![1u8; (k * t) as usize], DType::U8, &[t, k]);
+    let (map, _, _) = row_id_map_on_both(&mut gpu, &r, RowIdMapOptions::default(), false, what);
     let n = (t * h) as usize;
-    let rows: Vec<u8> = (0..n)
-        .map(|i| i as u8)
-        .chain((0..n).map(|i| (i >> 8) as u8))
-        .collect();
+    let rows: Vec<u8> = columns.iter().flat_map(|c| (0..n).map(c)).collect();
     for dtype in [DType::F8E4M3, DType::F8E5M2] {
-        let input = Pair::new(&mut gpu, rows.clone(), dtype, &[2 * t, h]);
+        let input = Pair::new(&mut gpu, rows.clone(), dtype, &[k * t, h]);
         let out = Pair::poisoned(&mut gpu, dtype, &[t, h]);
         both(&gpu, false, |tg, dev| {
             let pick = |p: &Pair| if dev { p.d() } else { p.h() };
@@ -631,8 +625,34 @@ fn fp8_unpermute_sums_every_pair_of_bytes_as_the_host() {
                 )
             }
         });
-        out.same(&gpu, &format!("{dtype}: every pair of bytes"));
+        out.same(&gpu, &format!("{dtype}: {what}"));
     }
+}
+
+#[test]
+fn fp8_unpermute_sums_every_pair_of_bytes_as_the_host() {
+    if cuda_devices_or_skip("permute cuda fp8 pairs").is_none() {
+        return;
+    }
+    // Two routes (the f16 pair sums): value i sums the bytes i % 256 and
+    // i / 256, every pair.
+    fp8_unpermute_rows_on_both("every pair of bytes", &[|i| i as u8, |i| (i >> 8) as u8]);
+}
+
+#[test]
+fn fp8_unpermute_sums_three_routes_of_every_byte_as_the_host() {
+    if cuda_devices_or_skip("permute cuda fp8 three routes").is_none() {
+        return;
+    }
+    // Three routes take the summing path, which converts a word of four
+    // bytes at a time: value i sums the bytes i % 256, i / 256 and i / 4,
+    // so every pair of the first two, and every byte at each of a word's
+    // four places in the third (words with an all-ones exponent and words
+    // without both come up).
+    fp8_unpermute_rows_on_both(
+        "three routes of every byte",
+        &[|i| i as u8, |i| (i >> 8) as u8, |i| (i >> 2) as u8],
+    );
 }
 
 #[test]
