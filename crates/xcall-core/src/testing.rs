@@ -306,6 +306,39 @@ pub fn interleaved_medians(
 
 #[cfg(test)]
 mod tests {
+    /// `nvrtc_compiles` passes a good program and fails a C++ error for
+    /// any target, and an inline-PTX error only where it assembles
+    /// (`sm_XX`), with NVRTC's log in the message.
+    #[test]
+    fn nvrtc_compiles_fails_bad_programs_with_the_log() {
+        if super::nvrtc_or_skip("nvrtc_compiles").is_none() {
+            return;
+        }
+        let good = r#"extern "C" __global__ void k(int* p) { *p = 1; }"#;
+        let bad_cpp = r#"extern "C" __global__ void k(int* p) { *p = no_such_name; }"#;
+        let bad_ptx =
+            r#"extern "C" __global__ void k(int* p) { asm volatile("no.such.instruction;"); }"#;
+        let fails = |code: &'static str, arch: &'static str| -> Option<String> {
+            std::panic::catch_unwind(|| super::nvrtc_compiles("t.cu", code, arch, &[]))
+                .err()
+                .map(|e| e.downcast_ref::<String>().cloned().unwrap_or_default())
+        };
+        for arch in ["sm_90", "compute_90"] {
+            assert_eq!(fails(good, arch), None, "{arch}");
+            let msg = fails(bad_cpp, arch).expect("a C++ error fails");
+            assert!(
+                msg.contains("t.cu does not compile for") && msg.contains("no_such_name"),
+                "{msg}"
+            );
+        }
+        assert_eq!(fails(bad_ptx, "compute_90"), None, "PTX is not assembled");
+        let msg = fails(bad_ptx, "sm_90").expect("ptxas refuses it");
+        assert!(
+            msg.contains("t.cu does not compile for sm_90") && msg.contains("ptxas"),
+            "{msg}"
+        );
+    }
+
     use super::*;
 
     #[test]
