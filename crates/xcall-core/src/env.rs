@@ -240,6 +240,13 @@ pub const VARIABLES: &[Variable] = &[
         "Run T = 4096 only.",
     ),
     var(
+        "XCALL_GRID_ONLY",
+        Kind::Text,
+        "every shape",
+        "`bench-cuda_permute_grid`",
+        "Run only the shapes matching `dtype:variant:T:E:H:topK`, each field a value or `*` (e.g. `f8e4m3:plain:16384:256:7168:8`), to profile one shape.",
+    ),
+    var(
         "XCALL_BENCH_ARGS",
         Kind::Text,
         "none",

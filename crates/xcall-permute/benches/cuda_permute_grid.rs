@@ -13,7 +13,9 @@
 //! Writes one JSON object per measurement, one per line, to
 //! `$XCALL_GRID_JSON` (default `permute-grid.json`); `scripts/permute-grid.py`
 //! turns it into the table and heat map of docs/BENCHMARKS.md.
-//! `XCALL_GRID_QUICK=1` runs T = 4096 only.
+//! `XCALL_GRID_QUICK=1` runs T = 4096 only; `XCALL_GRID_ONLY` =
+//! `dtype:variant:T:E:H:topK` (each field a value or `*`) runs the
+//! matching shapes only, e.g. to profile one.
 
 mod common;
 
@@ -99,6 +101,19 @@ fn main() {
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or(false);
     let json_path = std::env::var("XCALL_GRID_JSON").unwrap_or("permute-grid.json".into());
+    let only: Option<Vec<String>> = std::env::var("XCALL_GRID_ONLY").ok().map(|s| {
+        let fields: Vec<String> = s.split(':').map(str::to_string).collect();
+        assert_eq!(
+            fields.len(),
+            6,
+            "XCALL_GRID_ONLY is dtype:variant:T:E:H:topK, not {s:?}"
+        );
+        fields
+    });
+    let wanted = |values: [String; 6]| {
+        only.as_ref()
+            .is_none_or(|o| o.iter().zip(&values).all(|(f, v)| f == "*" || f == v))
+    };
     let mut json = std::fs::File::create(&json_path).unwrap();
     let ts: &[usize] = if quick { &[4096] } else { &[4096, 16384] };
     let (max_t, max_n, max_h) = (16384, 16384 * 8, 7168);
@@ -163,6 +178,17 @@ fn main() {
                             .collect();
                         upload(p(&d_probs), &probs);
                         for &h in &HS {
+                            let fields = [
+                                dtype.to_string(),
+                                variant.to_string(),
+                                t.to_string(),
+                                e.to_string(),
+                                h.to_string(),
+                                k.to_string(),
+                            ];
+                            if !wanted(fields) {
+                                continue;
+                            }
                             let shape = Shape { t, e, h, k };
                             let lines = run_shape(
                                 &env,
