@@ -300,6 +300,15 @@ impl LoadedModule {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NvrtcLoader;
 
+/// NVRTC's log of a failed compile (or the error itself when there is no
+/// log).
+pub(crate) fn compile_log(e: &cudarc::nvrtc::CompileError) -> String {
+    match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+        other => format!("{other:?}"),
+    }
+}
+
 impl ModuleLoader for NvrtcLoader {
     type Module = LoadedModule;
 
@@ -326,16 +335,11 @@ impl ModuleLoader for NvrtcLoader {
             ..Default::default()
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(request.code, opts).map_err(|e| {
-            use cudarc::nvrtc::CompileError as C;
-            let log = match &e {
-                C::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-                other => format!("{other:?}"),
-            };
             Error::CompileFailed {
                 name: request.name.to_string(),
                 arch: request.arch.to_string(),
                 options: request.options.to_vec(),
-                log,
+                log: compile_log(&e),
             }
         })?;
         let module = cuda::with_context(device, |ctx| {

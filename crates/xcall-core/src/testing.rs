@@ -148,12 +148,7 @@ pub fn nvrtc_compiles(name: &str, code: &str, arch: &str, options: &[&str]) {
         ..Default::default()
     };
     if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(code, opts) {
-        let log = match &e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
-            }
-            other => format!("{other:?}"),
-        };
+        let log = crate::kernel_cache::compile_log(&e);
         panic!("{name} does not compile for {arch}:\n{log}");
     }
 }
