@@ -301,6 +301,19 @@ pub fn interleaved_medians(
 
 #[cfg(test)]
 mod tests {
+    /// `nvrtc_or_skip` answers NVRTC's version where it opens and `None`
+    /// where it does not (this test runs only where that is allowed).
+    #[test]
+    fn nvrtc_or_skip_answers_the_version_or_none() {
+        match crate::cuda::nvrtc_version() {
+            Ok(v) => assert_eq!(super::nvrtc_or_skip("nvrtc_or_skip"), Some(v)),
+            Err(_) if super::required(super::REQUIRE_NVRTC_ENV) => {
+                panic!("{}=1 but NVRTC cannot be opened", super::REQUIRE_NVRTC_ENV)
+            }
+            Err(_) => assert_eq!(super::nvrtc_or_skip("nvrtc_or_skip"), None),
+        }
+    }
+
     /// `nvrtc_compiles` passes a good program and fails a C++ error for
     /// any target, and an inline-PTX error only where it assembles
     /// (`sm_XX`), with NVRTC's log in the message.
@@ -321,8 +334,11 @@ mod tests {
         for arch in ["sm_90", "compute_90"] {
             assert_eq!(fails(good, arch), None, "{arch}");
             let msg = fails(bad_cpp, arch).expect("a C++ error fails");
+            // NVRTC's own lines name the program and the line.
             assert!(
-                msg.contains("t.cu does not compile for") && msg.contains("no_such_name"),
+                msg.contains("t.cu does not compile for")
+                    && msg.contains("t.cu(1)")
+                    && msg.contains("no_such_name"),
                 "{msg}"
             );
         }
