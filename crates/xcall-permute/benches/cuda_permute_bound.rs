@@ -1,0 +1,465 @@
+//! What the memory system gives permute's row writes, with xcall's kernels
+//! out of the picture: one plain kernel (a warp per token, 16-byte vectors,
+//! a token's row loaded into registers a few vectors per lane at a time and
+//! stored to each of its routes with evict-first stores) run over the same
+//! random top-k routes in several layouts and launch shapes, beside a copy
+//! and a memset of the same bytes in the same run:
+//!
+//! - `expert-major`: the rows where permute puts them (each expert's rows
+//!   together, in token order);
+//! - `token-major`: row `t * topK + k` (a token's routes side by side), the
+//!   same kernel and bytes with the writes in order;
+//! - `write-only`: a constant stored instead of the row (no row reads);
+//! - `S slices`: a warp per slice of a token's row (T x S warps' worth of
+//!   work instead of T), `U vectors` per lane at a time, `loaded ahead`:
+//!   the next U loaded before the current U are stored;
+//! - `+ probs`: each route's prob copied too, as permute does;
+//! - `G groups`: each block serves the routes of one of G expert groups,
+//!   so a block writes into E / G experts' regions instead of all E (a
+//!   token's row is read once per group it routes to).
+//!
+//! Before anything is timed, every layout's output is checked against the
+//! Host's (four vectors of every route's row) and its probs in full. Prints one table per shape:
+//! CUDA-event medians of interleaved rounds, GB/s with permute's byte model
+//! (rows read once, written once per route; write-only: the writes) and
+//! the ratio to the faster of the driver's and a kernel's copy of [N, H].
+
+mod common;
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use common::KernelCopy;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, XorShift};
+use xcall_core::{cuda, Device};
+
+const ROUNDS: usize = 20;
+
+const SOURCE: &str = r#"
+typedef long long i64;
+// A warp per token (grid-stride over tokens); block b serves expert group
+// b % groups (gridDim.x is a multiple of groups). Lane k < K holds route
+// k's destination row and expert. dst == 0: destination t * K + k.
+template <int U>
+__device__ __forceinline__ void load(uint4 (&r)[U], const uint4* src, i64 base, i64 end, i64 t, int read) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const i64 i = base + 32 * u;
+        r[u] = make_uint4((unsigned)i, (unsigned)t, 1u, 2u);
+        if (read && i < end) r[u] = src[i];
+    }
+}
+// U vectors per lane at a time; PF: the next U are loaded before the
+// current ones are stored.
+template <int U, bool PF>
+__device__ void rows_body(const uint4* __restrict__ in, uint4* __restrict__ out, const int* __restrict__ dst,
+                          const int* __restrict__ ex, int T, int K, i64 nv, int read, int groups, int gsize,
+                          int slices, const float* __restrict__ probs, float* __restrict__ pprobs, int E) {
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int grp = blockIdx.x % groups;
+    const i64 step = (i64)(gridDim.x / groups) * wpb;
+    for (i64 item = (i64)(blockIdx.x / groups) * wpb + warp; item < (i64)T * slices; item += step) {
+        const i64 t = item / slices;
+        const int sl = (int)(item % slices);
+        int my_d = -1;
+        if (lane < K) {
+            const int e = ex[t * K + lane];
+            if (e / gsize == grp) my_d = dst ? dst[t * K + lane] : (int)(t * K + lane);
+            if (pprobs && my_d >= 0 && sl == 0) pprobs[my_d] = probs[t * E + e];
+        }
+        const uint4* src = in + t * nv;
+        const i64 end = nv * (sl + 1) / slices;
+        uint4 cur[U], nxt[U];
+        i64 base = nv * sl / slices + lane;
+        if (PF) load<U>(cur, src, base, end, t, read);
+        for (; base < end; base += 32 * U) {
+            if (PF) load<U>(nxt, src, base + 32 * U, end, t, read);
+            else load<U>(cur, src, base, end, t, read);
+            for (int k = 0; k < K; ++k) {
+                const int d = __shfl_sync(0xffffffffu, my_d, k);
+                if (d < 0) continue;
+                uint4* o = out + (i64)d * nv;
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (base + 32 * u < end) __stcs(o + base + 32 * u, cur[u]);
+            }
+            if (PF) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) cur[u] = nxt[u];
+            }
+        }
+    }
+}
+#define ROWS(U, PF)                                                                                       \
+    extern "C" __global__ void rows_##U##_##PF(const uint4* in, uint4* out, const int* dst, const int* ex, \
+                                               int T, int K, i64 nv, int read, int groups, int gsize,      \
+                                               int slices, const float* probs, float* pprobs, int E) {     \
+        rows_body<U, PF>(in, out, dst, ex, T, K, nv, read, groups, gsize, slices, probs, pprobs, E);      \
+    }
+ROWS(2, 0)
+ROWS(4, 0)
+ROWS(8, 0)
+ROWS(2, 1)
+ROWS(4, 1)
+"#;
+
+/// The kernels, by name (`rows_U_PF`), and the grid they run on.
+struct Rows {
+    funcs: Vec<(String, CudaFunction)>,
+    blocks: u32,
+}
+
+#[derive(Clone, Copy)]
+struct Launch {
+    input: u64,
+    out: u64,
+    dst: u64,
+    ex: u64,
+    t: i32,
+    k: i32,
+    nv: i64,
+    read: i32,
+    groups: i32,
+    gsize: i32,
+    slices: i32,
+    probs: u64,
+    pprobs: u64,
+    e: i32,
+    /// `rows_U_PF`: vectors per lane at a time, next ones loaded ahead.
+    func: (u32, u32),
+}
+
+impl Rows {
+    /// # Safety
+    /// Every pointer of `l` is a live device allocation of the stream's
+    /// context large enough for `l`'s shape.
+    unsafe fn enqueue(&self, l: Launch, stream: sys::CUstream) {
+        let mut l = l;
+        let blocks = self.blocks / l.groups as u32 * l.groups as u32;
+        let name = format!("rows_{}_{}", l.func.0, l.func.1);
+        let func = &self.funcs.iter().find(|(n, _)| *n == name).unwrap().1;
+        let mut params: [*mut c_void; 14] = [
+            (&mut l.input as *mut u64).cast(),
+            (&mut l.out as *mut u64).cast(),
+            (&mut l.dst as *mut u64).cast(),
+            (&mut l.ex as *mut u64).cast(),
+            (&mut l.t as *mut i32).cast(),
+            (&mut l.k as *mut i32).cast(),
+            (&mut l.nv as *mut i64).cast(),
+            (&mut l.read as *mut i32).cast(),
+            (&mut l.groups as *mut i32).cast(),
+            (&mut l.gsize as *mut i32).cast(),
+            (&mut l.slices as *mut i32).cast(),
+            (&mut l.probs as *mut u64).cast(),
+            (&mut l.pprobs as *mut u64).cast(),
+            (&mut l.e as *mut i32).cast(),
+        ];
+        // SAFETY: the kernel's fourteen parameters in order, each pointing at a
+        // live local; the caller vouches for the buffers and the stream.
+        unsafe {
+            sys::cuLaunchKernel(
+                func.cu_function(),
+                blocks,
+                1,
+                1,
+                256,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .unwrap();
+    }
+}
+
+/// Routes of a random top-k routing: expert of (t, k) and its expert-major
+/// row (each expert's rows together, tokens in order within an expert).
+fn routes(t: usize, e: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<i32>) {
+    let routing = XorShift::new(seed).top_k_routing(t, e, k);
+    let ex: Vec<i32> = routing
+        .chunks(e)
+        .flat_map(|row| (0..e).filter(|&x| row[x] != 0).map(|x| x as i32))
+        .collect();
+    let mut counts = vec![0usize; e];
+    for &x in &ex {
+        counts[x as usize] += 1;
+    }
+    let mut next: Vec<usize> = counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let at = *acc;
+            *acc += c;
+            Some(at)
+        })
+        .collect();
+    let dst = ex
+        .iter()
+        .map(|&x| {
+            let d = next[x as usize];
+            next[x as usize] += 1;
+            d as i32
+        })
+        .collect();
+    (ex, dst)
+}
+
+fn upload(stream: &Arc<CudaStream>, v: &[i32]) -> CudaSlice<i32> {
+    stream.clone_htod(v).unwrap()
+}
+
+fn ptr<T>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(stream).0
+}
+
+/// Checks `out` against the rows the layout puts there: for each route, a
+/// sample of 16-byte vectors equals the input's (`read`) or the kernel's
+/// constant.
+#[allow(clippy::too_many_arguments)]
+fn check(
+    stream: &Arc<CudaStream>,
+    input: &[u8],
+    out: &CudaSlice<u8>,
+    dst: Option<&[i32]>,
+    t: usize,
+    k: usize,
+    nv: usize,
+    read: bool,
+    what: &str,
+) {
+    let got: Vec<u8> = stream.clone_dtoh(out).unwrap();
+    let row = nv * 16;
+    for tok in 0..t {
+        for r in 0..k {
+            let d = dst.map_or(tok * k + r, |d| d[tok * k + r] as usize);
+            for v in [0, nv / 2, nv - 1, (tok * 7 + r) % nv] {
+                let at = d * row + v * 16;
+                let want: Vec<u8> = if read {
+                    input[tok * row + v * 16..][..16].to_vec()
+                } else {
+                    [v as u32, tok as u32, 1, 2]
+                        .iter()
+                        .flat_map(|x| x.to_le_bytes())
+                        .collect()
+                };
+                assert_eq!(
+                    &got[at..at + 16],
+                    &want[..],
+                    "{what}: token {tok} route {r} vector {v}"
+                );
+            }
+        }
+    }
+}
+
+fn main() {
+    if cuda_devices_or_skip("bench cuda_permute_bound").is_none() {
+        return;
+    }
+    let info = cuda::device_info(Device::cuda(0)).unwrap();
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: this bench orders its own work on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let copy = KernelCopy::new(&ctx);
+    let ptx = cudarc::nvrtc::compile_ptx(SOURCE).unwrap();
+    let module = ctx.load_module(ptx).unwrap();
+    let kernel = Rows {
+        funcs: ["rows_2_0", "rows_4_0", "rows_8_0", "rows_2_1", "rows_4_1"]
+            .iter()
+            .map(|n| (n.to_string(), module.load_function(n).unwrap()))
+            .collect(),
+        blocks: info.multiprocessors as u32 * 8,
+    };
+    println!(
+        "device: {}; a warp per token, {} blocks x 256 threads; bf16 rows (H x 2 bytes)",
+        info.name, kernel.blocks
+    );
+    // (T, H, topK, E values, group counts)
+    let shapes: [(usize, usize, usize, &[usize]); 3] = [
+        (4096, 7168, 8, &[8, 256]),
+        (16384, 4096, 6, &[128]),
+        (4096, 2048, 8, &[256]),
+    ];
+    for (t, h, k, es) in shapes {
+        let row = h * 2;
+        let (n, nv) = (t * k, row / 16);
+        let mut g = XorShift::new(7);
+        let input: Vec<u8> = (0..t * row).map(|_| g.next_u64() as u8).collect();
+        let d_in = stream.clone_htod(&input).unwrap();
+        let out = stream.alloc_zeros::<u8>(n * row).unwrap();
+        let scratch = stream.alloc_zeros::<u8>(n * row).unwrap();
+        let (p_in, p_out, p_scr) = (
+            ptr(&stream, &d_in),
+            ptr(&stream, &out),
+            ptr(&stream, &scratch),
+        );
+        let s = stream.cu_stream();
+        for &e in es {
+            let (ex, dst) = routes(t, e, k, 11 + e as u64);
+            let (d_ex, d_dst) = (upload(&stream, &ex), upload(&stream, &dst));
+            let probs: Vec<f32> = (0..t * e).map(|i| i as f32 * 0.5 + 1.0).collect();
+            let d_probs = stream.clone_htod(&probs).unwrap();
+            let d_pprobs = stream.alloc_zeros::<f32>(n).unwrap();
+            let p_pprobs = ptr(&stream, &d_pprobs);
+            let base = Launch {
+                input: p_in,
+                out: p_out,
+                dst: ptr(&stream, &d_dst),
+                ex: ptr(&stream, &d_ex),
+                t: t as i32,
+                k: k as i32,
+                nv: nv as i64,
+                read: 1,
+                groups: 1,
+                gsize: e as i32,
+                slices: 1,
+                probs: ptr(&stream, &d_probs),
+                pprobs: 0,
+                e: e as i32,
+                func: (2, 0),
+            };
+            let mut layouts: Vec<(String, Launch)> = vec![
+                ("expert-major".into(), base),
+                ("token-major".into(), Launch { dst: 0, ..base }),
+                (
+                    "expert-major, write-only".into(),
+                    Launch { read: 0, ..base },
+                ),
+                (
+                    "token-major, write-only".into(),
+                    Launch {
+                        dst: 0,
+                        read: 0,
+                        ..base
+                    },
+                ),
+                (
+                    "expert-major, write-only, 4 slices".into(),
+                    Launch {
+                        slices: 4,
+                        read: 0,
+                        ..base
+                    },
+                ),
+                (
+                    "token-major, 4 slices".into(),
+                    Launch {
+                        slices: 4,
+                        dst: 0,
+                        ..base
+                    },
+                ),
+            ];
+            for slices in [4, 8] {
+                for func in [(2, 0), (4, 0), (8, 0), (2, 1), (4, 1)] {
+                    layouts.push((
+                        format!(
+                            "expert-major, {slices} slices, {} vectors{}",
+                            func.0,
+                            if func.1 == 1 { " loaded ahead" } else { "" }
+                        ),
+                        Launch {
+                            slices,
+                            func,
+                            ..base
+                        },
+                    ));
+                }
+            }
+            for (slices, func) in [(4, (2, 0)), (4, (4, 1))] {
+                layouts.push((
+                    format!(
+                        "expert-major + probs, {slices} slices, {} vectors{}",
+                        func.0,
+                        if func.1 == 1 { " loaded ahead" } else { "" }
+                    ),
+                    Launch {
+                        slices,
+                        func,
+                        pprobs: p_pprobs,
+                        ..base
+                    },
+                ));
+            }
+            for groups in [4usize] {
+                if groups < e && e % groups == 0 {
+                    layouts.push((
+                        format!("expert-major, {groups} groups"),
+                        Launch {
+                            groups: groups as i32,
+                            gsize: (e / groups) as i32,
+                            ..base
+                        },
+                    ));
+                }
+            }
+            for (name, l) in &layouts {
+                // SAFETY: poisons the live output before each layout.
+                unsafe { sys::cuMemsetD8Async(p_out, 0xa5, n * row, s) }
+                    .result()
+                    .unwrap();
+                // SAFETY: every pointer of `l` is a live allocation sized
+                // for this shape.
+                unsafe { kernel.enqueue(*l, s) };
+                stream.synchronize().unwrap();
+                let dsts = (l.dst != 0).then_some(&dst[..]);
+                check(&stream, &input, &out, dsts, t, k, nv, l.read != 0, name);
+                if l.pprobs != 0 {
+                    let got: Vec<f32> = stream.clone_dtoh(&d_pprobs).unwrap();
+                    for (i, (&d, &x)) in dst.iter().zip(&ex).enumerate() {
+                        let want = probs[i / k * e + x as usize];
+                        assert_eq!(got[d as usize], want, "{name}: probs of route {i}");
+                    }
+                }
+            }
+            let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
+                // SAFETY: both buffers hold n * row bytes.
+                Box::new(|| unsafe { copy.enqueue(p_scr, p_out, n * row, s) }),
+                Box::new(|| {
+                    // SAFETY: as above.
+                    unsafe { sys::cuMemcpyDtoDAsync_v2(p_scr, p_out, n * row, s) }
+                        .result()
+                        .unwrap()
+                }),
+                Box::new(|| {
+                    // SAFETY: the scratch buffer holds n * row bytes.
+                    unsafe { sys::cuMemsetD32Async(p_scr, 0x3c003c00, n * row / 4, s) }
+                        .result()
+                        .unwrap()
+                }),
+            ];
+            let kernel = &kernel;
+            for (_, l) in &layouts {
+                let l = *l;
+                // SAFETY: as in the checks above.
+                variants.push(Box::new(move || unsafe { kernel.enqueue(l, s) }));
+            }
+            let us: Vec<f64> = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants)
+                .into_iter()
+                .map(|ms| ms * 1e3)
+                .collect();
+            let copy_us = us[0].min(us[1]);
+            let copy_gbs = 2.0 * (n * row) as f64 / copy_us / 1e3;
+            println!("\n(T, E, H, topK) = ({t}, {e}, {h}, {k}); copy of [N, H]: kernel {:.1} us, driver {:.1} us", us[0], us[1]);
+            println!("| layout | us | GB/s | ratio to copy |");
+            println!("|---|---|---|---|");
+            let memset_gbs = (n * row) as f64 / us[2] / 1e3;
+            println!(
+                "| memset of [N, H] (writes only) | {:.1} | {:.0} | {:.3} |",
+                us[2],
+                memset_gbs,
+                memset_gbs / copy_gbs
+            );
+            for ((name, l), u) in layouts.iter().zip(&us[3..]) {
+                let bytes = n * row + if l.read != 0 { t * row } else { 0 };
+                let gbs = bytes as f64 / u / 1e3;
+                println!("| {name} | {u:.1} | {gbs:.0} | {:.3} |", gbs / copy_gbs);
+            }
+        }
+    }
+}
