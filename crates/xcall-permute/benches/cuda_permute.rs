@@ -6,7 +6,9 @@
 //! divides by is the faster of the driver's copy and a plain copy kernel
 //! (see common/mod.rs); both are printed. A memset of the
 //! permuted tensor shows the write rate alone (permute with top-8 is
-//! nearly all writes).
+//! nearly all writes). Then, for permute, unpermute and the backward,
+//! every candidate launch config is replayed from its own graph beside the
+//! tuned one: how far the autotuner's pick is from the fastest config.
 
 mod common;
 
@@ -19,9 +21,12 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
+use xcall_permute::cuda::{backward_candidates, movement_candidates, with_configs, Config};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
+/// Rounds of the every-config comparison (about 130 graphs per case).
+const CONFIG_ROUNDS: usize = 10;
 
 fn main() {
     if cuda_devices_or_skip("bench cuda_permute").is_none() {
@@ -240,6 +245,78 @@ fn main() {
             ms[7] / ms[2],
             graph_ms[7] / graph_ms[2]
         );
+        // Every candidate config of the three tuned ops, each replayed from
+        // its own graph beside the tuned op's graph: how far the tuner's
+        // pick is from the fastest config in replays.
+        let tuned_calls: [(&str, &str, Vec<Config>, usize); 3] = [
+            ("permute (+probs)", "permute", movement_candidates(), 2),
+            (
+                "unpermute (merging probs)",
+                "unpermute",
+                movement_candidates(),
+                3,
+            ),
+            (
+                "unpermute_backward",
+                "unpermute_backward",
+                backward_candidates(),
+                4,
+            ),
+        ];
+        for (label, kernel, candidates, at) in tuned_calls {
+            // SAFETY: (the three calls) as above.
+            let call = || unsafe {
+                match at {
+                    2 => call::permute(&target, &permute),
+                    3 => call::unpermute(&target, &unpermute),
+                    _ => call::unpermute_backward(&target, &backward),
+                }
+            };
+            let mut execs = vec![(None, graphs[at])];
+            for c in candidates {
+                // A config the compiled kernel cannot launch is left out.
+                if with_configs(&[(kernel, c)], || call().is_ok()) {
+                    let exec = with_configs(&[(kernel, c)], || {
+                        capture_exec(&stream, &mut || call().unwrap())
+                    });
+                    execs.push((Some(c), exec));
+                }
+            }
+            let mut replays: Vec<Box<dyn FnMut() + '_>> = execs
+                .iter()
+                .map(|&(_, g)| -> Box<dyn FnMut() + '_> {
+                    // SAFETY: an executable graph of this stream's context.
+                    Box::new(move || unsafe { sys::cuGraphLaunch(g, s) }.result().unwrap())
+                })
+                .collect();
+            let us: Vec<f64> = interleaved_medians(&ctx, &stream, CONFIG_ROUNDS, &mut replays)
+                .into_iter()
+                .map(|ms| ms * 1e3)
+                .collect();
+            drop(replays);
+            let ratio = |u: f64| rows[at].1 / u / 1e3 / graph_copy_gbs;
+            let (best, best_us) = execs[1..]
+                .iter()
+                .zip(&us[1..])
+                .min_by(|a, b| a.1.total_cmp(b.1))
+                .map(|((c, _), &u)| (c.unwrap(), u))
+                .unwrap();
+            let near = us[1..].iter().filter(|&&u| u <= best_us * 1.02).count();
+            println!(
+                "{case:<28} {label:<26} tuned {:.1} us ({:.3}), fastest of {} configs {:.1} us ({:.3}), tuned / fastest {:.3}, {near} within 2%: {best:?}",
+                us[0],
+                ratio(us[0]),
+                us.len() - 1,
+                best_us,
+                ratio(best_us),
+                us[0] / best_us,
+            );
+            for (_, g) in execs.into_iter().skip(1) {
+                // SAFETY: no replay is in flight after the timing
+                // synchronised.
+                unsafe { sys::cuGraphExecDestroy(g) };
+            }
+        }
         for g in graphs {
             // SAFETY: no replay is in flight after the timing synchronised.
             unsafe { sys::cuGraphExecDestroy(g) };
