@@ -8,8 +8,10 @@
 //! token class) with autotuning on and a stream that is not capturing runs
 //! every candidate once, then times all of them in two passes on scratch
 //! outputs (stream-ordered allocations freed right after; nothing the
-//! caller can see is written), waits for the stream once, and caches the
-//! fastest config for the device. A candidate the compiled kernel cannot
+//! caller can see is written), times the four fastest again in five
+//! interleaved passes, and caches the config with the fastest median for
+//! the device (the stream is waited on twice: after each round of
+//! passes). A candidate the compiled kernel cannot
 //! launch with (more threads than its registers allow) is left out. Under capture, or with autotuning off,
 //! the cached config or the default is used. Every config computes the
 //! same bits (the summation order never depends on the config).

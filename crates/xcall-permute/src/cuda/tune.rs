@@ -290,12 +290,9 @@ fn time_candidates(
         }
     }
     let outs: Vec<u64> = trial_outputs.iter().map(StreamAlloc::address).collect();
-    const REPS: usize = 3;
-    let (device, stream) = (target.device, target.stream as sys::CUstream);
     // Warm-up of every candidate first (a config the compiled kernel
     // cannot launch with, too many threads for its registers, is left out),
-    // so the clocks have settled before any is timed; then two timed passes
-    // over all candidates, each keeping its faster pass.
+    // so the clocks have settled before any is timed.
     let mut usable = Vec::new();
     for &c in candidates {
         match run(c, &outs) {
@@ -304,30 +301,83 @@ fn time_candidates(
         }
         usable.push(c);
     }
-    let mut timed: Vec<(Event, Event, Config)> = Vec::new();
-    for _pass in 0..2 {
-        for &c in &usable {
+    // Screening: two passes over every candidate, each keeping its faster
+    // pass. Then the fastest few confirm in more interleaved passes, and
+    // the fastest median of those wins: a candidate that screened fast in
+    // one lucky pass does not win on it.
+    let screened = time_passes(target, &usable, 2, &outs, run)?;
+    let best: Vec<(Config, f32)> = usable
+        .iter()
+        .zip(&screened)
+        .map(|(&c, ms)| (c, ms.iter().copied().fold(f32::INFINITY, f32::min)))
+        .collect();
+    let finals = finalists(&best, FINALISTS);
+    let confirmed = time_passes(target, &finals, CONFIRM_PASSES, &outs, run)?;
+    drop(trial_outputs);
+    Ok(fastest_median(&finals, &confirmed))
+}
+
+/// Candidates that go on from the screening passes to the confirming ones.
+const FINALISTS: usize = 4;
+/// Confirming passes over the finalists.
+const CONFIRM_PASSES: usize = 5;
+
+/// Milliseconds of `REPS` launches of each config, `passes` times over
+/// all of them in turn (waits for the stream once, at the end).
+fn time_passes(
+    target: &Target,
+    configs: &[Config],
+    passes: usize,
+    outs: &[u64],
+    run: &dyn Fn(Config, &[u64]) -> Result<()>,
+) -> Result<Vec<Vec<f32>>> {
+    const REPS: usize = 3;
+    let (device, stream) = (target.device, target.stream as sys::CUstream);
+    let mut events: Vec<(Event, Event, usize)> = Vec::new();
+    for _pass in 0..passes {
+        for (i, &c) in configs.iter().enumerate() {
             let (start, end) = (Event::new(device)?, Event::new(device)?);
             // SAFETY: the target's stream is a live stream of its device.
             unsafe { start.record(stream) }?;
             for _ in 0..REPS {
-                run(c, &outs)?;
+                run(c, outs)?;
             }
             // SAFETY: as above.
             unsafe { end.record(stream) }?;
-            timed.push((start, end, c));
+            events.push((start, end, i));
         }
     }
-    let mut best: Option<(f32, Config)> = None;
-    for (start, end, c) in &timed {
-        let ms = end.elapsed_ms_since(start)?;
-        if best.is_none_or(|(b, _)| ms < b) {
-            best = Some((ms, *c));
-        }
+    let mut ms = vec![Vec::with_capacity(passes); configs.len()];
+    for (start, end, i) in &events {
+        ms[*i].push(end.elapsed_ms_since(start)?);
     }
-    drop(timed);
-    drop(trial_outputs);
-    Ok(best.map(|(_, c)| c))
+    Ok(ms)
+}
+
+/// The `n` configs with the lowest times, fastest first.
+fn finalists(best: &[(Config, f32)], n: usize) -> Vec<Config> {
+    let mut sorted = best.to_vec();
+    sorted.sort_by(|a, b| a.1.total_cmp(&b.1));
+    sorted.into_iter().take(n).map(|(c, _)| c).collect()
+}
+
+/// The config whose passes have the lowest median (the earlier of equal
+/// ones), or `None` for no configs.
+fn fastest_median(configs: &[Config], ms: &[Vec<f32>]) -> Option<Config> {
+    let median = |v: &[f32]| {
+        let mut v = v.to_vec();
+        v.sort_by(f32::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f32::INFINITY)
+    };
+    configs
+        .iter()
+        .zip(ms)
+        .map(|(&c, v)| (c, median(v)))
+        .fold(None, |acc: Option<(Config, f32)>, (c, m)| match acc {
+            Some((_, b)) if b <= m => acc,
+            _ => Some((c, m)),
+        })
+        .map(|(c, _)| c)
 }
 
 /// Blocks for `rows` rows under `config`.
@@ -445,6 +495,46 @@ mod tests {
             }
         }
         assert_eq!(movement_candidates().len(), 54);
+    }
+
+    #[test]
+    fn finalists_are_the_fastest_few_fastest_first() {
+        let c = |threads| Config {
+            threads,
+            ..default_config(64)
+        };
+        let best = [
+            (c(1), 3.0),
+            (c(2), 1.0),
+            (c(3), 2.0),
+            (c(4), 0.5),
+            (c(5), 9.0),
+        ];
+        assert_eq!(finalists(&best, 3), [c(4), c(2), c(3)]);
+        assert_eq!(finalists(&best, 9).len(), 5);
+        assert!(finalists(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn the_fastest_median_wins_not_one_lucky_pass() {
+        let c = |threads| Config {
+            threads,
+            ..default_config(64)
+        };
+        // c(1) has the single fastest pass; c(2) is faster in most.
+        let ms = [
+            vec![5.0, 0.5, 5.0, 5.0, 5.0],
+            vec![2.0, 2.0, 9.0, 2.0, 2.0],
+            vec![3.0, 3.0, 3.0, 3.0, 3.0],
+        ];
+        assert_eq!(fastest_median(&[c(1), c(2), c(3)], &ms), Some(c(2)));
+        // Equal medians: the earlier (the faster screened) config.
+        let tie = [vec![2.0, 1.0, 3.0], vec![2.0, 2.0, 2.0]];
+        assert_eq!(fastest_median(&[c(7), c(8)], &tie), Some(c(7)));
+        // An even count takes the upper middle value.
+        let even = [vec![1.0, 4.0], vec![3.0, 3.0]];
+        assert_eq!(fastest_median(&[c(1), c(2)], &even), Some(c(2)));
+        assert_eq!(fastest_median(&[], &[]), None);
     }
 
     #[test]
