@@ -12,10 +12,9 @@
 
 mod common;
 
-use common::KernelCopy;
-use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr};
-use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, XorShift};
-use xcall_core::{cuda, DType, Device, FloatCodec};
+use cudarc::driver::{sys, CudaSlice, DevicePtr};
+use xcall_core::testing::{capture_exec, interleaved_medians, XorShift};
+use xcall_core::{DType, Device, FloatCodec};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
     UnpermuteArgs, UnpermuteBackwardArgs,
@@ -29,15 +28,9 @@ const ROUNDS: usize = 30;
 const CONFIG_ROUNDS: usize = 10;
 
 fn main() {
-    if cuda_devices_or_skip("bench cuda_permute").is_none() {
+    let Some((info, ctx, stream, copy)) = common::setup("cuda_permute") else {
         return;
-    }
-    let info = cuda::device_info(Device::cuda(0)).unwrap();
-    let ctx = CudaContext::new(0).unwrap();
-    // SAFETY: this bench orders its own work on one stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().unwrap();
-    let copy = KernelCopy::new(&ctx);
+    };
     let target = Target {
         autotune: true,
         checked: false,

@@ -29,10 +29,8 @@ mod common;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use common::KernelCopy;
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
-use xcall_core::testing::{cuda_devices_or_skip, interleaved_medians, XorShift};
-use xcall_core::{cuda, Device};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use xcall_core::testing::{interleaved_medians, XorShift};
 
 const ROUNDS: usize = 20;
 
@@ -155,25 +153,10 @@ impl Rows {
             (&mut l.pprobs as *mut u64).cast(),
             (&mut l.e as *mut i32).cast(),
         ];
-        // SAFETY: the kernel's fourteen parameters in order, each pointing at a
-        // live local; the caller vouches for the buffers and the stream.
-        unsafe {
-            sys::cuLaunchKernel(
-                func.cu_function(),
-                blocks,
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .unwrap();
+        // SAFETY: the kernel's fourteen parameters in order, each pointing
+        // at a live local; the caller vouches for the buffers and the
+        // stream.
+        unsafe { common::launch(func, blocks, 256, &mut params, stream) };
     }
 }
 
@@ -257,15 +240,9 @@ fn check(
 }
 
 fn main() {
-    if cuda_devices_or_skip("bench cuda_permute_bound").is_none() {
+    let Some((info, ctx, stream, copy)) = common::setup("cuda_permute_bound") else {
         return;
-    }
-    let info = cuda::device_info(Device::cuda(0)).unwrap();
-    let ctx = CudaContext::new(0).unwrap();
-    // SAFETY: this bench orders its own work on one stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().unwrap();
-    let copy = KernelCopy::new(&ctx);
+    };
     let ptx = cudarc::nvrtc::compile_ptx(SOURCE).unwrap();
     let module = ctx.load_module(ptx).unwrap();
     let kernel = Rows {

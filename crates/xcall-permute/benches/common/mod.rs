@@ -11,7 +11,58 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaFunction};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
+use xcall_core::cuda::DeviceInfo;
+use xcall_core::testing::cuda_devices_or_skip;
+use xcall_core::{cuda, Device};
+
+/// What every permute bench starts from: cuda:0's description, its
+/// context (event tracking off: a bench orders its own work on one
+/// stream), that stream and the reference copy; `None` after a skip line
+/// when there is no GPU.
+pub fn setup(bench: &str) -> Option<(DeviceInfo, Arc<CudaContext>, Arc<CudaStream>, KernelCopy)> {
+    cuda_devices_or_skip(&format!("bench {bench}"))?;
+    let info = cuda::device_info(Device::cuda(0)).unwrap();
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: each bench orders its own work on the one stream made here.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().unwrap();
+    let copy = KernelCopy::new(&ctx);
+    Some((info, ctx, stream, copy))
+}
+
+/// Launches `func` on `grid` blocks of `block` threads on `stream`.
+///
+/// # Safety
+/// `params` points at the kernel's parameters in order, each a live value
+/// of the kernel's type, and whatever they address is live and large
+/// enough for the launch; `stream` belongs to the kernel's context.
+pub unsafe fn launch(
+    func: &CudaFunction,
+    grid: u32,
+    block: u32,
+    params: &mut [*mut c_void],
+    stream: sys::CUstream,
+) {
+    // SAFETY: the caller's contract above.
+    unsafe {
+        sys::cuLaunchKernel(
+            func.cu_function(),
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .unwrap();
+}
 
 const SOURCE: &str = r#"
 extern "C" __global__ void copy16(uint4* __restrict__ dst, const uint4* __restrict__ src, unsigned long long n) {
@@ -54,22 +105,6 @@ impl KernelCopy {
         // SAFETY: the kernel's three parameters (two pointers, a u64) in
         // order, each pointing at a live local; the caller vouches for the
         // buffers and the stream.
-        unsafe {
-            sys::cuLaunchKernel(
-                self.func.cu_function(),
-                blocks.max(1),
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .unwrap();
+        unsafe { launch(&self.func, blocks.max(1), 256, &mut params, stream) };
     }
 }

@@ -497,12 +497,16 @@ mod tests {
         assert_eq!(movement_candidates().len(), 54);
     }
 
-    #[test]
-    fn finalists_are_the_fastest_few_fastest_first() {
-        let c = |threads| Config {
+    /// Configs told apart by their thread count.
+    fn c(threads: u32) -> Config {
+        Config {
             threads,
             ..default_config(64)
-        };
+        }
+    }
+
+    #[test]
+    fn finalists_are_the_fastest_few_fastest_first() {
         let best = [
             (c(1), 3.0),
             (c(2), 1.0),
@@ -517,10 +521,6 @@ mod tests {
 
     #[test]
     fn the_fastest_median_wins_not_one_lucky_pass() {
-        let c = |threads| Config {
-            threads,
-            ..default_config(64)
-        };
         // c(1) has the single fastest pass; c(2) is faster in most.
         let ms = [
             vec![5.0, 0.5, 5.0, 5.0, 5.0],
