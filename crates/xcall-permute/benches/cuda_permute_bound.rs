@@ -102,9 +102,9 @@ ROWS(2, 1)
 ROWS(4, 1)
 "#;
 
-/// The kernels, by name (`rows_U_PF`), and the grid they run on.
+/// The kernels, by (U, PF) of `rows_U_PF`, and the grid they run on.
 struct Rows {
-    funcs: Vec<(String, CudaFunction)>,
+    funcs: Vec<((u32, u32), CudaFunction)>,
     blocks: u32,
 }
 
@@ -135,8 +135,7 @@ impl Rows {
     unsafe fn enqueue(&self, l: Launch, stream: sys::CUstream) {
         let mut l = l;
         let blocks = self.blocks / l.groups as u32 * l.groups as u32;
-        let name = format!("rows_{}_{}", l.func.0, l.func.1);
-        let func = &self.funcs.iter().find(|(n, _)| *n == name).unwrap().1;
+        let func = &self.funcs.iter().find(|(f, _)| *f == l.func).unwrap().1;
         let mut params: [*mut c_void; 14] = [
             (&mut l.input as *mut u64).cast(),
             (&mut l.out as *mut u64).cast(),
@@ -191,10 +190,6 @@ fn routes(t: usize, e: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<i32>) {
     (ex, dst)
 }
 
-fn upload(stream: &Arc<CudaStream>, v: &[i32]) -> CudaSlice<i32> {
-    stream.clone_htod(v).unwrap()
-}
-
 fn ptr<T>(stream: &Arc<CudaStream>, s: &CudaSlice<T>) -> u64 {
     s.device_ptr(stream).0
 }
@@ -246,9 +241,12 @@ fn main() {
     let ptx = cudarc::nvrtc::compile_ptx(SOURCE).unwrap();
     let module = ctx.load_module(ptx).unwrap();
     let kernel = Rows {
-        funcs: ["rows_2_0", "rows_4_0", "rows_8_0", "rows_2_1", "rows_4_1"]
-            .iter()
-            .map(|n| (n.to_string(), module.load_function(n).unwrap()))
+        funcs: [(2, 0), (4, 0), (8, 0), (2, 1), (4, 1)]
+            .into_iter()
+            .map(|(u, pf)| {
+                let name = format!("rows_{u}_{pf}");
+                ((u, pf), module.load_function(&name).unwrap())
+            })
             .collect(),
         blocks: info.multiprocessors as u32 * 8,
     };
@@ -256,7 +254,7 @@ fn main() {
         "device: {}; a warp per token, {} blocks x 256 threads; bf16 rows (H x 2 bytes)",
         info.name, kernel.blocks
     );
-    // (T, H, topK, E values, group counts)
+    // (T, H, topK, E values)
     let shapes: [(usize, usize, usize, &[usize]); 3] = [
         (4096, 7168, 8, &[8, 256]),
         (16384, 4096, 6, &[128]),
@@ -278,7 +276,10 @@ fn main() {
         let s = stream.cu_stream();
         for &e in es {
             let (ex, dst) = routes(t, e, k, 11 + e as u64);
-            let (d_ex, d_dst) = (upload(&stream, &ex), upload(&stream, &dst));
+            let (d_ex, d_dst) = (
+                stream.clone_htod(&ex).unwrap(),
+                stream.clone_htod(&dst).unwrap(),
+            );
             let probs: Vec<f32> = (0..t * e).map(|i| i as f32 * 0.5 + 1.0).collect();
             let d_probs = stream.clone_htod(&probs).unwrap();
             let d_pprobs = stream.alloc_zeros::<f32>(n).unwrap();
