@@ -20,7 +20,9 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{backward_candidates, movement_candidates, with_configs, Config};
+use xcall_permute::cuda::{
+    backward_candidates, movement_candidates, permute_candidates, with_configs, Config,
+};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
@@ -242,7 +244,7 @@ fn main() {
         // its own graph beside the tuned op's graph: how far the tuner's
         // pick is from the fastest config in replays.
         let tuned_calls: [(&str, &str, Vec<Config>, usize); 3] = [
-            ("permute (+probs)", "permute", movement_candidates(), 2),
+            ("permute (+probs)", "permute", permute_candidates(), 2),
             (
                 "unpermute (merging probs)",
                 "unpermute",

@@ -102,6 +102,172 @@ ROWS(2, 1)
 ROWS(4, 1)
 "#;
 
+/// The bulk-copy (TMA) kernel, compiled for the device's own architecture
+/// (`cp.async.bulk` needs sm_90): rows land in shared memory through bulk
+/// loads, `stages` of them in flight per block, and leave either through
+/// bulk stores (`mode` 0, one thread issues everything) or through every
+/// thread's 16-byte evict-first stores from shared memory (`mode` 1).
+const TMA_SOURCE: &str = r#"
+typedef long long i64;
+typedef unsigned int u32;
+__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void row_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void row_store(void* dst, u32 src, u32 bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+// Block b serves items b, b + gridDim.x, ... (item: a slice of a token's
+// row, `slices` per row); its j-th item sits in stage j % stages (at most
+// 8). When an item's piece is loaded, warp 0's lanes k < K also fetch its
+// routes' destinations (and probs) into the stage's slots, so that no
+// iteration waits on a map read. Thread 0 issues every bulk copy.
+extern "C" __global__ void tma_rows(const char* __restrict__ in, char* __restrict__ out, const int* __restrict__ dst,
+                                    const int* __restrict__ ex, int T, int K, i64 row, int stages,
+                                    const float* __restrict__ probs, float* __restrict__ pprobs, int E, int mode,
+                                    int slices) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned long long* bars = (unsigned long long*)smem;
+    unsigned char* buf = smem + 128;
+    __shared__ int rows[8][32];
+    __shared__ float pv[8][32];
+    const int tid = threadIdx.x;
+    const i64 piece = row / slices, items = (i64)T * slices;
+    const int mine = (int)blockIdx.x < items ? (int)((items - 1 - blockIdx.x) / gridDim.x + 1) : 0;
+    auto item = [&](int j) { return (i64)blockIdx.x + (i64)j * gridDim.x; };
+    // Warp 0: stage s takes item j (destinations, probs, then the piece).
+    auto fill = [&](int s, int j) {
+        const i64 it = item(j), t = it / slices;
+        if (tid < K) {
+            const int d = dst ? dst[t * K + tid] : (int)(t * K + tid);
+            rows[s][tid] = d;
+            if (pprobs && it % slices == 0) pv[s][tid] = probs[t * E + ex[t * K + tid]];
+        }
+        if (tid == 0) {
+            const u32 bar = saddr(&bars[s]);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            row_load(saddr(buf + s * piece), in + t * row + (it % slices) * piece, (u32)piece, bar);
+        }
+    };
+    if (tid == 0) {
+        for (int s = 0; s < stages; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&bars[s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid < 32)
+        for (int j = 0; j < stages && j < mine; ++j) fill(j, j);
+    __syncthreads();
+    for (int j = 0; j < mine; ++j) {
+        const int s = j % stages;
+        const i64 it = item(j);
+        const i64 off = (it % slices) * piece;
+        bar_wait(saddr(&bars[s]), (u32)(j / stages) & 1u);
+        if (tid < K && pprobs && it % slices == 0) pprobs[rows[s][tid]] = pv[s][tid];
+        if (mode == 0) {
+            if (tid < 32) {
+                __syncwarp();
+                if (tid == 0) {
+                    for (int k = 0; k < K; ++k) row_store(out + (i64)rows[s][k] * row + off, saddr(buf + s * piece), (u32)piece);
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                    // Item j - 1's stores have read its stage: refill it.
+                    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                }
+                __syncwarp();
+                if (j >= 1 && j - 1 + stages < mine) fill((j - 1) % stages, j - 1 + stages);
+            }
+        } else {
+            const uint4* src = (const uint4*)(buf + s * piece);
+            const i64 nv = piece / 16;
+            for (int k = 0; k < K; ++k) {
+                uint4* o = (uint4*)(out + (i64)rows[s][k] * row + off);
+                for (i64 i = tid; i < nv; i += blockDim.x) __stcs(o + i, src[i]);
+            }
+            __syncthreads();  // stage s read by all
+            if (tid < 32 && j + stages < mine) fill(s, j + stages);
+        }
+    }
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"#;
+
+/// The bulk-copy kernel and its launch shape.
+struct Tma {
+    func: CudaFunction,
+    multiprocessors: u32,
+}
+
+impl Tma {
+    /// Shared memory a block of `stages` rows of `row` bytes takes.
+    fn smem(row: usize, stages: usize) -> usize {
+        128 + stages * row
+    }
+
+    /// # Safety
+    /// As [`Rows::enqueue`]; `l.nv * 16 * stages + 128` bytes of shared
+    /// memory fit a block (set with [`Tma::allow`]).
+    unsafe fn enqueue(&self, l: Launch, stream: sys::CUstream) {
+        let (stages, mode, threads, slices) = l.tma.unwrap();
+        let row = l.nv as usize * 16;
+        let smem = Self::smem(row / slices as usize, stages);
+        let per_sm = (227 * 1024 / (smem + 3 * 1024))
+            .min(2048 / threads as usize)
+            .clamp(1, 32) as u32;
+        let (mut input, mut out, mut dst, mut ex) = (l.input, l.out, l.dst, l.ex);
+        let (mut t, mut k, mut rowb, mut st) = (l.t, l.k, row as i64, stages as i32);
+        let (mut probs, mut pprobs, mut e, mut mode) = (l.probs, l.pprobs, l.e, mode);
+        let mut slices = slices;
+        let mut params: [*mut c_void; 13] = [
+            (&mut input as *mut u64).cast(),
+            (&mut out as *mut u64).cast(),
+            (&mut dst as *mut u64).cast(),
+            (&mut ex as *mut u64).cast(),
+            (&mut t as *mut i32).cast(),
+            (&mut k as *mut i32).cast(),
+            (&mut rowb as *mut i64).cast(),
+            (&mut st as *mut i32).cast(),
+            (&mut probs as *mut u64).cast(),
+            (&mut pprobs as *mut u64).cast(),
+            (&mut e as *mut i32).cast(),
+            (&mut mode as *mut i32).cast(),
+            (&mut slices as *mut i32).cast(),
+        ];
+        let blocks = (self.multiprocessors * per_sm).min(l.t as u32 * slices as u32);
+        // SAFETY: the kernel's thirteen parameters in order, each pointing at
+        // a live local; the caller vouches for the buffers, the shared
+        // memory and the stream.
+        unsafe {
+            common::launch_smem(
+                &self.func,
+                blocks,
+                threads,
+                smem as u32,
+                &mut params,
+                stream,
+            )
+        };
+    }
+
+    /// Lets a block take the shared memory of `stages` rows of `row` bytes.
+    fn allow(&self, row: usize, stages: usize) {
+        self.func
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                Self::smem(row, stages) as i32,
+            )
+            .unwrap();
+    }
+}
+
 /// The kernels, by (U, PF) of `rows_U_PF`, and the grid they run on.
 struct Rows {
     funcs: Vec<((u32, u32), CudaFunction)>,
@@ -126,9 +292,25 @@ struct Launch {
     e: i32,
     /// `rows_U_PF`: vectors per lane at a time, next ones loaded ahead.
     func: (u32, u32),
+    /// The bulk-copy kernel instead: (stages, mode, threads per block,
+    /// slices per row).
+    tma: Option<(usize, i32, u32, i32)>,
 }
 
 impl Rows {
+    /// Enqueues `l` on the kernel it names.
+    ///
+    /// # Safety
+    /// As [`Rows::enqueue`].
+    unsafe fn run(&self, tma: Option<&Tma>, l: Launch, stream: sys::CUstream) {
+        match l.tma {
+            // SAFETY: the caller's contract; `allow` ran for this shape.
+            Some(_) => unsafe { tma.unwrap().enqueue(l, stream) },
+            // SAFETY: the caller's contract.
+            None => unsafe { self.enqueue(l, stream) },
+        }
+    }
+
     /// # Safety
     /// Every pointer of `l` is a live device allocation of the stream's
     /// context large enough for `l`'s shape.
@@ -250,15 +432,35 @@ fn main() {
             .collect(),
         blocks: info.multiprocessors as u32 * 8,
     };
+    let tma = (info.compute_capability.0 >= 9).then(|| {
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture={}", info.arch())],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(TMA_SOURCE, opts).unwrap();
+        Tma {
+            func: ctx
+                .load_module(ptx)
+                .unwrap()
+                .load_function("tma_rows")
+                .unwrap(),
+            multiprocessors: info.multiprocessors as u32,
+        }
+    });
+    if tma.is_none() {
+        eprintln!("skip: the bulk-copy layouts need sm_90 or newer");
+    }
     println!(
         "device: {}; a warp per token, {} blocks x 256 threads; bf16 rows (H x 2 bytes)",
         info.name, kernel.blocks
     );
     // (T, H, topK, E values)
-    let shapes: [(usize, usize, usize, &[usize]); 3] = [
+    let shapes: [(usize, usize, usize, &[usize]); 5] = [
         (4096, 7168, 8, &[8, 256]),
         (16384, 4096, 6, &[128]),
         (4096, 2048, 8, &[256]),
+        (4096, 4096, 6, &[256]),
+        (16384, 1024, 8, &[256]),
     ];
     for (t, h, k, es) in shapes {
         let row = h * 2;
@@ -300,6 +502,7 @@ fn main() {
                 pprobs: 0,
                 e: e as i32,
                 func: (2, 0),
+                tma: None,
             };
             let mut layouts: Vec<(String, Launch)> = vec![
                 ("expert-major".into(), base),
@@ -376,6 +579,38 @@ fn main() {
                     ));
                 }
             }
+            if let Some(tm) = &tma {
+                tm.allow(row, 8);
+                for slices in [1i32, 2, 4] {
+                    for stages in [4usize, 8] {
+                        for (mode, threads, what) in
+                            [(0, 32, "bulk stores"), (1, 256, "8 warps' stores")]
+                        {
+                            if stages * row / slices as usize > 100 * 1024 {
+                                continue;
+                            }
+                            layouts.push((
+                                format!("bulk loads, {slices} slices, {stages} stages, {what}"),
+                                Launch {
+                                    tma: Some((stages, mode, threads, slices)),
+                                    ..base
+                                },
+                            ));
+                        }
+                    }
+                }
+                for (mode, threads, what) in [(0, 32, "bulk stores"), (1, 256, "8 warps' stores")] {
+                    layouts.push((
+                        format!("bulk loads, 2 slices, 4 stages, {what} + probs"),
+                        Launch {
+                            tma: Some((4, mode, threads, 2)),
+                            pprobs: p_pprobs,
+                            ..base
+                        },
+                    ));
+                }
+            }
+            let tm = tma.as_ref();
             for (name, l) in &layouts {
                 // SAFETY: poisons the live output before each layout.
                 unsafe { sys::cuMemsetD8Async(p_out, 0xa5, n * row, s) }
@@ -383,7 +618,7 @@ fn main() {
                     .unwrap();
                 // SAFETY: every pointer of `l` is a live allocation sized
                 // for this shape.
-                unsafe { kernel.enqueue(*l, s) };
+                unsafe { kernel.run(tm, *l, s) };
                 stream.synchronize().unwrap();
                 let dsts = (l.dst != 0).then_some(&dst[..]);
                 check(&stream, &input, &out, dsts, t, k, nv, l.read != 0, name);
@@ -415,7 +650,7 @@ fn main() {
             for (_, l) in &layouts {
                 let l = *l;
                 // SAFETY: as in the checks above.
-                variants.push(Box::new(move || unsafe { kernel.enqueue(l, s) }));
+                variants.push(Box::new(move || unsafe { kernel.run(tm, l, s) }));
             }
             let us: Vec<f64> = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants)
                 .into_iter()

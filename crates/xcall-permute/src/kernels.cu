@@ -728,6 +728,143 @@ __device__ void permute_body(const PermuteParams& p) {
     }
 }
 
+// permute through the bulk-copy engine (sm_90+; rows and every address in
+// 16-byte units): a block's items (a token's row, or a piece of it of
+// p.piece bytes) land in shared memory by `cp.async.bulk` loads, STAGES of
+// them in flight, and leave by one bulk store per route, so no thread
+// moves row data. A block is two warps:
+// - the mover (warp 0): lane 0 issues every bulk copy, item j's load into
+//   stage j % STAGES (completing on full[stage]), its stores once that
+//   completes and, once item j - 1's stores have read their stage, the
+//   load of item j - 1 + STAGES there. Each stage's map row (count, and
+//   lane k: route k's row and expert) is read into the lanes' registers
+//   STAGES items ahead and checked when used, so no iteration waits on a
+//   map read, and no thread reads what another wrote: the only hand-off
+//   is the bulk copies' own, through full[].
+// - the router (warp 1) copies the probs and scales of the block's tokens
+//   (first pieces), on its own.
+// Routes past the 32nd are read from the map when used. The unwritten
+// rows are zeroed first, as in permute_body.
+__device__ __forceinline__ unsigned int smem_u32(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+#if __CUDA_ARCH__ >= 900
+// Until the phase of mbarrier `bar` with `parity` has completed.
+__device__ __forceinline__ void bar_wait(unsigned int bar, unsigned int parity) {
+    unsigned int done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+#endif
+template <int STAGES>
+__device__ void permute_bulk_body(const PermuteParams& p) {
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char bulk_buf[];
+    __shared__ __align__(8) unsigned long long full[STAGES];
+    const i64 T = p.tokens, row = p.row, N = p.out_rows, piece = p.piece, S = p.nscales;
+    const int E = (int)p.experts, lane = (int)(threadIdx.x & 31);
+    const i64 slices = (row + piece - 1) / piece, items = T * slices;
+    const i64 mine = (i64)blockIdx.x < items ? (items - 1 - (i64)blockIdx.x) / gridDim.x + 1 : 0;
+    const i64 stride = 2 * (i64)E + 1;
+    auto item = [&](i64 j) { return (i64)blockIdx.x + j * gridDim.x; };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(&full[s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    zero_regions<16>(p);
+    __syncthreads();  // the barriers are set
+    if (threadIdx.x < 32) {
+        // Item j's piece into stage s (lane 0).
+        auto load = [&](int s, i64 j) {
+            const i64 it = item(j), t = it / slices, off = (it % slices) * piece;
+            const unsigned int bytes = (unsigned int)min(piece, row - off);
+            const unsigned int bar = smem_u32(&full[s]), dst = smem_u32(bulk_buf + s * piece);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(dst), "l"(p.input + t * row + off), "r"(bytes), "r"(bar) : "memory");
+        };
+        // Item j's map row, unchecked: count, and lane k's route k (lanes
+        // below E; the row holds 2E + 1 entries whatever the count).
+        int cnt[STAGES], rd[STAGES], re[STAGES];
+        auto fetch = [&](int s, i64 j) {
+            const int* m = p.map + (item(j) / slices) * stride;
+            cnt[s] = m[2 * E];
+            rd[s] = lane < E ? m[lane] : -1;
+            re[s] = lane < E ? m[E + lane] : -1;
+        };
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            if (s < mine) {
+                fetch(s, s);
+                if (lane == 0) load(s, s);
+            }
+        }
+        for (i64 j0 = 0; j0 < mine; j0 += STAGES) {
+#pragma unroll
+            for (int s = 0; s < STAGES; ++s) {
+                const i64 j = j0 + s;
+                if (j >= mine) break;
+                const i64 it = item(j), t = it / slices, off = (it % slices) * piece;
+                const unsigned int bytes = (unsigned int)min(piece, row - off), src = smem_u32(bulk_buf + s * piece);
+                const int n = count_ok(cnt[s], E);
+                const int d = lane < n && entry_ok(rd[s], re[s], E, N) ? rd[s] : -1;
+                if (lane == 0) bar_wait(smem_u32(&full[s]), (unsigned int)(j / STAGES) & 1u);
+                __syncwarp();
+                for (int k = 0; k < min(n, 32); ++k) {
+                    const int dk = __shfl_sync(0xffffffffu, d, k);
+                    if (lane == 0 && dk >= 0) {
+                        unsigned char* o = row_at(p.out, p.segs, p.seg_rows, dk, row) + off;
+                        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                                     :: "l"(o), "r"(src), "r"(bytes) : "memory");
+                    }
+                }
+                if (lane == 0) {
+                    const int* m = p.map + t * stride;
+                    for (int k = 32; k < n; ++k) {
+                        if (!entry_ok(m[k], m[E + k], E, N)) continue;
+                        unsigned char* o = row_at(p.out, p.segs, p.seg_rows, m[k], row) + off;
+                        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                                     :: "l"(o), "r"(src), "r"(bytes) : "memory");
+                    }
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                }
+                if (j + STAGES < mine) fetch(s, j + STAGES);
+                if (lane == 0) {
+                    // Item j - 1's stores have read their stage: load into it.
+                    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                    if (j >= 1 && j - 1 + STAGES < mine) load((s + STAGES - 1) % STAGES, j - 1 + STAGES);
+                }
+            }
+        }
+        if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    } else if (threadIdx.x < 64 && (p.pprobs || p.pscales)) {
+        for (i64 j = 0; j < mine; ++j) {
+            const i64 it = item(j), t = it / slices;
+            if (it % slices != 0) continue;
+            const int* m = p.map + t * stride;
+            const int n = route_count(m, E);
+            for (int k0 = 0; k0 < n; k0 += 32) {
+                const int k = k0 + lane;
+                int d = -1, e = -1;
+                if (k < n && entry_ok(m[k], m[E + k], E, N)) {
+                    d = m[k];
+                    e = m[E + k];
+                }
+                if (d >= 0 && p.pprobs) p.pprobs[d] = p.probs[t * E + e];
+                if (p.pscales) {
+                    for (int q = 0; q < min(32, n - k0); ++q) {
+                        const int dq = __shfl_sync(0xffffffffu, d, q);
+                        if (dq < 0) continue;
+                        for (i64 i = lane; i < S; i += 32) p.pscales[(i64)dq * S + i] = p.scales[t * S + i];
+                    }
+                }
+            }
+        }
+    }
+#endif
+}
+
 // sort_chunks_by_map: forward scatters, backward gathers.
 template <int V, int U, bool WARP>
 __device__ void sort_body(const SortParams& p) {

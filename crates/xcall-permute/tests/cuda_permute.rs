@@ -805,6 +805,69 @@ fn row_holding_backward_kernels_equal_the_host() {
     }
 }
 
+/// The bulk-copy permute configs (sm_90+), or `None` after a skip line on
+/// an older device: there a forced bulk config runs the default kernel, so
+/// a test of the bulk kernels would pass without running them.
+fn bulk_configs(test: &str) -> Option<Vec<xcall_permute::cuda::Config>> {
+    let info = xcall_core::cuda::device_info(xcall_core::Device::cuda(0)).unwrap();
+    if info.compute_capability.0 < 9 {
+        xcall_core::testing::skip(test, "the bulk-copy permute kernels need sm_90 or newer");
+        return None;
+    }
+    let bulk: Vec<_> = xcall_permute::cuda::permute_candidates()
+        .into_iter()
+        .filter(|c| c.stages > 0)
+        .collect();
+    assert!(bulk.len() >= 2, "{bulk:?}");
+    Some(bulk)
+}
+
+/// permute through the bulk-copy kernels (every config forced) against the
+/// Host, with probs and scales: a row in one piece and in uneven pieces
+/// (14 KiB rows), more than 32 routes per token (the mover reads the map
+/// past the staged routes), a cap, padded chunks, fp8 rows, and a row
+/// that is not whole 16-byte units (the default kernel runs it instead).
+#[test]
+fn bulk_copy_permute_kernels_equal_the_host() {
+    if cuda_devices_or_skip("bulk-copy permute").is_none() {
+        return;
+    }
+    let Some(bulk) = bulk_configs("bulk_copy_permute_kernels_equal_the_host") else {
+        return;
+    };
+    use xcall_permute::cuda::with_configs;
+    let mut gpu = Gpu::new();
+    // (T, E, H, top-k, cap, align, dtype)
+    let cases = [
+        (300, 8, 1000, 2, None, Some(4), DType::Bf16),
+        (97, 64, 48, 40, None, None, DType::F32),
+        (33, 8, 7168, 8, Some(33 * 8 - 20), None, DType::Bf16),
+        (70, 16, 7168, 6, None, Some(8), DType::Bf16),
+        (64, 16, 4096, 6, None, Some(4), DType::F8E4M3),
+        (200, 4, 2048, 1, Some(150), None, DType::F16),
+        (129, 16, 515, 3, None, None, DType::F16),
+    ];
+    for (i, &b) in bulk.iter().enumerate() {
+        for (j, &(t, e, h, topk, cap, align, dtype)) in cases.iter().enumerate() {
+            let c = Case {
+                t,
+                e,
+                h,
+                topk,
+                cap,
+                align,
+                capacity: None,
+                groups: None,
+                dtype,
+            };
+            eprintln!("config {b:?}, T={t} E={e} H={h} top-{topk} cap={cap:?} {dtype}");
+            with_configs(&[("permute", b)], || {
+                run_case(&mut gpu, &c, 1700 + (i * 10 + j) as u64, false)
+            });
+        }
+    }
+}
+
 /// The chunk-sort map of a split on Host and on CUDA (both checked to
 /// succeed), for [`Pair::same`].
 fn chunk_map_on_both(
@@ -1425,145 +1488,157 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
     // Nothing recorded before the cases (earlier tests had valid maps).
     call::take_faults(&unchecked).unwrap();
 
-    for bad in &BAD_MAPS {
-        let (mut m, mut tpe) = (host_map.map.clone(), host_map.tokens_per_expert.clone());
-        (bad.edit)(&mut m, &mut tpe, &host_map.expert_offsets, e, n);
-        let map = Pair::new(&mut gpu, bytes_of(&m), DType::I32, &[tu, 2 * eu + 1]);
-        let tpe = Pair::new(&mut gpu, bytes_of(&tpe), DType::I64, &[eu]);
-        let off = Pair::new(
-            &mut gpu,
-            bytes_of(&host_map.expert_offsets),
-            DType::I64,
-            &[eu + 1],
-        );
-        // Each op as (name, uses the chunks, output shapes, call on a
-        // target: device inputs when `dev`, outputs `outs`).
-        type Run<'a> = Box<dyn Fn(&Target, bool, &[Tensor]) -> Result<(), PermuteError> + 'a>;
-        type Shapes = Vec<(DType, Vec<u64>)>;
-        let ops: Vec<(&str, bool, Shapes, Run)> = vec![
-            (
-                "permute",
-                true,
-                vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![nu])],
-                Box::new(|tg, dev, outs| {
-                    let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-                    // SAFETY: host vectors and device allocations of the
-                    // tensors' sizes.
-                    unsafe {
-                        call::permute(
-                            tg,
-                            &PermuteArgs {
-                                input: pick(&input),
-                                row_id_map: pick(&map),
-                                tokens_per_expert: pick(&tpe),
-                                expert_offsets: pick(&off),
-                                probs: Some(pick(&probs)),
-                                scales: None,
-                                output: outs[0].clone(),
-                                permuted_probs: Some(outs[1].clone()),
-                                permuted_scales: None,
-                                in_place: false,
-                                output_segments: None,
-                            },
-                        )
+    // Each map through the default kernels, then (sm_90+) with permute
+    // through the bulk-copy kernel.
+    let bulk = bulk_configs("bad maps through the bulk-copy permute").unwrap_or_default();
+    let passes: Vec<Vec<(&str, xcall_permute::cuda::Config)>> = std::iter::once(vec![])
+        .chain(bulk.iter().take(1).map(|&b| vec![("permute", b)]))
+        .collect();
+    for forced in &passes {
+        xcall_permute::cuda::with_configs(forced, || {
+            for bad in &BAD_MAPS {
+                let (mut m, mut tpe) = (host_map.map.clone(), host_map.tokens_per_expert.clone());
+                (bad.edit)(&mut m, &mut tpe, &host_map.expert_offsets, e, n);
+                let map = Pair::new(&mut gpu, bytes_of(&m), DType::I32, &[tu, 2 * eu + 1]);
+                let tpe = Pair::new(&mut gpu, bytes_of(&tpe), DType::I64, &[eu]);
+                let off = Pair::new(
+                    &mut gpu,
+                    bytes_of(&host_map.expert_offsets),
+                    DType::I64,
+                    &[eu + 1],
+                );
+                // Each op as (name, uses the chunks, output shapes, call on a
+                // target: device inputs when `dev`, outputs `outs`).
+                type Run<'a> =
+                    Box<dyn Fn(&Target, bool, &[Tensor]) -> Result<(), PermuteError> + 'a>;
+                type Shapes = Vec<(DType, Vec<u64>)>;
+                let ops: Vec<(&str, bool, Shapes, Run)> = vec![
+                    (
+                        "permute",
+                        true,
+                        vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![nu])],
+                        Box::new(|tg, dev, outs| {
+                            let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+                            // SAFETY: host vectors and device allocations of the
+                            // tensors' sizes.
+                            unsafe {
+                                call::permute(
+                                    tg,
+                                    &PermuteArgs {
+                                        input: pick(&input),
+                                        row_id_map: pick(&map),
+                                        tokens_per_expert: pick(&tpe),
+                                        expert_offsets: pick(&off),
+                                        probs: Some(pick(&probs)),
+                                        scales: None,
+                                        output: outs[0].clone(),
+                                        permuted_probs: Some(outs[1].clone()),
+                                        permuted_scales: None,
+                                        in_place: false,
+                                        output_segments: None,
+                                    },
+                                )
+                            }
+                        }),
+                    ),
+                    (
+                        "unpermute",
+                        false,
+                        vec![(DType::F32, vec![tu, hu]), (DType::F32, vec![tu, eu])],
+                        Box::new(|tg, dev, outs| {
+                            let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+                            // SAFETY: as above.
+                            unsafe {
+                                call::unpermute(
+                                    tg,
+                                    &UnpermuteArgs {
+                                        input: pick(&fwd),
+                                        row_id_map: pick(&map),
+                                        merging_probs: Some(pick(&probs)),
+                                        permuted_probs: Some(pick(&pprobs_in)),
+                                        output: outs[0].clone(),
+                                        unpermuted_probs: Some(outs[1].clone()),
+                                        input_segments: None,
+                                    },
+                                )
+                            }
+                        }),
+                    ),
+                    (
+                        "unpermute_backward",
+                        true,
+                        vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![tu, eu])],
+                        Box::new(|tg, dev, outs| {
+                            let pick = |p: &Pair| if dev { p.d() } else { p.h() };
+                            // SAFETY: as above.
+                            unsafe {
+                                call::unpermute_backward(
+                                    tg,
+                                    &UnpermuteBackwardArgs {
+                                        grad: pick(&grad),
+                                        fwd_input: pick(&fwd),
+                                        row_id_map: pick(&map),
+                                        tokens_per_expert: pick(&tpe),
+                                        expert_offsets: pick(&off),
+                                        merging_probs: pick(&probs),
+                                        act_grad: outs[0].clone(),
+                                        probs_grad: outs[1].clone(),
+                                    },
+                                )
+                            }
+                        }),
+                    ),
+                ];
+                for (op, chunks, shapes, run) in &ops {
+                    if bad.chunks_only && !chunks {
+                        continue;
                     }
-                }),
-            ),
-            (
-                "unpermute",
-                false,
-                vec![(DType::F32, vec![tu, hu]), (DType::F32, vec![tu, eu])],
-                Box::new(|tg, dev, outs| {
-                    let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-                    // SAFETY: as above.
-                    unsafe {
-                        call::unpermute(
-                            tg,
-                            &UnpermuteArgs {
-                                input: pick(&fwd),
-                                row_id_map: pick(&map),
-                                merging_probs: Some(pick(&probs)),
-                                permuted_probs: Some(pick(&pprobs_in)),
-                                output: outs[0].clone(),
-                                unpermuted_probs: Some(outs[1].clone()),
-                                input_segments: None,
-                            },
-                        )
-                    }
-                }),
-            ),
-            (
-                "unpermute_backward",
-                true,
-                vec![(DType::F32, vec![nu, hu]), (DType::F32, vec![tu, eu])],
-                Box::new(|tg, dev, outs| {
-                    let pick = |p: &Pair| if dev { p.d() } else { p.h() };
-                    // SAFETY: as above.
-                    unsafe {
-                        call::unpermute_backward(
-                            tg,
-                            &UnpermuteBackwardArgs {
-                                grad: pick(&grad),
-                                fwd_input: pick(&fwd),
-                                row_id_map: pick(&map),
-                                tokens_per_expert: pick(&tpe),
-                                expert_offsets: pick(&off),
-                                merging_probs: pick(&probs),
-                                act_grad: outs[0].clone(),
-                                probs_grad: outs[1].clone(),
-                            },
-                        )
-                    }
-                }),
-            ),
-        ];
-        for (op, chunks, shapes, run) in &ops {
-            if bad.chunks_only && !chunks {
-                continue;
-            }
-            let what = format!("{op} with {}", bad.what);
-            let host_outs: Vec<Vec<f32>> = shapes
-                .iter()
-                .map(|(_, dims)| vec![0f32; dims.iter().product::<u64>() as usize])
-                .collect();
-            let host_tensors: Vec<Tensor> = host_outs
-                .iter()
-                .zip(shapes)
-                .map(|(o, (dtype, dims))| Tensor::of(o, *dtype, dims))
-                .collect();
-            let host = run(&Target::host(), false, &host_tensors).expect_err(&what);
-            assert_eq!(host.status(), Status::InvalidArgument, "{what}: {host}");
+                    let what = format!("{op} with {} (forced {forced:?})", bad.what);
+                    let host_outs: Vec<Vec<f32>> = shapes
+                        .iter()
+                        .map(|(_, dims)| vec![0f32; dims.iter().product::<u64>() as usize])
+                        .collect();
+                    let host_tensors: Vec<Tensor> = host_outs
+                        .iter()
+                        .zip(shapes)
+                        .map(|(o, (dtype, dims))| Tensor::of(o, *dtype, dims))
+                        .collect();
+                    let host = run(&Target::host(), false, &host_tensors).expect_err(&what);
+                    assert_eq!(host.status(), Status::InvalidArgument, "{what}: {host}");
 
-            // Unchecked: the call returns, nothing lands outside the
-            // outputs, and the bounds faults are recorded.
-            let (outs, tensors) = Guarded::outputs(&mut gpu, shapes);
-            run(&unchecked, true, &tensors).unwrap_or_else(|e| panic!("{what}: {e}"));
-            for o in &outs {
-                o.guards_intact(&gpu, &what);
-            }
-            let seen = call::take_faults(&unchecked).unwrap();
-            let bounds = MapFaults::ROUTE_COUNT | MapFaults::EXPERT | MapFaults::ROW;
-            assert_eq!(seen.0, bad.fault & bounds, "{what}: recorded {seen}");
-            assert!(
-                call::take_faults(&unchecked).unwrap().is_empty(),
-                "{what}: not cleared"
-            );
+                    // Unchecked: the call returns, nothing lands outside the
+                    // outputs, and the bounds faults are recorded.
+                    let (outs, tensors) = Guarded::outputs(&mut gpu, shapes);
+                    run(&unchecked, true, &tensors).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    for o in &outs {
+                        o.guards_intact(&gpu, &what);
+                    }
+                    let seen = call::take_faults(&unchecked).unwrap();
+                    let bounds = MapFaults::ROUTE_COUNT | MapFaults::EXPERT | MapFaults::ROW;
+                    assert_eq!(seen.0, bad.fault & bounds, "{what}: recorded {seen}");
+                    assert!(
+                        call::take_faults(&unchecked).unwrap().is_empty(),
+                        "{what}: not cleared"
+                    );
 
-            // Checked: the Host's status, a message naming the fault,
-            // nothing written, nothing left recorded.
-            let (outs, tensors) = Guarded::outputs(&mut gpu, shapes);
-            let err = run(&checked, true, &tensors).expect_err(&what);
-            assert_eq!(err.status(), host.status(), "{what}: {err}");
-            let named = MapFaults(bad.fault).to_string();
-            assert!(
-                err.to_string().contains("checked on cuda:0") && err.to_string().contains(&named),
-                "{what}: {err} (want {named})"
-            );
-            for o in &outs {
-                o.untouched(&gpu, &what);
+                    // Checked: the Host's status, a message naming the fault,
+                    // nothing written, nothing left recorded.
+                    let (outs, tensors) = Guarded::outputs(&mut gpu, shapes);
+                    let err = run(&checked, true, &tensors).expect_err(&what);
+                    assert_eq!(err.status(), host.status(), "{what}: {err}");
+                    let named = MapFaults(bad.fault).to_string();
+                    assert!(
+                        err.to_string().contains("checked on cuda:0")
+                            && err.to_string().contains(&named),
+                        "{what}: {err} (want {named})"
+                    );
+                    for o in &outs {
+                        o.untouched(&gpu, &what);
+                    }
+                    assert!(call::take_faults(&unchecked).unwrap().is_empty(), "{what}");
+                }
             }
-            assert!(call::take_faults(&unchecked).unwrap().is_empty(), "{what}");
-        }
+        });
     }
 }
 
@@ -1864,6 +1939,8 @@ fn segmented_permute_and_unpermute_equal_the_host_eager_and_captured() {
     if cuda_devices_or_skip("permute cuda segments").is_none() {
         return;
     }
+    use xcall_permute::cuda::with_configs;
+    let bulk = bulk_configs("segmented permute through the bulk-copy kernel").unwrap_or_default();
     let mut gpu = Gpu::new();
     // (T, E, k, H, dtype, segments, rows per segment): full groups, a
     // group too small for its routes, odd row sizes (narrow vectors).
@@ -1929,22 +2006,29 @@ fn segmented_permute_and_unpermute_equal_the_host_eager_and_captured() {
         .unwrap();
         let (xd, md, td, od, pd) = (x.d(), map.d(), tpe.d(), offsets.d(), probs.d());
         let bases: Vec<u64> = host_segs.iter().map(|p| p.device).collect();
-        for autotune in [false, true] {
-            segmented_layer(
-                &gpu.target(autotune),
-                (&xd, &md, &td, &od, &pd),
-                &bases,
-                rows,
-                &y.d(),
-            )
+        // Default, tuned, and (sm_90+) through the bulk-copy kernel.
+        let forced: Vec<_> = bulk.iter().take(1).map(|&b| ("permute", b)).collect();
+        for (autotune, forced) in [(false, &[][..]), (true, &[][..]), (false, &forced[..])] {
+            with_configs(forced, || {
+                segmented_layer(
+                    &gpu.target(autotune),
+                    (&xd, &md, &td, &od, &pd),
+                    &bases,
+                    rows,
+                    &y.d(),
+                )
+            })
             .unwrap();
             for (i, seg) in host_segs.iter().enumerate() {
                 seg.same(
                     &gpu,
-                    &format!("seed {seed} autotune {autotune}: segment {i}"),
+                    &format!("seed {seed} autotune {autotune} forced {forced:?}: segment {i}"),
                 );
             }
-            y.same(&gpu, &format!("seed {seed} autotune {autotune}: y"));
+            y.same(
+                &gpu,
+                &format!("seed {seed} autotune {autotune} forced {forced:?}: y"),
+            );
         }
         // Captured: re-poison, replay, compare again.
         let target = gpu.target(true);

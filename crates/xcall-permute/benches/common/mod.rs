@@ -44,6 +44,22 @@ pub unsafe fn launch(
     params: &mut [*mut c_void],
     stream: sys::CUstream,
 ) {
+    // SAFETY: the caller's contract above; no dynamic shared memory.
+    unsafe { launch_smem(func, grid, block, 0, params, stream) }
+}
+
+/// [`launch`] with `smem` bytes of dynamic shared memory per block.
+///
+/// # Safety
+/// As [`launch`]; `smem` bytes fit the kernel's allowance.
+pub unsafe fn launch_smem(
+    func: &CudaFunction,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    params: &mut [*mut c_void],
+    stream: sys::CUstream,
+) {
     // SAFETY: the caller's contract above.
     unsafe {
         sys::cuLaunchKernel(
@@ -54,7 +70,7 @@ pub unsafe fn launch(
             block,
             1,
             1,
-            0,
+            smem,
             stream,
             params.as_mut_ptr(),
             std::ptr::null_mut(),

@@ -45,12 +45,12 @@ use params::{
     segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
 };
 use tune::{
-    arith_width, choose, default_config, grid_for, held_fits, routes_class, row_class, width,
-    TuneKey,
+    arith_width, bulk_piece, choose, default_config, grid_for, held_fits, routes_class, row_class,
+    width, TuneKey, BULK_THREADS,
 };
 pub use tune::{
-    backward_candidates, cached_configs, movement_candidates, set_after_tuning_hook, with_configs,
-    Config, TuningHook,
+    backward_candidates, cached_configs, movement_candidates, permute_candidates,
+    set_after_tuning_hook, with_configs, Config, TuningHook,
 };
 
 type Result<T> = std::result::Result<T, PermuteError>;
@@ -66,6 +66,8 @@ struct State {
     functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
     tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
     multiprocessors: DeviceMap<u64>,
+    /// Whether the device runs the bulk-copy kernels (sm_90 or newer).
+    bulk_copies: DeviceMap<bool>,
     /// The address of each loaded module's map fault word
     /// (`xcall_map_faults` in `kernels.cu`).
     fault_words: DeviceMap<Mutex<HashMap<Family, u64>>>,
@@ -176,6 +178,15 @@ fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
     )
 }
 
+/// Whether `device` runs the bulk-copy permute kernels: `cp.async.bulk`
+/// and its mbarrier completion need sm_90 or newer (the modules compile
+/// for the device's own architecture).
+fn bulk_copies(device: xcall_core::Device) -> Result<bool> {
+    Ok(*state().bulk_copies.get_or_try_init(device, || {
+        xcall_core::cuda::device_info(device).map(|i| i.compute_capability.0 >= 9)
+    })?)
+}
+
 /// See [`crate::call::permute`].
 pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
@@ -213,13 +224,48 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     let mut addresses = vec![a.input.address, a.output.address];
     addresses.extend(segs.map_or(&[][..], |s| &s.bases));
     let v = width(row, &addresses);
+    let bulk = v == 16 && row > 0 && bulk_copies(dev)?;
+    let default = default_config(row / v as u64);
     let run = |c: Config, outs: &[u64]| -> Result<()> {
+        // A bulk-copy config where the row or device cannot take it (only
+        // ever forced) runs the default one.
+        let c = if c.stages > 0 && !bulk { default } else { c };
         // Autotuning runs on dense scratch outputs; only the call's own
         // output is segmented.
         let (seg_rows, bases) = match segs {
             Some(s) if outs[0] == a.output.address => (s.rows as i64, segment_bases(&s.bases)),
             _ => (0, segment_bases(&[])),
         };
+        let params = PermuteParams {
+            input: a.input.address,
+            map: a.row_id_map.address,
+            probs: opt(&a.probs),
+            scales: opt(&a.scales),
+            out: outs[0],
+            pprobs: outs[1],
+            pscales: outs[2],
+            tokens: d.tokens as i64,
+            seg_rows,
+            segs: bases,
+            ..outputs
+        };
+        if c.stages > 0 {
+            let piece = bulk_piece(row, c.stages);
+            let items = (d.tokens as u64)
+                .checked_mul(row.div_ceil(piece))
+                .ok_or_else(|| crate::error::shape("permute: tokens x row pieces overflow"))?;
+            return launch(
+                target,
+                (Family::Movement, &format!("permute_bulk_{}", c.stages)),
+                grid_for(dev, items as usize, c)?,
+                BULK_THREADS,
+                (c.stages as u64 * piece) as usize,
+                &PermuteParams {
+                    piece: piece as i64,
+                    ..params
+                },
+            );
+        }
         launch(
             target,
             (
@@ -229,19 +275,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
-            &PermuteParams {
-                input: a.input.address,
-                map: a.row_id_map.address,
-                probs: opt(&a.probs),
-                scales: opt(&a.scales),
-                out: outs[0],
-                pprobs: outs[1],
-                pscales: outs[2],
-                tokens: d.tokens as i64,
-                seg_rows,
-                segs: bases,
-                ..outputs
-            },
+            &params,
         )
     };
     let config = choose(
@@ -253,8 +287,12 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             row_class(row),
             routes_class(d.tokens, d.out_rows),
         ),
-        default_config(row / v as u64),
-        &movement_candidates(),
+        default,
+        &if bulk {
+            permute_candidates()
+        } else {
+            movement_candidates()
+        },
         &[
             a.output.bytes(),
             opt_bytes(&a.permuted_probs),
@@ -425,6 +463,7 @@ pub(crate) unsafe fn unpermute_backward(
         waves: 0,
         per_warp: false,
         held: 0,
+        stages: 0,
     };
     let config = choose(
         target,

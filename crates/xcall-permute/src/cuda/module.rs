@@ -14,7 +14,7 @@ use super::params::{
     self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
     UnpermuteParams,
 };
-use super::tune::{HELD, WARP_INFIX};
+use super::tune::{BULK_STAGES, HELD, WARP_INFIX};
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::{NamedTensors, Segments, Target, Tensor};
 use crate::check::Dims;
@@ -73,6 +73,12 @@ fn instantiations(family: Family) -> String {
                     }
                 }
                 kernel(format!("zero_{v}"), format!("zero_body<{v}>"));
+            }
+            for stages in BULK_STAGES {
+                kernel(
+                    format!("permute_bulk_{stages}"),
+                    format!("permute_bulk_body<{stages}>"),
+                );
             }
         }
         Family::Arith(dtype) => {
@@ -624,13 +630,18 @@ mod tests {
             all.extend(signatures(&instantiations(family)));
         }
         // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
-        // warp-per-token variants) + 5 zero fills; for two float types,
+        // warp-per-token variants) + 5 zero fills + 2 bulk-copy permutes
+        // (4 and 8 stages); for two float types,
         // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
         // the backward's warp variant), 3 row-holding backwards and 6
         // two-route-load unpermutes (16 bytes wide); for fp8, the two
         // unpermutes (2 widths x 3 unrolls) and their one- and two-route
         // variants (16 bytes wide).
-        assert_eq!(all.len(), 7 + 65 + 2 * (20 + 3 + 6) + 12 + 12, "{all:?}");
+        assert_eq!(
+            all.len(),
+            7 + 65 + 2 + 2 * (20 + 3 + 6) + 12 + 12,
+            "{all:?}"
+        );
         // The launches ask for the two-route-load and few-route kernels
         // at 16 bytes only: they are there at 16 bytes and at no other
         // width.

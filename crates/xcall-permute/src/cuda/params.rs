@@ -110,6 +110,9 @@ kernel_params! {
         /// Rows per segment of a segmented `out` (`segs`), or 0: `out`
         /// is dense.
         seg_rows: i64 => "i64",
+        /// Bytes of a row one bulk copy moves (`permute_bulk_*`: a multiple
+        /// of 16), 0 for the other kernels.
+        piece: i64 => "i64",
         /// The segments' bases (the first `N / seg_rows`).
         segs: [u64; MAX_SEGMENTS] => "unsigned char*[32]",
     }
@@ -238,8 +241,8 @@ mod tests {
             assert_eq!(text.matches(&format!("struct {name} {{")).count(), 1);
             assert!(text.contains(&format!("static_assert(sizeof({name}) == ")));
         }
-        // 8 bytes a field: PermuteParams has 15, then 32 segment bases.
-        assert_eq!(std::mem::size_of::<PermuteParams>(), (15 + 32) * 8);
+        // 8 bytes a field: PermuteParams has 16, then 32 segment bases.
+        assert_eq!(std::mem::size_of::<PermuteParams>(), (16 + 32) * 8);
         assert!(text.contains("    unsigned char* segs[32];\n"));
         assert!(text.contains(
             "static_assert(sizeof(PermuteParams::out_rows) == 8, \"PermuteParams.out_rows (at byte 104)"

@@ -36,6 +36,10 @@ pub struct Config {
     /// token's routes (the `unpermute_bwd_h*` kernels, rows of at most
     /// 256 x `held` whole groups; `unroll` routes per batch); 0 otherwise.
     pub held: u32,
+    /// `permute` only: shared-memory stages of the bulk-copy kernel
+    /// (`permute_bulk_S`: sm_90 or newer, rows and addresses in 16-byte
+    /// units, pieces of [`bulk_piece`] bytes); 0 for the other kernels.
+    pub stages: u32,
 }
 
 impl Config {
@@ -105,10 +109,12 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
         waves: 0,
         per_warp: false,
         held: 0,
+        stages: 0,
     }
 }
 
-/// The configs tried for permute, unpermute and sort_chunks_by_map.
+/// The configs tried for unpermute and sort_chunks_by_map, and permute's
+/// register kernels (see [`permute_candidates`]).
 #[doc(hidden)]
 pub fn movement_candidates() -> Vec<Config> {
     let mut c = Vec::new();
@@ -122,9 +128,52 @@ pub fn movement_candidates() -> Vec<Config> {
                         waves,
                         per_warp,
                         held: 0,
+                        stages: 0,
                     });
                 }
             }
+        }
+    }
+    c
+}
+
+/// Stages of the bulk-copy permute kernels (`permute_bulk_4`, `_8`).
+pub(super) const BULK_STAGES: [u32; 2] = [4, 8];
+
+/// Shared memory the stages of a bulk-copy permute block take at most
+/// (bytes): with the kernel's own arrays and the zero fill's, under the
+/// 48 KiB a kernel may use without opting in.
+pub(super) const BULK_SMEM: u64 = 40 * 1024;
+
+/// Threads of a bulk-copy permute block: the mover's warp and the
+/// router's.
+pub(super) const BULK_THREADS: u32 = 64;
+
+/// The bytes one bulk copy of a `row`-byte row moves with `stages` stages:
+/// the row in as few pieces as keep the stages within [`BULK_SMEM`], each a
+/// multiple of 16 bytes (the last piece may be shorter). `row` is a
+/// positive multiple of 16 and `stages` one of [`BULK_STAGES`].
+pub(super) fn bulk_piece(row: u64, stages: u32) -> u64 {
+    let pieces = (row * stages as u64).div_ceil(BULK_SMEM).max(1);
+    row.div_ceil(pieces).next_multiple_of(16)
+}
+
+/// The configs tried for permute: the movement kernels' and, where the
+/// device and the row take them, the bulk-copy kernels' (a block of two
+/// warps; `waves` blocks per multiprocessor).
+#[doc(hidden)]
+pub fn permute_candidates() -> Vec<Config> {
+    let mut c = movement_candidates();
+    for stages in BULK_STAGES {
+        for waves in [4, 8, 16] {
+            c.push(Config {
+                threads: BULK_THREADS,
+                unroll: 1,
+                waves,
+                per_warp: false,
+                held: 0,
+                stages,
+            });
         }
     }
     c
@@ -143,6 +192,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 waves,
                 per_warp: false,
                 held: 0,
+                stages: 0,
             });
         }
         for threads in [128, 256] {
@@ -152,6 +202,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 waves,
                 per_warp: true,
                 held: 0,
+                stages: 0,
             });
         }
     }
@@ -162,6 +213,7 @@ pub fn backward_candidates() -> Vec<Config> {
             waves: 0,
             per_warp: false,
             held,
+            stages: 0,
         });
     }
     c
@@ -442,6 +494,7 @@ mod tests {
             waves: 0,
             per_warp,
             held: 0,
+            stages: 0,
         };
         assert_eq!(c(256, true).rows_per_block(), 8);
         assert_eq!(c(256, false).rows_per_block(), 1);
@@ -545,6 +598,7 @@ mod tests {
             waves: 0,
             per_warp: false,
             held,
+            stages: 0,
         };
         // 256 x 4 groups of 16 bytes: 16384 bytes.
         assert!(held_fits(c(4), 16, 16384));
