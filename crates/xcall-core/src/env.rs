@@ -247,6 +247,13 @@ pub const VARIABLES: &[Variable] = &[
         "Run only the shapes matching `dtype:variant:T:E:H:topK`, each field a value or `*` (e.g. `f8e4m3:plain:16384:256:7168:8`), to profile one shape.",
     ),
     var(
+        "XCALL_PERMUTE_CASES",
+        Kind::Text,
+        "the three upstream cases",
+        "`bench-cuda_permute`",
+        "The bf16 cases to run instead, `T,E,H,topK` separated by `;` (e.g. `4096,256,2048,8;16384,256,1024,8`).",
+    ),
+    var(
         "XCALL_BENCH_ARGS",
         Kind::Text,
         "none",

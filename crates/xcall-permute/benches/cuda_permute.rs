@@ -8,7 +8,9 @@
 //! permuted tensor shows the write rate alone (permute with top-8 is
 //! nearly all writes). Then, for permute, unpermute and the backward,
 //! every candidate launch config is replayed from its own graph beside the
-//! tuned one: how far the autotuner's pick is from the fastest config.
+//! tuned one: how far the autotuner's pick is from the fastest config,
+//! and for permute the fastest register and bulk-copy configs apart.
+//! `XCALL_PERMUTE_CASES` = `T,E,H,topK;...` runs other cases.
 
 mod common;
 
@@ -53,11 +55,25 @@ fn main() {
         "{:<28} {:<26} {:>9} {:>9} {:>8} {:>9} {:>9} {:>8}",
         "case (T,E,H,topK)", "op", "eager us", "GB/s", "vs copy", "graph us", "GB/s", "vs copy"
     );
-    for (t, e, h, k) in [
-        (4096usize, 256usize, 7168usize, 8usize),
-        (16384, 128, 4096, 6),
-        (16384, 4, 7168, 1),
-    ] {
+    let cases: Vec<(usize, usize, usize, usize)> = match std::env::var("XCALL_PERMUTE_CASES") {
+        Ok(s) => s
+            .split(';')
+            .map(|c| {
+                let v: Vec<usize> = c.split(',').map(|x| x.trim().parse().unwrap()).collect();
+                assert!(
+                    v.len() == 4,
+                    "XCALL_PERMUTE_CASES is T,E,H,topK;..., not {s:?}"
+                );
+                (v[0], v[1], v[2], v[3])
+            })
+            .collect(),
+        Err(_) => vec![
+            (4096, 256, 7168, 8),
+            (16384, 128, 4096, 6),
+            (16384, 4, 7168, 1),
+        ],
+    };
+    for (t, e, h, k) in cases {
         let mut g = XorShift::new(7);
         let routing = g.top_k_routing(t, e, k);
         let n = t * k;
@@ -139,6 +155,12 @@ fn main() {
             permuted_probs: None,
             in_place: false,
         };
+        // permute without probs: what the probs cost it.
+        let bare = PermuteArgs {
+            probs: None,
+            permuted_probs: None,
+            ..permute.clone()
+        };
         // SAFETY: (this and every call below) device allocations of the
         // tensors' sizes on the bench's stream of cuda:0.
         unsafe {
@@ -178,6 +200,8 @@ fn main() {
             // SAFETY: two live, disjoint, 16-byte aligned allocations of n *
             // row bytes (a multiple of 16) on this context.
             Box::new(|| unsafe { copy.enqueue(copy_dst, copy_src, n * row, s) }),
+            // SAFETY: as above.
+            Box::new(|| unsafe { call::permute(&target, &bare).unwrap() }),
         ];
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
         // The same ops replayed from CUDA graphs: device time without the
@@ -198,7 +222,7 @@ fn main() {
         let graph_ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut replays);
         drop(replays);
         let (tr, nr) = ((t * row) as f64, (n * row) as f64);
-        let rows: [(&str, f64); 10] = [
+        let rows: [(&str, f64); 11] = [
             ("d2d copy", 2.0 * nr),
             (
                 "make_row_id_map",
@@ -213,6 +237,7 @@ fn main() {
             // Writes only: what permute's stores could reach at best.
             ("memset [N, H] (writes)", nr),
             ("kernel copy", 2.0 * nr),
+            ("permute (no probs)", tr + nr),
         ];
         // The faster of the two copies is the reference.
         let copy_gbs = rows[0].1 / ms[0].min(ms[9]) / 1e6;
@@ -306,6 +331,24 @@ fn main() {
                 ratio(best_us),
                 us[0] / best_us,
             );
+            if kernel == "permute" {
+                // The fastest config of each kind (register kernels, bulk
+                // copies).
+                for (kind, bulk) in [("register", false), ("bulk-copy", true)] {
+                    let fastest = execs[1..]
+                        .iter()
+                        .zip(&us[1..])
+                        .filter(|((c, _), _)| (c.unwrap().stages > 0) == bulk)
+                        .min_by(|a, b| a.1.total_cmp(b.1));
+                    if let Some(((c, _), &u)) = fastest {
+                        println!(
+                            "{case:<28} {label:<26} fastest {kind} config {u:.1} us ({:.3}): {:?}",
+                            ratio(u),
+                            c.unwrap()
+                        );
+                    }
+                }
+            }
             for (_, g) in execs.into_iter().skip(1) {
                 // SAFETY: no replay is in flight after the timing
                 // synchronised.

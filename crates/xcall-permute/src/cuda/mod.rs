@@ -5,16 +5,25 @@
 //! (threads per block, vectors in flight per thread, blocks per SM, and
 //! whether a block takes one token or each warp its own). The first call
 //! per (device, kernel, dtype, vector width, row-size class, routes-per-
-//! token class) with autotuning on and a stream that is not capturing runs
-//! every candidate once, then times all of them in two passes on scratch
-//! outputs (stream-ordered allocations freed right after; nothing the
-//! caller can see is written), times the four fastest again in five
-//! interleaved passes, and caches the config with the fastest median for
-//! the device (the stream is waited on twice: after each round of
-//! passes). A candidate the compiled kernel cannot
-//! launch with (more threads than its registers allow) is left out. Under capture, or with autotuning off,
-//! the cached config or the default is used. Every config computes the
-//! same bits (the summation order never depends on the config).
+//! token class, token-count octave) with autotuning on and a stream that
+//! is not capturing runs every candidate once, then times all of them in
+//! two passes on scratch outputs (stream-ordered allocations freed right
+//! after; nothing the caller can see is written), times the four fastest
+//! again in five interleaved passes, and caches the config with the
+//! fastest median for the device (the stream is waited on twice: after
+//! each round of passes). A candidate the compiled kernel cannot launch
+//! with (more threads than its registers allow) is left out. Under
+//! capture, or with autotuning off, the cached config or the default is
+//! used. Every config computes the same bits (the summation order never
+//! depends on the config).
+//!
+//! permute has a second kind of candidate on sm_90 and newer, where the
+//! row and every address are in 16-byte units and a token has three or
+//! more routes on average: the bulk-copy kernels
+//! (`permute_bulk_4`, `_8`; [`Config::stages`]), which move rows through
+//! shared memory with `cp.async.bulk` loads and one bulk store per route,
+//! so no thread moves row data. A row is moved in pieces of at most
+//! 40 KiB / stages (see `tune::bulk_piece`).
 //!
 //! `module` builds and loads the kernels, `tune` picks launch configs; the
 //! ops below check device memory, launch and never return to the caller's
@@ -38,7 +47,7 @@ use crate::chunks::{self, Direction};
 use crate::error::PermuteError;
 use module::{
     capturing, check_device_memory, check_map_on_device, check_segments_reachable, launch,
-    read_back, Family, FunctionKey, Loaded, SMEM_LIMIT,
+    read_back, resident_blocks, Family, FunctionKey, Loaded, SMEM_LIMIT,
 };
 pub(crate) use module::{copy_of, take_faults};
 use params::{
@@ -46,7 +55,7 @@ use params::{
 };
 use tune::{
     arith_width, bulk_piece, choose, default_config, grid_for, held_fits, routes_class, row_class,
-    width, TuneKey, BULK_THREADS,
+    tokens_class, width, TuneKey, BULK_THREADS,
 };
 pub use tune::{
     backward_candidates, cached_configs, movement_candidates, permute_candidates,
@@ -254,12 +263,19 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             let items = (d.tokens as u64)
                 .checked_mul(row.div_ceil(piece))
                 .ok_or_else(|| crate::error::shape("permute: tokens x row pieces overflow"))?;
+            let name = format!("permute_bulk_{}", c.stages);
+            let smem = (c.stages as u64 * piece) as usize;
+            // waves 0: as many blocks as fit the multiprocessors at once.
+            let waves = match c.waves {
+                0 => resident_blocks(dev, (Family::Movement, &name), BULK_THREADS, smem)?,
+                w => w,
+            };
             return launch(
                 target,
-                (Family::Movement, &format!("permute_bulk_{}", c.stages)),
-                grid_for(dev, items as usize, c)?,
+                (Family::Movement, &name),
+                grid_for(dev, items as usize, Config { waves, ..c })?,
                 BULK_THREADS,
-                (c.stages as u64 * piece) as usize,
+                smem,
                 &PermuteParams {
                     piece: piece as i64,
                     ..params
@@ -286,9 +302,13 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             v,
             row_class(row),
             routes_class(d.tokens, d.out_rows),
+            tokens_class(d.tokens),
         ),
         default,
-        &if bulk {
+        // The bulk copies pay off where a loaded row feeds several stores:
+        // at one or two routes per token their picks replayed slower than
+        // the register kernels' on the H200 grid (see BENCHMARKS.md).
+        &if bulk && routes_class(d.tokens, d.out_rows) >= 2 {
             permute_candidates()
         } else {
             movement_candidates()
@@ -381,6 +401,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
             v,
             row_class(row),
             routes_class(d.tokens, d.out_rows),
+            tokens_class(d.tokens),
         ),
         default_config(row / v as u64),
         &movement_candidates(),
@@ -473,6 +494,7 @@ pub(crate) unsafe fn unpermute_backward(
             v,
             row_class(row),
             routes_class(d.tokens, d.out_rows),
+            tokens_class(d.tokens),
         ),
         default,
         &backward_candidates(),
@@ -575,7 +597,14 @@ pub(crate) unsafe fn sort_chunks_by_map(
     };
     let config = choose(
         target,
-        ("sort_chunks", 0, v, row_class(row), 0),
+        (
+            "sort_chunks",
+            0,
+            v,
+            row_class(row),
+            0,
+            tokens_class(d.tokens),
+        ),
         default_config(row / v as u64),
         &movement_candidates(),
         &[a.output.bytes(), opt_bytes(&a.permuted_probs)],

@@ -159,7 +159,50 @@ pub(super) struct Loaded {
     /// The most threads per block the compiled kernel launches with (its
     /// registers decide).
     max_threads: u32,
+    /// Blocks that fit a multiprocessor at once, by (threads per block,
+    /// dynamic shared memory bytes).
+    resident: Mutex<HashMap<(u32, usize), u32>>,
     _module: Arc<LoadedModule>,
+}
+
+/// How many blocks of kernel `name` with `threads` threads and `smem` bytes
+/// of dynamic shared memory fit one multiprocessor at once (at least 1;
+/// the driver's occupancy answer, cached per kernel).
+pub(super) fn resident_blocks(
+    device: Device,
+    (family, name): (Family, &str),
+    threads: u32,
+    smem: usize,
+) -> Result<u32> {
+    let f = function(device, family, name)?;
+    if let Some(&n) = f
+        .resident
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(threads, smem))
+    {
+        return Ok(n);
+    }
+    let mut blocks = 0i32;
+    // SAFETY: a function of a module `f` holds; writes one int.
+    cuda::on(
+        device,
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        || unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut blocks,
+                f.function.cu_function(),
+                threads as i32,
+                smem,
+            )
+        },
+    )?;
+    let n = blocks.max(1) as u32;
+    f.resident
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert((threads, smem), n);
+    Ok(n)
 }
 
 pub(super) type FunctionKey = (Family, String);
@@ -198,6 +241,7 @@ pub(super) fn function(device: Device, family: Family, name: &str) -> Result<Arc
     let loaded = Arc::new(Loaded {
         function,
         max_threads: max_threads.max(0) as u32,
+        resident: Mutex::new(HashMap::new()),
         _module: module,
     });
     register_fault_word(device, family, &loaded)?;

@@ -26,7 +26,8 @@ pub struct Config {
     /// thread (`unpermute_backward`: threads = 256 / slots).
     pub unroll: u32,
     /// Blocks per multiprocessor, each looping over rows; 0 for one block
-    /// (or warp) per row.
+    /// (or warp) per row, or, for the bulk-copy kernels, as many blocks as
+    /// fit the multiprocessors at once.
     pub waves: u32,
     /// Each warp takes its own row (the `*_w_*` kernels) instead of the
     /// whole block taking one.
@@ -63,8 +64,9 @@ impl Config {
     }
 }
 
-/// (kernel, dtype, vector width, row-size class, routes-per-token class).
-pub(super) type TuneKey = (&'static str, u32, usize, u32, u32);
+/// (kernel, dtype, vector width, row-size class, routes-per-token class,
+/// tokens class).
+pub(super) type TuneKey = (&'static str, u32, usize, u32, u32, u32);
 
 /// The widest vector (bytes) that divides the row and every address.
 pub(super) fn width(row_bytes: u64, addresses: &[u64]) -> usize {
@@ -97,6 +99,13 @@ pub(super) fn row_class(row_bytes: u64) -> u32 {
 pub(super) fn routes_class(tokens: usize, out_rows: usize) -> u32 {
     let per = (out_rows as u64).div_ceil(tokens.max(1) as u64).max(1);
     64 - (per - 1).leading_zeros()
+}
+
+/// The class of the token count, by octaves (4096 and 16384 tokens tune
+/// apart): how many rows each block of a config's grid takes, and so which
+/// config is fastest, depends on it.
+pub(super) fn tokens_class(tokens: usize) -> u32 {
+    64 - (tokens.max(1) as u64 - 1).leading_zeros()
 }
 
 pub(super) fn default_config(vectors_per_row: u64) -> Config {
@@ -160,12 +169,12 @@ pub(super) fn bulk_piece(row: u64, stages: u32) -> u64 {
 
 /// The configs tried for permute: the movement kernels' and, where the
 /// device and the row take them, the bulk-copy kernels' (a block of two
-/// warps; `waves` blocks per multiprocessor).
+/// warps; `waves` blocks per multiprocessor, 0: as many as fit).
 #[doc(hidden)]
 pub fn permute_candidates() -> Vec<Config> {
     let mut c = movement_candidates();
     for stages in BULK_STAGES {
-        for waves in [4, 8, 16] {
+        for waves in [0, 4, 8, 16] {
             c.push(Config {
                 threads: BULK_THREADS,
                 unroll: 1,
@@ -454,13 +463,14 @@ pub fn cached_configs(device: Device) -> Vec<(String, Config)> {
             .map(|(k, c)| {
                 (
                     format!(
-                        "{} dtype={} vec={} row~{}2^{} routes~2^{}",
+                        "{} dtype={} vec={} row~{}2^{} routes~2^{} tokens~2^{}",
                         k.0,
                         k.1,
                         k.2,
                         if k.3 % 2 == 1 { "1.5x" } else { "" },
                         k.3 / 2,
-                        k.4
+                        k.4,
+                        k.5
                     ),
                     *c,
                 )
@@ -484,6 +494,15 @@ mod tests {
         assert_eq!(classes, [0, 1, 1, 2, 3]);
         assert_eq!(routes_class(0, 0), 0);
         assert_eq!(routes_class(4096, 4096 * 8 - 5), 3);
+    }
+
+    #[test]
+    fn token_counts_fall_into_octaves() {
+        let classes: Vec<u32> = [0, 1, 2, 3, 4096, 4097, 8192, 16384]
+            .iter()
+            .map(|&t| tokens_class(t))
+            .collect();
+        assert_eq!(classes, [0, 0, 1, 2, 12, 13, 13, 14]);
     }
 
     #[test]
