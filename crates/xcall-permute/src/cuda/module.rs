@@ -184,19 +184,18 @@ pub(super) fn resident_blocks(
         return Ok(n);
     }
     let mut blocks = 0i32;
-    // SAFETY: a function of a module `f` holds; writes one int.
-    cuda::on(
-        device,
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        || unsafe {
+    let call = "cuOccupancyMaxActiveBlocksPerMultiprocessor";
+    cuda::on(device, call, || {
+        // SAFETY: a function of a module `f` holds; writes one int.
+        unsafe {
             sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 &mut blocks,
                 f.function.cu_function(),
                 threads as i32,
                 smem,
             )
-        },
-    )?;
+        }
+    })?;
     let n = blocks.max(1) as u32;
     f.resident
         .lock()
