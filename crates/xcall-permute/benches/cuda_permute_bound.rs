@@ -16,7 +16,11 @@
 //! - `+ probs`: each route's prob copied too, as permute does;
 //! - `G groups`: each block serves the routes of one of G expert groups,
 //!   so a block writes into E / G experts' regions instead of all E (a
-//!   token's row is read once per group it routes to).
+//!   token's row is read once per group it routes to);
+//! - `bulk loads`: a row, or each of S slices of it, lands in shared memory
+//!   through `cp.async.bulk` (sm_90+), 4 or 8 stages in flight per block,
+//!   and leaves through one bulk store per route (`bulk stores`) or the
+//!   block's 8 warps' 16-byte stores.
 //!
 //! Before anything is timed, every layout's output is checked against the
 //! Host's (four vectors of every route's row) and its probs in full. Prints one table per shape:

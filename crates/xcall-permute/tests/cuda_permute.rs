@@ -865,6 +865,11 @@ fn bulk_copy_permute_kernels_equal_the_host() {
                 run_case(&mut gpu, &c, 1700 + (i * 10 + j) as u64, false)
             });
         }
+        // The forced config ran its own kernel (not the default one a row
+        // of other than whole 16-byte units runs instead).
+        let name = format!("permute_bulk_{}", b.stages);
+        let loaded = xcall_permute::cuda::loaded_kernels(xcall_core::Device::cuda(0));
+        assert!(loaded.contains(&name), "{name} never loaded: {loaded:?}");
     }
 }
 

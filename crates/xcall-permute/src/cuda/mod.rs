@@ -82,6 +82,19 @@ struct State {
     fault_words: DeviceMap<Mutex<HashMap<Family, u64>>>,
 }
 
+/// Test hook: the kernels loaded on `device` so far, by name (sorted, each
+/// once), so a test can tell that a forced config ran its own kernel.
+#[doc(hidden)]
+pub fn loaded_kernels(device: xcall_core::Device) -> Vec<String> {
+    let mut names: Vec<String> = state().functions.get(device).map_or_else(Vec::new, |slot| {
+        let map = slot.lock().unwrap_or_else(|p| p.into_inner());
+        map.keys().map(|(_, name)| name.clone()).collect()
+    });
+    names.sort();
+    names.dedup();
+    names
+}
+
 fn state() -> &'static State {
     static STATE: OnceLock<State> = OnceLock::new();
     STATE.get_or_init(State::default)

@@ -497,6 +497,48 @@ mod tests {
     }
 
     #[test]
+    fn bulk_pieces_keep_the_stages_within_their_shared_memory() {
+        // Known answers: a 14 KiB row in 2 pieces at 4 stages, in 3 at 8
+        // (4779 bytes rounded up to 4784; the last piece 4768); a row
+        // that fits whole stays whole.
+        assert_eq!(bulk_piece(14336, 4), 7168);
+        assert_eq!(bulk_piece(14336, 8), 4784);
+        assert_eq!(bulk_piece(4096, 8), 4096);
+        assert_eq!(bulk_piece(16, 8), 16);
+        for row in (16..=65536).step_by(16 * 37) {
+            for stages in BULK_STAGES {
+                let piece = bulk_piece(row, stages);
+                assert_eq!(piece % 16, 0, "row {row}, {stages} stages");
+                assert!(piece <= row && piece > 0, "row {row}: piece {piece}");
+                assert!(
+                    stages as u64 * piece <= BULK_SMEM + 16 * stages as u64,
+                    "row {row}, {stages} stages: {piece}-byte pieces"
+                );
+                // The pieces cover the row with no empty last piece.
+                let pieces = row.div_ceil(piece);
+                assert!((pieces - 1) * piece < row, "row {row}: piece {piece}");
+            }
+        }
+    }
+
+    #[test]
+    fn permute_tries_the_movement_configs_and_each_bulk_copy_grid() {
+        let (moves, all) = (movement_candidates(), permute_candidates());
+        assert_eq!(&all[..moves.len()], &moves[..]);
+        let bulk: Vec<(u32, u32)> = all[moves.len()..]
+            .iter()
+            .inspect(|c| assert_eq!((c.threads, c.per_warp, c.held), (BULK_THREADS, false, 0)))
+            .map(|c| (c.stages, c.waves))
+            .collect();
+        let want: Vec<(u32, u32)> = BULK_STAGES
+            .iter()
+            .flat_map(|&s| [0, 4, 8, 16].map(|w| (s, w)))
+            .collect();
+        assert_eq!(bulk, want);
+        assert!(moves.iter().all(|c| c.stages == 0));
+    }
+
+    #[test]
     fn token_counts_fall_into_octaves() {
         let classes: Vec<u32> = [0, 1, 2, 3, 4096, 4097, 8192, 16384]
             .iter()
