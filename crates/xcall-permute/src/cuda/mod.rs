@@ -74,12 +74,30 @@ struct State {
     /// families share kernel names.
     functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
     tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
-    multiprocessors: DeviceMap<u64>,
-    /// Whether the device runs the bulk-copy kernels (sm_90 or newer).
-    bulk_copies: DeviceMap<bool>,
+    /// What the launches need to know of each device.
+    devices: DeviceMap<DeviceFacts>,
     /// The address of each loaded module's map fault word
     /// (`xcall_map_faults` in `kernels.cu`).
     fault_words: DeviceMap<Mutex<HashMap<Family, u64>>>,
+}
+
+/// What the launches need to know of a device.
+struct DeviceFacts {
+    multiprocessors: u64,
+    /// It runs the bulk-copy kernels: `cp.async.bulk` and its mbarrier
+    /// completion need sm_90 or newer (the modules compile for the
+    /// device's own architecture).
+    bulk_copies: bool,
+}
+
+/// `device`'s facts, asked of the driver once.
+fn device_facts(device: xcall_core::Device) -> Result<&'static DeviceFacts> {
+    Ok(state().devices.get_or_try_init(device, || {
+        xcall_core::cuda::device_info(device).map(|i| DeviceFacts {
+            multiprocessors: i.multiprocessors as u64,
+            bulk_copies: i.compute_capability.0 >= 9,
+        })
+    })?)
 }
 
 /// Test hook: the kernels loaded on `device` so far, by name (sorted, each
@@ -200,15 +218,6 @@ fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
     )
 }
 
-/// Whether `device` runs the bulk-copy permute kernels: `cp.async.bulk`
-/// and its mbarrier completion need sm_90 or newer (the modules compile
-/// for the device's own architecture).
-fn bulk_copies(device: xcall_core::Device) -> Result<bool> {
-    Ok(*state().bulk_copies.get_or_try_init(device, || {
-        xcall_core::cuda::device_info(device).map(|i| i.compute_capability.0 >= 9)
-    })?)
-}
-
 /// See [`crate::call::permute`].
 pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> Result<()> {
     let (a, d) = (c.args(), c.dims());
@@ -246,7 +255,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     let mut addresses = vec![a.input.address, a.output.address];
     addresses.extend(segs.map_or(&[][..], |s| &s.bases));
     let v = width(row, &addresses);
-    let bulk = v == 16 && row > 0 && bulk_copies(dev)?;
+    let bulk = v == 16 && row > 0 && device_facts(dev)?.bulk_copies;
     let default = default_config(row / v as u64);
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         // A bulk-copy config where the row or device cannot take it (only

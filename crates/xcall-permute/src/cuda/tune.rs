@@ -10,7 +10,7 @@ use xcall_core::cuda::{Event, StreamAlloc};
 use xcall_core::{DType, Device};
 
 use super::module::{capturing, scratch};
-use super::{state, Result, MOVE_WIDTHS, UNROLLS};
+use super::{device_facts, state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::Target;
 use crate::error::PermuteError;
 
@@ -447,9 +447,7 @@ pub(super) fn grid_for(device: Device, rows: usize, config: Config) -> Result<u6
     if config.waves == 0 {
         return Ok(rows);
     }
-    let sms = *state().multiprocessors.get_or_try_init(device, || {
-        xcall_core::cuda::device_info(device).map(|i| i.multiprocessors as u64)
-    })?;
+    let sms = device_facts(device)?.multiprocessors;
     Ok(rows.min(sms * config.waves as u64))
 }
 
