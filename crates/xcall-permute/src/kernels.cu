@@ -1107,6 +1107,39 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
     }
 }
 
+// unpermute_backward's probs gradient of token row `m`: 0 for each expert
+// that no valid route (route_ok) reaches, for the experts of chunks first,
+// first + step, ... (chunk c: experts 32 c .. 32 c + 31, expert 32 c + l
+// written by lane l). A whole warp calls it, uniformly. Up to 32 chunks
+// (E <= 1024), the routes' experts go once to the lanes that own them (n
+// shuffles, whatever E); beyond, each lane looks through the routes for each
+// of its experts.
+__device__ void zero_unrouted(const int* m, int n, int E, i64 N, float* row, int first, int step) {
+    const int lane = threadIdx.x & 31;
+    const int chunks = (E + 31) / 32;
+    if (chunks > 32) {
+        for (int e = 32 * first + lane; e < E; e += 32 * step) {
+            bool routed = false;
+            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
+            if (!routed) row[e] = 0.0f;
+        }
+        return;
+    }
+    unsigned int routed = 0;  // bit c: expert 32 c + lane
+    for (int base = 0; base < n; base += 32) {
+        const int k = base + lane;
+        const int mine = k < n && route_ok(m, k, E, N) ? m[E + k] : -1;
+        for (int j = 0; j < 32 && base + j < n; ++j) {
+            const int e = __shfl_sync(0xffffffffu, mine, j);
+            if (e >= 0 && (e & 31) == lane) routed |= 1u << (e >> 5);
+        }
+    }
+    for (int c = first; c < chunks; c += step) {
+        const int e = 32 * c + lane;
+        if (e < E && !((routed >> c) & 1u)) row[e] = 0.0f;
+    }
+}
+
 // unpermute_backward: one block of 256 / A threads per token. For each
 // route: act_grad[dst] = g * w, and the dot(fwd_input[dst], g) in the
 // crate's fixed order: 16-byte group q adds element by element into slot
@@ -1128,11 +1161,7 @@ __device__ void unpermute_bwd_body(const UnpermuteParams& p) {
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            bool routed = false;
-            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
-            if (!routed) pgrad[t * E + e] = 0.0f;
-        }
+        zero_unrouted(m, n, E, N, pgrad + t * E, threadIdx.x >> 5, blockDim.x >> 5);
         const S* g = (const S*)(grad + t * H * sizeof(S));
         for (int k = 0; k < n; ++k) {
             if (!route_ok(m, k, E, N)) continue;  // uniform across the block
@@ -1208,7 +1237,10 @@ __device__ __forceinline__ float fold_slots(float (&s)[8]) {
 // slots in registers: lane l holds slots l + 32 s (s < 8), so group q goes
 // to lane q % 32, register (q / 32) % 8, as in the block variant; the fold
 // halves 128, 64 and 32 stay in a lane and 16 .. 1 are shuffles, the same
-// additions in the same order.
+// additions in the same order. With p.split = S > 1, S warps share a token:
+// warp j takes routes j, j + S, ... and the probs gradient's expert chunks
+// j, j + S, ... (T x S warps' worth of work, each route's dot in one warp as
+// before).
 template <typename C, int V>
 __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
     typedef typename C::S S;
@@ -1220,16 +1252,15 @@ __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
     const int EV = V / sizeof(S);
     const i64 full = H / GE;  // whole 16-byte groups
     const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
-    for (i64 t = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); t < T; t += (i64)gridDim.x * wpb) {
+    const int split = p.split > 1 ? (int)p.split : 1;
+    for (i64 w = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); w < T * split; w += (i64)gridDim.x * wpb) {
+        const i64 t = w / split;
+        const int part = (int)(w % split);
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
-        for (int e = lane; e < E; e += 32) {
-            bool routed = false;
-            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
-            if (!routed) p.oprobs[t * E + e] = 0.0f;
-        }
+        zero_unrouted(m, n, E, N, p.oprobs + t * E, part, split);
         const S* g = (const S*)(p.input + t * H * sizeof(S));
-        for (int k = 0; k < n; ++k) {
+        for (int k = part; k < n; k += split) {
             if (!route_ok(m, k, E, N)) continue;  // uniform across the warp
             const int d = m[k];
             const float w = p.mprobs[t * E + m[E + k]];
@@ -1317,11 +1348,7 @@ __device__ void unpermute_bwd_held_body(const UnpermuteParams& p) {
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
-        for (int e = i; e < E; e += blockDim.x) {
-            bool routed = false;
-            for (int k = 0; k < n; ++k) routed |= m[E + k] == e && route_ok(m, k, E, N);
-            if (!routed) p.oprobs[t * E + e] = 0.0f;
-        }
+        zero_unrouted(m, n, E, N, p.oprobs + t * E, i >> 5, blockDim.x >> 5);
         const S* g = (const S*)(p.input + t * H * sizeof(S));
         P pg[G];
 #pragma unroll

@@ -528,6 +528,22 @@ fn every_op_and_dtype_equals_the_host() {
         groups: None,
         dtype: DType::Bf16,
     });
+    // The backward's probs gradient: experts in 32 chunks of 32 (the last
+    // chunk's bit) with more routes than a warp has lanes, and more chunks
+    // than that (each lane looking through the routes).
+    for (t, e, topk, dtype) in [(200, 1024, 40, DType::Bf16), (150, 1500, 9, DType::F32)] {
+        cases.push(Case {
+            t,
+            e,
+            h: 96,
+            topk,
+            cap: None,
+            align: None,
+            capacity: None,
+            groups: None,
+            dtype,
+        });
+    }
     for c in &cases {
         seed += 1;
         run_case(&mut gpu, c, seed, false);
@@ -703,10 +719,13 @@ fn every_launch_config_equals_the_host() {
         .filter(|c| c.held == 0)
         .collect();
     let moves = movement_candidates();
+    // Four cases: each backward config (fewer than the movement configs)
+    // meets two of them.
     let cases = [
         (300, 8, 1000, 2, DType::Bf16),
         (97, 64, 7, 40, DType::F32),
         (129, 16, 515, 3, DType::F16),
+        (60, 1100, 40, 36, DType::Bf16),
     ];
     for (i, &m) in moves.iter().enumerate() {
         let (t, e, h, topk, dtype) = cases[i % cases.len()];

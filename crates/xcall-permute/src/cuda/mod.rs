@@ -411,6 +411,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
                 hidden: d.hidden as i64,
                 out_rows: d.out_rows as i64,
                 seg_rows,
+                split: 0,
                 segs: bases,
             },
         )
@@ -478,10 +479,12 @@ pub(crate) unsafe fn unpermute_backward(
                 )))
             }
         };
+        // A split config's warps: `split` per token.
+        let warps = d.tokens.saturating_mul(c.split.max(1) as usize);
         launch(
             target,
             (Family::Arith(dtype), &name),
-            grid_for(dev, d.tokens, c)?,
+            grid_for(dev, warps, c)?,
             c.threads,
             0,
             &UnpermuteParams {
@@ -496,6 +499,7 @@ pub(crate) unsafe fn unpermute_backward(
                 experts: d.experts as i64,
                 hidden: d.hidden as i64,
                 out_rows: d.out_rows as i64,
+                split: c.split as i64,
                 ..UnpermuteParams::default()
             },
         )
@@ -507,6 +511,7 @@ pub(crate) unsafe fn unpermute_backward(
         per_warp: false,
         held: 0,
         stages: 0,
+        split: 0,
     };
     let config = choose(
         target,

@@ -169,6 +169,9 @@ kernel_params! {
         /// Rows per segment of a segmented forward `input` (`segs`), or
         /// 0: `input` is dense.
         seg_rows: i64 => "i64",
+        /// Backward, warp kernels (`unpermute_bwd_w_*`): warps per token,
+        /// route k going to warp k % split (0 counts as 1).
+        split: i64 => "i64",
         /// The segments' bases (the first `N / seg_rows`).
         segs: [u64; MAX_SEGMENTS] => "const unsigned char*[32]",
     }

@@ -41,6 +41,11 @@ pub struct Config {
     /// (`permute_bulk_S`: sm_90 or newer, rows and addresses in 16-byte
     /// units, pieces of [`bulk_piece`] bytes); 0 for the other kernels.
     pub stages: u32,
+    /// `unpermute_backward`'s warp kernel only: warps that share a token,
+    /// its routes dealt out among them (`T x split` warps' worth of work
+    /// where few tokens would leave warp slots idle); 0 for one warp per
+    /// token and for the other kernels.
+    pub split: u32,
 }
 
 impl Config {
@@ -119,6 +124,7 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
         per_warp: false,
         held: 0,
         stages: 0,
+        split: 0,
     }
 }
 
@@ -138,6 +144,7 @@ pub fn movement_candidates() -> Vec<Config> {
                         per_warp,
                         held: 0,
                         stages: 0,
+                        split: 0,
                     });
                 }
             }
@@ -182,6 +189,7 @@ pub fn permute_candidates() -> Vec<Config> {
                 per_warp: false,
                 held: 0,
                 stages,
+                split: 0,
             });
         }
     }
@@ -189,7 +197,8 @@ pub fn permute_candidates() -> Vec<Config> {
 }
 
 /// The configs tried for unpermute_backward: a block of 256 / slots
-/// threads per token, or a warp per token holding all 256 dot slots.
+/// threads per token, a warp per token holding all 256 dot slots, or 2, 4
+/// or 8 such warps per token sharing its routes.
 #[doc(hidden)]
 pub fn backward_candidates() -> Vec<Config> {
     let mut c = Vec::new();
@@ -202,17 +211,24 @@ pub fn backward_candidates() -> Vec<Config> {
                 per_warp: false,
                 held: 0,
                 stages: 0,
+                split: 0,
             });
         }
         for threads in [128, 256] {
-            c.push(Config {
-                threads,
-                unroll: 8,
-                waves,
-                per_warp: true,
-                held: 0,
-                stages: 0,
-            });
+            for split in [0, 2, 4, 8] {
+                if split > 0 && waves == 4 {
+                    continue;
+                }
+                c.push(Config {
+                    threads,
+                    unroll: 8,
+                    waves,
+                    per_warp: true,
+                    held: 0,
+                    stages: 0,
+                    split,
+                });
+            }
         }
     }
     for (held, unroll) in HELD {
@@ -223,6 +239,7 @@ pub fn backward_candidates() -> Vec<Config> {
             per_warp: false,
             held,
             stages: 0,
+            split: 0,
         });
     }
     c
@@ -554,6 +571,7 @@ mod tests {
             per_warp,
             held: 0,
             stages: 0,
+            split: 0,
         };
         assert_eq!(c(256, true).rows_per_block(), 8);
         assert_eq!(c(256, false).rows_per_block(), 1);
@@ -593,11 +611,12 @@ mod tests {
     #[test]
     fn backward_candidates_keep_256_dot_slots_per_token() {
         let c = backward_candidates();
-        assert_eq!(c.len(), 18);
+        assert_eq!(c.len(), 30);
         for k in &c {
             if k.per_warp {
                 assert_eq!(k.unroll, 8, "{k:?}");
                 assert!(k.threads <= 256 && k.threads % 32 == 0, "{k:?}");
+                assert!([0, 2, 4, 8].contains(&k.split), "{k:?}");
             } else if k.held > 0 {
                 // One dot slot per thread; `unroll` routes per batch.
                 assert_eq!((k.threads, k.waves), (256, 0), "{k:?}");
@@ -605,6 +624,15 @@ mod tests {
             } else {
                 assert_eq!(k.threads * k.unroll, 256, "{k:?}");
             }
+            if !k.per_warp {
+                assert_eq!(k.split, 0, "{k:?}");
+            }
+        }
+        // Each split in blocks of 4 and 8 warps, with a warp for each share
+        // of a token (waves 0) and with 8 blocks per multiprocessor.
+        for split in [2, 4, 8] {
+            let n = c.iter().filter(|k| k.split == split).count();
+            assert_eq!(n, 4, "split {split}");
         }
         assert_eq!(movement_candidates().len(), 54);
     }
@@ -658,6 +686,7 @@ mod tests {
             per_warp: false,
             held,
             stages: 0,
+            split: 0,
         };
         // 256 x 4 groups of 16 bytes: 16384 bytes.
         assert!(held_fits(c(4), 16, 16384));
