@@ -1107,14 +1107,20 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
     }
 }
 
+// Route k's expert when k < n and the route is valid (route_ok), else -1.
+__device__ __forceinline__ int valid_expert(const int* m, int k, int n, int E, i64 N) {
+    return k < n && route_ok(m, k, E, N) ? m[E + k] : -1;
+}
+
 // unpermute_backward's probs gradient of token row `m`: 0 for each expert
-// that no valid route (route_ok) reaches, for the experts of chunks first,
-// first + step, ... (chunk c: experts 32 c .. 32 c + 31, expert 32 c + l
-// written by lane l). A whole warp calls it, uniformly. Up to 32 chunks
-// (E <= 1024), the routes' experts go once to the lanes that own them (n
-// shuffles, whatever E); beyond, each lane looks through the routes for each
-// of its experts.
-__device__ void zero_unrouted(const int* m, int n, int E, i64 N, float* row, int first, int step) {
+// that no valid route reaches, for the experts of chunks first, first +
+// step, ... (chunk c: experts 32 c .. 32 c + 31, expert 32 c + l written by
+// lane l). A whole warp calls it, uniformly; `lane_e` is
+// valid_expert(m, lane, n, E, N), which the caller may have loaded early.
+// Up to 32 chunks (E <= 1024), the routes' experts go once to the lanes
+// that own them (n shuffles, whatever E); beyond, each lane looks through
+// the routes for each of its experts.
+__device__ void zero_unrouted(const int* m, int n, int E, i64 N, float* row, int first, int step, int lane_e) {
     const int lane = threadIdx.x & 31;
     const int chunks = (E + 31) / 32;
     if (chunks > 32) {
@@ -1127,8 +1133,7 @@ __device__ void zero_unrouted(const int* m, int n, int E, i64 N, float* row, int
     }
     unsigned int routed = 0;  // bit c: expert 32 c + lane
     for (int base = 0; base < n; base += 32) {
-        const int k = base + lane;
-        const int mine = k < n && route_ok(m, k, E, N) ? m[E + k] : -1;
+        const int mine = base == 0 ? lane_e : valid_expert(m, base + lane, n, E, N);
         for (int j = 0; j < 32 && base + j < n; ++j) {
             const int e = __shfl_sync(0xffffffffu, mine, j);
             if (e >= 0 && (e & 31) == lane) routed |= 1u << (e >> 5);
@@ -1139,6 +1144,46 @@ __device__ void zero_unrouted(const int* m, int n, int E, i64 N, float* row, int
         if (e < E && !((routed >> c) & 1u)) row[e] = 0.0f;
     }
 }
+
+// A token's route count and its first 32 routes, loaded at once (lane k:
+// route k's row, expert and weight) rather than the routes after the count:
+// with many experts the count and the routes lie in different lines, and
+// with short rows those waits, not the rows, set the pace. Entries past the
+// count are read (the row has 2E + 1) but checked and used only below it.
+// A whole warp builds it and calls route(), uniformly.
+struct TokenRoutes {
+    int n, d, x;
+    bool ok;
+    float w;
+    __device__ TokenRoutes(const int* m, i64 t, int E, i64 N, const float* mprobs) {
+        const int lane = threadIdx.x & 31;
+        const int raw_n = m[2 * E];
+        d = lane < E ? m[lane] : -1;
+        x = lane < E ? m[E + lane] : -1;
+        n = count_ok(raw_n, E);
+        ok = lane < n && entry_ok(d, x, E, N);
+        w = ok ? mprobs[t * E + x] : 0.0f;
+    }
+    // This lane's route's expert, or -1 (see zero_unrouted).
+    __device__ int lane_expert() const { return ok ? x : -1; }
+    // Route k < n: whether it is valid (route_ok), and its row, expert and
+    // weight if so.
+    __device__ bool route(const int* m, int k, i64 t, int E, i64 N, const float* mprobs, int& rd, int& re,
+                          float& rw) const {
+        if (k < 32) {
+            if (!__shfl_sync(0xffffffffu, ok, k)) return false;
+            rd = __shfl_sync(0xffffffffu, d, k);
+            re = __shfl_sync(0xffffffffu, x, k);
+            rw = __shfl_sync(0xffffffffu, w, k);
+            return true;
+        }
+        if (!route_ok(m, k, E, N)) return false;
+        rd = m[k];
+        re = m[E + k];
+        rw = mprobs[t * E + re];
+        return true;
+    }
+};
 
 // unpermute_backward: one block of 256 / A threads per token. For each
 // route: act_grad[dst] = g * w, and the dot(fwd_input[dst], g) in the
@@ -1160,13 +1205,14 @@ __device__ void unpermute_bwd_body(const UnpermuteParams& p) {
     __shared__ float part[256];
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
-        const int n = route_count(m, E);
-        zero_unrouted(m, n, E, N, pgrad + t * E, threadIdx.x >> 5, blockDim.x >> 5);
+        const TokenRoutes r(m, t, E, N, mprobs);
+        const int n = r.n;
+        zero_unrouted(m, n, E, N, pgrad + t * E, threadIdx.x >> 5, blockDim.x >> 5, r.lane_expert());
         const S* g = (const S*)(grad + t * H * sizeof(S));
         for (int k = 0; k < n; ++k) {
-            if (!route_ok(m, k, E, N)) continue;  // uniform across the block
-            const int d = m[k];
-            float w = mprobs[t * E + m[E + k]];
+            int d, e;
+            float w;
+            if (!r.route(m, k, t, E, N, mprobs, d, e, w)) continue;  // uniform across the block
             const S* x = (const S*)(p.fwd + (i64)d * H * sizeof(S));
             S* a = (S*)(p.out + (i64)d * H * sizeof(S));
             float acc[A];
@@ -1212,7 +1258,7 @@ __device__ void unpermute_bwd_body(const UnpermuteParams& p) {
                 for (int s = threadIdx.x; s < width; s += blockDim.x) part[s] = __fadd_rn(part[s], part[s + width]);
                 __syncthreads();
             }
-            if (threadIdx.x == 0) pgrad[t * E + m[E + k]] = part[0];
+            if (threadIdx.x == 0) pgrad[t * E + e] = part[0];
             __syncthreads();
         }
     }
@@ -1240,7 +1286,7 @@ __device__ __forceinline__ float fold_slots(float (&s)[8]) {
 // additions in the same order. With p.split = S > 1, S warps share a token:
 // warp j takes routes j, j + S, ... and the probs gradient's expert chunks
 // j, j + S, ... (T x S warps' worth of work, each route's dot in one warp as
-// before).
+// before). The token's routes come from TokenRoutes.
 template <typename C, int V>
 __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
     typedef typename C::S S;
@@ -1253,17 +1299,18 @@ __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
     const i64 full = H / GE;  // whole 16-byte groups
     const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
     const int split = p.split > 1 ? (int)p.split : 1;
-    for (i64 w = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); w < T * split; w += (i64)gridDim.x * wpb) {
-        const i64 t = w / split;
-        const int part = (int)(w % split);
+    for (i64 item = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); item < T * split; item += (i64)gridDim.x * wpb) {
+        const i64 t = item / split;
+        const int part = (int)(item % split);
         const int* m = map + t * (2 * E + 1);
-        const int n = route_count(m, E);
-        zero_unrouted(m, n, E, N, p.oprobs + t * E, part, split);
+        const TokenRoutes r(m, t, E, N, p.mprobs);
+        const int n = r.n;
+        zero_unrouted(m, n, E, N, p.oprobs + t * E, part, split, r.lane_expert());
         const S* g = (const S*)(p.input + t * H * sizeof(S));
         for (int k = part; k < n; k += split) {
-            if (!route_ok(m, k, E, N)) continue;  // uniform across the warp
-            const int d = m[k];
-            const float w = p.mprobs[t * E + m[E + k]];
+            int d, e;
+            float w;
+            if (!r.route(m, k, t, E, N, p.mprobs, d, e, w)) continue;  // uniform across the warp
             const S* x = (const S*)(p.fwd + (i64)d * H * sizeof(S));
             S* a = (S*)(p.out + (i64)d * H * sizeof(S));
             float acc[8];
@@ -1318,7 +1365,7 @@ __device__ void unpermute_bwd_warp_body(const UnpermuteParams& p) {
                 }
             }
             const float v = fold_slots(acc);
-            if (lane == 0) p.oprobs[t * E + m[E + k]] = v;
+            if (lane == 0) p.oprobs[t * E + e] = v;
         }
     }
 }
@@ -1348,7 +1395,7 @@ __device__ void unpermute_bwd_held_body(const UnpermuteParams& p) {
     for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
         const int* m = map + t * (2 * E + 1);
         const int n = route_count(m, E);
-        zero_unrouted(m, n, E, N, p.oprobs + t * E, i >> 5, blockDim.x >> 5);
+        zero_unrouted(m, n, E, N, p.oprobs + t * E, i >> 5, blockDim.x >> 5, valid_expert(m, lane, n, E, N));
         const S* g = (const S*)(p.input + t * H * sizeof(S));
         P pg[G];
 #pragma unroll
