@@ -196,6 +196,34 @@ struct Case {
     dtype: DType,
 }
 
+/// (T, E, H, top-k, cap, align, dtype): a case without expert capacity or
+/// groups.
+type Plain = (
+    usize,
+    usize,
+    usize,
+    usize,
+    Option<usize>,
+    Option<usize>,
+    DType,
+);
+
+impl Case {
+    fn plain((t, e, h, topk, cap, align, dtype): Plain) -> Case {
+        Case {
+            t,
+            e,
+            h,
+            topk,
+            cap,
+            align,
+            capacity: None,
+            groups: None,
+            dtype,
+        }
+    }
+}
+
 /// make_row_id_map of `routing` ([T, E] bytes) on the Host and on CUDA
 /// into fresh poisoned tensors, its three outputs checked to agree:
 /// (row_id_map, tokens_per_expert, expert_offsets).
@@ -804,18 +832,9 @@ fn row_holding_backward_kernels_equal_the_host() {
             // One group too wide to hold: the default config runs it.
             (40, 4, widest * 8 + 8, 2, None, None, DType::Bf16),
         ];
-        for (j, &(t, e, h, topk, cap, align, dtype)) in cases.iter().enumerate() {
-            let c = Case {
-                t,
-                e,
-                h,
-                topk,
-                cap,
-                align,
-                capacity: None,
-                groups: None,
-                dtype,
-            };
+        for (j, &plain) in cases.iter().enumerate() {
+            let c = Case::plain(plain);
+            let (t, e, h, topk, dtype) = (c.t, c.e, c.h, c.topk, c.dtype);
             eprintln!("config {b:?}, T={t} E={e} H={h} top-{topk} {dtype}");
             with_configs(&[("unpermute_backward", b)], || {
                 run_case(&mut gpu, &c, 1500 + (i * 10 + j) as u64, true)
@@ -867,18 +886,9 @@ fn bulk_copy_permute_kernels_equal_the_host() {
         (129, 16, 515, 3, None, None, DType::F16),
     ];
     for (i, &b) in bulk.iter().enumerate() {
-        for (j, &(t, e, h, topk, cap, align, dtype)) in cases.iter().enumerate() {
-            let c = Case {
-                t,
-                e,
-                h,
-                topk,
-                cap,
-                align,
-                capacity: None,
-                groups: None,
-                dtype,
-            };
+        for (j, &plain) in cases.iter().enumerate() {
+            let c = Case::plain(plain);
+            let (t, e, h, topk, cap, dtype) = (c.t, c.e, c.h, c.topk, c.cap, c.dtype);
             eprintln!("config {b:?}, T={t} E={e} H={h} top-{topk} cap={cap:?} {dtype}");
             with_configs(&[("permute", b)], || {
                 run_case(&mut gpu, &c, 1700 + (i * 10 + j) as u64, false)
