@@ -311,6 +311,27 @@ template <int MB, int BIAS, int MAXB, bool FN> struct F8 {
 typedef F8<3, 7, 0x7e, true> F8E4M3;
 typedef F8<2, 15, 0x7b, false> F8E5M2;
 
+// A vector loaded from global memory by an address the compiler cannot
+// place (one read back from shared memory is generic): ld.global, as a
+// load through a kernel argument compiles to, not a generic load.
+__device__ __forceinline__ void load_global(uint4& v, const uint4* a) {
+    asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+}
+__device__ __forceinline__ void load_global(uint2& v, const uint2* a) {
+    asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(a));
+}
+__device__ __forceinline__ void load_global(unsigned int& v, const unsigned int* a) {
+    asm("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
+}
+__device__ __forceinline__ void load_global(unsigned short& v, const unsigned short* a) {
+    asm("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(a));
+}
+__device__ __forceinline__ void load_global(unsigned char& v, const unsigned char* a) {
+    unsigned short h;
+    asm("ld.global.u8 %0, [%1];" : "=h"(h) : "l"(a));
+    v = (unsigned char)h;
+}
+
 // V bytes of elements of codec C, loaded and stored as one vector.
 template <typename C, int V> union Pack {
     typename VecT<V>::T raw;
@@ -911,8 +932,8 @@ __device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<
         for (int u = 0; u < U; ++u) {
             const i64 i = base + (i64)u * step;
             if (i < nv) {
-                a[u].raw = s0[i].raw;
-                if (TWO) b[u].raw = s1[i].raw;
+                load_global(a[u].raw, &s0[i].raw);
+                if (TWO) load_global(b[u].raw, &s1[i].raw);
             }
         }
 #pragma unroll
@@ -930,10 +951,13 @@ __device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<
 
 // unpermute: each element sums its routes in route order in f32:
 // acc = acc + x * w (weight 1 without merging probs). A warp stages its
-// first ROUTE_CHUNK routes' rows and weights in shared memory (-1: a route
-// skipped as invalid); other routes are read from the map. The
-// unpermuted probs are zeroed and then each valid route writes its
-// expert's (the last valid route of an expert wins).
+// first ROUTE_CHUNK routes' source rows (their addresses, segments
+// resolved; null: a route skipped as invalid) and weights in shared
+// memory; other routes are read from the map. The unpermuted probs are
+// zeroed and then each valid route writes its expert's (the last valid
+// route of an expert wins).
+// fp8 is unpermuted without merging probs only (the launch refuses them),
+// so its kernels carry no weighted path.
 // FEW (fp8 without probs): 1 (launched when the map has at most one
 // route per token on average): a token with one valid route maps its
 // row's bytes instead of converting them; 2 (at most two on average): a
@@ -946,16 +970,18 @@ __device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<
 template <typename C, int V, int U, bool WARP, int FEW = 0, int LOADS = 1>
 __device__ void unpermute_body(const UnpermuteParams& p) {
     typedef Pack<C, V> P;
+    constexpr bool FP8 = sizeof(typename C::S) == 1;
     const Group<WARP> g;
     const int* map = p.map;
+    const float* mprobs = FP8 ? nullptr : p.mprobs;
     const i64 T = p.tokens, H = p.hidden, N = p.out_rows;
     const int E = (int)p.experts;
     const int EV = V / sizeof(typename C::S);
     const i64 row = H * (i64)sizeof(typename C::S);
     const i64 nv = row / V;
-    __shared__ int staged_rows[MAX_WARPS][ROUTE_CHUNK];
+    __shared__ const P* staged_src[MAX_WARPS][ROUTE_CHUNK];
     __shared__ float staged_w[MAX_WARPS][ROUTE_CHUNK];
-    int* rows = staged_rows[g.slot];
+    const P** srcs = staged_src[g.slot];
     float* wts = staged_w[g.slot];
     for (i64 t = g.t0; t < T; t += g.tstep) {
         const int* m = map + t * (2 * E + 1);
@@ -970,37 +996,46 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 if (last) p.oprobs[t * E + m[E + k]] = p.pprobs[m[k]];
             }
         }
+        // Route k's source row (null: skipped as invalid) and weight, from
+        // the map.
+        auto from_map = [&](int k, float& wk) -> const P* {
+            const bool ok = route_ok(m, k, E, N);
+            wk = ok && mprobs ? mprobs[t * E + m[E + k]] : 1.0f;
+            return ok ? (const P*)row_at(p.input, p.segs, p.seg_rows, m[k], row) : nullptr;
+        };
         // A warp stages its first routes; a block reads them from the map
         // (two block barriers per token cost more than the reads).
         const int staged_n = WARP ? min(n, ROUTE_CHUNK) : 0;
         if (WARP) {
             g.sync();  // the previous token's readers are done
-            for (int k = g.first; k < staged_n; k += g.step) {
-                const bool ok = route_ok(m, k, E, N);
-                rows[k] = ok ? m[k] : -1;
-                wts[k] = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
-            }
+            for (int k = g.first; k < staged_n; k += g.step) srcs[k] = from_map(k, wts[k]);
             g.sync();
         }
-        if constexpr (FEW > 0 && sizeof(typename C::S) == 1 && V % 4 == 0) {
+        // Route k's source row (null: skipped) and weight.
+        auto route_at = [&](int k, float& wk) -> const P* {
+            if (k < staged_n) {
+                wk = wts[k];
+                return srcs[k];
+            }
+            return from_map(k, wk);
+        };
+        if constexpr (FEW > 0 && FP8 && V % 4 == 0) {
             // fp8, few routes and no probs: a word (four values) at a
             // time, with no f32 steps (the conversions, not the memory,
-            // bound the summing path). d0, d1: the valid routes' rows in
-            // route order, -1 past them.
-            int d0 = -1, d1 = -1;
-            if (!p.mprobs && n >= 1 && n <= FEW) {
+            // bound the summing path). s0, s1: the valid routes' rows in
+            // route order, null past them.
+            const P *s0 = nullptr, *s1 = nullptr;
+            if (n >= 1 && n <= FEW) {
                 for (int k = 0; k < n; ++k) {
-                    const int d = WARP ? rows[k] : route_ok(m, k, E, N) ? m[k] : -1;
-                    if (d >= 0) (d0 < 0 ? d0 : d1) = d;
+                    float unused;  // 1: fp8 has no weights
+                    const P* s = route_at(k, unused);
+                    if (s) (s0 ? s1 : s0) = s;
                 }
             }
-            if (d0 >= 0) {
-                const P* s0 = (const P*)row_at(p.input, p.segs, p.seg_rows, d0, row);
+            if (s0) {
                 P* dst = (P*)(p.out + t * row);
-                if (d1 < 0) few_row<C, V, U, false>(g.first, g.step, nv, s0, s0, dst);
-                else if constexpr (FEW >= 2)
-                    few_row<C, V, U, true>(g.first, g.step, nv, s0,
-                                           (const P*)row_at(p.input, p.segs, p.seg_rows, d1, row), dst);
+                if (!s1) few_row<C, V, U, false>(g.first, g.step, nv, s0, s0, dst);
+                else if constexpr (FEW >= 2) few_row<C, V, U, true>(g.first, g.step, nv, s0, s1, dst);
                 continue;
             }
         }
@@ -1010,27 +1045,11 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int j = 0; j < EV; ++j) acc[u][j] = 0.0f;
-            // Route k's row (-1: past the routes or skipped as invalid)
-            // and weight.
-            auto route_at = [&](int k, int& d, float& wk) {
-                d = -1;
-                wk = 1.0f;
-                if (k >= n) return;
-                if (k < staged_n) {
-                    d = rows[k];
-                    wk = wts[k];
-                } else {
-                    const bool ok = route_ok(m, k, E, N);
-                    d = ok ? m[k] : -1;
-                    wk = ok && p.mprobs ? p.mprobs[t * E + m[E + k]] : 1.0f;
-                }
-            };
-            auto load = [&](P (&pk)[U], int d) {
-                const P* src = (const P*)row_at(p.input, p.segs, p.seg_rows, d, row);
+            auto load = [&](P (&pk)[U], const P* src) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * g.step;
-                    if (i < nv) pk[u].raw = src[i].raw;
+                    if (i < nv) load_global(pk[u].raw, &src[i].raw);
                 }
             };
             auto add = [&](const P (&pk)[U], float wk) {
@@ -1038,10 +1057,10 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * g.step;
                     if (i < nv) {
-                        if (p.mprobs) {
+                        if (mprobs) {
 #pragma unroll
                             for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk[u].v[j]), wk));
-                        } else if constexpr (sizeof(typename C::S) == 1 && V % 4 == 0) {
+                        } else if constexpr (FP8 && V % 4 == 0) {
                             // wk is 1: the same sums without the multiply
                             // (x * 1 is x, NaN included); fp8 converted a
                             // word (four values) at a time.
@@ -1061,29 +1080,40 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                     }
                 }
             };
+            // A route's vectors added, or two routes' loads out before
+            // either is added (LOADS 2); null: a skipped route.
+            auto one = [&](const P* s, float wk) {
+                if (!s) return;
+                P a[U];
+                load(a, s);
+                add(a, wk);
+            };
+            auto two = [&](const P* s0, float w0, const P* s1, float w1) {
+                P a[U], b[U];
+                if (s0) load(a, s0);
+                if (s1) load(b, s1);
+                if (s0) add(a, w0);
+                if (s1) add(b, w1);
+            };
+            // The routes in route order: the staged ones, which check
+            // nothing but a skipped route, then the rest from the map.
             if constexpr (LOADS == 2) {
-                // Two routes' loads go out before either is added; the
-                // sums stay in route order.
-                for (int k = 0; k < n; k += 2) {
-                    int d0, d1;
-                    float w0, w1;
-                    route_at(k, d0, w0);
-                    route_at(k + 1, d1, w1);
-                    P a[U], b[U];
-                    if (d0 >= 0) load(a, d0);
-                    if (d1 >= 0) load(b, d1);
-                    if (d0 >= 0) add(a, w0);
-                    if (d1 >= 0) add(b, w1);
+                for (int k = 0; k < staged_n; k += 2) {
+                    const bool pair = k + 1 < staged_n;
+                    two(srcs[k], wts[k], pair ? srcs[k + 1] : nullptr, pair ? wts[k + 1] : 1.0f);
+                }
+                for (int k = staged_n; k < n; k += 2) {
+                    float w0, w1 = 1.0f;
+                    const P* s0 = from_map(k, w0);
+                    const P* s1 = k + 1 < n ? from_map(k + 1, w1) : nullptr;
+                    two(s0, w0, s1, w1);
                 }
             } else {
-                for (int k = 0; k < n; ++k) {
-                    int d;
+                for (int k = 0; k < staged_n; ++k) one(srcs[k], wts[k]);
+                for (int k = staged_n; k < n; ++k) {
                     float wk;
-                    route_at(k, d, wk);
-                    if (d < 0) continue;
-                    P a[U];
-                    load(a, d);
-                    add(a, wk);
+                    const P* s = from_map(k, wk);
+                    one(s, wk);
                 }
             }
             P* dst = (P*)(p.out + t * row);
@@ -1092,7 +1122,7 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 i64 i = base + (i64)u * g.step;
                 if (i < nv) {
                     P pk;
-                    if constexpr (sizeof(typename C::S) == 1 && V % 4 == 0) {
+                    if constexpr (FP8 && V % 4 == 0) {
                         unsigned int* w = reinterpret_cast<unsigned int*>(&pk.raw);
 #pragma unroll
                         for (int q = 0; q < V / 4; ++q) w[q] = C::store4(&acc[u][4 * q]);
