@@ -15,7 +15,10 @@
 //! turns it into the table and heat map of docs/BENCHMARKS.md.
 //! `XCALL_GRID_QUICK=1` runs T = 4096 only; `XCALL_GRID_ONLY` =
 //! `dtype:variant:T:E:H:topK` (each field a value or `*`) runs the
-//! matching shapes only, e.g. to profile one.
+//! matching shapes only, e.g. to profile one. `XCALL_GRID_CONFIGS=1` also
+//! replays permute, unpermute and the backward under every candidate
+//! launch config of the tuner and prints the tuned config's ratio beside
+//! the fastest config's (how far the tuner's pick is from the best).
 
 mod common;
 
@@ -31,6 +34,9 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
+use xcall_permute::cuda::{
+    backward_candidates, movement_candidates, permute_candidates, with_configs, Config,
+};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 10;
@@ -94,6 +100,9 @@ fn main() {
     let quick = xcall_core::env::flag("XCALL_GRID_QUICK")
         .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or(false);
+    let sweep = xcall_core::env::flag("XCALL_GRID_CONFIGS")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or(false);
     let json_path = std::env::var("XCALL_GRID_JSON").unwrap_or("permute-grid.json".into());
     let only: Option<Vec<String>> = std::env::var("XCALL_GRID_ONLY").ok().map(|s| {
         let fields: Vec<String> = s.split(':').map(str::to_string).collect();
@@ -147,6 +156,7 @@ fn main() {
         stream: &stream,
         target: &target,
         copy: &copy,
+        sweep,
     };
     for dtype in [DType::Bf16, DType::F32, DType::F8E4M3] {
         fill(&stream, &d_in, max_t * max_h * 4, dtype, 1);
@@ -271,6 +281,9 @@ struct Buffers {
 /// An op's name, its bytes moved and one call of it.
 type TimedOp<'a> = (&'static str, f64, Box<dyn FnMut() + 'a>);
 
+/// One call of a tuned op (the config sweep's).
+type TunedCall<'a> = dyn Fn() -> Result<(), xcall_permute::PermuteError> + 'a;
+
 struct Line {
     op: &'static str,
     op_us: f64,
@@ -288,6 +301,8 @@ struct Env<'a> {
     stream: &'a Arc<CudaStream>,
     target: &'a Target,
     copy: &'a KernelCopy,
+    /// Replay the tuned ops under every candidate config too.
+    sweep: bool,
 }
 
 fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers) -> Vec<Line> {
@@ -296,6 +311,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         stream,
         target,
         copy,
+        sweep,
     } = *env;
     let (t, e, h, k) = (s.t, s.e, s.h, s.k);
     let options = match variant {
@@ -510,6 +526,29 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
     // The reference is the faster of the two copies (see common/mod.rs).
     let copy_ms = ms[0].min(ms[1]);
     let copy_gbs = ops[0].1 / copy_ms;
+    if sweep {
+        let shape = format!("{dtype} {variant} ({t},{e},{h},{k})");
+        // SAFETY: (the three calls) as above.
+        let permute_call = || unsafe { call::permute(target, &permute) };
+        // SAFETY: as above.
+        let unpermute_call = || unsafe { call::unpermute(target, &unpermute) };
+        // SAFETY: as above.
+        let backward_call = || unsafe { call::unpermute_backward(target, &backward) };
+        let tuned: [(&str, Vec<Config>, &TunedCall<'_>); 3] = [
+            ("permute", permute_candidates(), &permute_call),
+            ("unpermute", movement_candidates(), &unpermute_call),
+            ("unpermute_backward", backward_candidates(), &backward_call),
+        ];
+        for (kernel, candidates, call) in tuned {
+            let Some(at) = ops.iter().position(|op| op.0 == kernel) else {
+                continue;
+            };
+            let bytes = ops[at].1;
+            config_sweep(env, &shape, kernel, &candidates, call, |m| {
+                bytes / m / copy_gbs
+            });
+        }
+    }
     ops.iter()
         .zip(&ms)
         .skip(2)
@@ -522,4 +561,58 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
             ratio: op.1 / m / copy_gbs,
         })
         .collect()
+}
+
+/// Replays `kernel`'s op (`call`) under its tuned config and under each
+/// candidate config, each from its own graph and all interleaved (the same
+/// cache state for each: the candidates share the op's buffers, so these
+/// ratios run higher than the shape's own, which interleaves the copies),
+/// and prints the tuned config's ratio beside the fastest candidate's.
+fn config_sweep(
+    env: &Env<'_>,
+    shape: &str,
+    kernel: &'static str,
+    candidates: &[Config],
+    call: &TunedCall<'_>,
+    ratio: impl Fn(f64) -> f64,
+) {
+    let cs = env.stream.cu_stream();
+    // The tuned config first (nothing forced).
+    let mut execs = vec![(None, capture_exec(env.stream, &mut || call().unwrap()))];
+    for &c in candidates {
+        // A config the compiled kernel cannot launch is left out.
+        if with_configs(&[(kernel, c)], || call().is_ok()) {
+            let exec = with_configs(&[(kernel, c)], || {
+                capture_exec(env.stream, &mut || call().unwrap())
+            });
+            execs.push((Some(c), exec));
+        }
+    }
+    let mut replays: Vec<Box<dyn FnMut() + '_>> = execs
+        .iter()
+        .map(|&(_, g)| -> Box<dyn FnMut() + '_> {
+            // SAFETY: an executable graph of this stream's context.
+            Box::new(move || unsafe { sys::cuGraphLaunch(g, cs) }.result().unwrap())
+        })
+        .collect();
+    let ms = interleaved_medians(env.ctx, env.stream, ROUNDS, &mut replays);
+    drop(replays);
+    for &(_, g) in &execs {
+        // SAFETY: the timing synchronised; no replay is in flight.
+        unsafe { sys::cuGraphExecDestroy(g) };
+    }
+    let Some((best, best_ms)) = execs[1..]
+        .iter()
+        .zip(&ms[1..])
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|((c, _), &m)| (c.unwrap(), m))
+    else {
+        return;
+    };
+    println!(
+        "configs: {shape} {kernel}: tuned {:.3}, fastest of {} {:.3} ({best:?})",
+        ratio(ms[0]),
+        execs.len() - 1,
+        ratio(best_ms)
+    );
 }

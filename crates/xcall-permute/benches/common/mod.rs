@@ -21,6 +21,8 @@ use xcall_core::{cuda, Device};
 /// stream), that stream and the reference copy; `None` after a skip line
 /// when there is no GPU.
 pub fn setup(bench: &str) -> Option<(DeviceInfo, Arc<CudaContext>, Arc<CudaStream>, KernelCopy)> {
+    // XCALL_LOG=xcall_permute=debug shows each autotuned launch config.
+    xcall_core::log::init_from_env_once();
     cuda_devices_or_skip(&format!("bench {bench}"))?;
     let info = cuda::device_info(Device::cuda(0)).unwrap();
     let ctx = CudaContext::new(0).unwrap();

@@ -54,8 +54,8 @@ use params::{
     segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
 };
 use tune::{
-    arith_width, bulk_piece, choose, default_config, grid_for, held_fits, routes_class, row_class,
-    tokens_class, width, TuneKey, BULK_THREADS,
+    arith_width, bulk_piece, choose, default_config, experts_class, grid_for, held_fits,
+    routes_class, row_class, tokens_class, width, TuneKey, BULK_THREADS,
 };
 pub use tune::{
     backward_candidates, cached_configs, movement_candidates, permute_candidates,
@@ -318,14 +318,15 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     };
     let config = choose(
         target,
-        (
-            "permute",
-            0,
-            v,
-            row_class(row),
-            routes_class(d.tokens, d.out_rows),
-            tokens_class(d.tokens),
-        ),
+        TuneKey {
+            kernel: "permute",
+            dtype: 0,
+            width: v,
+            row: row_class(row),
+            routes: routes_class(d.tokens, d.out_rows),
+            tokens: tokens_class(d.tokens),
+            experts: experts_class(d.experts),
+        },
         default,
         // The bulk copies pay off where a loaded row feeds several stores:
         // at one or two routes per token their picks replayed slower than
@@ -418,14 +419,15 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     };
     let config = choose(
         target,
-        (
-            "unpermute",
-            dtype as u32,
-            v,
-            row_class(row),
-            routes_class(d.tokens, d.out_rows),
-            tokens_class(d.tokens),
-        ),
+        TuneKey {
+            kernel: "unpermute",
+            dtype: dtype as u32,
+            width: v,
+            row: row_class(row),
+            routes: routes_class(d.tokens, d.out_rows),
+            tokens: tokens_class(d.tokens),
+            experts: experts_class(d.experts),
+        },
         default_config(row / v as u64),
         &movement_candidates(),
         &[a.output.bytes(), opt_bytes(&a.unpermuted_probs)],
@@ -515,14 +517,15 @@ pub(crate) unsafe fn unpermute_backward(
     };
     let config = choose(
         target,
-        (
-            "unpermute_backward",
-            dtype as u32,
-            v,
-            row_class(row),
-            routes_class(d.tokens, d.out_rows),
-            tokens_class(d.tokens),
-        ),
+        TuneKey {
+            kernel: "unpermute_backward",
+            dtype: dtype as u32,
+            width: v,
+            row: row_class(row),
+            routes: routes_class(d.tokens, d.out_rows),
+            tokens: tokens_class(d.tokens),
+            experts: experts_class(d.experts),
+        },
         default,
         &backward_candidates(),
         &[a.act_grad.bytes(), a.probs_grad.bytes()],
@@ -624,14 +627,15 @@ pub(crate) unsafe fn sort_chunks_by_map(
     };
     let config = choose(
         target,
-        (
-            "sort_chunks",
-            0,
-            v,
-            row_class(row),
-            0,
-            tokens_class(d.tokens),
-        ),
+        TuneKey {
+            kernel: "sort_chunks",
+            dtype: 0,
+            width: v,
+            row: row_class(row),
+            routes: 0,
+            tokens: tokens_class(d.tokens),
+            experts: 0,
+        },
         default_config(row / v as u64),
         &movement_candidates(),
         &[a.output.bytes(), opt_bytes(&a.permuted_probs)],
