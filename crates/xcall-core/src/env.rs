@@ -247,6 +247,13 @@ pub const VARIABLES: &[Variable] = &[
         "Run only the shapes matching `dtype:variant:T:E:H:topK`, each field a value or `*` (e.g. `f8e4m3:plain:16384:256:7168:8`), to profile one shape.",
     ),
     var(
+        "XCALL_GRID_CONFIGS",
+        Kind::Flag,
+        "off",
+        "`bench-cuda_permute_grid`",
+        "Also replay permute, unpermute and the backward under every candidate launch config and print the tuned config's ratio beside the fastest's.",
+    ),
+    var(
         "XCALL_PERMUTE_CASES",
         Kind::Text,
         "the three upstream cases",
