@@ -54,8 +54,8 @@ use params::{
     segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
 };
 use tune::{
-    arith_width, bulk_piece, choose, default_config, experts_class, grid_for, held_fits,
-    routes_class, row_class, tokens_class, width, TuneKey, BULK_THREADS,
+    arith_width, bulk_piece, choose, default_config, grid_for, held_fits, routes_class, row_class,
+    tokens_class, width, TuneKey, BULK_THREADS,
 };
 pub use tune::{
     backward_candidates, cached_configs, movement_candidates, permute_candidates,
@@ -318,15 +318,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     };
     let config = choose(
         target,
-        TuneKey {
-            kernel: "permute",
-            dtype: 0,
-            width: v,
-            row: row_class(row),
-            routes: routes_class(d.tokens, d.out_rows),
-            tokens: tokens_class(d.tokens),
-            experts: experts_class(d.experts),
-        },
+        TuneKey::routed("permute", 0, v, row, &d),
         default,
         // The bulk copies pay off where a loaded row feeds several stores:
         // at one or two routes per token their picks replayed slower than
@@ -419,15 +411,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     };
     let config = choose(
         target,
-        TuneKey {
-            kernel: "unpermute",
-            dtype: dtype as u32,
-            width: v,
-            row: row_class(row),
-            routes: routes_class(d.tokens, d.out_rows),
-            tokens: tokens_class(d.tokens),
-            experts: experts_class(d.experts),
-        },
+        TuneKey::routed("unpermute", dtype as u32, v, row, &d),
         default_config(row / v as u64),
         &movement_candidates(),
         &[a.output.bytes(), opt_bytes(&a.unpermuted_probs)],
@@ -517,15 +501,7 @@ pub(crate) unsafe fn unpermute_backward(
     };
     let config = choose(
         target,
-        TuneKey {
-            kernel: "unpermute_backward",
-            dtype: dtype as u32,
-            width: v,
-            row: row_class(row),
-            routes: routes_class(d.tokens, d.out_rows),
-            tokens: tokens_class(d.tokens),
-            experts: experts_class(d.experts),
-        },
+        TuneKey::routed("unpermute_backward", dtype as u32, v, row, &d),
         default,
         &backward_candidates(),
         &[a.act_grad.bytes(), a.probs_grad.bytes()],

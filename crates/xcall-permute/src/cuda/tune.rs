@@ -12,6 +12,7 @@ use xcall_core::{DType, Device};
 use super::module::{capturing, scratch};
 use super::{device_facts, state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::Target;
+use crate::check::Dims;
 use crate::error::PermuteError;
 
 /// The kernel name infix of the warp-per-row variants (`permute_w_16_2`).
@@ -86,6 +87,29 @@ pub(super) struct TuneKey {
     pub tokens: u32,
     /// [`experts_class`] (0 for the chunk sort).
     pub experts: u32,
+}
+
+impl TuneKey {
+    /// The key of `kernel` over a routed shape `d` (tokens, their routed
+    /// rows and experts) with rows of `row_bytes`, moved `width` bytes at a
+    /// time.
+    pub(super) fn routed(
+        kernel: &'static str,
+        dtype: u32,
+        width: usize,
+        row_bytes: u64,
+        d: &Dims,
+    ) -> TuneKey {
+        TuneKey {
+            kernel,
+            dtype,
+            width,
+            row: row_class(row_bytes),
+            routes: routes_class(d.tokens, d.out_rows),
+            tokens: tokens_class(d.tokens),
+            experts: experts_class(d.experts),
+        }
+    }
 }
 
 /// The widest vector (bytes) that divides the row and every address.
