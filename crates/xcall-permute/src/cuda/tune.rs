@@ -624,6 +624,37 @@ mod tests {
         assert_eq!(classes, [0, 2, 3, 4, 6, 7, 8, 8]);
     }
 
+    /// A routed launch's key: each shape class from its own dimension, so
+    /// shapes that differ only in the expert octave tune apart and shapes
+    /// within one class share a config.
+    #[test]
+    fn routed_keys_class_each_dimension() {
+        let dims = |tokens, experts, out_rows| Dims {
+            tokens,
+            experts,
+            hidden: 7168,
+            out_rows,
+            scales: 0,
+        };
+        let key = |d: Dims| TuneKey::routed("unpermute", 3, 16, 14336, &d);
+        assert_eq!(
+            key(dims(4096, 256, 32768)),
+            TuneKey {
+                kernel: "unpermute",
+                dtype: 3,
+                width: 16,
+                row: row_class(14336),
+                routes: 3,
+                tokens: 12,
+                experts: 8,
+            }
+        );
+        assert_ne!(key(dims(4096, 4, 32768)), key(dims(4096, 256, 32768)));
+        assert_eq!(key(dims(4096, 160, 32768)), key(dims(4096, 256, 32768)));
+        assert_ne!(key(dims(16384, 256, 131072)), key(dims(4096, 256, 32768)));
+        assert_ne!(key(dims(4096, 256, 4096)), key(dims(4096, 256, 32768)));
+    }
+
     #[test]
     fn a_warp_per_row_config_takes_threads_over_32_rows_per_block() {
         let c = |threads, per_warp| Config {
