@@ -22,9 +22,7 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{
-    backward_candidates, movement_candidates, permute_candidates, with_configs, Config,
-};
+use xcall_permute::cuda::{backward_candidates, movement_candidates, permute_candidates, Config};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
@@ -292,34 +290,23 @@ fn main() {
                     _ => call::unpermute_backward(&target, &backward),
                 }
             };
-            let mut execs = vec![(None, graphs[at])];
-            for c in candidates {
-                // A config the compiled kernel cannot launch is left out.
-                if with_configs(&[(kernel, c)], || call().is_ok()) {
-                    let exec = with_configs(&[(kernel, c)], || {
-                        capture_exec(&stream, &mut || call().unwrap())
-                    });
-                    execs.push((Some(c), exec));
-                }
-            }
-            let mut replays: Vec<Box<dyn FnMut() + '_>> = execs
-                .iter()
-                .map(|&(_, g)| -> Box<dyn FnMut() + '_> {
-                    // SAFETY: an executable graph of this stream's context.
-                    Box::new(move || unsafe { sys::cuGraphLaunch(g, s) }.result().unwrap())
-                })
-                .collect();
-            let us: Vec<f64> = interleaved_medians(&ctx, &stream, CONFIG_ROUNDS, &mut replays)
-                .into_iter()
-                .map(|ms| ms * 1e3)
-                .collect();
-            drop(replays);
+            let timed = common::time_configs(
+                &ctx,
+                &stream,
+                CONFIG_ROUNDS,
+                kernel,
+                &candidates,
+                &call,
+                None,
+            );
+            let us: Vec<f64> = timed.iter().map(|&(_, ms)| ms * 1e3).collect();
+            let configs: Vec<Config> = timed[1..].iter().map(|&(c, _)| c.unwrap()).collect();
             let ratio = |u: f64| rows[at].1 / u / 1e3 / graph_copy_gbs;
-            let (best, best_us) = execs[1..]
+            let (best, best_us) = configs
                 .iter()
                 .zip(&us[1..])
                 .min_by(|a, b| a.1.total_cmp(b.1))
-                .map(|((c, _), &u)| (c.unwrap(), u))
+                .map(|(&c, &u)| (c, u))
                 .unwrap();
             let near = us[1..].iter().filter(|&&u| u <= best_us * 1.02).count();
             println!(
@@ -335,24 +322,18 @@ fn main() {
                 // The fastest config of each kind (register kernels, bulk
                 // copies).
                 for (kind, bulk) in [("register", false), ("bulk-copy", true)] {
-                    let fastest = execs[1..]
+                    let fastest = configs
                         .iter()
                         .zip(&us[1..])
-                        .filter(|((c, _), _)| (c.unwrap().stages > 0) == bulk)
+                        .filter(|(c, _)| (c.stages > 0) == bulk)
                         .min_by(|a, b| a.1.total_cmp(b.1));
-                    if let Some(((c, _), &u)) = fastest {
+                    if let Some((c, &u)) = fastest {
                         println!(
-                            "{case:<28} {label:<26} fastest {kind} config {u:.1} us ({:.3}): {:?}",
+                            "{case:<28} {label:<26} fastest {kind} config {u:.1} us ({:.3}): {c:?}",
                             ratio(u),
-                            c.unwrap()
                         );
                     }
                 }
-            }
-            for (_, g) in execs.into_iter().skip(1) {
-                // SAFETY: no replay is in flight after the timing
-                // synchronised.
-                unsafe { sys::cuGraphExecDestroy(g) };
             }
         }
         for g in graphs {

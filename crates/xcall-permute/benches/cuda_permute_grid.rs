@@ -25,7 +25,7 @@ mod common;
 use std::io::Write;
 use std::sync::Arc;
 
-use common::KernelCopy;
+use common::{KernelCopy, TunedCall};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use xcall_core::testing::{capture_exec, interleaved_medians, XorShift};
 use xcall_core::{DType, Device, FloatCodec};
@@ -34,9 +34,7 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{
-    backward_candidates, movement_candidates, permute_candidates, with_configs, Config,
-};
+use xcall_permute::cuda::{backward_candidates, movement_candidates, permute_candidates, Config};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 10;
@@ -280,9 +278,6 @@ struct Buffers {
 
 /// An op's name, its bytes moved and one call of it.
 type TimedOp<'a> = (&'static str, f64, Box<dyn FnMut() + 'a>);
-
-/// One call of a tuned op (the config sweep's).
-type TunedCall<'a> = dyn Fn() -> Result<(), xcall_permute::PermuteError> + 'a;
 
 struct Line {
     op: &'static str,
@@ -570,8 +565,8 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
 }
 
 /// Replays `kernel`'s op (`call`) under its tuned config and under each
-/// candidate config, each from its own graph, all interleaved and each
-/// after a replay of `flush`, and prints the tuned config's ratio beside
+/// candidate config, each after a replay of `flush` (see
+/// [`common::time_configs`]), and prints the tuned config's ratio beside
 /// the fastest candidate's.
 fn config_sweep(
     env: &Env<'_>,
@@ -582,49 +577,26 @@ fn config_sweep(
     flush: sys::CUgraphExec,
     ratio: impl Fn(f64) -> f64,
 ) {
-    let cs = env.stream.cu_stream();
-    // The tuned config first (nothing forced).
-    let mut execs = vec![(None, capture_exec(env.stream, &mut || call().unwrap()))];
-    for &c in candidates {
-        // A config the compiled kernel cannot launch is left out.
-        if with_configs(&[(kernel, c)], || call().is_ok()) {
-            let exec = with_configs(&[(kernel, c)], || {
-                capture_exec(env.stream, &mut || call().unwrap())
-            });
-            execs.push((Some(c), exec));
-        }
-    }
-    let mut replays: Vec<Box<dyn FnMut() + '_>> = execs
+    let timed = common::time_configs(
+        env.ctx,
+        env.stream,
+        ROUNDS,
+        kernel,
+        candidates,
+        call,
+        Some(flush),
+    );
+    let Some((best, best_ms)) = timed[1..]
         .iter()
-        .flat_map(|&(_, g)| [flush, g])
-        .map(|g| -> Box<dyn FnMut() + '_> {
-            // SAFETY: an executable graph of this stream's context.
-            Box::new(move || unsafe { sys::cuGraphLaunch(g, cs) }.result().unwrap())
-        })
-        .collect();
-    // The configs' medians: every second entry.
-    let ms: Vec<f64> = interleaved_medians(env.ctx, env.stream, ROUNDS, &mut replays)
-        .into_iter()
-        .skip(1)
-        .step_by(2)
-        .collect();
-    drop(replays);
-    for &(_, g) in &execs {
-        // SAFETY: the timing synchronised; no replay is in flight.
-        unsafe { sys::cuGraphExecDestroy(g) };
-    }
-    let Some((best, best_ms)) = execs[1..]
-        .iter()
-        .zip(&ms[1..])
-        .min_by(|a, b| a.1.total_cmp(b.1))
-        .map(|((c, _), &m)| (c.unwrap(), m))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|&(c, m)| (c.unwrap(), m))
     else {
         return;
     };
     println!(
         "configs: {shape} {kernel}: tuned {:.3}, fastest of {} {:.3} ({best:?})",
-        ratio(ms[0]),
-        execs.len() - 1,
+        ratio(timed[0].1),
+        timed.len() - 1,
         ratio(best_ms)
     );
 }

@@ -126,3 +126,56 @@ impl KernelCopy {
         unsafe { launch(&self.func, blocks.max(1), 256, &mut params, stream) };
     }
 }
+
+/// One call of a tunable op (a config sweep's).
+pub type TunedCall<'a> = dyn Fn() -> Result<(), xcall_permute::PermuteError> + 'a;
+
+/// The tunable `kernel`'s op (`call`) under its tuned config and under
+/// each of `candidates` forced in turn (a config the compiled kernel
+/// cannot launch is left out), each captured into its own graph and
+/// replayed in `rounds` interleaved rounds, each replay after one of
+/// `before` when given. Returns each config (`None`: the tuned one, first)
+/// with its median milliseconds.
+#[allow(dead_code)] // not every bench sweeps configs
+pub fn time_configs(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    rounds: usize,
+    kernel: &'static str,
+    candidates: &[xcall_permute::cuda::Config],
+    call: &TunedCall<'_>,
+    before: Option<sys::CUgraphExec>,
+) -> Vec<(Option<xcall_permute::cuda::Config>, f64)> {
+    use xcall_core::testing::{capture_exec, interleaved_medians};
+    use xcall_permute::cuda::with_configs;
+    let cs = stream.cu_stream();
+    let mut execs = vec![(None, capture_exec(stream, &mut || call().unwrap()))];
+    for &c in candidates {
+        if with_configs(&[(kernel, c)], || call().is_ok()) {
+            let exec = with_configs(&[(kernel, c)], || {
+                capture_exec(stream, &mut || call().unwrap())
+            });
+            execs.push((Some(c), exec));
+        }
+    }
+    let mut replays: Vec<Box<dyn FnMut() + '_>> = execs
+        .iter()
+        .flat_map(|&(_, g)| before.into_iter().chain([g]))
+        .map(|g| -> Box<dyn FnMut() + '_> {
+            // SAFETY: an executable graph of this stream's context.
+            Box::new(move || unsafe { sys::cuGraphLaunch(g, cs) }.result().unwrap())
+        })
+        .collect();
+    let per = 1 + before.is_some() as usize;
+    let ms: Vec<f64> = interleaved_medians(ctx, stream, rounds, &mut replays)
+        .into_iter()
+        .skip(per - 1)
+        .step_by(per)
+        .collect();
+    drop(replays);
+    for &(_, g) in &execs {
+        // SAFETY: the timing synchronised; no replay is in flight.
+        unsafe { sys::cuGraphExecDestroy(g) };
+    }
+    execs.into_iter().map(|(c, _)| c).zip(ms).collect()
+}
