@@ -22,7 +22,7 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{backward_candidates, movement_candidates, permute_candidates, Config};
+use xcall_permute::cuda::{backward_candidates, permute_candidates, unpermute_candidates, Config};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
@@ -271,7 +271,7 @@ fn main() {
             (
                 "unpermute (merging probs)",
                 "unpermute",
-                movement_candidates(),
+                unpermute_candidates(true),
                 3,
             ),
             (

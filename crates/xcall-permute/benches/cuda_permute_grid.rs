@@ -34,7 +34,7 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{backward_candidates, movement_candidates, permute_candidates, Config};
+use xcall_permute::cuda::{backward_candidates, permute_candidates, unpermute_candidates, Config};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 10;
@@ -531,7 +531,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         let backward_call = || unsafe { call::unpermute_backward(target, &backward) };
         let tuned: [(&str, Vec<Config>, &TunedCall<'_>); 3] = [
             ("permute", permute_candidates(), &permute_call),
-            ("unpermute", movement_candidates(), &unpermute_call),
+            ("unpermute", unpermute_candidates(true), &unpermute_call),
             ("unpermute_backward", backward_candidates(), &backward_call),
         ];
         // Each config runs after the copy kernel, whose [N, H] output

@@ -332,6 +332,32 @@ __device__ __forceinline__ void load_global(unsigned char& v, const unsigned cha
     v = (unsigned char)h;
 }
 
+// 16 bytes copied from global to shared memory without passing through
+// registers (cp.async, sm_80 and newer; before, a load and a store).
+// copy_async16's copies since the last commit_async form one group;
+// wait_async<N> returns once at most N groups of this thread are pending,
+// the others' bytes then visible to this thread.
+__device__ __forceinline__ void copy_async16(uint4* dst, const uint4* src) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#else
+    uint4 v;
+    load_global(v, src);
+    *dst = v;
+#endif
+}
+__device__ __forceinline__ void commit_async() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wait_async() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 // V bytes of elements of codec C, loaded and stored as one vector.
 template <typename C, int V> union Pack {
     typename VecT<V>::T raw;
@@ -949,6 +975,105 @@ __device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<
     }
 }
 
+// acc += the elements of pk (times wk where `weighted`; else wk is 1 and
+// x * 1 is x, NaN included, so the multiply is left out), in f32.
+template <typename C, int V>
+__device__ __forceinline__ void accumulate(float (&acc)[V / sizeof(typename C::S)], const Pack<C, V>& pk, float wk,
+                                           bool weighted) {
+    constexpr int EV = V / sizeof(typename C::S);
+    if (weighted) {
+#pragma unroll
+        for (int j = 0; j < EV; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(C::load(pk.v[j]), wk));
+    } else if constexpr (sizeof(typename C::S) == 1 && V % 4 == 0) {
+        // fp8: converted a word (four values) at a time.
+        const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk.raw);
+#pragma unroll
+        for (int q = 0; q < V / 4; ++q) {
+            float x[4];
+            C::load4(w[q], x);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[4 * q + j] = __fadd_rn(acc[4 * q + j], x[j]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < EV; ++j) acc[j] = __fadd_rn(acc[j], C::load(pk.v[j]));
+    }
+}
+
+// The sums acc in codec C's elements.
+template <typename C, int V>
+__device__ __forceinline__ Pack<C, V> sums(const float (&acc)[V / sizeof(typename C::S)]) {
+    Pack<C, V> pk;
+    if constexpr (sizeof(typename C::S) == 1 && V % 4 == 0) {
+        unsigned int* w = reinterpret_cast<unsigned int*>(&pk.raw);
+#pragma unroll
+        for (int q = 0; q < V / 4; ++q) w[q] = C::store4(&acc[4 * q]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < (int)(V / sizeof(typename C::S)); ++j) pk.v[j] = C::store(acc[j]);
+    }
+    return pk;
+}
+
+// Routes whose vectors one stage of unpermute's async path holds.
+#define ASYNC_ROUTES 8
+
+// unpermute's async path, one warp's token of n <= ASYNC_ROUTES staged
+// routes (srcs, wts; a null source: a skipped route). The routes' 16-byte
+// vectors are copied into `buf` (the warp's S stages of ASYNC_ROUTES x 32
+// vectors) by cp.async, which holds no registers, so the next S - 1
+// chunks of the row (32 vectors of every route each) are in flight while
+// one is summed. A lane copies and reads only its own vectors, so no lane
+// waits on another. Routes are summed in route order, as on the other
+// paths.
+template <typename C, int S>
+__device__ __forceinline__ void async_sum(int lane, i64 nv, const Pack<C, 16>* const* srcs, const float* wts, int n,
+                                          bool weighted, uint4* buf, Pack<C, 16>* dst) {
+    typedef Pack<C, 16> P;
+    constexpr int EV = 16 / sizeof(typename C::S);
+    const P* src[ASYNC_ROUTES];
+    float w[ASYNC_ROUTES];
+#pragma unroll
+    for (int r = 0; r < ASYNC_ROUTES; ++r) {
+        src[r] = r < n ? srcs[r] : nullptr;
+        w[r] = r < n ? wts[r] : 1.0f;
+    }
+    // Chunk c's vectors into stage `stage` (nothing past the row; the
+    // group is committed either way, so the count of groups stays even).
+    auto issue = [&](i64 c, int stage) {
+        const i64 i = c * 32 + lane;
+        if (i < nv) {
+#pragma unroll
+            for (int r = 0; r < ASYNC_ROUTES; ++r)
+                if (src[r]) copy_async16(buf + (stage * ASYNC_ROUTES + r) * 32 + lane, &src[r][i].raw);
+        }
+        commit_async();
+    };
+#pragma unroll
+    for (int j = 0; j < S - 1; ++j) issue(j, j);
+    int next = S - 1, stage = 0;  // the stages of chunk c + S - 1 and of chunk c
+    for (i64 i = lane, c = 0; c * 32 < nv; i += 32, ++c) {
+        issue(c + S - 1, next);
+        next = next + 1 == S ? 0 : next + 1;
+        wait_async<S - 1>();  // chunk c has landed
+        if (i < nv) {
+            float acc[EV];
+#pragma unroll
+            for (int j = 0; j < EV; ++j) acc[j] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < ASYNC_ROUTES; ++r) {
+                if (src[r]) {
+                    P pk;
+                    pk.raw = buf[(stage * ASYNC_ROUTES + r) * 32 + lane];
+                    accumulate<C, 16>(acc, pk, w[r], weighted);
+                }
+            }
+            store_once(&dst[i].raw, sums<C, 16>(acc).raw);
+        }
+        stage = stage + 1 == S ? 0 : stage + 1;
+    }
+}
+
 // unpermute: each element sums its routes in route order in f32:
 // acc = acc + x * w (weight 1 without merging probs). A warp stages its
 // first ROUTE_CHUNK routes' source rows (their addresses, segments
@@ -967,8 +1092,13 @@ __device__ __forceinline__ void few_row(int first, int step, i64 nv, const Pack<
 // LOADS (1 or 2): routes whose loads go out together in the summing path;
 // 2 (the `l2_` kernels) pays at many routes per token and costs at one or
 // two, so the launch picks it by routes per token.
-template <typename C, int V, int U, bool WARP, int FEW = 0, int LOADS = 1>
+// ASYNC (warp kernels, 16-byte vectors; the `a{S}_` kernels): a token's
+// routes are summed by async_sum with ASYNC stages in the block's dynamic
+// shared memory (ASYNC x ASYNC_ROUTES x 512 bytes per warp), unless it
+// has more than ASYNC_ROUTES routes.
+template <typename C, int V, int U, bool WARP, int FEW = 0, int LOADS = 1, int ASYNC = 0>
 __device__ void unpermute_body(const UnpermuteParams& p) {
+    static_assert(ASYNC == 0 || (WARP && V == 16 && FEW == 0 && LOADS == 1), "the async path is a warp's, 16-byte vectors");
     typedef Pack<C, V> P;
     constexpr bool FP8 = sizeof(typename C::S) == 1;
     const Group<WARP> g;
@@ -1039,6 +1169,14 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
                 continue;
             }
         }
+        if constexpr (ASYNC > 0) {
+            if (n <= ASYNC_ROUTES) {  // every route staged, one stage's worth
+                extern __shared__ uint4 async_buf[];
+                async_sum<C, ASYNC>(g.first, nv, srcs, wts, n, mprobs != nullptr,
+                                    async_buf + g.slot * ASYNC * ASYNC_ROUTES * 32, (P*)(p.out + t * row));
+                continue;
+            }
+        }
         for (i64 base = g.first; base < nv; base += (i64)g.step * U) {
             float acc[U][EV];
 #pragma unroll
@@ -1054,31 +1192,8 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
             };
             auto add = [&](const P (&pk)[U], float wk) {
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    i64 i = base + (i64)u * g.step;
-                    if (i < nv) {
-                        if (mprobs) {
-#pragma unroll
-                            for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], __fmul_rn(C::load(pk[u].v[j]), wk));
-                        } else if constexpr (FP8 && V % 4 == 0) {
-                            // wk is 1: the same sums without the multiply
-                            // (x * 1 is x, NaN included); fp8 converted a
-                            // word (four values) at a time.
-                            const unsigned int* w = reinterpret_cast<const unsigned int*>(&pk[u].raw);
-#pragma unroll
-                            for (int q = 0; q < V / 4; ++q) {
-                                float x[4];
-                                C::load4(w[q], x);
-#pragma unroll
-                                for (int j = 0; j < 4; ++j) acc[u][4 * q + j] = __fadd_rn(acc[u][4 * q + j], x[j]);
-                            }
-                        } else {
-                            // wk is 1: the same sums without the multiply.
-#pragma unroll
-                            for (int j = 0; j < EV; ++j) acc[u][j] = __fadd_rn(acc[u][j], C::load(pk[u].v[j]));
-                        }
-                    }
-                }
+                for (int u = 0; u < U; ++u)
+                    if (base + (i64)u * g.step < nv) accumulate<C, V>(acc[u], pk[u], wk, mprobs != nullptr);
             };
             // A route's vectors added, or two routes' loads out before
             // either is added (LOADS 2); null: a skipped route.
@@ -1120,18 +1235,7 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 i64 i = base + (i64)u * g.step;
-                if (i < nv) {
-                    P pk;
-                    if constexpr (FP8 && V % 4 == 0) {
-                        unsigned int* w = reinterpret_cast<unsigned int*>(&pk.raw);
-#pragma unroll
-                        for (int q = 0; q < V / 4; ++q) w[q] = C::store4(&acc[u][4 * q]);
-                    } else {
-#pragma unroll
-                        for (int j = 0; j < EV; ++j) pk.v[j] = C::store(acc[u][j]);
-                    }
-                    store_once(&dst[i].raw, pk.raw);
-                }
+                if (i < nv) store_once(&dst[i].raw, sums<C, V>(acc[u]).raw);
             }
         }
     }

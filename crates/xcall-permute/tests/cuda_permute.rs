@@ -902,6 +902,56 @@ fn bulk_copy_permute_kernels_equal_the_host() {
     }
 }
 
+/// unpermute's async configs (a warp per token, routes copied into shared
+/// memory by cp.async).
+fn async_configs() -> Vec<xcall_permute::cuda::Config> {
+    let a: Vec<_> = xcall_permute::cuda::unpermute_candidates(true)
+        .into_iter()
+        .filter(|c| c.stages > 0)
+        .collect();
+    assert!(a.len() >= 3, "{a:?}");
+    a
+}
+
+/// unpermute through the async kernels (every config forced) against the
+/// Host, with and without merging probs: one to eight routes, more than a
+/// stage holds (top-12 and top-40: those tokens take the register path),
+/// a cap (skipped routes), padded chunks, rows of vectors that are not
+/// whole chunks of 32, every float dtype and both fp8s, and a row that is
+/// not whole 16-byte vectors (the default kernel runs it instead).
+#[test]
+fn async_unpermute_kernels_equal_the_host() {
+    if cuda_devices_or_skip("async unpermute").is_none() {
+        return;
+    }
+    use xcall_permute::cuda::with_configs;
+    let mut gpu = Gpu::new();
+    // (T, E, H, top-k, cap, align, dtype)
+    let cases = [
+        (300, 8, 1000, 2, None, Some(4), DType::Bf16),
+        (97, 64, 48, 40, None, None, DType::F32),
+        (33, 16, 7168, 12, Some(33 * 12 - 20), None, DType::Bf16),
+        (70, 16, 7168, 8, None, Some(8), DType::F16),
+        (64, 16, 4096, 6, None, Some(4), DType::F8E4M3),
+        (50, 8, 2064, 8, Some(300), None, DType::F8E5M2),
+        (200, 4, 1024, 1, Some(150), None, DType::F32),
+        (129, 16, 515, 3, None, None, DType::F16),
+    ];
+    for (i, &a) in async_configs().iter().enumerate() {
+        for (j, &plain) in cases.iter().enumerate() {
+            let c = Case::plain(plain);
+            let (t, e, h, topk, cap, dtype) = (c.t, c.e, c.h, c.topk, c.cap, c.dtype);
+            eprintln!("config {a:?}, T={t} E={e} H={h} top-{topk} cap={cap:?} {dtype}");
+            with_configs(&[("unpermute", a)], || {
+                run_case(&mut gpu, &c, 2200 + (i * 10 + j) as u64, false)
+            });
+        }
+        let name = format!("unpermute_a{}_w_16_1", a.stages);
+        let loaded = xcall_permute::cuda::loaded_kernels(xcall_core::Device::cuda(0));
+        assert!(loaded.contains(&name), "{name} never loaded: {loaded:?}");
+    }
+}
+
 /// The chunk-sort map of a split on Host and on CUDA (both checked to
 /// succeed), for [`Pair::same`].
 fn chunk_map_on_both(
@@ -1523,10 +1573,11 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
     call::take_faults(&unchecked).unwrap();
 
     // Each map through the default kernels, then (sm_90+) with permute
-    // through the bulk-copy kernel.
+    // through the bulk-copy kernel, then unpermute through an async kernel.
     let bulk = bulk_configs("bad maps through the bulk-copy permute").unwrap_or_default();
     let passes: Vec<Vec<(&str, xcall_permute::cuda::Config)>> = std::iter::once(vec![])
         .chain(bulk.iter().take(1).map(|&b| vec![("permute", b)]))
+        .chain(std::iter::once(vec![("unpermute", async_configs()[0])]))
         .collect();
     for bad in &BAD_MAPS {
         let (mut m, mut tpe) = (host_map.map.clone(), host_map.tokens_per_expert.clone());
@@ -1638,8 +1689,8 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
             assert_eq!(host.status(), Status::InvalidArgument, "{what}: {host}");
 
             for forced in &passes {
-                // A forced config is permute's; the other ops ran in the first pass.
-                if !forced.is_empty() && *op != "permute" {
+                // A forced pass runs its op; the other ops ran in the first pass.
+                if !forced.is_empty() && !forced.iter().any(|f| f.0 == *op) {
                     continue;
                 }
                 let what = format!("{what} (forced {forced:?})");
@@ -2045,8 +2096,14 @@ fn segmented_permute_and_unpermute_equal_the_host_eager_and_captured() {
         .unwrap();
         let (xd, md, td, od, pd) = (x.d(), map.d(), tpe.d(), offsets.d(), probs.d());
         let bases: Vec<u64> = host_segs.iter().map(|p| p.device).collect();
-        // Default, tuned, and (sm_90+) through the bulk-copy kernel.
-        let forced: Vec<_> = bulk.iter().take(1).map(|&b| ("permute", b)).collect();
+        // Default, tuned, and through the bulk-copy kernel (sm_90+) and an
+        // async unpermute (a staged source in a segment).
+        let forced: Vec<_> = bulk
+            .iter()
+            .take(1)
+            .map(|&b| ("permute", b))
+            .chain([("unpermute", async_configs()[0])])
+            .collect();
         for (autotune, forced) in [(false, &[][..]), (true, &[][..]), (false, &forced[..])] {
             with_configs(forced, || {
                 segmented_layer(

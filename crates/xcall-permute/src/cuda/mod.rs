@@ -25,6 +25,14 @@
 //! so no thread moves row data. A row is moved in pieces of at most
 //! 40 KiB / stages (see `tune::bulk_piece`).
 //!
+//! unpermute has a second kind too, where rows and addresses are 16-byte
+//! vectors and a token has three or more routes on average: the async
+//! kernels (`unpermute_a2_w_16_1`, `_a3_`; [`Config::stages`]). A warp per
+//! token copies its routes' vectors into shared memory with `cp.async`
+//! (no registers held while in flight), a chunk of 32 vectors of up to
+//! eight routes per stage, and sums one stage while the next lands.
+//! Tokens with more than eight routes take the register path.
+//!
 //! `module` builds and loads the kernels, `tune` picks launch configs; the
 //! ops below check device memory, launch and never return to the caller's
 //! modules.
@@ -54,12 +62,12 @@ use params::{
     segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
 };
 use tune::{
-    arith_width, bulk_piece, choose, default_config, grid_for, held_fits, routes_class, row_class,
-    tokens_class, width, TuneKey, BULK_THREADS,
+    arith_width, async_smem, bulk_piece, choose, default_config, grid_for, held_fits, routes_class,
+    row_class, tokens_class, width, TuneKey, BULK_THREADS, WARP_INFIX,
 };
 pub use tune::{
     backward_candidates, cached_configs, movement_candidates, permute_candidates,
-    set_after_tuning_hook, with_configs, Config, TuningHook,
+    set_after_tuning_hook, unpermute_candidates, with_configs, Config, TuningHook,
 };
 
 type Result<T> = std::result::Result<T, PermuteError>;
@@ -381,16 +389,27 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
         None if v == 16 && routes >= 2 => module::LOADS2_INFIX,
         _ => "",
     };
+    let default = default_config(row / v as u64);
     let run = |c: Config, outs: &[u64]| -> Result<()> {
+        // An async config where the row cannot take it (only ever forced)
+        // runs the default one.
+        let c = if c.stages > 0 && v != 16 { default } else { c };
+        let (name, smem) = match c.stages {
+            0 => (
+                format!("unpermute_{variant}{}{v}_{}", c.infix(), c.unroll),
+                0,
+            ),
+            s => (
+                format!("unpermute_a{s}_{WARP_INFIX}16_1"),
+                async_smem(c.threads, s) as usize,
+            ),
+        };
         launch(
             target,
-            (
-                Family::Arith(dtype),
-                &format!("unpermute_{variant}{}{v}_{}", c.infix(), c.unroll),
-            ),
+            (Family::Arith(dtype), &name),
             grid_for(dev, d.tokens, c)?,
             c.threads,
-            0,
+            smem,
             &UnpermuteParams {
                 input: a.input.address,
                 fwd: 0,
@@ -412,8 +431,11 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     let config = choose(
         target,
         TuneKey::routed("unpermute", dtype as u32, v, row, &d),
-        default_config(row / v as u64),
-        &movement_candidates(),
+        default,
+        // The async kernels pay where a token has several routes to
+        // keep in flight: at one or two routes per token on average they
+        // replayed slower on the H200 grid (see BENCHMARKS.md).
+        &unpermute_candidates(v == 16 && routes >= 2),
         &[a.output.bytes(), opt_bytes(&a.unpermuted_probs)],
         &run,
     )?;

@@ -14,7 +14,7 @@ use super::params::{
     self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
     UnpermuteParams,
 };
-use super::tune::{BULK_STAGES, HELD, WARP_INFIX};
+use super::tune::{ASYNC_STAGES, BULK_STAGES, HELD, WARP_INFIX};
 use super::{state, Result, MOVE_WIDTHS, UNROLLS};
 use crate::args::{NamedTensors, Segments, Target, Tensor};
 use crate::check::Dims;
@@ -117,6 +117,14 @@ fn instantiations(family: Family) -> String {
                         format!("unpermute_bwd_{v}_{u}"),
                         format!("unpermute_bwd_body<{codec}, {v}, {u}>"),
                     );
+                }
+                if v == 16 {
+                    for stages in ASYNC_STAGES {
+                        kernel(
+                            format!("unpermute_a{stages}_{WARP_INFIX}16_1"),
+                            format!("unpermute_body<{codec}, 16, 1, true, 0, 1, {stages}>"),
+                        );
+                    }
                 }
                 if Fp8::of(dtype).is_none() {
                     // The warp variant holds all 256 dot slots (unroll 8).
@@ -679,14 +687,15 @@ mod tests {
         // the backward's warp variant), 3 row-holding backwards and 6
         // two-route-load unpermutes (16 bytes wide); for fp8, the two
         // unpermutes (2 widths x 3 unrolls) and their one- and two-route
-        // variants (16 bytes wide).
+        // variants (16 bytes wide); for all three, 2 async unpermutes (2
+        // and 3 stages, 16 bytes wide).
         assert_eq!(
             all.len(),
-            7 + 65 + 2 + 2 * (20 + 3 + 6) + 12 + 12,
+            7 + 65 + 2 + 2 * (20 + 3 + 6) + 12 + 12 + 3 * 2,
             "{all:?}"
         );
-        // The launches ask for the two-route-load and few-route kernels
-        // at 16 bytes only: they are there at 16 bytes and at no other
+        // The launches ask for the two-route-load, few-route and async
+        // kernels at 16 bytes only: they are there at 16 bytes and at no other
         // width.
         let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
         for name in [
@@ -696,11 +705,15 @@ mod tests {
             "unpermute_one_w_16_1",
             "unpermute_two_16_4",
             "unpermute_two_w_16_2",
+            "unpermute_a2_w_16_1",
+            "unpermute_a3_w_16_1",
         ] {
             assert!(names.contains(&name), "{name}: {names:?}");
         }
         for name in &names {
-            let few = ["_l2_", "_one_", "_two_"].iter().any(|i| name.contains(i));
+            let few = ["_l2_", "_one_", "_two_", "_a2_", "_a3_"]
+                .iter()
+                .any(|i| name.contains(i));
             assert!(!few || name.contains("_16_"), "{name}");
         }
         for (name, params) in all {

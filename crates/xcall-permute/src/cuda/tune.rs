@@ -38,9 +38,12 @@ pub struct Config {
     /// token's routes (the `unpermute_bwd_h*` kernels, rows of at most
     /// 256 x `held` whole groups; `unroll` routes per batch); 0 otherwise.
     pub held: u32,
-    /// `permute` only: shared-memory stages of the bulk-copy kernel
+    /// `permute`: shared-memory stages of the bulk-copy kernel
     /// (`permute_bulk_S`: sm_90 or newer, rows and addresses in 16-byte
-    /// units, pieces of [`bulk_piece`] bytes); 0 for the other kernels.
+    /// units, pieces of [`bulk_piece`] bytes). `unpermute`: stages of the
+    /// async kernel (`unpermute_aS_w_16_1`: a warp per token, 16-byte
+    /// vectors, [`async_smem`] bytes of shared memory). 0 for the other
+    /// kernels.
     pub stages: u32,
     /// `unpermute_backward`'s warp kernel only: warps that share a token,
     /// its routes dealt out among them (`T x split` warps' worth of work
@@ -197,6 +200,51 @@ pub fn movement_candidates() -> Vec<Config> {
                         split: 0,
                     });
                 }
+            }
+        }
+    }
+    c
+}
+
+/// Stages of unpermute's async kernels (`unpermute_a2_w_16_1`, ...).
+pub(super) const ASYNC_STAGES: [u32; 2] = [2, 3];
+
+/// Routes whose vectors one stage of an async unpermute warp holds (the
+/// kernels' `ASYNC_ROUTES`).
+const ASYNC_ROUTES: u64 = 8;
+
+/// The dynamic shared memory of an async unpermute block of `threads`
+/// threads with `stages` stages: per warp, `stages` x [`ASYNC_ROUTES`] x 32
+/// vectors of 16 bytes.
+pub(super) fn async_smem(threads: u32, stages: u32) -> u64 {
+    (threads / 32) as u64 * stages as u64 * ASYNC_ROUTES * 32 * 16
+}
+
+/// The configs tried for unpermute: the movement configs and, where rows
+/// and addresses are whole 16-byte vectors (`async_rows`), the async
+/// kernels' (a warp per token; blocks of 64 or 128 threads whose stages
+/// fit [`BULK_SMEM`]).
+#[doc(hidden)]
+pub fn unpermute_candidates(async_rows: bool) -> Vec<Config> {
+    let mut c = movement_candidates();
+    if !async_rows {
+        return c;
+    }
+    for threads in [64, 128] {
+        for stages in ASYNC_STAGES {
+            if async_smem(threads, stages) > BULK_SMEM {
+                continue;
+            }
+            for waves in [0, 8] {
+                c.push(Config {
+                    threads,
+                    unroll: 1,
+                    waves,
+                    per_warp: true,
+                    held: 0,
+                    stages,
+                    split: 0,
+                });
             }
         }
     }
@@ -604,6 +652,30 @@ mod tests {
             .collect();
         assert_eq!(bulk, want);
         assert!(moves.iter().all(|c| c.stages == 0));
+    }
+
+    #[test]
+    fn unpermute_tries_async_configs_only_where_rows_take_them_and_each_fits() {
+        let moves = movement_candidates();
+        assert_eq!(unpermute_candidates(false), moves);
+        let all = unpermute_candidates(true);
+        assert_eq!(&all[..moves.len()], &moves[..]);
+        let extra: Vec<(u32, u32, u32)> = all[moves.len()..]
+            .iter()
+            .inspect(|c| assert_eq!((c.unroll, c.per_warp, c.held, c.split), (1, true, 0, 0)))
+            .map(|c| (c.threads, c.stages, c.waves))
+            .collect();
+        // 64 threads: 16 and 24 KiB of stages; 128 threads: 32 KiB at two
+        // stages, 48 KiB at three (over the limit, left out).
+        let want = [(64, 2), (64, 3), (128, 2)];
+        let want: Vec<(u32, u32, u32)> = want
+            .iter()
+            .flat_map(|&(t, s)| [0, 8].map(|w| (t, s, w)))
+            .collect();
+        assert_eq!(extra, want);
+        assert_eq!(async_smem(64, 3), 24 * 1024);
+        assert_eq!(async_smem(128, 2), 32 * 1024);
+        assert_eq!(async_smem(128, 3), 48 * 1024);
     }
 
     #[test]
