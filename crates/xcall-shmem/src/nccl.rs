@@ -429,7 +429,9 @@ pub struct Segment {
 }
 
 /// One PE's NCCL communicator (non-blocking). Aborted when dropped
-/// without [`Comm::finalize`].
+/// without [`Comm::finalize`]: at once, or, while CUDA graphs that captured
+/// its work are alive, on a thread of its own that NCCL keeps until those
+/// graphs are destroyed (the abort ends their running kernels first).
 pub struct Comm {
     lib: &'static Library,
     raw: RawComm,
@@ -647,25 +649,89 @@ fn settled_count(count: &AtomicUsize, grace: Duration) -> usize {
     count.load(Ordering::Acquire)
 }
 
+/// Communicators being aborted on threads of their own (see [`Comm`]'s
+/// drop), not yet freed by NCCL.
+static ABORTS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many dropped communicators are still being aborted on threads of
+/// their own: NCCL frees each once the CUDA graphs that captured its work
+/// are destroyed.
+pub fn aborts_in_flight() -> usize {
+    ABORTS.load(Ordering::Acquire)
+}
+
+/// Waits up to `timeout` for [`aborts_in_flight`] to reach 0 and returns
+/// what remains. A process that dropped a world while graphs held its
+/// NCCL transfers calls it, once those graphs are destroyed, before it
+/// exits: NCCL must not be torn down under an abort in progress.
+pub fn settle_aborts(timeout: Duration) -> usize {
+    let _ = crate::error::poll(timeout, || Ok(aborts_in_flight() == 0));
+    aborts_in_flight()
+}
+
+/// A raw communicator handed to the thread that aborts it.
+struct Aborted(RawComm);
+
+// SAFETY: the communicator is no longer used by anyone but the thread that
+// aborts it (its `Comm` is gone).
+unsafe impl std::marker::Send for Aborted {}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         let alive = self.graphs_alive(Duration::from_secs(2));
-        if alive > 0 {
-            // NCCL's abort would wait for those graphs to be destroyed:
-            // the communicator is left to them instead (its memory stays
-            // valid for their replays).
-            tracing::warn!(
-                rank = self.rank,
-                graphs = alive,
-                "an NCCL communicator dropped while CUDA graphs that captured its work are alive is not aborted (left to the graphs)"
-            );
+        let (lib, device, raw) = (self.lib, self.device, Aborted(self.raw));
+        let abort = move || {
+            let raw = raw;
+            let ctx = ContextGuard::primary(device);
+            // SAFETY: a live communicator, released once (its `Comm` is
+            // being dropped); abort first raises NCCL's abort flag, which
+            // ends the kernels of its pending work (a peer that never
+            // comes), then frees the communicator.
+            let _ = unsafe { (lib.abort)(raw.0) };
+            drop(ctx);
+        };
+        if alive == 0 {
+            abort();
             return;
         }
-        let ctx = ContextGuard::primary(self.device);
-        // SAFETY: a live communicator, released once; abort also ends the
-        // kernels of its pending work (a peer that never comes).
-        let _ = unsafe { (self.lib.abort)(self.raw) };
-        drop(ctx);
+        // NCCL frees an aborted communicator only once every graph that
+        // captured its work is destroyed, and waits for that inside its
+        // abort. Such a graph may be running, its kernels waiting for a
+        // peer that left, and they end only when the abort flag is up: so
+        // the abort runs on a thread of its own (the flag goes up at once;
+        // the thread finishes when the graphs are gone), never on the
+        // thread that drops the world, which would wait forever.
+        let (done, finished) = std::sync::mpsc::channel();
+        ABORTS.fetch_add(1, Ordering::AcqRel);
+        let spawned = std::thread::Builder::new()
+            .name("xcall-nccl-abort".into())
+            .spawn(move || {
+                abort();
+                ABORTS.fetch_sub(1, Ordering::AcqRel);
+                let _ = done.send(());
+            });
+        if spawned.is_err() {
+            ABORTS.fetch_sub(1, Ordering::AcqRel);
+        }
+        match spawned {
+            Ok(_) => {
+                // The graphs' kernels end once the flag is up; give the
+                // abort the grace to finish when the graphs go meanwhile.
+                let finished = finished.recv_timeout(Duration::from_secs(2)).is_ok();
+                tracing::warn!(
+                    rank = self.rank,
+                    graphs = alive,
+                    finished,
+                    "an NCCL communicator dropped while CUDA graphs that captured its work are alive is aborted; NCCL frees it once those graphs are destroyed (their replays no longer move data)"
+                );
+            }
+            Err(e) => tracing::warn!(
+                rank = self.rank,
+                graphs = alive,
+                error = %e,
+                "an NCCL communicator dropped while CUDA graphs that captured its work are alive is left to them: no thread could be started to abort it"
+            ),
+        }
     }
 }
 

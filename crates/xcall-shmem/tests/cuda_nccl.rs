@@ -1,9 +1,9 @@
 //! CUDA worlds whose pairs all take NCCL (`Pairs::Nccl`, the path of peers
 //! on other hosts): a world of one PE exchanging with itself (one GPU, also
-//! captured into a graph), two GPUs in one process, two processes on
-//! NCCL's network path (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`), and a
-//! process that dies before its exchange (its peer fails within the
-//! timeout). Every receive buffer is poisoned first and every byte checked
+//! captured into a graph), every GPU of the machine in one process, one
+//! process per GPU on NCCL's network path (`NCCL_P2P_DISABLE=1
+//! NCCL_SHM_DISABLE=1`), and a process that dies before its exchange (its
+//! peer fails within the timeout). Every receive buffer is poisoned first and every byte checked
 //! against data computed on the receiving side.
 //!
 //! Skips without a GPU or without NCCL unless XCALL_REQUIRE_CUDA=1; the
@@ -30,25 +30,23 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The GPU count when there is a GPU and NCCL loads; else a SKIP line
-/// (a failure under XCALL_REQUIRE_CUDA=1).
-fn gpus_with_nccl(test: &str, need: usize) -> bool {
-    let Some(n) = cuda_devices_or_skip(test) else {
-        return false;
-    };
+/// The GPU count (at least `need`) when there is a GPU and NCCL loads;
+/// else a SKIP line (a failure under XCALL_REQUIRE_CUDA=1) and `None`.
+fn gpus_with_nccl(test: &str, need: usize) -> Option<usize> {
+    let n = cuda_devices_or_skip(test)?;
     match xcall_shmem::nccl::library() {
         Ok(lib) => eprintln!("{test}: NCCL {} at {}", lib.version(), lib.path().display()),
         Err(e) if cuda_required() => panic!("{test}: XCALL_REQUIRE_CUDA=1 but {e}"),
         Err(e) => {
             skip(test, &e.to_string());
-            return false;
+            return None;
         }
     }
     if n < need {
         skip(test, &format!("needs {need} GPUs, this machine has {n}"));
-        return false;
+        return None;
     }
-    true
+    Some(n)
 }
 
 fn config(c: Config) -> Config {
@@ -177,7 +175,7 @@ fn rounds(w: &mut World, rank: usize, n: usize) {
 #[test]
 fn one_gpu_exchanges_with_itself_through_nccl() {
     let _s = serial();
-    if !gpus_with_nccl("shmem nccl one pe", 1) {
+    if gpus_with_nccl("shmem nccl one pe", 1).is_none() {
         return;
     }
     let mut w = World::new();
@@ -248,7 +246,7 @@ fn captured_self_exchange(
 #[test]
 fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
     let _s = serial();
-    if !gpus_with_nccl("shmem nccl finalize with a live graph", 1) {
+    if gpus_with_nccl("shmem nccl finalize with a live graph", 1).is_none() {
         return;
     }
     run_threads("nccl graph finalize", 1, watchdog(), |_| {
@@ -298,37 +296,38 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
 }
 
 #[test]
-fn two_gpus_one_process_through_nccl() {
+fn every_gpu_one_process_through_nccl() {
     let _s = serial();
-    if !gpus_with_nccl("shmem nccl spmt", 2) {
+    let Some(n) = gpus_with_nccl("shmem nccl spmt", 2) else {
         return;
-    }
-    run_threads("nccl spmt", 2, watchdog(), |rank| {
+    };
+    eprintln!("shmem nccl spmt: {n} GPUs, one thread each");
+    run_threads("nccl spmt", n, watchdog(), move |rank| {
         let mut w = World::new();
         w.init(&config(Config::in_process(
             "nccl-spmt",
             rank,
-            2,
+            n,
             Device::cuda(rank as u32),
         )))
         .unwrap();
-        rounds(&mut w, rank, 2);
+        rounds(&mut w, rank, n);
         assert!(w.finalize().unwrap().leaked.is_empty());
     });
 }
 
-fn spawn(test: &str, role: &str, rank: usize, address: &str) -> Child {
+fn spawn(test: &str, role: &str, rank: usize, size: usize, address: &str) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(PE_ENV, format!("{role}:{rank}:{address}"))
+        .env(PE_ENV, format!("{role}:{rank}:{size}:{address}"))
         .env("NCCL_P2P_DISABLE", "1")
         .env("NCCL_SHM_DISABLE", "1")
         .spawn()
         .unwrap()
 }
 
-/// Waits for both children under the watchdog; returns their success.
-fn wait_both(what: &str, children: Vec<Child>) -> Vec<bool> {
+/// Waits for the children under the watchdog; returns their success.
+fn wait_all(what: &str, children: Vec<Child>) -> Vec<bool> {
     common::wait_children(what, children, watchdog())
 }
 
@@ -337,15 +336,16 @@ fn free_address() -> String {
     l.local_addr().unwrap().to_string()
 }
 
-/// A child's part: "ROLE:RANK:ADDRESS" from [`PE_ENV`].
+/// A child's part: "ROLE:RANK:SIZE:ADDRESS" from [`PE_ENV`].
 fn child(spec: &str) {
-    let mut parts = spec.splitn(3, ':');
-    let (role, rank, address) = (
+    let mut parts = spec.splitn(4, ':');
+    let (role, rank, size, address) = (
         parts.next().unwrap(),
+        parts.next().unwrap().parse::<usize>().unwrap(),
         parts.next().unwrap().parse::<usize>().unwrap(),
         parts.next().unwrap(),
     );
-    let mut c = config(Config::tcp(address, rank, 2, Device::cuda(rank as u32)));
+    let mut c = config(Config::tcp(address, rank, size, Device::cuda(rank as u32)));
     if role == "dies" {
         c.timeout = Duration::from_secs(10);
     }
@@ -353,9 +353,10 @@ fn child(spec: &str) {
     w.init(&c).unwrap();
     match role {
         "rounds" => {
-            rounds(&mut w, rank, 2);
+            rounds(&mut w, rank, size);
             assert!(w.finalize().unwrap().leaked.is_empty());
         }
+        "graph" => graph_waits_for_a_peer_that_left(w, rank),
         _ if rank == 1 => {
             // Leaves without a word once the world is up and the buffer
             // allocated (malloc is a collective rank 0 must not wait in).
@@ -366,7 +367,8 @@ fn child(spec: &str) {
         _ => {
             let buf = w.malloc(1 << 20).unwrap();
             w.barrier_all().unwrap();
-            let (out, inc) = segments(0, 2, 0, 1 << 19, (buf, buf + (1 << 19)));
+            // Two slots of 256 KiB to send from, two to receive into.
+            let (out, inc) = segments(0, 2, 0, 1 << 18, (buf, buf + (1 << 19)));
             let started = Instant::now();
             // SAFETY: the segments lie in `buf`.
             let r = unsafe { w.exchange(&out, &inc) };
@@ -387,27 +389,106 @@ fn child(spec: &str) {
     }
 }
 
+/// Both ranks exchange once (NCCL connects the pair), then rank 1 leaves.
+/// Rank 0 replays a graph that captured the exchange: its kernels wait for
+/// rank 1 forever. Dropping the world with that graph alive and running
+/// returns (the communicator is aborted on a thread of its own), the abort
+/// ends the graph's kernels so the stream drains, and the process exits.
+fn graph_waits_for_a_peer_that_left(mut w: World, rank: usize) {
+    let buf = w.malloc(1 << 20).unwrap();
+    let (out, inc) = segments(rank, 2, 0, 1 << 18, (buf, buf + (1 << 19)));
+    // SAFETY: the segments lie in `buf`.
+    unsafe { w.exchange(&out, &inc) }.unwrap();
+    w.barrier_all().unwrap();
+    if rank == 1 {
+        std::process::exit(0);
+    }
+    let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let raw: *mut c_void = stream.cu_stream().cast();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    // SAFETY: as above; the graph is destroyed before the stream.
+    let captured = unsafe { w.exchange_on_stream(&out, &inc, raw) };
+    let graph = stream
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap();
+    captured.unwrap();
+    let graph = graph.expect("a captured graph");
+    graph.launch().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: a live stream of this thread's context.
+    let busy = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
+    // NCCL does not end the kernels itself when its peer's connection
+    // drops: the replay waits (this line shows the case is the one meant).
+    eprintln!("rank 0's replay, 500 ms after rank 1 left: {busy:?}");
+    let started = Instant::now();
+    drop(w);
+    eprintln!("rank 0 dropped its world in {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(15));
+    drop(graph);
+    // The abort ended the graph's kernels: the stream drains.
+    let drained = Instant::now();
+    // SAFETY: as above.
+    while unsafe { sys::cuStreamQuery(stream.cu_stream()) } == sys::CUresult::CUDA_ERROR_NOT_READY {
+        assert!(
+            drained.elapsed() < Duration::from_secs(15),
+            "the aborted communicator's kernels are still running"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!(
+        "rank 0's stream drained {:?} after the drop",
+        started.elapsed()
+    );
+    // With the graph gone, NCCL finishes the abort and frees the
+    // communicator; the process exits only after that.
+    assert_eq!(
+        xcall_shmem::nccl::settle_aborts(Duration::from_secs(15)),
+        0,
+        "the communicator's abort did not finish once the graph was destroyed"
+    );
+    eprintln!(
+        "rank 0's communicator freed {:?} after the drop",
+        started.elapsed()
+    );
+}
+
 #[test]
-fn two_processes_on_nccls_network_path() {
+fn a_process_per_gpu_on_nccls_network_path() {
     let _s = serial();
     if let Ok(spec) = std::env::var(PE_ENV) {
         child(&spec);
         return;
     }
-    if !gpus_with_nccl("shmem nccl two processes", 2) {
+    let Some(n) = gpus_with_nccl("shmem nccl processes", 2) else {
         return;
-    }
-    let test = "two_processes_on_nccls_network_path";
+    };
+    let test = "a_process_per_gpu_on_nccls_network_path";
     let address = free_address();
-    let children = (0..2).map(|r| spawn(test, "rounds", r, &address)).collect();
+    let children = (0..n)
+        .map(|r| spawn(test, "rounds", r, n, &address))
+        .collect();
     assert_eq!(
-        wait_both("2 processes through NCCL", children),
-        [true, true]
+        wait_all(&format!("{n} processes through NCCL"), children),
+        vec![true; n]
     );
     // Rank 1 dies after init: rank 0 fails with an error, never hangs.
     let address = free_address();
     let started = Instant::now();
-    let children = (0..2).map(|r| spawn(test, "dies", r, &address)).collect();
-    assert_eq!(wait_both("a peer that dies", children), [true, true]);
+    let children = (0..2)
+        .map(|r| spawn(test, "dies", r, 2, &address))
+        .collect();
+    assert_eq!(wait_all("a peer that dies", children), [true, true]);
     eprintln!("the failure took {:?}", started.elapsed());
+    // Rank 1 dies while rank 0's graph waits for it: dropping the world
+    // returns and the graph's kernels end.
+    let address = free_address();
+    let children = (0..2)
+        .map(|r| spawn(test, "graph", r, 2, &address))
+        .collect();
+    assert_eq!(
+        wait_all("a graph waiting for a peer that left", children),
+        [true, true]
+    );
 }

@@ -619,6 +619,31 @@ fn run_pe(
         &run.bootstrap(group),
         run.timeout,
     )?;
+    let ran = pe_run(run, local, rank, &mut pe, cache, progress);
+    if ran.is_err() && device.platform == Platform::Cuda {
+        // A failed step may leave this PE's step graph running, its
+        // transfers waiting for a peer that stopped. Destroyed before the
+        // world drops (the driver frees it once its kernels end), so the
+        // world's NCCL abort ends those kernels and can then free the
+        // communicator: nothing waits for the lost peer.
+        cache.clear(device);
+    }
+    let end = ran?;
+    pe.finish()?;
+    Ok(end)
+}
+
+/// [`run_pe`] once its PE is up: the steps, then the reports (all but
+/// the PE's finalize).
+fn pe_run(
+    run: &Run,
+    local: usize,
+    rank: usize,
+    pe: &mut Pe,
+    cache: &GraphCache<CudaGraphs>,
+    progress: &Progress,
+) -> Result<PeEnd, String> {
+    let device = run.devices[local];
     let threads = check_threads(run.devices.len());
     let mut log = match run.platform {
         Platform::Host => {
@@ -628,7 +653,7 @@ fn run_pe(
                 rank,
                 threads,
             };
-            pe_steps(run, &mut pe, cache, progress, &mut checks)?
+            pe_steps(run, pe, cache, progress, &mut checks)?
         }
         Platform::Cuda => {
             let drawn = run.verify.drawn(run.total());
@@ -645,7 +670,7 @@ fn run_pe(
                     .map_err(|e| format!("checker thread: {e}"))?;
                 // Dropping `checks` closes both queues, however the steps end.
                 let mut checks = Checks::Beside { inputs, jobs };
-                let stepped = pe_steps(run, &mut pe, cache, progress, &mut checks);
+                let stepped = pe_steps(run, pe, cache, progress, &mut checks);
                 drop(checks);
                 let drew = drawer.join();
                 let checks = checker.join().map_err(|_| "the checker thread panicked")?;
@@ -675,7 +700,6 @@ fn run_pe(
             world = Some(gather::decode_all(&all)?);
         }
     }
-    pe.finish()?;
     Ok(PeEnd { log, world })
 }
 
@@ -835,6 +859,15 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
         }
     }
     if !errors.is_empty() {
+        // A failed PE's communicator may still be aborting (NCCL frees it
+        // once the step graph, destroyed already, has ended): the process
+        // exits after that.
+        let left = xcall_shmem::nccl::settle_aborts(std::time::Duration::from_secs(10));
+        if left > 0 {
+            errors.push(format!(
+                "{left} NCCL communicator(s) still aborting at exit"
+            ));
+        }
         return Err(Failure::Runtime(errors.join("; ")));
     }
     match (&run.launched, world) {
