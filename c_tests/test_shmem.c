@@ -344,5 +344,14 @@ int main(void) {
   CHECK_STATUS(xcall_shmem_finalize(w, NULL), XCALL_STATUS_INVALID_STATE);
   xcall_shmem_world_free(w);
   xcall_shmem_world_free(NULL);
+  /* No NCCL communicator is aborting: settled at once, none left. */
+  uint64_t left = 99;
+  CHECK_STATUS(xcall_shmem_settle_aborts(1000, &left), XCALL_STATUS_OK);
+  CHECK(left == 0);
+  CHECK_STATUS(xcall_shmem_settle_aborts(0, NULL), XCALL_STATUS_OK);
+  left = 99;
+  CHECK_STATUS(xcall_shmem_settle_aborts(3600001, &left), XCALL_STATUS_INVALID_ARGUMENT);
+  CHECK(left == 99);
+  CHECK_CONTAINS(xcall_last_error_message(), "above one hour");
   return xt_summary("test_shmem");
 }

@@ -1692,11 +1692,27 @@ xcall_status xcall_shmem_world_new(xcall_shmem_world **out_world);
  * every other PE's later transfers, signals, waits and collectives return
  * `XCALL_STATUS_PEER_FAILED`, and this PE's heap stays mapped until no
  * peer of this process can reach it. Call `xcall_shmem_finalize` first.
+ * A live world with NCCL pairs whose exchanges CUDA graphs still hold has
+ * its communicator aborted on a thread of its own (the abort ends those
+ * graphs' running kernels at once; NCCL frees the communicator once the
+ * graphs are destroyed): destroy them, then call
+ * `xcall_shmem_settle_aborts` before the process exits.
  *
  * Bad input: NULL, a freed or foreign handle: left alone (the function
  * returns nothing; the last error message says what was ignored).
  */
 void xcall_shmem_world_free(xcall_shmem_world *w);
+
+/**
+ * Waits up to `timeout_ms` milliseconds for the NCCL communicators that
+ * freed worlds left aborting (see `xcall_shmem_world_free`) to be freed,
+ * and writes how many remain to `*out_left` (may be NULL); 0 at once when
+ * none is. Call it before the process exits, once the graphs that held
+ * them are destroyed: NCCL must not be torn down under an abort.
+ *
+ * Bad input: a timeout above one hour: `XCALL_STATUS_INVALID_ARGUMENT`.
+ */
+xcall_status xcall_shmem_settle_aborts(uint64_t timeout_ms, uint64_t *out_left);
 
 /**
  * Joins the world (collective). Errors: `XCALL_STATUS_INVALID_STATE`

@@ -204,6 +204,11 @@ pub extern "C" fn xcall_shmem_world_new(out_world: *mut *mut xcall_shmem_world) 
 /// every other PE's later transfers, signals, waits and collectives return
 /// `XCALL_STATUS_PEER_FAILED`, and this PE's heap stays mapped until no
 /// peer of this process can reach it. Call `xcall_shmem_finalize` first.
+/// A live world with NCCL pairs whose exchanges CUDA graphs still hold has
+/// its communicator aborted on a thread of its own (the abort ends those
+/// graphs' running kernels at once; NCCL frees the communicator once the
+/// graphs are destroyed): destroy them, then call
+/// `xcall_shmem_settle_aborts` before the process exits.
 ///
 /// Bad input: NULL, a freed or foreign handle: left alone (the function
 /// returns nothing; the last error message says what was ignored).
@@ -213,6 +218,31 @@ pub extern "C" fn xcall_shmem_world_free(w: *mut xcall_shmem_world) {
         drop(handle::release(w, "world")?);
         Ok(())
     });
+}
+
+/// Waits up to `timeout_ms` milliseconds for the NCCL communicators that
+/// freed worlds left aborting (see `xcall_shmem_world_free`) to be freed,
+/// and writes how many remain to `*out_left` (may be NULL); 0 at once when
+/// none is. Call it before the process exits, once the graphs that held
+/// them are destroyed: NCCL must not be torn down under an abort.
+///
+/// Bad input: a timeout above one hour: `XCALL_STATUS_INVALID_ARGUMENT`.
+#[no_mangle]
+pub extern "C" fn xcall_shmem_settle_aborts(timeout_ms: u64, out_left: *mut u64) -> Status {
+    ffi_call!({
+        if timeout_ms > 3_600_000 {
+            return Err(FfiError::new(
+                Status::InvalidArgument,
+                format!("timeout_ms {timeout_ms} is above one hour (3600000)"),
+            ));
+        }
+        let left = xcall_shmem::nccl::settle_aborts(std::time::Duration::from_millis(timeout_ms));
+        // SAFETY: NULL or a writable u64.
+        if let Some(l) = unsafe { out_left.as_mut() } {
+            *l = left as u64;
+        }
+        Ok(())
+    })
 }
 
 /// Joins the world (collective). Errors: `XCALL_STATUS_INVALID_STATE`

@@ -248,8 +248,10 @@ impl World {
     /// still holds one is refused ([`ShmemError::State`], naming how many)
     /// before any collective step, and its world stays live: destroy them
     /// and finalize again, within the timeout its peers wait in finalize.
-    /// A world dropped while such graphs live leaves its communicator to
-    /// them rather than wait.
+    /// A world dropped while such graphs live aborts its communicator on
+    /// a thread of its own instead of waiting: the abort ends their
+    /// running kernels at once, and NCCL frees the communicator once they
+    /// are destroyed (see [`crate::nccl::settle_aborts`]).
     pub fn finalize(&mut self) -> Result<FinalizeReport> {
         self.live()?.no_graphs_hold_nccl()?;
         let live = self.live.take().expect("checked live");
