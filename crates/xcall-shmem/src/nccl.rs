@@ -740,6 +740,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn settling_waits_for_aborts_in_flight_within_its_timeout() {
+        // No NCCL on this machine: the count is this test's alone.
+        assert_eq!(aborts_in_flight(), 0);
+        let started = std::time::Instant::now();
+        assert_eq!(settle_aborts(Duration::from_secs(5)), 0);
+        assert!(started.elapsed() < Duration::from_secs(1));
+        // Two aborts finish on another thread within the timeout: 0.
+        ABORTS.fetch_add(2, Ordering::AcqRel);
+        let finisher = std::thread::spawn(|| {
+            for _ in 0..2 {
+                std::thread::sleep(Duration::from_millis(50));
+                ABORTS.fetch_sub(1, Ordering::AcqRel);
+            }
+        });
+        assert_eq!(settle_aborts(Duration::from_secs(5)), 0);
+        finisher.join().unwrap();
+        // One that does not: what remains, after the timeout.
+        ABORTS.fetch_add(1, Ordering::AcqRel);
+        let started = std::time::Instant::now();
+        assert_eq!(settle_aborts(Duration::from_millis(100)), 1);
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        ABORTS.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    #[test]
     fn a_graph_count_is_awaited_for_its_grace_and_no_longer() {
         let count = Arc::new(AtomicUsize::new(0));
         assert_eq!(settled_count(&count, Duration::from_secs(5)), 0);
