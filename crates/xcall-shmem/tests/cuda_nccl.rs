@@ -214,6 +214,25 @@ fn one_gpu_exchanges_with_itself_through_nccl() {
     assert!(w.finalize().unwrap().leaked.is_empty());
 }
 
+/// Captures `w`'s exchange of `out` and `inc` into a graph on `s`.
+fn capture_exchange(
+    w: &mut World,
+    (out, inc): (&[Outgoing], &[Incoming]),
+    s: &Arc<CudaStream>,
+) -> CudaGraph {
+    let raw: *mut c_void = s.cu_stream().cast();
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    // SAFETY: the callers' segments lie in this PE's objects, alive while
+    // the graph is.
+    let captured = unsafe { w.exchange_on_stream(out, inc, raw) };
+    let graph = s
+        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap();
+    captured.unwrap();
+    graph.expect("a captured graph")
+}
+
 /// Captures one self-exchange of `w` (a one-PE world on GPU 0, round 100's
 /// segments) into a graph on `s`, replays it once, and returns the graph.
 fn captured_self_exchange(
@@ -222,17 +241,8 @@ fn captured_self_exchange(
     max: usize,
     s: &Arc<CudaStream>,
 ) -> CudaGraph {
-    let raw: *mut c_void = s.cu_stream().cast();
     let (out, inc) = segments(0, 1, 100, max, bufs);
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
-    // SAFETY: the segments lie in this PE's objects, alive until finalize.
-    let captured = unsafe { w.exchange_on_stream(&out, &inc, raw) };
-    let graph = s
-        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .unwrap();
-    captured.unwrap();
-    let graph = graph.expect("a captured graph");
+    let graph = capture_exchange(w, (&out, &inc), s);
     graph.launch().unwrap();
     s.synchronize().unwrap();
     graph
@@ -404,17 +414,8 @@ fn graph_waits_for_a_peer_that_left(mut w: World, rank: usize) {
         std::process::exit(0);
     }
     let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
-    let raw: *mut c_void = stream.cu_stream().cast();
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
-    // SAFETY: as above; the graph is destroyed before the stream.
-    let captured = unsafe { w.exchange_on_stream(&out, &inc, raw) };
-    let graph = stream
-        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .unwrap();
-    captured.unwrap();
-    let graph = graph.expect("a captured graph");
+    // The graph is destroyed before the stream.
+    let graph = capture_exchange(&mut w, (&out, &inc), &stream);
     graph.launch().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: a live stream of this thread's context.
