@@ -47,17 +47,18 @@ note() {
   echo "$name rc=[$rcs] $(($(date +%s) - start))s | $step | $verdict" >>"$summary"
 }
 
-# launch NAME PORT PROCS VISIBLE STYLE [VAR=VALUE ...] -- [xcall moe flags]
-# PROCS processes on the GPUs VISIBLE (CUDA_VISIBLE_DEVICES), with the
-# variables STYLE's launcher exports: torchrun, mpirun or srun.
-launch() {
+# start NAME PORT PROCS VISIBLE STYLE [VAR=VALUE ...] -- [xcall moe flags]
+# starts PROCS processes of `xcall moe --platform cuda` on the GPUs VISIBLE
+# (CUDA_VISIBLE_DEVICES), each with the variables STYLE's launcher exports
+# (torchrun, mpirun or srun), logs in OUT/NAME-RANK.txt; their pids go to
+# `pids`.
+start() {
   local name=$1 port=$2 procs=$3 visible=$4 style=$5
   shift 5
-  local envs=()
+  local envs=() r rank_vars
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  local start pids=() r rank_vars rcs=""
-  start=$(date +%s)
+  pids=()
   for r in $(seq 0 $((procs - 1))); do
     case $style in
       torchrun) rank_vars="RANK=$r WORLD_SIZE=$procs LOCAL_RANK=$r LOCAL_WORLD_SIZE=$procs" ;;
@@ -67,14 +68,22 @@ launch() {
     # shellcheck disable=SC2086
     env CUDA_VISIBLE_DEVICES="$visible" "${envs[@]}" $rank_vars \
       MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-      timeout 150 bin/xcall moe --platform cuda --timeout 40s "$@" >"$out/$name-$r.txt" 2>&1 &
+      timeout 150 bin/xcall moe --platform cuda "$@" >"$out/$name-$r.txt" 2>&1 &
     pids+=($!)
   done
+}
+
+# launch NAME PORT PROCS VISIBLE STYLE [VAR=VALUE ...] -- [xcall moe flags]:
+# `start`'s processes (a 40 s --timeout), waited for and noted.
+launch() {
+  local name=$1 start_s p rcs=""
+  start_s=$(date +%s)
+  start "$@" --timeout 40s
   for p in "${pids[@]}"; do
     wait "$p"
     rcs="$rcs$? "
   done
-  note "$name" "$start" "${rcs% }" "$out/$name-0.txt" "$out/$name"-*.txt
+  note "$name" "$start_s" "${rcs% }" "$out/$name-0.txt" "$out/$name"-*.txt
 }
 
 # spmt NAME VISIBLE [VAR=VALUE ...] -- [xcall moe flags]: one process, every
@@ -109,22 +118,15 @@ net="XCALL_SHMEM_TRANSPORT=nccl NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
 
 # killed NAME PORT [VAR=VALUE ...]: two launched processes on GPUs 0 and 1;
 # once rank 0 reports timed steps (the step graph replaying), rank 1's
-# xcall is killed (SIGKILL). Rank 0 must exit non-zero
-# within --timeout (20 s) with an error that names what it waited for.
+# xcall is killed (SIGKILL). Rank 0 must exit non-zero within --timeout
+# (20 s) with an error that names what it waited for.
 killed() {
   local name=$1 port=$2
   shift 2
-  local start pids=() r rcs=""
-  start=$(date +%s)
-  for r in 0 1; do
-    env CUDA_VISIBLE_DEVICES=0,1 "$@" RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 \
-      MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
-      timeout 150 bin/xcall moe --platform cuda --timeout 20s --steps 1000000 --verify off \
-      >"$out/$name-$r.txt" 2>&1 &
-    pids+=($!)
-  done
+  local start_s at waited=0 rcs
+  start_s=$(date +%s)
+  start "$name" "$port" 2 0,1 torchrun "$@" -- --timeout 20s --steps 1000000 --verify off
   # Killed once the timed steps (graph replays) run, at most 60 s in.
-  local waited=0
   until grep -q '(timed steps)' "$out/$name-0.txt" 2>/dev/null || [ $waited -ge 60 ]; do
     sleep 1
     waited=$((waited + 1))
@@ -132,14 +134,20 @@ killed() {
   sleep 2
   # The xcall under rank 1's timeout, not the timeout itself.
   pkill -9 -P "${pids[1]}"
-  local at
   at=$(date +%s)
   wait "${pids[0]}"
   rcs="$? "
   echo "rank 0 exited $(($(date +%s) - at))s after rank 1 was killed" >>"$out/$name-0.txt"
   wait "${pids[1]}"
   rcs="$rcs$?"
-  note "$name" "$start" "$rcs" "$out/$name-0.txt" "$out/$name-0.txt"
+  note "$name" "$start_s" "$rcs" "$out/$name-0.txt" "$out/$name-0.txt"
+}
+
+# The killed ranks and the NCCL tests on GPUs 0 and 1.
+faults() {
+  killed killed-nccl-net 29506 $net
+  killed killed-ipc 29507 XCALL_SHMEM_TRANSPORT=auto
+  binary cuda_nccl-2gpu 0,1 tests/xcall-shmem-cuda_nccl --test-threads=1
 }
 
 two_gpus() {
@@ -150,9 +158,7 @@ two_gpus() {
   launch ipc-dsv3 29505 2 0,1 torchrun XCALL_SHMEM_TRANSPORT=auto -- $ds --steps 20
   spmt spmt-nccl-default 0,1 XCALL_SHMEM_TRANSPORT=nccl -- --steps 30
   spmt spmt-direct-default 0,1 XCALL_SHMEM_TRANSPORT=auto -- --steps 30
-  killed killed-nccl-net 29506 $net
-  killed killed-ipc 29507 XCALL_SHMEM_TRANSPORT=auto
-  binary cuda_nccl-2gpu 0,1 tests/xcall-shmem-cuda_nccl --test-threads=1
+  faults
   binary cuda_moe-2gpu 0,1 tests/xcall-cli-cuda_moe --test-threads=1
   binary bench-cuda_shmem-nvlink 0,1 benches/bench-cuda_shmem --bench
   binary bench-cuda_shmem-nccl-net 0,1 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
@@ -185,9 +191,7 @@ if [ "$gpus" -ge 2 ] && { [ "$part" = two ] || [ "$part" = both ]; }; then
   two_gpus
 fi
 if [ "$gpus" -ge 2 ] && [ "$part" = faults ]; then
-  killed killed-nccl-net 29506 $net
-  killed killed-ipc 29507 XCALL_SHMEM_TRANSPORT=auto
-  binary cuda_nccl-2gpu 0,1 tests/xcall-shmem-cuda_nccl --test-threads=1
+  faults
 fi
 [ -n "$tests_pid" ] && wait "$tests_pid"
 if [ "$gpus" -ge 4 ] && { [ "$part" = all ] || [ "$part" = both ]; }; then

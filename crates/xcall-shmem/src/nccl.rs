@@ -641,12 +641,16 @@ impl Comm {
     }
 }
 
+/// `count` once it is 0, or after `timeout` has passed.
+fn settled(count: &AtomicUsize, timeout: Duration) -> usize {
+    // The poll ends at 0 or after the timeout; the count is read either way.
+    let _ = crate::error::poll(timeout, || Ok(count.load(Ordering::Acquire) == 0));
+    count.load(Ordering::Acquire)
+}
+
 /// `count` once it is 0, or after `grace` (at most 2 s) has passed.
 fn settled_count(count: &AtomicUsize, grace: Duration) -> usize {
-    let grace = grace.min(Duration::from_secs(2));
-    // The poll ends at 0 or after the grace; the count is read either way.
-    let _ = crate::error::poll(grace, || Ok(count.load(Ordering::Acquire) == 0));
-    count.load(Ordering::Acquire)
+    settled(count, grace.min(Duration::from_secs(2)))
 }
 
 /// Communicators being aborted on threads of their own (see [`Comm`]'s
@@ -665,8 +669,7 @@ pub fn aborts_in_flight() -> usize {
 /// NCCL transfers calls it, once those graphs are destroyed, before it
 /// exits: NCCL must not be torn down under an abort in progress.
 pub fn settle_aborts(timeout: Duration) -> usize {
-    let _ = crate::error::poll(timeout, || Ok(aborts_in_flight() == 0));
-    aborts_in_flight()
+    settled(&ABORTS, timeout)
 }
 
 /// A raw communicator handed to the thread that aborts it.
@@ -710,9 +713,6 @@ impl Drop for Comm {
                 ABORTS.fetch_sub(1, Ordering::AcqRel);
                 let _ = done.send(());
             });
-        if spawned.is_err() {
-            ABORTS.fetch_sub(1, Ordering::AcqRel);
-        }
         match spawned {
             Ok(_) => {
                 // The graphs' kernels end once the flag is up; give the
@@ -725,12 +725,15 @@ impl Drop for Comm {
                     "an NCCL communicator dropped while CUDA graphs that captured its work are alive is aborted; NCCL frees it once those graphs are destroyed (their replays no longer move data)"
                 );
             }
-            Err(e) => tracing::warn!(
-                rank = self.rank,
-                graphs = alive,
-                error = %e,
-                "an NCCL communicator dropped while CUDA graphs that captured its work are alive is left to them: no thread could be started to abort it"
-            ),
+            Err(e) => {
+                ABORTS.fetch_sub(1, Ordering::AcqRel);
+                tracing::warn!(
+                    rank = self.rank,
+                    graphs = alive,
+                    error = %e,
+                    "an NCCL communicator dropped while CUDA graphs that captured its work are alive is left to them: no thread could be started to abort it"
+                );
+            }
         }
     }
 }

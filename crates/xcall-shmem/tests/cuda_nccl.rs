@@ -2,9 +2,11 @@
 //! on other hosts): a world of one PE exchanging with itself (one GPU, also
 //! captured into a graph), every GPU of the machine in one process, one
 //! process per GPU on NCCL's network path (`NCCL_P2P_DISABLE=1
-//! NCCL_SHM_DISABLE=1`), and a process that dies before its exchange (its
-//! peer fails within the timeout). Every receive buffer is poisoned first and every byte checked
-//! against data computed on the receiving side.
+//! NCCL_SHM_DISABLE=1`), a process that dies before its exchange (its peer
+//! fails within the timeout), and one that dies while its peer replays a
+//! graph of their exchange (the peer's world drops and the replay ends).
+//! Every receive buffer is poisoned first and every byte checked against
+//! data computed on the receiving side.
 //!
 //! Skips without a GPU or without NCCL unless XCALL_REQUIRE_CUDA=1; the
 //! two-GPU tests skip on a one-GPU machine with a SKIP line.
