@@ -761,6 +761,7 @@ mod tests {
         finisher.join().unwrap();
         // One that does not: what remains, after the timeout.
         ABORTS.fetch_add(1, Ordering::AcqRel);
+        assert_eq!(aborts_in_flight(), 1);
         let started = std::time::Instant::now();
         assert_eq!(settle_aborts(Duration::from_millis(100)), 1);
         assert!(started.elapsed() >= Duration::from_millis(100));
