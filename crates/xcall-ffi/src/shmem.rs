@@ -108,6 +108,12 @@ pub enum PeerTransport {
     /// A TCP connection (Host): not addressable; data moves with
     /// `xcall_shmem_exchange` only.
     Tcp = 4,
+    /// NCCL with one-sided puts (NCCL 2.29 and newer, where it can run
+    /// them among the world's PEs): not addressable; `xcall_shmem_put`
+    /// and `xcall_shmem_put_signal` with `XCALL_SHMEM_SIGNAL_OP_SET` reach
+    /// the PE with no call on its side; gets and signal adds need
+    /// `xcall_shmem_exchange`.
+    NcclOneSided = 5,
 }
 
 /// One segment this PE sends in `xcall_shmem_exchange`.
@@ -413,6 +419,13 @@ pub extern "C" fn xcall_shmem_ptr(
 /// Copies `bytes` from `src` (this PE's memory) to the object at `dest` (a
 /// symmetric address of this PE) on PE `pe`. Blocking.
 ///
+/// A PE whose transport (`xcall_shmem_peer_transport`) is
+/// `XCALL_SHMEM_TRANSPORT_NCCL_ONE_SIDED` is written with NCCL's one-sided
+/// put (`src`: device memory; across hosts keep it in the symmetric heap,
+/// which NCCL has registered); a PE reached through NCCL without it, or
+/// through TCP, takes data only through `xcall_shmem_exchange`:
+/// `XCALL_STATUS_UNSUPPORTED`.
+///
 /// Bad input: the world rules of `xcall_shmem_world`; a NULL `src` with
 /// bytes > 0: `XCALL_STATUS_NULL_ARGUMENT`; `pe` not a PE or a destination
 /// range not inside one live object: `XCALL_STATUS_INVALID_ARGUMENT`,
@@ -659,6 +672,14 @@ pub extern "C" fn xcall_shmem_barrier_on_stream(
 /// symmetric address) on PE `pe` with `sig_op` (`XCALL_SHMEM_SIGNAL_OP_SET`
 /// or `_ADD`) once the data is visible there. Blocking.
 ///
+/// To a PE reached through NCCL's one-sided puts
+/// (`XCALL_SHMEM_TRANSPORT_NCCL_ONE_SIDED`), `XCALL_SHMEM_SIGNAL_OP_SET`
+/// only: the data and then the word are two puts that NCCL lands in that
+/// order, so the peer that sees the value with `xcall_shmem_wait_until`
+/// sees the data; the value is staged in one of 64 words of this PE's
+/// heap, taken in turn (`_nbi` calls on different streams: at most 64 in
+/// flight). `_ADD` there: `XCALL_STATUS_UNSUPPORTED`, nothing moved.
+///
 /// Bad input: as `xcall_shmem_put`; a signal word not inside a live object
 /// or not 8-byte aligned, an unknown `sig_op`:
 /// `XCALL_STATUS_INVALID_ARGUMENT`.
@@ -737,6 +758,7 @@ pub extern "C" fn xcall_shmem_peer_transport(
             Transport::HostSharedMemory => PeerTransport::HostSharedMemory,
             Transport::CudaIpc => PeerTransport::CudaIpc,
             Transport::Nccl => PeerTransport::Nccl,
+            Transport::NcclOneSided => PeerTransport::NcclOneSided,
             Transport::Tcp => PeerTransport::Tcp,
         };
         *out_ptr(out_transport, "out_transport")? = t as u32;

@@ -11,18 +11,20 @@
 //! (a peer copy and a signal; GPU 1 waits for it) and through a world whose
 //! pairs all take NCCL (a grouped send and receive), each beside
 //! cuMemcpyPeerAsync of the same bytes between the same GPUs in the same
-//! rounds (GPU 0's stream is timed). `NCCL_P2P_DISABLE=1
-//! NCCL_SHM_DISABLE=1` in the environment puts NCCL on its network path.
+//! rounds (GPU 0's stream is timed); where the loaded NCCL runs one-sided
+//! puts (2.29 and newer), also `World::put_nbi` through them beside the
+//! same reference. `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1` in the
+//! environment puts NCCL on its network path.
 //! CUDA-event medians of interleaved rounds after warm-up.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, skip};
 use xcall_core::{cuda, Device};
-use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, World};
+use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, Transport, World};
 
 const MAX: usize = 1 << 30;
 const BARRIERS: usize = 100;
@@ -349,12 +351,66 @@ fn exchanges(rank: usize, pairs: Option<Pairs>) {
         w.barrier_all().unwrap();
         bytes *= 4;
     }
+    if w.transport(1 - rank).unwrap() == Transport::NcclOneSided {
+        one_sided_puts(rank, &mut w, (src, dst), &ctx, &stream);
+    }
     stream.synchronize().unwrap();
     w.quiet().unwrap();
     w.barrier_all().unwrap();
     w.free(dst).unwrap();
     w.free(src).unwrap();
     w.finalize().unwrap();
+}
+
+/// `World::put_nbi` through NCCL's one-sided puts from PE 0 to PE 1, 4 KiB
+/// .. 1 GiB, beside cuMemcpyPeerAsync of the same bytes (rank 1 makes no
+/// call but the barriers).
+fn one_sided_puts(
+    rank: usize,
+    w: &mut World,
+    (src, dst): (u64, u64),
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+) {
+    let raw = stream.cu_stream();
+    if rank == 0 {
+        println!("put_nbi from GPU 0 to GPU 1 through NCCL's one-sided puts; ref = cuMemcpyPeerAsync of the same bytes, same stream, same rounds");
+        println!("| bytes | put us | GB/s | cuMemcpyPeerAsync us | GB/s | put / ref |");
+        println!("|---|---|---|---|---|---|");
+    }
+    let peer_dst = PEER_DST.load(Ordering::Acquire);
+    let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.cu_ctx())).unwrap();
+    let mut bytes = 4096usize;
+    while bytes <= MAX {
+        if rank == 0 {
+            let rounds = if bytes >= 256 << 20 { 10 } else { 30 };
+            let wp: *mut World = w;
+            let ctx0 = ctx.cu_ctx();
+            let t = interleaved_medians(
+                ctx,
+                stream,
+                rounds,
+                &mut [
+                    Box::new(|| {
+                        // SAFETY: `w` outlives the closure and only it uses
+                        // `w` while timing; `src` and `dst` are live.
+                        unsafe { (*wp).put_nbi(dst, src, bytes, 1, raw.cast()) }.unwrap()
+                    }),
+                    Box::new(|| {
+                        // SAFETY: live device ranges of `bytes` on GPU 0
+                        // and GPU 1 (rank 1's heap, mapped in this process).
+                        unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
+                            .result()
+                            .unwrap()
+                    }),
+                ],
+            );
+            print_row(bytes, &t);
+        }
+        stream.synchronize().unwrap();
+        w.barrier_all().unwrap();
+        bytes *= 4;
+    }
 }
 
 fn human(b: usize) -> String {

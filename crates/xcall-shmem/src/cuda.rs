@@ -166,9 +166,13 @@ pub(crate) unsafe fn read_word(device: Device, addr: u64) -> Result<u64> {
 pub(crate) struct DeviceHeap {
     pub device: Device,
     pub base: u64,
+    /// Allocated by NCCL (`ncclMemAlloc`), to be registered as a window;
+    /// else by the driver (`cuMemAlloc`).
+    pub nccl: bool,
 }
 
 impl DeviceHeap {
+    /// A heap from the driver (`cuMemAlloc`): what IPC can export.
     pub fn new(device: Device, len: usize) -> Result<DeviceHeap> {
         let mut base = 0;
         // SAFETY: writes one device pointer through a valid reference.
@@ -176,7 +180,22 @@ impl DeviceHeap {
             sys::cuMemAlloc_v2(&mut base, len)
         })
         .map_err(|e| e.context(format!("symmetric heap of {len} bytes")))?;
-        Ok(DeviceHeap { device, base })
+        Ok(DeviceHeap {
+            device,
+            base,
+            nccl: false,
+        })
+    }
+
+    /// A heap from NCCL (`ncclMemAlloc`): what an NCCL window can hold (IPC
+    /// cannot export it).
+    pub fn through_nccl(device: Device, len: usize) -> Result<DeviceHeap> {
+        let base = crate::nccl::alloc(device, len)?;
+        Ok(DeviceHeap {
+            device,
+            base,
+            nccl: true,
+        })
     }
 
     /// The IPC handle of the heap, as 64 bytes.
@@ -193,6 +212,10 @@ impl DeviceHeap {
 
 impl Drop for DeviceHeap {
     fn drop(&mut self) {
+        if self.nccl {
+            crate::nccl::free(self.device, self.base);
+            return;
+        }
         // SAFETY: frees the allocation made in `new`; peers closed their
         // mappings of it before (finalize's order).
         let _ = on(self.device, "cuMemFree", || unsafe {
@@ -343,6 +366,19 @@ pub(crate) unsafe fn copy(
     on(device, "cuMemcpyAsync", || unsafe {
         sys::cuMemcpyAsync(dst, src, bytes, stream)
     })
+}
+
+/// Whether `stream` is capturing into a CUDA graph.
+///
+/// # Safety
+/// `stream` is a live stream of `device` (or null: the legacy stream).
+pub(crate) unsafe fn capturing(device: Device, stream: sys::CUstream) -> Result<bool> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's contract on `stream`; writes one status.
+    on(device, "cuStreamIsCapturing", || unsafe {
+        sys::cuStreamIsCapturing(stream, &mut status)
+    })?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 /// Ties `count` to the graph `stream` is capturing, if it is: one more

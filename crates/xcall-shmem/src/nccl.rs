@@ -19,11 +19,16 @@
 //! xcall needs NCCL 2.14 or newer: its communicators are non-blocking
 //! (`blocking = 0`), so every wait on NCCL polls with the world's timeout
 //! and a failed or silent peer aborts the communicator instead of hanging
-//! the process. NCCL 2.29 added host-initiated one-sided operations
-//! (`ncclPutSignal`, `ncclWaitSignal` on registered windows); whether the
-//! loaded library has them is reported ([`Library::one_sided`]); xcall's
-//! NCCL transport uses two-sided `ncclSend`/`ncclRecv` groups on every
-//! version (see `World::exchange`).
+//! the process. Data moves with two-sided `ncclSend`/`ncclRecv` groups on
+//! every version (see `World::exchange`).
+//!
+//! NCCL 2.29 added host-initiated one-sided operations: memory windows
+//! (`ncclCommWindowRegister` over memory from `ncclMemAlloc`) and
+//! `ncclPutSignal`, whose writes to one peer land in the order they were
+//! issued. When the loaded NCCL has them ([`Library::one_sided`]) and can
+//! run them on a world's communicator, the world's heap is NCCL's memory,
+//! registered as one window, and `World::put` and `World::put_signal` reach
+//! a PE through NCCL with no call on its side (see `World::init`).
 //!
 //! NVLink SHARP stays off: before its first communicator xcall sets
 //! `NCCL_NVLS_ENABLE=0` unless the caller set it (a multicast object can
@@ -62,6 +67,8 @@ const UINT8: c_int = 1;
 const UNDEF_INT: c_int = c_int::MIN;
 
 type RawComm = *mut c_void;
+/// `ncclWindow_t`.
+type RawWindow = *mut c_void;
 
 /// `ncclUniqueId`: passed by value.
 #[repr(C)]
@@ -135,13 +142,54 @@ type Send =
     unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult;
 type Recv =
     unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult;
+type MemAlloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> NcclResult;
+type MemFree = unsafe extern "C" fn(*mut c_void) -> NcclResult;
+type WindowRegister =
+    unsafe extern "C" fn(RawComm, *mut c_void, usize, *mut RawWindow, c_int) -> NcclResult;
+type WindowDeregister = unsafe extern "C" fn(RawComm, RawWindow) -> NcclResult;
+type PutSignal = unsafe extern "C" fn(
+    *const c_void,
+    usize,
+    c_int,
+    c_int,
+    RawWindow,
+    usize,
+    c_int,
+    c_int,
+    u32,
+    RawComm,
+    *mut c_void,
+) -> NcclResult;
+type Signal = unsafe extern "C" fn(c_int, c_int, c_int, u32, RawComm, *mut c_void) -> NcclResult;
+
+/// The entry points of NCCL's host-initiated one-sided operations (NCCL
+/// 2.29 and newer), present together or not at all.
+#[derive(Clone, Copy)]
+struct OneSided {
+    mem_alloc: MemAlloc,
+    mem_free: MemFree,
+    register: WindowRegister,
+    deregister: WindowDeregister,
+    put_signal: PutSignal,
+    signal: Signal,
+}
+
+/// The symbols [`OneSided`] takes, in its order.
+const ONE_SIDED_SYMBOLS: [&str; 6] = [
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+    "ncclPutSignal",
+    "ncclSignal",
+];
 
 /// A loaded NCCL: where it was found, its version, and the entry points
 /// xcall calls.
 pub struct Library {
     path: PathBuf,
     version: Version,
-    one_sided: bool,
+    one_sided: Option<OneSided>,
     get_unique_id: GetUniqueId,
     init_rank_config: InitRankConfig,
     async_error: AsyncError,
@@ -163,7 +211,7 @@ impl std::fmt::Debug for Library {
         f.debug_struct("Library")
             .field("path", &self.path)
             .field("version", &self.version)
-            .field("one_sided", &self.one_sided)
+            .field("one_sided", &self.one_sided.is_some())
             .finish()
     }
 }
@@ -206,12 +254,17 @@ impl Library {
         // SAFETY: writes one int.
         let r = unsafe { get_version(&mut code) };
         let version = usable_version(r, code)?;
-        let one_sided = ["ncclCommWindowRegister", "ncclPutSignal", "ncclWaitSignal"]
-            .iter()
-            .all(|name| {
-                // SAFETY: only looks the symbol up; it is never called.
-                unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_ok()
-            });
+        let [alloc, free, reg, dereg, put, signal] = ONE_SIDED_SYMBOLS;
+        let one_sided = (|| {
+            Some(OneSided {
+                mem_alloc: sym(&lib, alloc).ok()?,
+                mem_free: sym(&lib, free).ok()?,
+                register: sym(&lib, reg).ok()?,
+                deregister: sym(&lib, dereg).ok()?,
+                put_signal: sym(&lib, put).ok()?,
+                signal: sym(&lib, signal).ok()?,
+            })
+        })();
         let path = file_of(get_version as *const c_void).unwrap_or_else(|| path.to_path_buf());
         Ok(Library {
             path,
@@ -244,10 +297,20 @@ impl Library {
     }
 
     /// Whether it has NCCL's host-initiated one-sided operations
-    /// (`ncclCommWindowRegister`, `ncclPutSignal`, `ncclWaitSignal`: NCCL
-    /// 2.29 and newer).
+    /// (`ncclMemAlloc`, `ncclCommWindowRegister`, `ncclPutSignal`,
+    /// `ncclSignal`: NCCL 2.29 and newer).
     pub fn one_sided(&self) -> bool {
-        self.one_sided
+        self.one_sided.is_some()
+    }
+
+    fn one_sided_calls(&self) -> Result<OneSided> {
+        self.one_sided.ok_or_else(|| {
+            ShmemError::Unsupported(format!(
+                "NCCL {} at {} has no one-sided operations (NCCL 2.29 and newer have them)",
+                self.version,
+                self.path.display()
+            ))
+        })
     }
 
     fn describe(&self, r: NcclResult, comm: RawComm) -> String {
@@ -416,6 +479,77 @@ pub fn unique_id(device: Device) -> Result<Vec<u8>> {
     Ok(id.internal.to_vec())
 }
 
+/// `ncclWindow_t` flags of a world's window: `NCCL_WIN_COLL_SYMMETRIC`
+/// (every rank's heap has the same size and layout) and
+/// `NCCL_WIN_STRICT_ORDERING` (over InfiniBand too, writes to a window land
+/// in the order issued: a signal word after its data).
+const WINDOW_FLAGS: c_int = 0x01 | 0x02;
+
+/// `len` bytes of device memory on `device` from `ncclMemAlloc`: memory NCCL
+/// can register as a window (and every GPU with peer access to `device`
+/// may access). Freed with [`free`].
+pub(crate) fn alloc(device: Device, len: usize) -> Result<u64> {
+    let lib = library()?;
+    let calls = lib.one_sided_calls()?;
+    let _ctx = ContextGuard::primary(device)?;
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: writes one pointer; NCCL allocates on the current device,
+    // which the guard made `device`.
+    let r = unsafe { (calls.mem_alloc)(&mut p, len) };
+    if r != SUCCESS || p.is_null() {
+        return Err(lib
+            .error("ncclMemAlloc", r, std::ptr::null_mut())
+            .context(format!("symmetric heap of {len} bytes")));
+    }
+    Ok(p as u64)
+}
+
+/// Frees memory from [`alloc`].
+pub(crate) fn free(device: Device, base: u64) {
+    let Ok(lib) = library() else { return };
+    let Ok(calls) = lib.one_sided_calls() else {
+        return;
+    };
+    let ctx = ContextGuard::primary(device);
+    // SAFETY: memory from `alloc`, freed once (its owner is dropped).
+    let r = unsafe { (calls.mem_free)(base as *mut c_void) };
+    drop(ctx);
+    if r != SUCCESS {
+        tracing::warn!(device = %device, result = r, "ncclMemFree failed");
+    }
+}
+
+/// Whether NCCL runs one-sided operations among the ranks of a world: a
+/// communicator of its own (unique id `id`) is made for the question and
+/// aborted after it. Collective, like [`Comm::init`].
+pub fn one_sided_works(
+    device: Device,
+    id: &[u8],
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    healthy: &dyn Fn() -> Result<()>,
+) -> Result<bool> {
+    let stream = crate::cuda::Stream::new(device)?;
+    let buffer = crate::cuda::DeviceHeap::through_nccl(device, PROBE_BYTES)?;
+    let mut comm = Comm::init(device, id, rank, size, timeout, healthy)?;
+    // NCCL sets up its one-sided operations with a communicator's first
+    // window.
+    let works = if comm.register_window(buffer.base, PROBE_BYTES, timeout, healthy)? {
+        comm.signals_itself(&stream, timeout)
+    } else {
+        drop(comm);
+        Ok(false)
+    };
+    // The communicator (aborted either way) went before its window's
+    // memory.
+    drop(buffer);
+    works
+}
+
+/// Bytes of the window of [`one_sided_works`]'s communicator.
+const PROBE_BYTES: usize = 2 << 20;
+
 /// One segment of a grouped transfer: `bytes` at `address` (device
 /// memory of the communicator's device), to or from `peer`.
 #[derive(Clone, Copy, Debug)]
@@ -440,6 +574,9 @@ pub struct Comm {
     /// CUDA graphs alive that captured this communicator's work (see
     /// [`Comm::graphs`]).
     graphs: Arc<AtomicUsize>,
+    /// The window over the world's heap ([`Comm::register_window`]), or
+    /// null.
+    window: RawWindow,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a
@@ -501,6 +638,7 @@ impl Comm {
             device,
             rank,
             graphs: Arc::default(),
+            window: std::ptr::null_mut(),
         };
         if res != SUCCESS && res != IN_PROGRESS {
             return Err(lib.error("ncclCommInitRankConfig", res, raw));
@@ -616,9 +754,149 @@ impl Comm {
         self.wait("ncclGroupEnd", timeout, healthy)
     }
 
+    /// Registers `[base, base + len)` (memory from [`alloc`]) as the
+    /// communicator's window, collectively: every rank registers its heap.
+    /// Returns whether NCCL made one (it makes none, successfully, where
+    /// the communicator has no symmetric-memory support).
+    pub fn register_window(
+        &mut self,
+        base: u64,
+        len: usize,
+        timeout: Duration,
+        healthy: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        let calls = self.lib.one_sided_calls()?;
+        // NCCL writes the handle when the registration completes, which on
+        // a non-blocking communicator may be after the call returns: into
+        // memory that outlives a wait that gives up.
+        let out: &'static mut RawWindow = Box::leak(Box::new(std::ptr::null_mut()));
+        let ctx = ContextGuard::primary(self.device)?;
+        // SAFETY: a live communicator; `base` is `len` bytes of NCCL's
+        // memory; `out` stays valid for ever (reclaimed below once the
+        // registration completed).
+        let r = unsafe {
+            (calls.register)(self.raw, base as *mut c_void, len, &mut *out, WINDOW_FLAGS)
+        };
+        drop(ctx);
+        if r != SUCCESS && r != IN_PROGRESS {
+            return Err(self.lib.error("ncclCommWindowRegister", r, self.raw));
+        }
+        self.wait("ncclCommWindowRegister", timeout, healthy)?;
+        // SAFETY: the registration completed: NCCL no longer writes `out`.
+        let out = unsafe { Box::from_raw(out as *mut RawWindow) };
+        self.window = *out;
+        Ok(!self.window.is_null())
+    }
+
+    /// Writes, one-sided, each `(src, offset, bytes)` of `puts` at `offset`
+    /// of `peer`'s window, as one NCCL group on `stream`: the writes land
+    /// in the order given (NCCL orders operations to one peer); returns
+    /// once NCCL has enqueued them.
+    ///
+    /// # Safety
+    /// Every `src` readable for its bytes until the stream has run the
+    /// puts; every `[offset, offset + bytes)` inside the window; `stream` a
+    /// live stream of the communicator's device.
+    pub unsafe fn put(
+        &self,
+        peer: usize,
+        puts: &[(u64, usize, usize)],
+        stream: *mut c_void,
+        timeout: Duration,
+        healthy: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let lib = self.lib;
+        let calls = lib.one_sided_calls()?;
+        if self.window.is_null() {
+            return Err(ShmemError::State(format!(
+                "rank {}: this communicator has no window to put into",
+                self.rank
+            )));
+        }
+        let ctx = ContextGuard::primary(self.device)?;
+        // SAFETY: no arguments.
+        let r = unsafe { (lib.group_start)() };
+        if r != SUCCESS {
+            return Err(lib.error("ncclGroupStart", r, self.raw));
+        }
+        let mut first: Option<ShmemError> = None;
+        for &(src, offset, bytes) in puts {
+            // SAFETY: the caller's contract; `peer` is below the size
+            // (checked by the world); signal index, context and flags 0.
+            let r = unsafe {
+                (calls.put_signal)(
+                    src as *const c_void,
+                    bytes,
+                    UINT8,
+                    peer as c_int,
+                    self.window,
+                    offset,
+                    0,
+                    0,
+                    0,
+                    self.raw,
+                    stream,
+                )
+            };
+            if r != SUCCESS && r != IN_PROGRESS {
+                first.get_or_insert_with(|| lib.error("ncclPutSignal", r, self.raw));
+            }
+        }
+        // A group started is always ended, also after a failed call in it.
+        // SAFETY: no arguments.
+        let r = unsafe { (lib.group_end)() };
+        drop(ctx);
+        if let Some(e) = first {
+            return Err(e);
+        }
+        if r != SUCCESS && r != IN_PROGRESS {
+            return Err(lib.error("ncclGroupEnd", r, self.raw));
+        }
+        self.wait("ncclPutSignal", timeout, healthy)
+    }
+
+    /// Whether NCCL runs host-initiated one-sided operations on this
+    /// communicator: a signal to itself, run to completion on `stream`.
+    /// NCCL refuses them on communicators whose ranks it cannot reach that
+    /// way (and then fails the communicator): call it on a communicator
+    /// made for the question.
+    fn signals_itself(self, stream: &crate::cuda::Stream, timeout: Duration) -> Result<bool> {
+        let calls = self.lib.one_sided_calls()?;
+        let ctx = ContextGuard::primary(self.device)?;
+        // SAFETY: a live communicator and stream of its device; signal
+        // index, context and flags 0.
+        let r = unsafe { (calls.signal)(self.rank as c_int, 0, 0, 0, self.raw, stream.raw.cast()) };
+        drop(ctx);
+        if r != SUCCESS && r != IN_PROGRESS {
+            tracing::debug!(
+                rank = self.rank,
+                error = %self.lib.describe(r, self.raw),
+                "NCCL runs no one-sided operations on this world's communicator"
+            );
+            return Ok(false);
+        }
+        let ran = self
+            .wait("ncclSignal", timeout, &|| Ok(()))
+            .and_then(|_| stream.sync());
+        Ok(ran.is_ok())
+    }
+
     /// Finalizes and destroys the communicator (collective: NCCL flushes
     /// what is in flight); aborts it instead when that fails.
     pub fn finalize(self, timeout: Duration, healthy: &dyn Fn() -> Result<()>) -> Result<()> {
+        if !self.window.is_null() {
+            let calls = self.lib.one_sided_calls()?;
+            let ctx = ContextGuard::primary(self.device)?;
+            // SAFETY: the window this communicator registered, released
+            // once (finalize consumes the communicator); nothing is in
+            // flight (the world's quiet came first).
+            let r = unsafe { (calls.deregister)(self.raw, self.window) };
+            drop(ctx);
+            if r != SUCCESS && r != IN_PROGRESS {
+                return Err(self.lib.error("ncclCommWindowDeregister", r, self.raw));
+            }
+            self.wait("ncclCommWindowDeregister", timeout, healthy)?;
+        }
         let ctx = ContextGuard::primary(self.device)?;
         // SAFETY: a live communicator.
         let r = unsafe { (self.lib.finalize)(self.raw) };

@@ -20,7 +20,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 use xcall_core::testing::{cuda_devices_or_skip, cuda_required, run_threads, skip, watchdog};
 use xcall_core::{Device, Status};
-use xcall_shmem::{Config, Incoming, Outgoing, Pairs, Transport, World};
+use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, SignalOp, Transport, World};
 
 mod common;
 
@@ -136,8 +136,11 @@ fn check(w: &mut World, rank: usize, n: usize, round: usize, max: usize, recv: u
 /// Rounds of all-to-all exchanges, blocking and on a stream of the
 /// caller's, every pair through NCCL.
 fn rounds(w: &mut World, rank: usize, n: usize) {
+    let t = w.transport(rank).unwrap();
     for pe in 0..n {
-        assert_eq!(w.transport(pe).unwrap(), Transport::Nccl);
+        // One kind for every pair: NCCL, with one-sided puts or without.
+        assert_eq!(w.transport(pe).unwrap(), t);
+        assert!(t.is_nccl(), "{t:?}");
     }
     let max = 300_000;
     let bufs = (w.malloc(n * max).unwrap(), w.malloc(n * max).unwrap());
@@ -146,9 +149,16 @@ fn rounds(w: &mut World, rank: usize, n: usize) {
     if n > 1 {
         let peer = (rank + 1) % n;
         assert_eq!(w.ptr(peer, bufs.1), None);
-        let x = [1u8; 8];
+        let mut x = [1u8; 8];
+        // Without one-sided puts, a put is refused; a get always is.
+        if t == Transport::Nccl {
+            // SAFETY: `x` has 8 bytes.
+            let e = unsafe { w.put(bufs.1, x.as_ptr() as u64, 8, peer) }.unwrap_err();
+            assert_eq!(e.status(), Status::Unsupported, "{e}");
+            assert!(e.to_string().contains("World::exchange"), "{e}");
+        }
         // SAFETY: `x` has 8 bytes.
-        let e = unsafe { w.put(bufs.1, x.as_ptr() as u64, 8, peer) }.unwrap_err();
+        let e = unsafe { w.get(x.as_mut_ptr() as u64, bufs.1, 8, peer) }.unwrap_err();
         assert_eq!(e.status(), Status::Unsupported, "{e}");
         assert!(e.to_string().contains("World::exchange"), "{e}");
     }
@@ -172,6 +182,136 @@ fn rounds(w: &mut World, rank: usize, n: usize) {
     }
     w.free(bufs.1).unwrap();
     w.free(bufs.0).unwrap();
+}
+
+/// One-sided puts through NCCL (a world whose pairs report
+/// `NcclOneSided`): every PE puts a segment to every other PE with no call
+/// on the receiving side, the segment to the right neighbour in two pieces
+/// (a put, then a put_signal: NCCL lands them in order), each followed by
+/// a signal word set to the round's value, blocking and on a stream of the
+/// caller's. The receiver waits for each word and checks the data. A
+/// signal add, a destination outside the heap or past its object, an
+/// unaligned signal word and a put on a stream capturing a graph are
+/// refused, and nothing lands (the spare object stays poisoned).
+fn one_sided_puts(w: &mut World, rank: usize, n: usize) {
+    for pe in (0..n).filter(|&pe| pe != rank) {
+        assert_eq!(w.transport(pe).unwrap(), Transport::NcclOneSided);
+    }
+    let max = 300_000;
+    let (send, recv) = (w.malloc(n * max).unwrap(), w.malloc(n * max).unwrap());
+    let (sigs, spare) = (w.malloc(8 * n).unwrap(), w.malloc(4096).unwrap());
+    write_own(w, spare, &[0xa5; 4096]);
+    w.barrier_all().unwrap();
+    let right = (rank + 1) % n;
+    let src = send + (right * max) as u64;
+    let ctx = CudaContext::new(w.device_of(rank).unwrap().ordinal as usize).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let raw: *mut c_void = s.cu_stream().cast();
+    let refused = |e: xcall_shmem::Result<()>, status: Status, what: &str| {
+        let e = e.unwrap_err();
+        assert_eq!(e.status(), status, "{what}: {e}");
+    };
+    // SAFETY: the source lies in this PE's heap objects.
+    let e = unsafe { w.put_signal(spare, src, 64, spare + 64, 1, SignalOp::Add, right) };
+    refused(e, Status::Unsupported, "a signal add");
+    // SAFETY: the source lies in this PE's heap objects.
+    let e = unsafe { w.put_signal(spare, src, 64, spare + 4, 1, SignalOp::Set, right) };
+    refused(e, Status::InvalidArgument, "an unaligned signal");
+    // SAFETY: the source lies in this PE's heap objects.
+    let e = unsafe { w.put(spare + 4000, src, 200, right) };
+    refused(e, Status::InvalidArgument, "past the object");
+    // SAFETY: the source lies in this PE's heap objects.
+    let e = unsafe { w.put(0x1000, src, 8, right) };
+    refused(e, Status::InvalidArgument, "outside the heap");
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    // SAFETY: the source lies in this PE's heap objects.
+    let e = unsafe { w.put_signal_nbi(spare, src, 64, spare + 64, 1, SignalOp::Set, right, raw) };
+    refused(e, Status::Unsupported, "a captured put_signal");
+    // SAFETY: the source lies in this PE's heap objects.
+    let e = unsafe { w.put_nbi(spare, src, 64, right, raw) };
+    refused(e, Status::Unsupported, "a captured put");
+    // Nothing was captured.
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut nodes = 0usize;
+    // SAFETY: the stream's capture ends into `graph`, which is counted and
+    // destroyed here.
+    unsafe {
+        let ok = sys::CUresult::CUDA_SUCCESS;
+        assert_eq!(sys::cuStreamEndCapture(s.cu_stream(), &mut graph), ok);
+        assert_eq!(
+            sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes),
+            ok
+        );
+        assert_eq!(sys::cuGraphDestroy(graph), ok);
+    }
+    assert_eq!(nodes, 0, "the refused puts left work in the graph");
+    for round in 0..6 {
+        prepare(w, rank, n, round, max, (send, recv));
+        write_own(w, sigs, &vec![0; 8 * n]);
+        // Nobody puts before every receiver poisoned its slots.
+        w.barrier_all().unwrap();
+        let value = 1000 + round as u64;
+        for q in (0..n).filter(|&q| q != rank) {
+            let bytes = common::segment_bytes(rank, q, round, max);
+            let (src, dest) = (send + (q * max) as u64, recv + (rank * max) as u64);
+            let sig = sigs + 8 * rank as u64;
+            let head = if q == right { bytes / 2 } else { 0 };
+            let tail = (src + head as u64, dest + head as u64, bytes - head);
+            // SAFETY: the sources lie in this PE's `send` object, live and
+            // unchanged until the round's barrier (after the stream sync).
+            unsafe {
+                match round % 2 {
+                    0 => {
+                        if head > 0 {
+                            w.put(dest, src, head, q).unwrap();
+                        }
+                        w.put_signal(tail.1, tail.0, tail.2, sig, value, SignalOp::Set, q)
+                    }
+                    _ => {
+                        if head > 0 {
+                            w.put_nbi(dest, src, head, q, raw).unwrap();
+                        }
+                        w.put_signal_nbi(tail.1, tail.0, tail.2, sig, value, SignalOp::Set, q, raw)
+                    }
+                }
+            }
+            .unwrap();
+        }
+        // The receivers wait for the words, not for this stream.
+        for q in (0..n).filter(|&q| q != rank) {
+            let seen = w.wait_until(sigs + 8 * q as u64, Cmp::Eq, value).unwrap();
+            assert_eq!(seen, value);
+        }
+        let got = read_own(w, recv, n * max);
+        for q in 0..n {
+            // Nobody puts into this PE's own slot.
+            let bytes = if q == rank {
+                0
+            } else {
+                common::segment_bytes(q, rank, round, max)
+            };
+            let want = common::segment_data(5, q, rank, round, bytes);
+            let slot = &got[q * max..(q + 1) * max];
+            assert!(
+                slot[..bytes] == want,
+                "rank {rank}, round {round}: PE {q}'s segment"
+            );
+            assert!(
+                slot[bytes..].iter().all(|&b| b == 0xa5),
+                "rank {rank}, round {round}: bytes past PE {q}'s segment were written"
+            );
+        }
+        s.synchronize().unwrap();
+        w.barrier_all().unwrap();
+    }
+    assert!(
+        read_own(w, spare, 4096).iter().all(|&b| b == 0xa5),
+        "rank {rank}: a refused put wrote"
+    );
+    for o in [spare, sigs, recv, send] {
+        w.free(o).unwrap();
+    }
 }
 
 #[test]
@@ -285,7 +425,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
             started.elapsed()
         );
         // Nothing changed: the world is live and still exchanges.
-        assert_eq!(w.transport(0).unwrap(), Transport::Nccl);
+        assert!(w.transport(0).unwrap().is_nccl());
         drop(captured_self_exchange(&mut w, bufs, max, &stream));
         drop(graph);
         w.free(bufs.1).unwrap();
@@ -328,14 +468,85 @@ fn every_gpu_one_process_through_nccl() {
     });
 }
 
+/// Set to 1 where the loaded NCCL must run one-sided puts among the
+/// machine's GPUs (NCCL 2.29 or newer, GPUs with peer access): a world
+/// that falls back to two-sided NCCL then fails the test instead of
+/// skipping it.
+const REQUIRE_ONE_SIDED: &str = "XCALL_REQUIRE_NCCL_ONE_SIDED";
+
+/// Whether the world's pairs have one-sided puts; else a SKIP line (a
+/// failure under [`REQUIRE_ONE_SIDED`]) and `false`.
+fn one_sided_or_skip(test: &str, w: &World, rank: usize) -> bool {
+    let peer = (rank + 1) % w.size().unwrap();
+    if w.transport(peer).unwrap() == Transport::NcclOneSided {
+        return true;
+    }
+    let lib = xcall_shmem::nccl::library().unwrap();
+    let why = match lib.one_sided() {
+        false => format!(
+            "NCCL {} has no one-sided operations (2.29 and newer)",
+            lib.version()
+        ),
+        true => format!(
+            "NCCL {} runs no one-sided operations among these GPUs",
+            lib.version()
+        ),
+    };
+    if xcall_core::testing::required(REQUIRE_ONE_SIDED) {
+        panic!("{test}: {REQUIRE_ONE_SIDED}=1 but {why}");
+    }
+    if rank == 0 {
+        skip(test, &why);
+    }
+    false
+}
+
+/// Every GPU in one process (a thread each), every pair through NCCL: one-
+/// sided puts where the loaded NCCL runs them, then exchanges on the same
+/// world.
+#[test]
+fn one_sided_puts_through_nccl_on_every_gpu() {
+    let _s = serial();
+    let test = "shmem nccl one-sided";
+    let Some(n) = gpus_with_nccl(test, 2) else {
+        return;
+    };
+    run_threads("nccl one-sided", n, watchdog(), move |rank| {
+        let mut w = World::new();
+        w.init(&config(Config::in_process(
+            "nccl-one-sided",
+            rank,
+            n,
+            Device::cuda(rank as u32),
+        )))
+        .unwrap();
+        if one_sided_or_skip(test, &w, rank) {
+            one_sided_puts(&mut w, rank, n);
+        }
+        rounds(&mut w, rank, n);
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
+}
+
+/// A process of the test, on NCCL's network path unless `nvlink`.
+fn spawn_on(
+    test: &str,
+    role: &str,
+    (rank, size): (usize, usize),
+    address: &str,
+    nvlink: bool,
+) -> Child {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(PE_ENV, format!("{role}:{rank}:{size}:{address}"));
+    if !nvlink {
+        c.env("NCCL_P2P_DISABLE", "1").env("NCCL_SHM_DISABLE", "1");
+    }
+    c.spawn().unwrap()
+}
+
 fn spawn(test: &str, role: &str, rank: usize, size: usize, address: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads=1"])
-        .env(PE_ENV, format!("{role}:{rank}:{size}:{address}"))
-        .env("NCCL_P2P_DISABLE", "1")
-        .env("NCCL_SHM_DISABLE", "1")
-        .spawn()
-        .unwrap()
+    spawn_on(test, role, (rank, size), address, false)
 }
 
 /// Waits for the children under the watchdog; returns their success.
@@ -365,7 +576,17 @@ fn child(spec: &str) {
     w.init(&c).unwrap();
     match role {
         "rounds" => {
+            eprintln!(
+                "rank {rank}: pairs through {}",
+                w.transport(rank).unwrap().name()
+            );
             rounds(&mut w, rank, size);
+            assert!(w.finalize().unwrap().leaked.is_empty());
+        }
+        "puts" => {
+            if one_sided_or_skip("shmem nccl one-sided processes", &w, rank) {
+                one_sided_puts(&mut w, rank, size);
+            }
             assert!(w.finalize().unwrap().leaked.is_empty());
         }
         "graph" => graph_waits_for_a_peer_that_left(w, rank),
@@ -474,6 +695,16 @@ fn a_process_per_gpu_on_nccls_network_path() {
         .collect();
     assert_eq!(
         wait_all(&format!("{n} processes through NCCL"), children),
+        vec![true; n]
+    );
+    // One-sided puts between processes, over NVLink (NCCL's network path
+    // has none).
+    let address = free_address();
+    let children = (0..n)
+        .map(|r| spawn_on(test, "puts", (r, n), &address, true))
+        .collect();
+    assert_eq!(
+        wait_all(&format!("{n} processes putting through NCCL"), children),
         vec![true; n]
     );
     // Rank 1 dies after init: rank 0 fails with an error, never hangs.

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use xcall_graph::Outcome;
+use xcall_shmem::Transport;
 
 use super::data::Check;
 use super::verify::Checked;
@@ -76,6 +77,14 @@ fn check(v: &Value) -> Option<Checked> {
     })
 }
 
+/// The names of the transports that reach a PE on another host (a log's
+/// `remote`).
+const REMOTE: [&str; 3] = [
+    Transport::Nccl.name(),
+    Transport::NcclOneSided.name(),
+    Transport::Tcp.name(),
+];
+
 /// The log [`encode`] made, or `None` when `v` is not one.
 pub fn decode(v: &Value) -> Option<PeLog> {
     let steps = v["steps"]
@@ -117,11 +126,10 @@ pub fn decode(v: &Value) -> Option<PeLog> {
         memory,
         remote: match &v["remote"] {
             Value::Null => None,
-            r => Some(match r.as_str()? {
-                "nccl" => "nccl",
-                "tcp" => "tcp",
-                _ => return None,
-            }),
+            r => {
+                let name = r.as_str()?;
+                Some(*REMOTE.iter().find(|&&t| t == name)?)
+            }
         },
         graphs: v["graphs"]
             .as_array()?
@@ -226,6 +234,13 @@ mod tests {
                 Some("PE 1's log did not arrive whole"),
                 "{field}"
             );
+        }
+        // Every transport to another host's PE comes back by name.
+        for remote in ["nccl", "nccl_one_sided", "tcp"] {
+            let mut v = encode(&log);
+            v["remote"] = json!(remote);
+            let back = decode_all(&[serde_json::to_vec(&v).unwrap()]).unwrap();
+            assert_eq!(back[0].remote, Some(remote));
         }
         let e = decode_all(&[b"not json".to_vec()]).err();
         assert_eq!(e.as_deref(), Some("PE 0's log did not arrive whole"));

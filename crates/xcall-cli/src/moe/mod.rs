@@ -1065,7 +1065,7 @@ fn report(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
         if s.fused {
             "fused (permute writes the peers' slots, unpermute reads them)"
-        } else if remote == Some("nccl") {
+        } else if remote.is_some_and(|r| r.starts_with("nccl")) {
             "copy (whole slots, one World::exchange per phase, through NCCL)"
         } else if remote.is_some() {
             "copy (whole slots, one World::exchange per phase, through TCP)"

@@ -333,7 +333,7 @@ impl Pe {
         };
         for q in 0..p {
             let t = pe.world.transport(q).context("shmem transport")?;
-            if q != rank && matches!(t, Transport::Nccl | Transport::Tcp) {
+            if q != rank && (t.is_nccl() || t == Transport::Tcp) {
                 if shape.fused {
                     return Err(format!(
                         "--exchange fused needs every PE addressable, and PE {q} is reached through {}: use --exchange copy",

@@ -5,9 +5,20 @@ use super::*;
 
 /// Bytes reserved at offset 0 of every heap: `n` arrival words, the epoch
 /// word, the error word, `n` peer pointers, `n` exchange words (one per
-/// sender). `n` is at most [`MAX_PES`].
+/// sender), [`STAGED_WORDS`] staged signal values. `n` is at most
+/// [`MAX_PES`].
 pub(super) fn internal_bytes(n: usize) -> usize {
-    (8 * n + 16 + 8 * n + 8 * n).next_multiple_of(ALIGN)
+    (8 * n + 16 + 8 * n + 8 * n + 8 * STAGED_WORDS).next_multiple_of(ALIGN)
+}
+
+/// The words that hold the values of signal words put through NCCL
+/// ([`Live::stage_word`]), used in turn: a call's word is taken again
+/// [`STAGED_WORDS`] calls later.
+pub const STAGED_WORDS: usize = 64;
+
+/// Offset of staged signal value `slot` in a heap, in a world of `n` PEs.
+pub(super) fn staged_word(n: usize, slot: usize) -> u64 {
+    (24 * n + 16 + 8 * slot) as u64
 }
 
 /// Offset of the exchange word that counts PE `from`'s exchanges into a
@@ -60,6 +71,8 @@ pub(super) struct Live {
     pub(super) alloc: Allocator,
     pub(super) internal: usize,
     pub(super) seq: u64,
+    /// Signal values staged so far ([`Live::stage_word`]).
+    pub(super) staged: u64,
     pub(super) peers: Vec<Peer>,
     pub(super) stream: Option<crate::cuda::Stream>,
     // Dropped last, in this order (fields drop in declaration order).
@@ -80,6 +93,45 @@ pub(super) fn agree<T>(boot: &mut dyn Bootstrap, local: Result<T>) -> Result<T> 
         Some(r) => Err(ShmemError::decode(r, &all[r])),
         None => Ok(local),
     }
+}
+
+/// Refuses a signal word that is not 8-byte aligned.
+pub(super) fn aligned_signal(signal: u64) -> Result<()> {
+    if signal % 8 != 0 {
+        return Err(ShmemError::InvalidArgument(format!(
+            "signal {signal:#x} is not 8-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether every PE says `yes` (each its own).
+fn all_say(boot: &mut dyn Bootstrap, yes: bool) -> Result<bool> {
+    let all = boot.allgather(&[yes as u8])?;
+    Ok(all.iter().all(|a| a.as_slice() == [1]))
+}
+
+/// Whether this process's NCCL (when one loads) has one-sided operations.
+fn one_sided_nccl() -> bool {
+    crate::nccl::library().is_ok_and(|l| l.one_sided())
+}
+
+/// `make` (collective over the world's PEs) with a new NCCL unique id from
+/// rank 0, agreed on.
+fn nccl_comm<T>(
+    boot: &mut dyn Bootstrap,
+    c: &Config,
+    healthy: &dyn Fn() -> Result<()>,
+    make: impl FnOnce(Device, &[u8], usize, usize, Duration, &dyn Fn() -> Result<()>) -> Result<T>,
+) -> Result<T> {
+    let id = match c.rank {
+        0 => crate::nccl::unique_id(c.device),
+        _ => Ok(Vec::new()),
+    };
+    let id = agree(boot, id)?;
+    let id = boot.broadcast(0, &id)?;
+    let made = make(c.device, &id, c.rank, c.size, c.timeout, healthy);
+    agree(boot, made)
 }
 
 pub(super) fn fields(bytes: &[u8]) -> Vec<String> {
@@ -193,6 +245,13 @@ impl Live {
         // Some peer of another process maps this heap.
         let ipc = (0..c.size).any(|r| same_host(r) && !same_process(r) && !remote(r));
 
+        // One-sided puts through NCCL are tried when some pair takes NCCL,
+        // no pair maps the heap through IPC (NCCL's memory, which its
+        // windows need, has no IPC handle) and every PE's NCCL has them.
+        let nccl_pairs = (0..c.size).any(by_nccl);
+        let try_one_sided = nccl_pairs && !ipc && one_sided_nccl();
+        let try_one_sided = all_say(boot.as_mut(), try_one_sided)?;
+
         // 4. the state page of this host's PEs (its lowest rank makes it),
         // and the heap.
         let leader = (0..c.size).find(|&r| same_host(r)).unwrap_or(c.rank);
@@ -201,6 +260,9 @@ impl Live {
         let memory = match c.device.platform {
             Platform::Host if ipc => HostHeap::shared(&shm_name, len).map(Memory::Host),
             Platform::Host => HostHeap::private(len).map(Memory::Host),
+            Platform::Cuda if try_one_sided => {
+                crate::cuda::DeviceHeap::through_nccl(c.device, len).map(Memory::Cuda)
+            }
             Platform::Cuda => crate::cuda::DeviceHeap::new(c.device, len).map(Memory::Cuda),
         };
         let memory = Arc::new(agree(boot.as_mut(), memory)?);
@@ -229,22 +291,33 @@ impl Live {
             Platform::Host => Some(Transport::Tcp),
         };
         let peers = map_peers(&descs, &devices, c, len, &same_process, &remote_transport);
-        let peers = agree(boot.as_mut(), peers)?;
+        let mut peers = agree(boot.as_mut(), peers)?;
         // NCCL's communicator, when some pair takes it: rank 0's id
         // spread by the bootstrap.
-        let nccl = if (0..c.size).any(by_nccl) {
+        let nccl = if nccl_pairs {
             agree(boot.as_mut(), crate::nccl::library().map(|_| ()))?;
-            let id = match c.rank {
-                0 => crate::nccl::unique_id(c.device),
-                _ => Ok(Vec::new()),
-            };
-            let id = agree(boot.as_mut(), id)?;
-            let id = boot.broadcast(0, &id)?;
-            let comm = crate::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, &|| {
-                state.check()
-            });
-            let comm = agree(boot.as_mut(), comm)?;
+            let healthy = || state.check();
+            let mut comm = nccl_comm(boot.as_mut(), c, &healthy, crate::nccl::Comm::init)?;
             step("NCCL communicator up");
+            if try_one_sided {
+                // NCCL refuses one-sided operations among ranks it cannot
+                // reach that way (across hosts without its RMA support),
+                // failing the communicator that asked: a communicator of
+                // their own asks first. Then the heap becomes a window.
+                let works = nccl_comm(boot.as_mut(), c, &healthy, crate::nccl::one_sided_works)?;
+                let works = all_say(boot.as_mut(), works)?;
+                let windowed = match works {
+                    true => comm.register_window(base, len, c.timeout, &healthy),
+                    false => Ok(false),
+                };
+                let windowed = agree(boot.as_mut(), windowed)?;
+                if all_say(boot.as_mut(), windowed)? {
+                    for p in peers.iter_mut().filter(|p| p.transport == Transport::Nccl) {
+                        p.transport = Transport::NcclOneSided;
+                    }
+                }
+                step("NCCL one-sided operations asked for");
+            }
             Some(comm)
         } else {
             None
@@ -322,6 +395,7 @@ impl Live {
             alloc,
             internal: internal_bytes(c.size),
             seq: 0,
+            staged: 0,
             peers,
             stream,
             memory,
@@ -453,6 +527,31 @@ impl Live {
     /// live allocation of this PE's heap (allocations are symmetric), in a
     /// healthy world: the one gate every transfer and signal passes.
     pub(super) fn remote(&self, local: u64, bytes: usize, pe: usize, what: &str) -> Result<u64> {
+        let o = self.offset(local, bytes, pe, what, true)?;
+        Ok(self.peers[pe].base + o as u64)
+    }
+
+    /// The heap offset of `[local, local + bytes)`, checked as
+    /// [`Live::remote`] checks it, for a put into PE `pe`'s NCCL window.
+    pub(super) fn window_offset(
+        &self,
+        local: u64,
+        bytes: usize,
+        pe: usize,
+        what: &str,
+    ) -> Result<usize> {
+        self.offset(local, bytes, pe, what, false)
+    }
+
+    /// [`Live::remote`]'s checks, the peer's heap mapped when `mapped`.
+    fn offset(
+        &self,
+        local: u64,
+        bytes: usize,
+        pe: usize,
+        what: &str,
+        mapped: bool,
+    ) -> Result<usize> {
         self.state.check()?;
         self.check_pe(pe)?;
         let offset = local.checked_sub(self.base).map(|o| o as usize);
@@ -465,14 +564,19 @@ impl Live {
                 self.rank
             ))),
         };
-        if matches!(self.peers[pe].map, PeerMap::Unmapped) {
-            return Err(ShmemError::Unsupported(format!(
-                "{what}: PE {pe} is reached through {} (two-sided): move data to it with World::exchange",
-                match self.peers[pe].transport {
-                    Transport::Tcp => "TCP",
-                    _ => "NCCL",
-                }
-            )));
+        if mapped && matches!(self.peers[pe].map, PeerMap::Unmapped) {
+            return Err(ShmemError::Unsupported(match self.peers[pe].transport {
+                Transport::NcclOneSided => format!(
+                    "{what}: PE {pe} is reached through NCCL, whose one-sided operations are puts: move data from it with World::exchange"
+                ),
+                t => format!(
+                    "{what}: PE {pe} is reached through {} (two-sided): move data to it with World::exchange",
+                    match t {
+                        Transport::Tcp => "TCP",
+                        _ => "NCCL",
+                    }
+                ),
+            }));
         }
         // Allocations are symmetric: a block live here is live on every PE.
         if self.alloc.containing(o, bytes).is_none() {
@@ -481,15 +585,89 @@ impl Live {
                 self.rank
             )));
         }
-        Ok(self.peers[pe].base + o as u64)
+        Ok(o)
+    }
+
+    /// Whether puts reach PE `pe` through NCCL's one-sided operations.
+    pub(super) fn puts_through_nccl(&self, pe: usize) -> bool {
+        self.peers.get(pe).is_some_and(|p| {
+            p.transport == Transport::NcclOneSided && matches!(p.map, PeerMap::Unmapped)
+        })
+    }
+
+    /// The world's NCCL communicator, unless a failure aborted it.
+    pub(super) fn comm(&self) -> Result<&crate::nccl::Comm> {
+        self.nccl.as_ref().ok_or_else(|| {
+            ShmemError::State(
+                "the world's NCCL communicator was aborted after a failure; only finalize remains"
+                    .into(),
+            )
+        })
+    }
+
+    /// Refuses a put through NCCL on a stream that captures a CUDA graph:
+    /// NCCL's captured one-sided puts wait for their receiver's
+    /// `ncclWaitSignal`, a call xcall's receivers never make (they poll the
+    /// signal word), so a replay would wait for ever.
+    pub(super) fn refuse_captured_put(
+        &self,
+        pe: usize,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        // SAFETY: the caller's stream or this PE's own, live.
+        if unsafe { crate::cuda::capturing(self.device, self.stream_or(stream)) }? {
+            return Err(ShmemError::Unsupported(format!(
+                "a put to PE {pe}, which is reached through NCCL, on a stream capturing a CUDA graph: NCCL's captured one-sided puts need a call on the receiving side; capture World::exchange instead"
+            )));
+        }
+        Ok(())
+    }
+
+    /// One-sided puts to PE `pe` through NCCL, in order, on `stream`.
+    ///
+    /// # Safety
+    /// Every source readable for its bytes until the stream ran the puts;
+    /// every destination offset checked ([`Live::window_offset`]); the
+    /// stream not capturing ([`Live::refuse_captured_put`]).
+    pub(super) unsafe fn nccl_put(
+        &self,
+        pe: usize,
+        puts: &[(u64, usize, usize)],
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        let comm = self.comm()?;
+        let s = self.stream_or(stream);
+        let state = &self.state;
+        // SAFETY: the caller's contract; the stream is the caller's or
+        // this PE's own.
+        unsafe { comm.put(pe, puts, s.cast(), self.timeout, &|| state.check()) }
+    }
+
+    /// A word of this PE's internal region holding `value` once `stream`
+    /// gets there: the source of a signal word put through NCCL. One of
+    /// [`STAGED_WORDS`] in turn.
+    pub(super) fn stage_word(
+        &mut self,
+        value: u64,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<u64> {
+        let slot = self.staged % STAGED_WORDS as u64;
+        self.staged = self.staged.wrapping_add(1);
+        let word = self.base + staged_word(self.size, slot as usize);
+        let k = crate::cuda::kernels(self.device)?;
+        let params = crate::cuda::SignalParams {
+            signal: word,
+            value,
+            op: SignalOp::Set as u64,
+        };
+        // SAFETY: xcall_shmem_signal takes SignalParams; `word` is an
+        // aligned word of this PE's internal region.
+        unsafe { crate::cuda::launch(self.device, &k.signal, 1, self.stream_or(stream), &params) }?;
+        Ok(word)
     }
 
     pub(super) fn signal_word(&self, signal: u64, pe: usize) -> Result<u64> {
-        if signal % 8 != 0 {
-            return Err(ShmemError::InvalidArgument(format!(
-                "signal {signal:#x} is not 8-byte aligned"
-            )));
-        }
+        aligned_signal(signal)?;
         self.remote(signal, 8, pe, "signal word")
     }
 
@@ -651,7 +829,7 @@ impl Live {
     ) -> Result<()> {
         self.state.check()?;
         let (me, n) = (self.rank, self.size);
-        let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Nccl;
+        let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport.is_nccl();
         let by_tcp = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Tcp;
         // Every segment is checked before anything moves.
         let (mut copies, mut sends, mut to) = (Vec::new(), Vec::new(), Vec::new());
@@ -715,12 +893,7 @@ impl Live {
             self.add_to_word(word, 1, stream)?;
         }
         if !sends.is_empty() || !recvs.is_empty() {
-            let comm = self.nccl.as_ref().ok_or_else(|| {
-                ShmemError::State(
-                    "the world's NCCL communicator was aborted after a failure; only finalize remains"
-                        .into(),
-                )
-            })?;
+            let comm = self.comm()?;
             let state = &self.state;
             // SAFETY: every receive lies in this PE's heap (checked) and
             // every send is the caller's contract; the stream is the

@@ -108,6 +108,12 @@ pub enum Transport {
     /// ([`Pairs::Nccl`]): not mapped; data moves with [`World::exchange`]
     /// (NCCL send/receive groups).
     Nccl,
+    /// As [`Transport::Nccl`], and the loaded NCCL runs one-sided puts on
+    /// the world's communicator (NCCL 2.29 and newer, the heap registered
+    /// as its window): [`World::put`] and [`World::put_signal`] (with
+    /// [`SignalOp::Set`]) reach the PE with no call on its side. Gets and
+    /// signal adds still need [`World::exchange`].
+    NcclOneSided,
     /// Host: a PE on another host, or any other PE when TCP is forced
     /// ([`Pairs::Tcp`]): not mapped; data moves with [`World::exchange`]
     /// over a TCP connection of the pair ([`crate::sockets`]).
@@ -115,13 +121,20 @@ pub enum Transport {
 }
 
 impl Transport {
+    /// Whether NCCL carries the pair ([`Transport::Nccl`] or
+    /// [`Transport::NcclOneSided`]).
+    pub fn is_nccl(self) -> bool {
+        matches!(self, Transport::Nccl | Transport::NcclOneSided)
+    }
+
     /// The transport's name in log lines (`cuda_ipc`).
-    pub fn name(self) -> &'static str {
+    pub const fn name(self) -> &'static str {
         match self {
             Transport::SameProcess => "same_process",
             Transport::HostSharedMemory => "host_shared_memory",
             Transport::CudaIpc => "cuda_ipc",
             Transport::Nccl => "nccl",
+            Transport::NcclOneSided => "nccl_one_sided",
             Transport::Tcp => "tcp",
         }
     }
@@ -390,6 +403,14 @@ impl World {
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
         let l = self.live_mut()?;
+        if l.puts_through_nccl(pe) && matches!(dir, Dir::Put) {
+            let offset = l.window_offset(symmetric, bytes, pe, "put destination")?;
+            l.refuse_captured_put(pe, stream)?;
+            // SAFETY: the destination was checked to lie in one live
+            // allocation of the peer's window, the stream does not
+            // capture; `local` is the caller's contract.
+            return unsafe { l.nccl_put(pe, &[(local, offset, bytes)], stream) };
+        }
         match dir {
             Dir::Put => {
                 let remote = l.remote(symmetric, bytes, pe, "put destination")?;
@@ -540,6 +561,12 @@ impl World {
         pe: usize,
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
+        if self.live()?.puts_through_nccl(pe) {
+            // SAFETY: the caller's contract.
+            return unsafe {
+                self.nccl_put_signal(dest, src, bytes, signal, value, op, pe, stream)
+            };
+        }
         let sig = self.live()?.signal_word(signal, pe)?;
         // SAFETY: the caller's contract.
         unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, stream) }?;
@@ -570,6 +597,40 @@ impl World {
                 unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &params) }
             }
         }
+    }
+
+    /// [`World::put_signal_on`] to a PE reached through NCCL's one-sided
+    /// puts: the data, then the signal word (its value staged in this PE's
+    /// internal region), as two puts NCCL lands in that order.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn nccl_put_signal(
+        &mut self,
+        dest: u64,
+        src: u64,
+        bytes: usize,
+        signal: u64,
+        value: u64,
+        op: SignalOp,
+        pe: usize,
+        stream: Option<*mut std::ffi::c_void>,
+    ) -> Result<()> {
+        let l = self.live_mut()?;
+        if op != SignalOp::Set {
+            return Err(ShmemError::Unsupported(format!(
+                "put_signal with {op:?} to PE {pe}, which is reached through NCCL: NCCL's one-sided puts cannot add to a word; signal with Set, or move data with World::exchange"
+            )));
+        }
+        live::aligned_signal(signal)?;
+        let sig = l.window_offset(signal, 8, pe, "signal word")?;
+        let offset = l.window_offset(dest, bytes, pe, "put destination")?;
+        l.refuse_captured_put(pe, stream)?;
+        let staged = l.stage_word(value, stream)?;
+        let puts = [(src, offset, bytes), (staged, sig, 8)];
+        // SAFETY: both destinations were checked to lie in live
+        // allocations of the peer's window, the stream does not capture;
+        // `src` is the caller's contract and `staged` is this PE's
+        // internal region.
+        unsafe { l.nccl_put(pe, &puts, stream) }
     }
 
     /// Moves data between PEs in one collective step, on every transport:
