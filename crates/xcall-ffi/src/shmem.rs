@@ -422,7 +422,9 @@ pub extern "C" fn xcall_shmem_ptr(
 /// A PE whose transport (`xcall_shmem_peer_transport`) is
 /// `XCALL_SHMEM_TRANSPORT_NCCL_ONE_SIDED` is written with NCCL's one-sided
 /// put (`src`: device memory; across hosts keep it in the symmetric heap,
-/// which NCCL has registered); a PE reached through NCCL without it, or
+/// which NCCL has registered), though not on a stream capturing a CUDA
+/// graph (`XCALL_STATUS_UNSUPPORTED`: NCCL's captured one-sided puts need a
+/// call on the receiving side); a PE reached through NCCL without it, or
 /// through TCP, takes data only through `xcall_shmem_exchange`:
 /// `XCALL_STATUS_UNSUPPORTED`.
 ///

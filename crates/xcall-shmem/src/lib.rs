@@ -29,10 +29,12 @@
 //! returns `None` for them and data moves with [`World::exchange`], a
 //! collective whose NCCL part is one send/receive group. [`HOST_ENV`]
 //! names a process's host, so one machine runs the path across hosts.
-//! Still planned:
-//! - one-sided `put`/`put_signal` across hosts on NCCL 2.29's windows
-//!   (`ncclPutSignal`, detected and reported, not used yet);
-//! - `barrier_on_stream` in a world with NCCL pairs.
+//! Where every PE's NCCL runs one-sided operations among the world's PEs
+//! (NCCL 2.29 and newer), the pairs report [`Transport::NcclOneSided`]:
+//! the heap is an NCCL window, and [`World::put`] and
+//! [`World::put_signal`] (with [`SignalOp::Set`]) reach those PEs with no
+//! call on their side. Still planned: `barrier_on_stream` in a world with
+//! NCCL pairs.
 
 #![deny(missing_docs)]
 

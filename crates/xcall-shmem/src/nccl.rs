@@ -754,7 +754,7 @@ impl Comm {
         self.wait("ncclGroupEnd", timeout, healthy)
     }
 
-    /// Registers `[base, base + len)` (memory from [`alloc`]) as the
+    /// Registers `[base, base + len)` (memory from `ncclMemAlloc`) as the
     /// communicator's window, collectively: every rank registers its heap.
     /// Returns whether NCCL made one (it makes none, successfully, where
     /// the communicator has no symmetric-memory support).

@@ -5,11 +5,15 @@
 //! NCCL_SHM_DISABLE=1`), a process that dies before its exchange (its peer
 //! fails within the timeout), and one that dies while its peer replays a
 //! graph of their exchange (the peer's world drops and the replay ends).
-//! Every receive buffer is poisoned first and every byte checked against
-//! data computed on the receiving side.
+//! Where the loaded NCCL runs one-sided operations (2.29 and newer), the
+//! pairs' puts and put_signals too, in one process and across processes
+//! over NVLink. Every receive buffer is poisoned first and every byte
+//! checked against data computed on the receiving side.
 //!
 //! Skips without a GPU or without NCCL unless XCALL_REQUIRE_CUDA=1; the
-//! two-GPU tests skip on a one-GPU machine with a SKIP line.
+//! two-GPU tests skip on a one-GPU machine with a SKIP line; the one-sided
+//! part skips with a SKIP line where the pairs fall back to two-sided NCCL
+//! unless XCALL_REQUIRE_NCCL_ONE_SIDED=1.
 
 use std::ffi::c_void;
 use std::process::{Child, Command};

@@ -14,7 +14,9 @@
 //!    other hosts are refused;
 //! 4. allocate the heap: Host, one process: anonymous memory; Host, some
 //!    peer in another process: POSIX shared memory; CUDA: `cuMemAlloc`
-//!    (plus an IPC handle when some peer is in another process);
+//!    (plus an IPC handle when some peer is in another process), or
+//!    `ncclMemAlloc` when NCCL pairs may take one-sided puts (no IPC pair,
+//!    and every PE's NCCL has them; see [`Transport::NcclOneSided`]);
 //! 5. map every peer: same process: its address as is (CUDA: after
 //!    enabling peer access; never IPC inside one process); other process:
 //!    `shm_open` + `mmap` / `cuIpcOpenMemHandle`;
