@@ -156,6 +156,13 @@ pub const VARIABLES: &[Variable] = &[
         "The JAX suite fails instead of skipping when JAX is missing.",
     ),
     var(
+        "XCALL_REQUIRE_NCCL_ONE_SIDED",
+        Kind::Flag,
+        "off",
+        "tests",
+        "The one-sided NCCL tests (`cuda_nccl`) fail instead of skipping when the world's NCCL pairs fall back to two-sided NCCL (an NCCL older than 2.29, or one that runs no one-sided operations among the machine's GPUs).",
+    ),
+    var(
         "XCALL_REQUIRE_NVRTC",
         Kind::Flag,
         "off",

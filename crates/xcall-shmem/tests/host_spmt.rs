@@ -343,10 +343,14 @@ fn lifecycle_errors_are_clear() {
     assert!(e.to_string().contains("already bound to rank 0"), "{e}");
     // Leaks are reported and freed.
     let a = w.malloc(100).unwrap();
-    let _b = w.malloc(300).unwrap();
+    let b = w.malloc(300).unwrap();
     w.free(a).unwrap();
+    // b lies right after a (100 bytes rounded up to the heap's 256-byte
+    // alignment); its 300 bytes take 512.
+    let leaked = (b - w.heap().unwrap().0) as usize;
+    assert_eq!(b, a + 256);
     let report = w.finalize().unwrap();
-    assert_eq!(report.leaked, vec![(512, 512)]);
+    assert_eq!(report.leaked, vec![(leaked, 512)]);
     assert!(w.malloc(8).unwrap_err().to_string().contains("finalized"));
     assert!(w.finalize().is_err());
     // Bad configs.

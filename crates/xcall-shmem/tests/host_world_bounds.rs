@@ -10,10 +10,10 @@ use xcall_shmem::{Cmp, Config, SignalOp, World};
 
 /// Bytes a world of `n` PEs reserves at offset 0 of its heap, computed here
 /// from the layout the crate documents: `n` arrival words, the epoch and
-/// error words, `n` peer pointers, `n` exchange words, rounded up to the
-/// 256-byte alignment.
+/// error words, `n` peer pointers, `n` exchange words, 64 staged signal
+/// values, rounded up to the 256-byte alignment.
 fn internal(n: usize) -> usize {
-    let words = n + 2 + n + n;
+    let words = n + 2 + n + n + 64;
     (words * 8).div_ceil(256) * 256
 }
 
