@@ -159,35 +159,7 @@ fn run(rank: usize, go: &Barrier) {
     w.barrier_all().unwrap();
     if rank == 0 {
         let peer_dst = w.ptr(1, dst).unwrap();
-        let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.cu_ctx())).unwrap();
-        let ctx0 = ctx.cu_ctx();
-        println!("| bytes | put us | put GB/s | cuMemcpyPeerAsync us | GB/s | put / ref |");
-        println!("|---|---|---|---|---|---|");
-        let mut bytes = 4096usize;
-        while bytes <= MAX {
-            let rounds = if bytes >= 256 << 20 { 10 } else { 30 };
-            let wp: *mut World = &mut w;
-            let t = interleaved_medians(
-                &ctx,
-                &stream,
-                rounds,
-                &mut [
-                    Box::new(|| {
-                        // SAFETY: `w` outlives the closure; only this
-                        // closure uses it while timing; src/dst live.
-                        unsafe { (*wp).put_nbi(dst, src, bytes, 1, raw.cast()) }.unwrap()
-                    }),
-                    Box::new(|| {
-                        // SAFETY: both ranges are live heap objects of `bytes`.
-                        unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
-                            .result()
-                            .unwrap()
-                    }),
-                ],
-            );
-            print_row(bytes, &t);
-            bytes *= 4;
-        }
+        put_rows(&mut w, (src, dst, peer_dst), &ctx, &stream);
     }
     w.barrier_all().unwrap();
     // barrier_on_stream latency: both PEs enqueue the same number of
@@ -372,43 +344,54 @@ fn one_sided_puts(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
 ) {
-    let raw = stream.cu_stream();
     if rank == 0 {
         println!("put_nbi from GPU 0 to GPU 1 through NCCL's one-sided puts; ref = cuMemcpyPeerAsync of the same bytes, same stream, same rounds");
-        println!("| bytes | put us | GB/s | cuMemcpyPeerAsync us | GB/s | put / ref |");
-        println!("|---|---|---|---|---|---|");
+        let peer_dst = PEER_DST.load(Ordering::Acquire);
+        put_rows(w, (src, dst, peer_dst), ctx, stream);
+        stream.synchronize().unwrap();
     }
-    let peer_dst = PEER_DST.load(Ordering::Acquire);
+    // PE 1 keeps its heap until PE 0 is done putting into it.
+    w.barrier_all().unwrap();
+}
+
+/// Rank 0's table of `World::put_nbi` to PE 1 (`src` to `dst`, whose
+/// address on GPU 1 is `peer_dst`) for 4 KiB .. 1 GiB, each size beside
+/// cuMemcpyPeerAsync of the same bytes in the same rounds.
+fn put_rows(
+    w: &mut World,
+    (src, dst, peer_dst): (u64, u64, u64),
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+) {
+    let raw = stream.cu_stream();
     let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.cu_ctx())).unwrap();
+    let ctx0 = ctx.cu_ctx();
+    println!("| bytes | put us | put GB/s | cuMemcpyPeerAsync us | GB/s | put / ref |");
+    println!("|---|---|---|---|---|---|");
     let mut bytes = 4096usize;
     while bytes <= MAX {
-        if rank == 0 {
-            let rounds = if bytes >= 256 << 20 { 10 } else { 30 };
-            let wp: *mut World = w;
-            let ctx0 = ctx.cu_ctx();
-            let t = interleaved_medians(
-                ctx,
-                stream,
-                rounds,
-                &mut [
-                    Box::new(|| {
-                        // SAFETY: `w` outlives the closure and only it uses
-                        // `w` while timing; `src` and `dst` are live.
-                        unsafe { (*wp).put_nbi(dst, src, bytes, 1, raw.cast()) }.unwrap()
-                    }),
-                    Box::new(|| {
-                        // SAFETY: live device ranges of `bytes` on GPU 0
-                        // and GPU 1 (rank 1's heap, mapped in this process).
-                        unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
-                            .result()
-                            .unwrap()
-                    }),
-                ],
-            );
-            print_row(bytes, &t);
-        }
-        stream.synchronize().unwrap();
-        w.barrier_all().unwrap();
+        let rounds = if bytes >= 256 << 20 { 10 } else { 30 };
+        let wp: *mut World = w;
+        let t = interleaved_medians(
+            ctx,
+            stream,
+            rounds,
+            &mut [
+                Box::new(|| {
+                    // SAFETY: `w` outlives the closure and only it uses `w`
+                    // while timing; `src` and `dst` are live objects.
+                    unsafe { (*wp).put_nbi(dst, src, bytes, 1, raw.cast()) }.unwrap()
+                }),
+                Box::new(|| {
+                    // SAFETY: live device ranges of `bytes` on GPU 0 and
+                    // GPU 1 (PE 1's heap, mapped in this process).
+                    unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
+                        .result()
+                        .unwrap()
+                }),
+            ],
+        );
+        print_row(bytes, &t);
         bytes *= 4;
     }
 }

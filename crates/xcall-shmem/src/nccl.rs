@@ -715,32 +715,51 @@ impl Comm {
         healthy: &dyn Fn() -> Result<()>,
     ) -> Result<()> {
         let lib = self.lib;
+        let posts = sends
+            .iter()
+            .map(|s| (true, s))
+            .chain(recvs.iter().map(|s| (false, s)));
+        let issue = || {
+            let mut first = None;
+            for (send, s) in posts {
+                let (address, peer) = (s.address as *mut c_void, s.peer as c_int);
+                // SAFETY: the caller's contract; `peer` is below the size
+                // (checked by the world).
+                let r = unsafe {
+                    match send {
+                        true => (lib.send)(address, s.bytes, UINT8, peer, self.raw, stream),
+                        false => (lib.recv)(address, s.bytes, UINT8, peer, self.raw, stream),
+                    }
+                };
+                if r != SUCCESS && r != IN_PROGRESS {
+                    let call = if send { "ncclSend" } else { "ncclRecv" };
+                    first.get_or_insert_with(|| lib.error(call, r, self.raw));
+                }
+            }
+            first
+        };
+        self.in_group("ncclGroupEnd", issue, timeout, healthy)
+    }
+
+    /// Runs `issue` (NCCL calls on this communicator, returning the first
+    /// that failed) inside one NCCL group, with the communicator's device
+    /// current, then waits up to `timeout` for NCCL to enqueue the group
+    /// (`what` names it in a timeout).
+    fn in_group(
+        &self,
+        what: &str,
+        issue: impl FnOnce() -> Option<ShmemError>,
+        timeout: Duration,
+        healthy: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let lib = self.lib;
         let ctx = ContextGuard::primary(self.device)?;
         // SAFETY: no arguments.
         let r = unsafe { (lib.group_start)() };
         if r != SUCCESS {
             return Err(lib.error("ncclGroupStart", r, self.raw));
         }
-        let mut first: Option<ShmemError> = None;
-        let posts = sends
-            .iter()
-            .map(|s| (true, s))
-            .chain(recvs.iter().map(|s| (false, s)));
-        for (send, s) in posts {
-            let (address, peer) = (s.address as *mut c_void, s.peer as c_int);
-            // SAFETY: the caller's contract; `peer` is below the size
-            // (checked by the world).
-            let r = unsafe {
-                match send {
-                    true => (lib.send)(address, s.bytes, UINT8, peer, self.raw, stream),
-                    false => (lib.recv)(address, s.bytes, UINT8, peer, self.raw, stream),
-                }
-            };
-            if r != SUCCESS && r != IN_PROGRESS {
-                let call = if send { "ncclSend" } else { "ncclRecv" };
-                first.get_or_insert_with(|| lib.error(call, r, self.raw));
-            }
-        }
+        let first = issue();
         // A group started is always ended, also after a failed call in it.
         // SAFETY: no arguments.
         let r = unsafe { (lib.group_end)() };
@@ -751,7 +770,7 @@ impl Comm {
         if r != SUCCESS && r != IN_PROGRESS {
             return Err(lib.error("ncclGroupEnd", r, self.raw));
         }
-        self.wait("ncclGroupEnd", timeout, healthy)
+        self.wait(what, timeout, healthy)
     }
 
     /// Registers `[base, base + len)` (memory from `ncclMemAlloc`) as the
@@ -813,46 +832,34 @@ impl Comm {
                 self.rank
             )));
         }
-        let ctx = ContextGuard::primary(self.device)?;
-        // SAFETY: no arguments.
-        let r = unsafe { (lib.group_start)() };
-        if r != SUCCESS {
-            return Err(lib.error("ncclGroupStart", r, self.raw));
-        }
-        let mut first: Option<ShmemError> = None;
-        for &(src, offset, bytes) in puts {
-            // SAFETY: the caller's contract; `peer` is below the size
-            // (checked by the world); signal index, context and flags 0.
-            let r = unsafe {
-                (calls.put_signal)(
-                    src as *const c_void,
-                    bytes,
-                    UINT8,
-                    peer as c_int,
-                    self.window,
-                    offset,
-                    0,
-                    0,
-                    0,
-                    self.raw,
-                    stream,
-                )
-            };
-            if r != SUCCESS && r != IN_PROGRESS {
-                first.get_or_insert_with(|| lib.error("ncclPutSignal", r, self.raw));
+        let issue = || {
+            let mut first = None;
+            for &(src, offset, bytes) in puts {
+                // SAFETY: the caller's contract; `peer` is below the size
+                // (checked by the world); signal index, context and flags
+                // 0.
+                let r = unsafe {
+                    (calls.put_signal)(
+                        src as *const c_void,
+                        bytes,
+                        UINT8,
+                        peer as c_int,
+                        self.window,
+                        offset,
+                        0,
+                        0,
+                        0,
+                        self.raw,
+                        stream,
+                    )
+                };
+                if r != SUCCESS && r != IN_PROGRESS {
+                    first.get_or_insert_with(|| lib.error("ncclPutSignal", r, self.raw));
+                }
             }
-        }
-        // A group started is always ended, also after a failed call in it.
-        // SAFETY: no arguments.
-        let r = unsafe { (lib.group_end)() };
-        drop(ctx);
-        if let Some(e) = first {
-            return Err(e);
-        }
-        if r != SUCCESS && r != IN_PROGRESS {
-            return Err(lib.error("ncclGroupEnd", r, self.raw));
-        }
-        self.wait("ncclPutSignal", timeout, healthy)
+            first
+        };
+        self.in_group("ncclPutSignal", issue, timeout, healthy)
     }
 
     /// Whether NCCL runs host-initiated one-sided operations on this

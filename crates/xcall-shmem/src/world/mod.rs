@@ -563,11 +563,26 @@ impl World {
         pe: usize,
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
-        if self.live()?.puts_through_nccl(pe) {
-            // SAFETY: the caller's contract.
-            return unsafe {
-                self.nccl_put_signal(dest, src, bytes, signal, value, op, pe, stream)
-            };
+        let l = self.live_mut()?;
+        if l.puts_through_nccl(pe) {
+            // The data, then the signal word (its value staged in this
+            // PE's internal region): two puts NCCL lands in that order.
+            if op != SignalOp::Set {
+                return Err(ShmemError::Unsupported(format!(
+                    "put_signal with {op:?} to PE {pe}, which is reached through NCCL: NCCL's one-sided puts cannot add to a word; signal with Set, or move data with World::exchange"
+                )));
+            }
+            live::aligned_signal(signal)?;
+            let sig = l.window_offset(signal, 8, pe, "signal word")?;
+            let offset = l.window_offset(dest, bytes, pe, "put destination")?;
+            l.refuse_captured_put(pe, stream)?;
+            let staged = l.stage_word(value, stream)?;
+            let puts = [(src, offset, bytes), (staged, sig, 8)];
+            // SAFETY: both destinations were checked to lie in live
+            // allocations of the peer's window, the stream does not
+            // capture; `src` is the caller's contract and `staged` is this
+            // PE's internal region.
+            return unsafe { l.nccl_put(pe, &puts, stream) };
         }
         let sig = self.live()?.signal_word(signal, pe)?;
         // SAFETY: the caller's contract.
@@ -599,40 +614,6 @@ impl World {
                 unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &params) }
             }
         }
-    }
-
-    /// [`World::put_signal_on`] to a PE reached through NCCL's one-sided
-    /// puts: the data, then the signal word (its value staged in this PE's
-    /// internal region), as two puts NCCL lands in that order.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn nccl_put_signal(
-        &mut self,
-        dest: u64,
-        src: u64,
-        bytes: usize,
-        signal: u64,
-        value: u64,
-        op: SignalOp,
-        pe: usize,
-        stream: Option<*mut std::ffi::c_void>,
-    ) -> Result<()> {
-        let l = self.live_mut()?;
-        if op != SignalOp::Set {
-            return Err(ShmemError::Unsupported(format!(
-                "put_signal with {op:?} to PE {pe}, which is reached through NCCL: NCCL's one-sided puts cannot add to a word; signal with Set, or move data with World::exchange"
-            )));
-        }
-        live::aligned_signal(signal)?;
-        let sig = l.window_offset(signal, 8, pe, "signal word")?;
-        let offset = l.window_offset(dest, bytes, pe, "put destination")?;
-        l.refuse_captured_put(pe, stream)?;
-        let staged = l.stage_word(value, stream)?;
-        let puts = [(src, offset, bytes), (staged, sig, 8)];
-        // SAFETY: both destinations were checked to lie in live
-        // allocations of the peer's window, the stream does not capture;
-        // `src` is the caller's contract and `staged` is this PE's
-        // internal region.
-        unsafe { l.nccl_put(pe, &puts, stream) }
     }
 
     /// Moves data between PEs in one collective step, on every transport:
