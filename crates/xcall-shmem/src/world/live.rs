@@ -1226,3 +1226,33 @@ fn map_peers(
     }
     Ok(peers)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The internal region's layout, word by word: `n` arrival words, the
+    /// epoch and error words, `n` peer pointers, `n` exchange words, then
+    /// the staged signal values, each word once, all inside the region.
+    #[test]
+    fn every_internal_word_has_a_place_of_its_own() {
+        for n in [1usize, 2, 3, 8, 1000, MAX_PES] {
+            let mut words: Vec<u64> = (0..3 * n as u64 + 2).map(|i| 8 * i).collect();
+            // The exchange words are the last n of the 3n + 2 before the
+            // staged values.
+            for from in 0..n {
+                assert_eq!(exchange_word(n, from), 8 * (2 * n + 2 + from) as u64);
+            }
+            for slot in 0..STAGED_WORDS {
+                words.push(staged_word(n, slot));
+            }
+            let end = internal_bytes(n) as u64;
+            for (i, w) in words.iter().enumerate() {
+                assert_eq!(*w, 8 * i as u64, "n {n}: word {i}");
+                assert!(w + 8 <= end, "n {n}: word {i} at {w} past {end}");
+            }
+            assert_eq!(end % ALIGN as u64, 0);
+            assert!(end < 8 * words.len() as u64 + ALIGN as u64, "n {n}: {end}");
+        }
+    }
+}
