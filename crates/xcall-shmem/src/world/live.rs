@@ -1255,4 +1255,30 @@ mod tests {
             assert!(end < 8 * words.len() as u64 + ALIGN as u64, "n {n}: {end}");
         }
     }
+
+    /// `all_say` is yes on every PE exactly when every PE says yes.
+    #[test]
+    fn every_pe_hears_yes_only_when_all_say_it() {
+        let cases = [
+            [true, true, true],
+            [true, false, true],
+            [false, false, false],
+        ];
+        for (case, says) in cases.into_iter().enumerate() {
+            let pes: Vec<_> = (0..3)
+                .map(|r| {
+                    std::thread::spawn(move || {
+                        let group = format!("all-say-{case}");
+                        let timeout = Duration::from_secs(20);
+                        let mut boot = InProcess::join(&group, r, 3, timeout).unwrap();
+                        all_say(&mut boot, says[r]).unwrap()
+                    })
+                })
+                .collect();
+            let want = says.iter().all(|&s| s);
+            for pe in pes {
+                assert_eq!(pe.join().unwrap(), want, "case {case}: {says:?}");
+            }
+        }
+    }
 }
