@@ -335,6 +335,12 @@ impl World {
     /// CUDA any address the device can read) to the object at `dest` (a
     /// symmetric address of this PE) on PE `pe`. Blocking.
     ///
+    /// A PE reached through NCCL takes puts only as
+    /// [`Transport::NcclOneSided`] (an `ncclPutSignal`; `src` then device
+    /// memory, in the heap across hosts; not on a stream capturing a
+    /// graph); through [`Transport::Nccl`] or [`Transport::Tcp`] data
+    /// moves with [`World::exchange`] alone.
+    ///
     /// # Safety
     /// `src` must be readable for `bytes` bytes.
     pub unsafe fn put(&mut self, dest: u64, src: u64, bytes: usize, pe: usize) -> Result<()> {
@@ -344,7 +350,8 @@ impl World {
     }
 
     /// Copies `bytes` from the object at `src` (a symmetric address of
-    /// this PE) on PE `pe` to `dest` (this PE's memory). Blocking.
+    /// this PE) on PE `pe` to `dest` (this PE's memory). Blocking. A PE
+    /// reached through NCCL or TCP is refused ([`World::exchange`]).
     ///
     /// # Safety
     /// `dest` must be writable for `bytes` bytes.
