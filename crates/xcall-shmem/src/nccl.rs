@@ -174,16 +174,6 @@ struct OneSided {
     signal: Signal,
 }
 
-/// The symbols [`OneSided`] takes, in its order.
-const ONE_SIDED_SYMBOLS: [&str; 6] = [
-    "ncclMemAlloc",
-    "ncclMemFree",
-    "ncclCommWindowRegister",
-    "ncclCommWindowDeregister",
-    "ncclPutSignal",
-    "ncclSignal",
-];
-
 /// A loaded NCCL: where it was found, its version, and the entry points
 /// xcall calls.
 pub struct Library {
@@ -254,15 +244,14 @@ impl Library {
         // SAFETY: writes one int.
         let r = unsafe { get_version(&mut code) };
         let version = usable_version(r, code)?;
-        let [alloc, free, reg, dereg, put, signal] = ONE_SIDED_SYMBOLS;
         let one_sided = (|| {
             Some(OneSided {
-                mem_alloc: sym(&lib, alloc).ok()?,
-                mem_free: sym(&lib, free).ok()?,
-                register: sym(&lib, reg).ok()?,
-                deregister: sym(&lib, dereg).ok()?,
-                put_signal: sym(&lib, put).ok()?,
-                signal: sym(&lib, signal).ok()?,
+                mem_alloc: sym(&lib, "ncclMemAlloc").ok()?,
+                mem_free: sym(&lib, "ncclMemFree").ok()?,
+                register: sym(&lib, "ncclCommWindowRegister").ok()?,
+                deregister: sym(&lib, "ncclCommWindowDeregister").ok()?,
+                put_signal: sym(&lib, "ncclPutSignal").ok()?,
+                signal: sym(&lib, "ncclSignal").ok()?,
             })
         })();
         let path = file_of(get_version as *const c_void).unwrap_or_else(|| path.to_path_buf());
@@ -519,35 +508,7 @@ pub(crate) fn free(device: Device, base: u64) {
     }
 }
 
-/// Whether NCCL runs one-sided operations among the ranks of a world: a
-/// communicator of its own (unique id `id`) is made for the question and
-/// aborted after it. Collective, like [`Comm::init`].
-pub fn one_sided_works(
-    device: Device,
-    id: &[u8],
-    rank: usize,
-    size: usize,
-    timeout: Duration,
-    healthy: &dyn Fn() -> Result<()>,
-) -> Result<bool> {
-    let stream = crate::cuda::Stream::new(device)?;
-    let buffer = crate::cuda::DeviceHeap::through_nccl(device, PROBE_BYTES)?;
-    let mut comm = Comm::init(device, id, rank, size, timeout, healthy)?;
-    // NCCL sets up its one-sided operations with a communicator's first
-    // window.
-    let works = if comm.register_window(buffer.base, PROBE_BYTES, timeout, healthy)? {
-        comm.signals_itself(&stream, timeout)
-    } else {
-        drop(comm);
-        Ok(false)
-    };
-    // The communicator (aborted either way) went before its window's
-    // memory.
-    drop(buffer);
-    works
-}
-
-/// Bytes of the window of [`one_sided_works`]'s communicator.
+/// Bytes of the window of [`Comm::one_sided_works`].
 const PROBE_BYTES: usize = 2 << 20;
 
 /// One segment of a grouped transfer: `bytes` at `address` (device
@@ -862,11 +823,30 @@ impl Comm {
         self.in_group("ncclPutSignal", issue, timeout, healthy)
     }
 
-    /// Whether NCCL runs host-initiated one-sided operations on this
-    /// communicator: a signal to itself, run to completion on `stream`.
-    /// NCCL refuses them on communicators whose ranks it cannot reach that
-    /// way (and then fails the communicator): call it on a communicator
-    /// made for the question.
+    /// Whether NCCL runs host-initiated one-sided operations among this
+    /// communicator's ranks: a window of its own (NCCL sets one-sided
+    /// operations up with a communicator's first window), then a signal to
+    /// itself, run to completion. NCCL refuses them among ranks it cannot
+    /// reach that way and then fails the communicator: call it on a
+    /// communicator made for the question, which it aborts. Collective.
+    pub fn one_sided_works(
+        self,
+        timeout: Duration,
+        healthy: &dyn Fn() -> Result<()>,
+    ) -> Result<bool> {
+        let stream = crate::cuda::Stream::new(self.device)?;
+        let buffer = crate::cuda::DeviceHeap::through_nccl(self.device, PROBE_BYTES)?;
+        // Declared after the window's memory: dropped (aborted) before it.
+        let mut comm = self;
+        if comm.register_window(buffer.base, PROBE_BYTES, timeout, healthy)? {
+            comm.signals_itself(&stream, timeout)
+        } else {
+            Ok(false)
+        }
+    }
+
+    /// A signal to itself, run to completion on `stream` (see
+    /// [`Comm::one_sided_works`]).
     fn signals_itself(self, stream: &crate::cuda::Stream, timeout: Duration) -> Result<bool> {
         let calls = self.lib.one_sided_calls()?;
         let ctx = ContextGuard::primary(self.device)?;

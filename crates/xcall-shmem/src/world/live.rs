@@ -116,22 +116,21 @@ fn one_sided_nccl() -> bool {
     crate::nccl::library().is_ok_and(|l| l.one_sided())
 }
 
-/// `make` (collective over the world's PEs) with a new NCCL unique id from
-/// rank 0, agreed on.
-fn nccl_comm<T>(
+/// A new NCCL communicator of the world's PEs (collective): rank 0's
+/// unique id spread by the bootstrap, the init agreed on.
+fn nccl_comm(
     boot: &mut dyn Bootstrap,
     c: &Config,
     healthy: &dyn Fn() -> Result<()>,
-    make: impl FnOnce(Device, &[u8], usize, usize, Duration, &dyn Fn() -> Result<()>) -> Result<T>,
-) -> Result<T> {
+) -> Result<crate::nccl::Comm> {
     let id = match c.rank {
         0 => crate::nccl::unique_id(c.device),
         _ => Ok(Vec::new()),
     };
     let id = agree(boot, id)?;
     let id = boot.broadcast(0, &id)?;
-    let made = make(c.device, &id, c.rank, c.size, c.timeout, healthy);
-    agree(boot, made)
+    let comm = crate::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, healthy);
+    agree(boot, comm)
 }
 
 pub(super) fn fields(bytes: &[u8]) -> Vec<String> {
@@ -297,14 +296,15 @@ impl Live {
         let nccl = if nccl_pairs {
             agree(boot.as_mut(), crate::nccl::library().map(|_| ()))?;
             let healthy = || state.check();
-            let mut comm = nccl_comm(boot.as_mut(), c, &healthy, crate::nccl::Comm::init)?;
+            let mut comm = nccl_comm(boot.as_mut(), c, &healthy)?;
             step("NCCL communicator up");
             if try_one_sided {
                 // NCCL refuses one-sided operations among ranks it cannot
                 // reach that way (across hosts without its RMA support),
                 // failing the communicator that asked: a communicator of
                 // their own asks first. Then the heap becomes a window.
-                let works = nccl_comm(boot.as_mut(), c, &healthy, crate::nccl::one_sided_works)?;
+                let asked = nccl_comm(boot.as_mut(), c, &healthy)?;
+                let works = agree(boot.as_mut(), asked.one_sided_works(c.timeout, &healthy))?;
                 let works = all_say(boot.as_mut(), works)?;
                 let windowed = match works {
                     true => comm.register_window(base, len, c.timeout, &healthy),
@@ -654,15 +654,7 @@ impl Live {
         let slot = self.staged % STAGED_WORDS as u64;
         self.staged = self.staged.wrapping_add(1);
         let word = self.base + staged_word(self.size, slot as usize);
-        let k = crate::cuda::kernels(self.device)?;
-        let params = crate::cuda::SignalParams {
-            signal: word,
-            value,
-            op: SignalOp::Set as u64,
-        };
-        // SAFETY: xcall_shmem_signal takes SignalParams; `word` is an
-        // aligned word of this PE's internal region.
-        unsafe { crate::cuda::launch(self.device, &k.signal, 1, self.stream_or(stream), &params) }?;
+        self.update_word(word, value, SignalOp::Set, stream)?;
         Ok(word)
     }
 
@@ -890,7 +882,7 @@ impl Live {
         // One signal per receiver, after all of its data.
         for &q in &to {
             let word = self.peers[q].base + exchange_word(n, me);
-            self.add_to_word(word, 1, stream)?;
+            self.update_word(word, 1, SignalOp::Add, stream)?;
         }
         if !sends.is_empty() || !recvs.is_empty() {
             let comm = self.comm()?;
@@ -942,7 +934,7 @@ impl Live {
                             self.timeout
                         )));
                     }
-                    self.add_to_word(word, u64::MAX, None)?;
+                    self.update_word(word, u64::MAX, SignalOp::Add, None)?;
                 }
                 Platform::Cuda => {
                     // The kernel takes the count back once it holds.
@@ -964,20 +956,27 @@ impl Live {
         Ok(())
     }
 
-    /// Adds `value` (wrapping: `u64::MAX` takes one back) to the signal
-    /// word at `word`, a mapped address; on CUDA ordered on the stream.
-    fn add_to_word(
+    /// Sets the signal word at `word` (an aligned word of a mapped heap) to
+    /// `value`, or adds `value` to it (wrapping: `u64::MAX` takes one
+    /// back); on CUDA a kernel ordered on the stream.
+    pub(super) fn update_word(
         &self,
         word: u64,
         value: u64,
+        op: SignalOp,
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
         match self.device.platform {
             Platform::Host => {
-                // SAFETY: an aligned word of a mapped heap's internal
-                // region; every access to it is atomic.
+                // SAFETY: an aligned word of a mapped heap; every access
+                // to signal words is atomic.
                 let w = unsafe { &*(word as *const AtomicU64) };
-                w.fetch_add(value, Ordering::AcqRel);
+                match op {
+                    SignalOp::Set => w.store(value, Ordering::Release),
+                    SignalOp::Add => {
+                        w.fetch_add(value, Ordering::AcqRel);
+                    }
+                }
                 Ok(())
             }
             Platform::Cuda => {
@@ -985,10 +984,10 @@ impl Live {
                 let params = crate::cuda::SignalParams {
                     signal: word,
                     value,
-                    op: SignalOp::Add as u64,
+                    op: op as u64,
                 };
                 // SAFETY: xcall_shmem_signal takes SignalParams; `word` is
-                // an aligned word of a mapped heap's internal region.
+                // an aligned word of a mapped heap.
                 unsafe {
                     crate::cuda::launch(self.device, &k.signal, 1, self.stream_or(stream), &params)
                 }

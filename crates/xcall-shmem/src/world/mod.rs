@@ -594,33 +594,7 @@ impl World {
         let sig = self.live()?.signal_word(signal, pe)?;
         // SAFETY: the caller's contract.
         unsafe { self.transfer(Dir::Put, src, dest, bytes, pe, stream) }?;
-        let l = self.live_mut()?;
-        match l.device.platform {
-            Platform::Host => {
-                // SAFETY: an aligned 8-byte word of a mapped heap; every
-                // access to signal words is atomic.
-                let word = unsafe { &*(sig as *const AtomicU64) };
-                match op {
-                    SignalOp::Set => word.store(value, Ordering::Release),
-                    SignalOp::Add => {
-                        word.fetch_add(value, Ordering::Release);
-                    }
-                }
-                Ok(())
-            }
-            Platform::Cuda => {
-                let k = crate::cuda::kernels(l.device)?;
-                let s = l.stream_or(stream);
-                let params = crate::cuda::SignalParams {
-                    signal: sig,
-                    value,
-                    op: op as u64,
-                };
-                // SAFETY: xcall_shmem_signal takes SignalParams; `sig` is
-                // an aligned word of a mapped heap (checked).
-                unsafe { crate::cuda::launch(l.device, &k.signal, 1, s, &params) }
-            }
-        }
+        self.live()?.update_word(sig, value, op, stream)
     }
 
     /// Moves data between PEs in one collective step, on every transport:
