@@ -779,18 +779,25 @@ fn every_launch_config_equals_the_host() {
             run_case(&mut gpu, &c, 1200 + i as u64, true);
             chunk_case(&mut gpu, 5, 301, h, dtype, 1300 + i as u64, true);
             // Six routes per token on 16-byte vectors: unpermute's
-            // two-route-load kernels (`l2_`), with and without a cap.
-            let l2 = Case {
-                t: 64,
-                e: 16,
-                h: 512,
-                topk: 6,
-                cap: (i % 2 == 1).then_some(64 * 5),
-                align: None,
-                dtype: [DType::Bf16, DType::F32][i % 2],
-                ..c
-            };
-            run_case(&mut gpu, &l2, 1400 + i as u64, true);
+            // two-route-load kernels (`l2_`) and, for fp8, its streaming
+            // summing kernels (`s_`), with and without a cap.
+            for (j, dtype) in [DType::Bf16, DType::F32, DType::F8E4M3, DType::F8E5M2]
+                .into_iter()
+                .enumerate()
+                .filter(|(j, _)| j % 2 == i % 2)
+            {
+                let six = Case {
+                    t: 64,
+                    e: 16,
+                    h: 512,
+                    topk: 6,
+                    cap: (i % 2 == 1).then_some(64 * 5),
+                    align: None,
+                    dtype,
+                    ..c
+                };
+                run_case(&mut gpu, &six, 1400 + (10 * j + i) as u64, true);
+            }
         });
     }
 }

@@ -379,13 +379,14 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     // the kernels that copy a lone route's row as bytes (mapped as 0 + x
     // stores it) rather than converting it (and sum two routes in f16
     // rather than in f32).
+    // fp8 at three or more: the summing kernels with streaming loads.
     // Other types, three or more routes per token on average and whole
     // 16-byte vectors: the kernels that load two routes ahead of adding.
     let routes = routes_class(d.tokens, d.out_rows) as usize;
     let variant = match Fp8::of(dtype) {
-        Some(_) if v % 4 == 0 && a.merging_probs.is_none() => {
-            module::FEW_INFIXES.get(routes).map_or("", |f| f.0)
-        }
+        Some(_) if v % 4 == 0 && a.merging_probs.is_none() => module::FEW_INFIXES
+            .get(routes)
+            .map_or(module::STREAM_INFIX, |f| f.0),
         None if v == 16 && routes >= 2 => module::LOADS2_INFIX,
         _ => "",
     };

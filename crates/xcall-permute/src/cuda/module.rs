@@ -45,6 +45,14 @@ pub(super) const FEW_INFIXES: [(&str, u32); 2] = [("one_", 1), ("two_", 2)];
 /// 16-byte vectors), launched at three or more routes per token on average.
 pub(super) const LOADS2_INFIX: &str = "l2_";
 
+/// The infix of fp8 unpermute's kernels for three or more routes per
+/// token on average (`unpermute_s_16_1`, `unpermute_s_w_16_2`): the
+/// summing path with streaming loads (the body's `STREAM`). On an H100
+/// they took fp8 unpermute's top-8 grid median from 0.81 to 0.86; the
+/// same loads in the bf16 `l2_` kernels cost 0.01 at (4096,256,7168,8)
+/// (docs/BENCHMARKS.md).
+pub(super) const STREAM_INFIX: &str = "s_";
+
 /// The block-per-token and warp-per-token variants: kernel name infix and
 /// the body's `WARP` argument.
 const VARIANTS: [(&str, bool); 2] = [("", false), (WARP_INFIX, true)];
@@ -108,6 +116,14 @@ fn instantiations(family: Family) -> String {
                                 kernel(
                                     format!("unpermute_{few_infix}{infix}{v}_{u}"),
                                     format!("unpermute_body<{codec}, {v}, {u}, {warp}, {few}>"),
+                                );
+                            }
+                            for (infix, warp) in VARIANTS {
+                                kernel(
+                                    format!("unpermute_{STREAM_INFIX}{infix}{v}_{u}"),
+                                    format!(
+                                        "unpermute_body<{codec}, {v}, {u}, {warp}, 0, 1, 0, true>"
+                                    ),
                                 );
                             }
                         }
@@ -686,16 +702,16 @@ mod tests {
         // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
         // the backward's warp variant), 3 row-holding backwards and 6
         // two-route-load unpermutes (16 bytes wide); for fp8, the two
-        // unpermutes (2 widths x 3 unrolls) and their one- and two-route
-        // variants (16 bytes wide); for all three, 2 async unpermutes (2
-        // and 3 stages, 16 bytes wide).
+        // unpermutes (2 widths x 3 unrolls) and their one-route, two-route
+        // and streaming variants (16 bytes wide); for all three, 2 async
+        // unpermutes (2 and 3 stages, 16 bytes wide).
         assert_eq!(
             all.len(),
-            7 + 65 + 2 + 2 * (20 + 3 + 6) + 12 + 12 + 3 * 2,
+            7 + 65 + 2 + 2 * (20 + 3 + 6) + 12 + 18 + 3 * 2,
             "{all:?}"
         );
-        // The launches ask for the two-route-load, few-route and async
-        // kernels at 16 bytes only: they are there at 16 bytes and at no other
+        // The launches ask for the two-route-load, few-route, streaming and
+        // async kernels at 16 bytes only: they are there at 16 bytes and at no other
         // width.
         let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
         for name in [
@@ -705,13 +721,15 @@ mod tests {
             "unpermute_one_w_16_1",
             "unpermute_two_16_4",
             "unpermute_two_w_16_2",
+            "unpermute_s_16_1",
+            "unpermute_s_w_16_4",
             "unpermute_a2_w_16_1",
             "unpermute_a3_w_16_1",
         ] {
             assert!(names.contains(&name), "{name}: {names:?}");
         }
         for name in &names {
-            let few = ["_l2_", "_one_", "_two_", "_a2_", "_a3_"]
+            let few = ["_l2_", "_s_", "_one_", "_two_", "_a2_", "_a3_"]
                 .iter()
                 .any(|i| name.contains(i));
             assert!(!few || name.contains("_16_"), "{name}");
