@@ -313,34 +313,28 @@ typedef F8<2, 15, 0x7b, false> F8E5M2;
 
 // A vector loaded from global memory by an address the compiler cannot
 // place (one read back from shared memory is generic): ld.global, as a
-// load through a kernel argument compiles to, not a generic load. CS:
-// ld.global.cs, a streaming load (read once: evicted first).
-#define XCALL_LD(CS, SUFFIX, ...) \
-    if constexpr (CS) asm("ld.global.cs" SUFFIX __VA_ARGS__); \
-    else asm("ld.global" SUFFIX __VA_ARGS__)
-template <bool CS = false>
+// load through a kernel argument compiles to, not a generic load.
 __device__ __forceinline__ void load_global(uint4& v, const uint4* a) {
-    XCALL_LD(CS, ".v4.u32 {%0, %1, %2, %3}, [%4];", : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
 }
-template <bool CS = false>
 __device__ __forceinline__ void load_global(uint2& v, const uint2* a) {
-    XCALL_LD(CS, ".v2.u32 {%0, %1}, [%2];", : "=r"(v.x), "=r"(v.y) : "l"(a));
+    asm("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(a));
 }
-template <bool CS = false>
 __device__ __forceinline__ void load_global(unsigned int& v, const unsigned int* a) {
-    XCALL_LD(CS, ".u32 %0, [%1];", : "=r"(v) : "l"(a));
+    asm("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(a));
 }
-template <bool CS = false>
 __device__ __forceinline__ void load_global(unsigned short& v, const unsigned short* a) {
-    XCALL_LD(CS, ".u16 %0, [%1];", : "=h"(v) : "l"(a));
+    asm("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(a));
 }
-template <bool CS = false>
 __device__ __forceinline__ void load_global(unsigned char& v, const unsigned char* a) {
     unsigned short h;
-    XCALL_LD(CS, ".u8 %0, [%1];", : "=h"(h) : "l"(a));
+    asm("ld.global.u8 %0, [%1];" : "=h"(h) : "l"(a));
     v = (unsigned char)h;
 }
-#undef XCALL_LD
+// The same as a streaming load (ld.global.cs: read once, evicted first).
+__device__ __forceinline__ void load_streaming(uint4& v, const uint4* a) {
+    asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+}
 
 // 16 bytes copied from global to shared memory without passing through
 // registers (cp.async, sm_80 and newer; before, a load and a store).
@@ -1106,12 +1100,13 @@ __device__ __forceinline__ void async_sum(int lane, i64 nv, const Pack<C, 16>* c
 // routes are summed by async_sum with ASYNC stages in the block's dynamic
 // shared memory (ASYNC x ASYNC_ROUTES x 512 bytes per warp), unless it
 // has more than ASYNC_ROUTES routes.
-// STREAM (fp8's `s_` kernels, launched at three or more routes per token
-// on average): the summing path reads the routes' rows with streaming
-// loads (ld.global.cs). Each permuted row is read once.
+// STREAM (fp8's `s_` kernels, 16-byte vectors, launched at three or more
+// routes per token on average): the summing path reads the routes' rows
+// with streaming loads (load_streaming). Each permuted row is read once.
 template <typename C, int V, int U, bool WARP, int FEW = 0, int LOADS = 1, int ASYNC = 0, bool STREAM = false>
 __device__ void unpermute_body(const UnpermuteParams& p) {
     static_assert(ASYNC == 0 || (WARP && V == 16 && FEW == 0 && LOADS == 1), "the async path is a warp's, 16-byte vectors");
+    static_assert(!STREAM || V == 16, "streaming loads are 16-byte vectors");
     typedef Pack<C, V> P;
     constexpr bool FP8 = sizeof(typename C::S) == 1;
     const Group<WARP> g;
@@ -1200,7 +1195,9 @@ __device__ void unpermute_body(const UnpermuteParams& p) {
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     i64 i = base + (i64)u * g.step;
-                    if (i < nv) load_global<STREAM>(pk[u].raw, &src[i].raw);
+                    if (i >= nv) continue;
+                    if constexpr (STREAM) load_streaming(pk[u].raw, &src[i].raw);
+                    else load_global(pk[u].raw, &src[i].raw);
                 }
             };
             auto add = [&](const P (&pk)[U], float wk) {

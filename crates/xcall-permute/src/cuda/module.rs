@@ -107,23 +107,20 @@ fn instantiations(family: Family) -> String {
                     }
                     if Fp8::of(dtype).is_some() {
                         // fp8: unpermute without probs only, and its
-                        // variant for one or two routes per token.
+                        // variants for one or two routes per token and,
+                        // with streaming loads, for three or more (the
+                        // body's arguments after WARP).
                         if v % 4 == 0 {
-                            for ((few_infix, few), (infix, warp)) in FEW_INFIXES
+                            let fp8_variants = FEW_INFIXES
+                                .map(|(infix, few)| (infix, few.to_string()))
                                 .into_iter()
-                                .flat_map(|f| VARIANTS.map(|w| (f, w)))
+                                .chain([(STREAM_INFIX, "0, 1, 0, true".to_string())]);
+                            for ((fp8_infix, args), (infix, warp)) in
+                                fp8_variants.flat_map(|f| VARIANTS.map(|w| (f.clone(), w)))
                             {
                                 kernel(
-                                    format!("unpermute_{few_infix}{infix}{v}_{u}"),
-                                    format!("unpermute_body<{codec}, {v}, {u}, {warp}, {few}>"),
-                                );
-                            }
-                            for (infix, warp) in VARIANTS {
-                                kernel(
-                                    format!("unpermute_{STREAM_INFIX}{infix}{v}_{u}"),
-                                    format!(
-                                        "unpermute_body<{codec}, {v}, {u}, {warp}, 0, 1, 0, true>"
-                                    ),
+                                    format!("unpermute_{fp8_infix}{infix}{v}_{u}"),
+                                    format!("unpermute_body<{codec}, {v}, {u}, {warp}, {args}>"),
                                 );
                             }
                         }
