@@ -659,6 +659,25 @@ impl Comm {
         )))
     }
 
+    /// Makes the NCCL call `call` (named `name`) with the communicator's
+    /// device current, then waits up to `timeout` for it to complete (see
+    /// [`Comm::wait`]).
+    fn call_and_wait(
+        &self,
+        name: &str,
+        call: impl FnOnce() -> NcclResult,
+        timeout: Duration,
+        healthy: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
+        let ctx = ContextGuard::primary(self.device)?;
+        let r = call();
+        drop(ctx);
+        if r != SUCCESS && r != IN_PROGRESS {
+            return Err(self.lib.error(name, r, self.raw));
+        }
+        self.wait(name, timeout, healthy)
+    }
+
     /// Enqueues every send and receive on `stream` as one NCCL group
     /// (segments with one peer are matched in order, as NCCL matches
     /// them); returns once NCCL has enqueued them.
@@ -748,23 +767,18 @@ impl Comm {
         let calls = self.lib.one_sided_calls()?;
         // NCCL writes the handle when the registration completes, which on
         // a non-blocking communicator may be after the call returns: into
-        // memory that outlives a wait that gives up.
-        let out: &'static mut RawWindow = Box::leak(Box::new(std::ptr::null_mut()));
-        let ctx = ContextGuard::primary(self.device)?;
-        // SAFETY: a live communicator; `base` is `len` bytes of NCCL's
-        // memory; `out` stays valid for ever (reclaimed below once the
-        // registration completed).
-        let r = unsafe {
-            (calls.register)(self.raw, base as *mut c_void, len, &mut *out, WINDOW_FLAGS)
+        // memory that outlives a wait that gives up (then leaked).
+        let out: *mut RawWindow = Box::into_raw(Box::new(std::ptr::null_mut()));
+        let register = || {
+            // SAFETY: a live communicator; `base` is `len` bytes of NCCL's
+            // memory; `out` stays valid until reclaimed below, once the
+            // registration completed.
+            unsafe { (calls.register)(self.raw, base as *mut c_void, len, out, WINDOW_FLAGS) }
         };
-        drop(ctx);
-        if r != SUCCESS && r != IN_PROGRESS {
-            return Err(self.lib.error("ncclCommWindowRegister", r, self.raw));
-        }
-        self.wait("ncclCommWindowRegister", timeout, healthy)?;
-        // SAFETY: the registration completed: NCCL no longer writes `out`.
-        let out = unsafe { Box::from_raw(out as *mut RawWindow) };
-        self.window = *out;
+        self.call_and_wait("ncclCommWindowRegister", register, timeout, healthy)?;
+        // SAFETY: from Box::into_raw above; the registration completed, so
+        // NCCL no longer writes it.
+        self.window = *unsafe { Box::from_raw(out) };
         Ok(!self.window.is_null())
     }
 
@@ -873,25 +887,15 @@ impl Comm {
     pub fn finalize(self, timeout: Duration, healthy: &dyn Fn() -> Result<()>) -> Result<()> {
         if !self.window.is_null() {
             let calls = self.lib.one_sided_calls()?;
-            let ctx = ContextGuard::primary(self.device)?;
             // SAFETY: the window this communicator registered, released
             // once (finalize consumes the communicator); nothing is in
             // flight (the world's quiet came first).
-            let r = unsafe { (calls.deregister)(self.raw, self.window) };
-            drop(ctx);
-            if r != SUCCESS && r != IN_PROGRESS {
-                return Err(self.lib.error("ncclCommWindowDeregister", r, self.raw));
-            }
-            self.wait("ncclCommWindowDeregister", timeout, healthy)?;
+            let deregister = || unsafe { (calls.deregister)(self.raw, self.window) };
+            self.call_and_wait("ncclCommWindowDeregister", deregister, timeout, healthy)?;
         }
-        let ctx = ContextGuard::primary(self.device)?;
         // SAFETY: a live communicator.
-        let r = unsafe { (self.lib.finalize)(self.raw) };
-        drop(ctx);
-        if r != SUCCESS && r != IN_PROGRESS {
-            return Err(self.lib.error("ncclCommFinalize", r, self.raw));
-        }
-        self.wait("ncclCommFinalize", timeout, healthy)?;
+        let finalize = || unsafe { (self.lib.finalize)(self.raw) };
+        self.call_and_wait("ncclCommFinalize", finalize, timeout, healthy)?;
         let ctx = ContextGuard::primary(self.device)?;
         // SAFETY: a finalized communicator, destroyed once (`self` is
         // forgotten below so Drop does not abort it).

@@ -64,6 +64,20 @@ fn config(c: Config) -> Config {
     }
 }
 
+/// PE `rank` of `n` PEs of this process named `name`, on GPU `rank`, every
+/// pair through NCCL ([`config`]).
+fn nccl_world(name: &str, rank: usize, n: usize) -> World {
+    let mut w = World::new();
+    w.init(&config(Config::in_process(
+        name,
+        rank,
+        n,
+        Device::cuda(rank as u32),
+    )))
+    .unwrap();
+    w
+}
+
 /// Writes `bytes` into this PE's heap at `addr` (a put to itself).
 fn write_own(w: &mut World, addr: u64, bytes: &[u8]) {
     let me = w.rank().unwrap();
@@ -324,14 +338,7 @@ fn one_gpu_exchanges_with_itself_through_nccl() {
     if gpus_with_nccl("shmem nccl one pe", 1).is_none() {
         return;
     }
-    let mut w = World::new();
-    w.init(&config(Config::in_process(
-        "nccl-one",
-        0,
-        1,
-        Device::cuda(0),
-    )))
-    .unwrap();
+    let mut w = nccl_world("nccl-one", 0, 1);
     rounds(&mut w, 0, 1);
     // barrier_on_stream needs addressable peers.
     let e = w.barrier_on_stream(std::ptr::null_mut()).unwrap_err();
@@ -408,14 +415,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
     run_threads("nccl graph finalize", 1, watchdog(), |_| {
         let max = 1 << 16;
         let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
-        let mut w = World::new();
-        w.init(&config(Config::in_process(
-            "nccl-graph",
-            0,
-            1,
-            Device::cuda(0),
-        )))
-        .unwrap();
+        let mut w = nccl_world("nccl-graph", 0, 1);
         let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
         let graph = captured_self_exchange(&mut w, bufs, max, &stream);
         let started = Instant::now();
@@ -438,10 +438,7 @@ fn finalize_refuses_while_a_graph_holds_nccl_transfers() {
 
         // Destroyed first: finalize goes through, twice over.
         for round in 0..2 {
-            let mut w = World::new();
-            let name = format!("nccl-graph-{round}");
-            w.init(&config(Config::in_process(&name, 0, 1, Device::cuda(0))))
-                .unwrap();
+            let mut w = nccl_world(&format!("nccl-graph-{round}"), 0, 1);
             let bufs = (w.malloc(max).unwrap(), w.malloc(max).unwrap());
             drop(captured_self_exchange(&mut w, bufs, max, &stream));
             w.free(bufs.1).unwrap();
@@ -459,14 +456,7 @@ fn every_gpu_one_process_through_nccl() {
     };
     eprintln!("shmem nccl spmt: {n} GPUs, one thread each");
     run_threads("nccl spmt", n, watchdog(), move |rank| {
-        let mut w = World::new();
-        w.init(&config(Config::in_process(
-            "nccl-spmt",
-            rank,
-            n,
-            Device::cuda(rank as u32),
-        )))
-        .unwrap();
+        let mut w = nccl_world("nccl-spmt", rank, n);
         rounds(&mut w, rank, n);
         assert!(w.finalize().unwrap().leaked.is_empty());
     });
@@ -516,14 +506,7 @@ fn one_sided_puts_through_nccl_on_every_gpu() {
         return;
     };
     run_threads("nccl one-sided", n, watchdog(), move |rank| {
-        let mut w = World::new();
-        w.init(&config(Config::in_process(
-            "nccl-one-sided",
-            rank,
-            n,
-            Device::cuda(rank as u32),
-        )))
-        .unwrap();
+        let mut w = nccl_world("nccl-one-sided", rank, n);
         if one_sided_or_skip(test, &w, rank) {
             one_sided_puts(&mut w, rank, n);
         }
