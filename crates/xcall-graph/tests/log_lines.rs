@@ -6,6 +6,7 @@
 mod sim;
 
 use sim::{add, cache, key, run, run_ops, stream};
+use xcall_core::testing::{watchdog, within};
 use xcall_graph::sim::SimOp;
 use xcall_graph::{Call, Config, Device};
 
@@ -27,7 +28,11 @@ fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
         ..Config::default()
     });
     let (s, a, b) = (stream(0), key(0, 0x51, &[0x100]), key(0, 0x51, &[0x200]));
-    let calls = || {
+    let first = a.clone();
+    // A record function below calls `invalidate_range`: a lock held across
+    // it would deadlock, so the calls run under a watchdog.
+    let calls = move || {
+        let a = first;
         run(&c, &a, s, 1); // captured
         run(&c, &a, s, 1); // replayed
         run(&c, &b, s, 1); // updated
@@ -49,7 +54,9 @@ fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
         .unwrap();
         c.invalidate_range(Device::cuda(0), 0x600, 8).unwrap();
     };
-    let ((), lines) = capture("xcall_graph=trace", calls);
+    let ((), lines) = within("calls that log", watchdog(), move || {
+        capture("xcall_graph=trace", calls)
+    });
     let got: Vec<(LogLevel, &str)> = lines.iter().map(|l| (l.level, l.text.as_str())).collect();
     let fields =
         |id: &str, n: usize| format!("device=cuda:0 target_id={id} attributes=0xa77 buffers={n}");

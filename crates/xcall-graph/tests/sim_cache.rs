@@ -690,17 +690,22 @@ fn invalidate_range_forgets_the_not_capturable_marks_in_it_only() {
 fn an_invalidated_capture_never_updates_a_cached_graph() {
     // `kept` is cached; `freed` has the same topology (an exec-update
     // candidate), but its memory is invalidated while it is captured.
-    let c = cache(Config::default());
+    let c = Arc::new(cache(Config::default()));
     let kept = key(0, 1, &[0x100]);
     let freed = key(0, 1, &[0x200]);
     assert_eq!(run(&c, &kept, stream(0), 1), Outcome::Captured);
-    let call = Call::new(freed.clone(), Some(stream(0)));
-    let outcome = c
-        .execute(&call, |s| {
-            c.backend().enqueue(s.unwrap(), add(0x200, 1));
-            c.invalidate_range(Device::cuda(0), 0x200, 1).map(|_| ())
-        })
-        .unwrap();
+    // A lock held across the record function would deadlock here.
+    let outcome = within("invalidate inside a record function", watchdog(), {
+        let c = c.clone();
+        move || {
+            let call = Call::new(freed, Some(stream(0)));
+            c.execute(&call, |s| {
+                c.backend().enqueue(s.unwrap(), add(0x200, 1));
+                c.invalidate_range(Device::cuda(0), 0x200, 1).map(|_| ())
+            })
+            .unwrap()
+        }
+    });
     assert_eq!(outcome, Outcome::Captured, "ran once, not cached");
     // The cached graph still serves `kept`; `freed` captures afresh.
     assert_eq!(run(&c, &kept, stream(0), 1), Outcome::Replayed);
