@@ -828,7 +828,9 @@ typedef struct {
    */
   uint64_t target_id;
   /**
-   * Digest of the call's attributes.
+   * The call's attributes as one value, compared as given: calls with
+   * the same value (and target, device and buffers) share a graph, so
+   * it must tell every attribute set apart, not merely hash it.
    */
   uint64_t attributes;
   /**

@@ -19,7 +19,7 @@ fn key(ordinal: u32, buffers: usize) -> CallKey {
     CallKey {
         device: Device::cuda(ordinal),
         target: 0xfeed,
-        attributes: 0xbeef,
+        attributes: 0xbeef.into(),
         buffers: (0..buffers as u64)
             .map(|i| Buffer::new(0x7f00_0000_0000 + i * 4096, 4096, BufferRole::InOut))
             .collect(),

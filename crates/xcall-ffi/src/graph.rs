@@ -6,7 +6,8 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{
-    Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy, Stats,
+    Attributes, Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy,
+    Stats,
 };
 
 use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
@@ -70,7 +71,9 @@ pub struct xcall_call {
     pub target: xcall_target,
     /// Identifies the custom call target (for example a hash of its name).
     pub target_id: u64,
-    /// Digest of the call's attributes.
+    /// The call's attributes as one value, compared as given: calls with
+    /// the same value (and target, device and buffers) share a graph, so
+    /// it must tell every attribute set apart, not merely hash it.
     pub attributes: u64,
     /// The call's buffers (`num_buffers` of them, at least one).
     pub buffers: *const xcall_buffer,
@@ -293,7 +296,7 @@ pub extern "C" fn xcall_graph_cache_execute(
         let key = CallKey {
             device,
             target: call.target_id,
-            attributes: call.attributes,
+            attributes: Attributes::word(call.attributes),
             buffers,
         };
         let stream = call

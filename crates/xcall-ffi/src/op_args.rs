@@ -3,7 +3,9 @@
 //! frame (`xla::specs::Decoded`). Each front end only says how to find a
 //! tensor or an integer by name ([`Source`]); which names an op takes, and
 //! which are optional, is written once here. The C side's tensors are
-//! `xcall_tensor`s, decoded here too.
+//! `xcall_tensor`s, decoded here too. A segmented call (`permute`'s output
+//! or `unpermute`'s input split over several allocations) is one option of
+//! the arguments ([`Source::segments`]), not an op of its own.
 
 use std::ffi::c_void;
 
@@ -88,6 +90,12 @@ pub(crate) trait Source {
     /// An integer parameter, `default` when the call gave none.
     fn int(&self, name: &'static str, default: i64) -> i64;
 
+    /// Where the rows of the op's split tensor lie (`permute`'s output,
+    /// `unpermute`'s input), when the call splits it; `None` by default.
+    fn segments(&self) -> Option<call::Segments> {
+        None
+    }
+
     /// A tensor the op always takes: left out is
     /// `XCALL_STATUS_NULL_ARGUMENT` naming it.
     fn required(&self, name: &'static str) -> Result<Tensor, FfiError> {
@@ -114,12 +122,13 @@ pub(crate) trait Source {
 }
 
 /// A C entry point's parameters: its tensors as `(name, pointer)` (NULL:
-/// left out) and its scalars as `(name, value)`, each decoded when the op
-/// asks for it.
+/// left out), its scalars as `(name, value)`, each decoded when the op
+/// asks for it, and its segments (the `_segmented` entry points).
 pub(crate) struct CArgs<'a> {
     pub(crate) target: &'a Target,
     pub(crate) tensors: &'a [(&'static str, *const xcall_tensor)],
     pub(crate) ints: &'a [(&'static str, i64)],
+    pub(crate) segments: Option<call::Segments>,
 }
 
 impl Source for CArgs<'_> {
@@ -144,6 +153,10 @@ impl Source for CArgs<'_> {
             .iter()
             .find(|(n, _)| *n == name)
             .map_or(default, |(_, v)| *v)
+    }
+
+    fn segments(&self) -> Option<call::Segments> {
+        self.segments.clone()
     }
 }
 
@@ -182,13 +195,12 @@ pub(crate) unsafe fn make_row_id_map(t: &Target, s: &impl Source) -> Result<(), 
     Ok(unsafe { call::make_row_id_map(t, &args) }?)
 }
 
-/// `permute`'s arguments from `s`, with `output`'s rows in `segments`
-/// when given.
-fn permute_args(
-    s: &impl Source,
-    segments: Option<call::Segments>,
-) -> Result<call::PermuteArgs, FfiError> {
-    Ok(call::PermuteArgs {
+/// Runs `permute` on `s`'s arguments (into its segments, if any).
+///
+/// # Safety
+/// As [`make_row_id_map`], and every segment holds its rows.
+pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::PermuteArgs {
         input: s.required("input")?,
         row_id_map: s.required("row_id_map")?,
         tokens_per_expert: s.required("tokens_per_expert")?,
@@ -199,71 +211,26 @@ fn permute_args(
         permuted_probs: s.tensor("permuted_probs")?,
         permuted_scales: s.tensor("permuted_scales")?,
         in_place: s.flag("in_place"),
-        output_segments: segments,
-    })
-}
-
-/// Runs `permute` on `s`'s arguments.
-///
-/// # Safety
-/// As [`make_row_id_map`].
-pub(crate) unsafe fn permute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
-    let args = permute_args(s, None)?;
-    // SAFETY: the caller's promise on the tensors.
-    Ok(unsafe { call::permute(t, &args) }?)
-}
-
-/// Runs `permute` on `s`'s arguments into `segments`.
-///
-/// # Safety
-/// As [`make_row_id_map`], and every segment holds its rows.
-pub(crate) unsafe fn permute_segmented(
-    t: &Target,
-    s: &impl Source,
-    segments: call::Segments,
-) -> Result<(), FfiError> {
-    let args = permute_args(s, Some(segments))?;
+        output_segments: s.segments(),
+    };
     // SAFETY: the caller's promise on the tensors and segments.
     Ok(unsafe { call::permute(t, &args) }?)
 }
 
-/// `unpermute`'s arguments from `s`, with `input`'s rows in `segments`
-/// when given.
-fn unpermute_args(
-    s: &impl Source,
-    segments: Option<call::Segments>,
-) -> Result<call::UnpermuteArgs, FfiError> {
-    Ok(call::UnpermuteArgs {
+/// Runs `unpermute` on `s`'s arguments (from its segments, if any).
+///
+/// # Safety
+/// As [`permute`].
+pub(crate) unsafe fn unpermute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
+    let args = call::UnpermuteArgs {
         input: s.required("input")?,
         row_id_map: s.required("row_id_map")?,
         merging_probs: s.tensor("merging_probs")?,
         permuted_probs: s.tensor("permuted_probs")?,
         output: s.required("output")?,
         unpermuted_probs: s.tensor("unpermuted_probs")?,
-        input_segments: segments,
-    })
-}
-
-/// Runs `unpermute` on `s`'s arguments.
-///
-/// # Safety
-/// As [`make_row_id_map`].
-pub(crate) unsafe fn unpermute(t: &Target, s: &impl Source) -> Result<(), FfiError> {
-    let args = unpermute_args(s, None)?;
-    // SAFETY: the caller's promise on the tensors.
-    Ok(unsafe { call::unpermute(t, &args) }?)
-}
-
-/// Runs `unpermute` on `s`'s arguments from `segments`.
-///
-/// # Safety
-/// As [`permute_segmented`].
-pub(crate) unsafe fn unpermute_segmented(
-    t: &Target,
-    s: &impl Source,
-    segments: call::Segments,
-) -> Result<(), FfiError> {
-    let args = unpermute_args(s, Some(segments))?;
+        input_segments: s.segments(),
+    };
     // SAFETY: the caller's promise on the tensors and segments.
     Ok(unsafe { call::unpermute(t, &args) }?)
 }

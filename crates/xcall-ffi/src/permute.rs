@@ -73,6 +73,7 @@ macro_rules! run_c_op {
             target: &t,
             tensors: &[$((stringify!($t), $t as *const xcall_tensor)),*],
             ints: &[$((stringify!($i), $v)),*],
+            segments: None,
         };
         // SAFETY: the header's contract: every tensor's data is valid for
         // its size on the target's device.
@@ -432,11 +433,12 @@ pub extern "C" fn xcall_permute_segmented(
                 ("permuted_scales", std::ptr::null()),
             ],
             ints: &[],
+            segments: Some(segs),
         };
         // SAFETY: the header's contract: every tensor's data and every
         // segment is valid for its size on (or reachable from) the
         // target's device.
-        unsafe { op_args::permute_segmented(&t, &args, segs) }
+        unsafe { op_args::permute(&t, &args) }
     })
 }
 
@@ -471,9 +473,10 @@ pub extern "C" fn xcall_unpermute_segmented(
                 ("unpermuted_probs", std::ptr::null()),
             ],
             ints: &[],
+            segments: Some(segs),
         };
         // SAFETY: as in `xcall_permute_segmented`.
-        unsafe { op_args::unpermute_segmented(&t, &args, segs) }
+        unsafe { op_args::unpermute(&t, &args) }
     })
 }
 

@@ -154,7 +154,7 @@ fn main() {
     let key = |p: u64| CallKey {
         device: gpu.device,
         target: 1,
-        attributes: 2,
+        attributes: 2.into(),
         buffers: vec![Buffer::new(p, N * 4, BufferRole::InOut)],
     };
     let exec = |cache: &GraphCache<CudaGraphs>, p: u64, want: Outcome| {

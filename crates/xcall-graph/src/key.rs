@@ -1,9 +1,11 @@
-//! The exact call key: (platform, device, target, attribute digest, buffers).
+//! The exact call key: (platform, device, target, attributes, buffers).
 //!
-//! Keys are stored and compared in full. A hash only picks the bucket, so a
-//! hash collision can never replay another call's graph (a graph recorded
-//! for other buffers or another device would read and write them); that
-//! is also why a fast non-cryptographic hash (FxHash) is enough here.
+//! Keys are stored and compared in full, attributes included (their bytes,
+//! not only their digest). A hash only picks the bucket, so a hash or
+//! digest collision can never replay another call's graph (a graph
+//! recorded for other attributes, other buffers or another device would
+//! compute something else or read and write them); that is also why a
+//! fast non-cryptographic hash (FxHash) is enough here.
 
 use std::hash::{Hash, Hasher};
 
@@ -60,6 +62,99 @@ pub fn ranges_overlap(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
     a_len > 0 && b_len > 0 && a < b_end && b < a_end
 }
 
+/// A call's attributes as its key holds them: a 64-bit digest that picks
+/// the bucket and the bytes that are compared in full.
+///
+/// Two forms, never equal to each other: a [word](Attributes::word) (the
+/// caller's own 64-bit value is the whole identity: compared as given) and
+/// [bytes](Attributes::from_bytes) (canonical bytes of the attributes,
+/// their digest computed or [given](Attributes::with_digest)). Equal
+/// attributes always have equal digests; equal digests decide nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attributes(Repr);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Repr {
+    Word(u64),
+    Bytes { digest: u64, bytes: Box<[u8]> },
+}
+
+impl Attributes {
+    /// Attributes that are one 64-bit value, compared as given (a caller's
+    /// own digest it vouches for; the C ABI's `attributes` field).
+    pub const fn word(value: u64) -> Attributes {
+        Attributes(Repr::Word(value))
+    }
+
+    /// Attributes given as canonical bytes (equal attributes, equal
+    /// bytes), compared in full; the digest is their hash.
+    pub fn from_bytes(bytes: impl Into<Box<[u8]>>) -> Attributes {
+        let bytes = bytes.into();
+        let mut h = FxHasher::default();
+        bytes.hash(&mut h);
+        Attributes::with_digest(h.finish(), bytes)
+    }
+
+    /// [`from_bytes`](Attributes::from_bytes) with a digest the caller
+    /// chose: it only picks buckets (a digest shared by other bytes is a
+    /// collision the full comparison resolves).
+    pub fn with_digest(digest: u64, bytes: impl Into<Box<[u8]>>) -> Attributes {
+        Attributes(Repr::Bytes {
+            digest,
+            bytes: bytes.into(),
+        })
+    }
+
+    /// Named integer attributes (an XLA call's, say; names unique) in
+    /// canonical form: sorted by name, each as its name's length (u32),
+    /// the name's bytes and the value (i64), little-endian. The order the
+    /// call lists them in does not matter.
+    pub fn named_ints<N: AsRef<str>>(attributes: &[(N, i64)]) -> Attributes {
+        let mut sorted: Vec<(&str, i64)> =
+            attributes.iter().map(|(n, v)| (n.as_ref(), *v)).collect();
+        sorted.sort_unstable();
+        let mut bytes = Vec::with_capacity(sorted.iter().map(|(n, _)| 12 + n.len()).sum());
+        for (name, value) in sorted {
+            // A name is at most a few dozen bytes: u32 holds its length.
+            bytes.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            bytes.extend_from_slice(name.as_bytes());
+            bytes.extend_from_slice(&value.to_le_bytes());
+        }
+        Attributes::from_bytes(bytes)
+    }
+
+    /// The digest: what picks the bucket and what log lines show.
+    pub fn digest(&self) -> u64 {
+        match &self.0 {
+            Repr::Word(value) => *value,
+            Repr::Bytes { digest, .. } => *digest,
+        }
+    }
+}
+
+impl Attributes {
+    /// The bytes compared in full; `None` for a [word](Attributes::word).
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match &self.0 {
+            Repr::Word(_) => None,
+            Repr::Bytes { bytes, .. } => Some(bytes),
+        }
+    }
+}
+
+impl From<u64> for Attributes {
+    fn from(value: u64) -> Attributes {
+        Attributes::word(value)
+    }
+}
+
+impl Hash for Attributes {
+    /// The digest only: equal attributes have equal digests.
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.digest().hash(state);
+    }
+}
+
 /// The full identity of a custom call.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CallKey {
@@ -68,8 +163,8 @@ pub struct CallKey {
     /// Identifies the custom call target (for example a hash of its name,
     /// chosen by the caller; compared as given).
     pub target: u64,
-    /// Digest of the call's attributes (chosen by the caller).
-    pub attributes: u64,
+    /// The call's attributes (compared in full).
+    pub attributes: Attributes,
     /// The buffers, in the call's order.
     pub buffers: Vec<Buffer>,
 }
@@ -105,7 +200,7 @@ impl CallKey {
     /// Bucket of the key without buffer addresses.
     pub(crate) fn topology_bucket(&self) -> u64 {
         let mut h = FxHasher::default();
-        (self.device, self.target, self.attributes).hash(&mut h);
+        (self.device, self.target, &self.attributes).hash(&mut h);
         for b in &self.buffers {
             (b.bytes, b.role).hash(&mut h);
         }
@@ -270,7 +365,7 @@ mod tests {
         assert_eq!((r.apply(0x1150), r.apply(0x11ff)), (0x5150, 0x51ff));
         // Another topology.
         let mut other = key(Device::cuda(0), &[0x9000, 0x4000]);
-        other.attributes += 1;
+        other.attributes = 10.into();
         assert_eq!(Relocation::between(&old, &other), None);
     }
 
@@ -278,7 +373,7 @@ mod tests {
         CallKey {
             device,
             target: 7,
-            attributes: 9,
+            attributes: 9.into(),
             buffers: addresses
                 .iter()
                 .map(|&a| Buffer::new(a, 256, BufferRole::InOut))
@@ -326,8 +421,36 @@ mod tests {
         d.buffers[0].role = BufferRole::In;
         assert!(!a.same_topology(&d));
         let mut e = b;
-        e.attributes = 10;
+        e.attributes = 10.into();
         assert!(!a.same_topology(&e));
+    }
+
+    #[test]
+    fn attributes_compare_in_full_and_hash_by_digest() {
+        let bucket = |a: &Attributes| {
+            let mut h = FxHasher::default();
+            a.hash(&mut h);
+            h.finish()
+        };
+        // A forced digest collision: the same bucket, different attributes.
+        let (x, y) = (
+            Attributes::with_digest(7, *b"align=1"),
+            Attributes::with_digest(7, *b"align=2"),
+        );
+        assert_eq!(bucket(&x), bucket(&y));
+        assert_ne!(x, y);
+        assert_eq!(x, Attributes::with_digest(7, *b"align=1"));
+        // A word never equals bytes, whatever the digests.
+        assert_ne!(Attributes::word(7), Attributes::with_digest(7, []));
+        assert_eq!(Attributes::from(7), Attributes::word(7));
+        // Named integers: the listing order does not matter, names and
+        // values do, and a name cannot run into its value.
+        let named = |list: &[(&str, i64)]| Attributes::named_ints(list);
+        assert_eq!(named(&[("a", 1), ("b", 2)]), named(&[("b", 2), ("a", 1)]));
+        assert_ne!(named(&[("a", 1)]), named(&[("a", 2)]));
+        assert_ne!(named(&[("a", 1)]), named(&[("b", 1)]));
+        assert_ne!(named(&[("a", 1)]), named(&[("a", 1), ("b", 0)]));
+        assert_ne!(named(&[("ab", 1)]), named(&[("a", 1), ("b", 1)]));
     }
 
     #[test]

@@ -19,17 +19,19 @@
 
 pub mod backend;
 pub mod cache;
+mod call;
 pub mod cuda;
 mod error;
 pub mod key;
 mod op;
 pub mod policy;
+mod shard;
 pub mod sim;
 
 pub use backend::{GraphBackend, StreamState};
 pub use cache::{Call, GraphCache, Outcome, Stats};
 pub use error::{GraphError, GraphResult};
-pub use key::{Buffer, BufferRole, CallKey};
-pub use op::OpFailure;
+pub use key::{Attributes, Buffer, BufferRole, CallKey};
+pub use op::{op_id, OpCall, OpFailure};
 pub use policy::{Config, Policy};
 pub use xcall_core::{Device, Error, Platform, Result};

@@ -19,7 +19,7 @@ fn key(device: Device, address: u64) -> CallKey {
     CallKey {
         device,
         target: 0x5ca1e,
-        attributes: KERNELS as u64,
+        attributes: (KERNELS as u64).into(),
         buffers: vec![Buffer::new(address, (N * 4) as u64, BufferRole::InOut)],
     }
 }

@@ -12,7 +12,7 @@ fn host_calls_run_directly_and_never_touch_cuda() {
     let key = CallKey {
         device: Device::HOST,
         target: 1,
-        attributes: 2,
+        attributes: 2.into(),
         buffers: vec![Buffer::new(0x1000, 16, BufferRole::Out)],
     };
     // A stream given on Host is ignored, never queried.

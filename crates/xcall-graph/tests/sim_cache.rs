@@ -5,7 +5,10 @@ use std::sync::{Arc, Barrier};
 
 use xcall_core::testing::{run_threads, watchdog, within};
 use xcall_graph::sim::{SimBackend, SimOp, SimStream};
-use xcall_graph::{Call, CallKey, Config, Device, GraphCache, Outcome, Policy, Stats};
+use xcall_graph::{
+    op_id, Attributes, Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, OpCall,
+    Outcome, Policy, Stats,
+};
 
 #[path = "common/sim.rs"]
 mod sim;
@@ -537,7 +540,7 @@ fn forced_hash_collisions_never_replay_another_keys_graph() {
             key(0, 1, &[0x2000]),
             key(0, 2, &[0x1000]),
             CallKey {
-                attributes: 0xb00,
+                attributes: 0xb00.into(),
                 ..key(0, 1, &[0x1000])
             },
             key(1, 1, &[0x1000]),
@@ -568,6 +571,61 @@ fn forced_hash_collisions_never_replay_another_keys_graph() {
             );
         }
         assert_eq!(c.stats(Device::cuda(0)).entries, 5, "{policy:?}");
+    }
+}
+
+#[test]
+fn forced_digest_collisions_never_replay_another_attributes_graph() {
+    // Two attribute sets with one digest (as two XLA calls whose
+    // attributes collide would have), the same op and buffers: only the
+    // full comparison of the attributes tells them apart.
+    for policy in [Policy::Recapture, Policy::ExecUpdate] {
+        let c = cache(Config {
+            policy,
+            ..Config::default()
+        });
+        let sets = [
+            Attributes::with_digest(
+                0xd1,
+                Attributes::named_ints(&[("align", 1)]).bytes().unwrap(),
+            ),
+            Attributes::with_digest(
+                0xd1,
+                Attributes::named_ints(&[("align", 2)]).bytes().unwrap(),
+            ),
+        ];
+        let mut want = 0;
+        for round in 0..2 {
+            for (i, attributes) in sets.iter().enumerate() {
+                let value = 1 + 10 * i as i64;
+                let call = OpCall {
+                    device: Device::cuda(0),
+                    op: op_id("xcall_permute"),
+                    attributes: attributes.clone(),
+                    buffers: vec![Buffer::new(0x1000, 64, BufferRole::InOut)],
+                    stream: Some(stream(0)),
+                };
+                let outcome = c
+                    .run_op(call, |s| {
+                        c.backend().enqueue(s.unwrap(), add(0x1000, value));
+                        Ok::<(), std::io::Error>(())
+                    })
+                    .unwrap_or_else(|_| panic!("{policy:?} set {i}"));
+                let expected = if round == 0 {
+                    Outcome::Captured
+                } else {
+                    Outcome::Replayed
+                };
+                assert_eq!(outcome, expected, "{policy:?} set {i} round {round}");
+                want += value;
+            }
+        }
+        assert_eq!(
+            c.backend().read(Device::cuda(0), 0x1000),
+            want,
+            "{policy:?}"
+        );
+        assert_eq!(c.stats(Device::cuda(0)).entries, 2, "{policy:?}");
     }
 }
 

@@ -518,7 +518,7 @@ fn graph_rows(
     let key = CallKey {
         device: Device::cuda(0),
         target: 1,
-        attributes: 0,
+        attributes: 0.into(),
         buffers: [
             (l.routing, t * e),
             (l.x, t * h * 2),

@@ -536,7 +536,7 @@ impl Pe {
                 Platform::Cuda => self.device,
             },
             target: TARGET,
-            attributes: h.finish(),
+            attributes: h.finish().into(),
             buffers: self
                 .sizes
                 .iter()

@@ -36,13 +36,12 @@ mod frame;
 mod specs;
 
 use std::ffi::{c_void, CString};
-use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
 use xcall_core::{DType, Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
-use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, GraphCache, OpFailure};
+use xcall_graph::{op_id, Attributes, Buffer, BufferRole, Config, GraphCache, OpCall, OpFailure};
 use xcall_permute::call::{Target, Tensor};
 
 use crate::graph::xcall_graph_cache;
@@ -78,21 +77,8 @@ pub extern "C" fn xcall_xla_graph_cache() -> *const xcall_graph_cache {
     handler_cache()
 }
 
-/// A stable id of an op for graph-cache keys (FNV-1a of its name).
-fn op_id(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-fn attribute_digest(attrs: &[(String, i64)]) -> u64 {
-    // Fixed keys: the same digest for the same attributes all process long.
-    let mut h = std::hash::DefaultHasher::new();
-    attrs.hash(&mut h);
-    h.finish()
-}
-
-/// Runs the op on CUDA through the handlers' graph cache.
+/// Runs the op on CUDA through the handlers' graph cache: the call's key
+/// is its op, its attributes (compared in full) and its buffers.
 fn run_cached(spec: &Spec, target: &Target, d: &Decoded) -> Result<(), FfiError> {
     let buffers = d
         .args
@@ -101,27 +87,22 @@ fn run_cached(spec: &Spec, target: &Target, d: &Decoded) -> Result<(), FfiError>
         .chain(d.rets.iter().map(|(_, t)| (t, BufferRole::Out)))
         .map(|(t, role)| Buffer::new(t.address, t.bytes(), role))
         .collect();
-    let key = CallKey {
+    let call = OpCall {
         device: target.device,
-        target: op_id(spec.name),
-        attributes: attribute_digest(&d.attrs),
+        op: op_id(spec.name),
+        attributes: Attributes::named_ints(&d.attrs),
         buffers,
+        stream: Some(CudaStreamHandle(target.stream.cast())),
     };
-    let stream = CudaStreamHandle(target.stream.cast());
-    let outcome = handler_cache()
-        .inner
-        // xcall's ops depend on their buffers only through the addresses
-        // (kernel variants by alignment, refusals by overlap: both kept by
-        // a relocation), so a graph of theirs may be patched in place.
-        .execute_op(&Call::new(key, Some(stream)).relocatable(), |s| {
-            let t = Target {
-                stream: s.map_or(target.stream, |s| s.0.cast()),
-                ..*target
-            };
-            // SAFETY: XLA's buffers are valid for their shapes on the
-            // call's device until the call's stream work completes.
-            unsafe { (spec.run)(&t, d) }
-        });
+    let outcome = handler_cache().inner.run_op(call, |s| {
+        let t = Target {
+            stream: s.map_or(target.stream, |s| s.0.cast()),
+            ..*target
+        };
+        // SAFETY: XLA's buffers are valid for their shapes on the call's
+        // device until the call's stream work completes.
+        unsafe { (spec.run)(&t, d) }
+    });
     match outcome {
         Ok(_) => Ok(()),
         Err(OpFailure::Op(e)) => Err(e),

@@ -19,7 +19,7 @@ pub fn key(ordinal: u32, target: u64, addresses: &[u64]) -> CallKey {
     CallKey {
         device: Device::cuda(ordinal),
         target,
-        attributes: 0xa77,
+        attributes: 0xa77.into(),
         buffers: addresses
             .iter()
             .map(|&a| Buffer::new(a, 64, BufferRole::InOut))
