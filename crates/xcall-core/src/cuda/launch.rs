@@ -14,7 +14,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{sys, CudaFunction};
 
-use super::{check, ContextGuard, KernelRecord};
+use super::{check, ContextGuard, GraphExec, KernelRecord};
 use crate::{Device, Result};
 
 /// A kernel's parameters in order, each a [`KernelRecord`] starting at its
@@ -144,6 +144,22 @@ impl RecordedLaunch {
         })?;
         self.params = params;
         Ok(())
+    }
+
+    /// [`Self::set_in_exec`] on an owned executable.
+    ///
+    /// # Safety
+    /// `exec` was instantiated from the graph the launch was captured into,
+    /// and every pointer in `params` is valid for what the kernel does with
+    /// it when `exec` next runs.
+    pub unsafe fn set_in(
+        &mut self,
+        device: Device,
+        exec: &mut GraphExec,
+        params: Params,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract; `&mut` keeps other users out.
+        unsafe { self.set_in_exec(device, exec.raw(), params) }
     }
 }
 

@@ -20,17 +20,35 @@
 //! - [`Params`] and [`launch`]: one way to pass a kernel's parameters;
 //! - [`KernelRecord`] and [`kernel_params!`](crate::kernel_params): a
 //!   kernel's parameter struct written once in Rust, its CUDA C twin
-//!   generated with layout assertions.
+//!   generated with layout assertions;
+//! - [`Stream`] (borrowed) and [`OwnedStream`]: one stream type, with
+//!   capture status, waits, copies, memsets and stream-ordered scratch;
+//! - [`Graph`] and [`GraphExec`]: capture, instantiate, update in place,
+//!   launch ([`Stream::begin_capture`], [`Stream::launch_graph`]);
+//! - [`max_active_blocks`] and the function attributes; [`pointer_device`]
+//!   and [`reach`]: which device owns an address, whether one reaches it;
+//! - [`device`]: the device-side helpers (mbarrier, bulk copy, bf16/fp8
+//!   conversions) as CUDA C sources to prepend to a kernel's.
 
 mod context;
+pub mod device;
+mod function;
+mod graph;
 mod launch;
 mod objects;
 mod record;
+mod stream;
 
 pub use context::{retain_primary_context, with_context, ContextGuard};
+pub use function::{
+    max_active_blocks, max_threads_per_block, module_global, pointer_device, reach,
+    set_max_dynamic_shared, Reach,
+};
+pub use graph::{Graph, GraphExec, InstantiateFlags, RawGraphNode};
 pub use launch::{launch, recording_launches, Launch, Params, RecordedLaunch};
 pub use objects::{Event, StreamAlloc};
 pub use record::{pointer_offsets, KernelRecord, ParamField};
+pub use stream::{CaptureMode, OwnedStream, RawContext, RawDevice, RawStream, Stream};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -276,6 +294,18 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
         total_memory,
         multiprocessors,
     })
+}
+
+/// The driver's handle of `device` (`cuDeviceGet`), as
+/// [`Stream::driver_device`] answers it. Needs no context.
+pub fn driver_device(device: Device) -> Result<RawDevice> {
+    let ordinal = check_device(device)?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one value through a valid pointer.
+    check("cuDeviceGet", device, unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal as i32)
+    })?;
+    Ok(dev)
 }
 
 /// Whether `from` can map memory of `to` directly (cuDeviceCanAccessPeer).
