@@ -35,6 +35,7 @@ pub mod device;
 mod function;
 mod graph;
 mod launch;
+mod memory;
 mod objects;
 mod record;
 mod stream;
@@ -45,7 +46,11 @@ pub use function::{
     set_max_dynamic_shared, Reach,
 };
 pub use graph::{Graph, GraphExec, InstantiateFlags, RawGraphNode};
-pub use launch::{launch, recording_launches, Launch, Params, RecordedLaunch};
+pub use launch::{launch, launch_raw, recording_launches, Launch, Params, RecordedLaunch};
+pub use memory::{
+    copy_dtoh_sync, copy_htod_sync, enable_peer_access, ipc_close, ipc_handle, ipc_open, mem_alloc,
+    mem_free, mem_get_info, memset_d8_sync,
+};
 pub use objects::{Event, StreamAlloc};
 pub use record::{pointer_offsets, KernelRecord, ParamField};
 pub use stream::{CaptureMode, OwnedStream, RawContext, RawDevice, RawStream, Stream};
@@ -58,6 +63,10 @@ use cudarc::driver::{result as cu, sys};
 pub use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 
 use crate::{Device, Error, Platform, Result};
+
+/// The flags of a timing event for cudarc's `CudaContext::new_event`
+/// (`CU_EVENT_DEFAULT`: timing on; cudarc's `None` turns timing off).
+pub const TIMED_EVENT: Option<sys::CUevent_flags> = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
 
 /// Environment variable that hides CUDA from xcall when true (a boolean,
 /// see [`crate::env`]; the library then behaves as on a machine without a

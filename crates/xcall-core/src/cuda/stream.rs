@@ -337,6 +337,79 @@ impl Stream {
         owned.ok_or_else(|| Error::Unsupported("stream capture produced no graph".into()))
     }
 
+    /// Ties `release` to the graph this stream is capturing, if it is: the
+    /// driver runs it once, after it has destroyed that graph and every
+    /// executable made from it (a CUDA user object the graph owns).
+    /// Returns whether the stream was capturing. `release` runs exactly
+    /// once: when the driver lets the graph go if it was tied to it, else
+    /// (the stream was not capturing, or a call failed) before this
+    /// returns. `release` must call no CUDA function. Makes the device's primary context current for the
+    /// driver calls (`cuStreamGetCaptureInfo`, `cuUserObjectCreate`,
+    /// `cuGraphRetainUserObject`).
+    pub fn on_capture_release(&self, release: Box<dyn FnOnce() + Send>) -> Result<bool> {
+        unsafe extern "C" fn run(p: *mut c_void) {
+            // SAFETY: `p` is the box made below, released once by the
+            // driver.
+            let f = unsafe { Box::from_raw(p.cast::<Box<dyn FnOnce() + Send>>()) };
+            f();
+        }
+        let device = self.device;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph) = (0 as sys::cuuint64_t, std::ptr::null_mut());
+        let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: a live stream (from_raw's contract); every output is a
+        // valid pointer.
+        let info = on(device, "cuStreamGetCaptureInfo", || unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                self.raw,
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut n,
+            )
+        });
+        if let Err(e) = info {
+            release();
+            return Err(e);
+        }
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null()
+        {
+            release();
+            return Ok(false);
+        }
+        let held = Box::into_raw(Box::new(release));
+        let mut object: sys::CUuserObject = std::ptr::null_mut();
+        let flags = sys::CUuserObject_flags_enum::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32;
+        // SAFETY: `run` frees `held` once, when the object's last reference
+        // goes.
+        let made = on(device, "cuUserObjectCreate", || unsafe {
+            sys::cuUserObjectCreate(&mut object, held.cast(), Some(run), 1, flags)
+        });
+        if let Err(e) = made {
+            // SAFETY: the driver did not take `held`.
+            let release = unsafe { Box::from_raw(held) };
+            release();
+            return Err(e);
+        }
+        let moved = sys::CUuserObjectRetain_flags_enum::CU_GRAPH_USER_OBJECT_MOVE as u32;
+        // SAFETY: the capture's graph and a live object; the graph takes
+        // this thread's reference.
+        let kept = on(device, "cuGraphRetainUserObject", || unsafe {
+            sys::cuGraphRetainUserObject(graph, object, 1, moved)
+        });
+        if let Err(e) = kept {
+            // SAFETY: this thread's reference; its release runs `run`,
+            // which runs `release`.
+            let _ = on(device, "cuUserObjectRelease", || unsafe {
+                sys::cuUserObjectRelease(object, 1)
+            });
+            return Err(e);
+        }
+        Ok(true)
+    }
+
     /// Launches `exec` on the stream (`cuGraphLaunch`).
     pub fn launch_graph(&self, exec: &GraphExec) -> Result<()> {
         // SAFETY: a live executable (owned by `exec`) and a live stream;
