@@ -40,7 +40,9 @@ mod objects;
 mod record;
 mod stream;
 
-pub use context::{retain_primary_context, with_context, ContextGuard};
+pub use context::{
+    clear_current_context, current_context, retain_primary_context, with_context, ContextGuard,
+};
 pub use function::{
     max_active_blocks, max_threads_per_block, module_global, pointer_device, reach,
     set_max_dynamic_shared, Reach,
