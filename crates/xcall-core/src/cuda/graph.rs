@@ -92,6 +92,12 @@ pub struct InstantiateFlags {
 }
 
 impl InstantiateFlags {
+    /// The driver's value, for APIs that take it (cudarc's
+    /// `CudaStream::end_capture`).
+    pub fn driver(self) -> sys::CUgraphInstantiate_flags {
+        sys::CUgraphInstantiate_flags(self.bits() as _)
+    }
+
     fn bits(self) -> u64 {
         let mut bits = 0u64;
         if self.auto_free_on_launch {

@@ -42,7 +42,9 @@ pub enum CaptureMode {
 }
 
 impl CaptureMode {
-    pub(crate) fn raw(self) -> sys::CUstreamCaptureMode {
+    /// The driver's value, for APIs that take it (cudarc's
+    /// `CudaStream::begin_capture`).
+    pub fn driver(self) -> sys::CUstreamCaptureMode {
         use sys::CUstreamCaptureMode as M;
         match self {
             CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
@@ -317,7 +319,7 @@ impl Stream {
         // SAFETY: begins capture on a live stream; the driver refuses one
         // already capturing.
         self.call("cuStreamBeginCapture", || unsafe {
-            sys::cuStreamBeginCapture_v2(self.raw, mode.raw())
+            sys::cuStreamBeginCapture_v2(self.raw, mode.driver())
         })
     }
 
@@ -479,12 +481,15 @@ mod tests {
     fn capture_modes_map_to_the_driver_modes() {
         use sys::CUstreamCaptureMode as M;
         assert_eq!(
-            CaptureMode::ThreadLocal.raw(),
+            CaptureMode::ThreadLocal.driver(),
             M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         );
-        assert_eq!(CaptureMode::Global.raw(), M::CU_STREAM_CAPTURE_MODE_GLOBAL);
         assert_eq!(
-            CaptureMode::Relaxed.raw(),
+            CaptureMode::Global.driver(),
+            M::CU_STREAM_CAPTURE_MODE_GLOBAL
+        );
+        assert_eq!(
+            CaptureMode::Relaxed.driver(),
             M::CU_STREAM_CAPTURE_MODE_RELAXED
         );
     }
