@@ -3,7 +3,7 @@
 
 use cudarc::driver::sys;
 
-use super::{on, Stream};
+use super::on;
 use crate::{Device, Result};
 
 /// A CUDA event of one device, destroyed on drop.
@@ -33,13 +33,6 @@ impl Event {
         on(self.device, "cuEventRecord", || unsafe {
             sys::cuEventRecord(self.event, stream)
         })
-    }
-
-    /// Records the event on `stream` (one of the event's device: the
-    /// [`Stream`]'s contract).
-    pub fn record_on(&self, stream: &Stream) -> Result<()> {
-        // SAFETY: a Stream is a live stream (its from_raw contract).
-        unsafe { self.record(stream.raw()) }
     }
 
     /// Waits on the host until the event's recorded work is done.

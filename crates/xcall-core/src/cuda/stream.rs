@@ -14,7 +14,9 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 
-use super::{available, check, on, with_context, CudaContext, Graph, GraphExec, StreamAlloc};
+use super::{
+    available, check, on, with_context, CudaContext, Event, Graph, GraphExec, StreamAlloc,
+};
 use crate::{Device, Error, Result};
 
 /// A driver stream handle (`CUstream`), for code that receives one from a
@@ -419,6 +421,15 @@ impl Stream {
         self.call("cuGraphLaunch", || unsafe {
             sys::cuGraphLaunch(exec.raw(), self.raw)
         })
+    }
+}
+
+impl Event {
+    /// Records the event on `stream` (one of the event's device: the
+    /// [`Stream`]'s contract).
+    pub fn record_on(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: a Stream is a live stream (its from_raw contract).
+        unsafe { self.record(stream.raw()) }
     }
 }
 
