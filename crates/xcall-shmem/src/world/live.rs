@@ -1,6 +1,7 @@
 //! A live world: init step by step, finalize, and the internals every
 //! transfer and collective uses.
 
+use super::lists::{self, Lists};
 use super::*;
 
 /// Bytes reserved at offset 0 of every heap: `n` arrival words, the epoch
@@ -809,7 +810,9 @@ impl Live {
         }
     }
 
-    /// [`World::exchange`] on `stream` (`None`: this PE's own stream).
+    /// [`World::exchange`] on `stream` (`None`: this PE's own stream):
+    /// the segments checked, the lists agreed on by every PE
+    /// ([`Live::agree_exchange`]), then the data moved.
     ///
     /// # Safety
     /// Every outgoing `src` readable for its bytes until it completes.
@@ -820,60 +823,18 @@ impl Live {
         stream: Option<*mut std::ffi::c_void>,
     ) -> Result<()> {
         self.state.check()?;
+        let plan = self.plan_exchange(outgoing, incoming);
+        let ExchangePlan {
+            copies,
+            sends,
+            recvs,
+            to,
+            from,
+            tcp_sends,
+            tcp_recvs,
+            ..
+        } = self.agree_exchange(outgoing.len() + incoming.len(), plan)?;
         let (me, n) = (self.rank, self.size);
-        let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport.is_nccl();
-        let by_tcp = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Tcp;
-        // Every segment is checked before anything moves.
-        let (mut copies, mut sends, mut to) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut tcp_sends, mut tcp_recvs) = (Vec::new(), Vec::new());
-        // Which peers got a segment (sent to / received from): one signal
-        // and one wait per peer, however many segments.
-        let (mut sent, mut got) = (vec![false; n], vec![false; n]);
-        for o in outgoing {
-            self.check_pe(o.pe)?;
-            if by_nccl(self, o.pe) {
-                // The receiver writes it; checked here as this PE's object.
-                self.remote(o.dest, o.bytes, me, "exchange destination")?;
-                sends.push(crate::nccl::Segment {
-                    peer: o.pe,
-                    address: o.src,
-                    bytes: o.bytes,
-                });
-            } else if by_tcp(self, o.pe) {
-                self.remote(o.dest, o.bytes, me, "exchange destination")?;
-                tcp_sends.push(crate::sockets::Segment {
-                    peer: o.pe,
-                    address: o.src,
-                    bytes: o.bytes,
-                });
-            } else {
-                let dest = self.remote(o.dest, o.bytes, o.pe, "exchange destination")?;
-                copies.push((dest, o.src, o.bytes));
-                if o.pe != me && !std::mem::replace(&mut sent[o.pe], true) {
-                    to.push(o.pe);
-                }
-            }
-        }
-        let (mut recvs, mut from) = (Vec::new(), Vec::new());
-        for i in incoming {
-            self.check_pe(i.pe)?;
-            let dest = self.remote(i.dest, i.bytes, me, "exchange receive")?;
-            if by_nccl(self, i.pe) {
-                recvs.push(crate::nccl::Segment {
-                    peer: i.pe,
-                    address: dest,
-                    bytes: i.bytes,
-                });
-            } else if by_tcp(self, i.pe) {
-                tcp_recvs.push(crate::sockets::Segment {
-                    peer: i.pe,
-                    address: dest,
-                    bytes: i.bytes,
-                });
-            } else if i.pe != me && !std::mem::replace(&mut got[i.pe], true) {
-                from.push(i.pe);
-            }
-        }
         for &(dest, src, bytes) in &copies {
             // SAFETY: `dest` was checked to lie in one allocation of the
             // peer's mapped heap; `src` is the caller's contract.
@@ -954,6 +915,120 @@ impl Live {
             }
         }
         Ok(())
+    }
+
+    /// Checks every segment of an exchange before anything moves, and
+    /// sorts them by transport.
+    fn plan_exchange(&self, outgoing: &[Outgoing], incoming: &[Incoming]) -> Result<ExchangePlan> {
+        let (me, n) = (self.rank, self.size);
+        let by_nccl = |pe: usize| self.peers[pe].transport.is_nccl();
+        let by_tcp = |pe: usize| self.peers[pe].transport == Transport::Tcp;
+        let mut p = ExchangePlan::default();
+        // Which peers got a segment (sent to / received from): one signal
+        // and one wait per peer, however many segments.
+        let (mut sent, mut got) = (vec![false; n], vec![false; n]);
+        for o in outgoing {
+            self.check_pe(o.pe)?;
+            // Checked as this PE's object: allocations are symmetric.
+            self.remote(o.dest, o.bytes, me, "exchange destination")?;
+            p.lists.send(o.pe, o.dest - self.base, o.bytes);
+            if by_nccl(o.pe) {
+                // The receiver writes it.
+                p.sends.push(crate::nccl::Segment {
+                    peer: o.pe,
+                    address: o.src,
+                    bytes: o.bytes,
+                });
+            } else if by_tcp(o.pe) {
+                p.tcp_sends.push(crate::sockets::Segment {
+                    peer: o.pe,
+                    address: o.src,
+                    bytes: o.bytes,
+                });
+            } else {
+                let dest = self.remote(o.dest, o.bytes, o.pe, "exchange destination")?;
+                p.copies.push((dest, o.src, o.bytes));
+                if o.pe != me && !std::mem::replace(&mut sent[o.pe], true) {
+                    p.to.push(o.pe);
+                }
+            }
+        }
+        for i in incoming {
+            self.check_pe(i.pe)?;
+            let dest = self.remote(i.dest, i.bytes, me, "exchange receive")?;
+            p.lists.receive(i.pe, i.dest - self.base, i.bytes);
+            if by_nccl(i.pe) {
+                p.recvs.push(crate::nccl::Segment {
+                    peer: i.pe,
+                    address: dest,
+                    bytes: i.bytes,
+                });
+            } else if by_tcp(i.pe) {
+                p.tcp_recvs.push(crate::sockets::Segment {
+                    peer: i.pe,
+                    address: dest,
+                    bytes: i.bytes,
+                });
+            } else if i.pe != me && !std::mem::replace(&mut got[i.pe], true) {
+                p.from.push(i.pe);
+            }
+        }
+        Ok(p)
+    }
+
+    /// Every PE's exchange lists (or the error its checks found) through
+    /// the bootstrap, as a collective call numbered with the others,
+    /// before anything moves: a PE whose segments were refused fails the
+    /// exchange on every PE with its error, and lists that disagree fail
+    /// it on every PE with [`ShmemError::Mismatch`] ([`lists::verdict`]).
+    fn agree_exchange(
+        &mut self,
+        segments: usize,
+        plan: Result<ExchangePlan>,
+    ) -> Result<ExchangePlan> {
+        let seq = self.seq;
+        self.seq += 1;
+        let mut mine = format!("exchange\n{seq}\n{segments}\n").into_bytes();
+        match &plan {
+            Ok(p) => {
+                mine.extend_from_slice(b"ok\n");
+                mine.extend_from_slice(p.lists.encode().as_bytes());
+            }
+            Err(e) => {
+                mine.extend_from_slice(b"err\n");
+                mine.extend_from_slice(&e.encode());
+            }
+        }
+        let all = self.boot.allgather(&mine)?;
+        let mut listed = Vec::with_capacity(all.len());
+        let mut refused = None;
+        for (r, a) in all.iter().enumerate() {
+            let record = call_record(a);
+            let ours = matches!(fields(record).as_slice(),
+                [w, s, _] if w == "exchange" && *s == seq.to_string());
+            if !ours || record.len() == a.len() {
+                return Err(disagreement(seq, &all));
+            }
+            let body = &a[record.len() + 1..];
+            if let Some(e) = body.strip_prefix(b"err\n") {
+                refused.get_or_insert((r, e));
+                continue;
+            }
+            let lists = body
+                .strip_prefix(b"ok\n")
+                .and_then(|l| std::str::from_utf8(l).ok())
+                .and_then(Lists::decode)
+                .ok_or_else(|| {
+                    ShmemError::Mismatch(format!("rank {r}'s exchange #{seq} record is malformed"))
+                })?;
+            listed.push(lists);
+        }
+        let plan = plan?;
+        if let Some((r, e)) = refused {
+            return Err(ShmemError::decode(r, e));
+        }
+        lists::verdict(seq, &listed)?;
+        Ok(plan)
     }
 
     /// Sets the signal word at `word` (an aligned word of a mapped heap) to
@@ -1066,6 +1141,25 @@ impl Live {
     }
 }
 
+/// An exchange's segments, checked and sorted by transport, with the
+/// lists its PEs agree on.
+#[derive(Default)]
+pub(super) struct ExchangePlan {
+    /// (peer address, source, bytes) of the copies to mapped peers.
+    copies: Vec<(u64, u64, usize)>,
+    /// NCCL sends and receives.
+    sends: Vec<crate::nccl::Segment>,
+    recvs: Vec<crate::nccl::Segment>,
+    /// The mapped peers signalled once their copies are done, and those
+    /// waited for.
+    to: Vec<usize>,
+    from: Vec<usize>,
+    /// TCP sends and receives.
+    tcp_sends: Vec<crate::sockets::Segment>,
+    tcp_recvs: Vec<crate::sockets::Segment>,
+    lists: Lists,
+}
+
 /// The most bytes one PE gives [`Live::allgather`].
 pub const MAX_GATHER_BYTES: usize = 16 << 20;
 
@@ -1087,7 +1181,7 @@ fn disagreement(seq: u64, all: &[Vec<u8>]) -> ShmemError {
         .map(|(r, a)| format!("rank {r}: {}", describe_call(call_record(a))))
         .collect();
     ShmemError::Mismatch(format!(
-        "PEs disagree in collective call #{seq} (malloc, free, barrier_all, allgather and finalize must be called in the same order with the same sizes on every PE): {}",
+        "PEs disagree in collective call #{seq} (malloc, free, barrier_all, allgather, exchange and finalize must be called in the same order with the same sizes on every PE): {}",
         calls.join("; ")
     ))
 }
@@ -1098,7 +1192,10 @@ pub(super) fn describe_call(record: &[u8]) -> String {
     let f = fields(record);
     let (what, seq, arg) = match f.as_slice() {
         [w, s, a] => (w.as_str(), s.as_str(), a.as_str()),
-        _ => return "a call that is not malloc, free, barrier_all, allgather or finalize".into(),
+        _ => {
+            return "a call that is not malloc, free, barrier_all, allgather, exchange or finalize"
+                .into()
+        }
     };
     match what {
         "malloc" => format!("malloc #{seq} of {arg} bytes"),
@@ -1107,6 +1204,7 @@ pub(super) fn describe_call(record: &[u8]) -> String {
         }
         "free" => format!("free #{seq} of offset {arg}"),
         "allgather" => format!("allgather #{seq} of {arg} bytes"),
+        "exchange" => format!("exchange #{seq} of {arg} segments"),
         _ => format!("{what} #{seq}"),
     }
 }

@@ -72,6 +72,7 @@ pub const MAX_PES: usize = 1 << 16;
 const STATE_PAGE: usize = 4096;
 
 mod config;
+mod lists;
 mod live;
 mod state;
 
@@ -613,6 +614,16 @@ impl World {
     /// destination is written once its sender reaches the exchange: as
     /// with [`World::put`], a PE must not reuse one before its owner is
     /// done with the data there.
+    ///
+    /// Before anything moves, every PE's lists (summed per peer) meet
+    /// through the bootstrap, as a collective call numbered with the
+    /// others: lists that disagree fail the exchange on every PE with
+    /// [`ShmemError::Mismatch`] naming the ranks and sizes, a segment one
+    /// PE refuses (a bad PE or destination) fails it on every PE with that
+    /// PE's error, and in both cases nothing is written and nothing
+    /// counts toward a later exchange. So the call waits on the host
+    /// until every PE reached it (with a stream too, also while a graph
+    /// captures it), and a PE that never comes makes it time out.
     ///
     /// # Safety
     /// Every `src` readable for its bytes until the exchange completes
