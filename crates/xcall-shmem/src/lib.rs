@@ -45,6 +45,7 @@ mod handoff;
 pub mod heap;
 mod host;
 pub mod launch;
+pub mod limits;
 pub mod nccl;
 pub mod registry;
 pub mod sockets;

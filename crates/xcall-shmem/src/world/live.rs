@@ -1160,9 +1160,6 @@ pub(super) struct ExchangePlan {
     lists: Lists,
 }
 
-/// The most bytes one PE gives [`Live::allgather`].
-pub const MAX_GATHER_BYTES: usize = 16 << 20;
-
 /// A collective's record without its data: up to the third line break
 /// (`what\nseq\narg`), or all of it.
 fn call_record(record: &[u8]) -> &[u8] {

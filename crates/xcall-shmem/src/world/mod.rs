@@ -64,10 +64,7 @@ pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
 pub const DEFAULT_CUDA_HEAP: usize = 1 << 30;
 /// Default timeout of every wait on other PEs.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-/// The most PEs a world may have. Rack-scale systems have 72 GPUs and CPU
-/// partitions more; the bound keeps the per-PE tables of init (O(PEs) on
-/// every PE) from growing without limit on a wrong size.
-pub const MAX_PES: usize = 1 << 16;
+pub use crate::limits::{MAX_GATHER_BYTES, MAX_PES};
 /// Bytes of a world's state page.
 const STATE_PAGE: usize = 4096;
 
@@ -77,7 +74,6 @@ mod live;
 mod state;
 
 pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, TRANSPORT_ENV};
-pub use live::MAX_GATHER_BYTES;
 use live::{agree, fields, internal_bytes, Live, PeerMap};
 use state::{
     finalize_step, state_page, unique, StatePage, EXCHANGE_TIMED_OUT, FINALIZE_FAILED,
