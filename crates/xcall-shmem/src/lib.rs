@@ -41,18 +41,20 @@
 pub mod bootstrap;
 mod cuda;
 mod error;
-mod handoff;
 pub mod heap;
-mod host;
 pub mod launch;
 pub mod limits;
-pub mod nccl;
 pub mod registry;
-pub mod sockets;
+pub mod transport;
 pub mod world;
 
+pub use transport::nccl;
+/// The TCP connections of Host pairs ([`transport::tcp`]), by their
+/// earlier name.
+pub use transport::tcp as sockets;
+
 pub use error::{Result, ShmemError};
-pub use host::HOST_ENV;
+pub use transport::host_shared_memory::HOST_ENV;
 pub use world::{
     BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
     Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,

@@ -30,7 +30,7 @@ pub(super) fn exchange_word(n: usize, from: usize) -> u64 {
 
 pub(super) enum Memory {
     Host(HostHeap),
-    Cuda(crate::cuda::DeviceHeap),
+    Cuda(crate::transport::cuda_ipc::DeviceHeap),
 }
 
 pub(super) enum PeerMap {
@@ -42,7 +42,7 @@ pub(super) enum PeerMap {
     /// A PE reached through NCCL or TCP only: nothing mapped.
     Unmapped,
     Host(#[allow(dead_code)] HostMapping),
-    Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
+    Cuda(#[allow(dead_code)] crate::transport::cuda_ipc::IpcMapping),
 }
 
 pub(super) struct Peer {
@@ -57,9 +57,9 @@ pub(super) struct Peer {
 pub(super) struct Live {
     // Dropped first: an aborted communicator ends its kernels before the
     // memory they use goes.
-    pub(super) nccl: Option<crate::nccl::Comm>,
+    pub(super) nccl: Option<crate::transport::nccl::Comm>,
     /// The TCP connections of a Host PE's unmapped pairs.
-    pub(super) mesh: Option<crate::sockets::Mesh>,
+    pub(super) mesh: Option<crate::transport::tcp::Mesh>,
     pub(super) state: StatePage,
     pub(super) rank: usize,
     pub(super) size: usize,
@@ -114,7 +114,7 @@ fn all_say(boot: &mut dyn Bootstrap, yes: bool) -> Result<bool> {
 
 /// Whether this process's NCCL (when one loads) has one-sided operations.
 fn one_sided_nccl() -> bool {
-    crate::nccl::library().is_ok_and(|l| l.one_sided())
+    crate::transport::nccl::library().is_ok_and(|l| l.one_sided())
 }
 
 /// A new NCCL communicator of the world's PEs (collective): rank 0's
@@ -123,14 +123,15 @@ fn nccl_comm(
     boot: &mut dyn Bootstrap,
     c: &Config,
     healthy: &dyn Fn() -> Result<()>,
-) -> Result<crate::nccl::Comm> {
+) -> Result<crate::transport::nccl::Comm> {
     let id = match c.rank {
-        0 => crate::nccl::unique_id(c.device),
+        0 => crate::transport::nccl::unique_id(c.device),
         _ => Ok(Vec::new()),
     };
     let id = agree(boot, id)?;
     let id = boot.broadcast(0, &id)?;
-    let comm = crate::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, healthy);
+    let comm =
+        crate::transport::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, healthy);
     agree(boot, comm)
 }
 
@@ -261,9 +262,12 @@ impl Live {
             Platform::Host if ipc => HostHeap::shared(&shm_name, len).map(Memory::Host),
             Platform::Host => HostHeap::private(len).map(Memory::Host),
             Platform::Cuda if try_one_sided => {
-                crate::cuda::DeviceHeap::through_nccl(c.device, len).map(Memory::Cuda)
+                crate::transport::cuda_ipc::DeviceHeap::through_nccl(c.device, len)
+                    .map(Memory::Cuda)
             }
-            Platform::Cuda => crate::cuda::DeviceHeap::new(c.device, len).map(Memory::Cuda),
+            Platform::Cuda => {
+                crate::transport::cuda_ipc::DeviceHeap::new(c.device, len).map(Memory::Cuda)
+            }
         };
         let memory = Arc::new(agree(boot.as_mut(), memory)?);
         let heap_offer = handoff::offer(memory.clone());
@@ -295,7 +299,7 @@ impl Live {
         // NCCL's communicator, when some pair takes it: rank 0's id
         // spread by the bootstrap.
         let nccl = if nccl_pairs {
-            agree(boot.as_mut(), crate::nccl::library().map(|_| ()))?;
+            agree(boot.as_mut(), crate::transport::nccl::library().map(|_| ()))?;
             let healthy = || state.check();
             let mut comm = nccl_comm(boot.as_mut(), c, &healthy)?;
             step("NCCL communicator up");
@@ -325,7 +329,7 @@ impl Live {
         };
         // The TCP connections of the Host pairs that take them.
         let mesh = if (0..c.size).any(by_tcp) {
-            let listener = crate::sockets::listen(boot.local_ip());
+            let listener = crate::transport::tcp::listen(boot.local_ip());
             let listener = agree(boot.as_mut(), listener)?;
             let addresses: Vec<String> = boot
                 .allgather(listener.address.as_bytes())?
@@ -333,7 +337,7 @@ impl Live {
                 .map(|a| String::from_utf8_lossy(a).into_owned())
                 .collect();
             let token = match c.rank {
-                0 => crate::sockets::token().to_le_bytes().to_vec(),
+                0 => crate::transport::tcp::token().to_le_bytes().to_vec(),
                 _ => Vec::new(),
             };
             let token = boot.broadcast(0, &token)?;
@@ -597,7 +601,7 @@ impl Live {
     }
 
     /// The world's NCCL communicator, unless a failure aborted it.
-    pub(super) fn comm(&self) -> Result<&crate::nccl::Comm> {
+    pub(super) fn comm(&self) -> Result<&crate::transport::nccl::Comm> {
         self.nccl.as_ref().ok_or_else(|| {
             ShmemError::State(
                 "the world's NCCL communicator was aborted after a failure; only finalize remains"
@@ -934,13 +938,13 @@ impl Live {
             p.lists.send(o.pe, o.dest - self.base, o.bytes);
             if by_nccl(o.pe) {
                 // The receiver writes it.
-                p.sends.push(crate::nccl::Segment {
+                p.sends.push(crate::transport::nccl::Segment {
                     peer: o.pe,
                     address: o.src,
                     bytes: o.bytes,
                 });
             } else if by_tcp(o.pe) {
-                p.tcp_sends.push(crate::sockets::Segment {
+                p.tcp_sends.push(crate::transport::tcp::Segment {
                     peer: o.pe,
                     address: o.src,
                     bytes: o.bytes,
@@ -958,13 +962,13 @@ impl Live {
             let dest = self.remote(i.dest, i.bytes, me, "exchange receive")?;
             p.lists.receive(i.pe, i.dest - self.base, i.bytes);
             if by_nccl(i.pe) {
-                p.recvs.push(crate::nccl::Segment {
+                p.recvs.push(crate::transport::nccl::Segment {
                     peer: i.pe,
                     address: dest,
                     bytes: i.bytes,
                 });
             } else if by_tcp(i.pe) {
-                p.tcp_recvs.push(crate::sockets::Segment {
+                p.tcp_recvs.push(crate::transport::tcp::Segment {
                     peer: i.pe,
                     address: dest,
                     bytes: i.bytes,
@@ -1148,15 +1152,15 @@ pub(super) struct ExchangePlan {
     /// (peer address, source, bytes) of the copies to mapped peers.
     copies: Vec<(u64, u64, usize)>,
     /// NCCL sends and receives.
-    sends: Vec<crate::nccl::Segment>,
-    recvs: Vec<crate::nccl::Segment>,
+    sends: Vec<crate::transport::nccl::Segment>,
+    recvs: Vec<crate::transport::nccl::Segment>,
     /// The mapped peers signalled once their copies are done, and those
     /// waited for.
     to: Vec<usize>,
     from: Vec<usize>,
     /// TCP sends and receives.
-    tcp_sends: Vec<crate::sockets::Segment>,
-    tcp_recvs: Vec<crate::sockets::Segment>,
+    tcp_sends: Vec<crate::transport::tcp::Segment>,
+    tcp_recvs: Vec<crate::transport::tcp::Segment>,
     lists: Lists,
 }
 
@@ -1299,14 +1303,14 @@ fn map_peers(
                 (m.base, PeerMap::Host(m))
             }
             Platform::Cuda if same_process(r) => {
-                crate::cuda::enable_peer_access(c.device, device, (c.rank, r))?;
+                crate::transport::cuda_ipc::enable_peer_access(c.device, device, (c.rank, r))?;
                 (their_base, held()?)
             }
             Platform::Cuda => {
                 let bytes: Vec<u8> = (0..export.len() / 2)
                     .filter_map(|i| u8::from_str_radix(&export[2 * i..2 * i + 2], 16).ok())
                     .collect();
-                let m = crate::cuda::IpcMapping::open(c.device, &bytes)?;
+                let m = crate::transport::cuda_ipc::IpcMapping::open(c.device, &bytes)?;
                 (m.base, PeerMap::Cuda(m))
             }
         };

@@ -49,10 +49,11 @@ use xcall_core::{Device, Platform};
 use crate::bootstrap::{Bootstrap, InProcess, Logged, Tcp, UnixSocket};
 use crate::cuda::WaitCode;
 use crate::error::{Result, ShmemError};
-use crate::handoff::{self, Offer};
 use crate::heap::{Allocator, ALIGN};
-use crate::host::{host_identity, HostHeap, HostMapping};
 use crate::registry::{self, Binding};
+use crate::transport::host_shared_memory::{host_identity, HostHeap, HostMapping};
+use crate::transport::same_process::{self as handoff, Offer};
+pub use crate::transport::Transport;
 
 /// Environment variable with the heap size (when the config gives none): a
 /// size as `xcall_core::env` reads it, for example `512M`, `1GiB` or a byte
@@ -90,53 +91,6 @@ pub enum Phase {
     Live,
     /// Finalized; `init` may start it again.
     Finalized,
-}
-
-/// How this PE reaches a peer's heap (a read-only fact for tests and
-/// diagnostics: [`World::transport`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// This PE itself, or a PE of this process: the peer's address as is
-    /// (on CUDA with peer access enabled), never IPC.
-    SameProcess,
-    /// Host heap of another process, mapped from POSIX shared memory.
-    HostSharedMemory,
-    /// CUDA heap of another process, opened from its IPC handle.
-    CudaIpc,
-    /// A PE on another host, or any PE when NCCL is forced
-    /// ([`Pairs::Nccl`]): not mapped; data moves with [`World::exchange`]
-    /// (NCCL send/receive groups).
-    Nccl,
-    /// As [`Transport::Nccl`], and the loaded NCCL runs one-sided puts on
-    /// the world's communicator (NCCL 2.29 and newer, the heap registered
-    /// as its window): [`World::put`] and [`World::put_signal`] (with
-    /// [`SignalOp::Set`]) reach the PE with no call on its side. Gets and
-    /// signal adds still need [`World::exchange`].
-    NcclOneSided,
-    /// Host: a PE on another host, or any other PE when TCP is forced
-    /// ([`Pairs::Tcp`]): not mapped; data moves with [`World::exchange`]
-    /// over a TCP connection of the pair ([`crate::sockets`]).
-    Tcp,
-}
-
-impl Transport {
-    /// Whether NCCL carries the pair ([`Transport::Nccl`] or
-    /// [`Transport::NcclOneSided`]).
-    pub fn is_nccl(self) -> bool {
-        matches!(self, Transport::Nccl | Transport::NcclOneSided)
-    }
-
-    /// The transport's name in log lines (`cuda_ipc`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Transport::SameProcess => "same_process",
-            Transport::HostSharedMemory => "host_shared_memory",
-            Transport::CudaIpc => "cuda_ipc",
-            Transport::Nccl => "nccl",
-            Transport::NcclOneSided => "nccl_one_sided",
-            Transport::Tcp => "tcp",
-        }
-    }
 }
 
 impl PeerMap {
@@ -263,7 +217,7 @@ impl World {
     /// A world dropped while such graphs live aborts its communicator on
     /// a thread of its own instead of waiting: the abort ends their
     /// running kernels at once, and NCCL frees the communicator once they
-    /// are destroyed (see [`crate::nccl::settle_aborts`]).
+    /// are destroyed (see [`crate::transport::nccl::settle_aborts`]).
     pub fn finalize(&mut self) -> Result<FinalizeReport> {
         self.live()?.no_graphs_hold_nccl()?;
         let live = self.live.take().expect("checked live");
