@@ -160,7 +160,7 @@ pub(super) fn verdict(seq: u64, all: &[Lists]) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{verdict, Lists, NAMED_PAIRS};
 
     fn lists(out: &[(usize, u64, usize)], inc: &[(usize, u64, usize)]) -> Lists {
         let mut l = Lists::default();

@@ -39,47 +39,33 @@
 //! that holds it), and another process's heap stays mapped in this process
 //! until this PE leaves.
 
-use std::path::PathBuf;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use xcall_core::{Device, Platform};
 
-use crate::bootstrap::{Bootstrap, InProcess, Logged, Tcp, UnixSocket};
 use crate::cuda::WaitCode;
 use crate::error::{Result, ShmemError};
-use crate::heap::{Allocator, ALIGN};
-use crate::registry::{self, Binding};
-use crate::transport::host_shared_memory::{host_identity, HostHeap, HostMapping};
-use crate::transport::same_process::{self as handoff, Offer};
+use live::{Live, PeerMap};
+use state::LEFT_WITHOUT_FINALIZE;
+
+pub use crate::limits::{MAX_GATHER_BYTES, MAX_PES};
 pub use crate::transport::Transport;
 
-/// Environment variable with the heap size (when the config gives none): a
-/// size as `xcall_core::env` reads it, for example `512M`, `1GiB` or a byte
-/// count.
-pub const HEAP_ENV: &str = "XCALL_SHMEM_HEAP_BYTES";
-/// Default Host heap: 64 MiB per PE.
-pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
-/// Default CUDA heap: 1 GiB per PE (NVSHMEM's default too).
-pub const DEFAULT_CUDA_HEAP: usize = 1 << 30;
-/// Default timeout of every wait on other PEs.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-pub use crate::limits::{MAX_GATHER_BYTES, MAX_PES};
-/// Bytes of a world's state page.
-const STATE_PAGE: usize = 4096;
-
+mod collective;
 mod config;
+mod exchange;
+mod finalize;
+mod identities;
+mod init;
+mod layout;
 mod lists;
 mod live;
+mod peers;
 mod state;
 
-pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, TRANSPORT_ENV};
-use live::{agree, fields, internal_bytes, Live, PeerMap};
-use state::{
-    finalize_step, state_page, unique, StatePage, EXCHANGE_TIMED_OUT, FINALIZE_FAILED,
-    LEFT_WITHOUT_FINALIZE, NCCL_FAILED,
+pub use config::{
+    BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, DEFAULT_CUDA_HEAP,
+    DEFAULT_HOST_HEAP, DEFAULT_TIMEOUT, HEAP_ENV, TRANSPORT_ENV,
 };
+pub use exchange::{Incoming, Outgoing};
 pub use state::{set_finalize_hook, FinalizeHook, FinalizeStep};
 
 /// Lifecycle phase of a [`World`].
@@ -91,18 +77,6 @@ pub enum Phase {
     Live,
     /// Finalized; `init` may start it again.
     Finalized,
-}
-
-impl PeerMap {
-    fn transport(&self) -> Transport {
-        match self {
-            PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
-            PeerMap::Host(_) => Transport::HostSharedMemory,
-            PeerMap::Cuda(_) => Transport::CudaIpc,
-            // A pair whose transport maps nothing says which it is.
-            PeerMap::Unmapped => Transport::Nccl,
-        }
-    }
 }
 
 /// One PE's handle on a world of symmetric memory. Not shared between
@@ -671,32 +645,6 @@ impl Drop for World {
             drop(live);
         }
     }
-}
-
-/// A segment this PE sends in a [`World::exchange`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Outgoing {
-    /// The receiving PE.
-    pub pe: usize,
-    /// The data: this PE's memory.
-    pub src: u64,
-    /// Where it lands: a symmetric address (this PE's address of the
-    /// object), inside one allocation.
-    pub dest: u64,
-    /// Bytes.
-    pub bytes: usize,
-}
-
-/// A segment this PE receives in a [`World::exchange`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Incoming {
-    /// The sending PE.
-    pub pe: usize,
-    /// Where it lands: the symmetric address of the sender's `dest`, in
-    /// this PE's heap, inside one allocation.
-    pub dest: u64,
-    /// Bytes.
-    pub bytes: usize,
 }
 
 /// Direction of [`World::transfer`].
