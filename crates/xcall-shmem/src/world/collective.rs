@@ -1,34 +1,11 @@
-//! The host-side collectives of a live world through its bootstrap: a
-//! step agreed on by every PE, the checked collective calls (malloc,
-//! free, barrier_all, finalize), and allgather; and how a disagreement
-//! between PEs is described.
+//! The host-side collectives of a live world through its bootstrap: the
+//! checked collective calls (malloc, free, barrier_all, finalize), and
+//! allgather; and how a disagreement between PEs is described.
 
+use super::agreement::fields;
 use super::live::Live;
-use crate::bootstrap::Bootstrap;
 use crate::error::{Result, ShmemError};
 use crate::limits::MAX_GATHER_BYTES;
-
-/// Sends this PE's result to every PE; every PE returns the first failure
-/// (its own first), so a step that fails anywhere fails everywhere.
-pub(super) fn agree<T>(boot: &mut dyn Bootstrap, local: Result<T>) -> Result<T> {
-    let msg = match &local {
-        Ok(_) => Vec::new(),
-        Err(e) => e.encode(),
-    };
-    let all = boot.allgather(&msg)?;
-    let local = local?;
-    match all.iter().position(|m| !m.is_empty()) {
-        Some(r) => Err(ShmemError::decode(r, &all[r])),
-        None => Ok(local),
-    }
-}
-
-pub(super) fn fields(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(bytes)
-        .split('\n')
-        .map(str::to_string)
-        .collect()
-}
 
 impl Live {
     /// Checks that every PE makes the same collective call: (what, seq,

@@ -4,7 +4,8 @@
 
 use xcall_core::Platform;
 
-use super::collective::{call_record, disagreement, fields};
+use super::agreement::fields;
+use super::collective::{call_record, disagreement};
 use super::config::SignalOp;
 use super::layout::exchange_word;
 use super::lists::{self, Lists};

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use xcall_core::Platform;
 
-use super::collective::{agree, fields};
+use super::agreement::{agree, fields};
 use super::config::{BootstrapKind, Config, Pairs};
 use super::identities::check_identities;
 use super::layout::internal_bytes;

@@ -49,6 +49,7 @@ use state::LEFT_WITHOUT_FINALIZE;
 pub use crate::limits::{MAX_GATHER_BYTES, MAX_PES};
 pub use crate::transport::Transport;
 
+mod agreement;
 mod collective;
 mod config;
 mod exchange;

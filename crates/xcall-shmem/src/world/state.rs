@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::collective::{agree, fields};
+use super::agreement::{agree, fields};
 use super::config::Config;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Result, ShmemError};
