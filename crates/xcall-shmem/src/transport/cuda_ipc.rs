@@ -3,11 +3,9 @@
 //! opened from its IPC handle, and peer access between the GPUs of one
 //! process.
 
-use cudarc::driver::sys;
-use xcall_core::cuda::{self, driver_error};
+use xcall_core::cuda;
 use xcall_core::Device;
 
-use crate::cuda::on;
 use crate::error::{Result, ShmemError};
 use crate::transport::nccl;
 
@@ -23,12 +21,8 @@ pub(crate) struct DeviceHeap {
 impl DeviceHeap {
     /// A heap from the driver (`cuMemAlloc`): what IPC can export.
     pub fn new(device: Device, len: usize) -> Result<DeviceHeap> {
-        let mut base = 0;
-        // SAFETY: writes one device pointer through a valid reference.
-        on(device, "cuMemAlloc", || unsafe {
-            sys::cuMemAlloc_v2(&mut base, len)
-        })
-        .map_err(|e| e.context(format!("symmetric heap of {len} bytes")))?;
+        let base = cuda::mem_alloc(device, len)
+            .map_err(|e| ShmemError::from(e).context(format!("symmetric heap of {len} bytes")))?;
         Ok(DeviceHeap {
             device,
             base,
@@ -49,13 +43,8 @@ impl DeviceHeap {
 
     /// The IPC handle of the heap, as 64 bytes.
     pub fn ipc_handle(&self) -> Result<Vec<u8>> {
-        // SAFETY: a plain C struct of 64 chars; zero is a valid value.
-        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
         // SAFETY: `base` is a live cuMemAlloc allocation of this device.
-        on(self.device, "cuIpcGetMemHandle", || unsafe {
-            sys::cuIpcGetMemHandle(&mut h, self.base)
-        })?;
-        Ok(h.reserved.iter().map(|&c| c as u8).collect())
+        Ok(unsafe { cuda::ipc_handle(self.device, self.base) }?.to_vec())
     }
 }
 
@@ -67,9 +56,7 @@ impl Drop for DeviceHeap {
         }
         // SAFETY: frees the allocation made in `new`; peers closed their
         // mappings of it before (finalize's order).
-        let _ = on(self.device, "cuMemFree", || unsafe {
-            sys::cuMemFree_v2(self.base)
-        });
+        let _ = unsafe { cuda::mem_free(self.device, self.base) };
     }
 }
 
@@ -81,37 +68,22 @@ pub(crate) struct IpcMapping {
 
 impl IpcMapping {
     pub fn open(device: Device, handle: &[u8]) -> Result<IpcMapping> {
-        if handle.len() != 64 {
+        let Ok(handle) = <&[u8; 64]>::try_from(handle) else {
             return Err(ShmemError::InvalidArgument(format!(
                 "an IPC handle has 64 bytes, got {}",
                 handle.len()
             )));
-        }
-        // SAFETY: a plain C struct of 64 chars.
-        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        for (d, s) in h.reserved.iter_mut().zip(handle) {
-            *d = *s as _;
-        }
-        let mut base = 0;
-        // SAFETY: `h` is a handle another process exported; the mapping is
-        // closed in Drop.
-        on(device, "cuIpcOpenMemHandle", || unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut base,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        })?;
+        };
+        // The mapping is closed in Drop.
+        let base = cuda::ipc_open(device, handle)?;
         Ok(IpcMapping { device, base })
     }
 }
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
-        // SAFETY: `base` came from cuIpcOpenMemHandle in this process.
-        let _ = on(self.device, "cuIpcCloseMemHandle", || unsafe {
-            sys::cuIpcCloseMemHandle(self.base)
-        });
+        // SAFETY: `base` came from ipc_open in this process, closed once.
+        let _ = unsafe { cuda::ipc_close(self.device, self.base) };
     }
 }
 
@@ -127,20 +99,6 @@ pub(crate) fn enable_peer_access(from: Device, to: Device, ranks: (usize, usize)
             ranks.0, ranks.1
         )));
     }
-    let peer_ctx = cuda::with_context(to, |ctx| Ok(ctx.cu_ctx()))?;
-    cuda::with_context(from, |_| {
-        // SAFETY: `peer_ctx` is `to`'s primary context, retained for the
-        // life of the process by with_context.
-        match unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) } {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-                Ok(())
-            }
-            e => Err(driver_error(
-                "cuCtxEnablePeerAccess",
-                from,
-                e.result().unwrap_err(),
-            )),
-        }
-    })?;
+    cuda::enable_peer_access(from, to)?;
     Ok(())
 }

@@ -290,7 +290,7 @@ impl Live {
         let internal = alloc.alloc(internal_bytes(c.size))?;
         debug_assert_eq!(internal, 0);
         let stream = match c.device.platform {
-            Platform::Cuda => Some(crate::cuda::Stream::new(c.device)),
+            Platform::Cuda => Some(crate::cuda::OwnStream::new(c.device).map_err(ShmemError::from)),
             Platform::Host => None,
         }
         .transpose();

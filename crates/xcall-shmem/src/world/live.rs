@@ -65,7 +65,7 @@ pub(super) struct Live {
     /// Signal values staged so far ([`Live::stage_word`]).
     pub(super) staged: u64,
     pub(super) peers: Vec<Peer>,
-    pub(super) stream: Option<crate::cuda::Stream>,
+    pub(super) stream: Option<crate::cuda::OwnStream>,
     // Dropped last, in this order (fields drop in declaration order).
     pub(super) memory: Arc<Memory>,
     pub(super) _binding: Binding,
@@ -267,10 +267,13 @@ impl Live {
     pub(super) fn stream_or(
         &self,
         stream: Option<*mut std::ffi::c_void>,
-    ) -> cudarc::driver::sys::CUstream {
+    ) -> xcall_core::cuda::RawStream {
         match stream {
             Some(s) => s.cast(),
-            None => self.stream.as_ref().map_or(std::ptr::null_mut(), |s| s.raw),
+            None => self
+                .stream
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |s| s.raw()),
         }
     }
 
@@ -360,7 +363,7 @@ impl Live {
                     // failed or silent peer ends in an error, not a hang.
                     let state = &self.state;
                     let polled = crate::error::poll(self.timeout, || {
-                        let idle = s.idle()?;
+                        let idle = crate::cuda::idle(s)?;
                         comm.progress("a transfer")?;
                         state.check()?;
                         Ok(idle)
@@ -381,7 +384,7 @@ impl Live {
                         return Err(e);
                     }
                 }
-                s.sync()?;
+                crate::cuda::sync(s)?;
                 let err_word = self.error_word();
                 let word = self.read_word(err_word)?;
                 if word == 0 {

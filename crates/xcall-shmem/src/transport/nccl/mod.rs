@@ -42,7 +42,7 @@ use std::time::Duration;
 use xcall_core::cuda::ContextGuard;
 use xcall_core::Device;
 
-use crate::cuda::Stream;
+use crate::cuda::{sync, OwnStream};
 use crate::error::{poll, Result, ShmemError};
 
 mod library;
@@ -474,7 +474,7 @@ impl Comm {
         timeout: Duration,
         healthy: &dyn Fn() -> Result<()>,
     ) -> Result<bool> {
-        let stream = Stream::new(self.device)?;
+        let stream = OwnStream::new(self.device)?;
         let buffer = NcclMemory::new(self.device, PROBE_BYTES)?;
         // Declared after the window's memory: dropped (aborted) before it.
         let mut comm = self;
@@ -487,12 +487,13 @@ impl Comm {
 
     /// A signal to itself, run to completion on `stream` (see
     /// [`Comm::one_sided_works`]).
-    fn signals_itself(self, stream: &Stream, timeout: Duration) -> Result<bool> {
+    fn signals_itself(self, stream: &OwnStream, timeout: Duration) -> Result<bool> {
         let calls = self.lib.one_sided_calls()?;
         let ctx = ContextGuard::primary(self.device)?;
         // SAFETY: a live communicator and stream of its device; signal
         // index, context and flags 0.
-        let r = unsafe { (calls.signal)(self.rank as c_int, 0, 0, 0, self.raw, stream.raw.cast()) };
+        let r =
+            unsafe { (calls.signal)(self.rank as c_int, 0, 0, 0, self.raw, stream.raw().cast()) };
         drop(ctx);
         if r != SUCCESS && r != IN_PROGRESS {
             tracing::debug!(
@@ -504,7 +505,7 @@ impl Comm {
         }
         let ran = self
             .wait("ncclSignal", timeout, &|| Ok(()))
-            .and_then(|_| stream.sync());
+            .and_then(|_| sync(stream));
         Ok(ran.is_ok())
     }
 
