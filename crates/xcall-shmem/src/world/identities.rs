@@ -3,12 +3,43 @@
 
 use xcall_core::{Device, Platform};
 
-use super::config::{Config, TRANSPORT_ENV};
+use super::agreement::{agree, fields};
+use super::config::{Config, Pairs, TRANSPORT_ENV};
+use crate::bootstrap::Bootstrap;
 use crate::error::{Result, ShmemError};
+use crate::transport::host_shared_memory::host_identity;
+
+/// Step 3 (collective): every PE's identity (host, process, platform,
+/// ordinal, heap bytes, transport policy), as fields by rank, and every
+/// PE's device, agreed on ([`check_identities`]).
+pub(super) fn exchange_identities(
+    boot: &mut dyn Bootstrap,
+    c: &Config,
+    len: usize,
+    pairs: Pairs,
+) -> Result<(Vec<Vec<String>>, Vec<Device>)> {
+    let me = format!(
+        "{}\n{}\n{}\n{}\n{}\n{:?}",
+        host_identity()?,
+        std::process::id(),
+        c.device.platform as u32,
+        c.device.ordinal,
+        len,
+        pairs
+    );
+    let ids: Vec<Vec<String>> = boot
+        .allgather(me.as_bytes())?
+        .iter()
+        .map(|b| fields(b))
+        .collect();
+    let devices = check_identities(&ids, c, len);
+    let devices = agree(boot, devices)?;
+    Ok((ids, devices))
+}
 
 /// Step 3: the devices of every rank, from their identities (`host`, `pid`,
 /// platform, ordinal, heap bytes); refuses what a world cannot hold.
-pub(super) fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<Device>> {
+fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<Device>> {
     let mut devices = Vec::with_capacity(c.size);
     for (r, f) in ids.iter().enumerate() {
         if f.len() != 6 {

@@ -9,7 +9,8 @@ use xcall_core::Platform;
 
 use super::agreement::{agree, fields};
 use super::config::{BootstrapKind, Config, Pairs};
-use super::identities::check_identities;
+use super::connections::{all_say, connect_nccl, connect_tcp, one_sided_nccl};
+use super::identities::exchange_identities;
 use super::layout::internal_bytes;
 use super::live::{Live, Memory};
 use super::peers::map_peers;
@@ -19,37 +20,43 @@ use crate::error::{Result, ShmemError};
 use crate::heap::Allocator;
 use crate::limits::MAX_PES;
 use crate::registry;
+use crate::transport::cuda_ipc::DeviceHeap;
 use crate::transport::host_shared_memory::{host_identity, HostHeap};
 use crate::transport::same_process as handoff;
 use crate::transport::Transport;
 
-/// Whether every PE says `yes` (each its own).
-fn all_say(boot: &mut dyn Bootstrap, yes: bool) -> Result<bool> {
-    let all = boot.allgather(&[yes as u8])?;
-    Ok(all.iter().all(|a| a.as_slice() == [1]))
-}
-
-/// Whether this process's NCCL (when one loads) has one-sided operations.
-fn one_sided_nccl() -> bool {
-    crate::transport::nccl::library().is_ok_and(|l| l.one_sided())
-}
-
-/// A new NCCL communicator of the world's PEs (collective): rank 0's
-/// unique id spread by the bootstrap, the init agreed on.
-fn nccl_comm(
+/// Step 4's heap (collective: agreed on): Host, one process: anonymous
+/// memory; Host, a peer in another process (`ipc`): POSIX shared memory;
+/// CUDA: the driver's memory (plus its IPC handle with `ipc`), or NCCL's
+/// (`one_sided`). Returns the heap, its base and what peers of other
+/// processes open it by (a shared-memory name, an IPC handle in hex).
+fn allocate_heap(
     boot: &mut dyn Bootstrap,
     c: &Config,
-    healthy: &dyn Fn() -> Result<()>,
-) -> Result<crate::transport::nccl::Comm> {
-    let id = match c.rank {
-        0 => crate::transport::nccl::unique_id(c.device),
-        _ => Ok(Vec::new()),
+    len: usize,
+    ipc: bool,
+    one_sided: bool,
+) -> Result<(Arc<Memory>, u64, String)> {
+    let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
+    let memory = match c.device.platform {
+        Platform::Host if ipc => HostHeap::shared(&shm_name, len).map(Memory::Host),
+        Platform::Host => HostHeap::private(len).map(Memory::Host),
+        Platform::Cuda if one_sided => DeviceHeap::through_nccl(c.device, len).map(Memory::Cuda),
+        Platform::Cuda => DeviceHeap::new(c.device, len).map(Memory::Cuda),
     };
-    let id = agree(boot, id)?;
-    let id = boot.broadcast(0, &id)?;
-    let comm =
-        crate::transport::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, healthy);
-    agree(boot, comm)
+    let memory = Arc::new(agree(boot, memory)?);
+    let (base, export) = match &*memory {
+        Memory::Host(h) => (h.base, shm_name),
+        Memory::Cuda(d) => {
+            let handle = if ipc {
+                agree(boot, d.ipc_handle())?
+            } else {
+                agree(boot, Ok(Vec::new()))?
+            };
+            (d.base, handle.iter().map(|b| format!("{b:02x}")).collect())
+        }
+    };
+    Ok((memory, base, export))
 }
 
 impl Live {
@@ -123,22 +130,7 @@ impl Live {
 
         // 3. identities.
         let pairs = c.pairs()?;
-        let me = format!(
-            "{}\n{}\n{}\n{}\n{}\n{:?}",
-            host_identity()?,
-            std::process::id(),
-            c.device.platform as u32,
-            c.device.ordinal,
-            len,
-            pairs
-        );
-        let ids: Vec<Vec<String>> = boot
-            .allgather(me.as_bytes())?
-            .iter()
-            .map(|b| fields(b))
-            .collect();
-        let devices = check_identities(&ids, c, len);
-        let devices = agree(boot.as_mut(), devices)?;
+        let (ids, devices) = exchange_identities(boot.as_mut(), c, len, pairs)?;
         step("identities exchanged");
         let same_host = |r: usize| ids[r][0] == ids[c.rank][0];
         let same_process = |r: usize| same_host(r) && ids[r][1] == ids[c.rank][1];
@@ -167,31 +159,8 @@ impl Live {
         // and the heap.
         let leader = (0..c.size).find(|&r| same_host(r)).unwrap_or(c.rank);
         let (state, _state_offer) = state_page(boot.as_mut(), c, leader, cross, &same_process)?;
-        let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
-        let memory = match c.device.platform {
-            Platform::Host if ipc => HostHeap::shared(&shm_name, len).map(Memory::Host),
-            Platform::Host => HostHeap::private(len).map(Memory::Host),
-            Platform::Cuda if try_one_sided => {
-                crate::transport::cuda_ipc::DeviceHeap::through_nccl(c.device, len)
-                    .map(Memory::Cuda)
-            }
-            Platform::Cuda => {
-                crate::transport::cuda_ipc::DeviceHeap::new(c.device, len).map(Memory::Cuda)
-            }
-        };
-        let memory = Arc::new(agree(boot.as_mut(), memory)?);
+        let (memory, base, export) = allocate_heap(boot.as_mut(), c, len, ipc, try_one_sided)?;
         let heap_offer = handoff::offer(memory.clone());
-        let (base, export) = match &*memory {
-            Memory::Host(h) => (h.base, shm_name.clone()),
-            Memory::Cuda(d) => {
-                let handle = if ipc {
-                    agree(boot.as_mut(), d.ipc_handle())?
-                } else {
-                    agree(boot.as_mut(), Ok(Vec::new()))?
-                };
-                (d.base, handle.iter().map(|b| format!("{b:02x}")).collect())
-            }
-        };
 
         // 5. peers.
         let descs: Vec<Vec<String>> = boot
@@ -206,62 +175,28 @@ impl Live {
         };
         let peers = map_peers(&descs, &devices, c, len, &same_process, &remote_transport);
         let mut peers = agree(boot.as_mut(), peers)?;
-        // NCCL's communicator, when some pair takes it: rank 0's id
-        // spread by the bootstrap.
-        let nccl = if nccl_pairs {
-            agree(boot.as_mut(), crate::transport::nccl::library().map(|_| ()))?;
-            let healthy = || state.check();
-            let mut comm = nccl_comm(boot.as_mut(), c, &healthy)?;
-            step("NCCL communicator up");
-            if try_one_sided {
-                // NCCL refuses one-sided operations among ranks it cannot
-                // reach that way (across hosts without its RMA support),
-                // failing the communicator that asked: a communicator of
-                // their own asks first. Then the heap becomes a window.
-                let asked = nccl_comm(boot.as_mut(), c, &healthy)?;
-                let works = agree(boot.as_mut(), asked.one_sided_works(c.timeout, &healthy))?;
-                let works = all_say(boot.as_mut(), works)?;
-                let windowed = match works {
-                    true => comm.register_window(base, len, c.timeout, &healthy),
-                    false => Ok(false),
-                };
-                let windowed = agree(boot.as_mut(), windowed)?;
-                if all_say(boot.as_mut(), windowed)? {
-                    for p in peers.iter_mut().filter(|p| p.transport == Transport::Nccl) {
-                        p.transport = Transport::NcclOneSided;
-                    }
-                }
-                step("NCCL one-sided operations asked for");
+        // The unmapped pairs' connections: NCCL's communicator (CUDA) or
+        // TCP connections (Host).
+        let nccl = match nccl_pairs {
+            true => {
+                let healthy = || state.check();
+                let heap = (base, len);
+                Some(connect_nccl(
+                    boot.as_mut(),
+                    c,
+                    heap,
+                    try_one_sided,
+                    &mut peers,
+                    &healthy,
+                    &step,
+                )?)
             }
-            Some(comm)
-        } else {
-            None
+            false => None,
         };
-        // The TCP connections of the Host pairs that take them.
-        let mesh = if (0..c.size).any(by_tcp) {
-            let listener = crate::transport::tcp::listen(boot.local_ip());
-            let listener = agree(boot.as_mut(), listener)?;
-            let addresses: Vec<String> = boot
-                .allgather(listener.address.as_bytes())?
-                .iter()
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
-            let token = match c.rank {
-                0 => crate::transport::tcp::token().to_le_bytes().to_vec(),
-                _ => Vec::new(),
-            };
-            let token = boot.broadcast(0, &token)?;
-            let token =
-                u64::from_le_bytes(token.as_slice().try_into().map_err(|_| {
-                    ShmemError::Mismatch("rank 0 sent a malformed TCP token".into())
-                })?);
-            let tcp: Vec<bool> = (0..c.size).map(by_tcp).collect();
-            let mesh = listener.connect(c.rank, &tcp, &addresses, token, c.timeout);
-            let mesh = agree(boot.as_mut(), mesh)?;
-            step("TCP pairs connected");
-            Some(mesh)
-        } else {
-            None
+        let tcp: Vec<bool> = (0..c.size).map(by_tcp).collect();
+        let mesh = match tcp.iter().any(|&t| t) {
+            true => Some(connect_tcp(boot.as_mut(), c, &tcp, &step)?),
+            false => None,
         };
         for (pe, p) in peers.iter().enumerate() {
             tracing::debug!(
@@ -353,40 +288,6 @@ impl Live {
                 crate::cuda::kernels(self.device)?;
                 // SAFETY: the first `internal` bytes of this PE's heap.
                 unsafe { crate::cuda::write_device(self.device, self.base, &table) }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::all_say;
-    use crate::bootstrap::InProcess;
-
-    /// `all_say` is yes on every PE exactly when every PE says yes.
-    #[test]
-    fn every_pe_hears_yes_only_when_all_say_it() {
-        let cases = [
-            [true, true, true],
-            [true, false, true],
-            [false, false, false],
-        ];
-        for (case, says) in cases.into_iter().enumerate() {
-            let pes: Vec<_> = (0..3)
-                .map(|r| {
-                    std::thread::spawn(move || {
-                        let group = format!("all-say-{case}");
-                        let timeout = Duration::from_secs(20);
-                        let mut boot = InProcess::join(&group, r, 3, timeout).unwrap();
-                        all_say(&mut boot, says[r]).unwrap()
-                    })
-                })
-                .collect();
-            let want = says.iter().all(|&s| s);
-            for pe in pes {
-                assert_eq!(pe.join().unwrap(), want, "case {case}: {says:?}");
             }
         }
     }

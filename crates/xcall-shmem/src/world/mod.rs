@@ -52,6 +52,7 @@ pub use crate::transport::Transport;
 mod agreement;
 mod collective;
 mod config;
+mod connections;
 mod exchange;
 mod finalize;
 mod identities;
