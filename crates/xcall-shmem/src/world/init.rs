@@ -25,6 +25,10 @@ use crate::transport::host_shared_memory::{host_identity, HostHeap};
 use crate::transport::same_process as handoff;
 use crate::transport::Transport;
 
+/// The target of the init log lines: the module path they have always
+/// had, so log filters keep selecting them.
+const LOG_TARGET: &str = "xcall_shmem::world::live";
+
 /// Step 4's heap (collective: agreed on): Host, one process: anonymous
 /// memory; Host, a peer in another process (`ipc`): POSIX shared memory;
 /// CUDA: the driver's memory (plus its IPC handle with `ipc`), or NCCL's
@@ -106,6 +110,7 @@ impl Live {
         let started = Instant::now();
         let step = |what: &str| {
             tracing::debug!(
+                target: LOG_TARGET,
                 bootstrap = name.as_str(),
                 rank = c.rank,
                 size = c.size,
@@ -200,6 +205,7 @@ impl Live {
         };
         for (pe, p) in peers.iter().enumerate() {
             tracing::debug!(
+                target: LOG_TARGET,
                 rank = c.rank,
                 pe,
                 device = %c.device,
@@ -255,6 +261,7 @@ impl Live {
         agree(live.boot.as_mut(), zeroed)?;
         live.boot.barrier()?;
         tracing::info!(
+            target: LOG_TARGET,
             bootstrap = live.name.as_str(),
             rank = c.rank,
             size = c.size,

@@ -57,6 +57,10 @@ use library::{
     UNDEF_INT,
 };
 
+/// The target of the NCCL log lines: the module path they have always
+/// had, so log filters keep selecting them.
+const LOG_TARGET: &str = "xcall_shmem::nccl";
+
 /// A new NCCL unique id (rank 0 makes it; the bootstrap spreads it).
 pub fn unique_id(device: Device) -> Result<Vec<u8>> {
     let lib = library()?;
@@ -109,7 +113,12 @@ pub(crate) fn free(device: Device, base: u64) {
     let r = unsafe { (calls.mem_free)(base as *mut c_void) };
     drop(ctx);
     if r != SUCCESS {
-        tracing::warn!(device = %device, result = r, "ncclMemFree failed");
+        tracing::warn!(
+            target: LOG_TARGET,
+            device = %device,
+            result = r,
+            "ncclMemFree failed"
+        );
     }
 }
 
@@ -497,6 +506,7 @@ impl Comm {
         drop(ctx);
         if r != SUCCESS && r != IN_PROGRESS {
             tracing::debug!(
+                target: LOG_TARGET,
                 rank = self.rank,
                 error = %self.lib.describe(r, self.raw),
                 "NCCL runs no one-sided operations on this world's communicator"
@@ -615,6 +625,7 @@ impl Drop for Comm {
                 // abort the grace to finish when the graphs go meanwhile.
                 let finished = finished.recv_timeout(Duration::from_secs(2)).is_ok();
                 tracing::warn!(
+                    target: LOG_TARGET,
                     rank = self.rank,
                     graphs = alive,
                     finished,
@@ -624,6 +635,7 @@ impl Drop for Comm {
             Err(e) => {
                 ABORTS.fetch_sub(1, Ordering::AcqRel);
                 tracing::warn!(
+                    target: LOG_TARGET,
                     rank = self.rank,
                     graphs = alive,
                     error = %e,

@@ -34,6 +34,10 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Result, ShmemError};
 
+/// The target of the TCP transport log lines: the module path they have
+/// always had, so log filters keep selecting them.
+const LOG_TARGET: &str = "xcall_shmem::sockets";
+
 /// How long an accepted connection may take to send its hello.
 const HELLO_WAIT: Duration = Duration::from_secs(2);
 
@@ -239,7 +243,12 @@ impl Mesh {
         }
         let result = self.run(sends, recvs);
         if let Err(e) = &result {
-            tracing::warn!(rank = self.rank, error = %e, "TCP exchange failed; closing every TCP pair");
+            tracing::warn!(
+                target: LOG_TARGET,
+                rank = self.rank,
+                error = %e,
+                "TCP exchange failed; closing every TCP pair"
+            );
             self.close();
             self.failed = Some(e.clone());
         }
