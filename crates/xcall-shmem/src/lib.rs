@@ -19,7 +19,8 @@
 //! NCCL ([`nccl`], opened at run time), through [`World::exchange`]. Host,
 //! another host (or every other pair with [`Pairs::Tcp`]): TCP connections
 //! ([`sockets`]), through [`World::exchange`]. Copies on CUDA use the copy
-//! engine (`cuMemcpyAsync` on mapped pointers).
+//! engine (`cuMemcpyAsync` on mapped pointers). Each transport is a module
+//! of [`transport`]; the bounds a world holds to are in [`limits`].
 //!
 //! # Multi-node
 //! A world spanning hosts keeps the same API: the TCP bootstrap

@@ -24,6 +24,13 @@
 //!    /dev/shm even if a process dies later);
 //! 7. reserve the internal region at offset 0 (barrier words) and zero it.
 //!
+//! The modules follow the steps: `init` runs them in order (1, 2, 4, 6,
+//! 7), `identities` is step 3, `peers` step 5 for mapped pairs and
+//! `connections` for the pairs NCCL or TCP carry; `finalize` mirrors
+//! them. A live world's internals are in `live`, the internal region's
+//! words in `layout`, the collectives in `collective` (on `agreement`),
+//! and [`World::exchange`] in `exchange` (its lists agreed on in `lists`).
+//!
 //! Finalize mirrors it: quiet and barrier; free what is still allocated
 //! (reported as leaks); close the mappings of other processes' heaps
 //! (same-process peers are never "closed"); barrier; release the heap,
