@@ -1974,7 +1974,13 @@ xcall_status xcall_shmem_peer_transport(xcall_shmem_world *w, uint32_t pe, uint3
  * `XCALL_STATUS_NULL_ARGUMENT`; more than `XCALL_SHMEM_MAX_SEGMENTS` on
  * a side, `pe` not a PE, a destination not inside one live object of the
  * heap: `XCALL_STATUS_INVALID_ARGUMENT`; every segment is checked before
- * anything moves.
+ * anything moves. The PEs' lists meet before any data moves (the call
+ * waits on the host for every PE, with a stream too): lists that
+ * disagree (a segment only one side lists, other sizes, destinations or
+ * order) give `XCALL_STATUS_COLLECTIVE_MISMATCH` on every PE, naming the
+ * ranks and sizes; a segment one PE refuses fails the call on every PE
+ * with that PE's status; either way nothing is written and nothing
+ * carries over to a later exchange.
  */
 xcall_status xcall_shmem_exchange(xcall_shmem_world *w,
                                   const xcall_shmem_outgoing *outgoing,

@@ -8,13 +8,12 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, driver_error, KernelRecord, Launch, Params};
+use xcall_core::cuda::{self, CudaFunction, KernelRecord, Launch, Params, RawStream, Stream};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::kernel_params;
 use xcall_core::{Device, DeviceMap, KernelCache, KernelSource};
 
-use crate::error::{Result, ShmemError};
+use crate::error::Result;
 
 const SOURCE: &str = include_str!("kernels.cu");
 
@@ -128,15 +127,6 @@ pub(crate) fn kernels(device: Device) -> Result<Arc<Kernels>> {
     Ok(k.clone())
 }
 
-/// [`cuda::on`] with this crate's error type.
-pub(crate) fn on(
-    device: Device,
-    call: &'static str,
-    f: impl FnOnce() -> sys::CUresult,
-) -> Result<()> {
-    Ok(cuda::on(device, call, f)?)
-}
-
 /// Writes `bytes` (host memory) to device memory at `dst`, waiting for the
 /// copy.
 ///
@@ -144,9 +134,7 @@ pub(crate) fn on(
 /// `dst` must be `bytes.len()` writable bytes of `device`.
 pub(crate) unsafe fn write_device(device: Device, dst: u64, bytes: &[u8]) -> Result<()> {
     // SAFETY: the caller's contract on `dst`; `bytes` is live host memory.
-    on(device, "cuMemcpyHtoD", || unsafe {
-        sys::cuMemcpyHtoD_v2(dst, bytes.as_ptr().cast(), bytes.len())
-    })
+    Ok(unsafe { cuda::copy_htod_sync(device, dst, bytes) }?)
 }
 
 /// Reads the 64-bit word at `addr` of `device`, waiting for the copy.
@@ -154,231 +142,58 @@ pub(crate) unsafe fn write_device(device: Device, dst: u64, bytes: &[u8]) -> Res
 /// # Safety
 /// `addr` must be 8 readable bytes of `device`.
 pub(crate) unsafe fn read_word(device: Device, addr: u64) -> Result<u64> {
-    let mut v = 0u64;
+    let mut v = [0u64];
     // SAFETY: the caller's contract on `addr`; writes 8 bytes into `v`.
-    on(device, "cuMemcpyDtoH", || unsafe {
-        sys::cuMemcpyDtoH_v2((&mut v as *mut u64).cast(), addr, 8)
-    })?;
-    Ok(v)
+    unsafe { cuda::copy_dtoh_sync(device, &mut v, addr) }?;
+    Ok(v[0])
 }
 
-/// Device memory of one PE's heap (cuMemAlloc: exportable through IPC).
-pub(crate) struct DeviceHeap {
-    pub device: Device,
-    pub base: u64,
-    /// Allocated by NCCL (`ncclMemAlloc`), to be registered as a window;
-    /// else by the driver (`cuMemAlloc`).
-    pub nccl: bool,
+/// A stream of the PE's own (non-blocking), for blocking copies and polls:
+/// core's owned stream, waited for and destroyed on drop.
+pub(crate) use xcall_core::cuda::OwnedStream as OwnStream;
+
+/// Whether everything enqueued on `stream` so far has completed, asked
+/// with its device's primary context current.
+pub(crate) fn idle(stream: &Stream) -> Result<bool> {
+    Ok(stream.in_context(|s| s.is_idle())?)
 }
 
-impl DeviceHeap {
-    /// A heap from the driver (`cuMemAlloc`): what IPC can export.
-    pub fn new(device: Device, len: usize) -> Result<DeviceHeap> {
-        let mut base = 0;
-        // SAFETY: writes one device pointer through a valid reference.
-        on(device, "cuMemAlloc", || unsafe {
-            sys::cuMemAlloc_v2(&mut base, len)
-        })
-        .map_err(|e| e.context(format!("symmetric heap of {len} bytes")))?;
-        Ok(DeviceHeap {
-            device,
-            base,
-            nccl: false,
-        })
-    }
-
-    /// A heap from NCCL (`ncclMemAlloc`): what an NCCL window can hold (IPC
-    /// cannot export it).
-    pub fn through_nccl(device: Device, len: usize) -> Result<DeviceHeap> {
-        let base = crate::nccl::alloc(device, len)?;
-        Ok(DeviceHeap {
-            device,
-            base,
-            nccl: true,
-        })
-    }
-
-    /// The IPC handle of the heap, as 64 bytes.
-    pub fn ipc_handle(&self) -> Result<Vec<u8>> {
-        // SAFETY: a plain C struct of 64 chars; zero is a valid value.
-        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: `base` is a live cuMemAlloc allocation of this device.
-        on(self.device, "cuIpcGetMemHandle", || unsafe {
-            sys::cuIpcGetMemHandle(&mut h, self.base)
-        })?;
-        Ok(h.reserved.iter().map(|&c| c as u8).collect())
-    }
-}
-
-impl Drop for DeviceHeap {
-    fn drop(&mut self) {
-        if self.nccl {
-            crate::nccl::free(self.device, self.base);
-            return;
-        }
-        // SAFETY: frees the allocation made in `new`; peers closed their
-        // mappings of it before (finalize's order).
-        let _ = on(self.device, "cuMemFree", || unsafe {
-            sys::cuMemFree_v2(self.base)
-        });
-    }
-}
-
-/// A peer's heap opened from its IPC handle (closed on drop).
-pub(crate) struct IpcMapping {
-    pub device: Device,
-    pub base: u64,
-}
-
-impl IpcMapping {
-    pub fn open(device: Device, handle: &[u8]) -> Result<IpcMapping> {
-        if handle.len() != 64 {
-            return Err(ShmemError::InvalidArgument(format!(
-                "an IPC handle has 64 bytes, got {}",
-                handle.len()
-            )));
-        }
-        // SAFETY: a plain C struct of 64 chars.
-        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        for (d, s) in h.reserved.iter_mut().zip(handle) {
-            *d = *s as _;
-        }
-        let mut base = 0;
-        // SAFETY: `h` is a handle another process exported; the mapping is
-        // closed in Drop.
-        on(device, "cuIpcOpenMemHandle", || unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut base,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        })?;
-        Ok(IpcMapping { device, base })
-    }
-}
-
-impl Drop for IpcMapping {
-    fn drop(&mut self) {
-        // SAFETY: `base` came from cuIpcOpenMemHandle in this process.
-        let _ = on(self.device, "cuIpcCloseMemHandle", || unsafe {
-            sys::cuIpcCloseMemHandle(self.base)
-        });
-    }
-}
-
-/// Lets `from` access `to`'s memory directly (same process). Already
-/// enabled is fine; a pair without peer access is an error naming it.
-pub(crate) fn enable_peer_access(from: Device, to: Device, ranks: (usize, usize)) -> Result<()> {
-    if from == to {
-        return Ok(());
-    }
-    if !cuda::can_access_peer(from, to)? {
-        return Err(ShmemError::Unsupported(format!(
-            "rank {} ({from}) cannot access rank {} ({to}) directly: no peer access between these GPUs",
-            ranks.0, ranks.1
-        )));
-    }
-    let peer_ctx = cuda::with_context(to, |ctx| Ok(ctx.cu_ctx()))?;
-    cuda::with_context(from, |_| {
-        // SAFETY: `peer_ctx` is `to`'s primary context, retained for the
-        // life of the process by with_context.
-        match unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) } {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-                Ok(())
-            }
-            e => Err(driver_error(
-                "cuCtxEnablePeerAccess",
-                from,
-                e.result().unwrap_err(),
-            )),
-        }
-    })?;
-    Ok(())
-}
-
-/// A stream of the PE's own (non-blocking), for blocking copies and polls.
-pub(crate) struct Stream {
-    pub device: Device,
-    pub raw: sys::CUstream,
-}
-
-// SAFETY: a CUstream handle may be used from any thread; the world that
-// owns it serialises its use (&mut self).
-unsafe impl Send for Stream {}
-
-impl Stream {
-    pub fn new(device: Device) -> Result<Stream> {
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: writes one stream handle.
-        on(device, "cuStreamCreate", || unsafe {
-            sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-        })?;
-        Ok(Stream { device, raw })
-    }
-
-    /// Whether everything enqueued so far has completed (`cuStreamQuery`).
-    pub fn idle(&self) -> Result<bool> {
-        let _ctx = xcall_core::cuda::ContextGuard::primary(self.device)?;
-        // SAFETY: a live stream of this device.
-        match unsafe { sys::cuStreamQuery(self.raw) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            e => Err(xcall_core::cuda::check("cuStreamQuery", self.device, e)
-                .unwrap_err()
-                .into()),
-        }
-    }
-
-    pub fn sync(&self) -> Result<()> {
-        // SAFETY: a live stream of this device.
-        on(self.device, "cuStreamSynchronize", || unsafe {
-            sys::cuStreamSynchronize(self.raw)
-        })
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        let _ = self.sync();
-        // SAFETY: destroys the stream made in `new`, idle now.
-        let _ = on(self.device, "cuStreamDestroy", || unsafe {
-            sys::cuStreamDestroy_v2(self.raw)
-        });
-    }
+/// Waits on the host for everything enqueued on `stream`, with its
+/// device's primary context current.
+pub(crate) fn sync(stream: &Stream) -> Result<()> {
+    Ok(stream.in_context(|s| s.sync())?)
 }
 
 /// `bytes` from `src` to `dst` on `stream` (any mix of host and device
 /// addresses: unified addressing).
 ///
 /// # Safety
-/// Both ranges must be valid for the whole copy.
+/// Both ranges must be valid for the whole copy; `stream` is null or a
+/// live stream of `device`.
 pub(crate) unsafe fn copy(
     device: Device,
     dst: u64,
     src: u64,
     bytes: usize,
-    stream: sys::CUstream,
+    stream: RawStream,
 ) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }
-    // SAFETY: the caller's contract.
-    on(device, "cuMemcpyAsync", || unsafe {
-        sys::cuMemcpyAsync(dst, src, bytes, stream)
-    })
+    // SAFETY: the caller's contract on `stream`.
+    let s = unsafe { Stream::from_raw(device, stream) };
+    // SAFETY: the caller's contract on both ranges.
+    Ok(s.in_context(|s| unsafe { s.copy(dst, src, bytes) })?)
 }
 
 /// Whether `stream` is capturing into a CUDA graph.
 ///
 /// # Safety
 /// `stream` is a live stream of `device` (or null: the legacy stream).
-pub(crate) unsafe fn capturing(device: Device, stream: sys::CUstream) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the caller's contract on `stream`; writes one status.
-    on(device, "cuStreamIsCapturing", || unsafe {
-        sys::cuStreamIsCapturing(stream, &mut status)
-    })?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+pub(crate) unsafe fn capturing(device: Device, stream: RawStream) -> Result<bool> {
+    // SAFETY: the caller's contract on `stream`.
+    let s = unsafe { Stream::from_raw(device, stream) };
+    Ok(s.in_context(|s| s.is_capturing())?)
 }
 
 /// Ties `count` to the graph `stream` is capturing, if it is: one more
@@ -390,62 +205,19 @@ pub(crate) unsafe fn capturing(device: Device, stream: sys::CUstream) -> Result<
 /// `stream` is a live stream of `device`.
 pub(crate) unsafe fn count_while_captured(
     device: Device,
-    stream: sys::CUstream,
+    stream: RawStream,
     count: &Arc<AtomicUsize>,
 ) -> Result<bool> {
-    unsafe extern "C" fn release(p: *mut std::ffi::c_void) {
-        // SAFETY: `p` is the Box made below, released once by the driver.
-        let count = unsafe { Box::from_raw(p.cast::<Arc<AtomicUsize>>()) };
-        count.fetch_sub(1, Ordering::AcqRel);
-    }
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    let (mut id, mut graph) = (0 as sys::cuuint64_t, std::ptr::null_mut());
-    let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
-    // SAFETY: the caller's contract on `stream`; every output is a valid
-    // pointer.
-    on(device, "cuStreamGetCaptureInfo", || unsafe {
-        sys::cuStreamGetCaptureInfo_v3(
-            stream,
-            &mut status,
-            &mut id,
-            &mut graph,
-            &mut deps,
-            &mut edges,
-            &mut n,
-        )
-    })?;
-    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null() {
-        return Ok(false);
-    }
+    // SAFETY: the caller's contract on `stream`.
+    let s = unsafe { Stream::from_raw(device, stream) };
     count.fetch_add(1, Ordering::AcqRel);
-    let held = Box::into_raw(Box::new(count.clone()));
-    let mut object: sys::CUuserObject = std::ptr::null_mut();
-    let flags = sys::CUuserObject_flags_enum::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32;
-    // SAFETY: `release` frees `held` once, when the object's last
-    // reference goes; it calls no CUDA function.
-    let made = on(device, "cuUserObjectCreate", || unsafe {
-        sys::cuUserObjectCreate(&mut object, held.cast(), Some(release), 1, flags)
+    let held = count.clone();
+    // Runs once: when the driver lets the graph go, or at once when the
+    // stream does not capture (or a call failed), taking the count back.
+    let release = Box::new(move || {
+        held.fetch_sub(1, Ordering::AcqRel);
     });
-    if let Err(e) = made {
-        // SAFETY: the driver did not take `held`.
-        drop(unsafe { Box::from_raw(held) });
-        count.fetch_sub(1, Ordering::AcqRel);
-        return Err(e);
-    }
-    let moved = sys::CUuserObjectRetain_flags_enum::CU_GRAPH_USER_OBJECT_MOVE as u32;
-    // SAFETY: the capture's graph and a live object; the graph takes this
-    // thread's reference.
-    let kept = on(device, "cuGraphRetainUserObject", || unsafe {
-        sys::cuGraphRetainUserObject(graph, object, 1, moved)
-    });
-    if let Err(e) = kept {
-        // SAFETY: this thread's reference; its release runs `release`.
-        let _ = on(device, "cuUserObjectRelease", || unsafe {
-            sys::cuUserObjectRelease(object, 1)
-        });
-        return Err(e);
-    }
-    Ok(true)
+    Ok(s.on_capture_release(release)?)
 }
 
 /// Launches `f` with one block of `threads`, passing `params` by value.
@@ -457,7 +229,7 @@ pub(crate) unsafe fn launch<R: KernelRecord>(
     device: Device,
     f: &CudaFunction,
     threads: u32,
-    stream: sys::CUstream,
+    stream: RawStream,
     params: &R,
 ) -> Result<()> {
     let mut params = Params::new().record(params);
@@ -512,7 +284,7 @@ impl WaitCode {
 /// that stay mapped while the stream runs.
 pub(crate) unsafe fn wait_on_stream(
     device: Device,
-    stream: sys::CUstream,
+    stream: RawStream,
     p: &WaitParams,
 ) -> Result<()> {
     let k = kernels(device)?;

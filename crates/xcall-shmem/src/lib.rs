@@ -19,7 +19,8 @@
 //! NCCL ([`nccl`], opened at run time), through [`World::exchange`]. Host,
 //! another host (or every other pair with [`Pairs::Tcp`]): TCP connections
 //! ([`sockets`]), through [`World::exchange`]. Copies on CUDA use the copy
-//! engine (`cuMemcpyAsync` on mapped pointers).
+//! engine (`cuMemcpyAsync` on mapped pointers). Each transport is a module
+//! of [`transport`]; the bounds a world holds to are in [`limits`].
 //!
 //! # Multi-node
 //! A world spanning hosts keeps the same API: the TCP bootstrap
@@ -41,17 +42,20 @@
 pub mod bootstrap;
 mod cuda;
 mod error;
-mod handoff;
 pub mod heap;
-mod host;
 pub mod launch;
-pub mod nccl;
+pub mod limits;
 pub mod registry;
-pub mod sockets;
+pub mod transport;
 pub mod world;
 
+pub use transport::nccl;
+/// The TCP connections of Host pairs ([`transport::tcp`]), by their
+/// earlier name.
+pub use transport::tcp as sockets;
+
 pub use error::{Result, ShmemError};
-pub use host::HOST_ENV;
+pub use transport::host_shared_memory::HOST_ENV;
 pub use world::{
     BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
     Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,

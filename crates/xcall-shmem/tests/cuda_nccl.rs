@@ -606,8 +606,9 @@ fn child(spec: &str) {
     }
 }
 
-/// Both ranks exchange once (NCCL connects the pair), then rank 1 leaves.
-/// Rank 0 replays a graph that captured the exchange: its kernels wait for
+/// Both ranks exchange once (NCCL connects the pair) and capture the
+/// exchange into a graph (its lists are agreed on while it is captured),
+/// then rank 1 leaves. Rank 0 replays its graph: its kernels wait for
 /// rank 1 forever. Dropping the world with that graph alive and running
 /// returns (the communicator is aborted on a thread of its own), the abort
 /// ends the graph's kernels so the stream drains, and the process exits.
@@ -616,13 +617,13 @@ fn graph_waits_for_a_peer_that_left(mut w: World, rank: usize) {
     let (out, inc) = segments(rank, 2, 0, 1 << 18, (buf, buf + (1 << 19)));
     // SAFETY: the segments lie in `buf`.
     unsafe { w.exchange(&out, &inc) }.unwrap();
+    let stream = CudaContext::new(rank).unwrap().new_stream().unwrap();
+    // The graph is destroyed before the stream.
+    let graph = capture_exchange(&mut w, (&out, &inc), &stream);
     w.barrier_all().unwrap();
     if rank == 1 {
         std::process::exit(0);
     }
-    let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
-    // The graph is destroyed before the stream.
-    let graph = capture_exchange(&mut w, (&out, &inc), &stream);
     graph.launch().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: a live stream of device 0, outliving `polled`.

@@ -383,10 +383,11 @@ fn wait_until_on_stream_orders_the_stream_and_gives_up_after_the_timeout() {
     });
 }
 
-/// Two processes on device 0 (IPC within one GPU): rank 1 never sends
-/// the exchange segments rank 0 waits for on its stream. Rank 0's stream
-/// goes on after the timeout, quiet reports it, and the world is failed
-/// for both (the exchange counts are off).
+/// Two processes on device 0 (IPC within one GPU): rank 1 lists the
+/// segment rank 0 waits for on its stream (the lists agree), but its own
+/// stream holds the copy back past rank 0's timeout. Rank 0's stream goes
+/// on after the timeout, quiet reports it, and the world is failed for
+/// both (the exchange counts are off).
 #[test]
 fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
     let _serial = serial();
@@ -398,9 +399,29 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
     };
     // The child (rank 1) runs only this test, with the socket in PE_ENV.
     if let Ok(socket) = std::env::var(PE_ENV) {
+        let mut c = config(&socket, 1);
+        // Rank 1's own stream waits hold for 1.5 s, past rank 0's 500 ms.
+        c.timeout = Duration::from_millis(1500);
         let mut w = World::new();
-        w.init(&config(&socket, 1)).unwrap();
+        w.init(&c).unwrap();
         let buf = w.malloc(4096).unwrap();
+        let zero = 0u64;
+        // SAFETY: `zero` is 8 readable bytes; `buf` this PE's object.
+        unsafe { w.put(buf, &zero as *const u64 as u64, 8, 1) }.unwrap();
+        let (_ctx, s) = stream(Device::cuda(0));
+        let raw: *mut c_void = s.cu_stream().cast();
+        // A wait that never holds keeps the stream until rank 1's timeout;
+        // the exchange's copy and signal queue behind it.
+        w.wait_until_on_stream(buf, Cmp::Eq, 1, raw).unwrap();
+        let outgoing = [xcall_shmem::Outgoing {
+            pe: 0,
+            src: buf,
+            dest: buf,
+            bytes: 4096,
+        }];
+        // SAFETY: `buf` is this PE's object of 4096 bytes, alive until
+        // the stream is synchronized below.
+        unsafe { w.exchange_on_stream(&outgoing, &[], raw) }.unwrap();
         // Wait (polling the state page) until rank 0 fails the world.
         let deadline = std::time::Instant::now() + watchdog();
         let e = loop {
@@ -418,6 +439,7 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
             e.to_string().contains("rank 0 timed out in an exchange"),
             "{e}"
         );
+        s.synchronize().unwrap();
         assert_eq!(w.finalize().unwrap_err().status(), Status::PeerFailed);
         return;
     }
@@ -466,6 +488,10 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
                 // SAFETY: nothing goes out.
                 let e = unsafe { w.exchange_on_stream(&[], &incoming, raw) }.unwrap_err();
                 assert_eq!(e.status(), Status::PeerFailed, "{e}");
+                // Rank 1's held-back copy lands in this heap once its
+                // stream goes on (1.5 s after its exchange): keep the heap
+                // until then.
+                std::thread::sleep(Duration::from_secs(3));
                 assert_eq!(w.finalize().unwrap_err().status(), Status::PeerFailed);
             })
         })

@@ -1,8 +1,9 @@
 //! `World::exchange` on Host: SPMT all-to-all rounds against data
 //! computed independently on each side (through direct pairs and through
 //! TCP pairs), the checks that refuse a bad segment before anything
-//! moves, a missing sender timing out, and the transport policy's
-//! refusals.
+//! moves, lists that disagree failing every PE with nothing written and
+//! nothing carried over, a missing PE timing out, and the transport
+//! policy's refusals.
 
 use std::time::{Duration, Instant};
 
@@ -181,51 +182,160 @@ fn a_bad_segment_is_refused_before_anything_moves() {
     w.finalize().unwrap();
 }
 
+/// A PE that never reaches the exchange: its peer's exchange times out
+/// naming it (the lists are agreed on before anything moves, so the wait
+/// is there), well within the watchdog.
 #[test]
-fn a_sender_that_never_sends_times_out_by_name() {
+fn a_pe_that_never_reaches_the_exchange_times_out_by_name() {
     let _s = serial();
-    let results = run_threads("exchange timeout", 2, watchdog(), |rank| {
-        let mut w = World::new();
-        // PE 1 times out after 600 ms and only then joins the barrier
-        // below, where PE 0 has been waiting since its own exchange
-        // returned: PE 0 waits longer, so a loaded machine does not time
-        // its barrier out first.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let results = run_threads("exchange timeout", 2, watchdog(), move |rank| {
         let timeout = if rank == 1 {
             Duration::from_millis(600)
         } else {
             Duration::from_secs(20)
         };
+        let mut w = World::new();
         w.init(&config("xlate", rank, 2, timeout)).unwrap();
         let buf = w.malloc(64).unwrap();
-        let started = Instant::now();
-        let r = if rank == 1 {
-            // Expects a segment PE 0 never lists.
-            // SAFETY: nothing is sent.
-            unsafe {
-                w.exchange(
-                    &[],
-                    &[Incoming {
-                        pe: 0,
-                        dest: buf,
-                        bytes: 8,
-                    }],
-                )
+        if rank == 0 {
+            // Never calls exchange; leaves once PE 1 gave up.
+            let deadline = Instant::now() + watchdog();
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                assert!(Instant::now() < deadline, "watchdog: PE 1 never gave up");
+                std::thread::sleep(Duration::from_millis(10));
             }
-        } else {
-            // SAFETY: nothing is sent.
-            unsafe { w.exchange(&[], &[]) }
+            return None;
+        }
+        let started = Instant::now();
+        // SAFETY: nothing is sent.
+        let r = unsafe {
+            w.exchange(
+                &[],
+                &[Incoming {
+                    pe: 0,
+                    dest: buf,
+                    bytes: 8,
+                }],
+            )
         };
-        let took = started.elapsed();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        let e = r.unwrap_err();
+        Some((e.status(), e.to_string(), started.elapsed()))
+    });
+    let (status, msg, took) = results[1].clone().unwrap();
+    assert_eq!(status, Status::Timeout, "{msg}");
+    assert!(msg.contains("rank(s) [0]"), "{msg}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+/// The ways a Host pair of two threads is set up: (name, TCP bootstrap,
+/// TCP pairs).
+const SETUPS: [(&str, bool, bool); 4] = [
+    ("in-process, same-process pairs", false, false),
+    ("TCP bootstrap, same-process pairs", true, false),
+    ("in-process, TCP pairs", false, true),
+    ("TCP bootstrap, TCP pairs", true, true),
+];
+
+fn free_address() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// Rank 0 sends 64 bytes to rank 1, which lists `listed` bytes (`None`:
+/// nothing) from rank 0, on every Host setup. Both PEs fail with the same
+/// COLLECTIVE_MISMATCH naming the ranks and sizes; rank 1's buffer is
+/// untouched (nothing past what it listed, nothing at all); and the next
+/// exchange, which agrees and whose sender comes 300 ms late, returns the
+/// new bytes, never the disagreeing call's.
+fn disagreeing_lists(listed: Option<usize>, tag: &str) {
+    let _s = serial();
+    let mut failures = Vec::new();
+    for (what, tcp_boot, tcp_pairs) in SETUPS {
+        let address = free_address();
+        let group = format!("xdis-{tag}-{tcp_boot}-{tcp_pairs}");
+        let results = run_threads(what, 2, watchdog(), move |rank| {
+            let mut c = match tcp_boot {
+                true => Config::tcp(&address, rank, 2, Device::new(Platform::Host, rank as u32)),
+                false => config(&group, rank, 2, Duration::from_secs(20)),
+            };
+            c.heap_bytes = Some(1 << 20);
+            c.timeout = Duration::from_secs(20);
+            if tcp_pairs {
+                c.pairs = Some(Pairs::Tcp);
+            }
+            let mut w = World::new();
+            w.init(&c).unwrap();
+            let want = if tcp_pairs {
+                Transport::Tcp
+            } else {
+                Transport::SameProcess
+            };
+            assert_eq!(w.transport(1 - rank).unwrap(), want, "{what}");
+            common::disagreeing_pe(&mut w, rank, listed)
+        });
+        let results: Vec<_> = results.into_iter().enumerate().collect();
+        failures.extend(common::disagreement_failures(what, listed, &results));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Rank 1 lists nothing from rank 0, which sends it 64 bytes.
+#[test]
+fn a_segment_its_receiver_does_not_list_fails_every_pe_and_nothing_carries_over() {
+    disagreeing_lists(None, "none");
+}
+
+/// Rank 1 lists 32 bytes from rank 0, which sends it 64.
+#[test]
+fn sizes_that_disagree_fail_every_pe_and_write_nothing() {
+    disagreeing_lists(Some(32), "size");
+}
+
+/// A PE whose own segment is refused fails the exchange on every PE with
+/// its error (the others name it), and nothing moves anywhere.
+#[test]
+fn a_segment_refused_on_one_pe_fails_the_exchange_on_every_pe() {
+    let _s = serial();
+    let results = run_threads("exchange refused", 2, watchdog(), |rank| {
+        let mut w = World::new();
+        w.init(&config("xrefused", rank, 2, Duration::from_secs(20)))
+            .unwrap();
+        let buf = w.malloc(64).unwrap();
+        // SAFETY: this PE's object of 64 bytes.
+        unsafe { std::ptr::write_bytes(buf as *mut u8, 0xAA, 64) };
+        w.barrier_all().unwrap();
+        let data = [5u8; 64];
+        let to = 1 - rank;
+        // Rank 1's segment lands in the internal region.
+        let dest = if rank == 1 { w.heap().unwrap().0 } else { buf };
+        let out = Outgoing {
+            pe: to,
+            src: data.as_ptr() as u64,
+            dest,
+            bytes: 64,
+        };
+        let inc = Incoming {
+            pe: to,
+            dest: buf,
+            bytes: 64,
+        };
+        // SAFETY: `data` holds 64 bytes.
+        let e = unsafe { w.exchange(&[out], &[inc]) }.unwrap_err();
+        // SAFETY: as above.
+        let now = unsafe { std::slice::from_raw_parts(buf as *const u8, 64) }.to_vec();
         w.barrier_all().unwrap();
         w.free(buf).unwrap();
         w.finalize().unwrap();
-        (r.map_err(|e| (e.status(), e.to_string())), took)
+        (e.status(), e.to_string(), now)
     });
-    assert_eq!(results[0].0, Ok(()));
-    let (status, msg) = results[1].0.clone().unwrap_err();
-    assert_eq!(status, Status::Timeout, "{msg}");
-    assert!(msg.contains("PE 0's exchange segments"), "{msg}");
-    assert!(results[1].1 < Duration::from_secs(10), "{:?}", results[1].1);
+    for (rank, (status, msg, now)) in results.iter().enumerate() {
+        assert_eq!(*status, Status::InvalidArgument, "rank {rank}: {msg}");
+        assert!(msg.contains("exchange destination"), "rank {rank}: {msg}");
+        assert!(now.iter().all(|&b| b == 0xAA), "rank {rank}: {now:?}");
+    }
+    assert!(results[0].1.contains("rank 1:"), "{}", results[0].1);
 }
 
 #[test]

@@ -5,6 +5,7 @@
 use std::process::{Child, Command};
 use std::time::Duration;
 
+use xcall_core::testing::{run_threads, watchdog};
 use xcall_core::{Device, Platform, Status};
 use xcall_shmem::{Config, World};
 
@@ -38,6 +39,23 @@ fn ring_pe(socket: &str, rank: usize, n: usize) {
     w.free(sig).unwrap();
     w.free(buf).unwrap();
     assert!(w.finalize().unwrap().leaked.is_empty());
+}
+
+/// One process of two whose exchange lists disagree, through shared
+/// memory: `mode` "none" (rank 1 lists nothing from rank 0) or "size"
+/// (32 bytes of rank 0's 64); see [`common::disagreeing_pe`].
+fn disagreeing_pe(socket: &str, rank: usize, mode: &str) {
+    let listed = (mode == "size").then_some(32);
+    let mut w = World::new();
+    w.init(&config(socket, rank, 2, 20_000)).unwrap();
+    assert_eq!(
+        w.transport(1 - rank).unwrap(),
+        xcall_shmem::Transport::HostSharedMemory
+    );
+    let seen = common::disagreeing_pe(&mut w, rank, listed);
+    let what = format!("shared memory, {mode}");
+    let wrong = common::disagreement_failures(&what, listed, &[(rank, seen)]);
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 /// A PE of a world where one PE never comes: init must time out.
@@ -78,6 +96,7 @@ fn multi_process_worlds() {
         let (rank, n) = (f[1].parse().unwrap(), f[2].parse().unwrap());
         match f[3] {
             "ring" => ring_pe(f[0], rank, n),
+            "none" | "size" => disagreeing_pe(f[0], rank, f[3]),
             _ => orphan_pe(f[0], rank, n),
         }
         return;
@@ -97,6 +116,25 @@ fn multi_process_worlds() {
         }
         assert!(!std::path::Path::new(socket).exists(), "socket removed");
         assert!(shm_leftovers(std::process::id()).is_empty());
+    }
+    // Exchange lists that disagree, between two processes: each fails
+    // with the mismatch, nothing lands, nothing carries over.
+    for mode in ["none", "size"] {
+        let socket = dir.join(format!("xcall-test-{}-{mode}.sock", std::process::id()));
+        let socket = socket.to_str().unwrap();
+        let child = spawn(socket, 1, 2, mode);
+        let socket0 = socket.to_string();
+        // Rank 0 under a watchdog; rank 1 is killed if it outlives one.
+        let rank0 = std::panic::catch_unwind(move || {
+            run_threads(mode, 1, watchdog(), move |_| {
+                disagreeing_pe(&socket0, 0, mode)
+            })
+        });
+        let ok = common::wait_children(mode, vec![child], watchdog());
+        if let Err(p) = rank0 {
+            std::panic::resume_unwind(p);
+        }
+        assert_eq!(ok, [true], "{mode}: rank 1 failed");
     }
     // Rank 2 of 3 never starts: ranks 0 and 1 both time out.
     let socket = dir.join(format!("xcall-test-{}-orphan.sock", std::process::id()));

@@ -1,7 +1,25 @@
 //! What `init` needs, and the small enums of the API.
 
-use super::*;
+use std::path::PathBuf;
+use std::time::Duration;
+
 use xcall_core::env;
+use xcall_core::{Device, Platform};
+
+use super::layout::internal_bytes;
+use crate::error::{Result, ShmemError};
+use crate::heap::ALIGN;
+
+/// Environment variable with the heap size (when the config gives none): a
+/// size as `xcall_core::env` reads it, for example `512M`, `1GiB` or a byte
+/// count.
+pub const HEAP_ENV: &str = "XCALL_SHMEM_HEAP_BYTES";
+/// Default Host heap: 64 MiB per PE.
+pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
+/// Default CUDA heap: 1 GiB per PE (NVSHMEM's default too).
+pub const DEFAULT_CUDA_HEAP: usize = 1 << 30;
+/// Default timeout of every wait on other PEs.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How the PEs find each other.
 #[derive(Clone, Debug, PartialEq, Eq)]

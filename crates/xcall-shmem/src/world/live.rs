@@ -1,35 +1,26 @@
-//! A live world: init step by step, finalize, and the internals every
-//! transfer and collective uses.
+//! A live world: what one PE holds (its heap, its peers, its bootstrap,
+//! its stream) and the internals every transfer, signal and wait uses.
 
-use super::*;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Bytes reserved at offset 0 of every heap: `n` arrival words, the epoch
-/// word, the error word, `n` peer pointers, `n` exchange words (one per
-/// sender), [`STAGED_WORDS`] staged signal values. `n` is at most
-/// [`MAX_PES`].
-pub(super) fn internal_bytes(n: usize) -> usize {
-    (8 * n + 16 + 8 * n + 8 * n + 8 * STAGED_WORDS).next_multiple_of(ALIGN)
-}
+use xcall_core::{Device, Platform};
 
-/// The words that hold the values of signal words put through NCCL
-/// ([`Live::stage_word`]), used in turn: a call's word is taken again
-/// [`STAGED_WORDS`] calls later.
-pub const STAGED_WORDS: usize = 64;
-
-/// Offset of staged signal value `slot` in a heap, in a world of `n` PEs.
-pub(super) fn staged_word(n: usize, slot: usize) -> u64 {
-    (24 * n + 16 + 8 * slot) as u64
-}
-
-/// Offset of the exchange word that counts PE `from`'s exchanges into a
-/// heap, in a world of `n` PEs.
-pub(super) fn exchange_word(n: usize, from: usize) -> u64 {
-    (16 * n + 16 + 8 * from) as u64
-}
+use super::config::SignalOp;
+use super::layout::{staged_word, STAGED_WORDS};
+use super::state::{StatePage, EXCHANGE_TIMED_OUT, NCCL_FAILED};
+use crate::bootstrap::Bootstrap;
+use crate::cuda::WaitCode;
+use crate::error::{Result, ShmemError};
+use crate::heap::Allocator;
+use crate::registry::Binding;
+use crate::transport::host_shared_memory::{HostHeap, HostMapping};
+use crate::transport::Transport;
 
 pub(super) enum Memory {
     Host(HostHeap),
-    Cuda(crate::cuda::DeviceHeap),
+    Cuda(crate::transport::cuda_ipc::DeviceHeap),
 }
 
 pub(super) enum PeerMap {
@@ -41,7 +32,7 @@ pub(super) enum PeerMap {
     /// A PE reached through NCCL or TCP only: nothing mapped.
     Unmapped,
     Host(#[allow(dead_code)] HostMapping),
-    Cuda(#[allow(dead_code)] crate::cuda::IpcMapping),
+    Cuda(#[allow(dead_code)] crate::transport::cuda_ipc::IpcMapping),
 }
 
 pub(super) struct Peer {
@@ -56,9 +47,9 @@ pub(super) struct Peer {
 pub(super) struct Live {
     // Dropped first: an aborted communicator ends its kernels before the
     // memory they use goes.
-    pub(super) nccl: Option<crate::nccl::Comm>,
+    pub(super) nccl: Option<crate::transport::nccl::Comm>,
     /// The TCP connections of a Host PE's unmapped pairs.
-    pub(super) mesh: Option<crate::sockets::Mesh>,
+    pub(super) mesh: Option<crate::transport::tcp::Mesh>,
     pub(super) state: StatePage,
     pub(super) rank: usize,
     pub(super) size: usize,
@@ -74,25 +65,10 @@ pub(super) struct Live {
     /// Signal values staged so far ([`Live::stage_word`]).
     pub(super) staged: u64,
     pub(super) peers: Vec<Peer>,
-    pub(super) stream: Option<crate::cuda::Stream>,
+    pub(super) stream: Option<crate::cuda::OwnStream>,
     // Dropped last, in this order (fields drop in declaration order).
     pub(super) memory: Arc<Memory>,
     pub(super) _binding: Binding,
-}
-
-/// Sends this PE's result to every PE; every PE returns the first failure
-/// (its own first), so a step that fails anywhere fails everywhere.
-pub(super) fn agree<T>(boot: &mut dyn Bootstrap, local: Result<T>) -> Result<T> {
-    let msg = match &local {
-        Ok(_) => Vec::new(),
-        Err(e) => e.encode(),
-    };
-    let all = boot.allgather(&msg)?;
-    let local = local?;
-    match all.iter().position(|m| !m.is_empty()) {
-        Some(r) => Err(ShmemError::decode(r, &all[r])),
-        None => Ok(local),
-    }
 }
 
 /// Refuses a signal word that is not 8-byte aligned.
@@ -105,414 +81,7 @@ pub(super) fn aligned_signal(signal: u64) -> Result<()> {
     Ok(())
 }
 
-/// Whether every PE says `yes` (each its own).
-fn all_say(boot: &mut dyn Bootstrap, yes: bool) -> Result<bool> {
-    let all = boot.allgather(&[yes as u8])?;
-    Ok(all.iter().all(|a| a.as_slice() == [1]))
-}
-
-/// Whether this process's NCCL (when one loads) has one-sided operations.
-fn one_sided_nccl() -> bool {
-    crate::nccl::library().is_ok_and(|l| l.one_sided())
-}
-
-/// A new NCCL communicator of the world's PEs (collective): rank 0's
-/// unique id spread by the bootstrap, the init agreed on.
-fn nccl_comm(
-    boot: &mut dyn Bootstrap,
-    c: &Config,
-    healthy: &dyn Fn() -> Result<()>,
-) -> Result<crate::nccl::Comm> {
-    let id = match c.rank {
-        0 => crate::nccl::unique_id(c.device),
-        _ => Ok(Vec::new()),
-    };
-    let id = agree(boot, id)?;
-    let id = boot.broadcast(0, &id)?;
-    let comm = crate::nccl::Comm::init(c.device, &id, c.rank, c.size, c.timeout, healthy);
-    agree(boot, comm)
-}
-
-pub(super) fn fields(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(bytes)
-        .split('\n')
-        .map(str::to_string)
-        .collect()
-}
-
 impl Live {
-    /// The checks and the device binding before a PE joins its bootstrap:
-    /// (heap bytes, binding, the bootstrap's name).
-    fn before_joining(c: &Config) -> Result<(usize, registry::Binding, String)> {
-        if c.size == 0 || c.rank >= c.size {
-            return Err(ShmemError::InvalidArgument(format!(
-                "rank {} is not in a world of {} PE(s)",
-                c.rank, c.size
-            )));
-        }
-        if c.size > MAX_PES {
-            return Err(ShmemError::InvalidArgument(format!(
-                "a world of {} PEs is larger than the limit of {MAX_PES}",
-                c.size
-            )));
-        }
-        if c.timeout.is_zero() {
-            return Err(ShmemError::InvalidArgument(
-                "timeout must be above zero".into(),
-            ));
-        }
-        let len = c.heap()?;
-        c.pairs()?;
-        host_identity()?;
-        if c.device.platform == Platform::Cuda {
-            c.device.validate()?;
-        }
-        let name = match &c.bootstrap {
-            BootstrapKind::InProcess { group } => format!("group {group}"),
-            BootstrapKind::UnixSocket { path } => format!("socket {}", path.display()),
-            BootstrapKind::Tcp { address } => format!("tcp {address}"),
-        };
-        let binding = registry::bind(c.device, &name, c.rank)?;
-        Ok((len, binding, name))
-    }
-
-    pub(super) fn init(c: &Config) -> Result<Live> {
-        let (len, binding, name) = Self::before_joining(c).inspect_err(|e| {
-            if let BootstrapKind::InProcess { group } = &c.bootstrap {
-                // Its peers learn at once that this rank will never join
-                // (every failure after the join reaches them collectively).
-                crate::bootstrap::abandon(group, c.rank, c.size, c.timeout, &e.to_string());
-            }
-        })?;
-        let started = Instant::now();
-        let step = |what: &str| {
-            tracing::debug!(
-                bootstrap = name.as_str(),
-                rank = c.rank,
-                size = c.size,
-                ms = %format_args!("{:.3}", started.elapsed().as_secs_f64() * 1e3),
-                "init: {what}"
-            )
-        };
-        // A failure here is logged by World::init, like every init failure.
-        let joined: Box<dyn Bootstrap> = match &c.bootstrap {
-            BootstrapKind::InProcess { group } => {
-                Box::new(InProcess::join(group, c.rank, c.size, c.timeout)?)
-            }
-            BootstrapKind::UnixSocket { path } => {
-                Box::new(UnixSocket::connect(path, c.rank, c.size, c.timeout)?)
-            }
-            BootstrapKind::Tcp { address } => {
-                Box::new(Tcp::connect(address, c.rank, c.size, c.timeout)?)
-            }
-        };
-        let mut boot: Box<dyn Bootstrap> = Box::new(Logged::new(joined, name.clone()));
-        step("bootstrap joined");
-
-        // 3. identities.
-        let pairs = c.pairs()?;
-        let me = format!(
-            "{}\n{}\n{}\n{}\n{}\n{:?}",
-            host_identity()?,
-            std::process::id(),
-            c.device.platform as u32,
-            c.device.ordinal,
-            len,
-            pairs
-        );
-        let ids: Vec<Vec<String>> = boot
-            .allgather(me.as_bytes())?
-            .iter()
-            .map(|b| fields(b))
-            .collect();
-        let devices = check_identities(&ids, c, len);
-        let devices = agree(boot.as_mut(), devices)?;
-        step("identities exchanged");
-        let same_host = |r: usize| ids[r][0] == ids[c.rank][0];
-        let same_process = |r: usize| same_host(r) && ids[r][1] == ids[c.rank][1];
-        // Pairs across hosts take the platform's remote transport (CUDA:
-        // NCCL, Host: TCP), and every pair when one is forced (NCCL a PE
-        // with itself too).
-        let remote = |r: usize| match pairs {
-            Pairs::Auto => !same_host(r),
-            Pairs::Nccl => true,
-            Pairs::Tcp => r != c.rank,
-        };
-        let by_nccl = |r: usize| remote(r) && c.device.platform == Platform::Cuda;
-        let by_tcp = |r: usize| remote(r) && c.device.platform == Platform::Host;
-        let cross = (0..c.size).any(|r| same_host(r) && !same_process(r));
-        // Some peer of another process maps this heap.
-        let ipc = (0..c.size).any(|r| same_host(r) && !same_process(r) && !remote(r));
-
-        // One-sided puts through NCCL are tried when some pair takes NCCL,
-        // no pair maps the heap through IPC (NCCL's memory, which its
-        // windows need, has no IPC handle) and every PE's NCCL has them.
-        let nccl_pairs = (0..c.size).any(by_nccl);
-        let try_one_sided = nccl_pairs && !ipc && one_sided_nccl();
-        let try_one_sided = all_say(boot.as_mut(), try_one_sided)?;
-
-        // 4. the state page of this host's PEs (its lowest rank makes it),
-        // and the heap.
-        let leader = (0..c.size).find(|&r| same_host(r)).unwrap_or(c.rank);
-        let (state, _state_offer) = state_page(boot.as_mut(), c, leader, cross, &same_process)?;
-        let shm_name = format!("/xcall-{}-{}-{}", std::process::id(), c.rank, unique());
-        let memory = match c.device.platform {
-            Platform::Host if ipc => HostHeap::shared(&shm_name, len).map(Memory::Host),
-            Platform::Host => HostHeap::private(len).map(Memory::Host),
-            Platform::Cuda if try_one_sided => {
-                crate::cuda::DeviceHeap::through_nccl(c.device, len).map(Memory::Cuda)
-            }
-            Platform::Cuda => crate::cuda::DeviceHeap::new(c.device, len).map(Memory::Cuda),
-        };
-        let memory = Arc::new(agree(boot.as_mut(), memory)?);
-        let heap_offer = handoff::offer(memory.clone());
-        let (base, export) = match &*memory {
-            Memory::Host(h) => (h.base, shm_name.clone()),
-            Memory::Cuda(d) => {
-                let handle = if ipc {
-                    agree(boot.as_mut(), d.ipc_handle())?
-                } else {
-                    agree(boot.as_mut(), Ok(Vec::new()))?
-                };
-                (d.base, handle.iter().map(|b| format!("{b:02x}")).collect())
-            }
-        };
-
-        // 5. peers.
-        let descs: Vec<Vec<String>> = boot
-            .allgather(format!("{base}\n{export}\n{}", heap_offer.token).as_bytes())?
-            .iter()
-            .map(|b| fields(b))
-            .collect();
-        let remote_transport = |r: usize| match c.device.platform {
-            _ if !remote(r) => None,
-            Platform::Cuda => Some(Transport::Nccl),
-            Platform::Host => Some(Transport::Tcp),
-        };
-        let peers = map_peers(&descs, &devices, c, len, &same_process, &remote_transport);
-        let mut peers = agree(boot.as_mut(), peers)?;
-        // NCCL's communicator, when some pair takes it: rank 0's id
-        // spread by the bootstrap.
-        let nccl = if nccl_pairs {
-            agree(boot.as_mut(), crate::nccl::library().map(|_| ()))?;
-            let healthy = || state.check();
-            let mut comm = nccl_comm(boot.as_mut(), c, &healthy)?;
-            step("NCCL communicator up");
-            if try_one_sided {
-                // NCCL refuses one-sided operations among ranks it cannot
-                // reach that way (across hosts without its RMA support),
-                // failing the communicator that asked: a communicator of
-                // their own asks first. Then the heap becomes a window.
-                let asked = nccl_comm(boot.as_mut(), c, &healthy)?;
-                let works = agree(boot.as_mut(), asked.one_sided_works(c.timeout, &healthy))?;
-                let works = all_say(boot.as_mut(), works)?;
-                let windowed = match works {
-                    true => comm.register_window(base, len, c.timeout, &healthy),
-                    false => Ok(false),
-                };
-                let windowed = agree(boot.as_mut(), windowed)?;
-                if all_say(boot.as_mut(), windowed)? {
-                    for p in peers.iter_mut().filter(|p| p.transport == Transport::Nccl) {
-                        p.transport = Transport::NcclOneSided;
-                    }
-                }
-                step("NCCL one-sided operations asked for");
-            }
-            Some(comm)
-        } else {
-            None
-        };
-        // The TCP connections of the Host pairs that take them.
-        let mesh = if (0..c.size).any(by_tcp) {
-            let listener = crate::sockets::listen(boot.local_ip());
-            let listener = agree(boot.as_mut(), listener)?;
-            let addresses: Vec<String> = boot
-                .allgather(listener.address.as_bytes())?
-                .iter()
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
-            let token = match c.rank {
-                0 => crate::sockets::token().to_le_bytes().to_vec(),
-                _ => Vec::new(),
-            };
-            let token = boot.broadcast(0, &token)?;
-            let token =
-                u64::from_le_bytes(token.as_slice().try_into().map_err(|_| {
-                    ShmemError::Mismatch("rank 0 sent a malformed TCP token".into())
-                })?);
-            let tcp: Vec<bool> = (0..c.size).map(by_tcp).collect();
-            let mesh = listener.connect(c.rank, &tcp, &addresses, token, c.timeout);
-            let mesh = agree(boot.as_mut(), mesh)?;
-            step("TCP pairs connected");
-            Some(mesh)
-        } else {
-            None
-        };
-        for (pe, p) in peers.iter().enumerate() {
-            tracing::debug!(
-                rank = c.rank,
-                pe,
-                device = %c.device,
-                peer_device = %p.device,
-                transport = p.transport.name(),
-                "init: peer mapped"
-            );
-        }
-
-        // 6. every peer mapped this heap: drop its name and the offers.
-        boot.barrier()?;
-        if let Memory::Host(h) = &*memory {
-            h.unlink();
-        }
-        if let StatePage::SameProcess(h) = &state {
-            h.unlink();
-        }
-        drop(heap_offer);
-        drop(_state_offer);
-
-        // 7. the internal region.
-        let mut alloc = Allocator::new(len);
-        let internal = alloc.alloc(internal_bytes(c.size))?;
-        debug_assert_eq!(internal, 0);
-        let stream = match c.device.platform {
-            Platform::Cuda => Some(crate::cuda::Stream::new(c.device)),
-            Platform::Host => None,
-        }
-        .transpose();
-        let stream = agree(boot.as_mut(), stream)?;
-        let mut live = Live {
-            nccl,
-            mesh,
-            state,
-            rank: c.rank,
-            size: c.size,
-            device: c.device,
-            name,
-            timeout: c.timeout,
-            boot,
-            base,
-            len,
-            alloc,
-            internal: internal_bytes(c.size),
-            seq: 0,
-            staged: 0,
-            peers,
-            stream,
-            memory,
-            _binding: binding,
-        };
-        let zeroed = live.init_internal();
-        agree(live.boot.as_mut(), zeroed)?;
-        live.boot.barrier()?;
-        tracing::info!(
-            bootstrap = live.name.as_str(),
-            rank = c.rank,
-            size = c.size,
-            device = %c.device,
-            heap_bytes = len,
-            ms = %format_args!("{:.3}", started.elapsed().as_secs_f64() * 1e3),
-            "shmem world up"
-        );
-        Ok(live)
-    }
-
-    /// Zeroes the internal region and writes the peer arrival-pointer
-    /// table; loads the kernels on CUDA.
-    pub(super) fn init_internal(&mut self) -> Result<()> {
-        let n = self.size;
-        let mut table = vec![0u8; self.internal];
-        for (i, p) in self.peers.iter().enumerate() {
-            // Peer i's arrival words, in this PE's address space.
-            let at = 8 * n + 16 + 8 * i;
-            table[at..at + 8].copy_from_slice(&p.base.to_le_bytes());
-        }
-        match &*self.memory {
-            Memory::Host(_) => {
-                // SAFETY: the first `internal` bytes of this PE's heap.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(table.as_ptr(), self.base as *mut u8, table.len())
-                };
-                Ok(())
-            }
-            Memory::Cuda(_) => {
-                crate::cuda::kernels(self.device)?;
-                // SAFETY: the first `internal` bytes of this PE's heap.
-                unsafe { crate::cuda::write_device(self.device, self.base, &table) }
-            }
-        }
-    }
-
-    pub(super) fn finalize(mut self) -> Result<FinalizeReport> {
-        if let Err(e) = self.state.check() {
-            // The collective steps would wait for a PE that is gone.
-            return Err(e.context(format!("finalize of rank {} (released locally)", self.rank)));
-        }
-        let mut first: Option<ShmemError> = None;
-        let mut keep = |r: Result<()>| {
-            if let Err(e) = r {
-                first.get_or_insert(e);
-            }
-        };
-        keep(self.quiet());
-        keep(self.collective("finalize", 0));
-        let leaked: Vec<(usize, usize)> = self
-            .alloc
-            .live()
-            .into_iter()
-            .filter(|&(o, _)| o != 0)
-            .collect();
-        for &(o, _) in &leaked {
-            keep(self.alloc.free(o).map(|_| ()));
-        }
-        if let Some(comm) = self.nccl.take() {
-            let state = &self.state;
-            keep(comm.finalize(self.timeout, &|| state.check()));
-        }
-        // Close other processes' heaps and let go of same-process ones.
-        for p in &mut self.peers {
-            p.map = PeerMap::Released;
-        }
-        finalize_step(self.rank, FinalizeStep::PeersReleased);
-        // No PE releases its heap before every peer let go of it.
-        keep(self.boot.barrier());
-        drop(self.stream.take());
-        if first.is_some() {
-            // A peer may not have arrived: it must not touch this heap.
-            self.state.fail(FINALIZE_FAILED, self.rank);
-        }
-        finalize_step(self.rank, FinalizeStep::HeapReleasing);
-        let Live {
-            boot,
-            memory,
-            _binding,
-            ..
-        } = self;
-        drop(memory);
-        drop(_binding);
-        drop(boot);
-        match first {
-            Some(e) => Err(e.context("finalize")),
-            None => Ok(FinalizeReport { leaked }),
-        }
-    }
-
-    /// Refuses finalize, changing nothing, while CUDA graphs that captured
-    /// this PE's NCCL transfers are alive: NCCL would not finish (nor
-    /// abort) the communicator before they are destroyed.
-    pub(super) fn no_graphs_hold_nccl(&self) -> Result<()> {
-        let Some(comm) = &self.nccl else {
-            return Ok(());
-        };
-        let alive = comm.graphs_alive(self.timeout);
-        if alive == 0 {
-            return Ok(());
-        }
-        Err(ShmemError::State(format!(
-            "finalize of rank {}: {alive} CUDA graph(s) that captured this world's NCCL transfers are alive, and NCCL does not finish a communicator before they are destroyed: destroy them (and their executable graphs), then finalize again; the world stays live",
-            self.rank
-        )))
-    }
-
     pub(super) fn check_pe(&self, pe: usize) -> Result<()> {
         if pe >= self.size {
             return Err(ShmemError::InvalidArgument(format!(
@@ -596,7 +165,7 @@ impl Live {
     }
 
     /// The world's NCCL communicator, unless a failure aborted it.
-    pub(super) fn comm(&self) -> Result<&crate::nccl::Comm> {
+    pub(super) fn comm(&self) -> Result<&crate::transport::nccl::Comm> {
         self.nccl.as_ref().ok_or_else(|| {
             ShmemError::State(
                 "the world's NCCL communicator was aborted after a failure; only finalize remains"
@@ -698,10 +267,13 @@ impl Live {
     pub(super) fn stream_or(
         &self,
         stream: Option<*mut std::ffi::c_void>,
-    ) -> cudarc::driver::sys::CUstream {
+    ) -> xcall_core::cuda::RawStream {
         match stream {
             Some(s) => s.cast(),
-            None => self.stream.as_ref().map_or(std::ptr::null_mut(), |s| s.raw),
+            None => self
+                .stream
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |s| s.raw()),
         }
     }
 
@@ -738,222 +310,6 @@ impl Live {
                 unsafe { crate::cuda::read_word(self.device, addr) }
             }
         }
-    }
-
-    pub(super) fn quiet(&mut self) -> Result<()> {
-        match &self.stream {
-            None => {
-                fence(Ordering::SeqCst);
-                Ok(())
-            }
-            Some(s) => {
-                if let Some(comm) = &self.nccl {
-                    // NCCL's kernels wait for their peers: poll, so that a
-                    // failed or silent peer ends in an error, not a hang.
-                    let state = &self.state;
-                    let polled = crate::error::poll(self.timeout, || {
-                        let idle = s.idle()?;
-                        comm.progress("a transfer")?;
-                        state.check()?;
-                        Ok(idle)
-                    })
-                    .and_then(|idle| match idle {
-                        true => Ok(()),
-                        false => Err(ShmemError::Timeout(format!(
-                            "rank {}: this PE's transfers did not complete within {:?} (a peer of an NCCL pair did not take part)",
-                            self.rank, self.timeout
-                        ))),
-                    });
-                    if let Err(e) = polled {
-                        // Aborting the communicator ends its kernels; the
-                        // world is failed for every PE of this host.
-                        self.nccl = None;
-                        self.state.fail(NCCL_FAILED, self.rank);
-                        tracing::warn!(rank = self.rank, error = %e, "NCCL transfers failed; communicator aborted");
-                        return Err(e);
-                    }
-                }
-                s.sync()?;
-                let err_word = self.error_word();
-                let word = self.read_word(err_word)?;
-                if word == 0 {
-                    return Ok(());
-                }
-                // Clear it so the report comes once.
-                // SAFETY: this PE's error word.
-                unsafe { crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes()) }?;
-                let (me, t) = (self.rank, self.timeout);
-                let e = ShmemError::Timeout(match WaitCode::from_word(word) {
-                    Some(WaitCode::Barrier { rank }) => format!(
-                        "barrier_on_stream on rank {me}: rank {rank} did not arrive within {t:?}"
-                    ),
-                    Some(WaitCode::Signal { .. }) => format!(
-                        "wait_until_on_stream on rank {me}: the signal did not hold within {t:?}"
-                    ),
-                    Some(WaitCode::Exchange { sender }) => {
-                        // The exchange counts are off: a later exchange
-                        // could take stale data for new. Nothing more
-                        // crosses this world.
-                        self.state.fail(EXCHANGE_TIMED_OUT, me);
-                        format!(
-                            "an exchange on rank {me}'s stream: PE {sender}'s segments did not land within {t:?}; only finalize remains"
-                        )
-                    }
-                    None => format!(
-                        "rank {me}'s error word holds {word:#x}, which no xcall kernel writes"
-                    ),
-                });
-                tracing::warn!(rank = me, error = %e, "a wait on the stream timed out");
-                Err(e)
-            }
-        }
-    }
-
-    /// [`World::exchange`] on `stream` (`None`: this PE's own stream).
-    ///
-    /// # Safety
-    /// Every outgoing `src` readable for its bytes until it completes.
-    pub(super) unsafe fn exchange(
-        &mut self,
-        outgoing: &[Outgoing],
-        incoming: &[Incoming],
-        stream: Option<*mut std::ffi::c_void>,
-    ) -> Result<()> {
-        self.state.check()?;
-        let (me, n) = (self.rank, self.size);
-        let by_nccl = |l: &Live, pe: usize| l.peers[pe].transport.is_nccl();
-        let by_tcp = |l: &Live, pe: usize| l.peers[pe].transport == Transport::Tcp;
-        // Every segment is checked before anything moves.
-        let (mut copies, mut sends, mut to) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut tcp_sends, mut tcp_recvs) = (Vec::new(), Vec::new());
-        // Which peers got a segment (sent to / received from): one signal
-        // and one wait per peer, however many segments.
-        let (mut sent, mut got) = (vec![false; n], vec![false; n]);
-        for o in outgoing {
-            self.check_pe(o.pe)?;
-            if by_nccl(self, o.pe) {
-                // The receiver writes it; checked here as this PE's object.
-                self.remote(o.dest, o.bytes, me, "exchange destination")?;
-                sends.push(crate::nccl::Segment {
-                    peer: o.pe,
-                    address: o.src,
-                    bytes: o.bytes,
-                });
-            } else if by_tcp(self, o.pe) {
-                self.remote(o.dest, o.bytes, me, "exchange destination")?;
-                tcp_sends.push(crate::sockets::Segment {
-                    peer: o.pe,
-                    address: o.src,
-                    bytes: o.bytes,
-                });
-            } else {
-                let dest = self.remote(o.dest, o.bytes, o.pe, "exchange destination")?;
-                copies.push((dest, o.src, o.bytes));
-                if o.pe != me && !std::mem::replace(&mut sent[o.pe], true) {
-                    to.push(o.pe);
-                }
-            }
-        }
-        let (mut recvs, mut from) = (Vec::new(), Vec::new());
-        for i in incoming {
-            self.check_pe(i.pe)?;
-            let dest = self.remote(i.dest, i.bytes, me, "exchange receive")?;
-            if by_nccl(self, i.pe) {
-                recvs.push(crate::nccl::Segment {
-                    peer: i.pe,
-                    address: dest,
-                    bytes: i.bytes,
-                });
-            } else if by_tcp(self, i.pe) {
-                tcp_recvs.push(crate::sockets::Segment {
-                    peer: i.pe,
-                    address: dest,
-                    bytes: i.bytes,
-                });
-            } else if i.pe != me && !std::mem::replace(&mut got[i.pe], true) {
-                from.push(i.pe);
-            }
-        }
-        for &(dest, src, bytes) in &copies {
-            // SAFETY: `dest` was checked to lie in one allocation of the
-            // peer's mapped heap; `src` is the caller's contract.
-            unsafe { self.copy(dest, src, bytes, stream) }?;
-        }
-        // One signal per receiver, after all of its data.
-        for &q in &to {
-            let word = self.peers[q].base + exchange_word(n, me);
-            self.update_word(word, 1, SignalOp::Add, stream)?;
-        }
-        if !sends.is_empty() || !recvs.is_empty() {
-            let comm = self.comm()?;
-            let state = &self.state;
-            // SAFETY: every receive lies in this PE's heap (checked) and
-            // every send is the caller's contract; the stream is the
-            // caller's or this PE's own.
-            unsafe {
-                comm.group(
-                    &sends,
-                    &recvs,
-                    self.stream_or(stream).cast(),
-                    self.timeout,
-                    &|| state.check(),
-                )
-            }?;
-            // A graph that captured the group keeps NCCL's finalize
-            // waiting until it is destroyed: finalize counts them.
-            // SAFETY: the stream is live (as above).
-            unsafe {
-                crate::cuda::count_while_captured(
-                    self.device,
-                    self.stream_or(stream),
-                    comm.graphs(),
-                )
-            }?;
-        }
-        if !tcp_sends.is_empty() || !tcp_recvs.is_empty() {
-            let mesh = self.mesh.as_mut().ok_or_else(|| {
-                ShmemError::State("this PE has no TCP pairs; only finalize remains".into())
-            })?;
-            // SAFETY: every receive lies in one live allocation of this
-            // PE's heap (checked) and every send is the caller's
-            // contract; Host memory, this thread waits for the transfers.
-            unsafe { mesh.exchange(&tcp_sends, &tcp_recvs) }?;
-        }
-        // One wait per sender, then its count taken back.
-        for &s in &from {
-            let word = self.base + exchange_word(n, s);
-            match self.device.platform {
-                Platform::Host => {
-                    let landed = crate::error::poll(self.timeout, || {
-                        self.state.check()?;
-                        Ok(self.read_word(word)? != 0)
-                    })?;
-                    if !landed {
-                        return Err(ShmemError::Timeout(format!(
-                            "rank {me} waited {:?} for PE {s}'s exchange segments",
-                            self.timeout
-                        )));
-                    }
-                    self.update_word(word, u64::MAX, SignalOp::Add, None)?;
-                }
-                Platform::Cuda => {
-                    // The kernel takes the count back once it holds.
-                    let p = self.wait_params(
-                        word,
-                        1,
-                        false,
-                        u64::MAX,
-                        WaitCode::Exchange { sender: s },
-                    );
-                    // SAFETY: `word` and the error word are this PE's
-                    // internal region, mapped for the world's life.
-                    unsafe {
-                        crate::cuda::wait_on_stream(self.device, self.stream_or(stream), &p)
-                    }?;
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Sets the signal word at `word` (an aligned word of a mapped heap) to
@@ -995,288 +351,71 @@ impl Live {
         }
     }
 
-    /// Checks that every PE makes the same collective call: (what, seq,
-    /// argument) must be equal everywhere; a difference is reported on
-    /// every PE with every PE's call.
-    pub(super) fn collective(&mut self, what: &str, arg: u64) -> Result<()> {
-        // A failed world has a PE that will never come.
-        self.state.check()?;
-        let seq = self.seq;
-        self.seq += 1;
-        let mine = format!("{what}\n{seq}\n{arg}");
-        let all = self.boot.allgather(mine.as_bytes())?;
-        if all.iter().all(|a| a == mine.as_bytes()) {
-            return Ok(());
-        }
-        Err(disagreement(seq, &all))
-    }
-
-    /// Every PE's `data` (at most [`MAX_GATHER_BYTES`]) through the
-    /// bootstrap, as a collective: a PE in another collective is a
-    /// mismatch, and a PE offering too much makes every PE fail naming it.
-    /// `offered` bytes, `data` when they fit (see
-    /// [`World::allgather_offered`]).
-    pub(super) fn allgather(&mut self, offered: u64, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let fits = offered <= MAX_GATHER_BYTES as u64;
-        if fits && data.len() as u64 != offered {
-            return Err(ShmemError::InvalidArgument(format!(
-                "allgather offers {offered} bytes with {} bytes of data",
-                data.len()
-            )));
-        }
-        self.state.check()?;
-        let seq = self.seq;
-        self.seq += 1;
-        let mut mine = format!("allgather\n{seq}\n{offered}\n").into_bytes();
-        if fits {
-            mine.extend_from_slice(data);
-        }
-        let all = self.boot.allgather(&mine)?;
-        // (bytes offered, where the data starts) of an allgather #seq.
-        let head = |a: &[u8]| -> Option<(usize, usize)> {
-            let record = call_record(a);
-            if record.len() == a.len() {
-                return None;
+    pub(super) fn quiet(&mut self) -> Result<()> {
+        match &self.stream {
+            None => {
+                fence(Ordering::SeqCst);
+                Ok(())
             }
-            match fields(record).as_slice() {
-                [w, s, n] if w == "allgather" && *s == seq.to_string() => {
-                    Some((n.parse().ok()?, record.len() + 1))
-                }
-                _ => None,
-            }
-        };
-        let mut out = Vec::with_capacity(all.len());
-        for (r, a) in all.iter().enumerate() {
-            let Some((n, at)) = head(a) else {
-                return Err(disagreement(seq, &all));
-            };
-            if n > MAX_GATHER_BYTES {
-                return Err(ShmemError::InvalidArgument(format!(
-                    "rank {r} offered {n} bytes to allgather #{seq}; at most {MAX_GATHER_BYTES} bytes per PE"
-                )));
-            }
-            if a.len() - at != n {
-                return Err(ShmemError::Mismatch(format!(
-                    "rank {r}'s allgather #{seq} record is malformed"
-                )));
-            }
-            out.push(a[at..].to_vec());
-        }
-        Ok(out)
-    }
-}
-
-/// The most bytes one PE gives [`Live::allgather`].
-pub const MAX_GATHER_BYTES: usize = 16 << 20;
-
-/// A collective's record without its data: up to the third line break
-/// (`what\nseq\narg`), or all of it.
-fn call_record(record: &[u8]) -> &[u8] {
-    let mut breaks = record.iter().enumerate().filter(|(_, &b)| b == b'\n');
-    match breaks.nth(2) {
-        Some((i, _)) => &record[..i],
-        None => record,
-    }
-}
-
-/// The error of collective call `seq` whose PEs made the calls `all`.
-fn disagreement(seq: u64, all: &[Vec<u8>]) -> ShmemError {
-    let calls: Vec<String> = all
-        .iter()
-        .enumerate()
-        .map(|(r, a)| format!("rank {r}: {}", describe_call(call_record(a))))
-        .collect();
-    ShmemError::Mismatch(format!(
-        "PEs disagree in collective call #{seq} (malloc, free, barrier_all, allgather and finalize must be called in the same order with the same sizes on every PE): {}",
-        calls.join("; ")
-    ))
-}
-
-/// One PE's collective call as the others see it ("malloc #3 of 4096
-/// bytes"), from its `what\nseq\narg` record.
-pub(super) fn describe_call(record: &[u8]) -> String {
-    let f = fields(record);
-    let (what, seq, arg) = match f.as_slice() {
-        [w, s, a] => (w.as_str(), s.as_str(), a.as_str()),
-        _ => return "a call that is not malloc, free, barrier_all, allgather or finalize".into(),
-    };
-    match what {
-        "malloc" => format!("malloc #{seq} of {arg} bytes"),
-        "free" if arg == u64::MAX.to_string() => {
-            format!("free #{seq} of an address outside the heap")
-        }
-        "free" => format!("free #{seq} of offset {arg}"),
-        "allgather" => format!("allgather #{seq} of {arg} bytes"),
-        _ => format!("{what} #{seq}"),
-    }
-}
-
-/// Step 3: the devices of every rank, from their identities (`host`, `pid`,
-/// platform, ordinal, heap bytes); refuses what a world cannot hold.
-fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<Device>> {
-    let mut devices = Vec::with_capacity(c.size);
-    for (r, f) in ids.iter().enumerate() {
-        if f.len() != 6 {
-            return Err(ShmemError::Mismatch(format!(
-                "rank {r} sent a malformed identity"
-            )));
-        }
-        let platform = f[2].parse().ok().and_then(Platform::from_code);
-        let ordinal: Option<u32> = f[3].parse().ok();
-        let (Some(platform), Some(ordinal)) = (platform, ordinal) else {
-            return Err(ShmemError::Mismatch(format!(
-                "rank {r} sent a malformed device"
-            )));
-        };
-        devices.push(Device::new(platform, ordinal));
-        if platform != c.device.platform {
-            return Err(ShmemError::Mismatch(format!(
-                "rank {r} is on {} and rank {} on {}: one platform per world",
-                devices[r], c.rank, c.device
-            )));
-        }
-        if f[4] != len.to_string() {
-            return Err(ShmemError::Mismatch(format!(
-                "rank {r} has a heap of {} bytes, rank {} of {len}",
-                f[4], c.rank
-            )));
-        }
-        if f[5] != ids[c.rank][5] {
-            return Err(ShmemError::Mismatch(format!(
-                "rank {r} takes the transport policy {} and rank {} {} (set {TRANSPORT_ENV} alike on every PE)",
-                f[5], c.rank, ids[c.rank][5]
-            )));
-        }
-        for (q, g) in ids.iter().enumerate().take(r) {
-            if g[0] == f[0] && g[1] == f[1] && g[2] == f[2] && g[3] == f[3] {
-                return Err(ShmemError::Mismatch(format!(
-                    "ranks {q} and {r} are one process on one device ({})",
-                    devices[r]
-                )));
-            }
-        }
-    }
-    Ok(devices)
-}
-
-/// Step 5: maps every peer's heap from its descriptor (`base`, export,
-/// offer token): same process by the offer (CUDA: after enabling peer
-/// access), another process by name (Host) or IPC handle (CUDA).
-fn map_peers(
-    descs: &[Vec<String>],
-    devices: &[Device],
-    c: &Config,
-    len: usize,
-    same_process: &dyn Fn(usize) -> bool,
-    remote: &dyn Fn(usize) -> Option<Transport>,
-) -> Result<Vec<Peer>> {
-    let mut peers = Vec::with_capacity(c.size);
-    for (r, d) in descs.iter().enumerate() {
-        let their_base: u64 = d.first().and_then(|b| b.parse().ok()).ok_or_else(|| {
-            ShmemError::Mismatch(format!("rank {r} sent a malformed heap descriptor"))
-        })?;
-        let export = d.get(1).cloned().unwrap_or_default();
-        let device = devices[r];
-        match remote(r) {
-            Some(transport) if r != c.rank => {
-                peers.push(Peer {
-                    device,
-                    base: 0,
-                    map: PeerMap::Unmapped,
-                    transport,
-                });
-                continue;
-            }
-            _ => {}
-        }
-        let held = || -> Result<PeerMap> {
-            let token = d.get(2).and_then(|t| t.parse().ok()).unwrap_or(0);
-            handoff::take::<Memory>(token)
-                .map(PeerMap::SameProcess)
-                .ok_or_else(|| {
-                    ShmemError::Mismatch(format!("rank {r}'s heap is not on offer in this process"))
-                })
-        };
-        let (base, map) = match c.device.platform {
-            Platform::Host if same_process(r) => (their_base, held()?),
-            Platform::Host => {
-                let m = HostMapping::open(&export, len)?;
-                (m.base, PeerMap::Host(m))
-            }
-            Platform::Cuda if same_process(r) => {
-                crate::cuda::enable_peer_access(c.device, device, (c.rank, r))?;
-                (their_base, held()?)
-            }
-            Platform::Cuda => {
-                let bytes: Vec<u8> = (0..export.len() / 2)
-                    .filter_map(|i| u8::from_str_radix(&export[2 * i..2 * i + 2], 16).ok())
-                    .collect();
-                let m = crate::cuda::IpcMapping::open(c.device, &bytes)?;
-                (m.base, PeerMap::Cuda(m))
-            }
-        };
-        let transport = remote(r).unwrap_or_else(|| map.transport());
-        peers.push(Peer {
-            device,
-            base,
-            map,
-            transport,
-        });
-    }
-    Ok(peers)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The internal region's layout, word by word: `n` arrival words, the
-    /// epoch and error words, `n` peer pointers, `n` exchange words, then
-    /// the staged signal values, each word once, all inside the region.
-    #[test]
-    fn every_internal_word_has_a_place_of_its_own() {
-        for n in [1usize, 2, 3, 8, 1000, MAX_PES] {
-            let mut words: Vec<u64> = (0..3 * n as u64 + 2).map(|i| 8 * i).collect();
-            // The exchange words are the last n of the 3n + 2 before the
-            // staged values.
-            for from in 0..n {
-                assert_eq!(exchange_word(n, from), 8 * (2 * n + 2 + from) as u64);
-            }
-            for slot in 0..STAGED_WORDS {
-                words.push(staged_word(n, slot));
-            }
-            let end = internal_bytes(n) as u64;
-            for (i, w) in words.iter().enumerate() {
-                assert_eq!(*w, 8 * i as u64, "n {n}: word {i}");
-                assert!(w + 8 <= end, "n {n}: word {i} at {w} past {end}");
-            }
-            assert_eq!(end % ALIGN as u64, 0);
-            assert!(end < 8 * words.len() as u64 + ALIGN as u64, "n {n}: {end}");
-        }
-    }
-
-    /// `all_say` is yes on every PE exactly when every PE says yes.
-    #[test]
-    fn every_pe_hears_yes_only_when_all_say_it() {
-        let cases = [
-            [true, true, true],
-            [true, false, true],
-            [false, false, false],
-        ];
-        for (case, says) in cases.into_iter().enumerate() {
-            let pes: Vec<_> = (0..3)
-                .map(|r| {
-                    std::thread::spawn(move || {
-                        let group = format!("all-say-{case}");
-                        let timeout = Duration::from_secs(20);
-                        let mut boot = InProcess::join(&group, r, 3, timeout).unwrap();
-                        all_say(&mut boot, says[r]).unwrap()
+            Some(s) => {
+                if let Some(comm) = &self.nccl {
+                    // NCCL's kernels wait for their peers: poll, so that a
+                    // failed or silent peer ends in an error, not a hang.
+                    let state = &self.state;
+                    let polled = crate::error::poll(self.timeout, || {
+                        let idle = crate::cuda::idle(s)?;
+                        comm.progress("a transfer")?;
+                        state.check()?;
+                        Ok(idle)
                     })
-                })
-                .collect();
-            let want = says.iter().all(|&s| s);
-            for pe in pes {
-                assert_eq!(pe.join().unwrap(), want, "case {case}: {says:?}");
+                    .and_then(|idle| match idle {
+                        true => Ok(()),
+                        false => Err(ShmemError::Timeout(format!(
+                            "rank {}: this PE's transfers did not complete within {:?} (a peer of an NCCL pair did not take part)",
+                            self.rank, self.timeout
+                        ))),
+                    });
+                    if let Err(e) = polled {
+                        // Aborting the communicator ends its kernels; the
+                        // world is failed for every PE of this host.
+                        self.nccl = None;
+                        self.state.fail(NCCL_FAILED, self.rank);
+                        tracing::warn!(rank = self.rank, error = %e, "NCCL transfers failed; communicator aborted");
+                        return Err(e);
+                    }
+                }
+                crate::cuda::sync(s)?;
+                let err_word = self.error_word();
+                let word = self.read_word(err_word)?;
+                if word == 0 {
+                    return Ok(());
+                }
+                // Clear it so the report comes once.
+                // SAFETY: this PE's error word.
+                unsafe { crate::cuda::write_device(self.device, err_word, &0u64.to_ne_bytes()) }?;
+                let (me, t) = (self.rank, self.timeout);
+                let e = ShmemError::Timeout(match WaitCode::from_word(word) {
+                    Some(WaitCode::Barrier { rank }) => format!(
+                        "barrier_on_stream on rank {me}: rank {rank} did not arrive within {t:?}"
+                    ),
+                    Some(WaitCode::Signal { .. }) => format!(
+                        "wait_until_on_stream on rank {me}: the signal did not hold within {t:?}"
+                    ),
+                    Some(WaitCode::Exchange { sender }) => {
+                        // The exchange counts are off: a later exchange
+                        // could take stale data for new. Nothing more
+                        // crosses this world.
+                        self.state.fail(EXCHANGE_TIMED_OUT, me);
+                        format!(
+                            "an exchange on rank {me}'s stream: PE {sender}'s segments did not land within {t:?}; only finalize remains"
+                        )
+                    }
+                    None => format!(
+                        "rank {me}'s error word holds {word:#x}, which no xcall kernel writes"
+                    ),
+                });
+                tracing::warn!(rank = me, error = %e, "a wait on the stream timed out");
+                Err(e)
             }
         }
     }

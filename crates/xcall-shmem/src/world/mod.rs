@@ -24,6 +24,13 @@
 //!    /dev/shm even if a process dies later);
 //! 7. reserve the internal region at offset 0 (barrier words) and zero it.
 //!
+//! The modules follow the steps: `init` runs them in order (1, 2, 4, 6,
+//! 7), `identities` is step 3, `peers` step 5 for mapped pairs and
+//! `connections` for the pairs NCCL or TCP carry; `finalize` mirrors
+//! them. A live world's internals are in `live`, the internal region's
+//! words in `layout`, the collectives in `collective` (on `agreement`),
+//! and [`World::exchange`] in `exchange` (its lists agreed on in `lists`).
+//!
 //! Finalize mirrors it: quiet and barrier; free what is still allocated
 //! (reported as leaks); close the mappings of other processes' heaps
 //! (same-process peers are never "closed"); barrier; release the heap,
@@ -39,49 +46,35 @@
 //! that holds it), and another process's heap stays mapped in this process
 //! until this PE leaves.
 
-use std::path::PathBuf;
-use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use xcall_core::{Device, Platform};
 
-use crate::bootstrap::{Bootstrap, InProcess, Logged, Tcp, UnixSocket};
 use crate::cuda::WaitCode;
 use crate::error::{Result, ShmemError};
-use crate::handoff::{self, Offer};
-use crate::heap::{Allocator, ALIGN};
-use crate::host::{host_identity, HostHeap, HostMapping};
-use crate::registry::{self, Binding};
+use live::{Live, PeerMap};
+use state::LEFT_WITHOUT_FINALIZE;
 
-/// Environment variable with the heap size (when the config gives none): a
-/// size as `xcall_core::env` reads it, for example `512M`, `1GiB` or a byte
-/// count.
-pub const HEAP_ENV: &str = "XCALL_SHMEM_HEAP_BYTES";
-/// Default Host heap: 64 MiB per PE.
-pub const DEFAULT_HOST_HEAP: usize = 64 << 20;
-/// Default CUDA heap: 1 GiB per PE (NVSHMEM's default too).
-pub const DEFAULT_CUDA_HEAP: usize = 1 << 30;
-/// Default timeout of every wait on other PEs.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-/// The most PEs a world may have. Rack-scale systems have 72 GPUs and CPU
-/// partitions more; the bound keeps the per-PE tables of init (O(PEs) on
-/// every PE) from growing without limit on a wrong size.
-pub const MAX_PES: usize = 1 << 16;
-/// Bytes of a world's state page.
-const STATE_PAGE: usize = 4096;
+pub use crate::limits::{MAX_GATHER_BYTES, MAX_PES};
+pub use crate::transport::Transport;
 
+mod agreement;
+mod collective;
 mod config;
+mod connections;
+mod exchange;
+mod finalize;
+mod identities;
+mod init;
+mod layout;
+mod lists;
 mod live;
+mod peers;
 mod state;
 
-pub use config::{BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, TRANSPORT_ENV};
-pub use live::MAX_GATHER_BYTES;
-use live::{agree, fields, internal_bytes, Live, PeerMap};
-use state::{
-    finalize_step, state_page, unique, StatePage, EXCHANGE_TIMED_OUT, FINALIZE_FAILED,
-    LEFT_WITHOUT_FINALIZE, NCCL_FAILED,
+pub use config::{
+    BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, DEFAULT_CUDA_HEAP,
+    DEFAULT_HOST_HEAP, DEFAULT_TIMEOUT, HEAP_ENV, TRANSPORT_ENV,
 };
+pub use exchange::{Incoming, Outgoing};
 pub use state::{set_finalize_hook, FinalizeHook, FinalizeStep};
 
 /// Lifecycle phase of a [`World`].
@@ -93,65 +86,6 @@ pub enum Phase {
     Live,
     /// Finalized; `init` may start it again.
     Finalized,
-}
-
-/// How this PE reaches a peer's heap (a read-only fact for tests and
-/// diagnostics: [`World::transport`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// This PE itself, or a PE of this process: the peer's address as is
-    /// (on CUDA with peer access enabled), never IPC.
-    SameProcess,
-    /// Host heap of another process, mapped from POSIX shared memory.
-    HostSharedMemory,
-    /// CUDA heap of another process, opened from its IPC handle.
-    CudaIpc,
-    /// A PE on another host, or any PE when NCCL is forced
-    /// ([`Pairs::Nccl`]): not mapped; data moves with [`World::exchange`]
-    /// (NCCL send/receive groups).
-    Nccl,
-    /// As [`Transport::Nccl`], and the loaded NCCL runs one-sided puts on
-    /// the world's communicator (NCCL 2.29 and newer, the heap registered
-    /// as its window): [`World::put`] and [`World::put_signal`] (with
-    /// [`SignalOp::Set`]) reach the PE with no call on its side. Gets and
-    /// signal adds still need [`World::exchange`].
-    NcclOneSided,
-    /// Host: a PE on another host, or any other PE when TCP is forced
-    /// ([`Pairs::Tcp`]): not mapped; data moves with [`World::exchange`]
-    /// over a TCP connection of the pair ([`crate::sockets`]).
-    Tcp,
-}
-
-impl Transport {
-    /// Whether NCCL carries the pair ([`Transport::Nccl`] or
-    /// [`Transport::NcclOneSided`]).
-    pub fn is_nccl(self) -> bool {
-        matches!(self, Transport::Nccl | Transport::NcclOneSided)
-    }
-
-    /// The transport's name in log lines (`cuda_ipc`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Transport::SameProcess => "same_process",
-            Transport::HostSharedMemory => "host_shared_memory",
-            Transport::CudaIpc => "cuda_ipc",
-            Transport::Nccl => "nccl",
-            Transport::NcclOneSided => "nccl_one_sided",
-            Transport::Tcp => "tcp",
-        }
-    }
-}
-
-impl PeerMap {
-    fn transport(&self) -> Transport {
-        match self {
-            PeerMap::SameProcess(_) | PeerMap::Released => Transport::SameProcess,
-            PeerMap::Host(_) => Transport::HostSharedMemory,
-            PeerMap::Cuda(_) => Transport::CudaIpc,
-            // A pair whose transport maps nothing says which it is.
-            PeerMap::Unmapped => Transport::Nccl,
-        }
-    }
 }
 
 /// One PE's handle on a world of symmetric memory. Not shared between
@@ -266,7 +200,7 @@ impl World {
     /// A world dropped while such graphs live aborts its communicator on
     /// a thread of its own instead of waiting: the abort ends their
     /// running kernels at once, and NCCL frees the communicator once they
-    /// are destroyed (see [`crate::nccl::settle_aborts`]).
+    /// are destroyed (see [`crate::transport::nccl::settle_aborts`]).
     pub fn finalize(&mut self) -> Result<FinalizeReport> {
         self.live()?.no_graphs_hold_nccl()?;
         let live = self.live.take().expect("checked live");
@@ -614,6 +548,16 @@ impl World {
     /// with [`World::put`], a PE must not reuse one before its owner is
     /// done with the data there.
     ///
+    /// Before anything moves, every PE's lists (summed per peer) meet
+    /// through the bootstrap, as a collective call numbered with the
+    /// others: lists that disagree fail the exchange on every PE with
+    /// [`ShmemError::Mismatch`] naming the ranks and sizes, a segment one
+    /// PE refuses (a bad PE or destination) fails it on every PE with that
+    /// PE's error, and in both cases nothing is written and nothing
+    /// counts toward a later exchange. So the call waits on the host
+    /// until every PE reached it (with a stream too, also while a graph
+    /// captures it), and a PE that never comes makes it time out.
+    ///
     /// # Safety
     /// Every `src` readable for its bytes until the exchange completes
     /// (on CUDA: memory of this PE's device; NCCL reads it on the device).
@@ -710,32 +654,6 @@ impl Drop for World {
             drop(live);
         }
     }
-}
-
-/// A segment this PE sends in a [`World::exchange`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Outgoing {
-    /// The receiving PE.
-    pub pe: usize,
-    /// The data: this PE's memory.
-    pub src: u64,
-    /// Where it lands: a symmetric address (this PE's address of the
-    /// object), inside one allocation.
-    pub dest: u64,
-    /// Bytes.
-    pub bytes: usize,
-}
-
-/// A segment this PE receives in a [`World::exchange`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Incoming {
-    /// The sending PE.
-    pub pe: usize,
-    /// Where it lands: the symmetric address of the sender's `dest`, in
-    /// this PE's heap, inside one allocation.
-    pub dest: u64,
-    /// Bytes.
-    pub bytes: usize,
 }
 
 /// Direction of [`World::transfer`].

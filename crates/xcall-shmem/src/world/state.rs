@@ -1,7 +1,18 @@
 //! The world's state page (how a PE learns that a peer failed) and the
 //! finalize hook tests observe.
 
-use super::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::agreement::{agree, fields};
+use super::config::Config;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Result, ShmemError};
+use crate::transport::host_shared_memory::{HostHeap, HostMapping};
+use crate::transport::same_process::{self as handoff, Offer};
+
+/// Bytes of a world's state page.
+const STATE_PAGE: usize = 4096;
 
 /// A step of [`World::finalize`] a test may observe
 /// ([`set_finalize_hook`]).

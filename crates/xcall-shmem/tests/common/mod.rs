@@ -170,3 +170,137 @@ pub fn wait_children(what: &str, mut children: Vec<Child>, limit: Duration) -> V
     }
     done.into_iter().map(|s| s.unwrap().success()).collect()
 }
+
+/// What one PE of [`disagreeing_pe`] saw: the disagreeing exchange's
+/// result, its buffer after it, and its buffer after the agreeing
+/// exchange that follows (or that exchange's error).
+pub type Disagreement = (
+    Result<(), (xcall_core::Status, String)>,
+    Vec<u8>,
+    Result<Vec<u8>, String>,
+);
+
+/// One PE's part of two PEs' exchange whose lists disagree: rank 0 sends
+/// 64 bytes to rank 1, which lists `listed` bytes (`None`: nothing) from
+/// rank 0; then an exchange that agrees (`listed` bytes, or 64), whose
+/// sender comes 300 ms late with new bytes. Finalizes the world.
+pub fn disagreeing_pe(w: &mut World, rank: usize, listed: Option<usize>) -> Disagreement {
+    use xcall_shmem::{Incoming, Outgoing};
+    let buf = w.malloc(128).unwrap();
+    // SAFETY: this PE's object of 128 bytes.
+    unsafe { std::ptr::write_bytes(buf as *mut u8, 0xAA, 128) };
+    w.barrier_all().unwrap();
+    let old = [1u8; 64];
+    let new = [2u8; 64];
+    let r = if rank == 0 {
+        let out = Outgoing {
+            pe: 1,
+            src: old.as_ptr() as u64,
+            dest: buf,
+            bytes: 64,
+        };
+        // SAFETY: `old` holds 64 bytes.
+        unsafe { w.exchange(&[out], &[]) }
+    } else {
+        let inc: Vec<Incoming> = listed
+            .map(|bytes| Incoming {
+                pe: 0,
+                dest: buf,
+                bytes,
+            })
+            .into_iter()
+            .collect();
+        // SAFETY: nothing is sent.
+        unsafe { w.exchange(&[], &inc) }
+    };
+    let e = r.map_err(|e| (e.status(), e.to_string()));
+    // SAFETY: this PE's object of 128 bytes.
+    let after = unsafe { std::slice::from_raw_parts(buf as *const u8, 128) }.to_vec();
+    // The next exchange agrees; its sender comes late.
+    let bytes = listed.unwrap_or(64);
+    let agreed = if rank == 0 {
+        std::thread::sleep(Duration::from_millis(300));
+        let out = Outgoing {
+            pe: 1,
+            src: new.as_ptr() as u64,
+            dest: buf,
+            bytes,
+        };
+        // SAFETY: `new` holds 64 bytes.
+        unsafe { w.exchange(&[out], &[]) }
+    } else {
+        let inc = Incoming {
+            pe: 0,
+            dest: buf,
+            bytes,
+        };
+        // SAFETY: nothing is sent.
+        unsafe { w.exchange(&[], &[inc]) }
+    };
+    // SAFETY: as above.
+    let next = unsafe { std::slice::from_raw_parts(buf as *const u8, 128) }.to_vec();
+    let next = agreed.map(|()| next).map_err(|e| e.to_string());
+    // A world the bug left off step finalizes as it can.
+    if w.barrier_all().is_ok() {
+        let _ = w.free(buf);
+    }
+    let _ = w.finalize();
+    (e, after, next)
+}
+
+/// What is wrong in `results` (rank 0's and rank 1's, or one of them
+/// alone, `(rank, seen)`) of [`disagreeing_pe`] under setup `what`: each
+/// PE must fail with the same COLLECTIVE_MISMATCH naming the ranks and
+/// sizes, rank 1's buffer must be untouched, and the agreeing exchange
+/// after it must return exactly the new bytes.
+pub fn disagreement_failures(
+    what: &str,
+    listed: Option<usize>,
+    results: &[(usize, Disagreement)],
+) -> Vec<String> {
+    use xcall_core::Status;
+    let listed_text = match listed {
+        None => "which lists no segment from rank 0".to_string(),
+        Some(b) => format!("which lists 1 segment of {b} bytes from rank 0"),
+    };
+    let mut wrong = Vec::new();
+    for (rank, (e, _, _)) in results.iter().map(|(r, d)| (*r, d)) {
+        match e {
+            Ok(()) => wrong.push(format!("{what}: rank {rank} returned OK")),
+            Err((status, msg)) => {
+                if *status != Status::CollectiveMismatch
+                    || !msg.contains("rank 0 sends 1 segment of 64 bytes to rank 1")
+                    || !msg.contains(&listed_text)
+                {
+                    wrong.push(format!("{what}: rank {rank}: {status:?} {msg}"));
+                }
+            }
+        }
+    }
+    if results.windows(2).any(|p| p[0].1 .0 != p[1].1 .0) {
+        wrong.push(format!("{what}: the PEs returned different results"));
+    }
+    let bytes = listed.unwrap_or(64);
+    for (rank, (_, after, next)) in results.iter().map(|(r, d)| (*r, d)) {
+        match next {
+            Err(e) => wrong.push(format!(
+                "{what}: rank {rank}'s agreeing exchange after it failed: {e}"
+            )),
+            Ok(next) if rank == 1 => {
+                if next[..bytes].iter().any(|&b| b != 2) || next[bytes..].iter().any(|&b| b != 0xAA)
+                {
+                    wrong.push(format!(
+                        "{what}: the agreeing exchange after it did not return exactly the new bytes: {next:?}"
+                    ));
+                }
+            }
+            Ok(_) => {}
+        }
+        if rank == 1 && after.iter().any(|&b| b != 0xAA) {
+            wrong.push(format!(
+                "{what}: the disagreeing exchange wrote into rank 1's buffer: {after:?}"
+            ));
+        }
+    }
+    wrong
+}

@@ -34,423 +34,32 @@
 //! `NCCL_NVLS_ENABLE=0` unless the caller set it (a multicast object can
 //! take a shared host's GPUs out of service).
 
-use std::ffi::{c_char, c_int, c_void, CStr};
-use std::path::{Path, PathBuf};
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use xcall_core::cuda::ContextGuard;
 use xcall_core::Device;
 
-use crate::error::{Result, ShmemError};
+use crate::cuda::{sync, OwnStream};
+use crate::error::{poll, Result, ShmemError};
 
-/// Environment variable naming the NCCL library (a file, or a folder that
-/// holds `libnccl.so.2`).
-pub const LIB_ENV: &str = "XCALL_NCCL_LIB";
-/// The oldest NCCL xcall uses: 2.14 (non-blocking communicators).
-pub const MIN_VERSION: Version = Version {
-    major: 2,
-    minor: 14,
-    patch: 0,
+mod library;
+#[cfg(test)]
+mod tests;
+
+pub use library::{
+    candidates, find, library, Library, Version, LIB_ENV, MIN_VERSION, UNIQUE_ID_BYTES,
 };
-/// Bytes of an NCCL unique id (`ncclUniqueId`).
-pub const UNIQUE_ID_BYTES: usize = 128;
+use library::{
+    nvls_off, CommConfig, NcclResult, RawComm, RawWindow, UniqueId, IN_PROGRESS, SUCCESS, UINT8,
+    UNDEF_INT,
+};
 
-type NcclResult = c_int;
-const SUCCESS: NcclResult = 0;
-const REMOTE_ERROR: NcclResult = 6;
-const IN_PROGRESS: NcclResult = 7;
-/// `ncclUint8`.
-const UINT8: c_int = 1;
-/// `NCCL_CONFIG_UNDEF_INT`.
-const UNDEF_INT: c_int = c_int::MIN;
-
-type RawComm = *mut c_void;
-/// `ncclWindow_t`.
-type RawWindow = *mut c_void;
-
-/// `ncclUniqueId`: passed by value.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UniqueId {
-    internal: [u8; UNIQUE_ID_BYTES],
-}
-
-/// `ncclConfig_t` as NCCL 2.14 laid it out; NCCL reads `size` bytes and
-/// takes the fields of later versions from their defaults (`version`).
-#[repr(C)]
-struct CommConfig {
-    size: usize,
-    magic: u32,
-    version: u32,
-    blocking: c_int,
-    cga_cluster_size: c_int,
-    min_ctas: c_int,
-    max_ctas: c_int,
-    net_name: *const c_char,
-}
-
-/// An NCCL version.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Version {
-    /// Major.
-    pub major: u32,
-    /// Minor.
-    pub minor: u32,
-    /// Patch.
-    pub patch: u32,
-}
-
-impl Version {
-    /// The version `ncclGetVersion` encodes: `major*10000 + minor*100 +
-    /// patch` since 2.9, `major*1000 + minor*100 + patch` before.
-    pub fn from_code(code: u32) -> Version {
-        let (major, rest) = if code >= 10000 {
-            (code / 10000, code % 10000)
-        } else {
-            (code / 1000, code % 1000)
-        };
-        Version {
-            major,
-            minor: rest / 100,
-            patch: rest % 100,
-        }
-    }
-
-    fn code(self) -> u32 {
-        self.major * 10000 + self.minor * 100 + self.patch
-    }
-}
-
-impl std::fmt::Display for Version {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
-    }
-}
-
-type GetVersion = unsafe extern "C" fn(*mut c_int) -> NcclResult;
-type GetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> NcclResult;
-type InitRankConfig =
-    unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int, *mut CommConfig) -> NcclResult;
-type AsyncError = unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult;
-type CommCall = unsafe extern "C" fn(RawComm) -> NcclResult;
-type ErrorString = unsafe extern "C" fn(NcclResult) -> *const c_char;
-type LastError = unsafe extern "C" fn(RawComm) -> *const c_char;
-type Group = unsafe extern "C" fn() -> NcclResult;
-type Send =
-    unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult;
-type Recv =
-    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, *mut c_void) -> NcclResult;
-type MemAlloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> NcclResult;
-type MemFree = unsafe extern "C" fn(*mut c_void) -> NcclResult;
-type WindowRegister =
-    unsafe extern "C" fn(RawComm, *mut c_void, usize, *mut RawWindow, c_int) -> NcclResult;
-type WindowDeregister = unsafe extern "C" fn(RawComm, RawWindow) -> NcclResult;
-type PutSignal = unsafe extern "C" fn(
-    *const c_void,
-    usize,
-    c_int,
-    c_int,
-    RawWindow,
-    usize,
-    c_int,
-    c_int,
-    u32,
-    RawComm,
-    *mut c_void,
-) -> NcclResult;
-type Signal = unsafe extern "C" fn(c_int, c_int, c_int, u32, RawComm, *mut c_void) -> NcclResult;
-
-/// The entry points of NCCL's host-initiated one-sided operations (NCCL
-/// 2.29 and newer), present together or not at all.
-#[derive(Clone, Copy)]
-struct OneSided {
-    mem_alloc: MemAlloc,
-    mem_free: MemFree,
-    register: WindowRegister,
-    deregister: WindowDeregister,
-    put_signal: PutSignal,
-    signal: Signal,
-}
-
-/// A loaded NCCL: where it was found, its version, and the entry points
-/// xcall calls.
-pub struct Library {
-    path: PathBuf,
-    version: Version,
-    one_sided: Option<OneSided>,
-    get_unique_id: GetUniqueId,
-    init_rank_config: InitRankConfig,
-    async_error: AsyncError,
-    finalize: CommCall,
-    destroy: CommCall,
-    abort: CommCall,
-    error_string: ErrorString,
-    last_error: LastError,
-    group_start: Group,
-    group_end: Group,
-    send: Send,
-    recv: Recv,
-    // Last: the entry points above point into it.
-    _lib: libloading::Library,
-}
-
-impl std::fmt::Debug for Library {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Library")
-            .field("path", &self.path)
-            .field("version", &self.version)
-            .field("one_sided", &self.one_sided.is_some())
-            .finish()
-    }
-}
-
-/// The file behind a loaded symbol (`dladdr`), when the loader says.
-fn file_of(symbol: *const c_void) -> Option<PathBuf> {
-    // SAFETY: `Dl_info` is plain C data; zero is a valid value.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads the address and fills `info`.
-    let found = unsafe { libc::dladdr(symbol, &mut info) };
-    if found == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: a NUL-terminated string the loader owns for as long as the
-    // object stays loaded; copied at once.
-    let name = unsafe { CStr::from_ptr(info.dli_fname) };
-    Some(PathBuf::from(name.to_string_lossy().into_owned()))
-}
-
-impl Library {
-    /// Opens the NCCL at `path` (a path, or a bare file name for the
-    /// loader's search) and checks it: an NCCL of at least
-    /// [`MIN_VERSION`] with every entry point xcall calls.
-    pub fn open(path: &Path) -> std::result::Result<Library, String> {
-        // SAFETY: loading runs the library's initialisers; NCCL's set up
-        // its own state only (it loads CUDA lazily, on first use).
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
-            let why = std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string());
-            format!("cannot load {}: {why}", path.display())
-        })?;
-        fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> std::result::Result<T, String> {
-            // SAFETY: every `T` used below is the C signature that nccl.h
-            // declares for `name`.
-            unsafe { lib.get::<T>(name.as_bytes()) }
-                .map(|s| *s)
-                .map_err(|_| format!("it has no {name}: not an NCCL library, or older than 2.14"))
-        }
-        let get_version: GetVersion = sym(&lib, "ncclGetVersion")?;
-        let mut code: c_int = 0;
-        // SAFETY: writes one int.
-        let r = unsafe { get_version(&mut code) };
-        let version = usable_version(r, code)?;
-        let one_sided = (|| {
-            Some(OneSided {
-                mem_alloc: sym(&lib, "ncclMemAlloc").ok()?,
-                mem_free: sym(&lib, "ncclMemFree").ok()?,
-                register: sym(&lib, "ncclCommWindowRegister").ok()?,
-                deregister: sym(&lib, "ncclCommWindowDeregister").ok()?,
-                put_signal: sym(&lib, "ncclPutSignal").ok()?,
-                signal: sym(&lib, "ncclSignal").ok()?,
-            })
-        })();
-        let path = file_of(get_version as *const c_void).unwrap_or_else(|| path.to_path_buf());
-        Ok(Library {
-            path,
-            version,
-            one_sided,
-            get_unique_id: sym(&lib, "ncclGetUniqueId")?,
-            init_rank_config: sym(&lib, "ncclCommInitRankConfig")?,
-            async_error: sym(&lib, "ncclCommGetAsyncError")?,
-            finalize: sym(&lib, "ncclCommFinalize")?,
-            destroy: sym(&lib, "ncclCommDestroy")?,
-            abort: sym(&lib, "ncclCommAbort")?,
-            error_string: sym(&lib, "ncclGetErrorString")?,
-            last_error: sym(&lib, "ncclGetLastError")?,
-            group_start: sym(&lib, "ncclGroupStart")?,
-            group_end: sym(&lib, "ncclGroupEnd")?,
-            send: sym(&lib, "ncclSend")?,
-            recv: sym(&lib, "ncclRecv")?,
-            _lib: lib,
-        })
-    }
-
-    /// The file loaded.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Its version.
-    pub fn version(&self) -> Version {
-        self.version
-    }
-
-    /// Whether it has NCCL's host-initiated one-sided operations
-    /// (`ncclMemAlloc`, `ncclCommWindowRegister`, `ncclPutSignal`,
-    /// `ncclSignal`: NCCL 2.29 and newer).
-    pub fn one_sided(&self) -> bool {
-        self.one_sided.is_some()
-    }
-
-    fn one_sided_calls(&self) -> Result<OneSided> {
-        self.one_sided.ok_or_else(|| {
-            ShmemError::Unsupported(format!(
-                "NCCL {} at {} has no one-sided operations (NCCL 2.29 and newer have them)",
-                self.version,
-                self.path.display()
-            ))
-        })
-    }
-
-    fn describe(&self, r: NcclResult, comm: RawComm) -> String {
-        // SAFETY: NCCL returns static strings for any result code.
-        let name = unsafe { CStr::from_ptr((self.error_string)(r)) }.to_string_lossy();
-        let last = if comm.is_null() {
-            String::new()
-        } else {
-            // SAFETY: a live communicator; NCCL owns the returned string
-            // until its next call on this thread, copied at once.
-            let p = unsafe { (self.last_error)(comm) };
-            if p.is_null() {
-                String::new()
-            } else {
-                // SAFETY: as above.
-                unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-            }
-        };
-        if last.is_empty() {
-            format!("{name} ({r})")
-        } else {
-            format!("{name} ({r}): {last}")
-        }
-    }
-
-    fn error(&self, call: &str, r: NcclResult, comm: RawComm) -> ShmemError {
-        let msg = format!("NCCL {call}: {}", self.describe(r, comm));
-        if r == REMOTE_ERROR {
-            ShmemError::PeerFailed(msg)
-        } else {
-            ShmemError::System(msg)
-        }
-    }
-}
-
-/// The version `ncclGetVersion` returned (`r`, `code`), when xcall can use
-/// it.
-fn usable_version(r: NcclResult, code: c_int) -> std::result::Result<Version, String> {
-    if r != SUCCESS || code <= 0 {
-        return Err(format!("ncclGetVersion failed ({r}, version {code})"));
-    }
-    let version = Version::from_code(code as u32);
-    if version < MIN_VERSION {
-        return Err(format!(
-            "it is NCCL {version}; xcall needs {MIN_VERSION} or newer (non-blocking communicators)"
-        ));
-    }
-    Ok(version)
-}
-
-/// The places searched after [`LIB_ENV`], in order: the loader's names,
-/// then every wheel folder that exists on this machine.
-pub fn candidates() -> Vec<PathBuf> {
-    let own = file_of(candidates as *const c_void);
-    search(&|name| std::env::var_os(name), own.as_deref())
-}
-
-/// [`candidates`] with the environment read through `env` and xcall's own
-/// library at `own`.
-fn search(env: &dyn Fn(&str) -> Option<std::ffi::OsString>, own: Option<&Path>) -> Vec<PathBuf> {
-    let mut out = vec![PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")];
-    let mut roots: Vec<PathBuf> = Vec::new();
-    // An installed `xcall` package: site-packages/xcall/libxcall.so.
-    if let Some(site) = own.and_then(Path::parent).and_then(Path::parent) {
-        roots.push(site.to_path_buf());
-    }
-    if let Some(pp) = env("PYTHONPATH") {
-        roots.extend(std::env::split_paths(&pp));
-    }
-    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"]
-        .iter()
-        .filter_map(|v| env(v))
-        .map(PathBuf::from)
-        .collect();
-    if let Some(home) = env("HOME") {
-        prefixes.push(PathBuf::from(home).join(".local"));
-    }
-    prefixes.push("/usr/local".into());
-    prefixes.push("/usr".into());
-    for prefix in prefixes {
-        roots.push(prefix.join("lib/python3/dist-packages"));
-        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else {
-            continue;
-        };
-        let mut pythons: Vec<PathBuf> = entries
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-            .map(|e| e.path())
-            .collect();
-        pythons.sort();
-        for py in pythons {
-            roots.push(py.join("site-packages"));
-            roots.push(py.join("dist-packages"));
-        }
-    }
-    for root in roots {
-        let file = root.join("nvidia/nccl/lib/libnccl.so.2");
-        if file.is_file() && !out.contains(&file) {
-            out.push(file);
-        }
-    }
-    out
-}
-
-/// Finds NCCL: `over` (the value of [`LIB_ENV`]) alone when given, else
-/// the [`candidates`] in order; the error names every place tried.
-pub fn find(over: Option<&str>) -> std::result::Result<Library, String> {
-    if let Some(v) = over {
-        let p = Path::new(v);
-        let file = if p.is_dir() {
-            p.join("libnccl.so.2")
-        } else {
-            p.to_path_buf()
-        };
-        return Library::open(&file).map_err(|e| format!("{LIB_ENV}={v:?}: {e}"));
-    }
-    let mut tried = Vec::new();
-    for c in candidates() {
-        match Library::open(&c) {
-            Ok(lib) => return Ok(lib),
-            Err(e) if c.is_absolute() => tried.push(format!("{}: {e}", c.display())),
-            Err(_) => tried.push(format!("{} (not on the loader's path)", c.display())),
-        }
-    }
-    Err(format!(
-        "NCCL was not found (install it, or set {LIB_ENV} to its libnccl.so.2); tried {}",
-        tried.join("; ")
-    ))
-}
-
-/// The process's NCCL, found once ([`find`] with [`LIB_ENV`]).
-pub fn library() -> Result<&'static Library> {
-    static LIB: OnceLock<std::result::Result<Library, String>> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let over = std::env::var(LIB_ENV).ok().filter(|v| !v.is_empty());
-        find(over.as_deref())
-    })
-    .as_ref()
-    .map_err(|e| ShmemError::Unsupported(e.clone()))
-}
-
-/// Sets `NCCL_NVLS_ENABLE=0` once, before the first communicator, unless
-/// the caller set it.
-fn nvls_off() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-            std::env::set_var("NCCL_NVLS_ENABLE", "0");
-        }
-    });
-}
+/// The target of the NCCL log lines: the module path they have always
+/// had, so log filters keep selecting them.
+const LOG_TARGET: &str = "xcall_shmem::nccl";
 
 /// A new NCCL unique id (rank 0 makes it; the bootstrap spreads it).
 pub fn unique_id(device: Device) -> Result<Vec<u8>> {
@@ -504,7 +113,33 @@ pub(crate) fn free(device: Device, base: u64) {
     let r = unsafe { (calls.mem_free)(base as *mut c_void) };
     drop(ctx);
     if r != SUCCESS {
-        tracing::warn!(device = %device, result = r, "ncclMemFree failed");
+        tracing::warn!(
+            target: LOG_TARGET,
+            device = %device,
+            result = r,
+            "ncclMemFree failed"
+        );
+    }
+}
+
+/// Memory from [`alloc`], freed on drop.
+struct NcclMemory {
+    device: Device,
+    base: u64,
+}
+
+impl NcclMemory {
+    fn new(device: Device, len: usize) -> Result<NcclMemory> {
+        Ok(NcclMemory {
+            device,
+            base: alloc(device, len)?,
+        })
+    }
+}
+
+impl Drop for NcclMemory {
+    fn drop(&mut self) {
+        free(self.device, self.base);
     }
 }
 
@@ -644,7 +279,7 @@ impl Comm {
     /// enqueued: its error if it failed, a timeout after `timeout`, the
     /// error of `healthy` if it fails first.
     fn wait(&self, call: &str, timeout: Duration, healthy: &dyn Fn() -> Result<()>) -> Result<()> {
-        let done = crate::error::poll(timeout, || {
+        let done = poll(timeout, || {
             if self.progress(call)? {
                 return Ok(true);
             }
@@ -848,8 +483,8 @@ impl Comm {
         timeout: Duration,
         healthy: &dyn Fn() -> Result<()>,
     ) -> Result<bool> {
-        let stream = crate::cuda::Stream::new(self.device)?;
-        let buffer = crate::cuda::DeviceHeap::through_nccl(self.device, PROBE_BYTES)?;
+        let stream = OwnStream::new(self.device)?;
+        let buffer = NcclMemory::new(self.device, PROBE_BYTES)?;
         // Declared after the window's memory: dropped (aborted) before it.
         let mut comm = self;
         if comm.register_window(buffer.base, PROBE_BYTES, timeout, healthy)? {
@@ -861,15 +496,17 @@ impl Comm {
 
     /// A signal to itself, run to completion on `stream` (see
     /// [`Comm::one_sided_works`]).
-    fn signals_itself(self, stream: &crate::cuda::Stream, timeout: Duration) -> Result<bool> {
+    fn signals_itself(self, stream: &OwnStream, timeout: Duration) -> Result<bool> {
         let calls = self.lib.one_sided_calls()?;
         let ctx = ContextGuard::primary(self.device)?;
         // SAFETY: a live communicator and stream of its device; signal
         // index, context and flags 0.
-        let r = unsafe { (calls.signal)(self.rank as c_int, 0, 0, 0, self.raw, stream.raw.cast()) };
+        let r =
+            unsafe { (calls.signal)(self.rank as c_int, 0, 0, 0, self.raw, stream.raw().cast()) };
         drop(ctx);
         if r != SUCCESS && r != IN_PROGRESS {
             tracing::debug!(
+                target: LOG_TARGET,
                 rank = self.rank,
                 error = %self.lib.describe(r, self.raw),
                 "NCCL runs no one-sided operations on this world's communicator"
@@ -878,7 +515,7 @@ impl Comm {
         }
         let ran = self
             .wait("ncclSignal", timeout, &|| Ok(()))
-            .and_then(|_| stream.sync());
+            .and_then(|_| sync(stream));
         Ok(ran.is_ok())
     }
 
@@ -913,18 +550,18 @@ impl Comm {
 /// `count` once it is 0, or after `timeout` has passed.
 fn settled(count: &AtomicUsize, timeout: Duration) -> usize {
     // The poll ends at 0 or after the timeout; the count is read either way.
-    let _ = crate::error::poll(timeout, || Ok(count.load(Ordering::Acquire) == 0));
+    let _ = poll(timeout, || Ok(count.load(Ordering::Acquire) == 0));
     count.load(Ordering::Acquire)
 }
 
 /// `count` once it is 0, or after `grace` (at most 2 s) has passed.
-fn settled_count(count: &AtomicUsize, grace: Duration) -> usize {
+pub(super) fn settled_count(count: &AtomicUsize, grace: Duration) -> usize {
     settled(count, grace.min(Duration::from_secs(2)))
 }
 
 /// Communicators being aborted on threads of their own (see [`Comm`]'s
 /// drop), not yet freed by NCCL.
-static ABORTS: AtomicUsize = AtomicUsize::new(0);
+pub(super) static ABORTS: AtomicUsize = AtomicUsize::new(0);
 
 /// How many dropped communicators are still being aborted on threads of
 /// their own: NCCL frees each once the CUDA graphs that captured its work
@@ -988,6 +625,7 @@ impl Drop for Comm {
                 // abort the grace to finish when the graphs go meanwhile.
                 let finished = finished.recv_timeout(Duration::from_secs(2)).is_ok();
                 tracing::warn!(
+                    target: LOG_TARGET,
                     rank = self.rank,
                     graphs = alive,
                     finished,
@@ -997,183 +635,13 @@ impl Drop for Comm {
             Err(e) => {
                 ABORTS.fetch_sub(1, Ordering::AcqRel);
                 tracing::warn!(
+                    target: LOG_TARGET,
                     rank = self.rank,
                     graphs = alive,
                     error = %e,
                     "an NCCL communicator dropped while CUDA graphs that captured its work are alive is left to them: no thread could be started to abort it"
                 );
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn settling_waits_for_aborts_in_flight_within_its_timeout() {
-        // No NCCL on this machine: the count is this test's alone.
-        assert_eq!(aborts_in_flight(), 0);
-        let started = std::time::Instant::now();
-        assert_eq!(settle_aborts(Duration::from_secs(5)), 0);
-        assert!(started.elapsed() < Duration::from_secs(1));
-        // Two aborts finish on another thread within the timeout: 0.
-        ABORTS.fetch_add(2, Ordering::AcqRel);
-        let finisher = std::thread::spawn(|| {
-            for _ in 0..2 {
-                std::thread::sleep(Duration::from_millis(50));
-                ABORTS.fetch_sub(1, Ordering::AcqRel);
-            }
-        });
-        assert_eq!(settle_aborts(Duration::from_secs(5)), 0);
-        finisher.join().unwrap();
-        // One that does not: what remains, after the timeout.
-        ABORTS.fetch_add(1, Ordering::AcqRel);
-        assert_eq!(aborts_in_flight(), 1);
-        let started = std::time::Instant::now();
-        assert_eq!(settle_aborts(Duration::from_millis(100)), 1);
-        assert!(started.elapsed() >= Duration::from_millis(100));
-        ABORTS.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    #[test]
-    fn a_graph_count_is_awaited_for_its_grace_and_no_longer() {
-        let count = Arc::new(AtomicUsize::new(0));
-        assert_eq!(settled_count(&count, Duration::from_secs(5)), 0);
-        // Released on another thread within the grace: 0.
-        count.store(2, Ordering::Release);
-        let c = count.clone();
-        let releaser = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            c.fetch_sub(1, Ordering::AcqRel);
-            std::thread::sleep(Duration::from_millis(50));
-            c.fetch_sub(1, Ordering::AcqRel);
-        });
-        assert_eq!(settled_count(&count, Duration::from_secs(2)), 0);
-        releaser.join().unwrap();
-        // Held: the count after the grace, which is capped at 2 s.
-        count.store(3, Ordering::Release);
-        let started = std::time::Instant::now();
-        assert_eq!(settled_count(&count, Duration::from_millis(100)), 3);
-        assert!(started.elapsed() >= Duration::from_millis(100));
-        let started = std::time::Instant::now();
-        assert_eq!(settled_count(&count, Duration::from_secs(3600)), 3);
-        let waited = started.elapsed();
-        assert!(
-            waited >= Duration::from_secs(2) && waited < Duration::from_secs(10),
-            "{waited:?}"
-        );
-    }
-
-    #[test]
-    fn versions_decode_both_encodings() {
-        let v = Version::from_code(22803);
-        assert_eq!((v.major, v.minor, v.patch), (2, 28, 3));
-        assert_eq!(v.to_string(), "2.28.3");
-        assert_eq!(v.code(), 22803);
-        // Before 2.9: major*1000 + minor*100 + patch.
-        let old = Version::from_code(2804);
-        assert_eq!((old.major, old.minor, old.patch), (2, 8, 4));
-        assert!(old < MIN_VERSION);
-        assert!(Version::from_code(21400) >= MIN_VERSION);
-        assert!(Version::from_code(21399) < MIN_VERSION);
-        assert_eq!(MIN_VERSION.code(), 21400);
-    }
-
-    #[test]
-    fn only_a_working_nccl_of_2_14_or_newer_is_used() {
-        assert_eq!(usable_version(SUCCESS, 21400), Ok(MIN_VERSION));
-        assert_eq!(
-            usable_version(SUCCESS, 22803).unwrap().to_string(),
-            "2.28.3"
-        );
-        let old = usable_version(SUCCESS, 21309).unwrap_err();
-        assert!(
-            old.contains("NCCL 2.13.9") && old.contains("2.14.0 or newer"),
-            "{old}"
-        );
-        assert!(usable_version(SUCCESS, 2804)
-            .unwrap_err()
-            .contains("NCCL 2.8.4"));
-        for (r, code) in [
-            (3, 22803),
-            (SUCCESS, 0),
-            (SUCCESS, -1),
-            (IN_PROGRESS, 22803),
-        ] {
-            let e = usable_version(r, code).unwrap_err();
-            assert!(e.starts_with("ncclGetVersion failed"), "{r} {code}: {e}");
-        }
-    }
-
-    #[test]
-    fn the_config_has_nccl_2_14s_layout() {
-        // size_t, two u32, four ints, one pointer: 40 bytes on 64-bit.
-        assert_eq!(std::mem::size_of::<CommConfig>(), 40);
-        assert_eq!(std::mem::offset_of!(CommConfig, blocking), 16);
-        assert_eq!(std::mem::offset_of!(CommConfig, net_name), 32);
-        assert_eq!(std::mem::size_of::<UniqueId>(), 128);
-    }
-
-    #[test]
-    fn an_override_that_is_missing_is_named_and_nothing_else_is_tried() {
-        let e = find(Some("/nonexistent/xcall-test/libnccl.so.2")).unwrap_err();
-        assert!(e.starts_with(&format!("{LIB_ENV}=")), "{e}");
-        assert!(e.contains("/nonexistent/xcall-test/libnccl.so.2"), "{e}");
-        // A folder override looks for libnccl.so.2 in it.
-        let dir = std::env::temp_dir();
-        let e = find(Some(dir.to_str().unwrap())).unwrap_err();
-        assert!(e.contains("libnccl.so.2"), "{e}");
-    }
-
-    #[test]
-    fn a_library_that_is_not_nccl_is_refused_by_name() {
-        // libc is loaded in every process: loadable, but not NCCL.
-        let e = Library::open(Path::new("libc.so.6")).unwrap_err();
-        assert!(e.contains("ncclGetVersion"), "{e}");
-    }
-
-    #[test]
-    fn wheel_folders_are_found_in_order() {
-        let root = std::env::temp_dir().join(format!("xcall-nccl-search-{}", std::process::id()));
-        let wheel = |base: &Path| {
-            let dir = base.join("nvidia/nccl/lib");
-            std::fs::create_dir_all(&dir).unwrap();
-            std::fs::write(dir.join("libnccl.so.2"), b"not a library").unwrap();
-            dir.join("libnccl.so.2")
-        };
-        let own_site = root.join("own/site-packages");
-        let in_own = wheel(&own_site);
-        let in_path = wheel(&root.join("pythonpath"));
-        let in_venv = wheel(&root.join("venv/lib/python3.12/site-packages"));
-        // A folder without the wheel adds nothing.
-        std::fs::create_dir_all(root.join("venv/lib/python3.11/site-packages")).unwrap();
-        let env = |name: &str| match name {
-            "PYTHONPATH" => Some(root.join("pythonpath").into_os_string()),
-            "VIRTUAL_ENV" => Some(root.join("venv").into_os_string()),
-            _ => None,
-        };
-        let own = own_site.join("xcall/libxcall.so");
-        let found = search(&env, Some(&own));
-        let ours: Vec<&PathBuf> = found.iter().filter(|p| p.starts_with(&root)).collect();
-        assert_eq!(ours, vec![&in_own, &in_path, &in_venv]);
-        // Found but not loadable: the error names the file and why.
-        let e = Library::open(&in_venv).unwrap_err();
-        assert!(!e.is_empty());
-        let e = find(Some(in_venv.parent().unwrap().to_str().unwrap())).unwrap_err();
-        assert!(e.contains(&in_venv.display().to_string()), "{e}");
-        std::fs::remove_dir_all(&root).unwrap();
-    }
-
-    #[test]
-    fn the_loader_names_come_first() {
-        let c = candidates();
-        assert_eq!(c[0], PathBuf::from("libnccl.so.2"));
-        assert_eq!(c[1], PathBuf::from("libnccl.so"));
-        for extra in &c[2..] {
-            assert!(extra.ends_with("nvidia/nccl/lib/libnccl.so.2"), "{extra:?}");
-            assert!(extra.is_file(), "{extra:?}");
         }
     }
 }
