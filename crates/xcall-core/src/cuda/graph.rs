@@ -83,6 +83,39 @@ impl Drop for Graph {
     }
 }
 
+/// The launch shape a kernel node of a graph holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelNodeShape {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block in bytes.
+    pub shared_bytes: u32,
+}
+
+/// The launch shape of the kernel node `node` (`cuGraphKernelNodeGetParams`):
+/// what a captured launch recorded (see
+/// [`RecordedLaunch::node`](super::RecordedLaunch::node)). A node that is not
+/// a kernel node is the driver's error.
+///
+/// # Safety
+/// `node` is a node of a live graph.
+pub unsafe fn kernel_node_shape(device: Device, node: RawGraphNode) -> Result<KernelNodeShape> {
+    available()?;
+    // SAFETY: plain data the driver fills in.
+    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: the caller's contract on `node`; writes the parameters.
+    check("cuGraphKernelNodeGetParams", device, unsafe {
+        sys::cuGraphKernelNodeGetParams_v2(node, &mut p)
+    })?;
+    Ok(KernelNodeShape {
+        grid: (p.gridDimX, p.gridDimY, p.gridDimZ),
+        block: (p.blockDimX, p.blockDimY, p.blockDimZ),
+        shared_bytes: p.sharedMemBytes,
+    })
+}
+
 /// Flags of [`Graph::instantiate_with`] (`CUgraphInstantiate_flags`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct InstantiateFlags {

@@ -47,7 +47,9 @@ pub use function::{
     max_active_blocks, max_threads_per_block, module_global, pointer_device, reach,
     set_max_dynamic_shared, Reach,
 };
-pub use graph::{Graph, GraphExec, InstantiateFlags, RawGraphNode};
+pub use graph::{
+    kernel_node_shape, Graph, GraphExec, InstantiateFlags, KernelNodeShape, RawGraphNode,
+};
 pub use launch::{launch, launch_raw, recording_launches, Launch, Params, RecordedLaunch};
 pub use memory::{
     copy_dtoh_sync, copy_htod_sync, enable_peer_access, ipc_close, ipc_handle, ipc_open, mem_alloc,
