@@ -451,6 +451,50 @@ fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise
     }
 }
 
+/// A malformed variable of the shmem world is a usage error (exit 2, as
+/// the help says) naming it, found before any PE starts: for `moe` and
+/// for `bench`, which both start worlds.
+#[test]
+fn a_malformed_world_variable_is_a_usage_error_naming_it() {
+    let long = "h".repeat(300);
+    for (name, value, want) in [
+        (
+            "XCALL_SHMEM_TRANSPORT",
+            "bogus",
+            "xcall: XCALL_SHMEM_TRANSPORT=\"bogus\" is not a transport policy: auto, nccl (CUDA) or tcp (Host)",
+        ),
+        (
+            "XCALL_SHMEM_HOST",
+            long.as_str(),
+            "a host's name is one line of 1 to 255 bytes",
+        ),
+        (
+            "XCALL_SHMEM_HOST",
+            "node\ntwo",
+            "a host's name is one line of 1 to 255 bytes",
+        ),
+    ] {
+        for command in [
+            &["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"][..],
+            &["bench", "--rounds", "1"],
+        ] {
+            let out = common::xcall()
+                .args(command)
+                .env(name, value)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{command:?} {name}: {stderr}");
+            assert_eq!(stderr.lines().count(), 1, "{command:?} {name}: {stderr}");
+            assert!(
+                stderr.starts_with(&format!("xcall: {name}=")) && stderr.contains(want),
+                "{command:?} {name}: {stderr}"
+            );
+            assert!(out.stdout.is_empty(), "{command:?} {name}: work started");
+        }
+    }
+}
+
 #[test]
 fn cuda_without_gpus_or_with_too_many_pes_is_refused() {
     let count = if !matches!(

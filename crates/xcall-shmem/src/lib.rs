@@ -51,7 +51,7 @@ pub mod sockets;
 pub mod world;
 
 pub use error::{Result, ShmemError};
-pub use host::HOST_ENV;
+pub use host::{host_identity, HOST_ENV};
 pub use world::{
     BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
     Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,

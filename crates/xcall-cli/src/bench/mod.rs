@@ -155,6 +155,7 @@ pub fn run(args: &BenchArgs) -> Result<bool, Failure> {
     if args.rounds == 0 {
         return Err(Failure::Usage("--rounds must be at least 1".into()));
     }
+    crate::layer::world_environment().map_err(Failure::Usage)?;
     let pes = match platform {
         Platform::Host => 2,
         Platform::Cuda => crate::moe::cuda_devices()?.min(2),

@@ -246,15 +246,13 @@ fn launched_gpus(l: &Launch, pes: Option<usize>, gpus: usize) -> Result<Vec<u32>
 }
 
 /// Whether `XCALL_SHMEM_TRANSPORT` forces every pair onto a transport
-/// without peer pointers (NCCL or TCP).
-fn forced_remote() -> bool {
-    let policy = xcall_core::env::text(xcall_shmem::TRANSPORT_ENV)
-        .ok()
-        .flatten();
-    matches!(
-        policy.as_deref().and_then(xcall_shmem::Pairs::parse),
+/// without peer pointers (NCCL or TCP); a malformed variable of the world
+/// is an error naming it.
+fn forced_remote() -> Result<bool, String> {
+    Ok(matches!(
+        crate::layer::world_environment()?,
         Some(xcall_shmem::Pairs::Nccl | xcall_shmem::Pairs::Tcp)
-    )
+    ))
 }
 
 /// Checks the flags; `gpus` is the CUDA device count on CUDA, `launch`
@@ -398,6 +396,7 @@ fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, St
         (experts / pes) as f64 * capacity as f64
     };
     let max = xcall_permute::call::MAX_SEGMENTS;
+    let forced_remote = forced_remote()?;
     let fused = match a.exchange {
         Some(ExchangeArg::Fused) if pes > max => {
             return Err(format!(
@@ -406,7 +405,7 @@ fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, St
         }
         Some(x) => x == ExchangeArg::Fused,
         // A policy that forces pairs without pointers takes the copy.
-        None => pes <= max && !forced_remote(),
+        None => pes <= max && !forced_remote,
     };
     let slots = if fused { pes } else { 2 * pes - 1 };
     let bytes = slot_rows * slots as f64 * hidden as f64 * size * 2.0
