@@ -479,7 +479,7 @@ mod tests {
     fn a_filter_over_the_limit_is_refused_by_its_variable_and_the_limit() {
         // 1.1 MB of valid directives: the parser took seconds on it.
         let filter = long_filter(1_100_000);
-        let e = parse_env(&filter).err().expect("refused");
+        let e = parse_env(&filter).expect_err("refused");
         assert!(
             e.starts_with(&format!(
                 "XCALL_LOG: log filter of {} bytes (beginning \"xcall_t0=debug,",
