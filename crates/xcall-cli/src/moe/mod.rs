@@ -33,6 +33,7 @@ pub use data::Shape;
 use pe::{Pe, Waits, PHASES};
 use verify::{Checked, Checks, Job, Verify};
 
+use crate::alloc::RunError;
 use crate::report::{Failure, JsonOut};
 
 /// Where the PEs run.
@@ -427,7 +428,11 @@ fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, St
         fused,
         dtype,
     };
-    let heap = crate::layer::heap_size(Pe::heap_bytes(&shape), "this shape")?;
+    let needed = Pe::heap_bytes(&shape).ok_or_else(|| {
+        "the buffers of one PE would pass the address space; reduce --tokens, --hidden or --experts"
+            .to_string()
+    })?;
+    let heap = crate::layer::heap_size(needed, "this shape")?;
     if a.timeout.is_zero() {
         return Err("--timeout must be above zero".into());
     }
@@ -607,7 +612,7 @@ fn run_pe(
     group: &str,
     cache: &GraphCache<CudaGraphs>,
     progress: &Progress,
-) -> Result<PeEnd, String> {
+) -> Result<PeEnd, RunError> {
     let device = run.devices[local];
     let rank = run.first_rank() + local;
     let mut pe = Pe::new(
@@ -641,23 +646,29 @@ fn pe_run(
     pe: &mut Pe,
     cache: &GraphCache<CudaGraphs>,
     progress: &Progress,
-) -> Result<PeEnd, String> {
+) -> Result<PeEnd, RunError> {
     let device = run.devices[local];
     let threads = check_threads(run.devices.len());
-    let mut log = match run.platform {
-        Platform::Host => {
-            let mut checks = Checks::Inline {
-                shape: run.shape,
-                seed: run.seed,
-                rank,
-                threads,
-            };
-            pe_steps(run, pe, cache, progress, &mut checks)?
-        }
-        Platform::Cuda => {
+    // The host buffers used for every step, allocated before the first;
+    // every PE learns whether every other has its own, so that none waits
+    // for a PE that stopped here.
+    let inline = match run.platform {
+        Platform::Host => Some(Checks::inline(run.shape, run.seed, rank, threads)),
+        Platform::Cuda => None,
+    };
+    let reserved = pe.reserve_upload().and_then(|()| inline.transpose());
+    let all = pe.allgather(&[u8::from(reserved.is_ok())])?;
+    let inline = reserved?;
+    if let Some(q) = all.iter().position(|r| r[..] != [1]) {
+        return Err(format!("PE {q} could not allocate its host buffers").into());
+    }
+    pe.set_up_buffers()?;
+    let mut log = match inline {
+        Some(mut checks) => pe_steps(run, pe, cache, progress, &mut checks)?,
+        None => {
             let drawn = run.verify.drawn(run.total());
             let (inputs, draw_work) = verify::drawer(run.shape, run.seed, rank, drawn, threads);
-            let (jobs, check_work) = verify::checker(run.shape, threads);
+            let (jobs, check_work) = verify::checker(run.shape, rank, threads);
             let spawned =
                 |name: &str| std::thread::Builder::new().name(format!("moe-{name}-{rank}"));
             std::thread::scope(|scope| {
@@ -668,11 +679,19 @@ fn pe_run(
                     .spawn_scoped(scope, check_work)
                     .map_err(|e| format!("checker thread: {e}"))?;
                 // Dropping `checks` closes both queues, however the steps end.
-                let mut checks = Checks::Beside { inputs, jobs };
+                let mut checks = Checks::Beside {
+                    inputs,
+                    jobs,
+                    shape: run.shape,
+                    rank,
+                };
                 let stepped = pe_steps(run, pe, cache, progress, &mut checks);
                 drop(checks);
                 let drew = drawer.join();
-                let checks = checker.join().map_err(|_| "the checker thread panicked")?;
+                // A checker that could not allocate stopped the steps.
+                let checks = checker
+                    .join()
+                    .map_err(|_| "the checker thread panicked")??;
                 drew.map_err(|_| "the drawer thread panicked")?;
                 stepped.map(|log| PeLog { checks, ..log })
             })?
@@ -711,7 +730,7 @@ fn pe_steps(
     cache: &GraphCache<CudaGraphs>,
     progress: &Progress,
     checks: &mut Checks,
-) -> Result<PeLog, String> {
+) -> Result<PeLog, RunError> {
     let (total, rank) = (run.total(), pe.rank());
     let mut log = PeLog::default();
     let mut current = None;
@@ -719,7 +738,7 @@ fn pe_steps(
     for n in 0..total {
         let checked = run.verify.checks(n, total);
         if n == 0 || checked {
-            let (d, waited) = checks.inputs(n)?;
+            let (d, waited) = checks.inputs(n, current.take())?;
             log.draw_time += d.took;
             log.input_wait += waited;
             // The previous step may still run on the device.
@@ -742,7 +761,8 @@ fn pe_steps(
         }
         log.dropped.push(dropped);
         if checked {
-            let y = pe.download()?;
+            let mut y = checks.output()?;
+            pe.download(&mut y)?;
             let inputs = current.clone().ok_or("a checked step without inputs")?;
             let (waited, checked) = checks.submit(Job { step: n, inputs, y })?;
             log.queue_wait += waited;
@@ -830,7 +850,7 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
         last: Mutex::new(start),
         total: run.total(),
     };
-    let ends: Vec<Mutex<Option<Result<PeEnd, String>>>> =
+    let ends: Vec<Mutex<Option<Result<PeEnd, RunError>>>> =
         run.devices.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
         for (local, slot) in ends.iter().enumerate() {
@@ -846,6 +866,7 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
     let mut pes = Vec::with_capacity(ends.len());
     let mut world = None;
     let mut errors = Vec::new();
+    let mut unallocated = None;
     for (local, slot) in ends.into_iter().enumerate() {
         let rank = run.first_rank() + local;
         match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -853,9 +874,17 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
                 pes.push(end.log);
                 world = world.or(end.world);
             }
-            Some(Err(e)) => errors.push(format!("PE {rank}: {e}")),
+            Some(Err(RunError::Alloc(e))) => {
+                unallocated.get_or_insert(e);
+            }
+            Some(Err(RunError::Failed(e))) => errors.push(format!("PE {rank}: {e}")),
             None => errors.push(format!("PE {rank}: its thread panicked")),
         }
+    }
+    // A buffer that could not be allocated is the whole story: what the
+    // other PEs saw follows from it.
+    if let Some(e) = unallocated {
+        errors = vec![e.to_string()];
     }
     if !errors.is_empty() {
         // A failed PE's communicator may still be aborting (NCCL frees it
@@ -1035,7 +1064,8 @@ fn report(
         s.topk,
         s.dtype
     );
-    let heap_mib = Pe::heap_bytes(&s) as f64 / (1u64 << 20) as f64;
+    let heap_bytes = Pe::heap_bytes(&s).unwrap_or_default();
+    let heap_mib = heap_bytes as f64 / (1u64 << 20) as f64;
     if s.dropless {
         println!(
             "  dropless: slots of {} rows (tokens x min(top-k, experts per PE)) per sender, {heap_mib:.0} MiB of symmetric heap per PE; {} timed steps after 1 warm-up step",
@@ -1139,7 +1169,7 @@ fn report(
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
             "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
             "dropless": s.dropless, "exchange": if s.fused { "fused" } else { "copy" },
-            "slot_rows": s.slot_rows(), "heap_bytes": Pe::heap_bytes(&s),
+            "slot_rows": s.slot_rows(), "heap_bytes": heap_bytes,
             "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
             "step_ms": {"median": med, "min": min, "max": max, "first": first,
                 "first_tenth": first_tenth, "last_tenth": last_tenth},

@@ -92,6 +92,7 @@ use xcall_warpspec::ops::{GroupScales, OpConfig, RaggedGroups};
 use xcall_warpspec::OpCall;
 
 use super::data::{Inputs, Shape};
+use crate::alloc::{self, AllocError, RunError};
 use crate::layer::{Context, Dims, Layer, Res};
 
 /// The graph-cache target id of the MoE step.
@@ -167,6 +168,10 @@ pub struct Pe {
     /// own stream's work included (it may wait on peers' signals or NCCL
     /// transfers).
     timeout: Duration,
+    /// The routing and the probs (as bytes) of a step in this PE's expert
+    /// numbering, staged for the upload: empty until
+    /// [`Pe::reserve_upload`].
+    staged: (Vec<u8>, Vec<u8>),
 }
 
 /// The segments of the copy exchange on PE `me` as one
@@ -233,43 +238,51 @@ fn copy_segments(
 
 impl Pe {
     /// The layer's buffers of `shape`: bytes and role of each, in the order
-    /// of [`Buffers`]' fields.
-    fn buffer_sizes(shape: &Shape) -> [(usize, BufferRole); 12] {
+    /// of [`Buffers`]' fields; `None` when a size passes `usize`.
+    fn buffer_sizes(shape: &Shape) -> Option<[(usize, BufferRole); 12]> {
         let (t, h, e) = (shape.tokens, shape.hidden, shape.experts);
         let s = shape.dtype.size_bytes();
         let p = shape.pes;
-        let slots = Self::slots(shape) * Self::slot_bytes(shape);
-        [
-            (t * h * s, BufferRole::In),
-            (t * e, BufferRole::In),
-            (t * e * 4, BufferRole::In),
-            (t * (2 * e + 1) * 4, BufferRole::InOut),
-            (((p - 1) * shape.local_experts() + e) * 8, BufferRole::InOut),
-            ((e + 1) * 8, BufferRole::InOut),
+        let mul = |a: usize, b: usize| a.checked_mul(b);
+        let slots = mul(
+            Self::slots(shape),
+            mul(shape.slot_rows(), shape.row_bytes())?,
+        )?;
+        let tokens = mul(mul(t, h)?, s)?;
+        let map = mul(mul(t, mul(e, 2)?.checked_add(1)?)?, 4)?;
+        let counts = ((p - 1) * shape.local_experts()).checked_add(e)?;
+        Some([
+            (tokens, BufferRole::In),
+            (mul(t, e)?, BufferRole::In),
+            (mul(mul(t, e)?, 4)?, BufferRole::In),
+            (map, BufferRole::InOut),
+            (mul(counts, 8)?, BufferRole::InOut),
+            (mul(e.checked_add(1)?, 8)?, BufferRole::InOut),
             (slots, BufferRole::InOut),
             (slots, BufferRole::InOut),
-            (t * h * s, BufferRole::Out),
+            (tokens, BufferRole::Out),
             (p * 8, BufferRole::InOut),
             (p * 8, BufferRole::InOut),
-            (p * shape.local_experts() * 4, BufferRole::In),
-        ]
+            (mul(e, 4)?, BufferRole::In),
+        ])
     }
 
     /// The symmetric heap a PE of `shape` needs: its buffers (256-byte
-    /// aligned), the world's signal words, and 1 MiB to spare.
-    pub fn heap_bytes(shape: &Shape) -> usize {
-        Self::buffer_sizes(shape)
+    /// aligned), the world's signal words, and 1 MiB to spare; `None` when
+    /// that passes `usize`.
+    pub fn heap_bytes(shape: &Shape) -> Option<usize> {
+        Self::buffer_sizes(shape)?
             .iter()
-            .map(|(b, _)| b.next_multiple_of(256))
-            .sum::<usize>()
-            + (shape.pes + 4) * 16
-            + (1 << 20)
+            .try_fold((shape.pes + 4) * 16 + (1 << 20), |sum: usize, (b, _)| {
+                sum.checked_add(b.checked_next_multiple_of(256)?)
+            })
     }
 
     /// Joins the world met through `bootstrap` as `rank` on `device`,
     /// waiting at most `timeout` for any other PE, and allocates the
     /// layer's buffers in a heap of `heap` bytes (`None`: the world's
-    /// default, `XCALL_SHMEM_HEAP_BYTES`).
+    /// default, `XCALL_SHMEM_HEAP_BYTES`); [`Pe::set_up_buffers`] sets
+    /// them up.
     pub fn new(
         shape: Shape,
         heap: Option<usize>,
@@ -277,9 +290,9 @@ impl Pe {
         device: Device,
         bootstrap: &BootstrapKind,
         timeout: Duration,
-    ) -> Res<Pe> {
+    ) -> Result<Pe, RunError> {
         let p = shape.pes;
-        let sizes = Self::buffer_sizes(&shape);
+        let sizes = Self::buffer_sizes(&shape).ok_or("the layer's buffers pass usize")?;
         let mut config = Config::in_process("", rank, p, device);
         config.bootstrap = bootstrap.clone();
         config.heap_bytes = heap;
@@ -330,6 +343,7 @@ impl Pe {
             ops: OpConfig::default(),
             remote: None,
             timeout,
+            staged: (Vec::new(), Vec::new()),
         };
         for q in 0..p {
             let t = pe.world.transport(q).context("shmem transport")?;
@@ -338,30 +352,39 @@ impl Pe {
                     return Err(format!(
                         "--exchange fused needs every PE addressable, and PE {q} is reached through {}: use --exchange copy",
                         t.name()
-                    ));
+                    )
+                    .into());
                 }
                 pe.remote = Some(t);
             }
         }
-        let zeros = vec![0u8; p * 8];
-        pe.write(b.dispatch, &zeros)?;
-        pe.write(b.combine, &zeros)?;
+        Ok(pe)
+    }
+
+    /// Sets the buffers up for the first step: the signal words and the
+    /// slots zeroed, every expert's scale written; then waits for every
+    /// PE to have done the same.
+    pub fn set_up_buffers(&mut self) -> Result<(), RunError> {
+        let (shape, b, p, rank) = (self.shape, self.b, self.shape.pes, self.rank);
+        let pe = self;
+        pe.fill(b.dispatch, (p * 8) as u64, 0)?;
+        pe.fill(b.combine, (p * 8) as u64, 0)?;
         // The slots start zeroed: with a capacity the experts read whole
         // slots, whose rows no route writes a fused permute leaves as
         // they are.
-        let slots = (Self::slots(&shape) * Self::slot_bytes(&shape)) as u64;
-        pe.zero(b.rows, slots)?;
-        pe.zero(b.results, slots)?;
+        let slots = pe.sizes[6].1 as u64;
+        pe.fill(b.rows, slots, 0)?;
+        pe.fill(b.results, slots, 0)?;
         // The scale of every (sender, local expert) block the experts read.
-        let scales: Vec<u8> = (0..p * shape.local_experts())
-            .flat_map(|block| {
-                let expert = rank * shape.local_experts() + block % shape.local_experts();
-                shape.scale(expert).to_le_bytes()
-            })
-            .collect();
+        let mut scales =
+            alloc::with_capacity(|| format!("PE {rank}'s expert scales"), 4 * shape.experts)?;
+        scales.extend((0..shape.experts).flat_map(|block| {
+            let expert = rank * shape.local_experts() + block % shape.local_experts();
+            shape.scale(expert).to_le_bytes()
+        }));
         pe.write(b.scales, &scales)?;
         pe.world.barrier_all().context("shmem barrier")?;
-        Ok(pe)
+        Ok(())
     }
 
     fn stream(&self) -> *mut c_void {
@@ -378,50 +401,84 @@ impl Pe {
             .context("shmem put (upload)")
     }
 
-    /// Zeroes `bytes` of this PE's buffer at `dest` (blocking, in chunks
-    /// of at most 64 MiB).
-    fn zero(&mut self, dest: u64, bytes: u64) -> Res<()> {
-        const CHUNK: u64 = 64 << 20;
-        let zeros = vec![0u8; bytes.min(CHUNK) as usize];
+    /// Sets `bytes` of this PE's buffer at `dest` to `value` (blocking, in
+    /// chunks of at most 8 MiB).
+    fn fill(&mut self, dest: u64, bytes: u64, value: u8) -> Result<(), RunError> {
+        const CHUNK: u64 = 8 << 20;
+        let chunk = bytes.min(CHUNK) as usize;
+        let rank = self.rank;
+        let values = alloc::filled(|| format!("PE {rank}'s buffer initialiser"), chunk, value)?;
         let mut at = 0;
         while at < bytes {
             let n = (bytes - at).min(CHUNK) as usize;
-            self.write(dest + at, &zeros[..n])?;
+            self.write(dest + at, &values[..n])?;
             at += n as u64;
         }
+        Ok(())
+    }
+
+    /// Allocates the host buffers [`Pe::upload`] stages a step's routing
+    /// and probs in.
+    pub fn reserve_upload(&mut self) -> Result<(), AllocError> {
+        let rank = self.rank;
+        let routing = self.sizes[1].1;
+        let probs = self.sizes[2].1;
+        self.staged = (
+            alloc::zeroed(|| format!("PE {rank}'s routing for the upload"), routing)?,
+            alloc::zeroed(|| format!("PE {rank}'s probs for the upload"), probs)?,
+        );
         Ok(())
     }
 
     /// Uploads a step's inputs, routing and probs in this PE's expert
     /// numbering (see the module docs), and poisons `y` (NaN in both
     /// dtypes).
-    pub fn upload(&mut self, inputs: &Inputs) -> Res<()> {
+    pub fn upload(&mut self, inputs: &Inputs) -> Result<(), RunError> {
         let e = self.shape.experts;
         let shift = self.rank * self.shape.local_experts();
-        let rotated = |row: usize, col: usize| row * e + (col + shift) % e;
-        let routing: Vec<u8> = (0..inputs.routing.len())
-            .map(|i| inputs.routing[rotated(i / e, i % e)])
-            .collect();
-        let probs: Vec<u8> = (0..inputs.probs.len())
-            .flat_map(|i| inputs.probs[rotated(i / e, i % e)].to_le_bytes())
-            .collect();
+        let mut staged = std::mem::take(&mut self.staged);
+        let (routing, probs) = (&mut staged.0, &mut staged.1);
+        if routing.len() != inputs.routing.len() || probs.len() != 4 * inputs.probs.len() {
+            return Err("the upload's host buffers were not reserved for these inputs".into());
+        }
+        for (token, (routes, weights)) in routing
+            .chunks_exact_mut(e)
+            .zip(probs.chunks_exact_mut(4 * e))
+            .enumerate()
+        {
+            let row = token * e;
+            for col in 0..e {
+                let from = row + (col + shift) % e;
+                routes[col] = inputs.routing[from];
+                weights[4 * col..4 * col + 4].copy_from_slice(&inputs.probs[from].to_le_bytes());
+            }
+        }
         let l = self.b.layer;
-        self.write(l.x, &inputs.x)?;
-        self.write(l.routing, &routing)?;
-        self.write(l.probs, &probs)?;
-        let poison = vec![0xffu8; self.shape.tokens * self.shape.row_bytes()];
-        self.write(self.b.y, &poison)
+        let written = self
+            .write(l.x, &inputs.x)
+            .and_then(|()| self.write(l.routing, routing))
+            .and_then(|()| self.write(l.probs, probs));
+        self.staged = staged;
+        written?;
+        let y = self.sizes[8].1 as u64;
+        self.fill(self.b.y, y, 0xff)
     }
 
-    /// The PE's output `y` of the last step (after its stream drained).
-    pub fn download(&mut self) -> Res<Vec<u8>> {
+    /// Reads the PE's output `y` of the last step (after its stream
+    /// drained) into `y` (`[T, H]`).
+    pub fn download(&mut self, y: &mut [u8]) -> Res<()> {
         self.drain()?;
-        let mut y = vec![0u8; self.shape.tokens * self.shape.row_bytes()];
+        if y.len() != self.sizes[8].1 {
+            return Err(format!(
+                "a buffer of {} bytes for the output of {} bytes",
+                y.len(),
+                self.sizes[8].1
+            ));
+        }
         let me = self.rank;
         // SAFETY: `y` holds exactly the bytes read.
         unsafe { self.world.get(y.as_mut_ptr() as u64, self.b.y, y.len(), me) }
-            .context("shmem get (download)")?;
-        Ok(y)
+            .context("shmem get (download)")
     }
 
     /// The transport of the peers without pointers, if any.
