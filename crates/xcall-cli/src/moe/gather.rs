@@ -10,7 +10,7 @@ use xcall_shmem::Transport;
 
 use super::data::Check;
 use super::verify::Checked;
-use super::{GraphLine, PeLog};
+use super::log::{GraphLine, PeLog};
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()

@@ -98,6 +98,12 @@ impl fmt::Display for Verify {
     }
 }
 
+/// Threads each PE's checker splits one output's check over.
+pub fn check_threads(pes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / pes).max(1)
+}
+
 /// Inputs drawn for step `step`, with the routes the capacity drops and
 /// the time the draw took.
 pub struct Drawn {
