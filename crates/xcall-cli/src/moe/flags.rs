@@ -204,7 +204,11 @@ pub fn cuda_devices() -> Result<usize, Failure> {
 /// (`--pes`, else its share of the visible ones) from `local rank * per`;
 /// one GPU each wraps when the GPUs are fewer than the local processes
 /// (a launcher that gives each process its own GPU shows it as device 0).
-pub(super) fn launched_gpus(l: &Launch, pes: Option<usize>, gpus: usize) -> Result<Vec<u32>, String> {
+pub(super) fn launched_gpus(
+    l: &Launch,
+    pes: Option<usize>,
+    gpus: usize,
+) -> Result<Vec<u32>, String> {
     let share = match l.local_size {
         Some(n) if gpus >= n => gpus / n,
         _ => 1,

@@ -30,13 +30,13 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use xcall_core::Platform;
 use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Config as CacheConfig, GraphCache};
 use xcall_shmem::launch::Launch;
-use xcall_core::Platform;
 
-pub use flags::{cuda_devices, MoeArgs, PlatformArg};
 use flags::validate;
+pub use flags::{cuda_devices, MoeArgs, PlatformArg};
 use log::{graph_lines, GraphLine};
 use pe_thread::{pe_thread, PeEnd};
 use progress::Progress;

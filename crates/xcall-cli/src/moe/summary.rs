@@ -46,12 +46,10 @@ pub(super) fn phase_bytes(s: &Shape) -> [f64; 8] {
     ]
 }
 
-
 pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
-
 
 /// The run's verdict: OFF when nothing was checked, else PASS or FAIL.
 pub(super) fn verdict(verify: Verify, mismatches: usize) -> &'static str {

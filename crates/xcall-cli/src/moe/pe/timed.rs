@@ -1,0 +1,134 @@
+//! A PE's step through the graph cache, timed; the copy rate the phases
+//! are measured against; the memory in use.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Instant;
+
+use cudarc::driver::sys;
+use xcall_core::{Device, Platform};
+use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
+use xcall_graph::{Buffer, Call, CallKey, GraphCache, Outcome};
+
+use super::step::Waits;
+use super::Pe;
+use crate::layer::{Context, Res};
+
+/// The graph-cache target id of the MoE step.
+const TARGET: u64 = 0x6d6f_655f_7374_6570; // "moe_step"
+
+impl Pe {
+    /// The graph-cache key of this PE's step: its device, the shape and
+    /// the peers' addresses as attributes, every buffer it touches.
+    pub(super) fn key(&self) -> CallKey {
+        let mut h = DefaultHasher::new();
+        let s = &self.shape;
+        (
+            s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity, s.dropless, s.fused,
+        )
+            .hash(&mut h);
+        s.dtype.hash(&mut h);
+        self.rank.hash(&mut h);
+        for pe in 0..s.pes {
+            self.world.ptr(pe, self.b.rows).hash(&mut h);
+            self.world.ptr(pe, self.b.results).hash(&mut h);
+        }
+        CallKey {
+            device: match self.device.platform {
+                Platform::Host => Device::HOST,
+                Platform::Cuda => self.device,
+            },
+            target: TARGET,
+            attributes: h.finish(),
+            buffers: self
+                .sizes
+                .iter()
+                .map(|&(a, bytes, role)| Buffer::new(a, bytes as u64, role))
+                .collect(),
+        }
+    }
+
+    /// Runs one step through the graph cache; returns its time in ms (CUDA
+    /// events on the PE's stream, or the host clock) and what the cache
+    /// did.
+    pub fn timed_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<(f64, Outcome)> {
+        let key = self.key();
+        match self.gpu.as_ref().map(|g| (g.ctx.clone(), g.stream.clone())) {
+            None => {
+                let start = Instant::now();
+                let outcome = cache
+                    .execute(&Call::new(key, None), |_| self.step(Waits::Host))
+                    .context("graph cache")?;
+                Ok((start.elapsed().as_secs_f64() * 1e3, outcome))
+            }
+            Some((ctx, stream)) => {
+                let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+                let a = ctx.new_event(timed).context("CUDA event")?;
+                let z = ctx.new_event(timed).context("CUDA event")?;
+                a.record(&stream).context("CUDA event")?;
+                let handle = CudaStreamHandle(stream.cu_stream());
+                let outcome = cache
+                    .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
+                    .context("graph cache")?;
+                z.record(&stream).context("CUDA event")?;
+                self.reached(&z)?;
+                Ok((a.elapsed_ms(&z).context("CUDA event")? as f64, outcome))
+            }
+        }
+    }
+
+    /// The median ms of a device-to-device copy of `P` slots (the size of
+    /// the permuted tensor), the first `P` of `rows` into the first `P` of
+    /// `results`, on the PE's stream: the bandwidth the
+    /// phases' byte floors are measured against. `None` on Host.
+    pub fn copy_ms(&mut self) -> Res<Option<f64>> {
+        let Some(g) = &self.gpu else {
+            return Ok(None);
+        };
+        let bytes = self.shape.pes * Self::slot_bytes(&self.shape);
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        g.ctx.bind_to_thread().context("CUDA context")?;
+        let mut ms = Vec::new();
+        for _ in 0..5 {
+            let a = g.ctx.new_event(timed).context("CUDA event")?;
+            let z = g.ctx.new_event(timed).context("CUDA event")?;
+            a.record(&g.stream).context("CUDA event")?;
+            // SAFETY: `rows` and `results` are distinct device allocations
+            // of this PE's heap, each holding at least P slots; neither is
+            // read or written by anyone else between steps.
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(self.b.results, self.b.rows, bytes, g.stream.cu_stream())
+            }
+            .result()
+            .context("cuMemcpyDtoDAsync")?;
+            z.record(&g.stream).context("CUDA event")?;
+            self.reached(&z)?;
+            ms.push(a.elapsed_ms(&z).context("CUDA event")? as f64);
+        }
+        ms.sort_by(|x, y| x.total_cmp(y));
+        Ok(Some(ms[ms.len() / 2]))
+    }
+
+    /// Bytes of memory in use: the device's (every context on it) on
+    /// CUDA, the process's resident set on Host; `None` where the system
+    /// does not say.
+    pub fn memory_in_use(&self) -> Res<Option<u64>> {
+        match &self.gpu {
+            Some(g) => {
+                g.ctx.bind_to_thread().context("CUDA context")?;
+                let (free, total) =
+                    cudarc::driver::result::mem_get_info().context("cuMemGetInfo")?;
+                Ok(Some(total.saturating_sub(free) as u64))
+            }
+            None => Ok(resident_bytes()),
+        }
+    }
+}
+
+/// The process's resident set in bytes (Linux's `/proc/self/statm`).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(page).ok()?.checked_mul(pages)
+}
