@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use xcall_core::{DType, Device, Platform};
-use xcall_shmem::launch::Launch;
+use xcall_shmem::launch::LaunchEnv;
 use xcall_shmem::{BootstrapKind, MAX_PES};
 
 use super::data::Shape;
@@ -205,7 +205,7 @@ pub fn cuda_devices() -> Result<usize, Failure> {
 /// one GPU each wraps when the GPUs are fewer than the local processes
 /// (a launcher that gives each process its own GPU shows it as device 0).
 pub(super) fn launched_gpus(
-    l: &Launch,
+    l: &LaunchEnv,
     pes: Option<usize>,
     gpus: usize,
 ) -> Result<Vec<u32>, String> {
@@ -241,7 +241,11 @@ pub(super) fn forced_remote() -> Result<bool, String> {
 
 /// Checks the flags; `gpus` is the CUDA device count on CUDA, `launch`
 /// what a launcher told this process. Every error is a usage error.
-pub(super) fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, String> {
+pub(super) fn validate(
+    a: &MoeArgs,
+    gpus: usize,
+    launch: Option<&LaunchEnv>,
+) -> Result<Run, String> {
     let platform = match a.platform {
         PlatformArg::Host => Platform::Host,
         PlatformArg::Cuda => Platform::Cuda,
@@ -454,8 +458,8 @@ mod tests {
         Cli::parse_from(argv).moe
     }
 
-    fn launch(rank: usize, size: usize, local: Option<(usize, Option<usize>)>) -> Launch {
-        Launch {
+    fn launch(rank: usize, size: usize, local: Option<(usize, Option<usize>)>) -> LaunchEnv {
+        LaunchEnv {
             launcher: "torchrun",
             rank,
             size,
@@ -471,7 +475,7 @@ mod tests {
     /// for GPUs it cannot have.
     #[test]
     fn launched_processes_take_their_share_of_the_gpus() {
-        let gpus = |l: &Launch, pes: Option<usize>, n: usize| launched_gpus(l, pes, n);
+        let gpus = |l: &LaunchEnv, pes: Option<usize>, n: usize| launched_gpus(l, pes, n);
         assert_eq!(
             gpus(&launch(1, 2, Some((1, Some(2)))), None, 8),
             Ok(vec![4, 5, 6, 7])

@@ -33,7 +33,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use xcall_core::Platform;
 use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Config as CacheConfig, GraphCache};
-use xcall_shmem::launch::Launch;
+use xcall_shmem::launch::LaunchEnv;
 
 use flags::validate;
 pub use flags::{cuda_devices, MoeArgs, PlatformArg};
@@ -51,7 +51,7 @@ pub fn run(args: &MoeArgs) -> Result<bool, Failure> {
         PlatformArg::Host => 0,
         PlatformArg::Cuda => cuda_devices()?,
     };
-    let launch = Launch::from_env().map_err(|e| Failure::Usage(e.to_string()))?;
+    let launch = LaunchEnv::from_env().map_err(|e| Failure::Usage(e.to_string()))?;
     let run = validate(args, gpus, launch.as_ref()).map_err(Failure::Usage)?;
     // Process 0 of a launched run writes the report.
     let reports = run.launched.as_ref().is_none_or(|l| l.process == 0);
