@@ -78,10 +78,9 @@ mod step;
 mod timed;
 
 use std::ffi::c_void;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use xcall_core::cuda::OwnedStream;
 use xcall_core::{Device, Platform};
 use xcall_graph::BufferRole;
 use xcall_shmem::{BootstrapKind, Config, Transport, World};
@@ -111,8 +110,9 @@ struct Buffers {
 }
 
 struct Gpu {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    /// The PE's stream, destroyed after the world (a field below it):
+    /// the world's end aborts any transfer the stream still waits for.
+    stream: OwnedStream,
 }
 
 /// One PE.
@@ -226,9 +226,8 @@ impl Pe {
         let gpu = match device.platform {
             Platform::Host => None,
             Platform::Cuda => {
-                let ctx = CudaContext::new(device.ordinal as usize).context("CUDA context")?;
-                let stream = ctx.new_stream().context("CUDA stream")?;
-                Some(Gpu { ctx, stream })
+                let stream = OwnedStream::new(device).context("CUDA stream")?;
+                Some(Gpu { stream })
             }
         };
         let mut pe = Pe {
@@ -293,7 +292,7 @@ impl Pe {
     fn stream(&self) -> *mut c_void {
         self.gpu
             .as_ref()
-            .map_or(std::ptr::null_mut(), |g| g.stream.cu_stream().cast())
+            .map_or(std::ptr::null_mut(), |g| g.stream.raw().cast())
     }
 
     /// Copies host bytes into this PE's buffer at `dest` (blocking).
@@ -394,27 +393,18 @@ impl Pe {
         self.rank
     }
 
-    /// Waits until the PE's stream ran everything enqueued (nothing on
-    /// Host, whose steps run synchronously).
+    /// Waits until the PE's stream ran everything enqueued, at most the
+    /// run's timeout (nothing on Host, whose steps run synchronously). The
+    /// stream may wait on other PEs (signals, NCCL transfers): a peer that
+    /// stopped must end in an error here, where a plain synchronize would
+    /// never return.
     pub fn drain(&self) -> Res<()> {
-        match &self.gpu {
-            Some(g) => {
-                let done = g.ctx.new_event(None).context("CUDA event")?;
-                done.record(&g.stream).context("CUDA event")?;
-                self.reached(&done)
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Waits until the PE's stream reached `event`, at most the run's
-    /// timeout. The stream may wait on other PEs (signals, NCCL
-    /// transfers): a peer that stopped must end in an error here, where a
-    /// plain synchronize would never return.
-    fn reached(&self, event: &CudaEvent) -> Res<()> {
+        let Some(g) = &self.gpu else {
+            return Ok(());
+        };
         let start = Instant::now();
         let mut polls = 0u32;
-        while !event.try_is_complete().context("CUDA event")? {
+        while !g.stream.is_idle().context("CUDA stream")? {
             if start.elapsed() > self.timeout {
                 return Err(format!(
                     "PE {}: its GPU work did not finish within {:?} (a peer stopped, or its transfers never came)",

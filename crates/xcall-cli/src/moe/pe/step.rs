@@ -6,7 +6,7 @@
 use std::ffi::c_void;
 use std::time::Instant;
 
-use cudarc::driver::{sys, CudaEvent};
+use xcall_core::cuda::Event;
 use xcall_core::{Device, Platform};
 use xcall_permute::call::Target;
 use xcall_permute::{ExpertGroups, RowIdMapOptions};
@@ -46,7 +46,7 @@ pub const PHASES: [&str; 8] = [
 /// The end of a phase: an event on the PE's stream, or the host clock (a
 /// Host step runs synchronously).
 pub(super) enum Mark {
-    Event(CudaEvent),
+    Event(Event),
     Clock(Instant),
 }
 
@@ -133,12 +133,14 @@ impl Pe {
         };
         self.step_marked(waits, &mut marks)?;
         let marks = marks.unwrap_or_default();
+        // Every mark is enqueued: once the stream ran them all, each
+        // phase's time is there to read.
+        self.drain()?;
         marks
             .windows(2)
             .map(|w| match w {
                 [Mark::Event(a), Mark::Event(b)] => {
-                    self.reached(b)?;
-                    Ok(a.elapsed_ms(b).context("CUDA event")? as f64)
+                    Ok(b.elapsed_ms_since(a).context("CUDA event")? as f64)
                 }
                 [Mark::Clock(a), Mark::Clock(b)] => Ok((*b - *a).as_secs_f64() * 1e3),
                 _ => Err("a step mixed event and clock marks".to_string()),
@@ -154,9 +156,8 @@ impl Pe {
         marks.push(match &self.gpu {
             None => Mark::Clock(Instant::now()),
             Some(g) => {
-                let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-                let e = g.ctx.new_event(timed).context("CUDA event")?;
-                e.record(&g.stream).context("CUDA event")?;
+                let e = Event::new(self.device).context("CUDA event")?;
+                e.record_on(&g.stream).context("CUDA event")?;
                 Mark::Event(e)
             }
         });

@@ -4,7 +4,7 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Instant;
 
-use cudarc::driver::sys;
+use xcall_core::cuda::Event;
 use xcall_core::{Device, Platform};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, Call, CallKey, GraphCache, Outcome};
@@ -52,7 +52,7 @@ impl Pe {
     /// did.
     pub fn timed_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<(f64, Outcome)> {
         let key = self.key();
-        match self.gpu.as_ref().map(|g| (g.ctx.clone(), g.stream.clone())) {
+        match self.gpu.as_ref().map(|g| g.stream.stream()) {
             None => {
                 let start = Instant::now();
                 let outcome = cache
@@ -60,18 +60,17 @@ impl Pe {
                     .context("graph cache")?;
                 Ok((start.elapsed().as_secs_f64() * 1e3, outcome))
             }
-            Some((ctx, stream)) => {
-                let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-                let a = ctx.new_event(timed).context("CUDA event")?;
-                let z = ctx.new_event(timed).context("CUDA event")?;
-                a.record(&stream).context("CUDA event")?;
-                let handle = CudaStreamHandle(stream.cu_stream());
+            Some(stream) => {
+                let a = Event::new(self.device).context("CUDA event")?;
+                let z = Event::new(self.device).context("CUDA event")?;
+                a.record_on(&stream).context("CUDA event")?;
+                let handle = CudaStreamHandle(stream.raw());
                 let outcome = cache
                     .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
                     .context("graph cache")?;
-                z.record(&stream).context("CUDA event")?;
-                self.reached(&z)?;
-                Ok((a.elapsed_ms(&z).context("CUDA event")? as f64, outcome))
+                z.record_on(&stream).context("CUDA event")?;
+                self.drain()?;
+                Ok((z.elapsed_ms_since(&a).context("CUDA event")? as f64, outcome))
             }
         }
     }
@@ -85,24 +84,24 @@ impl Pe {
             return Ok(None);
         };
         let bytes = self.shape.pes * Self::slot_bytes(&self.shape);
-        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        g.ctx.bind_to_thread().context("CUDA context")?;
+        let stream = g.stream.stream();
         let mut ms = Vec::new();
         for _ in 0..5 {
-            let a = g.ctx.new_event(timed).context("CUDA event")?;
-            let z = g.ctx.new_event(timed).context("CUDA event")?;
-            a.record(&g.stream).context("CUDA event")?;
-            // SAFETY: `rows` and `results` are distinct device allocations
-            // of this PE's heap, each holding at least P slots; neither is
-            // read or written by anyone else between steps.
-            unsafe {
-                sys::cuMemcpyDtoDAsync_v2(self.b.results, self.b.rows, bytes, g.stream.cu_stream())
-            }
-            .result()
-            .context("cuMemcpyDtoDAsync")?;
-            z.record(&g.stream).context("CUDA event")?;
-            self.reached(&z)?;
-            ms.push(a.elapsed_ms(&z).context("CUDA event")? as f64);
+            let a = Event::new(self.device).context("CUDA event")?;
+            let z = Event::new(self.device).context("CUDA event")?;
+            a.record_on(&stream).context("CUDA event")?;
+            stream
+                .in_context(|s| {
+                    // SAFETY: `rows` and `results` are distinct device
+                    // allocations of this PE's heap, each holding at least
+                    // P slots; neither is read or written by anyone else
+                    // between steps.
+                    unsafe { s.copy_dtod(self.b.results, self.b.rows, bytes) }
+                })
+                .context("cuMemcpyDtoDAsync")?;
+            z.record_on(&stream).context("CUDA event")?;
+            self.drain()?;
+            ms.push(z.elapsed_ms_since(&a).context("CUDA event")? as f64);
         }
         ms.sort_by(|x, y| x.total_cmp(y));
         Ok(Some(ms[ms.len() / 2]))
@@ -113,10 +112,9 @@ impl Pe {
     /// does not say.
     pub fn memory_in_use(&self) -> Res<Option<u64>> {
         match &self.gpu {
-            Some(g) => {
-                g.ctx.bind_to_thread().context("CUDA context")?;
+            Some(_) => {
                 let (free, total) =
-                    cudarc::driver::result::mem_get_info().context("cuMemGetInfo")?;
+                    xcall_core::cuda::mem_get_info(self.device).context("cuMemGetInfo")?;
                 Ok(Some(total.saturating_sub(free) as u64))
             }
             None => Ok(resident_bytes()),
