@@ -70,7 +70,10 @@ impl Pe {
                     .context("graph cache")?;
                 z.record_on(&stream).context("CUDA event")?;
                 self.drain()?;
-                Ok((z.elapsed_ms_since(&a).context("CUDA event")? as f64, outcome))
+                Ok((
+                    z.elapsed_ms_since(&a).context("CUDA event")? as f64,
+                    outcome,
+                ))
             }
         }
     }
