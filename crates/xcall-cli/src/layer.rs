@@ -39,6 +39,26 @@ pub fn heap_size(needed: usize, what: &str) -> Res<Option<usize>> {
     }
 }
 
+/// The transport policy `XCALL_SHMEM_TRANSPORT` gives (`None` when
+/// unset), after checking `XCALL_SHMEM_HOST` too: the variables every
+/// world reads as it starts, checked before a command starts any, so that
+/// a malformed one is a usage error naming it rather than every PE's
+/// failure.
+pub fn world_environment() -> Res<Option<xcall_shmem::Pairs>> {
+    let bare = |e: xcall_shmem::ShmemError| match e {
+        xcall_shmem::ShmemError::InvalidArgument(m) => m,
+        other => other.to_string(),
+    };
+    xcall_shmem::host_identity().map_err(bare)?;
+    let name = xcall_shmem::TRANSPORT_ENV;
+    match xcall_core::env::text(name).map_err(|e| e.to_string())? {
+        None => Ok(None),
+        Some(v) => xcall_shmem::Pairs::parse(&v).map(Some).ok_or_else(|| {
+            format!("{name}={v:?} is not a transport policy: auto, nccl (CUDA) or tcp (Host)")
+        }),
+    }
+}
+
 /// Shape of the calls: `T` tokens of `H` values of `dtype`, `E` experts,
 /// `rows` permuted rows.
 #[derive(Clone, Copy, Debug)]

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod alloc;
 mod bench;
 mod doctor;
 mod layer;

@@ -80,3 +80,33 @@ fn unknown_command_is_one_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unrecognized subcommand 'frobnicate'"));
 }
+
+/// A filter past the length limit is a usage error naming the variable
+/// and the limit, refused before it is parsed (the parser took seconds on
+/// a megabyte). 100 KiB: past the limit, within what one variable of a
+/// process's environment may hold.
+#[test]
+fn an_overlong_log_filter_is_a_usage_error_naming_the_limit() {
+    let filter = "xcall_graph=debug,".repeat(100 << 10 >> 4);
+    let filter = filter.trim_end_matches(',');
+    let out = xcall()
+        .arg("doctor")
+        .env("XCALL_LOG", filter)
+        .output()
+        .expect("run xcall doctor");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(out.stdout.is_empty(), "the command ran");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with(&format!(
+            "xcall: XCALL_LOG: log filter of {} bytes (beginning \"xcall_graph=debug,",
+            filter.len()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.ends_with("...\"): longer than the limit of 65536 bytes\n"),
+        "{stderr}"
+    );
+}

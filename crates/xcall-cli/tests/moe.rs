@@ -451,6 +451,100 @@ fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise
     }
 }
 
+/// `xcall moe` under an address-space limit of 8 GiB, through `sh`'s
+/// `ulimit -v`.
+fn moe_in_8_gib(args: &[&str]) -> std::process::Output {
+    let bin = common::xcall().get_program().to_owned();
+    std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 8388608 && exec \"$0\" moe \"$@\"")
+        .arg(bin)
+        .args(args)
+        .output()
+        .expect("run xcall moe under sh")
+}
+
+/// Shapes whose host buffers the machine cannot give (here: an address
+/// space of 8 GiB, most of it the symmetric heaps) end in one line naming
+/// the buffer and its bytes, and exit 1; not an abort of the process.
+#[test]
+fn host_buffers_that_cannot_be_allocated_are_one_line_and_exit_1() {
+    for args in [
+        &[
+            "--tokens", "7000000", "--hidden", "8", "--steps", "1", "--verify", "off",
+        ][..],
+        &[
+            "--pes", "1", "--tokens", "30000000", "--hidden", "8", "--steps", "1",
+        ],
+    ] {
+        let out = moe_in_8_gib(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        let line = stderr.trim_end();
+        assert!(
+            line.starts_with("xcall: cannot allocate PE ") && line.contains(" bytes): "),
+            "{args:?}: {stderr}"
+        );
+        // The size named is the buffer's: a product of the flags' sizes.
+        let bytes: u64 = line
+            .split(" (")
+            .nth(1)
+            .and_then(|b| b.split(' ').next())
+            .and_then(|b| b.parse().ok())
+            .unwrap_or_else(|| panic!("{args:?}: no byte count in {line}"));
+        assert!(bytes >= 7_000_000, "{args:?}: {line}");
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?}: a report after the failure"
+        );
+    }
+}
+
+/// A malformed variable of the shmem world is a usage error (exit 2, as
+/// the help says) naming it, found before any PE starts: for `moe` and
+/// for `bench`, which both start worlds.
+#[test]
+fn a_malformed_world_variable_is_a_usage_error_naming_it() {
+    let long = "h".repeat(300);
+    for (name, value, want) in [
+        (
+            "XCALL_SHMEM_TRANSPORT",
+            "bogus",
+            "xcall: XCALL_SHMEM_TRANSPORT=\"bogus\" is not a transport policy: auto, nccl (CUDA) or tcp (Host)",
+        ),
+        (
+            "XCALL_SHMEM_HOST",
+            long.as_str(),
+            "a host's name is one line of 1 to 255 bytes",
+        ),
+        (
+            "XCALL_SHMEM_HOST",
+            "node\ntwo",
+            "a host's name is one line of 1 to 255 bytes",
+        ),
+    ] {
+        for command in [
+            &["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"][..],
+            &["bench", "--rounds", "1"],
+        ] {
+            let out = common::xcall()
+                .args(command)
+                .env(name, value)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{command:?} {name}: {stderr}");
+            assert_eq!(stderr.lines().count(), 1, "{command:?} {name}: {stderr}");
+            assert!(
+                stderr.starts_with(&format!("xcall: {name}=")) && stderr.contains(want),
+                "{command:?} {name}: {stderr}"
+            );
+            assert!(out.stdout.is_empty(), "{command:?} {name}: work started");
+        }
+    }
+}
+
 #[test]
 fn cuda_without_gpus_or_with_too_many_pes_is_refused() {
     let count = if !matches!(

@@ -125,7 +125,7 @@ pub const VARIABLES: &[Variable] = &[
         Kind::Text,
         "off",
         "library, `xcall`",
-        "Log lines on stderr, filtered in tracing's EnvFilter syntax: `info`, `debug`, `trace`, or per target such as `xcall_graph=debug,xcall_shmem=trace,warn`. Read on the first call into the library; `xcall_log_configure` replaces the filter and can send the lines to a callback instead. `debug` shows graph-cache decisions, each peer's transport, bootstrap steps, autotune choices and kernel compile times; `trace` adds every graph replay. An invalid filter: `xcall` exits with status 2, the library says so once on stderr and keeps logging off.",
+        "Log lines on stderr, filtered in tracing's EnvFilter syntax: `info`, `debug`, `trace`, or per target such as `xcall_graph=debug,xcall_shmem=trace,warn`. Read on the first call into the library; `xcall_log_configure` replaces the filter and can send the lines to a callback instead. `debug` shows graph-cache decisions, each peer's transport, bootstrap steps, autotune choices and kernel compile times; `trace` adds every graph replay. A filter longer than 64 KiB is refused. An invalid filter: `xcall` exits with status 2, the library says so once on stderr and keeps logging off.",
     ),
     var(
         "XCALL_LIB",

@@ -115,11 +115,46 @@ thread_local! {
     static IN_SINK: Cell<bool> = const { Cell::new(false) };
 }
 
-/// The filter, or why `directives` is not one (naming it).
+/// The longest filter taken, in bytes: far more than any list of targets
+/// needs, and short enough that parsing it stays quick (the parser's time
+/// grows faster than the filter's length).
+pub const MAX_FILTER_BYTES: usize = 64 << 10;
+
+/// The longest piece of a refused filter an error message repeats.
+const QUOTED_BYTES: usize = 200;
+
+/// The filter, or why `directives` is not one (naming it; a filter over
+/// [`MAX_FILTER_BYTES`] is refused before it is parsed).
 fn parse(directives: &str) -> std::result::Result<EnvFilter, String> {
+    if directives.len() > MAX_FILTER_BYTES {
+        return Err(format!(
+            "log filter of {} bytes (beginning {:?}): longer than the limit of {MAX_FILTER_BYTES} bytes",
+            directives.len(),
+            quoted(directives)
+        ));
+    }
     EnvFilter::builder()
         .parse(directives)
-        .map_err(|e| format!("log filter {directives:?}: {e}"))
+        .map_err(|e| format!("log filter {:?}: {e}", quoted(directives)))
+}
+
+/// `text`, cut after [`QUOTED_BYTES`] (at a character boundary) with
+/// "..." to show the cut.
+fn quoted(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= QUOTED_BYTES {
+        return text.into();
+    }
+    let mut end = QUOTED_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end]).into()
+}
+
+/// The filter `XCALL_LOG` gives, or why its `value` is not one (naming
+/// the variable).
+fn parse_env(value: &str) -> std::result::Result<EnvFilter, String> {
+    parse(value).map_err(|e| format!("{ENV}: {e}"))
 }
 
 /// The installed subscriber; the first call installs it with `filter`
@@ -162,8 +197,7 @@ pub fn init_from_env() -> Result<()> {
             let Some(value) = crate::env::text(ENV).map_err(|e| e.to_string())? else {
                 return Ok(());
             };
-            parse(&value)
-                .map_err(|e| format!("{ENV}: {e}"))
+            parse_env(&value)
                 .and_then(|filter| install(filter).map(|_| ()).map_err(|e| e.to_string()))
         })
         .clone()
@@ -424,6 +458,56 @@ mod tests {
         assert_eq!(bare(&e), "XCALL_LOG: log filter \"x=y\": bad");
         let other = Error::Unsupported("another subscriber".into());
         assert_eq!(bare(&other), "unsupported: another subscriber");
+    }
+
+    /// `n` bytes of valid directives, one target each.
+    fn long_filter(n: usize) -> String {
+        let mut f = String::new();
+        let mut i = 0;
+        while f.len() < n {
+            f.push_str(&format!("xcall_t{i}=debug,"));
+            i += 1;
+        }
+        f.truncate(n);
+        // Whole directives only: cut back to the last separator.
+        let end = f.rfind(',').unwrap_or(0);
+        f.truncate(end);
+        f
+    }
+
+    #[test]
+    fn a_filter_over_the_limit_is_refused_by_its_variable_and_the_limit() {
+        // 1.1 MB of valid directives: the parser took seconds on it.
+        let filter = long_filter(1_100_000);
+        let e = parse_env(&filter).expect_err("refused");
+        assert!(
+            e.starts_with(&format!(
+                "XCALL_LOG: log filter of {} bytes (beginning \"xcall_t0=debug,",
+                filter.len()
+            )),
+            "{e}"
+        );
+        assert!(
+            e.ends_with("...\"): longer than the limit of 65536 bytes"),
+            "{e}"
+        );
+        assert!(
+            e.len() < 400,
+            "the message repeats the filter: {} bytes",
+            e.len()
+        );
+        assert!(parse(&filter).is_err(), "the C API's filter too");
+        // Up to the limit a filter parses.
+        let longest = long_filter(MAX_FILTER_BYTES);
+        assert!(longest.len() > MAX_FILTER_BYTES - 32);
+        assert!(parse_env(&longest).is_ok());
+        // A bad filter's message repeats only its beginning.
+        let bad = format!("{}x=loud", "é".repeat(150));
+        let e = parse(&bad).unwrap_err();
+        assert!(
+            e.starts_with(&format!("log filter \"{}...\": ", "é".repeat(100))),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Ranks from the launchers people use, with no flags.
 //!
-//! [`Launch::from_env`] reads what a launcher exports to each process:
+//! [`LaunchEnv::from_env`] reads what a launcher exports to each process:
 //!
 //! | launcher | rank, size | on this host | rank 0's address |
 //! |---|---|---|---|
@@ -14,7 +14,7 @@
 //! [`crate::MAX_PES`] are errors naming the variable; so is a second
 //! launcher's rank that disagrees with the first's (a torchrun inside an
 //! `srun` allocation exports both, which must agree when both are ranks
-//! of this world). [`Launch::config`] makes the TCP bootstrap's
+//! of this world). [`LaunchEnv::config`] makes the TCP bootstrap's
 //! [`Config`] for one PE per process.
 
 use xcall_core::Device;
@@ -22,9 +22,10 @@ use xcall_core::Device;
 use crate::error::{Result, ShmemError};
 use crate::world::{Config, MAX_PES};
 
-/// What a launcher told this process.
+/// What a launcher told this process: its environment, read once (not a
+/// kernel launch, which is `xcall_core::cuda::Launch`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Launch {
+pub struct LaunchEnv {
     /// The launcher that set the variables: "torchrun", "mpirun" or "srun".
     pub launcher: &'static str,
     /// This process's rank among `size`.
@@ -72,16 +73,16 @@ fn number(var: &str, value: &str) -> Result<usize> {
     })
 }
 
-impl Launch {
+impl LaunchEnv {
     /// The launcher's variables of this process; `Ok(None)` when no
     /// launcher set its rank and size.
-    pub fn from_env() -> Result<Option<Launch>> {
-        Launch::from_vars(|name| std::env::var(name).ok())
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
+        LaunchEnv::from_vars(|name| std::env::var(name).ok())
     }
 
-    /// As [`Launch::from_env`], reading variables through `var`.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>> {
-        let mut found: Option<Launch> = None;
+    /// As [`LaunchEnv::from_env`], reading variables through `var`.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        let mut found: Option<LaunchEnv> = None;
         for (launcher, rank_var, size_var, local_var, local_size_var) in LAUNCHERS {
             let (Some(rank), Some(size)) = (var(rank_var), var(size_var)) else {
                 continue;
@@ -118,7 +119,7 @@ impl Launch {
                     )));
                 }
             }
-            found = Some(Launch {
+            found = Some(LaunchEnv {
                 launcher,
                 rank,
                 size,
@@ -183,12 +184,12 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn launch(vars: &[(&str, &str)]) -> Result<Option<Launch>> {
+    fn launch(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>> {
         let map: HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        Launch::from_vars(|name| map.get(name).cloned())
+        LaunchEnv::from_vars(|name| map.get(name).cloned())
     }
 
     fn refused(vars: &[(&str, &str)], needle: &str) {
@@ -210,7 +211,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             torchrun,
-            Launch {
+            LaunchEnv {
                 launcher: "torchrun",
                 rank: 5,
                 size: 8,
@@ -359,7 +360,7 @@ mod tests {
             e.to_string().contains("set MASTER_ADDR and MASTER_PORT"),
             "{e}"
         );
-        let l = Launch {
+        let l = LaunchEnv {
             address: Some("127.0.0.1:7".into()),
             ..l
         };

@@ -55,7 +55,7 @@ pub use transport::nccl;
 pub use transport::tcp as sockets;
 
 pub use error::{Result, ShmemError};
-pub use transport::host_shared_memory::HOST_ENV;
+pub use transport::host_shared_memory::{host_identity, HOST_ENV};
 pub use world::{
     BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
     Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,

@@ -1,7 +1,7 @@
 //! Worlds of processes started the way launchers start them: the test
 //! binary spawns itself once per rank with torchrun's, Open MPI's or
 //! Slurm's variables (and `MASTER_ADDR`/`MASTER_PORT`), and each process
-//! joins through `Launch::from_env` and the TCP bootstrap; heaps in POSIX
+//! joins through `LaunchEnv::from_env` and the TCP bootstrap; heaps in POSIX
 //! shared memory. A watchdog kills every child still running after 60 s
 //! and fails the test naming them.
 
@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::launch::Launch;
+use xcall_shmem::launch::LaunchEnv;
 use xcall_shmem::{Transport, World};
 
 mod common;
@@ -107,7 +107,9 @@ fn wait_all(what: &str, children: Vec<Child>, limit: Duration) {
 /// Joins the world the launcher's variables describe, one Host PE of
 /// this process: (the launcher, rank, size, the live world).
 fn join_launched() -> (&'static str, usize, usize, World) {
-    let launch = Launch::from_env().unwrap().expect("a launcher's variables");
+    let launch = LaunchEnv::from_env()
+        .unwrap()
+        .expect("a launcher's variables");
     let (rank, n) = (launch.rank, launch.size);
     let mut c = launch
         .config(Device::new(Platform::Host, rank as u32))
@@ -158,7 +160,7 @@ fn hosts_pe() {
 /// up to 255 bytes on one line joins; a longer name or a second line is
 /// refused by name before any bootstrap.
 fn named_pe(which: &str) {
-    let launch = Launch::from_env().unwrap().unwrap();
+    let launch = LaunchEnv::from_env().unwrap().unwrap();
     let mut c = launch.config(Device::new(Platform::Host, 0)).unwrap();
     c.heap_bytes = Some(1 << 20);
     c.timeout = Duration::from_secs(20);
@@ -178,7 +180,7 @@ fn named_pe(which: &str) {
 
 /// A process of a world whose last rank never starts: init times out.
 fn orphan_pe() {
-    let launch = Launch::from_env().unwrap().unwrap();
+    let launch = LaunchEnv::from_env().unwrap().unwrap();
     let mut c = launch
         .config(Device::new(Platform::Host, launch.rank as u32))
         .unwrap();

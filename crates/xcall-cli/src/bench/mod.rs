@@ -11,13 +11,11 @@
 
 use std::cell::RefCell;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use cudarc::driver::{CudaContext, CudaStream};
 use serde_json::json;
-use xcall_core::testing::interleaved_medians;
+use xcall_core::cuda::{Event, Stream};
 use xcall_core::{Device, Platform};
 use xcall_shmem::{Config, World};
 
@@ -115,14 +113,15 @@ impl Row {
     }
 }
 
-/// Times every variant; medians in ms.
+/// Times every variant (on CUDA: the work it enqueues on `stream`);
+/// medians in ms.
 fn medians(
-    gpu: Option<&(Arc<CudaContext>, Arc<CudaStream>)>,
+    stream: Option<&Stream>,
     rounds: usize,
     variants: &mut [Box<dyn FnMut() + '_>],
-) -> Vec<f64> {
-    match gpu {
-        Some((c, s)) => interleaved_medians(c, s, rounds, variants),
+) -> Res<Vec<f64>> {
+    match stream {
+        Some(s) => stream_medians(s, rounds, variants),
         None => {
             for v in variants.iter_mut() {
                 v();
@@ -135,15 +134,44 @@ fn medians(
                     out.push(start.elapsed().as_secs_f64() * 1e3);
                 }
             }
-            samples
-                .into_iter()
-                .map(|mut t| {
-                    t.sort_by(|a, b| a.total_cmp(b));
-                    t[t.len() / 2]
-                })
-                .collect()
+            Ok(samples.into_iter().map(median).collect())
         }
     }
+}
+
+/// The median of `t`.
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(|a, b| a.total_cmp(b));
+    t[t.len() / 2]
+}
+
+/// Times the work each variant enqueues on `stream`, rounds interleaved
+/// (variant 1, 2, .., 1, 2, ..: drift affects all alike) after a warm-up
+/// of 30 rounds; each variant's median of CUDA events in ms.
+fn stream_medians(
+    stream: &Stream,
+    rounds: usize,
+    variants: &mut [Box<dyn FnMut() + '_>],
+) -> Res<Vec<f64>> {
+    for _ in 0..30 {
+        for v in variants.iter_mut() {
+            v();
+        }
+    }
+    stream.in_context(|s| s.sync()).context("CUDA stream")?;
+    let mut samples = vec![Vec::with_capacity(rounds); variants.len()];
+    for _ in 0..rounds {
+        for (v, out) in variants.iter_mut().zip(samples.iter_mut()) {
+            let device = stream.device();
+            let (a, z) = (Event::new(device), Event::new(device));
+            let (a, z) = (a.context("CUDA event")?, z.context("CUDA event")?);
+            a.record_on(stream).context("CUDA event")?;
+            v();
+            z.record_on(stream).context("CUDA event")?;
+            out.push(z.elapsed_ms_since(&a).context("CUDA event")? as f64);
+        }
+    }
+    Ok(samples.into_iter().map(median).collect())
 }
 
 /// Runs `xcall bench`.
@@ -155,6 +183,7 @@ pub fn run(args: &BenchArgs) -> Result<bool, Failure> {
     if args.rounds == 0 {
         return Err(Failure::Usage("--rounds must be at least 1".into()));
     }
+    crate::layer::world_environment().map_err(Failure::Usage)?;
     let pes = match platform {
         Platform::Host => 2,
         Platform::Cuda => crate::moe::cuda_devices()?.min(2),

@@ -4,10 +4,9 @@
 use indicatif::ProgressBar;
 use std::cell::RefCell;
 use std::ffi::c_void;
-use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
-use xcall_core::testing::{interleaved_medians, XorShift};
+use xcall_core::cuda::{ContextGuard, CudaContext, OwnedStream, Stream};
+use xcall_core::testing::XorShift;
 use xcall_core::{DType, Device, Platform};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache};
@@ -19,7 +18,7 @@ use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::OpConfig;
 use xcall_warpspec::OpCall;
 
-use super::{medians, FirstError, Problem, Row, Sweep, SweepPoint};
+use super::{medians, stream_medians, FirstError, Problem, Row, Sweep, SweepPoint};
 use crate::layer::{Context, Dims, Layer, Res};
 
 /// Symmetric buffers of the set.
@@ -81,7 +80,10 @@ struct Set {
     world: RefCell<World>,
     b: Buffers,
     p: Problem,
-    gpu: Option<(Arc<CudaContext>, Arc<CudaStream>)>,
+    /// The set's stream on CUDA, with device 0's primary context current
+    /// on this thread while the set lives (the plain copies it times are
+    /// issued as they are).
+    gpu: Option<(OwnedStream, ContextGuard)>,
     target: Target,
 }
 
@@ -89,7 +91,12 @@ impl Set {
     fn stream(&self) -> *mut c_void {
         self.gpu
             .as_ref()
-            .map_or(std::ptr::null_mut(), |(_, s)| s.cu_stream().cast())
+            .map_or(std::ptr::null_mut(), |(s, _)| s.raw().cast())
+    }
+
+    /// The set's CUDA stream.
+    fn cuda_stream(&self) -> Option<Stream> {
+        self.gpu.as_ref().map(|(s, _)| s.stream())
     }
 
     fn dims(&self) -> Dims {
@@ -176,10 +183,10 @@ impl Set {
                 Ok(())
             },
             Platform::Cuda => {
-                // SAFETY: as above, device memory ordered on the stream.
-                (unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream().cast()) }
-                    .result())
-                .context("cuMemcpyDtoDAsync")
+                let stream = self.cuda_stream().ok_or("a CUDA set without its stream")?;
+                // SAFETY: as above, device memory ordered on the stream
+                // (device 0's context is current: see `gpu`).
+                unsafe { stream.copy_dtod(dst, src, bytes) }.context("cuMemcpyDtoDAsync")
             }
         }
     }
@@ -239,18 +246,16 @@ pub(super) fn measure(
     let gpu = match platform {
         Platform::Host => None,
         Platform::Cuda => {
-            let c = CudaContext::new(0).context("CUDA context")?;
-            // SAFETY: the set orders its own work on one stream.
-            unsafe { c.disable_event_tracking() };
-            let s = c.new_stream().context("CUDA stream")?;
-            Some((c, s))
+            let s = OwnedStream::new(Device::cuda(0)).context("CUDA stream")?;
+            let current = ContextGuard::primary(Device::cuda(0)).context("CUDA context")?;
+            Some((s, current))
         }
     };
     let target = match &gpu {
         None => Target::host(),
-        Some((_, s)) => Target {
+        Some((s, _)) => Target {
             autotune: true,
-            ..Target::cuda(0, s.cu_stream().cast())
+            ..Target::cuda(0, s.raw().cast())
         },
     };
     let set = Set {
@@ -276,8 +281,8 @@ pub(super) fn measure(
     let sizes = size_sweep(&set, peer_dst, rounds)?;
     bar.inc(1);
     bar.set_message(STAGES[4]);
-    if let Some((c, s)) = &set.gpu {
-        rows.extend(graph_rows(c, s, &set.target, &set.b, p, rounds)?);
+    if let Some(s) = set.cuda_stream() {
+        rows.extend(graph_rows(&s, &set.target, &set.b, p, rounds)?);
     }
     bar.inc(1);
     let mut world = set.world.into_inner();
@@ -309,7 +314,7 @@ fn size_sweep(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Sweep> {
         .ptr(pe, dest)
         .ok_or("no address of the put's target")?;
     let src = set.b.perm;
-    let stream = set.stream();
+    let stream = set.cuda_stream();
     let contexts = match (set.platform, pe) {
         (Platform::Cuda, 1) => Some((
             CudaContext::new(0).context("CUDA context")?,
@@ -330,13 +335,12 @@ fn size_sweep(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Sweep> {
         let keep = |r| failure.keep(r);
         let copy = || -> Res<()> {
             match &contexts {
-                // SAFETY: live allocations of both contexts, `n` bytes long,
-                // ordered on the set's stream.
-                Some((c0, c1)) => unsafe {
-                    sys::cuMemcpyPeerAsync(to, c1.cu_ctx(), src, c0.cu_ctx(), n, stream.cast())
+                Some((c0, c1)) => {
+                    let stream = stream.as_ref().ok_or("a CUDA set without its stream")?;
+                    // SAFETY: live allocations of both contexts, `n` bytes
+                    // long, ordered on the set's stream.
+                    unsafe { stream.copy_peer(to, c1, src, c0, n) }.context("cuMemcpyPeerAsync")
                 }
-                .result()
-                .context("cuMemcpyPeerAsync"),
                 // SAFETY: `to` is a heap object of at least `n` bytes apart
                 // from `perm`, this PE's or (Host) PE 1's mapped here.
                 None => unsafe { set.copy_to(to, n) },
@@ -346,8 +350,9 @@ fn size_sweep(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Sweep> {
             Box::new(|| keep(copy())),
             Box::new(|| keep(set.put_bytes(dest, pe, n))),
         ];
-        let ms = medians(set.gpu.as_ref(), rounds, &mut pair);
+        let ms = medians(stream.as_ref(), rounds, &mut pair);
         drop(pair);
+        let ms = ms?;
         failure.check()?;
         points.push(SweepPoint {
             bytes,
@@ -424,7 +429,7 @@ fn local_rows(set: &Set, peer_dst: Option<u64>, rounds: usize) -> Res<Vec<Row>> 
         ));
         variants.push(Box::new(|| keep(set.silu(Variant::Plain))));
     }
-    let ms = medians(set.gpu.as_ref(), rounds, &mut variants);
+    let ms = medians(set.cuda_stream().as_ref(), rounds, &mut variants)?;
     drop(variants);
     failure.check()?;
     for (r, m) in rows.iter_mut().zip(ms) {
@@ -443,23 +448,23 @@ fn peer_rows(set: &Set, remote: u64, rounds: usize, base: usize) -> Res<Vec<Row>
         CudaContext::new(0).context("CUDA context")?,
         CudaContext::new(1).context("CUDA context")?,
     );
-    let (raw0, raw1) = (c0.cu_ctx(), c1.cu_ctx());
     let bytes = set.tensor_bytes() as usize;
-    let stream = set.stream();
+    let stream = set
+        .cuda_stream()
+        .ok_or("peer transfers without a CUDA stream")?;
     let failure = FirstError::default();
     let keep = |r| failure.keep(r);
     let mut pair: Vec<Box<dyn FnMut() + '_>> = vec![
         Box::new(|| {
             // SAFETY: live allocations of both contexts, `bytes` long.
-            let r = unsafe {
-                sys::cuMemcpyPeerAsync(peer, raw1, set.b.perm, raw0, bytes, stream.cast())
-            };
-            keep(r.result().context("cuMemcpyPeerAsync"))
+            let r = unsafe { stream.copy_peer(peer, &c1, set.b.perm, &c0, bytes) };
+            keep(r.context("cuMemcpyPeerAsync"))
         }),
         Box::new(|| keep(set.put(remote, 1))),
     ];
-    let ms = medians(set.gpu.as_ref(), rounds, &mut pair);
+    let ms = medians(Some(&stream), rounds, &mut pair);
     drop(pair);
+    let ms = ms?;
     failure.check()?;
     Ok(vec![
         Row {
@@ -482,8 +487,7 @@ fn peer_rows(set: &Set, remote: u64, rounds: usize, base: usize) -> Res<Vec<Row>
 /// unpermute of 64 tokens): replayed through the cache vs the same calls
 /// eagerly.
 fn graph_rows(
-    c: &Arc<CudaContext>,
-    s: &Arc<CudaStream>,
+    s: &Stream,
     target: &Target,
     b: &Buffers,
     p: Problem,
@@ -529,7 +533,7 @@ fn graph_rows(
         .map(|&(a, bytes)| Buffer::new(a, bytes, BufferRole::InOut))
         .collect(),
     };
-    let handle = CudaStreamHandle(s.cu_stream());
+    let handle = CudaStreamHandle(s.raw());
     let through_cache = || -> Res<()> {
         cache
             .execute(&Call::new(key.clone(), Some(handle)), |_| calls())
@@ -543,8 +547,9 @@ fn graph_rows(
         Box::new(|| keep(calls())),
         Box::new(|| keep(through_cache())),
     ];
-    let ms = interleaved_medians(c, s, rounds, &mut v);
+    let ms = stream_medians(s, rounds, &mut v);
     drop(v);
+    let ms = ms?;
     failure.check()?;
     let stats = cache.stats(Device::cuda(0));
     if stats.hits == 0 {

@@ -7,6 +7,8 @@ use half::bf16;
 use xcall_core::testing::XorShift;
 use xcall_core::DType;
 
+use crate::alloc::{self, AllocError};
+
 /// Shape of the layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Shape {
@@ -75,6 +77,20 @@ pub struct Inputs {
     pub probs: Vec<f32>,
 }
 
+impl Inputs {
+    /// PE `rank`'s buffers of one step's inputs, to draw into.
+    pub fn alloc(shape: &Shape, rank: usize) -> Result<Inputs, AllocError> {
+        let (t, e) = (shape.tokens, shape.experts);
+        let x = alloc::count::<u8>(|| format!("PE {rank}'s tokens"), t, shape.row_bytes())?;
+        let routes = alloc::count::<f32>(|| format!("PE {rank}'s probs"), t, e)?;
+        Ok(Inputs {
+            x: alloc::zeroed(|| format!("PE {rank}'s tokens"), x)?,
+            routing: alloc::zeroed(|| format!("PE {rank}'s routing"), routes)?,
+            probs: alloc::zeroed(|| format!("PE {rank}'s probs"), routes)?,
+        })
+    }
+}
+
 /// Tokens drawn from one stream of random numbers: blocks of them are
 /// drawn on different threads.
 const DRAW_BLOCK: usize = 256;
@@ -88,15 +104,37 @@ fn generator(seed: u64, step: usize, rank: usize, block: usize) -> XorShift {
     )
 }
 
-/// Draws PE `rank`'s tokens and router decisions of step `step`, the
-/// blocks of [`DRAW_BLOCK`] tokens split over up to `threads` threads
-/// (the same inputs on any number).
-pub fn draw(shape: &Shape, seed: u64, step: usize, rank: usize, threads: usize) -> Inputs {
+/// [`draw_into`] new buffers.
+#[cfg(test)]
+pub fn draw(
+    shape: &Shape,
+    seed: u64,
+    step: usize,
+    rank: usize,
+    threads: usize,
+) -> Result<Inputs, AllocError> {
+    let mut inputs = Inputs::alloc(shape, rank)?;
+    draw_into(shape, seed, step, rank, threads, &mut inputs)?;
+    Ok(inputs)
+}
+
+/// Draws PE `rank`'s tokens and router decisions of step `step` into
+/// `inputs`, buffers of [`Inputs::alloc`] (every value is written: they
+/// may hold an earlier step's), the blocks of [`DRAW_BLOCK`] tokens split
+/// over up to `threads` threads (the same inputs on any number).
+pub fn draw_into(
+    shape: &Shape,
+    seed: u64,
+    step: usize,
+    rank: usize,
+    threads: usize,
+    inputs: &mut Inputs,
+) -> Result<(), AllocError> {
     let (t, e) = (shape.tokens, shape.experts);
     let row = shape.row_bytes();
-    let mut x = vec![0u8; t * row];
-    let mut routing = vec![0u8; t * e];
-    let mut probs = vec![0f32; t * e];
+    let Inputs { x, routing, probs } = inputs;
+    routing.fill(0);
+    probs.fill(0.0);
     let blocks = t.div_ceil(DRAW_BLOCK);
     // Blocks per thread.
     let share = blocks.div_ceil(threads.clamp(1, blocks.max(1))).max(1);
@@ -105,30 +143,40 @@ pub fn draw(shape: &Shape, seed: u64, step: usize, rank: usize, threads: usize) 
             .chunks_mut(share * DRAW_BLOCK * row)
             .zip(routing.chunks_mut(share * DRAW_BLOCK * e))
             .zip(probs.chunks_mut(share * DRAW_BLOCK * e));
-        for (i, ((x, routing), probs)) in parts.enumerate() {
-            scope.spawn(move || {
-                let blocks = x
-                    .chunks_mut(DRAW_BLOCK * row)
-                    .zip(routing.chunks_mut(DRAW_BLOCK * e))
-                    .zip(probs.chunks_mut(DRAW_BLOCK * e));
-                for (j, ((x, routing), probs)) in blocks.enumerate() {
-                    let mut g = generator(seed, step, rank, i * share + j);
-                    draw_block(shape, &mut g, x, routing, probs);
-                }
-            });
-        }
-    });
-    Inputs { x, routing, probs }
+        let handles: Vec<_> = parts
+            .enumerate()
+            .map(|(i, ((x, routing), probs))| {
+                scope.spawn(move || {
+                    // A token's logits and the experts in their order.
+                    let mut logits = alloc::zeroed(|| format!("PE {rank}'s logits"), e)?;
+                    let mut order = alloc::zeroed(|| format!("PE {rank}'s expert order"), e)?;
+                    let blocks = x
+                        .chunks_mut(DRAW_BLOCK * row)
+                        .zip(routing.chunks_mut(DRAW_BLOCK * e))
+                        .zip(probs.chunks_mut(DRAW_BLOCK * e));
+                    for (j, ((x, routing), probs)) in blocks.enumerate() {
+                        let mut g = generator(seed, step, rank, i * share + j);
+                        draw_block(shape, &mut g, (x, routing, probs), &mut logits, &mut order);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
-/// Draws the tokens whose rows `x`, routing and probs are given: first
-/// every value of `x`, then each token's logits.
+/// Draws the tokens whose rows `x`, routing and probs are given (routing
+/// and probs zero): first every value of `x`, then each token's logits
+/// into `logits` (`E` values), the experts sorted by them in `order`.
 fn draw_block(
     shape: &Shape,
     g: &mut XorShift,
-    x: &mut [u8],
-    routing: &mut [u8],
-    probs: &mut [f32],
+    (x, routing, probs): (&mut [u8], &mut [u8], &mut [f32]),
+    logits: &mut [f32],
+    order: &mut [usize],
 ) {
     let (e, k) = (shape.experts, shape.topk);
     match shape.dtype {
@@ -139,43 +187,65 @@ fn draw_block(
             .chunks_exact_mut(4)
             .for_each(|v| v.copy_from_slice(&(3.0 * g.next_f32()).to_le_bytes())),
     }
-    let mut order: Vec<usize> = (0..e).collect();
+    for (i, o) in order.iter_mut().enumerate() {
+        *o = i;
+    }
     for (routing, probs) in routing.chunks_exact_mut(e).zip(probs.chunks_exact_mut(e)) {
-        let logits: Vec<f32> = (0..e).map(|_| 4.0 * g.next_f32()).collect();
+        for l in logits.iter_mut() {
+            *l = 4.0 * g.next_f32();
+        }
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         let top = &order[..k];
         let max = logits[top[0]];
-        let weights: Vec<f64> = top
-            .iter()
-            .map(|&x| ((logits[x] - max) as f64).exp())
-            .collect();
-        let sum: f64 = weights.iter().sum();
-        for (&x, w) in top.iter().zip(&weights) {
+        let weight = |x: usize| ((logits[x] - max) as f64).exp();
+        let sum: f64 = top.iter().map(|&x| weight(x)).sum();
+        for &x in top {
             routing[x] = 1;
-            probs[x] = (w / sum) as f32;
+            probs[x] = (weight(x) / sum) as f32;
         }
     }
 }
 
 /// Decodes `[n]` values of `dtype` (f32 or bf16) to f64.
+#[cfg(test)]
 pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    let mut out = vec![0.0; bytes.len() / dtype.size_bytes()];
+    decode_into(dtype, bytes, &mut out);
+    out
+}
+
+/// Decodes the values of `dtype` (f32 or bf16) in `bytes` into `out`
+/// (as many as `out` holds).
+pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut [f64]) {
     match dtype {
-        DType::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f64())
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
-            .collect(),
+        DType::Bf16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([b[0], b[1]]).to_f64();
+            }
+        }
+        _ => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64;
+            }
+        }
     }
 }
 
 /// The routes the layer keeps: expert `e` takes the first `capacity`
 /// tokens routed to it, in token order.
-pub fn kept_routes(shape: &Shape, routing: &[u8]) -> Vec<bool> {
+#[cfg(test)]
+pub fn kept_routes(shape: &Shape, routing: &[u8]) -> Result<Vec<bool>, AllocError> {
+    let mut kept = alloc::zeroed(|| "the kept routes".into(), routing.len())?;
+    kept_routes_into(shape, routing, &mut kept);
+    Ok(kept)
+}
+
+/// The routes the layer keeps into `kept` (`[T, E]`, every value
+/// written): expert `e` takes the first `capacity` tokens routed to it,
+/// in token order.
+pub fn kept_routes_into(shape: &Shape, routing: &[u8], kept: &mut [bool]) {
     let (t, e) = (shape.tokens, shape.experts);
-    let mut kept = vec![false; t * e];
+    kept.fill(false);
     for expert in 0..e {
         let mut taken = 0;
         for tok in 0..t {
@@ -185,7 +255,14 @@ pub fn kept_routes(shape: &Shape, routing: &[u8]) -> Vec<bool> {
             }
         }
     }
-    kept
+}
+
+/// The routes of `routing` that `kept` drops.
+pub fn dropped_routes(routing: &[u8], kept: &[bool]) -> usize {
+    kept.iter()
+        .zip(routing)
+        .filter(|&(&k, &r)| r != 0 && !k)
+        .count()
 }
 
 /// What one PE's output looked like against the reference.
@@ -205,15 +282,28 @@ pub struct Check {
 /// `sum over kept routes e of probs[t, e] * silu(x[t]) * scale_e`, with a
 /// tolerance of the dtype's two roundings (expert output and result).
 /// The tokens are split over up to `threads` threads.
+#[cfg(test)]
 pub fn check(shape: &Shape, inputs: &Inputs, y: &[u8], threads: usize) -> Check {
-    let (t, e) = (shape.tokens, shape.experts);
-    let kept = kept_routes(shape, &inputs.routing);
-    let dropped = (0..t * e)
-        .filter(|&i| inputs.routing[i] != 0 && !kept[i])
-        .count();
+    let mut kept = vec![false; inputs.routing.len()];
+    check_with(shape, inputs, y, threads, &mut kept).expect("the check's buffers")
+}
+
+/// Checks `y` against the reference as [`check`] does, with `kept`
+/// (`[T, E]`) to hold the kept routes; every other buffer it takes is
+/// allocated fallibly.
+pub fn check_with(
+    shape: &Shape,
+    inputs: &Inputs,
+    y: &[u8],
+    threads: usize,
+    kept: &mut [bool],
+) -> Result<Check, AllocError> {
+    let t = shape.tokens;
+    kept_routes_into(shape, &inputs.routing, kept);
+    let dropped = dropped_routes(&inputs.routing, kept);
     let chunk = t.div_ceil(threads.clamp(1, t.max(1)));
     let parts: Vec<Check> = std::thread::scope(|scope| {
-        let kept = &kept;
+        let kept = &*kept;
         let handles: Vec<_> = (0..t)
             .step_by(chunk.max(1))
             .map(|lo| {
@@ -224,10 +314,10 @@ pub fn check(shape: &Shape, inputs: &Inputs, y: &[u8], threads: usize) -> Check 
         handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
+            .collect::<Result<_, _>>()
+    })?;
     // The parts are in token order: the first mismatch is the first part's.
-    parts.into_iter().fold(
+    Ok(parts.into_iter().fold(
         Check {
             dropped,
             ..Check::default()
@@ -238,7 +328,7 @@ pub fn check(shape: &Shape, inputs: &Inputs, y: &[u8], threads: usize) -> Check 
             c.first = c.first.or(part.first);
             c
         },
-    )
+    ))
 }
 
 /// [`check`] of the tokens `range`.
@@ -248,21 +338,27 @@ fn check_tokens(
     y: &[u8],
     kept: &[bool],
     range: std::ops::Range<usize>,
-) -> Check {
+) -> Result<Check, AllocError> {
     let (h, e) = (shape.hidden, shape.experts);
     let row = shape.row_bytes();
     let rtol = match shape.dtype {
         DType::Bf16 => 1e-2,
         _ => 1e-5,
     };
+    // One token's values, its output and its kept routes (prob, scale).
+    let mut x = alloc::zeroed(|| "a token's values for the check".into(), h)?;
+    let mut got = alloc::zeroed(|| "a token's output for the check".into(), h)?;
+    let mut routes = alloc::with_capacity(|| "a token's routes for the check".into(), e)?;
     let mut c = Check::default();
     for tok in range {
-        let x = decode(shape.dtype, &inputs.x[tok * row..(tok + 1) * row]);
-        let got = decode(shape.dtype, &y[tok * row..(tok + 1) * row]);
-        let routes: Vec<(f64, f64)> = (0..e)
-            .filter(|&x| kept[tok * e + x])
-            .map(|x| (inputs.probs[tok * e + x] as f64, shape.scale(x) as f64))
-            .collect();
+        decode_into(shape.dtype, &inputs.x[tok * row..(tok + 1) * row], &mut x);
+        decode_into(shape.dtype, &y[tok * row..(tok + 1) * row], &mut got);
+        routes.clear();
+        routes.extend(
+            (0..e)
+                .filter(|&x| kept[tok * e + x])
+                .map(|x| (inputs.probs[tok * e + x] as f64, shape.scale(x) as f64)),
+        );
         for j in 0..h {
             let v = x[j];
             let silu = v / (1.0 + (-v).exp());
@@ -281,7 +377,7 @@ fn check_tokens(
             }
         }
     }
-    c
+    Ok(c)
 }
 
 #[cfg(test)]
@@ -305,7 +401,7 @@ mod tests {
     /// The layer computed the slow obvious way, rounded to the dtype.
     fn layer(s: &Shape, inputs: &Inputs) -> Vec<u8> {
         let x = decode(s.dtype, &inputs.x);
-        let kept = kept_routes(s, &inputs.routing);
+        let kept = kept_routes(s, &inputs.routing).unwrap();
         let mut y = Vec::new();
         for tok in 0..s.tokens {
             for j in 0..s.hidden {
@@ -333,7 +429,7 @@ mod tests {
     #[test]
     fn the_check_is_the_same_on_any_number_of_threads() {
         let s = shape(DType::Bf16, 64);
-        let inputs = draw(&s, 5, 2, 0, 2);
+        let inputs = draw(&s, 5, 2, 0, 2).unwrap();
         let mut y = layer(&s, &inputs);
         // Two bad elements, in tokens 50 and 5 (the first one reported).
         let row = s.row_bytes();
@@ -352,16 +448,16 @@ mod tests {
     #[test]
     fn draws_are_reproducible_top_k_and_normalised() {
         let s = shape(DType::F32, 64);
-        let a = draw(&s, 7, 3, 1, 1);
+        let a = draw(&s, 7, 3, 1, 1).unwrap();
         // The same inputs on any number of threads, blocks of tokens included.
         for threads in [0, 2, 3, 64] {
-            let b = draw(&s, 7, 3, 1, threads);
+            let b = draw(&s, 7, 3, 1, threads).unwrap();
             assert_eq!((&a.x, &a.routing, &a.probs), (&b.x, &b.routing, &b.probs));
         }
         let long = Shape { tokens: 1000, ..s };
-        let one = draw(&long, 7, 3, 1, 1);
+        let one = draw(&long, 7, 3, 1, 1).unwrap();
         for threads in [2, 3, 4, 5, 1000] {
-            let b = draw(&long, 7, 3, 1, threads);
+            let b = draw(&long, 7, 3, 1, threads).unwrap();
             assert_eq!(
                 (&one.x, &one.routing, &one.probs),
                 (&b.x, &b.routing, &b.probs)
@@ -370,8 +466,15 @@ mod tests {
         // Blocks of tokens differ (each has its own stream).
         let row = long.row_bytes();
         assert_ne!(one.x[..row], one.x[256 * row..257 * row]);
-        assert_ne!(a.x, draw(&s, 7, 4, 1, 1).x, "steps differ");
-        assert_ne!(a.x, draw(&s, 7, 3, 0, 1).x, "ranks differ");
+        // Drawn again into the buffers of another step: the same inputs.
+        let mut again = draw(&s, 9, 4, 1, 2).unwrap();
+        draw_into(&s, 7, 3, 1, 2, &mut again).unwrap();
+        assert_eq!(
+            (&a.x, &a.routing, &a.probs),
+            (&again.x, &again.routing, &again.probs)
+        );
+        assert_ne!(a.x, draw(&s, 7, 4, 1, 1).unwrap().x, "steps differ");
+        assert_ne!(a.x, draw(&s, 7, 3, 0, 1).unwrap().x, "ranks differ");
         for tok in 0..s.tokens {
             let row = &a.routing[tok * 4..tok * 4 + 4];
             assert_eq!(row.iter().filter(|&&r| r == 1).count(), 2);
@@ -384,8 +487,8 @@ mod tests {
     #[test]
     fn capacity_keeps_the_first_tokens_of_each_expert() {
         let s = shape(DType::F32, 3);
-        let inputs = draw(&s, 1, 0, 0, 1);
-        let kept = kept_routes(&s, &inputs.routing);
+        let inputs = draw(&s, 1, 0, 0, 1).unwrap();
+        let kept = kept_routes(&s, &inputs.routing).unwrap();
         for e in 0..4 {
             let routed: Vec<usize> = (0..64)
                 .filter(|&t| inputs.routing[t * 4 + e] == 1)
@@ -400,7 +503,7 @@ mod tests {
         for dtype in [DType::F32, DType::Bf16] {
             for capacity in [64, 20] {
                 let s = shape(dtype, capacity);
-                let inputs = draw(&s, 11, 0, 1, 2);
+                let inputs = draw(&s, 11, 0, 1, 2).unwrap();
                 let y = layer(&s, &inputs);
                 let ok = check(&s, &inputs, &y, 3);
                 assert_eq!(ok.mismatches, 0, "{dtype} {capacity}: {ok:?}");
@@ -428,7 +531,7 @@ mod tests {
                     s.tokens * s.hidden
                 );
                 // The outputs of another step.
-                let other = layer(&s, &draw(&s, 11, 1, 1, 2));
+                let other = layer(&s, &draw(&s, 11, 1, 1, 2).unwrap());
                 assert!(check(&s, &inputs, &other, 3).mismatches > s.tokens * s.hidden / 2);
             }
         }

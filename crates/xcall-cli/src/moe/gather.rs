@@ -9,8 +9,8 @@ use xcall_graph::Outcome;
 use xcall_shmem::Transport;
 
 use super::data::Check;
+use super::log::{GraphLine, PeLog};
 use super::verify::Checked;
-use super::{GraphLine, PeLog};
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()

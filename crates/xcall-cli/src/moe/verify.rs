@@ -16,7 +16,8 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::data::{check, draw, kept_routes, Check, Inputs, Shape};
+use super::data::{check_with, draw_into, dropped_routes, kept_routes_into, Check, Inputs, Shape};
+use crate::alloc::{self, AllocError, RunError};
 
 /// Checked steps a PE may run ahead of its checker (and inputs its drawer
 /// may draw ahead of the PE).
@@ -81,10 +82,8 @@ impl Verify {
 
     /// The steps of a run of `total` that get fresh inputs: the checked
     /// ones and step 0 (the device never runs on unwritten inputs).
-    pub fn drawn(self, total: usize) -> Vec<usize> {
-        (0..total)
-            .filter(|&n| n == 0 || self.checks(n, total))
-            .collect()
+    pub fn drawn(self, total: usize) -> impl Iterator<Item = usize> + Send {
+        (0..total).filter(move |&n| n == 0 || self.checks(n, total))
     }
 }
 
@@ -97,6 +96,12 @@ impl fmt::Display for Verify {
             Verify::Off => write!(f, "off"),
         }
     }
+}
+
+/// Threads each PE's checker splits one output's check over.
+pub fn check_threads(pes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / pes).max(1)
 }
 
 /// Inputs drawn for step `step`, with the routes the capacity drops and
@@ -132,52 +137,81 @@ pub struct Checked {
     pub took: Duration,
 }
 
-/// Draws PE `rank`'s inputs of step `step` on `threads` threads.
-pub fn draw_for(shape: &Shape, seed: u64, rank: usize, step: usize, threads: usize) -> Drawn {
+/// The kept routes of PE `rank`'s inputs, `[T, E]`.
+fn kept_buffer(shape: &Shape, rank: usize) -> Result<Vec<bool>, AllocError> {
+    let what = || format!("PE {rank}'s kept routes");
+    let len = alloc::count::<bool>(what, shape.tokens, shape.experts)?;
+    alloc::zeroed(what, len)
+}
+
+/// The output `y` of PE `rank`, `[T, H]`, to download into.
+fn output_buffer(shape: &Shape, rank: usize) -> Result<Vec<u8>, AllocError> {
+    let what = || format!("PE {rank}'s output");
+    let len = alloc::count::<u8>(what, shape.tokens, shape.row_bytes())?;
+    alloc::zeroed(what, len)
+}
+
+/// Draws PE `rank`'s inputs of step `step` on `threads` threads into
+/// `inputs`, with `kept` (`[T, E]`) to count the routes dropped.
+pub fn draw_for(
+    shape: &Shape,
+    (seed, rank, step, threads): (u64, usize, usize, usize),
+    mut inputs: Inputs,
+    kept: &mut [bool],
+) -> Result<Drawn, AllocError> {
     let start = Instant::now();
-    let inputs = draw(shape, seed, step, rank, threads);
-    let routing = &inputs.routing;
-    let kept = kept_routes(shape, routing);
-    let dropped = kept
-        .iter()
-        .zip(routing)
-        .filter(|&(&k, &r)| r != 0 && !k)
-        .count();
-    Drawn {
+    draw_into(shape, seed, step, rank, threads, &mut inputs)?;
+    kept_routes_into(shape, &inputs.routing, kept);
+    let dropped = dropped_routes(&inputs.routing, kept);
+    Ok(Drawn {
         step,
         inputs: Arc::new(inputs),
         dropped,
         took: start.elapsed(),
-    }
+    })
 }
 
-/// Checks one output.
-pub fn check_job(shape: &Shape, job: Job, threads: usize) -> Checked {
+/// Checks one output, with `kept` (`[T, E]`) to hold its kept routes.
+pub fn check_job(
+    shape: &Shape,
+    job: &Job,
+    threads: usize,
+    kept: &mut [bool],
+) -> Result<Checked, AllocError> {
     let start = Instant::now();
-    let check = check(shape, &job.inputs, &job.y, threads);
-    Checked {
+    let check = check_with(shape, &job.inputs, &job.y, threads, kept)?;
+    Ok(Checked {
         step: job.step,
         check,
         took: start.elapsed(),
-    }
+    })
 }
 
 /// Draws PE `rank`'s inputs for the `steps` in order (each on `threads`
-/// threads) into a queue of [`QUEUE`]; stops when the receiver goes away.
+/// threads) into a queue of [`QUEUE`]; stops when the receiver goes away,
+/// or after sending a buffer it could not allocate.
 pub fn drawer(
     shape: Shape,
     seed: u64,
     rank: usize,
-    steps: Vec<usize>,
+    steps: impl Iterator<Item = usize> + Send,
     threads: usize,
-) -> (Receiver<Drawn>, impl FnOnce() + Send) {
-    let (tx, rx) = sync_channel::<Drawn>(QUEUE);
+) -> (Receiver<Result<Drawn, AllocError>>, impl FnOnce() + Send) {
+    let (tx, rx) = sync_channel(QUEUE);
     let work = move || {
+        let mut kept = match kept_buffer(&shape, rank) {
+            Ok(k) => k,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        };
         for step in steps {
-            if tx
-                .send(draw_for(&shape, seed, rank, step, threads))
-                .is_err()
-            {
+            let drawn = Inputs::alloc(&shape, rank).and_then(|inputs| {
+                draw_for(&shape, (seed, rank, step, threads), inputs, &mut kept)
+            });
+            let failed = drawn.is_err();
+            if tx.send(drawn).is_err() || failed {
                 return;
             }
         }
@@ -187,18 +221,35 @@ pub fn drawer(
 
 /// Checks every output sent to the returned queue (of [`QUEUE`]) on
 /// `threads` threads per output, until the sender goes away; the work
-/// returns the checks in the order they came.
+/// returns the checks in the order they came, or the buffer it could not
+/// allocate (it stops then, and the queue with it).
 pub fn checker(
     shape: Shape,
+    rank: usize,
     threads: usize,
-) -> (SyncSender<Job>, impl FnOnce() -> Vec<Checked> + Send) {
+) -> (
+    SyncSender<Job>,
+    impl FnOnce() -> Result<Vec<Checked>, AllocError> + Send,
+) {
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let work = move || {
+        let mut kept = kept_buffer(&shape, rank)?;
         rx.into_iter()
-            .map(|job| check_job(&shape, job, threads))
+            .map(|job| check_job(&shape, &job, threads, &mut kept))
             .collect()
     };
     (tx, work)
+}
+
+/// The host buffers of a PE that draws and checks on its own thread,
+/// allocated once and used for every step.
+pub struct InlineBuffers {
+    /// Inputs to draw into (`None` while a step's inputs hold them).
+    spare: Option<Inputs>,
+    /// The output to download into (`None` while a check holds it).
+    y: Option<Vec<u8>>,
+    /// The kept routes of a draw or a check.
+    kept: Vec<bool>,
 }
 
 /// Where a PE gets its inputs and sends its outputs.
@@ -207,9 +258,13 @@ pub enum Checks {
     /// checker): on CUDA, where the PE's thread only feeds its GPU.
     Beside {
         /// Inputs, in step order.
-        inputs: Receiver<Drawn>,
+        inputs: Receiver<Result<Drawn, AllocError>>,
         /// Outputs to check.
         jobs: SyncSender<Job>,
+        /// The layer.
+        shape: Shape,
+        /// The PE.
+        rank: usize,
     },
     /// On the PE's thread between its steps: on Host, where the PE's
     /// thread is the device and a check beside it would slow its steps.
@@ -222,20 +277,49 @@ pub enum Checks {
         rank: usize,
         /// Threads of one draw or check.
         threads: usize,
+        /// Its buffers.
+        buffers: Box<InlineBuffers>,
     },
 }
 
 impl Checks {
+    /// Draws and checks on PE `rank`'s own thread, its buffers allocated
+    /// now.
+    pub fn inline(
+        shape: Shape,
+        seed: u64,
+        rank: usize,
+        threads: usize,
+    ) -> Result<Checks, AllocError> {
+        let buffers = InlineBuffers {
+            spare: Some(Inputs::alloc(&shape, rank)?),
+            y: Some(output_buffer(&shape, rank)?),
+            kept: kept_buffer(&shape, rank)?,
+        };
+        Ok(Checks::Inline {
+            shape,
+            seed,
+            rank,
+            threads,
+            buffers: Box::new(buffers),
+        })
+    }
+
     /// The inputs of step `n`, the next step that gets some, and how long
     /// the PE waited for them (zero when drawn now: the draw's own time is
-    /// in its [`Drawn`]).
-    pub fn inputs(&mut self, n: usize) -> Result<(Drawn, Duration), String> {
+    /// in its [`Drawn`]). `previous`: the inputs of the step before, whose
+    /// buffers a draw on this thread reuses once nothing else holds them.
+    pub fn inputs(
+        &mut self,
+        n: usize,
+        previous: Option<Arc<Inputs>>,
+    ) -> Result<(Drawn, Duration), RunError> {
         let start = Instant::now();
         let (d, waited) = match self {
             Checks::Beside { inputs, .. } => {
                 let d = inputs
                     .recv()
-                    .map_err(|_| format!("step {n}: the input drawer stopped"))?;
+                    .map_err(|_| format!("step {n}: the input drawer stopped"))??;
                 (d, start.elapsed())
             }
             Checks::Inline {
@@ -243,20 +327,48 @@ impl Checks {
                 seed,
                 rank,
                 threads,
-                ..
-            } => (draw_for(shape, *seed, *rank, n, *threads), Duration::ZERO),
+                buffers,
+            } => {
+                let into = match buffers.spare.take() {
+                    Some(spare) => spare,
+                    None => match previous.map(Arc::try_unwrap) {
+                        Some(Ok(inputs)) => inputs,
+                        _ => Inputs::alloc(shape, *rank)?,
+                    },
+                };
+                let at = (*seed, *rank, n, *threads);
+                let d = draw_for(shape, at, into, &mut buffers.kept)?;
+                (d, Duration::ZERO)
+            }
         };
         if d.step != n {
-            return Err(format!("step {n}: the drawer sent step {}", d.step));
+            return Err(format!("step {n}: the drawer sent step {}", d.step).into());
         }
         Ok((d, waited))
+    }
+
+    /// A buffer for a step's output `y`: the one the last check on this
+    /// thread gave back, else a new one.
+    pub fn output(&mut self) -> Result<Vec<u8>, AllocError> {
+        match self {
+            Checks::Beside { shape, rank, .. } => output_buffer(shape, *rank),
+            Checks::Inline {
+                shape,
+                rank,
+                buffers,
+                ..
+            } => match buffers.y.take() {
+                Some(y) => Ok(y),
+                None => output_buffer(shape, *rank),
+            },
+        }
     }
 
     /// Checks `job`: queues it for the checker thread (returning how long
     /// the queue kept the PE waiting, and no check: the thread returns it)
     /// or checks it now (returning zero and the check, whose own time is
-    /// in it).
-    pub fn submit(&mut self, job: Job) -> Result<(Duration, Option<Checked>), String> {
+    /// in it; its output buffer serves the next one).
+    pub fn submit(&mut self, job: Job) -> Result<(Duration, Option<Checked>), RunError> {
         match self {
             Checks::Beside { jobs, .. } => {
                 let (start, step) = (Instant::now(), job.step);
@@ -264,8 +376,15 @@ impl Checks {
                     .map_err(|_| format!("step {step}: the output checker stopped"))?;
                 Ok((start.elapsed(), None))
             }
-            Checks::Inline { shape, threads, .. } => {
-                Ok((Duration::ZERO, Some(check_job(shape, job, *threads))))
+            Checks::Inline {
+                shape,
+                threads,
+                buffers,
+                ..
+            } => {
+                let checked = check_job(shape, &job, *threads, &mut buffers.kept)?;
+                buffers.y = Some(job.y);
+                Ok((Duration::ZERO, Some(checked)))
             }
         }
     }
@@ -273,6 +392,7 @@ impl Checks {
 
 #[cfg(test)]
 mod tests {
+    use super::super::data::{check, draw};
     use super::*;
     use xcall_core::DType;
 
@@ -310,9 +430,10 @@ mod tests {
         assert_eq!(picked(Verify::Sample(3), 7), [0, 3, 6]);
         assert_eq!(picked(Verify::Sample(1), 3), [0, 1, 2]);
         // Step 0 always gets inputs, checked or not.
-        assert_eq!(Verify::Off.drawn(5), [0]);
-        assert_eq!(Verify::First(2).drawn(5), [0, 1]);
-        assert_eq!(Verify::Sample(2).drawn(6), [0, 2, 4, 5]);
+        let drawn = |v: Verify, total| v.drawn(total).collect::<Vec<_>>();
+        assert_eq!(drawn(Verify::Off, 5), [0]);
+        assert_eq!(drawn(Verify::First(2), 5), [0, 1]);
+        assert_eq!(drawn(Verify::Sample(2), 6), [0, 2, 4, 5]);
     }
 
     #[test]
@@ -342,12 +463,12 @@ mod tests {
             fused: true,
             dtype: DType::F32,
         };
-        let (inputs, draw_work) = drawer(shape, 3, 0, vec![0, 2, 5], 2);
-        let (jobs, check_work) = checker(shape, 2);
+        let (inputs, draw_work) = drawer(shape, 3, 0, [0, 2, 5].into_iter(), 2);
+        let (jobs, check_work) = checker(shape, 0, 2);
         let (drawn, checked) = std::thread::scope(|s| {
             let d = s.spawn(draw_work);
             let c = s.spawn(check_work);
-            let drawn: Vec<Drawn> = inputs.iter().collect();
+            let drawn: Vec<Drawn> = inputs.iter().map(Result::unwrap).collect();
             for (i, d) in drawn.iter().enumerate() {
                 // A wrong output for the middle step.
                 let bytes = if i == 1 { 0xffu8 } else { 0 };
@@ -361,12 +482,12 @@ mod tests {
             }
             drop(jobs);
             d.join().unwrap();
-            (drawn, c.join().unwrap())
+            (drawn, c.join().unwrap().unwrap())
         });
         let steps: Vec<usize> = drawn.iter().map(|d| d.step).collect();
         assert_eq!(steps, [0, 2, 5]);
         for d in &drawn {
-            let again = draw(&shape, 3, d.step, 0, 1);
+            let again = draw(&shape, 3, d.step, 0, 1).unwrap();
             assert_eq!(d.inputs.x, again.x, "step {}", d.step);
             let c = check(&shape, &d.inputs, &vec![0; 40 * 32], 1);
             assert_eq!(d.dropped, c.dropped, "step {}", d.step);
@@ -393,7 +514,7 @@ mod tests {
             fused: true,
             dtype: DType::F32,
         };
-        let (inputs, work) = drawer(shape, 1, 0, (0..1_000_000).collect(), 1);
+        let (inputs, work) = drawer(shape, 1, 0, 0..1_000_000, 1);
         drop(inputs);
         let start = Instant::now();
         work();

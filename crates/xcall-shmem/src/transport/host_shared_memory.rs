@@ -147,8 +147,9 @@ pub const HOST_ENV: &str = "XCALL_SHMEM_HOST";
 
 /// This process's host as the PEs of a world compare it: [`HOST_ENV`]
 /// when set (one line of at most 255 bytes), else the hostname and the
-/// kernel's boot id.
-pub(crate) fn host_identity() -> crate::error::Result<String> {
+/// kernel's boot id. A malformed [`HOST_ENV`] is an `InvalidArgument`
+/// naming it: a program checks it with this before any world starts.
+pub fn host_identity() -> crate::error::Result<String> {
     if let Some(name) = xcall_core::env::text(HOST_ENV)
         .map_err(|e| crate::error::ShmemError::InvalidArgument(e.to_string()))?
     {

@@ -1,0 +1,139 @@
+//! A PE's step through the graph cache, timed; the copy rate the phases
+//! are measured against; the memory in use.
+
+use std::time::Instant;
+
+use xcall_core::cuda::Event;
+use xcall_core::{Device, Platform};
+use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
+use xcall_graph::{Attributes, Buffer, Call, CallKey, GraphCache, Outcome};
+
+use super::step::Waits;
+use super::Pe;
+use crate::layer::{Context, Res};
+
+/// The graph-cache target id of the MoE step.
+const TARGET: u64 = 0x6d6f_655f_7374_6570; // "moe_step"
+
+impl Pe {
+    /// The graph-cache key of this PE's step: its device, the shape and
+    /// the peers' addresses as attributes (their bytes, compared in full),
+    /// every buffer it touches.
+    pub(super) fn key(&self) -> CallKey {
+        let s = &self.shape;
+        let mut bytes = Vec::with_capacity(8 * (9 + 2 * s.pes));
+        for v in [
+            s.pes, s.tokens, s.hidden, s.experts, s.topk, s.capacity, self.rank,
+        ] {
+            bytes.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        bytes.extend_from_slice(&[u8::from(s.dropless), u8::from(s.fused)]);
+        bytes.extend_from_slice(format!("{:?}", s.dtype).as_bytes());
+        bytes.push(0);
+        for pe in 0..s.pes {
+            for local in [self.b.rows, self.b.results] {
+                let ptr = self.world.ptr(pe, local).map_or(u64::MAX, |p| p);
+                bytes.extend_from_slice(&ptr.to_le_bytes());
+            }
+        }
+        CallKey {
+            device: match self.device.platform {
+                Platform::Host => Device::HOST,
+                Platform::Cuda => self.device,
+            },
+            target: TARGET,
+            attributes: Attributes::from_bytes(bytes),
+            buffers: self
+                .sizes
+                .iter()
+                .map(|&(a, bytes, role)| Buffer::new(a, bytes as u64, role))
+                .collect(),
+        }
+    }
+
+    /// Runs one step through the graph cache; returns its time in ms (CUDA
+    /// events on the PE's stream, or the host clock) and what the cache
+    /// did.
+    pub fn timed_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<(f64, Outcome)> {
+        let key = self.key();
+        match self.gpu.as_ref().map(|g| g.stream.stream()) {
+            None => {
+                let start = Instant::now();
+                let outcome = cache
+                    .execute(&Call::new(key, None), |_| self.step(Waits::Host))
+                    .context("graph cache")?;
+                Ok((start.elapsed().as_secs_f64() * 1e3, outcome))
+            }
+            Some(stream) => {
+                let a = Event::new(self.device).context("CUDA event")?;
+                let z = Event::new(self.device).context("CUDA event")?;
+                a.record_on(&stream).context("CUDA event")?;
+                let handle = CudaStreamHandle(stream.raw());
+                let outcome = cache
+                    .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
+                    .context("graph cache")?;
+                z.record_on(&stream).context("CUDA event")?;
+                self.drain()?;
+                Ok((
+                    z.elapsed_ms_since(&a).context("CUDA event")? as f64,
+                    outcome,
+                ))
+            }
+        }
+    }
+
+    /// The median ms of a device-to-device copy of `P` slots (the size of
+    /// the permuted tensor), the first `P` of `rows` into the first `P` of
+    /// `results`, on the PE's stream: the bandwidth the
+    /// phases' byte floors are measured against. `None` on Host.
+    pub fn copy_ms(&mut self) -> Res<Option<f64>> {
+        let Some(g) = &self.gpu else {
+            return Ok(None);
+        };
+        let bytes = self.shape.pes * Self::slot_bytes(&self.shape);
+        let stream = g.stream.stream();
+        let mut ms = Vec::new();
+        for _ in 0..5 {
+            let a = Event::new(self.device).context("CUDA event")?;
+            let z = Event::new(self.device).context("CUDA event")?;
+            a.record_on(&stream).context("CUDA event")?;
+            stream
+                .in_context(|s| {
+                    // SAFETY: `rows` and `results` are distinct device
+                    // allocations of this PE's heap, each holding at least
+                    // P slots; neither is read or written by anyone else
+                    // between steps.
+                    unsafe { s.copy_dtod(self.b.results, self.b.rows, bytes) }
+                })
+                .context("cuMemcpyDtoDAsync")?;
+            z.record_on(&stream).context("CUDA event")?;
+            self.drain()?;
+            ms.push(z.elapsed_ms_since(&a).context("CUDA event")? as f64);
+        }
+        ms.sort_by(|x, y| x.total_cmp(y));
+        Ok(Some(ms[ms.len() / 2]))
+    }
+
+    /// Bytes of memory in use: the device's (every context on it) on
+    /// CUDA, the process's resident set on Host; `None` where the system
+    /// does not say.
+    pub fn memory_in_use(&self) -> Res<Option<u64>> {
+        match &self.gpu {
+            Some(_) => {
+                let (free, total) =
+                    xcall_core::cuda::mem_get_info(self.device).context("cuMemGetInfo")?;
+                Ok(Some(total.saturating_sub(free) as u64))
+            }
+            None => Ok(resident_bytes()),
+        }
+    }
+}
+
+/// The process's resident set in bytes (Linux's `/proc/self/statm`).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(page).ok()?.checked_mul(pages)
+}

@@ -1,0 +1,319 @@
+//! The report of a run: the step times, the exchange, the phases against
+//! their byte floors, the verification, as text and as JSON.
+
+use std::time::Duration;
+
+use serde_json::json;
+use xcall_core::{Device, Platform};
+
+use super::data::{Check, Shape};
+use super::flags::{Run, PHASE_STEPS};
+use super::log::{GraphLine, PeLog};
+use super::pe::{Pe, PHASES};
+use super::verify::{check_threads, Verify};
+use crate::report::JsonOut;
+
+/// The bytes each phase must move through one PE's memory at the least
+/// (reads plus writes, [`PHASES`] order), with `N = P*S` permuted rows (`P`
+/// slots of `S` rows): the map reads the routing and writes the map;
+/// permute reads the tokens and writes every permuted row; copied,
+/// dispatch and combine read the `P - 1` slots for peers and take the
+/// `P - 1` slots peers write (a PE's own slot stays in place: nothing on
+/// one PE), fused they move nothing (the permute's stores and the
+/// unpermute's loads reach the peers' slots); the
+/// experts read and write `N` rows with a capacity, dropless only the
+/// `T*k` rows routed to them (on average); unpermute reads the map, the
+/// probs and the routed rows and writes `y`. Waits move nothing.
+pub(super) fn phase_bytes(s: &Shape) -> [f64; 8] {
+    let (t, e, row) = (s.tokens as f64, s.experts as f64, s.row_bytes() as f64);
+    let n = (s.pes * s.slot_rows()) as f64;
+    let expert_rows = if s.dropless { t * s.topk as f64 } else { n };
+    let map = t * (2.0 * e + 1.0) * 4.0;
+    // Fused, the permute and the unpermute move the peers' rows themselves.
+    let peers = match s.fused {
+        true => 0.0,
+        false => 2.0 * n * row * (s.pes - 1) as f64 / s.pes as f64,
+    };
+    [
+        t * e + map + (2.0 * e + 1.0) * 8.0,
+        t * row + n * row + map,
+        peers,
+        0.0,
+        2.0 * expert_rows * row,
+        peers,
+        0.0,
+        map + t * e * 4.0 + (t * s.topk as f64).min(n) * row + t * row,
+    ]
+}
+
+pub(super) fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// The run's verdict: OFF when nothing was checked, else PASS or FAIL.
+pub(super) fn verdict(verify: Verify, mismatches: usize) -> &'static str {
+    match (verify, mismatches) {
+        (Verify::Off, _) => "OFF",
+        (_, 0) => "PASS",
+        _ => "FAIL",
+    }
+}
+
+/// The median of the first and of the last tenth of `times` (at least one
+/// value each), to show a drift over a long run.
+pub(super) fn tenths(times: &[f64]) -> (f64, f64) {
+    let n = (times.len() / 10).max(1);
+    (
+        median(&mut times[..n].to_vec()),
+        median(&mut times[times.len() - n..].to_vec()),
+    )
+}
+
+pub(super) fn mib(bytes: Option<u64>) -> String {
+    bytes.map_or("-".to_string(), |b| {
+        format!("{:.0} MiB", b as f64 / (1u64 << 20) as f64)
+    })
+}
+
+pub(super) fn report(
+    run: &Run,
+    pes: &[PeLog],
+    graphs: &[GraphLine],
+    wall: Duration,
+    json: Option<JsonOut>,
+) -> Result<bool, String> {
+    let s = run.shape;
+    // A step takes as long as its slowest PE (they start together).
+    let mut times: Vec<f64> = (0..run.steps)
+        .map(|i| pes.iter().map(|p| p.steps[i].0).fold(0.0, f64::max))
+        .collect();
+    let first = times[0];
+    let (first_tenth, last_tenth) = tenths(&times);
+    let (min, max) = (
+        times.iter().copied().fold(f64::INFINITY, f64::min),
+        times.iter().copied().fold(0.0, f64::max),
+    );
+    let med = median(&mut times);
+    let tokens_per_s = (s.pes * s.tokens) as f64 / (med / 1e3);
+    let checks: Vec<&Check> = pes
+        .iter()
+        .flat_map(|p| &p.checks)
+        .map(|c| &c.check)
+        .collect();
+    let bad: usize = checks.iter().map(|c| c.mismatches).sum();
+    let dropped: usize = pes.iter().flat_map(|p| &p.dropped).sum();
+    let total = run.total();
+    let routes = (s.pes * s.tokens * s.topk * total) as f64;
+    let fill = (routes - dropped as f64) / ((s.pes * s.pes * s.slot_rows() * total) as f64);
+    // Copied, whole slots cross both ways; fused, only the routed rows
+    // (the slots' fill on average).
+    let slot = Pe::slot_bytes(&s) as f64 * if s.fused { fill } else { 1.0 };
+    let between = 2.0 * slot * (s.pes * (s.pes - 1)) as f64;
+    let gbps = between / (med / 1e3) / 1e9;
+    let checked_steps = pes.first().map_or(0, |p| p.checks.len());
+    let check_time: Duration = pes.iter().flat_map(|p| &p.checks).map(|c| c.took).sum();
+    let draw_time: Duration = pes.iter().map(|p| p.draw_time).sum();
+    let queue_wait = pes.iter().map(|p| p.queue_wait).max().unwrap_or_default();
+    let input_wait = pes.iter().map(|p| p.input_wait).max().unwrap_or_default();
+    let memory = |f: fn(&PeLog) -> Option<u64>| pes.iter().filter_map(f).max();
+    let memory = (memory(|p| p.memory.0), memory(|p| p.memory.1));
+    let max_rel = checks.iter().map(|c| c.max_relative).fold(0.0, f64::max);
+    let devices: Vec<Device> = match run.platform {
+        Platform::Host => vec![Device::HOST],
+        Platform::Cuda => {
+            let mut d = run.devices.clone();
+            d.sort_by_key(|d| d.ordinal);
+            d.dedup();
+            d
+        }
+    };
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    for p in pes {
+        for (_, o) in &p.steps {
+            *outcomes.entry(o.name().to_string()).or_default() += 1;
+        }
+    }
+    // Each phase: the median over the instrumented steps per PE, and the
+    // slowest PE's; its floor at the PEs' median copy rate (CUDA).
+    let per_pe: Vec<Vec<f64>> = (0..PHASES.len())
+        .map(|i| {
+            pes.iter()
+                .map(|p| median(&mut p.phases.iter().map(|v| v[i]).collect::<Vec<_>>()))
+                .collect()
+        })
+        .collect();
+    let phase_ms: Vec<f64> = per_pe
+        .iter()
+        .map(|v| v.iter().copied().fold(0.0, f64::max))
+        .collect();
+    let mut copies: Vec<f64> = pes.iter().filter_map(|p| p.copy_ms).collect();
+    let copied = 2.0 * (s.pes * Pe::slot_bytes(&s)) as f64;
+    // Bytes per ms.
+    let copy_rate = (!copies.is_empty()).then(|| copied / median(&mut copies));
+    let bytes = phase_bytes(&s);
+    let floors: Vec<Option<f64>> = bytes.iter().map(|b| copy_rate.map(|r| b / r)).collect();
+    let step_floor = copy_rate.map(|r| bytes.iter().sum::<f64>() / r);
+    let verdict = verdict(run.verify, bad);
+    let platform = run.platform.name();
+    let remote = pes.iter().find_map(|l| l.remote);
+    let layout = match (&run.launched, run.platform) {
+        (Some(l), _) => format!(
+            " ({} processes under {}, {} PE(s) each, one thread per PE)",
+            l.processes,
+            l.launcher,
+            run.devices.len()
+        ),
+        (None, Platform::Host) => " (threads)".into(),
+        (None, _) => " (one thread per GPU)".into(),
+    };
+    println!(
+        "xcall moe: {platform}, {} PE(s){layout}, {} tokens/PE, hidden {}, {} experts ({} per PE), top-{}, {}",
+        s.pes,
+        s.tokens,
+        s.hidden,
+        s.experts,
+        s.local_experts(),
+        s.topk,
+        s.dtype
+    );
+    let heap_bytes = Pe::heap_bytes(&s).unwrap_or_default();
+    let heap_mib = heap_bytes as f64 / (1u64 << 20) as f64;
+    if s.dropless {
+        println!(
+            "  dropless: slots of {} rows (tokens x min(top-k, experts per PE)) per sender, {heap_mib:.0} MiB of symmetric heap per PE; {} timed steps after 1 warm-up step",
+            s.slot_rows(),
+            run.steps
+        );
+    } else {
+        println!(
+            "  capacity {} rows per expert per PE (factor {}), {heap_mib:.0} MiB of symmetric heap per PE; {} timed steps after 1 warm-up step",
+            s.capacity, run.capacity_factor, run.steps
+        );
+    }
+    let memory_kind = match run.platform {
+        Platform::Host => "process resident set",
+        Platform::Cuda => "device memory in use (most of any GPU)",
+    };
+    println!();
+    println!("  step time      median {med:.3} ms   min {min:.3} ms   max {max:.3} ms   (first timed step {first:.3} ms)");
+    println!(
+        "  steady state   median of the first tenth of timed steps {first_tenth:.3} ms, of the last tenth {last_tenth:.3} ms; {memory_kind} {} after the warm-up, {} at the end",
+        mib(memory.0),
+        mib(memory.1)
+    );
+    println!("  tokens/s       {tokens_per_s:.0}");
+    println!(
+        "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
+        if s.fused {
+            "fused (permute writes the peers' slots, unpermute reads them)"
+        } else if remote.is_some_and(|r| r.starts_with("nccl")) {
+            "copy (whole slots, one World::exchange per phase, through NCCL)"
+        } else if remote.is_some() {
+            "copy (whole slots, one World::exchange per phase, through TCP)"
+        } else {
+            "copy (whole slots with put_signal)"
+        },
+        between / 1e6,
+    );
+    println!(
+        "  {:<15}{:.1}% of the permuted rows used, {} route(s) dropped over all steps",
+        if s.dropless {
+            "slot fill"
+        } else {
+            "capacity fill"
+        },
+        fill * 100.0,
+        dropped
+    );
+    for g in graphs {
+        println!("  graph cache    {}: {}", g.label, g.line);
+    }
+    println!(
+        "  phases         median of {PHASE_STEPS} eager steps with each phase's end marked, slowest PE{}",
+        copy_rate.map_or(String::new(), |r| format!(
+            "; floor = its bytes through one PE's memory at the copy rate ({:.0} GB/s)",
+            r / 1e6
+        ))
+    );
+    let cell = |f: Option<f64>| f.map_or("-".to_string(), |f| format!("{f:.3}"));
+    for ((name, ms), floor) in PHASES.iter().zip(&phase_ms).zip(&floors) {
+        println!("    {name:<14} {ms:>8.3} ms   floor {:>7}", cell(*floor));
+    }
+    println!(
+        "    {:<14} {:>8.3} ms   floor {:>7}   (graph step median {med:.3} ms)",
+        "sum",
+        phase_ms.iter().sum::<f64>(),
+        cell(step_floor)
+    );
+    let per_check = check_time.as_secs_f64() * 1e3 / (checks.len().max(1) as f64);
+    println!(
+        "  verification   {verdict}: {} PE(s) x {checked_steps} of {total} step(s) (--verify {}) against the f64 reference, {bad} mismatching element(s), max relative error {max_rel:.2e}",
+        s.pes, run.verify,
+    );
+    println!(
+        "  check cost     checks {:.2} s ({per_check:.1} ms per checked PE-step on {} thread(s)), draws {:.2} s, {}; the PEs waited {:.2} s for inputs and {:.2} s for the checker queues; wall time {:.2} s",
+        check_time.as_secs_f64(),
+        check_threads(run.devices.len()),
+        draw_time.as_secs_f64(),
+        match run.platform {
+            Platform::Host => "between the steps (outside their times)",
+            Platform::Cuda => "on threads beside the GPU work",
+        },
+        input_wait.as_secs_f64(),
+        queue_wait.as_secs_f64(),
+        wall.as_secs_f64()
+    );
+    if bad > 0 {
+        for (rank, p) in pes.iter().enumerate() {
+            for c in &p.checks {
+                if let Some((t, j, got, want)) = c.check.first {
+                    println!(
+                        "    PE {rank} step {}: {} mismatch(es), first at token {t} column {j}: {got} vs {want}",
+                        c.step, c.check.mismatches
+                    );
+                }
+            }
+        }
+    }
+    if let Some(out) = json {
+        let mut doc = json!({
+            "platform": platform,
+            "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
+            "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
+            "dropless": s.dropless, "exchange": if s.fused { "fused" } else { "copy" },
+            "slot_rows": s.slot_rows(), "heap_bytes": heap_bytes,
+            "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
+            "step_ms": {"median": med, "min": min, "max": max, "first": first,
+                "first_tenth": first_tenth, "last_tenth": last_tenth},
+            "memory_bytes": {"kind": if run.platform == Platform::Host { "host_resident" } else { "device_in_use" },
+                "after_warmup": memory.0, "at_end": memory.1},
+            "wall_s": wall.as_secs_f64(),
+            "tokens_per_s": tokens_per_s,
+            "exchange_bytes_per_step": between,
+            "exchange_gb_per_s": gbps,
+            "capacity_fill": fill, "dropped_routes": dropped,
+            "phases": PHASES.iter().enumerate().map(|(i, name)| json!({
+                "name": name.replace(' ', "_"), "ms": phase_ms[i], "ms_per_pe": per_pe[i],
+                "bytes": bytes[i], "floor_ms": floors[i],
+            })).collect::<Vec<_>>(),
+            "phase_steps": PHASE_STEPS,
+            "copy_gb_per_s": copy_rate.map(|r| r / 1e6),
+            "step_floor_ms": step_floor,
+            "outcomes": outcomes,
+            "graph_cache": graphs.iter()
+                .map(|g| (g.label.clone(), g.stats.clone()))
+                .collect::<serde_json::Map<_, _>>(),
+            "verification": {"verdict": verdict, "mismatches": bad, "max_relative_error": max_rel,
+                "mode": run.verify.to_string(), "checked_steps": checked_steps, "total_steps": total,
+                "check_s": check_time.as_secs_f64(), "draw_s": draw_time.as_secs_f64(),
+                "wait_s": queue_wait.as_secs_f64(), "input_wait_s": input_wait.as_secs_f64()},
+        });
+        // Past json!'s recursion limit in one literal.
+        doc["remote_transport"] = json!(remote);
+        doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
+        doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
+        out.write("moe", &devices, doc)?;
+    }
+    Ok(bad == 0)
+}
