@@ -4,6 +4,7 @@
 //! from [`Kernel::of`], and the launches and the tuner name kernels by
 //! value, so a new variant is one entry here.
 
+use xcall_core::cuda::device::{BULK_COPY, MBARRIER};
 use xcall_core::cuda::KernelRecord;
 use xcall_core::{DType, Fp8};
 
@@ -461,10 +462,15 @@ fn instantiations(family: Family) -> String {
         .collect()
 }
 
-/// The CUDA source of `family`'s module: the parameter structs, the
-/// kernels and the family's instantiations.
+/// The CUDA source of `family`'s module: the parameter structs, core's
+/// barrier and bulk-copy helpers, the kernels and the family's
+/// instantiations.
 pub(super) fn module_source(family: Family) -> String {
-    format!("{}{SOURCE}\n{}", params::prelude(), instantiations(family))
+    format!(
+        "{}{MBARRIER}{BULK_COPY}{SOURCE}\n{}",
+        params::prelude(),
+        instantiations(family)
+    )
 }
 
 /// The NVRTC program name of `family`'s module.

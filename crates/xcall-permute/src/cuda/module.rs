@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, KernelRecord, Launch, Params, StreamAlloc};
+use xcall_core::cuda::{
+    self, CudaFunction, KernelRecord, Launch, Params, Reach, Stream, StreamAlloc,
+};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{Device, KernelSource};
 
@@ -50,20 +51,7 @@ pub(super) fn resident_blocks(
     {
         return Ok(n);
     }
-    let mut blocks = 0i32;
-    let call = "cuOccupancyMaxActiveBlocksPerMultiprocessor";
-    cuda::on(device, call, || {
-        // SAFETY: a function of a module `f` holds; writes one int.
-        unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                &mut blocks,
-                f.function.cu_function(),
-                threads as i32,
-                smem,
-            )
-        }
-    })?;
-    let n = blocks.max(1) as u32;
+    let n = cuda::max_active_blocks(device, &f.function, threads, smem)?.max(1);
     f.resident
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -89,18 +77,10 @@ pub(super) fn function(device: Device, kernel: Kernel) -> Result<Arc<Loaded>> {
         },
     )?;
     let function = module.function(&kernel.name())?;
-    let mut max_threads = 0i32;
-    // SAFETY: a function of a module held by `module`; writes one int.
-    cuda::on(device, "cuFuncGetAttribute", || unsafe {
-        sys::cuFuncGetAttribute(
-            &mut max_threads,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
-            function.cu_function(),
-        )
-    })?;
+    let max_threads = cuda::max_threads_per_block(device, &function)?;
     let loaded = Arc::new(Loaded {
         function,
-        max_threads: max_threads.max(0) as u32,
+        max_threads,
         resident: Mutex::new(HashMap::new()),
         _module: module,
     });
@@ -124,23 +104,7 @@ fn register_fault_word(device: Device, family: Family, loaded: &Loaded) -> Resul
     {
         return Ok(());
     }
-    let (mut address, mut bytes) = (0u64, 0usize);
-    let mut module: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: a function of a module this crate keeps loaded (the `Loaded`
-    // holds it); writes one handle.
-    cuda::on(device, "cuFuncGetModule", || unsafe {
-        sys::cuFuncGetModule(&mut module, loaded.function.cu_function())
-    })?;
-    // SAFETY: a loaded module and a NUL-terminated name; writes the global's
-    // address and size.
-    cuda::on(device, "cuModuleGetGlobal", || unsafe {
-        sys::cuModuleGetGlobal_v2(
-            &mut address,
-            &mut bytes,
-            module,
-            c"xcall_map_faults".as_ptr(),
-        )
-    })?;
+    let (address, bytes) = cuda::module_global(device, &loaded.function, c"xcall_map_faults")?;
     if bytes != 4 {
         return Err(shape(format!(
             "xcall_map_faults is {bytes} bytes on {device}, expected 4"
@@ -175,9 +139,7 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
     read_back(target, &mut reads, |stream| {
         for &word in &words {
             // SAFETY: a 4-byte module global of this device.
-            cuda::check("cuMemsetD32Async", target.device, unsafe {
-                sys::cuMemsetD32Async(word, 0, 1, stream)
-            })?;
+            unsafe { stream.memset_d32(word, 0, 1) }?;
         }
         Ok(())
     })?;
@@ -190,27 +152,17 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
 pub(super) fn read_back<T: Copy>(
     target: &Target,
     reads: &mut [(&mut [T], u64)],
-    also: impl FnOnce(sys::CUstream) -> xcall_core::Result<()>,
+    also: impl FnOnce(&Stream) -> xcall_core::Result<()>,
 ) -> Result<()> {
-    let (device, stream) = (target.device, target.stream as sys::CUstream);
-    cuda::with_context(device, |_| {
+    stream(target).in_context(|stream| {
         for (host, address) in reads.iter_mut() {
-            if host.is_empty() {
-                continue;
-            }
-            let bytes = std::mem::size_of_val(*host);
-            // SAFETY: `host` is a live buffer of `bytes` bytes, not read
-            // before the wait below; `address` holds as many bytes of this
-            // device (checked by the caller).
-            cuda::check("cuMemcpyDtoHAsync", device, unsafe {
-                sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), *address, bytes, stream)
-            })?;
+            // SAFETY: `host` is a live buffer, not read before the wait
+            // below; `address` holds as many bytes of this device (checked
+            // by the caller).
+            unsafe { stream.copy_dtoh(host, *address) }?;
         }
         also(stream)?;
-        // SAFETY: a live stream of the caller.
-        cuda::check("cuStreamSynchronize", device, unsafe {
-            sys::cuStreamSynchronize(stream)
-        })
+        stream.sync()
     })?;
     Ok(())
 }
@@ -238,9 +190,7 @@ pub(super) fn check_map_on_device(
     let scratch = scratch(target, bytes)?;
     let base = scratch.address();
     // SAFETY: zeroes the scratch just allocated on this stream.
-    cuda::on(dev, "cuMemsetD8Async", || unsafe {
-        sys::cuMemsetD8Async(base, 0, bytes as usize, target.stream as sys::CUstream)
-    })?;
+    stream(target).in_context(|s| unsafe { s.memset_d8(base, 0, bytes as usize) })?;
     let word = if capturing { fault_word(dev)? } else { base };
     let (counts_at, taken_at) = (base + 8, base + 8 + counts * 8);
     let (tpe, offsets) = chunks.map_or((0, 0), |(t, o)| (t.address, o.address));
@@ -335,8 +285,7 @@ pub(super) fn launch<R: KernelRecord>(
         )));
     }
     let grid = grid.min(i32::MAX as u64) as u32;
-    let config =
-        Launch::linear(grid, threads, target.stream as sys::CUstream).with_shared(smem as u32);
+    let config = Launch::linear(grid, threads, stream(target).raw()).with_shared(smem as u32);
     let mut params = Params::new().record(params);
     // SAFETY: every kernel of kernels.cu takes one parameter struct whose C
     // definition is generated from `R` with its layout asserted, and each
@@ -346,17 +295,16 @@ pub(super) fn launch<R: KernelRecord>(
     Ok(())
 }
 
-/// `bytes` of stream-ordered device scratch on the target's stream.
-pub(super) fn scratch(target: &Target, bytes: u64) -> Result<StreamAlloc> {
+/// The target's stream.
+pub(super) fn stream(target: &Target) -> Stream {
     // SAFETY: the target's stream is a live stream of its device (the
     // caller's contract on every op) and outlives the op that uses it.
-    Ok(unsafe {
-        StreamAlloc::new(
-            target.device,
-            target.stream as sys::CUstream,
-            bytes as usize,
-        )
-    }?)
+    unsafe { Stream::from_raw(target.device, target.stream.cast()) }
+}
+
+/// `bytes` of stream-ordered device scratch on the target's stream.
+pub(super) fn scratch(target: &Target, bytes: u64) -> Result<StreamAlloc> {
+    Ok(stream(target).scratch(bytes as usize)?)
 }
 
 /// Scratch holding a copy of `bytes` bytes at `src` (stream-ordered), for
@@ -371,11 +319,7 @@ pub(crate) fn copy_of(target: &Target, src: u64, bytes: usize) -> Result<StreamA
 
 /// Whether the target's stream is capturing.
 pub(super) fn capturing(target: &Target) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: queries a live stream of the caller; writes one value.
-    let r = unsafe { sys::cuStreamIsCapturing(target.stream as sys::CUstream, &mut status) };
-    cuda::check("cuStreamIsCapturing", target.device, r)?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    Ok(stream(target).is_capturing()?)
 }
 
 /// Refuses tensors that are not device memory of the target's device.
@@ -386,24 +330,15 @@ pub(super) fn check_device_memory(target: &Target, a: &impl NamedTensors) -> Res
         if t.bytes() == 0 {
             continue;
         }
-        let mut dev: i32 = -1;
-        // SAFETY: writes one int; any address value is legal to query.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut dev as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                t.address,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS || dev != ordinal as i32 {
+        let owner = cuda::pointer_device(t.address)?;
+        if owner != Ok(ordinal) {
             return Err(shape(format!(
                 "{name} at {:#x} is not device memory of {} ({})",
                 t.address,
                 target.device,
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    format!("it belongs to cuda:{dev}")
-                } else {
-                    cuda::describe(cudarc::driver::DriverError(r))
+                match owner {
+                    Ok(dev) => format!("it belongs to cuda:{dev}"),
+                    Err(e) => cuda::describe(e),
                 }
             )));
         }
@@ -421,35 +356,25 @@ pub(super) fn check_segments_reachable(
     s: &Segments,
     bytes: u64,
 ) -> Result<()> {
-    let ordinal = cuda::check_device(target.device)?;
+    cuda::check_device(target.device)?;
     if bytes == 0 {
         return Ok(());
     }
     for (i, &base) in s.bases.iter().enumerate().skip(1) {
-        let mut dev: i32 = -1;
-        // SAFETY: writes one int; any address value is legal to query.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut dev as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                base,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(shape(format!(
-                "{name} segment {i} at {base:#x} is not device memory ({})",
-                cuda::describe(cudarc::driver::DriverError(r))
-            )));
-        }
-        if dev == ordinal as i32 {
-            continue;
-        }
-        let owner = Device::cuda(dev.max(0) as u32);
-        if !cuda::can_access_peer(target.device, owner).unwrap_or(false) {
-            return Err(shape(format!(
-                "{name} segment {i} at {base:#x} belongs to cuda:{dev}, which {} cannot access as a peer",
-                target.device
-            )));
+        match cuda::reach(target.device, base)? {
+            Reach::Own | Reach::Peer(_) => {}
+            Reach::NotDevice(e) => {
+                return Err(shape(format!(
+                    "{name} segment {i} at {base:#x} is not device memory ({})",
+                    cuda::describe(e)
+                )))
+            }
+            Reach::Foreign(owner) => {
+                return Err(shape(format!(
+                    "{name} segment {i} at {base:#x} belongs to {owner}, which {} cannot access as a peer",
+                    target.device
+                )))
+            }
         }
     }
     Ok(())

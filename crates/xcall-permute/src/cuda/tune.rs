@@ -5,13 +5,12 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use cudarc::driver::sys;
 use xcall_core::cuda::{Event, StreamAlloc};
 use xcall_core::{DType, Device};
 
 use super::catalogue::MOVE_WIDTHS;
 use super::config::Config;
-use super::module::{capturing, scratch};
+use super::module::{capturing, scratch, stream};
 use super::{state, Result};
 use crate::args::Target;
 use crate::check::Dims;
@@ -266,18 +265,16 @@ fn time_passes(
     run: &dyn Fn(Config, &[u64]) -> Result<()>,
 ) -> Result<Vec<Vec<f32>>> {
     const REPS: usize = 3;
-    let (device, stream) = (target.device, target.stream as sys::CUstream);
+    let (device, stream) = (target.device, stream(target));
     let mut events: Vec<(Event, Event, usize)> = Vec::new();
     for _pass in 0..passes {
         for (i, &c) in configs.iter().enumerate() {
             let (start, end) = (Event::new(device)?, Event::new(device)?);
-            // SAFETY: the target's stream is a live stream of its device.
-            unsafe { start.record(stream) }?;
+            start.record_on(&stream)?;
             for _ in 0..REPS {
                 run(c, outs)?;
             }
-            // SAFETY: as above.
-            unsafe { end.record(stream) }?;
+            end.record_on(&stream)?;
             events.push((start, end, i));
         }
     }
