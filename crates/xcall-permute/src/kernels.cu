@@ -119,13 +119,11 @@ struct F32 {
     static __device__ __forceinline__ float load(S v) { return v; }
     static __device__ __forceinline__ S store(float v) { return v; }
 };
+// bf16 and the f16 load are xcall-core's device helpers (CONVERT),
+// prepended to this source.
 struct F16 {
     typedef unsigned short S;
-    static __device__ __forceinline__ float load(S v) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-        return f;
-    }
+    static __device__ __forceinline__ float load(S v) { return xcall_f16_bits_to_f32(v); }
     static __device__ __forceinline__ S store(float v) {
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -134,14 +132,8 @@ struct F16 {
 };
 struct BF16 {
     typedef unsigned short S;
-    static __device__ __forceinline__ float load(S v) {
-        return __uint_as_float(((unsigned int)v) << 16);
-    }
-    static __device__ __forceinline__ S store(float v) {
-        unsigned short h;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-        return h;
-    }
+    static __device__ __forceinline__ float load(S v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ S store(float v) { return f32_to_bf16(v); }
 };
 
 // fp8, the steps of xcall_core::fp8_decode / fp8_encode: round to nearest

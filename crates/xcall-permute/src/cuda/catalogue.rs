@@ -4,7 +4,7 @@
 //! from [`Kernel::of`], and the launches and the tuner name kernels by
 //! value, so a new variant is one entry here.
 
-use xcall_core::cuda::device::{BULK_COPY, MBARRIER};
+use xcall_core::cuda::device::{BULK_COPY, CONVERT, MBARRIER};
 use xcall_core::cuda::KernelRecord;
 use xcall_core::{DType, Fp8};
 
@@ -463,11 +463,11 @@ fn instantiations(family: Family) -> String {
 }
 
 /// The CUDA source of `family`'s module: the parameter structs, core's
-/// barrier and bulk-copy helpers, the kernels and the family's
+/// barrier, bulk-copy and conversion helpers, the kernels and the family's
 /// instantiations.
 pub(super) fn module_source(family: Family) -> String {
     format!(
-        "{}{MBARRIER}{BULK_COPY}{SOURCE}\n{}",
+        "{}{MBARRIER}{BULK_COPY}{CONVERT}{SOURCE}\n{}",
         params::prelude(),
         instantiations(family)
     )
