@@ -31,7 +31,7 @@ pub(super) const HELD: [(u32, u32); 3] = [(4, 1), (4, 2), (8, 1)];
 pub(super) const WARP_INFIX: &str = "w_";
 /// Dot slots per thread of the warp-per-token backward (all 256 of a
 /// token's slots in one warp).
-const BWD_WARP_SLOTS: u32 = 8;
+pub(super) const BWD_WARP_SLOTS: u32 = 8;
 
 /// Which module a kernel lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

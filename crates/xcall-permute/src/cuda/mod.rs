@@ -23,7 +23,7 @@
 //! (`permute_bulk_4`, `_8`; [`Config::stages`]), which move rows through
 //! shared memory with `cp.async.bulk` loads and one bulk store per route,
 //! so no thread moves row data. A row is moved in pieces of at most
-//! 40 KiB / stages (see `tune::bulk_piece`).
+//! 40 KiB / stages (see `config::bulk_piece`).
 //!
 //! unpermute has a second kind too, where rows and addresses are 16-byte
 //! vectors and a token has three or more routes on average: the async
@@ -56,7 +56,7 @@ use crate::args::{
 use crate::check::{Checked, Dims};
 use crate::chunks::{self, Direction};
 use crate::error::PermuteError;
-use catalogue::{Family, Kernel, UnpermutePath, SUMMING};
+use catalogue::{Family, Kernel, UnpermutePath, BWD_WARP_SLOTS, SUMMING};
 use config::{async_smem, bulk_piece, default_config, grid_for, held_fits, BULK_THREADS};
 pub use config::{
     backward_candidates, movement_candidates, permute_candidates, unpermute_candidates, Config,
@@ -472,7 +472,14 @@ pub(crate) unsafe fn unpermute_backward(
     );
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         let kernel = match c.held {
-            0 if c.per_warp => Kernel::UnpermuteBwdWarp { dtype, width: v },
+            0 if c.per_warp && c.unroll == BWD_WARP_SLOTS => {
+                Kernel::UnpermuteBwdWarp { dtype, width: v }
+            }
+            0 if c.per_warp => {
+                return Err(PermuteError::Unsupported(format!(
+                    "{c:?}: the warp-per-token backward holds {BWD_WARP_SLOTS} dot slots per thread"
+                )))
+            }
             0 => Kernel::UnpermuteBwd {
                 dtype,
                 width: v,
