@@ -119,13 +119,11 @@ struct F32 {
     static __device__ __forceinline__ float load(S v) { return v; }
     static __device__ __forceinline__ S store(float v) { return v; }
 };
+// bf16 and the f16 load are xcall-core's device helpers (CONVERT),
+// prepended to this source.
 struct F16 {
     typedef unsigned short S;
-    static __device__ __forceinline__ float load(S v) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-        return f;
-    }
+    static __device__ __forceinline__ float load(S v) { return xcall_f16_bits_to_f32(v); }
     static __device__ __forceinline__ S store(float v) {
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
@@ -134,14 +132,8 @@ struct F16 {
 };
 struct BF16 {
     typedef unsigned short S;
-    static __device__ __forceinline__ float load(S v) {
-        return __uint_as_float(((unsigned int)v) << 16);
-    }
-    static __device__ __forceinline__ S store(float v) {
-        unsigned short h;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-        return h;
-    }
+    static __device__ __forceinline__ float load(S v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ S store(float v) { return f32_to_bf16(v); }
 };
 
 // fp8, the steps of xcall_core::fp8_decode / fp8_encode: round to nearest
@@ -796,17 +788,8 @@ __device__ void permute_body(const PermuteParams& p) {
 //   (first pieces), on its own.
 // Routes past the 32nd are read from the map when used. The unwritten
 // rows are zeroed first, as in permute_body.
-__device__ __forceinline__ unsigned int smem_u32(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
-#if __CUDA_ARCH__ >= 900
-// Until the phase of mbarrier `bar` with `parity` has completed.
-__device__ __forceinline__ void bar_wait(unsigned int bar, unsigned int parity) {
-    unsigned int done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-#endif
+// The barriers and bulk copies are xcall-core's device helpers (MBARRIER,
+// BULK_COPY), prepended to this source.
 template <int STAGES>
 __device__ void permute_bulk_body(const PermuteParams& p) {
 #if __CUDA_ARCH__ >= 900
@@ -820,8 +803,8 @@ __device__ void permute_bulk_body(const PermuteParams& p) {
     auto item = [&](i64 j) { return (i64)blockIdx.x + j * gridDim.x; };
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(&full[s])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+            mbar_init(smem_addr(&full[s]), 1);
+        fence_mbarrier_init();
     }
     zero_regions<16>(p);
     __syncthreads();  // the barriers are set
@@ -830,10 +813,8 @@ __device__ void permute_bulk_body(const PermuteParams& p) {
         auto load = [&](int s, i64 j) {
             const i64 it = item(j), t = it / slices, off = (it % slices) * piece;
             const unsigned int bytes = (unsigned int)min(piece, row - off);
-            const unsigned int bar = smem_u32(&full[s]), dst = smem_u32(bulk_buf + s * piece);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         :: "r"(dst), "l"(p.input + t * row + off), "r"(bytes), "r"(bar) : "memory");
+            const unsigned int bar = smem_addr(&full[s]), dst = smem_addr(bulk_buf + s * piece);
+            bulk_load_arrive(dst, p.input + t * row + off, bytes, bar);
         };
         // Item j's map row, unchecked: count, and lane k's route k (lanes
         // below E; the row holds 2E + 1 entries whatever the count).
@@ -857,38 +838,34 @@ __device__ void permute_bulk_body(const PermuteParams& p) {
                 const i64 j = j0 + s;
                 if (j >= mine) break;
                 const i64 it = item(j), t = it / slices, off = (it % slices) * piece;
-                const unsigned int bytes = (unsigned int)min(piece, row - off), src = smem_u32(bulk_buf + s * piece);
+                const unsigned int bytes = (unsigned int)min(piece, row - off), src = smem_addr(bulk_buf + s * piece);
                 const int n = count_ok(cnt[s], E);
                 const int d = lane < n && entry_ok(rd[s], re[s], E, N) ? rd[s] : -1;
-                if (lane == 0) bar_wait(smem_u32(&full[s]), (unsigned int)(j / STAGES) & 1u);
+                if (lane == 0) mbar_wait(smem_addr(&full[s]), (unsigned int)(j / STAGES) & 1u);
                 __syncwarp();
                 for (int k = 0; k < min(n, 32); ++k) {
                     const int dk = __shfl_sync(0xffffffffu, d, k);
                     if (lane == 0 && dk >= 0) {
-                        unsigned char* o = row_at(p.out, p.segs, p.seg_rows, dk, row) + off;
-                        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                                     :: "l"(o), "r"(src), "r"(bytes) : "memory");
+                        bulk_store(row_at(p.out, p.segs, p.seg_rows, dk, row) + off, src, bytes);
                     }
                 }
                 if (lane == 0) {
                     const int* m = p.map + t * stride;
                     for (int k = 32; k < n; ++k) {
                         if (!entry_ok(m[k], m[E + k], E, N)) continue;
-                        unsigned char* o = row_at(p.out, p.segs, p.seg_rows, m[k], row) + off;
-                        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                                     :: "l"(o), "r"(src), "r"(bytes) : "memory");
+                        bulk_store(row_at(p.out, p.segs, p.seg_rows, m[k], row) + off, src, bytes);
                     }
-                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                    bulk_commit();
                 }
                 if (j + STAGES < mine) fetch(s, j + STAGES);
                 if (lane == 0) {
                     // Item j - 1's stores have read their stage: load into it.
-                    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                    bulk_wait_read<1>();
                     if (j >= 1 && j - 1 + STAGES < mine) load((s + STAGES - 1) % STAGES, j - 1 + STAGES);
                 }
             }
         }
-        if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        if (lane == 0) bulk_wait<0>();
     } else if (threadIdx.x < 64 && (p.pprobs || p.pscales)) {
         for (i64 j = 0; j < mine; ++j) {
             const i64 it = item(j), t = it / slices;

@@ -387,3 +387,95 @@ fn in_place_sort_equals_out_of_place_on_host() {
         assert_eq!(data, want, "{direction:?}");
     }
 }
+
+/// `permute` with each output laid over the input it comes from (the
+/// rows, probs and scales each in one buffer, long enough for the larger
+/// of the two): with `in_place` it gives the out-of-place result; without,
+/// it is refused as an alias and the buffers are left as they were.
+#[test]
+fn in_place_permute_equals_out_of_place_on_host() {
+    let b = Buffers::new();
+    let none = HashMap::new();
+    let n = b.0["output"].2[0];
+    let words = |name: &str| b.0[name].0.clone();
+    let dims = |name: &str| b.0[name].2.clone();
+    // The out-of-place result, into fresh outputs.
+    let mut want = [
+        vec![0u64; (n * H) as usize / 2],
+        vec![0u64; n.div_ceil(2) as usize],
+        vec![0u64; n as usize],
+    ];
+    // Each input's bytes at the start of a buffer its output fits too.
+    let over = |name: &str, out: &[u64]| {
+        let mut v = words(name);
+        v.resize(v.len().max(out.len()), 0);
+        v
+    };
+    let mut shared = [
+        over("input", &want[0]),
+        over("probs", &want[1]),
+        over("scales", &want[2]),
+    ];
+    let at = |v: &mut Vec<u64>, name: &str, d: &[u64]| {
+        Tensor::new(v.as_mut_ptr() as u64, b.0[name].1, d)
+    };
+    let args = |ins: [Tensor; 3], outs: [Tensor; 3], in_place| PermuteArgs {
+        input: ins[0].clone(),
+        row_id_map: b.tensor("row_id_map", &none),
+        tokens_per_expert: b.tensor("tokens_per_expert", &none),
+        expert_offsets: b.tensor("expert_offsets", &none),
+        probs: Some(ins[1].clone()),
+        scales: Some(ins[2].clone()),
+        output: outs[0].clone(),
+        permuted_probs: Some(outs[1].clone()),
+        permuted_scales: Some(outs[2].clone()),
+        in_place,
+        output_segments: None,
+    };
+    let [w0, w1, w2] = &mut want;
+    let outs = [
+        at(w0, "output", &dims("output")),
+        at(w1, "permuted_probs", &dims("permuted_probs")),
+        at(w2, "permuted_scales", &dims("permuted_scales")),
+    ];
+    let [s0, s1, s2] = &mut shared;
+    let ins = [
+        at(s0, "input", &dims("input")),
+        at(s1, "probs", &dims("probs")),
+        at(s2, "scales", &dims("scales")),
+    ];
+    let overlaid = [
+        at(s0, "output", &dims("output")),
+        at(s1, "permuted_probs", &dims("permuted_probs")),
+        at(s2, "permuted_scales", &dims("permuted_scales")),
+    ];
+    let before = shared.clone();
+    // SAFETY: tensors over live vectors of their sizes.
+    let refused =
+        unsafe { call::permute(&Target::host(), &args(ins.clone(), overlaid.clone(), false)) };
+    assert!(
+        matches!(refused, Err(PermuteError::Aliased { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(shared, before, "a refused call wrote");
+    // SAFETY: as above.
+    unsafe {
+        call::permute(
+            &Target::host(),
+            &args(
+                [
+                    b.tensor("input", &none),
+                    b.tensor("probs", &none),
+                    b.tensor("scales", &none),
+                ],
+                outs,
+                false,
+            ),
+        )
+        .unwrap();
+        call::permute(&Target::host(), &args(ins, overlaid, true)).unwrap();
+    }
+    for (i, (got, want)) in shared.iter().zip(&want).enumerate() {
+        assert_eq!(&got[..want.len()], &want[..], "output {i}");
+    }
+}

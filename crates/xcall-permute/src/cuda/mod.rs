@@ -23,7 +23,7 @@
 //! (`permute_bulk_4`, `_8`; [`Config::stages`]), which move rows through
 //! shared memory with `cp.async.bulk` loads and one bulk store per route,
 //! so no thread moves row data. A row is moved in pieces of at most
-//! 40 KiB / stages (see `tune::bulk_piece`).
+//! 40 KiB / stages (see `config::bulk_piece`).
 //!
 //! unpermute has a second kind too, where rows and addresses are 16-byte
 //! vectors and a token has three or more routes on average: the async
@@ -33,10 +33,13 @@
 //! eight routes per stage, and sums one stage while the next lands.
 //! Tokens with more than eight routes take the register path.
 //!
-//! `module` builds and loads the kernels, `tune` picks launch configs; the
-//! ops below check device memory, launch and never return to the caller's
-//! modules.
+//! `catalogue` lists the kernels, `module` builds, loads and launches
+//! them, `config` holds the launch configs a tunable kernel may take and
+//! `tune` picks one; the ops below check device memory, launch and never
+//! return to the caller's modules.
 
+mod catalogue;
+mod config;
 mod module;
 mod params;
 mod tune;
@@ -53,34 +56,30 @@ use crate::args::{
 use crate::check::{Checked, Dims};
 use crate::chunks::{self, Direction};
 use crate::error::PermuteError;
+use catalogue::{Family, Kernel, UnpermutePath, BWD_WARP_SLOTS, SUMMING};
+use config::{async_smem, bulk_piece, default_config, grid_for, held_fits, BULK_THREADS};
+pub use config::{
+    backward_candidates, movement_candidates, permute_candidates, unpermute_candidates, Config,
+};
 use module::{
     capturing, check_device_memory, check_map_on_device, check_segments_reachable, launch,
-    read_back, resident_blocks, Family, FunctionKey, Loaded, SMEM_LIMIT,
+    read_back, resident_blocks, Loaded, SMEM_LIMIT,
 };
 pub(crate) use module::{copy_of, take_faults};
 use params::{
     segment_bases, ChunkMapParams, PermuteParams, RowIdMapParams, SortParams, UnpermuteParams,
 };
-use tune::{
-    arith_width, async_smem, bulk_piece, choose, default_config, grid_for, held_fits, routes_class,
-    row_class, tokens_class, width, TuneKey, BULK_THREADS, WARP_INFIX,
-};
-pub use tune::{
-    backward_candidates, cached_configs, movement_candidates, permute_candidates,
-    set_after_tuning_hook, unpermute_candidates, with_configs, Config, TuningHook,
-};
+use tune::{arith_width, choose, routes_class, row_class, tokens_class, width, TuneKey};
+pub use tune::{cached_configs, set_after_tuning_hook, with_configs, TuningHook};
 
 type Result<T> = std::result::Result<T, PermuteError>;
-
-const MOVE_WIDTHS: [usize; 5] = [16, 8, 4, 2, 1];
-const UNROLLS: [u32; 3] = [1, 2, 4];
 
 #[derive(Default)]
 struct State {
     kernels: KernelCache,
-    /// Loaded kernels by (module family, kernel name): the arithmetic
-    /// families share kernel names.
-    functions: DeviceMap<Mutex<HashMap<FunctionKey, Arc<Loaded>>>>,
+    /// Loaded kernels (an arithmetic kernel's dtype tells its module: the
+    /// arithmetic families share kernel names).
+    functions: DeviceMap<Mutex<HashMap<Kernel, Arc<Loaded>>>>,
     tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
     /// What the launches need to know of each device.
     devices: DeviceMap<DeviceFacts>,
@@ -114,7 +113,7 @@ fn device_facts(device: xcall_core::Device) -> Result<&'static DeviceFacts> {
 pub fn loaded_kernels(device: xcall_core::Device) -> Vec<String> {
     let mut names: Vec<String> = state().functions.get(device).map_or_else(Vec::new, |slot| {
         let map = slot.lock().unwrap_or_else(|p| p.into_inner());
-        map.keys().map(|(_, name)| name.clone()).collect()
+        map.keys().map(|k| k.name()).collect()
     });
     names.sort();
     names.dedup();
@@ -174,18 +173,10 @@ pub(crate) unsafe fn make_row_id_map(
         group_rows: a.options.groups.map_or(0, |g| g.rows) as i64,
     };
     let groups = a.options.groups.map_or(1, |g| e / g.experts) as u64;
-    let kernel = |name| (Family::Movement, name);
-    launch(target, kernel("rim_count"), nblocks, 256, tb * e, &p)?;
-    launch(target, kernel("rim_scan_blocks"), e as u64, 256, 0, &p)?;
-    launch(target, kernel("rim_offsets"), groups, 1024, 0, &p)?;
-    launch(
-        target,
-        kernel("rim_write"),
-        nblocks,
-        256,
-        8 * e + tb * e,
-        &p,
-    )
+    launch(target, Kernel::RimCount, nblocks, 256, tb * e, &p)?;
+    launch(target, Kernel::RimScanBlocks, e as u64, 256, 0, &p)?;
+    launch(target, Kernel::RimOffsets, groups, 1024, 0, &p)?;
+    launch(target, Kernel::RimWrite, nblocks, 256, 8 * e + tb * e, &p)
 }
 
 /// The [`PermuteParams`] fields that place the outputs `out`, `pprobs` and
@@ -215,10 +206,10 @@ fn permute_outputs(
 /// chunk's padding and the rows past the last chunk (`p.nscales` values per
 /// row of scales).
 fn zero_unwritten(target: &Target, p: &PermuteParams) -> Result<()> {
-    let v = width(p.row as u64, &[p.out]);
+    let width = width(p.row as u64, &[p.out]);
     launch(
         target,
-        (Family::Movement, &format!("zero_{v}")),
+        Kernel::Zero { width },
         p.experts as u64 + 1,
         256,
         0,
@@ -293,16 +284,16 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             let items = (d.tokens as u64)
                 .checked_mul(row.div_ceil(piece))
                 .ok_or_else(|| crate::error::shape("permute: tokens x row pieces overflow"))?;
-            let name = format!("permute_bulk_{}", c.stages);
+            let kernel = Kernel::PermuteBulk { stages: c.stages };
             let smem = (c.stages as u64 * piece) as usize;
             // waves 0: as many blocks as fit the multiprocessors at once.
             let waves = match c.waves {
-                0 => resident_blocks(dev, (Family::Movement, &name), BULK_THREADS, smem)?,
+                0 => resident_blocks(dev, kernel, BULK_THREADS, smem)?,
                 w => w,
             };
             return launch(
                 target,
-                (Family::Movement, &name),
+                kernel,
                 grid_for(dev, items as usize, Config { waves, ..c })?,
                 BULK_THREADS,
                 smem,
@@ -314,10 +305,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
         }
         launch(
             target,
-            (
-                Family::Movement,
-                &format!("permute_{}{v}_{}", c.infix(), c.unroll),
-            ),
+            Kernel::Permute(c.lanes(v)),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,
@@ -383,31 +371,36 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
     // Other types, three or more routes per token on average and whole
     // 16-byte vectors: the kernels that load two routes ahead of adding.
     let routes = routes_class(d.tokens, d.out_rows) as usize;
-    let variant = match Fp8::of(dtype) {
-        Some(_) if v % 4 == 0 && a.merging_probs.is_none() => module::FEW_INFIXES
-            .get(routes)
-            .map_or(module::STREAM_INFIX, |f| f.0),
-        None if v == 16 && routes >= 2 => module::LOADS2_INFIX,
-        _ => "",
+    let path = match Fp8::of(dtype) {
+        Some(_) if v % 4 == 0 && a.merging_probs.is_none() => match routes {
+            0 => UnpermutePath::few(1),
+            1 => UnpermutePath::few(2),
+            _ => UnpermutePath::STREAM,
+        },
+        None if v == 16 && routes >= 2 => UnpermutePath::LOADS2,
+        _ => SUMMING,
     };
     let default = default_config(row / v as u64);
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         // An async config where the row cannot take it (only ever forced)
         // runs the default one.
         let c = if c.stages > 0 && v != 16 { default } else { c };
-        let (name, smem) = match c.stages {
-            0 => (
-                format!("unpermute_{variant}{}{v}_{}", c.infix(), c.unroll),
-                0,
-            ),
+        let (lanes, path, smem) = match c.stages {
+            0 => (c.lanes(v), path, 0),
             s => (
-                format!("unpermute_a{s}_{WARP_INFIX}16_1"),
+                Config {
+                    unroll: 1,
+                    per_warp: true,
+                    ..c
+                }
+                .lanes(16),
+                UnpermutePath::async_stages(s),
                 async_smem(c.threads, s) as usize,
             ),
         };
         launch(
             target,
-            (Family::Arith(dtype), &name),
+            Kernel::Unpermute { dtype, lanes, path },
             grid_for(dev, d.tokens, c)?,
             c.threads,
             smem,
@@ -478,9 +471,25 @@ pub(crate) unsafe fn unpermute_backward(
         &[a.grad.address, a.fwd_input.address, a.act_grad.address],
     );
     let run = |c: Config, outs: &[u64]| -> Result<()> {
-        let name = match c.held {
-            0 => format!("unpermute_bwd_{}{v}_{}", c.infix(), c.unroll),
-            _ if held_fits(c, v, row) => format!("unpermute_bwd_h{}_{}", c.held, c.unroll),
+        let kernel = match c.held {
+            0 if c.per_warp && c.unroll == BWD_WARP_SLOTS => {
+                Kernel::UnpermuteBwdWarp { dtype, width: v }
+            }
+            0 if c.per_warp => {
+                return Err(PermuteError::Unsupported(format!(
+                    "{c:?}: the warp-per-token backward holds {BWD_WARP_SLOTS} dot slots per thread"
+                )))
+            }
+            0 => Kernel::UnpermuteBwd {
+                dtype,
+                width: v,
+                unroll: c.unroll,
+            },
+            _ if held_fits(c, v, row) => Kernel::UnpermuteBwdHeld {
+                dtype,
+                held: c.held,
+                routes: c.unroll,
+            },
             _ => {
                 return Err(PermuteError::Unsupported(format!(
                     "{c:?} holds rows of at most {} 16-byte groups; this row is {row} bytes in {v}-byte vectors",
@@ -492,7 +501,7 @@ pub(crate) unsafe fn unpermute_backward(
         let warps = d.tokens.saturating_mul(c.split.max(1) as usize);
         launch(
             target,
-            (Family::Arith(dtype), &name),
+            kernel,
             grid_for(dev, warps, c)?,
             c.threads,
             0,
@@ -574,7 +583,7 @@ pub(crate) unsafe fn make_chunk_sort_map(
     }
     launch(
         target,
-        (Family::Movement, "chunk_map"),
+        Kernel::ChunkMap,
         (tokens as u64).div_ceil(256).clamp(1, 1 << 16),
         256,
         (2 * s + 1) * 8 + 4 * s.div_ceil(32),
@@ -605,10 +614,7 @@ pub(crate) unsafe fn sort_chunks_by_map(
     let run = |c: Config, outs: &[u64]| -> Result<()> {
         launch(
             target,
-            (
-                Family::Movement,
-                &format!("sort_{}{v}_{}", c.infix(), c.unroll),
-            ),
+            Kernel::Sort(c.lanes(v)),
             grid_for(dev, d.tokens, c)?,
             c.threads,
             0,

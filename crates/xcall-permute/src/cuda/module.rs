@@ -1,179 +1,26 @@
-//! The kernels' modules: `kernels.cu` with the instantiations a module
-//! family needs, compiled once per device; the map fault word of each
-//! module; the launch, scratch and device-memory helpers every op uses.
+//! The kernels' modules: each family's source from the catalogue,
+//! compiled once per device; the map fault word of each module; the
+//! launch, scratch and device-memory helpers every op uses.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, KernelRecord, Launch, Params, StreamAlloc};
-use xcall_core::kernel_cache::LoadedModule;
-use xcall_core::{DType, Device, Fp8, KernelSource};
-
-use super::params::{
-    self, ChunkMapParams, MapCheckParams, PermuteParams, RowIdMapParams, SortParams,
-    UnpermuteParams,
+use xcall_core::cuda::{
+    self, CudaFunction, KernelRecord, Launch, Params, Reach, Stream, StreamAlloc,
 };
-use super::tune::{ASYNC_STAGES, BULK_STAGES, HELD, WARP_INFIX};
-use super::{state, Result, MOVE_WIDTHS, UNROLLS};
+use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::{Device, KernelSource};
+
+use super::catalogue::{module_source, program_name, Family, Kernel};
+use super::params::MapCheckParams;
+use super::{state, Result};
 use crate::args::{NamedTensors, Segments, Target, Tensor};
 use crate::check::Dims;
 use crate::error::{shape, PermuteError};
 use crate::MapFaults;
 
-const SOURCE: &str = include_str!("../kernels.cu");
 /// Shared memory the kernels may use without opting in.
 pub(super) const SMEM_LIMIT: usize = 48 * 1024;
-
-/// Which module a kernel lives in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(super) enum Family {
-    /// Row-id map, chunk map, permute, zero fill, chunk sort.
-    Movement,
-    /// unpermute and its backward for one float dtype.
-    Arith(DType),
-}
-
-/// The infixes of fp8 unpermute's kernels for few routes per token, and
-/// their bodies' `FEW` argument: `one_` maps a lone route's bytes
-/// (`unpermute_one_16_2`, `unpermute_one_w_16_2`), `two_` also sums two
-/// routes in f16.
-pub(super) const FEW_INFIXES: [(&str, u32); 2] = [("one_", 1), ("two_", 2)];
-
-/// The infix of unpermute's kernels that load two routes' vectors before
-/// adding either (`unpermute_l2_16_2`, `unpermute_l2_w_16_2`; float types,
-/// 16-byte vectors), launched at three or more routes per token on average.
-pub(super) const LOADS2_INFIX: &str = "l2_";
-
-/// The infix of fp8 unpermute's kernels for three or more routes per
-/// token on average (`unpermute_s_16_1`, `unpermute_s_w_16_2`): the
-/// summing path with streaming loads (the body's `STREAM`). On an H100
-/// they took fp8 unpermute's top-8 grid median from 0.81 to 0.86; the
-/// same loads in the bf16 `l2_` kernels cost 0.01 at (4096,256,7168,8)
-/// (docs/BENCHMARKS.md).
-pub(super) const STREAM_INFIX: &str = "s_";
-
-/// The block-per-token and warp-per-token variants: kernel name infix and
-/// the body's `WARP` argument.
-const VARIANTS: [(&str, bool); 2] = [("", false), (WARP_INFIX, true)];
-
-/// The `extern "C"` kernels of a module: each takes its family's parameter
-/// struct (see `params.rs`) and calls the body template.
-fn instantiations(family: Family) -> String {
-    let mut s = String::new();
-    let mut kernel = |name: String, body: String| {
-        let params = params_of(&name);
-        s += &format!("extern \"C\" __global__ void {name}(const {params} p) {{ {body}(p); }}\n");
-    };
-    match family {
-        Family::Movement => {
-            for v in MOVE_WIDTHS {
-                for u in UNROLLS {
-                    for (infix, warp) in VARIANTS {
-                        kernel(
-                            format!("permute_{infix}{v}_{u}"),
-                            format!("permute_body<{v}, {u}, {warp}>"),
-                        );
-                        kernel(
-                            format!("sort_{infix}{v}_{u}"),
-                            format!("sort_body<{v}, {u}, {warp}>"),
-                        );
-                    }
-                }
-                kernel(format!("zero_{v}"), format!("zero_body<{v}>"));
-            }
-            for stages in BULK_STAGES {
-                kernel(
-                    format!("permute_bulk_{stages}"),
-                    format!("permute_bulk_body<{stages}>"),
-                );
-            }
-        }
-        Family::Arith(dtype) => {
-            let codec = codec_name(dtype);
-            for v in arith_widths(dtype) {
-                for u in UNROLLS {
-                    for (infix, warp) in VARIANTS {
-                        kernel(
-                            format!("unpermute_{infix}{v}_{u}"),
-                            format!("unpermute_body<{codec}, {v}, {u}, {warp}>"),
-                        );
-                        if Fp8::of(dtype).is_none() && v == 16 {
-                            kernel(
-                                format!("unpermute_{LOADS2_INFIX}{infix}{v}_{u}"),
-                                format!("unpermute_body<{codec}, {v}, {u}, {warp}, 0, 2>"),
-                            );
-                        }
-                    }
-                    if Fp8::of(dtype).is_some() {
-                        // fp8: unpermute without probs only, and its
-                        // variants for one or two routes per token and,
-                        // with streaming loads, for three or more (the
-                        // body's arguments after WARP).
-                        if v % 4 == 0 {
-                            let fp8_variants = FEW_INFIXES
-                                .map(|(infix, few)| (infix, few.to_string()))
-                                .into_iter()
-                                .chain([(STREAM_INFIX, "0, 1, 0, true".to_string())]);
-                            for ((fp8_infix, args), (infix, warp)) in
-                                fp8_variants.flat_map(|f| VARIANTS.map(|w| (f.clone(), w)))
-                            {
-                                kernel(
-                                    format!("unpermute_{fp8_infix}{infix}{v}_{u}"),
-                                    format!("unpermute_body<{codec}, {v}, {u}, {warp}, {args}>"),
-                                );
-                            }
-                        }
-                        continue;
-                    }
-                    kernel(
-                        format!("unpermute_bwd_{v}_{u}"),
-                        format!("unpermute_bwd_body<{codec}, {v}, {u}>"),
-                    );
-                }
-                if v == 16 {
-                    for stages in ASYNC_STAGES {
-                        kernel(
-                            format!("unpermute_a{stages}_{WARP_INFIX}16_1"),
-                            format!("unpermute_body<{codec}, 16, 1, true, 0, 1, {stages}>"),
-                        );
-                    }
-                }
-                if Fp8::of(dtype).is_none() {
-                    // The warp variant holds all 256 dot slots (unroll 8).
-                    kernel(
-                        format!("unpermute_bwd_{WARP_INFIX}{v}_8"),
-                        format!("unpermute_bwd_warp_body<{codec}, {v}>"),
-                    );
-                }
-            }
-            if Fp8::of(dtype).is_none() {
-                // Row-holding backwards: 16-byte groups whatever the width.
-                for (held, routes) in HELD {
-                    kernel(
-                        format!("unpermute_bwd_h{held}_{routes}"),
-                        format!("unpermute_bwd_held_body<{codec}, {held}, {routes}>"),
-                    );
-                }
-            }
-        }
-    }
-    s
-}
-
-fn codec_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "F32",
-        DType::F16 => "F16",
-        DType::F8E4M3 => "F8E4M3",
-        DType::F8E5M2 => "F8E5M2",
-        _ => "BF16",
-    }
-}
-
-fn arith_widths(dtype: DType) -> [usize; 2] {
-    [16, dtype.size_bytes()]
-}
 
 pub(super) struct Loaded {
     pub(super) function: CudaFunction,
@@ -186,16 +33,16 @@ pub(super) struct Loaded {
     _module: Arc<LoadedModule>,
 }
 
-/// How many blocks of kernel `name` with `threads` threads and `smem` bytes
-/// of dynamic shared memory fit one multiprocessor at once (at least 1;
-/// the driver's occupancy answer, cached per kernel).
+/// How many blocks of `kernel` with `threads` threads and `smem` bytes of
+/// dynamic shared memory fit one multiprocessor at once (at least 1; the
+/// driver's occupancy answer, cached per kernel).
 pub(super) fn resident_blocks(
     device: Device,
-    (family, name): (Family, &str),
+    kernel: Kernel,
     threads: u32,
     smem: usize,
 ) -> Result<u32> {
-    let f = function(device, family, name)?;
+    let f = function(device, kernel)?;
     if let Some(&n) = f
         .resident
         .lock()
@@ -204,20 +51,7 @@ pub(super) fn resident_blocks(
     {
         return Ok(n);
     }
-    let mut blocks = 0i32;
-    let call = "cuOccupancyMaxActiveBlocksPerMultiprocessor";
-    cuda::on(device, call, || {
-        // SAFETY: a function of a module `f` holds; writes one int.
-        unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                &mut blocks,
-                f.function.cu_function(),
-                threads as i32,
-                smem,
-            )
-        }
-    })?;
-    let n = blocks.max(1) as u32;
+    let n = cuda::max_active_blocks(device, &f.function, threads, smem)?.max(1);
     f.resident
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -225,49 +59,35 @@ pub(super) fn resident_blocks(
     Ok(n)
 }
 
-pub(super) type FunctionKey = (Family, String);
-
-pub(super) fn function(device: Device, family: Family, name: &str) -> Result<Arc<Loaded>> {
+/// `kernel` loaded on `device` (its module built and loaded on first use).
+pub(super) fn function(device: Device, kernel: Kernel) -> Result<Arc<Loaded>> {
     let slot = state()
         .functions
         .get_or_init(device, || Mutex::new(HashMap::new()));
-    let key = (family, name.to_string());
-    if let Some(f) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+    if let Some(f) = slot.lock().unwrap_or_else(|p| p.into_inner()).get(&kernel) {
         return Ok(f.clone());
     }
-    let code = format!("{}{SOURCE}\n{}", params::prelude(), instantiations(family));
-    let program = match family {
-        Family::Movement => "xcall_permute_movement.cu".to_string(),
-        Family::Arith(d) => format!("xcall_permute_{d}.cu"),
-    };
+    let family = kernel.family();
     let module = state().kernels.module(
         device,
         &KernelSource {
-            name: &program,
-            code: &code,
+            name: &program_name(family),
+            code: &module_source(family),
             options: &["-std=c++17"],
         },
     )?;
-    let function = module.function(name)?;
-    let mut max_threads = 0i32;
-    // SAFETY: a function of a module held by `module`; writes one int.
-    cuda::on(device, "cuFuncGetAttribute", || unsafe {
-        sys::cuFuncGetAttribute(
-            &mut max_threads,
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
-            function.cu_function(),
-        )
-    })?;
+    let function = module.function(&kernel.name())?;
+    let max_threads = cuda::max_threads_per_block(device, &function)?;
     let loaded = Arc::new(Loaded {
         function,
-        max_threads: max_threads.max(0) as u32,
+        max_threads,
         resident: Mutex::new(HashMap::new()),
         _module: module,
     });
     register_fault_word(device, family, &loaded)?;
     slot.lock()
         .unwrap_or_else(|p| p.into_inner())
-        .insert(key, loaded.clone());
+        .insert(kernel, loaded.clone());
     Ok(loaded)
 }
 
@@ -284,23 +104,7 @@ fn register_fault_word(device: Device, family: Family, loaded: &Loaded) -> Resul
     {
         return Ok(());
     }
-    let (mut address, mut bytes) = (0u64, 0usize);
-    let mut module: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: a function of a module this crate keeps loaded (the `Loaded`
-    // holds it); writes one handle.
-    cuda::on(device, "cuFuncGetModule", || unsafe {
-        sys::cuFuncGetModule(&mut module, loaded.function.cu_function())
-    })?;
-    // SAFETY: a loaded module and a NUL-terminated name; writes the global's
-    // address and size.
-    cuda::on(device, "cuModuleGetGlobal", || unsafe {
-        sys::cuModuleGetGlobal_v2(
-            &mut address,
-            &mut bytes,
-            module,
-            c"xcall_map_faults".as_ptr(),
-        )
-    })?;
+    let (address, bytes) = cuda::module_global(device, &loaded.function, c"xcall_map_faults")?;
     if bytes != 4 {
         return Err(shape(format!(
             "xcall_map_faults is {bytes} bytes on {device}, expected 4"
@@ -335,9 +139,7 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
     read_back(target, &mut reads, |stream| {
         for &word in &words {
             // SAFETY: a 4-byte module global of this device.
-            cuda::check("cuMemsetD32Async", target.device, unsafe {
-                sys::cuMemsetD32Async(word, 0, 1, stream)
-            })?;
+            unsafe { stream.memset_d32(word, 0, 1) }?;
         }
         Ok(())
     })?;
@@ -350,27 +152,17 @@ pub(crate) fn take_faults(target: &Target) -> Result<u32> {
 pub(super) fn read_back<T: Copy>(
     target: &Target,
     reads: &mut [(&mut [T], u64)],
-    also: impl FnOnce(sys::CUstream) -> xcall_core::Result<()>,
+    also: impl FnOnce(&Stream) -> xcall_core::Result<()>,
 ) -> Result<()> {
-    let (device, stream) = (target.device, target.stream as sys::CUstream);
-    cuda::with_context(device, |_| {
+    stream(target).in_context(|stream| {
         for (host, address) in reads.iter_mut() {
-            if host.is_empty() {
-                continue;
-            }
-            let bytes = std::mem::size_of_val(*host);
-            // SAFETY: `host` is a live buffer of `bytes` bytes, not read
-            // before the wait below; `address` holds as many bytes of this
-            // device (checked by the caller).
-            cuda::check("cuMemcpyDtoHAsync", device, unsafe {
-                sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), *address, bytes, stream)
-            })?;
+            // SAFETY: `host` is a live buffer, not read before the wait
+            // below; `address` holds as many bytes of this device (checked
+            // by the caller).
+            unsafe { stream.copy_dtoh(host, *address) }?;
         }
         also(stream)?;
-        // SAFETY: a live stream of the caller.
-        cuda::check("cuStreamSynchronize", device, unsafe {
-            sys::cuStreamSynchronize(stream)
-        })
+        stream.sync()
     })?;
     Ok(())
 }
@@ -398,9 +190,7 @@ pub(super) fn check_map_on_device(
     let scratch = scratch(target, bytes)?;
     let base = scratch.address();
     // SAFETY: zeroes the scratch just allocated on this stream.
-    cuda::on(dev, "cuMemsetD8Async", || unsafe {
-        sys::cuMemsetD8Async(base, 0, bytes as usize, target.stream as sys::CUstream)
-    })?;
+    stream(target).in_context(|s| unsafe { s.memset_d8(base, 0, bytes as usize) })?;
     let word = if capturing { fault_word(dev)? } else { base };
     let (counts_at, taken_at) = (base + 8, base + 8 + counts * 8);
     let (tpe, offsets) = chunks.map_or((0, 0), |(t, o)| (t.address, o.address));
@@ -417,7 +207,7 @@ pub(super) fn check_map_on_device(
     };
     launch(
         target,
-        (Family::Movement, "rim_check"),
+        Kernel::RimCheck,
         (d.tokens as u64).div_ceil(256).min(1 << 16),
         256,
         0,
@@ -426,7 +216,7 @@ pub(super) fn check_map_on_device(
     if chunks.is_some() {
         launch(
             target,
-            (Family::Movement, "rim_check_counts"),
+            Kernel::RimCheckCounts,
             counts.div_ceil(256),
             256,
             0,
@@ -450,7 +240,7 @@ pub(super) fn check_map_on_device(
 
 /// The Movement module's fault word of `device` (loading it if needed).
 fn fault_word(device: Device) -> Result<u64> {
-    function(device, Family::Movement, "rim_check")?;
+    function(device, Kernel::RimCheck)?;
     state()
         .fault_words
         .get(device)
@@ -463,51 +253,39 @@ fn fault_word(device: Device) -> Result<u64> {
         .ok_or_else(|| shape(format!("no map fault word on {device}")))
 }
 
-/// The parameter struct a kernel of `kernels.cu` takes, by its name.
-fn params_of(kernel: &str) -> &'static str {
-    let prefix = kernel.split('_').next().unwrap_or(kernel);
-    match prefix {
-        "permute" | "zero" => PermuteParams::NAME,
-        "sort" => SortParams::NAME,
-        "unpermute" => UnpermuteParams::NAME,
-        "chunk" => ChunkMapParams::NAME,
-        _ if kernel.starts_with("rim_check") => MapCheckParams::NAME,
-        _ => RowIdMapParams::NAME,
-    }
-}
-
-/// Launches kernel `name` of `family` with its parameter struct `params`
-/// on the target's stream (nothing when `grid` is 0). A struct other than
-/// the kernel's, or more threads than the compiled kernel takes, is
-/// refused.
+/// Launches `kernel` with its parameter struct `params` on the target's
+/// stream (nothing when `grid` is 0). A struct other than the kernel's, or
+/// more threads than the compiled kernel takes, is refused.
 pub(super) fn launch<R: KernelRecord>(
     target: &Target,
-    (family, name): (Family, &str),
+    kernel: Kernel,
     grid: u64,
     threads: u32,
     smem: usize,
     params: &R,
 ) -> Result<()> {
-    if params_of(name) != R::NAME {
+    if kernel.params() != R::NAME {
         return Err(PermuteError::Unsupported(format!(
-            "kernel {name} takes {}, not {}",
-            params_of(name),
+            "kernel {} takes {}, not {}",
+            kernel.name(),
+            kernel.params(),
             R::NAME
         )));
     }
     if grid == 0 {
         return Ok(());
     }
-    let f = function(target.device, family, name)?;
+    let f = function(target.device, kernel)?;
     if threads > f.max_threads {
         return Err(PermuteError::Unsupported(format!(
-            "kernel {name} launches with at most {} threads per block on {}, not {threads}",
-            f.max_threads, target.device
+            "kernel {} launches with at most {} threads per block on {}, not {threads}",
+            kernel.name(),
+            f.max_threads,
+            target.device
         )));
     }
     let grid = grid.min(i32::MAX as u64) as u32;
-    let config =
-        Launch::linear(grid, threads, target.stream as sys::CUstream).with_shared(smem as u32);
+    let config = Launch::linear(grid, threads, stream(target).raw()).with_shared(smem as u32);
     let mut params = Params::new().record(params);
     // SAFETY: every kernel of kernels.cu takes one parameter struct whose C
     // definition is generated from `R` with its layout asserted, and each
@@ -517,17 +295,16 @@ pub(super) fn launch<R: KernelRecord>(
     Ok(())
 }
 
-/// `bytes` of stream-ordered device scratch on the target's stream.
-pub(super) fn scratch(target: &Target, bytes: u64) -> Result<StreamAlloc> {
+/// The target's stream.
+pub(super) fn stream(target: &Target) -> Stream {
     // SAFETY: the target's stream is a live stream of its device (the
     // caller's contract on every op) and outlives the op that uses it.
-    Ok(unsafe {
-        StreamAlloc::new(
-            target.device,
-            target.stream as sys::CUstream,
-            bytes as usize,
-        )
-    }?)
+    unsafe { Stream::from_raw(target.device, target.stream.cast()) }
+}
+
+/// `bytes` of stream-ordered device scratch on the target's stream.
+pub(super) fn scratch(target: &Target, bytes: u64) -> Result<StreamAlloc> {
+    Ok(stream(target).scratch(bytes as usize)?)
 }
 
 /// Scratch holding a copy of `bytes` bytes at `src` (stream-ordered), for
@@ -542,11 +319,7 @@ pub(crate) fn copy_of(target: &Target, src: u64, bytes: usize) -> Result<StreamA
 
 /// Whether the target's stream is capturing.
 pub(super) fn capturing(target: &Target) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: queries a live stream of the caller; writes one value.
-    let r = unsafe { sys::cuStreamIsCapturing(target.stream as sys::CUstream, &mut status) };
-    cuda::check("cuStreamIsCapturing", target.device, r)?;
-    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    Ok(stream(target).is_capturing()?)
 }
 
 /// Refuses tensors that are not device memory of the target's device.
@@ -557,24 +330,15 @@ pub(super) fn check_device_memory(target: &Target, a: &impl NamedTensors) -> Res
         if t.bytes() == 0 {
             continue;
         }
-        let mut dev: i32 = -1;
-        // SAFETY: writes one int; any address value is legal to query.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut dev as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                t.address,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS || dev != ordinal as i32 {
+        let owner = cuda::pointer_device(t.address)?;
+        if owner != Ok(ordinal) {
             return Err(shape(format!(
                 "{name} at {:#x} is not device memory of {} ({})",
                 t.address,
                 target.device,
-                if r == sys::CUresult::CUDA_SUCCESS {
-                    format!("it belongs to cuda:{dev}")
-                } else {
-                    cuda::describe(cudarc::driver::DriverError(r))
+                match owner {
+                    Ok(dev) => format!("it belongs to cuda:{dev}"),
+                    Err(e) => cuda::describe(e),
                 }
             )));
         }
@@ -592,35 +356,25 @@ pub(super) fn check_segments_reachable(
     s: &Segments,
     bytes: u64,
 ) -> Result<()> {
-    let ordinal = cuda::check_device(target.device)?;
+    cuda::check_device(target.device)?;
     if bytes == 0 {
         return Ok(());
     }
     for (i, &base) in s.bases.iter().enumerate().skip(1) {
-        let mut dev: i32 = -1;
-        // SAFETY: writes one int; any address value is legal to query.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut dev as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                base,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(shape(format!(
-                "{name} segment {i} at {base:#x} is not device memory ({})",
-                cuda::describe(cudarc::driver::DriverError(r))
-            )));
-        }
-        if dev == ordinal as i32 {
-            continue;
-        }
-        let owner = Device::cuda(dev.max(0) as u32);
-        if !cuda::can_access_peer(target.device, owner).unwrap_or(false) {
-            return Err(shape(format!(
-                "{name} segment {i} at {base:#x} belongs to cuda:{dev}, which {} cannot access as a peer",
-                target.device
-            )));
+        match cuda::reach(target.device, base)? {
+            Reach::Own | Reach::Peer(_) => {}
+            Reach::NotDevice(e) => {
+                return Err(shape(format!(
+                    "{name} segment {i} at {base:#x} is not device memory ({})",
+                    cuda::describe(e)
+                )))
+            }
+            Reach::Foreign(owner) => {
+                return Err(shape(format!(
+                    "{name} segment {i} at {base:#x} belongs to {owner}, which {} cannot access as a peer",
+                    target.device
+                )))
+            }
         }
     }
     Ok(())
@@ -629,6 +383,8 @@ pub(super) fn check_segments_reachable(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::catalogue::{Lanes, FAMILIES};
+    use crate::cuda::params::PermuteParams;
 
     /// Every module this crate loads compiles with NVRTC, no GPU needed:
     /// assembled for sm_90 (the fp8 conversions' inline PTX included) and
@@ -639,23 +395,13 @@ mod tests {
             return;
         };
         eprintln!("NVRTC {}.{}", version.0, version.1);
-        let families = [
-            Family::Movement,
-            Family::Arith(DType::Bf16),
-            Family::Arith(DType::F16),
-            Family::Arith(DType::F32),
-            Family::Arith(DType::F8E4M3),
-            Family::Arith(DType::F8E5M2),
-        ];
         std::thread::scope(|s| {
-            for family in families {
+            for family in FAMILIES {
                 for arch in ["sm_90", "compute_80"] {
                     s.spawn(move || {
-                        let code =
-                            format!("{}{SOURCE}\n{}", params::prelude(), instantiations(family));
                         xcall_core::testing::nvrtc_compiles(
                             &format!("{family:?}"),
-                            &code,
+                            &module_source(family),
                             arch,
                             &["-std=c++17"],
                         );
@@ -663,77 +409,6 @@ mod tests {
                 }
             }
         });
-    }
-
-    /// Every `extern "C"` kernel of `source` with the struct its signature
-    /// takes.
-    fn signatures(source: &str) -> Vec<(String, String)> {
-        source
-            .split("extern \"C\" __global__ void ")
-            .skip(1)
-            .map(|rest| {
-                let (name, after) = rest.split_once('(').expect("a parameter list");
-                let params = after
-                    .strip_prefix("const ")
-                    .and_then(|a| a.split_once(' '))
-                    .map_or("", |(t, _)| t);
-                (name.to_string(), params.to_string())
-            })
-            .collect()
-    }
-
-    #[test]
-    fn each_kernel_is_launched_with_the_struct_its_signature_takes() {
-        let mut all = signatures(SOURCE);
-        for family in [
-            Family::Movement,
-            Family::Arith(DType::Bf16),
-            Family::Arith(DType::F32),
-            Family::Arith(DType::F8E4M3),
-        ] {
-            all.extend(signatures(&instantiations(family)));
-        }
-        // 7 fixed kernels; 5 widths x 3 unrolls x (permute, sort, and their
-        // warp-per-token variants) + 5 zero fills + 2 bulk-copy permutes
-        // (4 and 8 stages); for two float types,
-        // 2 widths x (3 unrolls x (unpermute, its warp variant, backward) +
-        // the backward's warp variant), 3 row-holding backwards and 6
-        // two-route-load unpermutes (16 bytes wide); for fp8, the two
-        // unpermutes (2 widths x 3 unrolls) and their one-route, two-route
-        // and streaming variants (16 bytes wide); for all three, 2 async
-        // unpermutes (2 and 3 stages, 16 bytes wide).
-        assert_eq!(
-            all.len(),
-            7 + 65 + 2 + 2 * (20 + 3 + 6) + 12 + 18 + 3 * 2,
-            "{all:?}"
-        );
-        // The launches ask for the two-route-load, few-route, streaming and
-        // async kernels at 16 bytes only: they are there at 16 bytes and at no other
-        // width.
-        let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
-        for name in [
-            "unpermute_l2_16_1",
-            "unpermute_l2_w_16_4",
-            "unpermute_one_16_2",
-            "unpermute_one_w_16_1",
-            "unpermute_two_16_4",
-            "unpermute_two_w_16_2",
-            "unpermute_s_16_1",
-            "unpermute_s_w_16_4",
-            "unpermute_a2_w_16_1",
-            "unpermute_a3_w_16_1",
-        ] {
-            assert!(names.contains(&name), "{name}: {names:?}");
-        }
-        for name in &names {
-            let few = ["_l2_", "_s_", "_one_", "_two_", "_a2_", "_a3_"]
-                .iter()
-                .any(|i| name.contains(i));
-            assert!(!few || name.contains("_16_"), "{name}");
-        }
-        for (name, params) in all {
-            assert_eq!(params_of(&name), params, "{name}");
-        }
     }
 
     #[test]
@@ -746,7 +421,11 @@ mod tests {
         };
         let err = launch(
             &target,
-            (Family::Movement, "sort_16_1"),
+            Kernel::Sort(Lanes {
+                width: 16,
+                unroll: 1,
+                warp: false,
+            }),
             1,
             256,
             0,
