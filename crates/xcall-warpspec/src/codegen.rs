@@ -13,6 +13,7 @@
 //! before exit.
 
 use crate::error::PlanError;
+use crate::ops::table_offset;
 use crate::pipeline::{Action, RoleKind};
 use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
 use xcall_core::cuda::KernelRecord;
@@ -386,10 +387,7 @@ pub fn generate(
             ("CONSUMER_PHASE", t.consumer_phase.to_string()),
             ("TILE", tile.to_string()),
             ("PRODUCER_THREADS", producer_threads.to_string()),
-            (
-                "TABLE_OFF",
-                crate::cuda::table_offset(plan.smem_bytes).to_string(),
-            ),
+            ("TABLE_OFF", table_offset(plan.smem_bytes).to_string()),
             ("THREADS", plan.threads_per_block.to_string()),
             ("NAME", name.clone()),
             ("DEC", dec),

@@ -16,8 +16,8 @@ use crate::codegen::{
     generate, generate_plain, ElementwiseOp, GeneratedKernel, WsParams, PLAIN_TILE_BYTES,
 };
 use crate::ops::{
-    check_ragged, check_scales, ragged_table_bytes, GroupScales, OpConfig, RaggedGroups,
-    MAX_RAGGED_GROUPS,
+    check_ragged, check_scales, ragged_table_bytes, table_offset, GroupScales, OpConfig,
+    RaggedGroups, MAX_RAGGED_GROUPS,
 };
 
 /// Where the operands and the result live on the device.
@@ -277,11 +277,4 @@ impl WsKernels {
         // size.
         unsafe { cuda::launch(device, &p.function, config, &mut params) }
     }
-}
-
-/// Where the ragged groups' table starts in a kernel's dynamic shared
-/// memory: past the kernel's own `smem_bytes`, 16-byte aligned (the
-/// templates' `@TABLE_OFF@`).
-pub fn table_offset(smem_bytes: u32) -> u64 {
-    (smem_bytes as u64).next_multiple_of(16)
 }

@@ -28,6 +28,7 @@ mod tables;
 pub mod verify;
 
 pub use error::PlanError;
+pub use ops::HostExecutor;
 pub use pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};
 pub use plan::{BarrierKind, BarrierPlan, PipelinePlan};
 pub use run::{run, shared_kernels, OpCall};

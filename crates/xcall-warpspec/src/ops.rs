@@ -1,9 +1,14 @@
 //! Built-in warp-specialized ops: `mul(a, b)` with two async warps (one per
 //! operand, the shape whose hand-written barriers hang when two producers
 //! share one FULL barrier) and `silu(x) * scale` with one; f32 and
-//! bf16. This module runs them on the Host executor.
+//! bf16. This module runs them on the Host, by default vectorized over the
+//! buffer's elements ([`HostExecutor::Vectorized`]), or through the Host
+//! executor's thread-by-thread model of the pipeline
+//! ([`HostExecutor::Pipeline`], what the protocol tests run). Both compute
+//! every element with the same f32 arithmetic and the same rounding, so
+//! their outputs are equal bit for bit.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use xcall_core::{DType, FloatCodec};
@@ -49,6 +54,22 @@ impl OpConfig {
         .filter(|_| self.compute_warpgroups == 2);
         PipelinePlan::new(&spec)
     }
+}
+
+/// How the Host runs a built-in op. Both refuse the same input and write
+/// the same bytes; they differ in speed and in what they exercise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HostExecutor {
+    /// Blocks of elements decoded, computed and encoded in a loop, split
+    /// over the machine's cores for large buffers. The config is checked
+    /// (planned) as for the pipeline but shapes nothing.
+    #[default]
+    Vectorized,
+    /// The pipeline of the config on the Host executor ([`host::run`]):
+    /// producer and compute roles as threads on software mbarriers,
+    /// tile by tile. Orders of magnitude slower; it runs the protocol the
+    /// verifier checks and the CUDA kernels follow.
+    Pipeline,
 }
 
 /// An error of an op.
@@ -102,7 +123,7 @@ fn codec(dtype: DType) -> Result<FloatCodec, OpError> {
 /// `silu(x) * scale` in f32, the definition both platforms follow (CUDA
 /// with the fast exp and division: within a few ulp, see the tests).
 pub fn silu_scale_f32(x: f32, scale: f32) -> f32 {
-    x / (1.0 + (-x).exp()) * scale
+    silu_f32(x) * scale
 }
 
 /// Per-group scales of `silu(x) * scale` by address (host memory on Host,
@@ -129,6 +150,13 @@ pub const MAX_RAGGED_GROUPS: u64 = 1024;
 /// work item and the item count).
 pub fn ragged_table_bytes(groups: u64) -> u64 {
     24 * groups + 8
+}
+
+/// Where the ragged groups' table starts in a kernel's dynamic shared
+/// memory: past the kernel's own `smem_bytes`, 16-byte aligned (the
+/// templates' `@TABLE_OFF@`).
+pub fn table_offset(smem_bytes: u32) -> u64 {
+    (smem_bytes as u64).next_multiple_of(16)
 }
 
 /// Ragged groups of rows for `silu(x) * scale`, sized by data the caller
@@ -314,15 +342,149 @@ pub fn check_scales(s: &GroupScales, bytes: u64, elem: u64, output: u64) -> Resu
     Ok(groups)
 }
 
-/// Streams `inputs` through the plan; `f` maps the element index and the
-/// elements at that index of every input to the output element.
-fn run_elementwise(
-    dtype: DType,
+/// Elements per block of the vectorized path (decoded, computed, encoded).
+const BLOCK: usize = 2048;
+
+/// Elements below which the vectorized path stays on the calling thread.
+const PER_THREAD: usize = 1 << 18;
+
+/// What the vectorized path computes over one block: `out[j]` from the
+/// inputs' `[j]` for the elements `first..first + out.len()` (`first`
+/// counted from the buffer's start).
+type BlockFn<'a> = &'a (dyn Fn(usize, &[&[f32]], &mut [f32]) + Sync);
+
+/// `silu(x)` in f32, as [`silu_scale_f32`] computes it before its scale.
+fn silu_f32(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// [`silu_f32`] of every bf16 value, by its bits: a bf16 input has 65536
+/// values, so the vectorized path looks them up instead of calling `exp`
+/// per element (the same f32 operations, so the same bits).
+fn silu_bf16_table() -> &'static [f32] {
+    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|h| silu_f32(f32::from_bits(u32::from(h) << 16)))
+            .collect()
+    })
+}
+
+/// The table of [`silu_bf16_table`] where the vectorized path takes it.
+fn silu_table(dtype: DType, exec: HostExecutor) -> Option<&'static [f32]> {
+    (dtype == DType::Bf16 && exec == HostExecutor::Vectorized).then(silu_bf16_table)
+}
+
+/// `out[j] = silu(x[j]) * scale` (`table`: [`silu_bf16_table`] for
+/// bf16 inputs).
+fn silu_run(table: Option<&[f32]>, x: &[f32], out: &mut [f32], scale: f32) {
+    match table {
+        Some(t) => {
+            for (o, v) in out.iter_mut().zip(x) {
+                *o = t[(v.to_bits() >> 16) as usize] * scale;
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = silu_f32(v) * scale;
+            }
+        }
+    }
+}
+
+/// `v` as bf16 bits, rounded to nearest even, a NaN quieted with the upper
+/// half of its payload: the codec's rounding, bit for bit, without
+/// branches (so that the loop around it vectorizes).
+fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
+}
+
+/// `f` over the elements of `out` and `inputs` from element `first`, in
+/// blocks, on the calling thread.
+fn vectorized_range(
+    codec: FloatCodec,
     inputs: &[&[u8]],
     out: &mut [u8],
+    first: usize,
+    f: BlockFn<'_>,
+) {
+    let elements = out.len() / codec.dtype().size_bytes();
+    let mut loaded = vec![vec![0f32; BLOCK]; inputs.len()];
+    let mut results = vec![0f32; BLOCK];
+    let mut at = 0;
+    while at < elements {
+        let len = BLOCK.min(elements - at);
+        for (l, input) in loaded.iter_mut().zip(inputs) {
+            codec.load_slice(input, at, &mut l[..len]);
+        }
+        let args: Vec<&[f32]> = loaded.iter().map(|l| &l[..len]).collect();
+        f(first + at, &args, &mut results[..len]);
+        if codec.dtype() == DType::Bf16 {
+            let dst = &mut out[2 * at..2 * (at + len)];
+            for (b, &v) in dst.chunks_exact_mut(2).zip(&results[..len]) {
+                b.copy_from_slice(&bf16_bits(v).to_le_bytes());
+            }
+        } else {
+            codec.store_slice(out, at, &results[..len]);
+        }
+        at += len;
+    }
+}
+
+/// The vectorized path: `out` cut into one range per core (for large
+/// buffers), each range on its own scoped thread; a range whose thread
+/// cannot be started runs on the calling thread.
+fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], f: BlockFn<'_>) {
+    let size = codec.dtype().size_bytes();
+    let elements = out.len() / size;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.min(elements / PER_THREAD).max(1);
+    if threads == 1 {
+        return vectorized_range(codec, inputs, out, 0, f);
+    }
+    let per = elements.div_ceil(threads).next_multiple_of(BLOCK);
+    std::thread::scope(|scope| {
+        for (t, range) in out.chunks_mut(per * size).enumerate() {
+            let (first, len) = (t * per, range.len());
+            // Each range reads the same elements of every input.
+            let ins = || -> Vec<&[u8]> {
+                inputs
+                    .iter()
+                    .map(|i| &i[first * size..first * size + len])
+                    .collect()
+            };
+            let (theirs, (tx, rx)) = (ins(), std::sync::mpsc::channel::<&mut [u8]>());
+            let started = std::thread::Builder::new().spawn_scoped(scope, move || {
+                if let Ok(range) = rx.recv() {
+                    vectorized_range(codec, &theirs, range, first, f);
+                }
+            });
+            // The range goes to a thread that started, else runs here.
+            let here = match started {
+                Ok(_) => tx.send(range).err().map(|e| e.0),
+                Err(_) => Some(range),
+            };
+            if let Some(range) = here {
+                vectorized_range(codec, &ins(), range, first, f);
+            }
+        }
+    });
+}
+
+/// The codec of `dtype` and the plan of `config` for `operands` async
+/// warps, or why the op cannot run them (checked at every size).
+fn check_config(
+    dtype: DType,
     config: &OpConfig,
-    f: impl Fn(usize, &[f32]) -> f32 + Sync,
-) -> Result<(), OpError> {
+    operands: usize,
+) -> Result<(FloatCodec, PipelinePlan), OpError> {
     let codec = codec(dtype)?;
     let size = dtype.size_bytes();
     if config.tile_bytes as usize % size != 0 {
@@ -331,6 +493,26 @@ fn run_elementwise(
             config.tile_bytes
         )));
     }
+    Ok((codec, config.plan(operands)?))
+}
+
+/// Runs the op over `inputs` with `exec`: through the plan of `config`,
+/// where `f` maps the element index and the elements at that index of
+/// every input to the output element, or vectorized, where `block` does
+/// the same over a block of elements (the same f32 operations per
+/// element). The config, the dtype and the sizes are checked first,
+/// whatever the executor and the size (an empty buffer included).
+fn run_elementwise(
+    dtype: DType,
+    inputs: &[&[u8]],
+    out: &mut [u8],
+    config: &OpConfig,
+    exec: HostExecutor,
+    f: impl Fn(usize, &[f32]) -> f32 + Sync,
+    block: BlockFn<'_>,
+) -> Result<(), OpError> {
+    let (codec, plan) = check_config(dtype, config, inputs.len())?;
+    let size = dtype.size_bytes();
     for (k, input) in inputs.iter().enumerate() {
         if input.len() != out.len() || input.len() % size != 0 {
             return Err(OpError::Input(format!(
@@ -343,7 +525,10 @@ fn run_elementwise(
     if out.is_empty() {
         return Ok(());
     }
-    let plan = config.plan(inputs.len())?;
+    if exec == HostExecutor::Vectorized {
+        vectorized(codec, inputs, out, block);
+        return Ok(());
+    }
     let tile = config.tile_bytes as usize;
     let tiles: Vec<Mutex<&mut [u8]>> = out.chunks_mut(tile).map(Mutex::new).collect();
     host::run(&plan, inputs, Duration::from_secs(10), |t| {
@@ -367,28 +552,43 @@ fn run_elementwise(
     Ok(())
 }
 
-/// `out = a * b` elementwise on the Host executor (two async warps).
+/// `out = a * b` elementwise with `exec` (a pipeline of two async warps).
 pub fn mul_host(
     dtype: DType,
     a: &[u8],
     b: &[u8],
     out: &mut [u8],
     config: &OpConfig,
+    exec: HostExecutor,
 ) -> Result<(), OpError> {
-    run_elementwise(dtype, &[a, b], out, config, |_, v| v[0] * v[1])
+    run_elementwise(
+        dtype,
+        &[a, b],
+        out,
+        config,
+        exec,
+        |_, v| v[0] * v[1],
+        &|_, v, out| {
+            for ((o, a), b) in out.iter_mut().zip(v[0]).zip(v[1]) {
+                *o = a * b;
+            }
+        },
+    )
 }
 
 /// `out[range] = silu(x[range]) * scale` for every `(range, scale)` of
 /// `pieces` (disjoint byte ranges inside the buffers, e.g. from
-/// [`ragged_pieces`]) on the Host executor; the rest of `out` is not
-/// written.
+/// [`ragged_pieces`]) with `exec`; the rest of `out` is not written. The
+/// config and every piece are checked before any is written.
 pub fn silu_scale_pieces_host(
     dtype: DType,
     x: &[u8],
     pieces: &[(std::ops::Range<usize>, f32)],
     out: &mut [u8],
     config: &OpConfig,
+    exec: HostExecutor,
 ) -> Result<(), OpError> {
+    check_config(dtype, config, 1)?;
     if x.len() != out.len() {
         return Err(OpError::Input(format!(
             "input of {} bytes, output of {}: they must match",
@@ -396,6 +596,16 @@ pub fn silu_scale_pieces_host(
             out.len()
         )));
     }
+    if let Some((range, _)) = pieces
+        .iter()
+        .find(|(r, _)| r.start > r.end || r.end > x.len())
+    {
+        return Err(OpError::Input(format!(
+            "a piece {range:?} outside the {}-byte buffers",
+            x.len()
+        )));
+    }
+    let table = silu_table(dtype, exec);
     for (range, scale) in pieces {
         let (x, out) = match (x.get(range.clone()), out.get_mut(range.clone())) {
             (Some(x), Some(out)) => (x, out),
@@ -406,24 +616,40 @@ pub fn silu_scale_pieces_host(
                 )))
             }
         };
-        run_elementwise(dtype, &[x], out, config, |_, v| {
-            silu_scale_f32(v[0], *scale)
-        })?;
+        run_elementwise(
+            dtype,
+            &[x],
+            out,
+            config,
+            exec,
+            |_, v| silu_scale_f32(v[0], *scale),
+            &|_, v, out| silu_run(table, v[0], out, *scale),
+        )?;
     }
     Ok(())
 }
 
-/// `out = silu(x) * scale` elementwise on the Host executor (one async
-/// warp), with one scale or one per group.
+/// `out = silu(x) * scale` elementwise with `exec` (a pipeline of one
+/// async warp), with one scale or one per group.
 pub fn silu_scale_host(
     dtype: DType,
     x: &[u8],
     scale: Scale<'_>,
     out: &mut [u8],
     config: &OpConfig,
+    exec: HostExecutor,
 ) -> Result<(), OpError> {
+    let table = silu_table(dtype, exec);
     match scale {
-        Scale::One(s) => run_elementwise(dtype, &[x], out, config, |_, v| silu_scale_f32(v[0], s)),
+        Scale::One(s) => run_elementwise(
+            dtype,
+            &[x],
+            out,
+            config,
+            exec,
+            |_, v| silu_scale_f32(v[0], s),
+            &|_, v, out| silu_run(table, v[0], out, s),
+        ),
         Scale::PerGroup {
             scales,
             group_bytes,
@@ -437,9 +663,78 @@ pub fn silu_scale_host(
                 )));
             }
             let per_group = group_bytes / size;
-            run_elementwise(dtype, &[x], out, config, |i, v| {
-                silu_scale_f32(v[0], scales[i / per_group])
-            })
+            run_elementwise(
+                dtype,
+                &[x],
+                out,
+                config,
+                exec,
+                |i, v| silu_scale_f32(v[0], scales[i / per_group]),
+                // Runs of one group's elements at a time.
+                &|first, v, out| {
+                    let mut j = 0;
+                    while j < out.len() {
+                        let g = (first + j) / per_group;
+                        let end = ((g + 1) * per_group - first).min(out.len());
+                        silu_run(table, &v[0][j..end], &mut out[j..end], scales[g]);
+                        j = end;
+                    }
+                },
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vectorized path's bf16 rounding is the codec's, bit for bit:
+    /// every 2^32 / 4099-th f32 pattern, and the edges (ties either way,
+    /// the largest finite values, infinities, NaN payloads).
+    #[test]
+    fn bf16_bits_rounds_like_the_codec() {
+        let codec = FloatCodec::new(DType::Bf16).unwrap();
+        let edges = [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f80_7fff,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7f80_0001,
+            0xffff_ffff,
+            0x7fc0_1234,
+            0x8000_0000,
+            0,
+        ];
+        for bits in (0..=u32::MAX).step_by(4099).chain(edges) {
+            let mut want = [0u8; 2];
+            codec.store(&mut want, 0, f32::from_bits(bits));
+            assert_eq!(
+                bf16_bits(f32::from_bits(bits)).to_le_bytes(),
+                want,
+                "{bits:#010x}"
+            );
+        }
+    }
+
+    /// The table holds `silu` of every bf16 value as `silu_scale_f32`
+    /// computes it, so looking up and scaling gives its bits.
+    #[test]
+    fn the_bf16_table_is_the_definition() {
+        let table = silu_bf16_table();
+        for h in 0..=u16::MAX {
+            let x = f32::from_bits(u32::from(h) << 16);
+            for scale in [1.0f32, 0.75, -3.5] {
+                assert_eq!(
+                    (table[h as usize] * scale).to_bits(),
+                    silu_scale_f32(x, scale).to_bits(),
+                    "{h:#06x} x {scale}"
+                );
+            }
         }
     }
 }

@@ -27,6 +27,7 @@ use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Config as CacheConfig, GraphCache, Outcome, Stats};
 use xcall_shmem::launch::Launch;
 use xcall_shmem::{BootstrapKind, MAX_PES};
+use xcall_warpspec::HostExecutor;
 
 use data::Check;
 pub use data::Shape;
@@ -65,6 +66,16 @@ pub enum ExchangeArg {
     /// `put_signal` both ways: the path of a transport without load/store
     /// access to peers.
     Copy,
+}
+
+/// How a Host PE runs its experts (the warp-specialized op).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HostExecutorArg {
+    /// Blocks of elements decoded, computed and encoded over the cores.
+    Vectorized,
+    /// The pipeline's thread-by-thread model on software mbarriers (the
+    /// protocol the CUDA kernels follow; far slower).
+    Pipeline,
 }
 
 /// Flags of `xcall moe`.
@@ -140,6 +151,10 @@ pub struct MoeArgs {
     /// process 0 writes it).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// How Host PEs run their experts; both write the same bytes. Ignored
+    /// on CUDA.
+    #[arg(long, value_enum, default_value_t = HostExecutorArg::Vectorized)]
+    host_executor: HostExecutorArg,
 }
 
 /// A run whose PEs are processes started by a launcher (more than one).
@@ -176,6 +191,8 @@ struct Run {
     capacity_factor: f64,
     verify: Verify,
     progress_every: Duration,
+    /// How Host PEs run their experts.
+    host: HostExecutor,
 }
 
 impl Run {
@@ -444,6 +461,18 @@ fn validate(a: &MoeArgs, gpus: usize, launch: Option<&Launch>) -> Result<Run, St
         capacity_factor: f,
         verify: a.verify.unwrap_or(Verify::default_for(a.steps)),
         progress_every: a.progress_every,
+        host: match a.host_executor {
+            HostExecutorArg::Vectorized => HostExecutor::Vectorized,
+            HostExecutorArg::Pipeline => HostExecutor::Pipeline,
+        },
+    })
+}
+
+/// How the Host PEs ran their experts (`None` on CUDA).
+fn host_executor(run: &Run) -> Option<&'static str> {
+    (run.platform == Platform::Host).then_some(match run.host {
+        HostExecutor::Vectorized => "vectorized",
+        HostExecutor::Pipeline => "pipeline",
     })
 }
 
@@ -618,7 +647,8 @@ fn run_pe(
         device,
         &run.bootstrap(group),
         run.timeout,
-    )?;
+    )?
+    .with_host_executor(run.host);
     let ran = pe_run(run, local, rank, &mut pe, cache, progress);
     if ran.is_err() && device.platform == Platform::Cuda {
         // A failed step may leave this PE's step graph running, its
@@ -1061,6 +1091,9 @@ fn report(
         mib(memory.1)
     );
     println!("  tokens/s       {tokens_per_s:.0}");
+    if let Some(e) = host_executor(run) {
+        println!("  experts        on the Host, {e}");
+    }
     println!(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
         if s.fused {
@@ -1171,6 +1204,7 @@ fn report(
         doc["remote_transport"] = json!(remote);
         doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
         doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
+        doc["host_executor"] = json!(host_executor(run));
         out.write("moe", &devices, doc)?;
     }
     Ok(bad == 0)

@@ -89,7 +89,7 @@ use xcall_shmem::{BootstrapKind, Cmp, Config, Incoming, Outgoing, SignalOp, Tran
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::{GroupScales, OpConfig, RaggedGroups};
-use xcall_warpspec::OpCall;
+use xcall_warpspec::{HostExecutor, OpCall};
 
 use super::data::{Inputs, Shape};
 use crate::layer::{Context, Dims, Layer, Res};
@@ -159,6 +159,8 @@ pub struct Pe {
     sizes: Vec<(u64, usize, BufferRole)>,
     gpu: Option<Gpu>,
     ops: OpConfig,
+    /// How the experts run on Host.
+    host: HostExecutor,
     /// The transport of the peers without peer pointers (NCCL on CUDA,
     /// TCP on Host), when some peer takes one: the copy exchange then
     /// moves its slots with `World::exchange`.
@@ -328,6 +330,7 @@ impl Pe {
                 .collect(),
             gpu,
             ops: OpConfig::default(),
+            host: HostExecutor::default(),
             remote: None,
             timeout,
         };
@@ -920,6 +923,7 @@ impl Pe {
             dtype: s.dtype,
             config: self.ops,
             variant: Variant::WarpSpecialized,
+            host: self.host,
             inputs: &[self.b.rows],
             output: self.b.results,
             bytes: (s.pes * Self::slot_bytes(&s)) as u64,
@@ -935,6 +939,13 @@ impl Pe {
         // PE's combine of the step, nor those of `results` ever (see the
         // module docs).
         unsafe { xcall_warpspec::run(&call) }.context("experts")
+    }
+
+    /// This PE with its Host experts run by `host` (vectorized unless
+    /// set; ignored on CUDA).
+    pub fn with_host_executor(mut self, host: HostExecutor) -> Pe {
+        self.host = host;
+        self
     }
 
     /// Frees the buffers and leaves the world; an error on a leak.

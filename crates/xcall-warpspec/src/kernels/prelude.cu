@@ -1,12 +1,14 @@
 // Helpers of every generated kernel: the stage walk, mbarrier and bulk-copy
-// wrappers, bf16 conversions (round to nearest even), 16-byte vectors as
-// floats, and the work items of a grouped buffer.
+// wrappers, the four verbs of a pipeline stage, bf16 conversions (round to
+// nearest even), 16-byte vectors as floats, and the work items of a grouped
+// buffer.
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
-// A role's walk over the stages (stage index, parity waited on there).
-struct PipeState { u32 index, phase; };
-__device__ __forceinline__ void advance(PipeState &s, u32 stages) {
+// A role's walk over the stages (stage index, parity waited on there): the
+// Rust side's PipelineState.
+struct PipelineState { u32 index, phase; };
+__device__ __forceinline__ void advance(PipelineState &s, u32 stages) {
     if (++s.index == stages) { s.index = 0; s.phase ^= 1u; }
 }
 __device__ __forceinline__ u32 smem_addr(const void *p) {
@@ -35,6 +37,34 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void *src, u32 bytes, u
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+
+// The four verbs of a stage, on the shared-memory addresses of one async
+// warp's FULL and EMPTY barriers (and buffer) at the state's stage.
+// A producer waits until every compute thread released the stage's buffer.
+__device__ __forceinline__ void producer_acquire(u32 empty, const PipelineState &st) {
+    mbar_wait(empty, st.phase);
+}
+// A producer commits the stage: it arrives on FULL expecting the `bytes` of
+// the bulk copy of `src` into `buf`, which complete on FULL as they land;
+// with nothing to copy it arrives alone.
+__device__ __forceinline__ void producer_commit(u32 full, u32 buf, const void *src, u32 bytes) {
+    if (bytes) {
+        mbar_arrive_expect_tx(full, bytes);
+        bulk_load(buf, src, bytes, full);
+    } else {
+        mbar_arrive(full);
+    }
+}
+// A compute thread waits until the stage's data landed.
+__device__ __forceinline__ void consumer_wait(u32 full, const PipelineState &st) {
+    mbar_wait(full, st.phase);
+}
+// A compute thread releases the stage after its own reads (the EMPTY
+// barrier counts every compute thread).
+__device__ __forceinline__ void consumer_release(u32 empty) {
+    mbar_arrive(empty);
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned short h) {
     return __uint_as_float(((u32)h) << 16);
 }
