@@ -262,6 +262,25 @@ pub fn capture_exec(
     exec
 }
 
+/// [`capture_exec`] as an owned executable of the core graph layer
+/// (destroyed on drop; launch it with
+/// [`Stream::launch_graph`](crate::cuda::Stream::launch_graph)).
+/// Panics on a driver error (a test helper).
+pub fn capture_graph(
+    device: crate::Device,
+    stream: &cudarc::driver::CudaStream,
+    f: &mut dyn FnMut(),
+) -> crate::cuda::GraphExec {
+    use crate::cuda::{CaptureMode, Stream};
+    // SAFETY: a live stream of the caller, borrowed for this call.
+    let s = unsafe { Stream::from_raw(device, stream.cu_stream()) };
+    let _guard = capture_guard();
+    s.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    f();
+    let graph = s.end_capture().unwrap();
+    graph.instantiate(device).unwrap()
+}
+
 /// Times every variant once per round, round after round (so clock drift
 /// affects all alike), after a warm-up of 30 rounds; returns each
 /// variant's CUDA-event median in ms. The variants enqueue work on
@@ -278,7 +297,7 @@ pub fn interleaved_medians(
         }
     }
     stream.synchronize().unwrap();
-    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let timed = crate::cuda::TIMED_EVENT;
     let mut samples = vec![Vec::with_capacity(rounds); variants.len()];
     for _ in 0..rounds {
         for (v, out) in variants.iter_mut().zip(samples.iter_mut()) {

@@ -15,8 +15,9 @@ mod gpu;
 
 use std::time::Instant;
 
-use cudarc::driver::{sys, CudaStream};
+use cudarc::driver::CudaStream;
 use gpu::{random, Gpu};
+use xcall_core::cuda::{CaptureMode, Graph, Stream};
 use xcall_core::KernelCache;
 use xcall_graph::cuda::CudaGraphs;
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, GraphCache, Outcome};
@@ -39,14 +40,8 @@ fn time(stream: &CudaStream, gpu: &Gpu, mut f: impl FnMut(usize)) -> (f64, f64) 
     stream.synchronize().unwrap();
     let (mut events, mut walls) = (Vec::new(), Vec::new());
     for i in 0..ITERS {
-        let start = gpu
-            .ctx
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap();
-        let end = gpu
-            .ctx
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap();
+        let start = gpu.ctx.new_event(xcall_core::cuda::TIMED_EVENT).unwrap();
+        let end = gpu.ctx.new_event(xcall_core::cuda::TIMED_EVENT).unwrap();
         start.record(stream).unwrap();
         let t0 = Instant::now();
         f(i);
@@ -75,66 +70,34 @@ fn wall(mut f: impl FnMut(usize)) -> f64 {
 }
 
 /// Captures the call's kernels on `gpu`'s stream into a new graph.
-fn capture(gpu: &Gpu, ptr: u64) -> sys::CUgraph {
-    let s = gpu.stream.cu_stream();
-    let mut graph = std::ptr::null_mut();
-    // SAFETY: a capture of the bench's own stream, ended below.
-    unsafe {
-        sys::cuStreamBeginCapture_v2(
-            s,
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-    }
-    .result()
-    .unwrap();
-    gpu.work(s, ptr, N, KERNELS).unwrap();
-    // SAFETY: ends the capture begun above.
-    unsafe { sys::cuStreamEndCapture(s, &mut graph) }
-        .result()
-        .unwrap();
-    graph
+fn capture(gpu: &Gpu, ptr: u64) -> Graph {
+    // SAFETY: the bench's own live stream.
+    let s = unsafe { Stream::from_raw(gpu.device, gpu.stream.cu_stream()) };
+    // A capture of the bench's own stream, ended below.
+    s.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    gpu.work(s.raw(), ptr, N, KERNELS).unwrap();
+    s.end_capture().unwrap()
 }
 
 /// Driver steps alone: (capture, exec-update, instantiate) wall medians in us.
 fn driver_steps(gpu: &Gpu, ptrs: [u64; 2]) -> (f64, f64, f64) {
     gpu.ctx.bind_to_thread().unwrap();
     let graphs = [capture(gpu, ptrs[0]), capture(gpu, ptrs[1])];
-    let mut exec = std::ptr::null_mut();
-    // SAFETY: instantiates a captured graph; destroyed at the end.
-    unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graphs[0], 0) }
-        .result()
-        .unwrap();
-    let capture_us = wall(|i| {
-        // SAFETY: the graph returned by capture is destroyed right away.
-        unsafe { sys::cuGraphDestroy(capture(gpu, ptrs[i % 2])) }
-            .result()
-            .unwrap()
-    });
+    // Instantiates a captured graph; destroyed at the end.
+    let mut exec = graphs[0].instantiate(gpu.device).unwrap();
+    // The graph returned by capture is destroyed right away.
+    let capture_us = wall(|i| drop(capture(gpu, ptrs[i % 2])));
     let update_us = wall(|i| {
-        // SAFETY: the result info is plain data the driver fills in.
-        let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
-        // SAFETY: both graphs have the same topology as the executable.
-        unsafe { sys::cuGraphExecUpdate_v2(exec, graphs[i % 2], &mut info) }
-            .result()
-            .unwrap();
+        // Both graphs have the same topology as the executable.
+        assert!(exec.update(gpu.device, &graphs[i % 2]).unwrap());
     });
     let instantiate_us = wall(|i| {
-        let mut e = std::ptr::null_mut();
-        // SAFETY: instantiates and destroys a fresh executable.
-        unsafe {
-            sys::cuGraphInstantiateWithFlags(&mut e, graphs[i % 2], 0)
-                .result()
-                .unwrap();
-            sys::cuGraphExecDestroy(e).result().unwrap();
-        }
+        // Instantiates and destroys a fresh executable.
+        drop(graphs[i % 2].instantiate(gpu.device).unwrap());
     });
-    // SAFETY: destroys the objects created above.
-    unsafe {
-        sys::cuGraphExecDestroy(exec).result().unwrap();
-        for g in graphs {
-            sys::cuGraphDestroy(g).result().unwrap();
-        }
-    }
+    // Destroys the objects created above.
+    drop(exec);
+    drop(graphs);
     (capture_us, update_us, instantiate_us)
 }
 

@@ -4,7 +4,7 @@
 mod common;
 
 use common::gpu::{assert_close, random, reference, Gpu};
-use cudarc::driver::sys;
+use xcall_core::cuda::{CaptureMode, RawStream, Stream};
 use xcall_core::testing::{cuda_devices_or_skip, skip};
 use xcall_core::{KernelCache, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
@@ -36,13 +36,11 @@ fn run(
     cache.execute(&call, |s| gpu.work(s.unwrap().0, ptr, N as u64, KERNELS))
 }
 
-fn capture_status(stream: sys::CUstream) -> sys::CUstreamCaptureStatus {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
-    // SAFETY: queries a live stream.
-    unsafe { sys::cuStreamIsCapturing(stream, &mut status) }
-        .result()
-        .unwrap();
-    status
+fn capturing(device: Device, stream: RawStream) -> bool {
+    // SAFETY: a live stream of the test's device, only queried.
+    unsafe { Stream::from_raw(device, stream) }
+        .is_capturing()
+        .unwrap()
 }
 
 #[test]
@@ -237,10 +235,7 @@ fn a_failing_record_function_leaves_the_stream_usable() {
         })
         .unwrap_err();
     assert_eq!(err.status(), Status::CallbackFailed);
-    assert_eq!(
-        capture_status(gpu.stream.cu_stream()),
-        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-    );
+    assert!(!capturing(gpu.device, gpu.stream.cu_stream()));
     // The captured attempt was discarded; the eager run's kernel ran once.
     assert_close(
         &gpu.download(&x),
@@ -281,8 +276,8 @@ fn work_that_cannot_be_captured_runs_eagerly_once() {
         gpu.work(s, px, N as u64, KERNELS)?;
         // A synchronisation is illegal under capture: it invalidates it (a
         // library that ignores the error, as many do).
-        // SAFETY: synchronises a live stream.
-        let _ = unsafe { sys::cuStreamSynchronize(s) };
+        // SAFETY: a live stream of the test's device.
+        let _ = unsafe { Stream::from_raw(gpu.device, s) }.sync();
         Ok::<(), cudarc::driver::DriverError>(())
     };
     assert_eq!(
@@ -293,10 +288,7 @@ fn work_that_cannot_be_captured_runs_eagerly_once() {
         cache.execute(&call, record).unwrap(),
         Outcome::EagerFallback
     );
-    assert_eq!(
-        capture_status(gpu.stream.cu_stream()),
-        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-    );
+    assert!(!capturing(gpu.device, gpu.stream.cu_stream()));
     assert_close(
         &gpu.download(&x),
         &reference(&data, KERNELS, 2),
@@ -321,43 +313,28 @@ fn a_stream_the_caller_captures_gets_the_work_recorded() {
     let x = gpu.upload(&data);
     let px = gpu.ptr(&x);
     gpu.stream.synchronize().unwrap();
-    let s = gpu.stream.cu_stream();
-    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
-    let mut nodes = 0usize;
-    // SAFETY: the runtime's own capture of a live stream.
-    unsafe { sys::cuStreamBeginCapture_v2(s, mode) }
-        .result()
-        .unwrap();
+    // SAFETY: the test's live stream.
+    let s = unsafe { Stream::from_raw(gpu.device, gpu.stream.cu_stream()) };
+    // The runtime's own capture of a live stream.
+    s.begin_capture(CaptureMode::ThreadLocal).unwrap();
     let outcome = run(&cache, &gpu, px, px);
-    // SAFETY: ends the capture begun above and inspects the graph.
-    unsafe {
-        sys::cuStreamEndCapture(s, &mut graph).result().unwrap();
-        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes)
-            .result()
-            .unwrap();
-    }
+    // Ends the capture begun above and inspects the graph.
+    let graph = s.end_capture().unwrap();
+    let nodes = graph.node_count(gpu.device).unwrap();
     assert_eq!(outcome.unwrap(), Outcome::EagerFallback);
     assert_eq!(nodes, KERNELS, "the work went into the caller's graph");
     assert_eq!(gpu.download(&x), data, "recorded, not run");
-    // SAFETY: instantiates, launches and destroys the caller's graph.
-    unsafe {
-        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-            .result()
-            .unwrap();
-        sys::cuGraphLaunch(exec, s).result().unwrap();
-    }
+    // Instantiates and launches the caller's graph.
+    let exec = graph.instantiate(gpu.device).unwrap();
+    s.launch_graph(&exec).unwrap();
     assert_close(
         &gpu.download(&x),
         &reference(&data, KERNELS, 1),
         "the caller's graph ran the work",
     );
-    // SAFETY: destroys the objects created above.
-    unsafe {
-        sys::cuGraphExecDestroy(exec).result().unwrap();
-        sys::cuGraphDestroy(graph).result().unwrap();
-    }
+    // Destroys the objects created above.
+    drop(exec);
+    drop(graph);
     assert_eq!(cache.stats(gpu.device).eager_caller_capturing, 1);
 }
 
@@ -382,16 +359,9 @@ fn bad_streams_are_refused_and_the_callers_context_is_restored() {
         .unwrap_err();
     assert!(err.to_string().contains("legacy default stream"), "{err}");
     // Clear the current context: the cache must leave it cleared.
-    // SAFETY: setting no current context is always valid.
-    unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) }
-        .result()
-        .unwrap();
+    xcall_core::cuda::clear_current_context(gpu.device).unwrap();
     run(&cache, &gpu, px, px).unwrap();
-    let mut current: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: writes one handle.
-    unsafe { sys::cuCtxGetCurrent(&mut current) }
-        .result()
-        .unwrap();
+    let current = xcall_core::cuda::current_context(gpu.device).unwrap();
     assert!(current.is_null(), "the cache left its context current");
     if count < 2 {
         skip("stream_of_another_device_is_refused", "needs 2 GPUs");

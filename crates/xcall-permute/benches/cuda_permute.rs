@@ -14,8 +14,9 @@
 
 mod common;
 
-use cudarc::driver::{sys, CudaSlice, DevicePtr};
-use xcall_core::testing::{capture_exec, interleaved_medians, XorShift};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use xcall_core::cuda::{GraphExec, Stream};
+use xcall_core::testing::{capture_graph, interleaved_medians, XorShift};
 use xcall_core::{DType, Device, FloatCodec};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -166,13 +167,13 @@ fn main() {
             call::make_chunk_sort_map(&target, &cmap).unwrap();
         }
         let s = stream.cu_stream();
+        // SAFETY: the bench's live stream of cuda:0.
+        let on = unsafe { Stream::from_raw(Device::cuda(0), s) };
         let (copy_dst, copy_src) = (p(&d_sorted), p(&d_perm));
         let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
             Box::new(|| {
                 // SAFETY: two live allocations of n * row bytes.
-                unsafe { sys::cuMemcpyDtoDAsync_v2(copy_dst, copy_src, n * row, s) }
-                    .result()
-                    .unwrap()
+                unsafe { on.copy_dtod(copy_dst, copy_src, n * row) }.unwrap()
             }),
             // SAFETY: as above.
             Box::new(|| unsafe { call::make_row_id_map(&target, &rim).unwrap() }),
@@ -191,9 +192,7 @@ fn main() {
             Box::new(|| {
                 // SAFETY: n * row bytes (a multiple of 4) of a live
                 // allocation.
-                unsafe { sys::cuMemsetD32Async(copy_dst, 0x3c003c00, n * row / 4, s) }
-                    .result()
-                    .unwrap()
+                unsafe { on.memset_d32(copy_dst, 0x3c003c00, n * row / 4) }.unwrap()
             }),
             // SAFETY: two live, disjoint, 16-byte aligned allocations of n *
             // row bytes (a multiple of 16) on this context.
@@ -204,17 +203,15 @@ fn main() {
         let ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut variants);
         // The same ops replayed from CUDA graphs: device time without the
         // Host's launch and argument checks (how a graph cache runs them).
-        let graphs: Vec<sys::CUgraphExec> = variants
+        let graphs: Vec<GraphExec> = variants
             .iter_mut()
-            .map(|v| capture_exec(&stream, &mut **v))
+            .map(|v| capture_graph(Device::cuda(0), &stream, &mut **v))
             .collect();
         let mut replays: Vec<Box<dyn FnMut() + '_>> = graphs
             .iter()
-            .map(|&g| -> Box<dyn FnMut() + '_> {
-                Box::new(move || {
-                    // SAFETY: an executable graph of this stream's context.
-                    unsafe { sys::cuGraphLaunch(g, s) }.result().unwrap()
-                })
+            .map(|g| -> Box<dyn FnMut() + '_> {
+                // An executable graph of this stream's context.
+                Box::new(move || on.launch_graph(g).unwrap())
             })
             .collect();
         let graph_ms = interleaved_medians(&ctx, &stream, ROUNDS, &mut replays);
@@ -336,10 +333,8 @@ fn main() {
                 }
             }
         }
-        for g in graphs {
-            // SAFETY: no replay is in flight after the timing synchronised.
-            unsafe { sys::cuGraphExecDestroy(g) };
-        }
+        // No replay is in flight after the timing synchronised.
+        drop(graphs);
         drop(variants);
     }
     host_cost(&target);
@@ -406,7 +401,9 @@ fn host_cost(target: &Target) {
         "{:<22} {:<26} {:>9} {:>9} {:>8}",
         "case (T,E,H,topK)", "op", "host us", "enqueue", "ratio"
     );
-    let stream = target.stream as sys::CUstream;
+    // SAFETY: the bench's live stream of cuda:0.
+    let stream = unsafe { Stream::from_handle(Device::cuda(0), target.stream as u64) };
+    let device = Device::cuda(0);
     for (t, e, h, k) in [(256usize, 8usize, 4096usize, 2usize), (256, 256, 7168, 8)] {
         let mut g = XorShift::new(11);
         let n = t * k;
@@ -414,24 +411,17 @@ fn host_cost(target: &Target) {
         let bytes = n.max(t) * row;
         let mut bufs: Vec<u64> = Vec::new();
         let mut alloc = |len: usize| -> u64 {
-            let mut p = 0u64;
-            // SAFETY: a plain device allocation, freed below.
-            unsafe { sys::cuMemAlloc_v2(&mut p, len.max(1)) }
-                .result()
-                .unwrap();
-            // SAFETY: zeroes the allocation just made.
-            unsafe { sys::cuMemsetD8_v2(p, 0x3c, len.max(1)) }
-                .result()
-                .unwrap();
+            // A plain device allocation, freed below.
+            let p = xcall_core::cuda::mem_alloc(device, len.max(1)).unwrap();
+            // SAFETY: fills the allocation just made.
+            unsafe { xcall_core::cuda::memset_d8_sync(device, p, 0x3c, len.max(1)) }.unwrap();
             bufs.push(p);
             p
         };
         let routing = g.top_k_routing(t, e, k);
         let d_routing = alloc(t * e);
         // SAFETY: t * e bytes into an allocation of that size.
-        unsafe { sys::cuMemcpyHtoD_v2(d_routing, routing.as_ptr().cast(), t * e) }
-            .result()
-            .unwrap();
+        unsafe { xcall_core::cuda::copy_htod_sync(device, d_routing, &routing[..t * e]) }.unwrap();
         let ten = |a: u64, dtype: DType, dims: &[usize]| {
             Tensor::new(
                 a,
@@ -472,10 +462,8 @@ fn host_cost(target: &Target) {
                     at.elapsed().as_secs_f64() * 1e6
                 })
                 .collect();
-            // SAFETY: waits for this bench's own stream.
-            unsafe { sys::cuStreamSynchronize(stream) }
-                .result()
-                .unwrap();
+            // Waits for this bench's own stream.
+            stream.sync().unwrap();
             us.sort_by(|a, b| a.total_cmp(b));
             us[us.len() / 2]
         };
@@ -484,9 +472,7 @@ fn host_cost(target: &Target) {
         unsafe { call::make_row_id_map(target, &rim).unwrap() };
         let enqueue = median(&mut || {
             // SAFETY: 64 bytes of a live allocation on the bench's stream.
-            unsafe { sys::cuMemsetD8Async(scratch, 0, 64, stream) }
-                .result()
-                .unwrap()
+            unsafe { stream.memset_d8(scratch, 0, 64) }.unwrap()
         });
         let case = format!("({t},{e},{h},{k})");
         let mut ops: Vec<NamedCall<'_>> = vec![
@@ -519,14 +505,12 @@ fn host_cost(target: &Target) {
             );
         }
         drop(ops);
-        // SAFETY: the stream is idle (the medians waited); frees this
-        // section's allocations.
-        unsafe { sys::cuStreamSynchronize(stream) }
-            .result()
-            .unwrap();
+        // The stream is idle (the medians waited) before this section's
+        // allocations are freed.
+        stream.sync().unwrap();
         for p in bufs {
-            // SAFETY: as above.
-            unsafe { sys::cuMemFree_v2(p) }.result().unwrap();
+            // SAFETY: an allocation of `alloc`, freed once, no work pending.
+            unsafe { xcall_core::cuda::mem_free(device, p) }.unwrap();
         }
     }
 }

@@ -33,8 +33,11 @@ mod common;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr};
+use xcall_core::cuda::device::{BULK_COPY, MBARRIER};
+use xcall_core::cuda::{self as cuda, RawStream, Stream};
 use xcall_core::testing::{interleaved_medians, XorShift};
+use xcall_core::Device;
 
 const ROUNDS: usize = 20;
 
@@ -111,25 +114,10 @@ ROWS(4, 1)
 /// loads, `stages` of them in flight per block, and leave either through
 /// bulk stores (`mode` 0, one thread issues everything) or through every
 /// thread's 16-byte evict-first stores from shared memory (`mode` 1).
+/// Compiled after core's mbarrier and bulk-copy helpers
+/// (`xcall_core::cuda::device`).
 const TMA_SOURCE: &str = r#"
 typedef long long i64;
-typedef unsigned int u32;
-__device__ __forceinline__ u32 saddr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void row_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void row_store(void* dst, u32 src, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(dst), "r"(src), "r"(bytes) : "memory");
-}
 // Block b serves items b, b + gridDim.x, ... (item: a slice of a token's
 // row, `slices` per row); its j-th item sits in stage j % stages (at most
 // 8). When an item's piece is loaded, warp 0's lanes k < K also fetch its
@@ -157,15 +145,14 @@ extern "C" __global__ void tma_rows(const char* __restrict__ in, char* __restric
             if (pprobs && it % slices == 0) pv[s][tid] = probs[t * E + ex[t * K + tid]];
         }
         if (tid == 0) {
-            const u32 bar = saddr(&bars[s]);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            row_load(saddr(buf + s * piece), in + t * row + (it % slices) * piece, (u32)piece, bar);
+            const u32 bar = smem_addr(&bars[s]);
+            fence_proxy_async();
+            bulk_load_arrive(smem_addr(buf + s * piece), in + t * row + (it % slices) * piece, (u32)piece, bar);
         }
     };
     if (tid == 0) {
-        for (int s = 0; s < stages; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(saddr(&bars[s])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < stages; ++s) mbar_init(smem_addr(&bars[s]), 1);
+        fence_mbarrier_init();
     }
     __syncthreads();
     if (tid < 32)
@@ -175,16 +162,16 @@ extern "C" __global__ void tma_rows(const char* __restrict__ in, char* __restric
         const int s = j % stages;
         const i64 it = item(j);
         const i64 off = (it % slices) * piece;
-        bar_wait(saddr(&bars[s]), (u32)(j / stages) & 1u);
+        mbar_wait(smem_addr(&bars[s]), (u32)(j / stages) & 1u);
         if (tid < K && pprobs && it % slices == 0) pprobs[rows[s][tid]] = pv[s][tid];
         if (mode == 0) {
             if (tid < 32) {
                 __syncwarp();
                 if (tid == 0) {
-                    for (int k = 0; k < K; ++k) row_store(out + (i64)rows[s][k] * row + off, saddr(buf + s * piece), (u32)piece);
-                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                    for (int k = 0; k < K; ++k) bulk_store(out + (i64)rows[s][k] * row + off, smem_addr(buf + s * piece), (u32)piece);
+                    bulk_commit();
                     // Item j - 1's stores have read its stage: refill it.
-                    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                    bulk_wait_read<1>();
                 }
                 __syncwarp();
                 if (j >= 1 && j - 1 + stages < mine) fill((j - 1) % stages, j - 1 + stages);
@@ -200,7 +187,7 @@ extern "C" __global__ void tma_rows(const char* __restrict__ in, char* __restric
             if (tid < 32 && j + stages < mine) fill(s, j + stages);
         }
     }
-    if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (tid == 0) bulk_wait<0>();
 }
 "#;
 
@@ -219,7 +206,7 @@ impl Tma {
     /// # Safety
     /// As [`Rows::enqueue`]; `l.nv * 16 * stages + 128` bytes of shared
     /// memory fit a block (set with [`Tma::allow`]).
-    unsafe fn enqueue(&self, l: Launch, stream: sys::CUstream) {
+    unsafe fn enqueue(&self, l: Launch, stream: RawStream) {
         let (stages, mode, threads, slices) = l.tma.unwrap();
         let row = l.nv as usize * 16;
         let smem = Self::smem(row / slices as usize, stages);
@@ -263,11 +250,7 @@ impl Tma {
 
     /// Lets a block take the shared memory of `stages` rows of `row` bytes.
     fn allow(&self, row: usize, stages: usize) {
-        self.func
-            .set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                Self::smem(row, stages) as i32,
-            )
+        cuda::set_max_dynamic_shared(Device::cuda(0), &self.func, Self::smem(row, stages) as u32)
             .unwrap();
     }
 }
@@ -306,7 +289,7 @@ impl Rows {
     ///
     /// # Safety
     /// As [`Rows::enqueue`].
-    unsafe fn run(&self, tma: Option<&Tma>, l: Launch, stream: sys::CUstream) {
+    unsafe fn run(&self, tma: Option<&Tma>, l: Launch, stream: RawStream) {
         match l.tma {
             // SAFETY: the caller's contract; `allow` ran for this shape.
             Some(_) => unsafe { tma.unwrap().enqueue(l, stream) },
@@ -318,7 +301,7 @@ impl Rows {
     /// # Safety
     /// Every pointer of `l` is a live device allocation of the stream's
     /// context large enough for `l`'s shape.
-    unsafe fn enqueue(&self, l: Launch, stream: sys::CUstream) {
+    unsafe fn enqueue(&self, l: Launch, stream: RawStream) {
         let mut l = l;
         let blocks = self.blocks / l.groups as u32 * l.groups as u32;
         let func = &self.funcs.iter().find(|(f, _)| *f == l.func).unwrap().1;
@@ -441,7 +424,8 @@ fn main() {
             options: vec![format!("--gpu-architecture={}", info.arch())],
             ..Default::default()
         };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(TMA_SOURCE, opts).unwrap();
+        let source = format!("{MBARRIER}{BULK_COPY}{TMA_SOURCE}");
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).unwrap();
         Tma {
             func: ctx
                 .load_module(ptx)
@@ -480,6 +464,8 @@ fn main() {
             ptr(&stream, &scratch),
         );
         let s = stream.cu_stream();
+        // SAFETY: the bench's live stream of cuda:0.
+        let on = unsafe { Stream::from_raw(Device::cuda(0), s) };
         for &e in es {
             let (ex, dst) = routes(t, e, k, 11 + e as u64);
             let (d_ex, d_dst) = (
@@ -617,9 +603,7 @@ fn main() {
             let tm = tma.as_ref();
             for (name, l) in &layouts {
                 // SAFETY: poisons the live output before each layout.
-                unsafe { sys::cuMemsetD8Async(p_out, 0xa5, n * row, s) }
-                    .result()
-                    .unwrap();
+                unsafe { on.memset_d8(p_out, 0xa5, n * row) }.unwrap();
                 // SAFETY: every pointer of `l` is a live allocation sized
                 // for this shape.
                 unsafe { kernel.run(tm, *l, s) };
@@ -639,15 +623,11 @@ fn main() {
                 Box::new(|| unsafe { copy.enqueue(p_scr, p_out, n * row, s) }),
                 Box::new(|| {
                     // SAFETY: as above.
-                    unsafe { sys::cuMemcpyDtoDAsync_v2(p_scr, p_out, n * row, s) }
-                        .result()
-                        .unwrap()
+                    unsafe { on.copy_dtod(p_scr, p_out, n * row) }.unwrap()
                 }),
                 Box::new(|| {
                     // SAFETY: the scratch buffer holds n * row bytes.
-                    unsafe { sys::cuMemsetD32Async(p_scr, 0x3c003c00, n * row / 4, s) }
-                        .result()
-                        .unwrap()
+                    unsafe { on.memset_d32(p_scr, 0x3c003c00, n * row / 4) }.unwrap()
                 }),
             ];
             let kernel = &kernel;

@@ -26,8 +26,9 @@ use std::io::Write;
 use std::sync::Arc;
 
 use common::{KernelCopy, TunedCall};
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
-use xcall_core::testing::{capture_exec, interleaved_medians, XorShift};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use xcall_core::cuda::{GraphExec, Stream};
+use xcall_core::testing::{capture_graph, interleaved_medians, XorShift};
 use xcall_core::{DType, Device, FloatCodec};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -57,14 +58,14 @@ fn fill(stream: &Arc<CudaStream>, dst: &CudaSlice<u8>, bytes: usize, dtype: DTyp
     }
     let src = stream.clone_htod(&block).unwrap();
     let (s, d) = (src.device_ptr(stream).0, dst.device_ptr(stream).0);
+    // SAFETY: the caller's live stream of cuda:0.
+    let on = unsafe { Stream::from_raw(Device::cuda(0), stream.cu_stream()) };
     let mut at = 0;
     while at < bytes {
         let len = block.len().min(bytes - at);
         // SAFETY: both ranges lie inside live allocations of this stream's
         // context (`dst` holds at least `bytes`).
-        unsafe { sys::cuMemcpyDtoDAsync_v2(d + at as u64, s, len, stream.cu_stream()) }
-            .result()
-            .unwrap();
+        unsafe { on.copy_dtod(d + at as u64, s, len) }.unwrap();
         at += len;
     }
     stream.synchronize().unwrap();
@@ -74,9 +75,7 @@ fn fill(stream: &Arc<CudaStream>, dst: &CudaSlice<u8>, bytes: usize, dtype: DTyp
 fn upload(dst: u64, bytes: &[u8]) {
     // SAFETY: every caller's `dst` is a live allocation of at least
     // `bytes.len()` bytes, and no stream work uses it meanwhile.
-    unsafe { sys::cuMemcpyHtoD_v2(dst, bytes.as_ptr().cast(), bytes.len()) }
-        .result()
-        .unwrap();
+    unsafe { xcall_core::cuda::copy_htod_sync(Device::cuda(0), dst, bytes) }.unwrap();
 }
 
 struct Shape {
@@ -336,12 +335,8 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
     // has finished the map.
     unsafe {
         stream.synchronize().unwrap();
-        sys::cuMemcpyDtoH_v2(off.as_mut_ptr().cast(), b.off.address, (e + 1) * 8)
-            .result()
-            .unwrap();
-        sys::cuMemcpyDtoH_v2(tpe.as_mut_ptr().cast(), b.tpe.address, e * 8)
-            .result()
-            .unwrap();
+        xcall_core::cuda::copy_dtoh_sync(Device::cuda(0), &mut off, b.off.address).unwrap();
+        xcall_core::cuda::copy_dtoh_sync(Device::cuda(0), &mut tpe, b.tpe.address).unwrap();
     }
     let n = match variant {
         "cap" => t * k * 3 / 4,
@@ -354,11 +349,8 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         let mut map = vec![0i32; t * (2 * e + 1)];
         // SAFETY: reads the map's t x (2e + 1) i32s of a live allocation;
         // the stream finished writing it above.
-        unsafe {
-            sys::cuMemcpyDtoH_v2(map.as_mut_ptr().cast(), b.map.address, map.len() * 4)
-                .result()
-                .unwrap();
-        }
+        unsafe { xcall_core::cuda::copy_dtoh_sync(Device::cuda(0), &mut map, b.map.address) }
+            .unwrap();
         map.chunks(2 * e + 1).filter(|r| r[2 * e] > 0).count()
     } else {
         t
@@ -424,6 +416,8 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         unsafe { call::make_chunk_sort_map(target, &cmap).unwrap() };
     }
     let cs = stream.cu_stream();
+    // SAFETY: the bench's live stream of cuda:0.
+    let on = unsafe { Stream::from_raw(Device::cuda(0), cs) };
     let (tr, nr) = ((t * row) as f64, (n * row) as f64);
     // The rows of kept routes: all N but for `align`, whose padding rows
     // permute and the backward write (zeros) and unpermute and the
@@ -439,9 +433,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
             2.0 * nr,
             Box::new(move || {
                 // SAFETY: two live allocations of at least n * row bytes.
-                unsafe { sys::cuMemcpyDtoDAsync_v2(out_addr, perm_addr, n * row, cs) }
-                    .result()
-                    .unwrap()
+                unsafe { on.copy_dtod(out_addr, perm_addr, n * row) }.unwrap()
             }),
         ),
         (
@@ -488,9 +480,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
             Box::new(move || {
                 // SAFETY: n * row bytes (a multiple of 2) of a live
                 // allocation.
-                unsafe { sys::cuMemsetD16Async(out_addr, 0x3c00, n * row / 2, cs) }
-                    .result()
-                    .unwrap()
+                unsafe { on.memset_d16(out_addr, 0x3c00, n * row / 2) }.unwrap()
             }),
         ));
     }
@@ -499,25 +489,21 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         (op.2)();
     }
     stream.synchronize().unwrap();
-    let graphs: Vec<sys::CUgraphExec> = ops
+    let graphs: Vec<GraphExec> = ops
         .iter_mut()
-        .map(|op| capture_exec(stream, &mut *op.2))
+        .map(|op| capture_graph(Device::cuda(0), stream, &mut *op.2))
         .collect();
     let mut replays: Vec<Box<dyn FnMut() + '_>> = graphs
         .iter()
-        .map(|&g| -> Box<dyn FnMut() + '_> {
-            Box::new(move || {
-                // SAFETY: an executable graph of this stream's context.
-                unsafe { sys::cuGraphLaunch(g, cs) }.result().unwrap()
-            })
+        .map(|g| -> Box<dyn FnMut() + '_> {
+            // An executable graph of this stream's context.
+            Box::new(move || on.launch_graph(g).unwrap())
         })
         .collect();
     let ms = interleaved_medians(ctx, stream, ROUNDS, &mut replays);
     drop(replays);
-    for g in graphs {
-        // SAFETY: the timing synchronised; no replay is in flight.
-        unsafe { sys::cuGraphExecDestroy(g) };
-    }
+    // The timing synchronised; no replay is in flight.
+    drop(graphs);
     // The reference is the faster of the two copies (see common/mod.rs).
     let copy_ms = ms[0].min(ms[1]);
     let copy_gbs = ops[0].1 / copy_ms;
@@ -537,18 +523,18 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         // Each config runs after the copy kernel, whose [N, H] output
         // evicts most of what the last run left in L2, as the shape's own
         // timing runs each op after another op.
-        let flush = capture_exec(stream, &mut *ops[1].2);
+        let flush = capture_graph(Device::cuda(0), stream, &mut *ops[1].2);
         for (kernel, candidates, call) in tuned {
             let Some(at) = ops.iter().position(|op| op.0 == kernel) else {
                 continue;
             };
             let bytes = ops[at].1;
-            config_sweep(env, &shape, kernel, &candidates, call, flush, |m| {
+            config_sweep(env, &shape, kernel, &candidates, call, &flush, |m| {
                 bytes / m / copy_gbs
             });
         }
-        // SAFETY: the sweeps synchronised; no replay is in flight.
-        unsafe { sys::cuGraphExecDestroy(flush) };
+        // The sweeps synchronised; no replay is in flight.
+        drop(flush);
     }
     ops.iter()
         .zip(&ms)
@@ -574,7 +560,7 @@ fn config_sweep(
     kernel: &'static str,
     candidates: &[Config],
     call: &TunedCall<'_>,
-    flush: sys::CUgraphExec,
+    flush: &GraphExec,
     ratio: impl Fn(f64) -> f64,
 ) {
     let timed = common::time_configs(

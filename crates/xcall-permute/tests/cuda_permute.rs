@@ -7,8 +7,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
-use xcall_core::testing::{capture_exec, cuda_devices_or_skip, new_stream, XorShift};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use xcall_core::cuda::Stream;
+use xcall_core::testing::{capture_graph, cuda_devices_or_skip, new_stream, XorShift};
+use xcall_core::Device;
 use xcall_core::{DType, Status};
 use xcall_permute::call::{
     self, MakeChunkSortMapArgs, MakeRowIdMapArgs, PermuteArgs, SortChunksArgs, Target, Tensor,
@@ -38,6 +40,13 @@ impl Gpu {
         }
     }
 
+    /// The test stream as core's stream of GPU 0.
+    fn on(&self) -> Stream {
+        // SAFETY: the test's live stream of GPU 0, which outlives `self`'s
+        // uses of it.
+        unsafe { Stream::from_raw(Device::cuda(0), self.stream.cu_stream()) }
+    }
+
     fn target(&self, autotune: bool) -> Target {
         Target {
             autotune,
@@ -55,18 +64,16 @@ impl Gpu {
     ) {
         let mut work = Some(work);
         let mut result = None;
-        let exec = capture_exec(&self.stream, &mut || result = work.take().map(|w| w()));
+        let exec = capture_graph(Device::cuda(0), &self.stream, &mut || {
+            result = work.take().map(|w| w())
+        });
         result.expect("captured once").unwrap();
         before_replay();
-        // SAFETY: an executable graph of this stream's context, whose
-        // buffers outlive the replay; destroyed once the stream is idle.
-        unsafe {
-            sys::cuGraphLaunch(exec, self.stream.cu_stream())
-                .result()
-                .unwrap();
-            self.stream.synchronize().unwrap();
-            sys::cuGraphExecDestroy(exec);
-        }
+        // An executable graph of this stream's context, whose buffers
+        // outlive the replay; destroyed once the stream is idle.
+        self.on().launch_graph(&exec).unwrap();
+        self.stream.synchronize().unwrap();
+        drop(exec);
     }
 
     /// Uploads `bytes` (at least one byte is allocated) and returns the
@@ -85,8 +92,7 @@ impl Gpu {
         if bytes > 0 {
             // SAFETY: `address` is an allocation of this context of at least
             // `bytes` bytes; the stream is idle.
-            unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), address, bytes) }
-                .result()
+            unsafe { xcall_core::cuda::copy_dtoh_sync(Device::cuda(0), &mut out, address) }
                 .unwrap();
         }
         out
@@ -1876,15 +1882,13 @@ fn tuning_trials_leave_the_real_outputs_untouched() {
         xcall_permute::cuda::set_after_tuning_hook(Some(Box::new(move |kernel: &str| {
             for &(address, bytes) in &outs {
                 let mut host = vec![0u8; bytes];
-                // SAFETY: a live allocation of `bytes` bytes of this
-                // context; the copy follows the trials on the stream.
+                // SAFETY: the test's live stream of GPU 0; a live
+                // allocation of `bytes` bytes of this context, copied after
+                // the trials on the stream.
                 unsafe {
-                    sys::cuStreamSynchronize(stream as sys::CUstream)
-                        .result()
-                        .unwrap();
-                    sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), address, bytes)
-                        .result()
-                        .unwrap();
+                    let on = Stream::from_handle(Device::cuda(0), stream as u64);
+                    on.sync().unwrap();
+                    xcall_core::cuda::copy_dtoh_sync(Device::cuda(0), &mut host, address).unwrap();
                 }
                 assert!(
                     host.iter().all(|&b| b == POISON),
@@ -2142,11 +2146,7 @@ fn segmented_permute_and_unpermute_equal_the_host_eager_and_captured() {
                 // non-blocking stream does not wait for.
                 // SAFETY: a live allocation of this context of exactly
                 // these bytes, on a live stream of that context.
-                unsafe {
-                    sys::cuMemsetD8Async(p.device, POISON, p.host.len(), gpu.stream.cu_stream())
-                        .result()
-                        .unwrap()
-                };
+                unsafe { gpu.on().memset_d8(p.device, POISON, p.host.len()) }.unwrap();
             }
         };
         gpu.capture_and_replay(

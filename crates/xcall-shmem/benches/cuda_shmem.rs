@@ -21,8 +21,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaContext, CudaStream};
-use xcall_core::testing::{capture_exec, cuda_devices_or_skip, interleaved_medians, skip};
+use cudarc::driver::{CudaContext, CudaStream};
+use xcall_core::cuda::Stream;
+use xcall_core::testing::{capture_graph, cuda_devices_or_skip, interleaved_medians, skip};
 use xcall_core::{cuda, Device};
 use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, Transport, World};
 
@@ -60,6 +61,8 @@ fn waits() {
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().unwrap();
     let raw = stream.cu_stream();
+    // SAFETY: the bench's live stream of `device`, outliving its uses here.
+    let on_stream = unsafe { Stream::from_raw(device, raw) };
     let wp: *mut World = &mut w;
     let kernel_waits = move || {
         for _ in 0..WAITS {
@@ -70,18 +73,15 @@ fn waits() {
     };
     let driver_waits = move || {
         for _ in 0..WAITS {
-            let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
             // SAFETY: `sig` is an aligned word of this PE's device heap.
-            unsafe { sys::cuStreamWaitValue64_v2(raw, sig, 1, geq) }
-                .result()
-                .unwrap();
+            unsafe { on_stream.wait_value_geq(sig, 1) }.unwrap();
         }
     };
     // Load the kernels before the capture.
     kernel_waits();
     stream.synchronize().unwrap();
-    let kernel_graph = capture_exec(&stream, &mut || kernel_waits());
-    let driver_graph = capture_exec(&stream, &mut || driver_waits());
+    let kernel_graph = capture_graph(device, &stream, &mut || kernel_waits());
+    let driver_graph = capture_graph(device, &stream, &mut || driver_waits());
     let t = interleaved_medians(
         &ctx,
         &stream,
@@ -90,16 +90,12 @@ fn waits() {
             Box::new(kernel_waits),
             Box::new(driver_waits),
             Box::new(|| {
-                // SAFETY: an instantiated graph of this context.
-                unsafe { sys::cuGraphLaunch(kernel_graph, raw) }
-                    .result()
-                    .unwrap()
+                // An instantiated graph of this context.
+                on_stream.launch_graph(&kernel_graph).unwrap()
             }),
             Box::new(|| {
-                // SAFETY: as above.
-                unsafe { sys::cuGraphLaunch(driver_graph, raw) }
-                    .result()
-                    .unwrap()
+                // As above.
+                on_stream.launch_graph(&driver_graph).unwrap()
             }),
         ],
     );
@@ -274,7 +270,7 @@ fn exchanges(rank: usize, pairs: Option<Pairs>) {
         println!("|---|---|---|---|---|---|");
     }
     let peer_dst = PEER_DST.load(Ordering::Acquire);
-    let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.cu_ctx())).unwrap();
+    let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.clone())).unwrap();
     while bytes <= MAX {
         let rounds = if bytes >= 256 << 20 { 10 } else { 30 };
         let out = [Outgoing {
@@ -290,7 +286,8 @@ fn exchanges(rank: usize, pairs: Option<Pairs>) {
         }];
         if rank == 0 {
             let wp: *mut World = &mut w;
-            let ctx0 = ctx.cu_ctx();
+            // SAFETY: rank 0's live stream on GPU 0, outliving its uses here.
+            let on_stream = unsafe { Stream::from_raw(Device::cuda(0), raw) };
             let t = interleaved_medians(
                 &ctx,
                 &stream,
@@ -304,9 +301,7 @@ fn exchanges(rank: usize, pairs: Option<Pairs>) {
                     Box::new(|| {
                         // SAFETY: live device ranges of `bytes` on GPU 0
                         // and GPU 1 (rank 1's heap, mapped in this process).
-                        unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
-                            .result()
-                            .unwrap()
+                        unsafe { on_stream.copy_peer(peer_dst, &ctx1, src, &ctx, bytes) }.unwrap()
                     }),
                 ],
             );
@@ -364,8 +359,9 @@ fn put_rows(
     stream: &Arc<CudaStream>,
 ) {
     let raw = stream.cu_stream();
-    let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.cu_ctx())).unwrap();
-    let ctx0 = ctx.cu_ctx();
+    let ctx1 = cuda::with_context(Device::cuda(1), |c| Ok(c.clone())).unwrap();
+    // SAFETY: the caller's live stream on GPU 0, outliving its uses here.
+    let on_stream = unsafe { Stream::from_raw(Device::cuda(0), raw) };
     println!("| bytes | put us | put GB/s | cuMemcpyPeerAsync us | GB/s | put / ref |");
     println!("|---|---|---|---|---|---|");
     let mut bytes = 4096usize;
@@ -385,9 +381,7 @@ fn put_rows(
                 Box::new(|| {
                     // SAFETY: live device ranges of `bytes` on GPU 0 and
                     // GPU 1 (PE 1's heap, mapped in this process).
-                    unsafe { sys::cuMemcpyPeerAsync(peer_dst, ctx1, src, ctx0, bytes, raw) }
-                        .result()
-                        .unwrap()
+                    unsafe { on_stream.copy_peer(peer_dst, &ctx1, src, ctx, bytes) }.unwrap()
                 }),
             ],
         );

@@ -20,8 +20,8 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
+use xcall_core::cuda::{CaptureMode, InstantiateFlags, Stream};
 use xcall_core::testing::{cuda_devices_or_skip, cuda_required, run_threads, skip, watchdog};
 use xcall_core::{Device, Status};
 use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, SignalOp, Transport, World};
@@ -241,8 +241,7 @@ fn one_sided_puts(w: &mut World, rank: usize, n: usize) {
     // SAFETY: the source lies in this PE's heap objects.
     let e = unsafe { w.put(0x1000, src, 8, right) };
     refused(e, Status::InvalidArgument, "outside the heap");
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
+    s.begin_capture(CaptureMode::ThreadLocal.driver()).unwrap();
     // SAFETY: the source lies in this PE's heap objects.
     let e = unsafe { w.put_signal_nbi(spare, src, 64, spare + 64, 1, SignalOp::Set, right, raw) };
     refused(e, Status::Unsupported, "a captured put_signal");
@@ -250,19 +249,13 @@ fn one_sided_puts(w: &mut World, rank: usize, n: usize) {
     let e = unsafe { w.put_nbi(spare, src, 64, right, raw) };
     refused(e, Status::Unsupported, "a captured put");
     // Nothing was captured.
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
-    let mut nodes = 0usize;
-    // SAFETY: the stream's capture ends into `graph`, which is counted and
-    // destroyed here.
-    unsafe {
-        let ok = sys::CUresult::CUDA_SUCCESS;
-        assert_eq!(sys::cuStreamEndCapture(s.cu_stream(), &mut graph), ok);
-        assert_eq!(
-            sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes),
-            ok
-        );
-        assert_eq!(sys::cuGraphDestroy(graph), ok);
-    }
+    let device = w.device_of(rank).unwrap();
+    // SAFETY: `s` is a live stream of this PE's device.
+    let stream = unsafe { Stream::from_raw(device, s.cu_stream()) };
+    // The stream's capture ends into a graph, counted and destroyed here.
+    let graph = stream.end_capture().unwrap();
+    let nodes = graph.node_count(device).unwrap();
+    drop(graph);
     assert_eq!(nodes, 0, "the refused puts left work in the graph");
     for round in 0..6 {
         prepare(w, rank, n, round, max, (send, recv));
@@ -374,13 +367,17 @@ fn capture_exchange(
     s: &Arc<CudaStream>,
 ) -> CudaGraph {
     let raw: *mut c_void = s.cu_stream().cast();
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap();
+    s.begin_capture(CaptureMode::ThreadLocal.driver()).unwrap();
     // SAFETY: the callers' segments lie in this PE's objects, alive while
     // the graph is.
     let captured = unsafe { w.exchange_on_stream(out, inc, raw) };
     let graph = s
-        .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .end_capture(
+            InstantiateFlags {
+                auto_free_on_launch: true,
+            }
+            .driver(),
+        )
         .unwrap();
     captured.unwrap();
     graph.expect("a captured graph")
@@ -628,8 +625,11 @@ fn graph_waits_for_a_peer_that_left(mut w: World, rank: usize) {
     let graph = capture_exchange(&mut w, (&out, &inc), &stream);
     graph.launch().unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    // SAFETY: a live stream of this thread's context.
-    let busy = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
+    // SAFETY: a live stream of device 0, outliving `polled`.
+    let polled = unsafe { Stream::from_raw(xcall_core::Device::cuda(0), stream.cu_stream()) };
+    let busy = polled
+        .is_idle()
+        .map(|idle| if idle { "idle" } else { "running" });
     // NCCL does not end the kernels itself when its peer's connection
     // drops: the replay waits (this line shows the case is the one meant).
     eprintln!("rank 0's replay, 500 ms after rank 1 left: {busy:?}");
@@ -640,8 +640,7 @@ fn graph_waits_for_a_peer_that_left(mut w: World, rank: usize) {
     drop(graph);
     // The abort ended the graph's kernels: the stream drains.
     let drained = Instant::now();
-    // SAFETY: as above.
-    while unsafe { sys::cuStreamQuery(stream.cu_stream()) } == sys::CUresult::CUDA_ERROR_NOT_READY {
+    while matches!(polled.is_idle(), Ok(false)) {
         assert!(
             drained.elapsed() < Duration::from_secs(15),
             "the aborted communicator's kernels are still running"

@@ -142,12 +142,9 @@ fn exchange(w: &mut World, rank: usize, n: usize) {
     xcall_core::cuda::with_context(device, |_| {
         // SAFETY: matches peer_read's signature; both ranges are `bytes`.
         unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                (64, 1, 1),
-                (256, 1, 1),
-                0,
-                raw.cast(),
+            xcall_core::cuda::launch_raw(
+                &f,
+                xcall_core::cuda::Launch::linear(64, 256, raw.cast()),
                 &mut ptrs,
             )
         }
@@ -290,9 +287,7 @@ fn write_from_thread(ctx: &Arc<CudaContext>, addr: u64, bytes: &[u8]) {
     ctx.bind_to_thread().unwrap();
     // SAFETY: `addr` is `bytes.len()` bytes of a live heap allocation of
     // this device; `bytes` is live host memory.
-    let r =
-        unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(addr, bytes.as_ptr().cast(), bytes.len()) };
-    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    unsafe { xcall_core::cuda::copy_htod_sync(xcall_core::Device::cuda(0), addr, bytes) }.unwrap();
 }
 
 #[test]

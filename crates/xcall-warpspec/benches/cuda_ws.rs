@@ -10,7 +10,8 @@
 //! GB/s count bytes read plus bytes written; times are CUDA-event medians
 //! of interleaved rounds after warm-up.
 
-use cudarc::driver::{sys, CudaContext, DevicePtr};
+use cudarc::driver::{CudaContext, DevicePtr};
+use xcall_core::cuda::Stream;
 use xcall_core::{cuda, DType, Device};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
@@ -53,6 +54,8 @@ fn main() {
         ragged: None,
     };
     let s = stream.cu_stream();
+    // SAFETY: the bench's live stream of `device`.
+    let on = unsafe { Stream::from_raw(device, s) };
     let run = |variant: Variant, config: &OpConfig| {
         // SAFETY: a live stream of cuda:0; three allocations of BYTES bytes.
         unsafe {
@@ -76,9 +79,7 @@ fn main() {
     let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
         Box::new(|| {
             // SAFETY: copies between two live allocations of BYTES bytes.
-            unsafe { sys::cuMemcpyDtoDAsync_v2(po, pa, BYTES as usize, s) }
-                .result()
-                .unwrap();
+            unsafe { on.copy_dtod(po, pa, BYTES as usize) }.unwrap();
         }),
         Box::new(|| run(Variant::Plain, &OpConfig::default())),
     ];
@@ -188,6 +189,8 @@ fn silu_tables(
                 ragged: None,
             };
             let s = stream.cu_stream();
+            // SAFETY: the bench's live stream of `device`.
+            let on = unsafe { Stream::from_raw(device, s) };
             let run = |variant: Variant, config: &OpConfig| {
                 // SAFETY: a live stream of cuda:0; two allocations of
                 // `bytes` bytes and one of `experts` scales.
@@ -208,9 +211,7 @@ fn silu_tables(
             let mut variants: Vec<Box<dyn FnMut() + '_>> = vec![
                 Box::new(|| {
                     // SAFETY: copies between two live allocations of `bytes` bytes.
-                    unsafe { sys::cuMemcpyDtoDAsync_v2(py, px, bytes as usize, s) }
-                        .result()
-                        .unwrap();
+                    unsafe { on.copy_dtod(py, px, bytes as usize) }.unwrap();
                 }),
                 Box::new(|| run(Variant::Plain, &OpConfig::default())),
             ];

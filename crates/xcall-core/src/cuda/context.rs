@@ -141,3 +141,25 @@ pub fn with_context<T>(
 pub fn retain_primary_context(device: Device) -> Result<()> {
     primary(device).map(|_| ())
 }
+
+/// The context current on this thread (`cuCtxGetCurrent`; null: none).
+/// `device` names the call in errors.
+pub fn current_context(device: Device) -> Result<sys::CUcontext> {
+    crate::cuda::available()?;
+    let mut current: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one handle through a valid pointer.
+    check("cuCtxGetCurrent", device, unsafe {
+        sys::cuCtxGetCurrent(&mut current)
+    })?;
+    Ok(current)
+}
+
+/// Leaves this thread with no current context (`cuCtxSetCurrent(NULL)`);
+/// `device` names the call in errors.
+pub fn clear_current_context(device: Device) -> Result<()> {
+    crate::cuda::available()?;
+    // SAFETY: setting no current context is always valid.
+    check("cuCtxSetCurrent", device, unsafe {
+        sys::cuCtxSetCurrent(std::ptr::null_mut())
+    })
+}

@@ -14,7 +14,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{sys, CudaFunction};
 
-use super::{check, ContextGuard, KernelRecord};
+use super::{check, ContextGuard, GraphExec, KernelRecord};
 use crate::{Device, Result};
 
 /// A kernel's parameters in order, each a [`KernelRecord`] starting at its
@@ -145,6 +145,22 @@ impl RecordedLaunch {
         self.params = params;
         Ok(())
     }
+
+    /// [`Self::set_in_exec`] on an owned executable.
+    ///
+    /// # Safety
+    /// `exec` was instantiated from the graph the launch was captured into,
+    /// and every pointer in `params` is valid for what the kernel does with
+    /// it when `exec` next runs.
+    pub unsafe fn set_in(
+        &mut self,
+        device: Device,
+        exec: &mut GraphExec,
+        params: Params,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract; `&mut` keeps other users out.
+        unsafe { self.set_in_exec(device, exec.raw(), params) }
+    }
 }
 
 thread_local! {
@@ -242,6 +258,39 @@ impl Launch {
             ..self
         }
     }
+}
+
+/// Launches `function` with a raw array of parameter addresses
+/// (`cuLaunchKernel`), as issued: no context switch (the caller has the
+/// stream's context current) and no recording. For tests and benches
+/// that build a kernel's arguments by hand; library code uses [`launch`].
+///
+/// # Safety
+/// `args` holds one pointer per kernel parameter, each to a live value of
+/// the parameter's type; every device address in them is valid for what
+/// the kernel does; `config.stream` belongs to the current context.
+pub unsafe fn launch_raw(
+    function: &CudaFunction,
+    config: Launch,
+    args: &mut [*mut c_void],
+) -> std::result::Result<(), super::DriverError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        sys::cuLaunchKernel(
+            function.cu_function(),
+            config.grid.0,
+            config.grid.1,
+            config.grid.2,
+            config.block.0,
+            config.block.1,
+            config.block.2,
+            config.shared_bytes,
+            config.stream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 /// Launches `function` on `device` (its primary context current for the

@@ -20,17 +20,42 @@
 //! - [`Params`] and [`launch`]: one way to pass a kernel's parameters;
 //! - [`KernelRecord`] and [`kernel_params!`](crate::kernel_params): a
 //!   kernel's parameter struct written once in Rust, its CUDA C twin
-//!   generated with layout assertions.
+//!   generated with layout assertions;
+//! - [`Stream`] (borrowed) and [`OwnedStream`]: one stream type, with
+//!   capture status, waits, copies, memsets and stream-ordered scratch;
+//! - [`Graph`] and [`GraphExec`]: capture, instantiate, update in place,
+//!   launch ([`Stream::begin_capture`], [`Stream::launch_graph`]);
+//! - [`max_active_blocks`] and the function attributes; [`pointer_device`]
+//!   and [`reach`]: which device owns an address, whether one reaches it;
+//! - [`device`]: the device-side helpers (mbarrier, bulk copy, bf16/fp8
+//!   conversions) as CUDA C sources to prepend to a kernel's.
 
 mod context;
+pub mod device;
+mod function;
+mod graph;
 mod launch;
+mod memory;
 mod objects;
 mod record;
+mod stream;
 
-pub use context::{retain_primary_context, with_context, ContextGuard};
-pub use launch::{launch, recording_launches, Launch, Params, RecordedLaunch};
+pub use context::{
+    clear_current_context, current_context, retain_primary_context, with_context, ContextGuard,
+};
+pub use function::{
+    max_active_blocks, max_threads_per_block, module_global, pointer_device, reach,
+    set_max_dynamic_shared, Reach,
+};
+pub use graph::{Graph, GraphExec, InstantiateFlags, RawGraphNode};
+pub use launch::{launch, launch_raw, recording_launches, Launch, Params, RecordedLaunch};
+pub use memory::{
+    copy_dtoh_sync, copy_htod_sync, enable_peer_access, ipc_close, ipc_handle, ipc_open, mem_alloc,
+    mem_free, mem_get_info, memset_d8_sync,
+};
 pub use objects::{Event, StreamAlloc};
 pub use record::{pointer_offsets, KernelRecord, ParamField};
+pub use stream::{CaptureMode, OwnedStream, RawContext, RawDevice, RawStream, Stream};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,6 +65,10 @@ use cudarc::driver::{result as cu, sys};
 pub use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 
 use crate::{Device, Error, Platform, Result};
+
+/// The flags of a timing event for cudarc's `CudaContext::new_event`
+/// (`CU_EVENT_DEFAULT`: timing on; cudarc's `None` turns timing off).
+pub const TIMED_EVENT: Option<sys::CUevent_flags> = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
 
 /// Environment variable that hides CUDA from xcall when true (a boolean,
 /// see [`crate::env`]; the library then behaves as on a machine without a
@@ -276,6 +305,18 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
         total_memory,
         multiprocessors,
     })
+}
+
+/// The driver's handle of `device` (`cuDeviceGet`), as
+/// [`Stream::driver_device`] answers it. Needs no context.
+pub fn driver_device(device: Device) -> Result<RawDevice> {
+    let ordinal = check_device(device)?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one value through a valid pointer.
+    check("cuDeviceGet", device, unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal as i32)
+    })?;
+    Ok(dev)
 }
 
 /// Whether `from` can map memory of `to` directly (cuDeviceCanAccessPeer).

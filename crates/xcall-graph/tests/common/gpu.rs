@@ -9,9 +9,8 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError};
+use xcall_core::cuda::RawStream;
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{Device, KernelCache, KernelSource};
 use xcall_graph::cuda::CudaStreamHandle;
@@ -153,7 +152,7 @@ impl Gpu {
     /// Enqueues `kernels` scale-add kernels on `stream` over `n` floats at `ptr`.
     pub fn work(
         &self,
-        stream: sys::CUstream,
+        stream: RawStream,
         ptr: u64,
         n: u64,
         kernels: usize,
@@ -168,18 +167,10 @@ impl Gpu {
                 (&mut n as *mut u64).cast(),
             ];
             let blocks = n.div_ceil(256) as u32;
+            let config = xcall_core::cuda::Launch::linear(blocks, 256, stream);
             // SAFETY: the parameters match scale_add's signature and point to
             // live locals; `ptr` holds `n` floats.
-            unsafe {
-                cudarc::driver::result::launch_kernel(
-                    self.func.cu_function(),
-                    (blocks, 1, 1),
-                    (256, 1, 1),
-                    0,
-                    stream,
-                    &mut params,
-                )?
-            };
+            unsafe { xcall_core::cuda::launch_raw(&self.func, config, &mut params)? };
         }
         Ok(())
     }
@@ -187,7 +178,7 @@ impl Gpu {
     /// `work` with `scale_add_p` launched through xcall's launcher.
     pub fn work_p(
         &self,
-        stream: sys::CUstream,
+        stream: RawStream,
         ptr: u64,
         n: u64,
         kernels: usize,

@@ -11,8 +11,8 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream};
-use xcall_core::cuda::DeviceInfo;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use xcall_core::cuda::{DeviceInfo, GraphExec, RawStream, Stream};
 use xcall_core::testing::cuda_devices_or_skip;
 use xcall_core::{cuda, Device};
 
@@ -44,7 +44,7 @@ pub unsafe fn launch(
     grid: u32,
     block: u32,
     params: &mut [*mut c_void],
-    stream: sys::CUstream,
+    stream: RawStream,
 ) {
     // SAFETY: the caller's contract above; no dynamic shared memory.
     unsafe { launch_smem(func, grid, block, 0, params, stream) }
@@ -60,26 +60,11 @@ pub unsafe fn launch_smem(
     block: u32,
     smem: u32,
     params: &mut [*mut c_void],
-    stream: sys::CUstream,
+    stream: RawStream,
 ) {
+    let config = cuda::Launch::linear(grid, block, stream).with_shared(smem);
     // SAFETY: the caller's contract above.
-    unsafe {
-        sys::cuLaunchKernel(
-            func.cu_function(),
-            grid,
-            1,
-            1,
-            block,
-            1,
-            1,
-            smem,
-            stream,
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-    .unwrap();
+    unsafe { cuda::launch_raw(func, config, params) }.unwrap();
 }
 
 const SOURCE: &str = r#"
@@ -110,7 +95,7 @@ impl KernelCopy {
     /// `src` and `dst` are live, disjoint device allocations of at least
     /// `bytes` bytes in the kernel's context, 16-byte aligned, and `stream`
     /// belongs to that context.
-    pub unsafe fn enqueue(&self, dst: u64, src: u64, bytes: usize, stream: sys::CUstream) {
+    pub unsafe fn enqueue(&self, dst: u64, src: u64, bytes: usize, stream: RawStream) {
         assert!(bytes % 16 == 0, "the copy moves whole 16-byte vectors");
         let mut n = (bytes / 16) as u64;
         let blocks = u32::try_from(n.div_ceil(256)).expect("grid fits a u32");
@@ -144,26 +129,28 @@ pub fn time_configs(
     kernel: &'static str,
     candidates: &[xcall_permute::cuda::Config],
     call: &TunedCall<'_>,
-    before: Option<sys::CUgraphExec>,
+    before: Option<&GraphExec>,
 ) -> Vec<(Option<xcall_permute::cuda::Config>, f64)> {
-    use xcall_core::testing::{capture_exec, interleaved_medians};
+    use xcall_core::testing::{capture_graph, interleaved_medians};
     use xcall_permute::cuda::with_configs;
-    let cs = stream.cu_stream();
-    let mut execs = vec![(None, capture_exec(stream, &mut || call().unwrap()))];
+    let device = Device::cuda(0);
+    // SAFETY: the bench's live stream of cuda:0, outliving the replays.
+    let cs = unsafe { Stream::from_raw(device, stream.cu_stream()) };
+    let mut execs = vec![(None, capture_graph(device, stream, &mut || call().unwrap()))];
     for &c in candidates {
         if with_configs(&[(kernel, c)], || call().is_ok()) {
             let exec = with_configs(&[(kernel, c)], || {
-                capture_exec(stream, &mut || call().unwrap())
+                capture_graph(device, stream, &mut || call().unwrap())
             });
             execs.push((Some(c), exec));
         }
     }
     let mut replays: Vec<Box<dyn FnMut() + '_>> = execs
         .iter()
-        .flat_map(|&(_, g)| before.into_iter().chain([g]))
+        .flat_map(|(_, g)| before.into_iter().chain([g]))
         .map(|g| -> Box<dyn FnMut() + '_> {
-            // SAFETY: an executable graph of this stream's context.
-            Box::new(move || unsafe { sys::cuGraphLaunch(g, cs) }.result().unwrap())
+            // An executable graph of this stream's context.
+            Box::new(move || cs.launch_graph(g).unwrap())
         })
         .collect();
     let per = 1 + before.is_some() as usize;
@@ -173,9 +160,7 @@ pub fn time_configs(
         .step_by(per)
         .collect();
     drop(replays);
-    for &(_, g) in &execs {
-        // SAFETY: the timing synchronised; no replay is in flight.
-        unsafe { sys::cuGraphExecDestroy(g) };
-    }
+    // The timing synchronised; no replay is in flight when the executables
+    // are destroyed.
     execs.into_iter().map(|(c, _)| c).zip(ms).collect()
 }
