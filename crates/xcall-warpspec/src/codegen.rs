@@ -16,6 +16,7 @@ use crate::error::PlanError;
 use crate::ops::table_offset;
 use crate::pipeline::{Action, RoleKind};
 use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
+use xcall_core::cuda::device::{BULK_COPY, CONVERT, MBARRIER};
 use xcall_core::cuda::KernelRecord;
 use xcall_core::DType;
 
@@ -200,10 +201,14 @@ fn element_holes(op: ElementwiseOp, dtype: DType) -> [(&'static str, String); 7]
     ]
 }
 
-/// The source text every kernel starts with: the helpers, the parameter
+/// The source text every kernel starts with: xcall-core's device helpers
+/// (mbarrier, bulk copy, conversions), this crate's helpers, the parameter
 /// struct and the ragged groups' helpers.
 fn preamble() -> String {
-    format!("{PRELUDE}{}{RAGGED}", WsParams::c_definition())
+    format!(
+        "{MBARRIER}{BULK_COPY}{CONVERT}{PRELUDE}{}{RAGGED}",
+        WsParams::c_definition()
+    )
 }
 
 /// Launch facts of a generated kernel.

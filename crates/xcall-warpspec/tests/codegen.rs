@@ -39,7 +39,9 @@ fn generated_source_follows_the_plan() {
     // state's parity on both waits.
     for verb in [
         "void producer_acquire(u32 empty, const PipelineState &st) {\n    mbar_wait(empty, st.phase);\n}",
-        "    if (bytes) {\n        mbar_arrive_expect_tx(full, bytes);\n        bulk_load(buf, src, bytes, full);\n    } else {\n        mbar_arrive(full);\n    }",
+        "    if (bytes) {\n        bulk_load_arrive(buf, src, bytes, full);\n    } else {\n        mbar_arrive(full);\n    }",
+        // xcall-core's: expect_tx, then the copy.
+        "    mbar_arrive_expect_tx(bar, bytes);\n    bulk_load(dst, src, bytes, bar);",
         "void consumer_wait(u32 full, const PipelineState &st) {\n    mbar_wait(full, st.phase);\n}",
         "void consumer_release(u32 empty) {\n    mbar_arrive(empty);\n}",
     ] {

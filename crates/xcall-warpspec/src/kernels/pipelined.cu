@@ -28,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
             mbar_init(smem_addr(smem + FULL_OFF[i]), FULL_INIT[i]);
             mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT[i]);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_mbarrier_init();
     }
     // Ragged groups: their table, past the pipeline's shared memory.
     u64 *tab = (u64 *)(smem + TABLE_OFF);
