@@ -19,6 +19,7 @@ pub mod cuda;
 pub mod designs;
 mod error;
 pub mod host;
+mod host_vectorized;
 pub mod ops;
 pub mod pipeline;
 pub mod plan;
