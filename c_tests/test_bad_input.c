@@ -142,6 +142,14 @@ static void warpspec(void) {
   xcall_ws_op_config cfg = {UINT32_MAX, 256, 1};
   CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &cfg, ins, 2, out, sizeof out, 1.0f),
             XCALL_STATUS_INVALID_ARGUMENT, "shared memory");
+  /* A config the pipeline cannot have is refused at every size, nothing
+     to do included, and nothing is written. */
+  xcall_ws_op_config none = {0, 0, 0};
+  CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &none, ins, 2, out, 0, 1.0f),
+            XCALL_STATUS_INVALID_ARGUMENT, "at least 1 stage");
+  CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, XCALL_WS_OP_MUL, XCALL_DTYPE_F32, &none, ins, 2, out, sizeof out, 1.0f),
+            XCALL_STATUS_INVALID_ARGUMENT, "at least 1 stage");
+  CHECK(out[0] == -7.0f && out[63] == -7.0f);
   CHECK_ERR(xcall_ws_run(&(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, 9, XCALL_DTYPE_F32, NULL, ins, 2, out, sizeof out, 1.0f),
             XCALL_STATUS_INVALID_ARGUMENT, "unknown warp-specialized op 9");
   /* The same device rule as every entry point that takes a target. */

@@ -676,3 +676,47 @@ fn xcall_log_sends_lines_to_stderr_only_when_set_and_a_bad_filter_is_a_usage_err
         "xcall: XCALL_LOG: log filter \"xcall_graph=loud\": error parsing level filter: expected one of \"off\", \"error\", \"warn\", \"info\", \"debug\", \"trace\", or a number 0-5"
     );
 }
+
+/// The Host experts run vectorized by default and through the pipeline's
+/// thread model on request: both pass the reference with the same largest
+/// error (the same bytes), with capacity blocks and dropless ragged groups,
+/// and the report names the executor.
+#[test]
+fn both_host_executors_write_the_same_experts() {
+    for dropless in [false, true] {
+        let mut errors = Vec::new();
+        for executor in [None, Some("pipeline"), Some("vectorized")] {
+            let path = json_path(&format!("moe-exec-{dropless}-{executor:?}"));
+            let mut args = vec![
+                "moe",
+                "--tokens",
+                "200",
+                "--hidden",
+                "64",
+                "--steps",
+                "2",
+                "--json",
+                path.to_str().unwrap(),
+            ];
+            if dropless {
+                args.push("--dropless");
+            }
+            if let Some(e) = executor {
+                args.extend(["--host-executor", e]);
+            }
+            let (out, stdout) = run(&args);
+            assert!(out.status.success(), "{executor:?}: {stdout}");
+            let name = executor.unwrap_or("vectorized");
+            assert!(
+                stdout.contains(&format!("experts        on the Host, {name}")),
+                "{stdout}"
+            );
+            let j = read_json(&path);
+            assert_eq!(j["verification"]["verdict"], "PASS", "{executor:?}");
+            assert_eq!(j["host_executor"], name);
+            errors.push(j["verification"]["max_relative_error"].as_f64().unwrap());
+        }
+        assert!(errors[0] > 0.0, "{errors:?}");
+        assert!(errors.iter().all(|&e| e == errors[0]), "{errors:?}");
+    }
+}

@@ -310,7 +310,9 @@ pub extern "C" fn xcall_ws_op_config_default(out_config: *mut xcall_ws_op_config
 /// or `output = silu(inputs[0]) * scale` (`XCALL_WS_OP_SILU_SCALE`) over
 /// `bytes` bytes of `dtype` (f32 or bf16), through the warp-specialized
 /// pipeline of `config` (NULL for the defaults). On a Host `target` the
-/// pointers are host memory; on CUDA (Hopper only) they are 16-byte
+/// pointers are host memory and the op runs vectorized over the cores,
+/// writing the bytes the pipeline would (the config is checked all the
+/// same, at every size); on CUDA (Hopper only) they are 16-byte
 /// aligned device pointers of the target's device and the kernel is
 /// enqueued on the target's stream. The output must not overlap an input.
 ///
@@ -531,6 +533,7 @@ unsafe fn run(
         dtype,
         config,
         variant: xcall_warpspec::cuda::Variant::WarpSpecialized,
+        host: xcall_warpspec::HostExecutor::Vectorized,
         inputs: &inputs,
         output: output as u64,
         bytes: bytes as u64,

@@ -13,8 +13,10 @@
 //! before exit.
 
 use crate::error::PlanError;
+use crate::ops::table_offset;
 use crate::pipeline::{Action, RoleKind};
 use crate::plan::{PipelinePlan, WARPGROUP_THREADS};
+use xcall_core::cuda::device::{BULK_COPY, CONVERT, MBARRIER};
 use xcall_core::cuda::KernelRecord;
 use xcall_core::DType;
 
@@ -199,10 +201,14 @@ fn element_holes(op: ElementwiseOp, dtype: DType) -> [(&'static str, String); 7]
     ]
 }
 
-/// The source text every kernel starts with: the helpers, the parameter
+/// The source text every kernel starts with: xcall-core's device helpers
+/// (mbarrier, bulk copy, conversions), this crate's helpers, the parameter
 /// struct and the ragged groups' helpers.
 fn preamble() -> String {
-    format!("{PRELUDE}{}{RAGGED}", WsParams::c_definition())
+    format!(
+        "{MBARRIER}{BULK_COPY}{CONVERT}{PRELUDE}{}{RAGGED}",
+        WsParams::c_definition()
+    )
 }
 
 /// Launch facts of a generated kernel.
@@ -386,10 +392,7 @@ pub fn generate(
             ("CONSUMER_PHASE", t.consumer_phase.to_string()),
             ("TILE", tile.to_string()),
             ("PRODUCER_THREADS", producer_threads.to_string()),
-            (
-                "TABLE_OFF",
-                crate::cuda::table_offset(plan.smem_bytes).to_string(),
-            ),
+            ("TABLE_OFF", table_offset(plan.smem_bytes).to_string()),
             ("THREADS", plan.threads_per_block.to_string()),
             ("NAME", name.clone()),
             ("DEC", dec),

@@ -7,8 +7,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaFunction};
-use xcall_core::cuda::{self, Launch, Params};
+use xcall_core::cuda::{self, CudaFunction, Launch, Params, RawStream};
 use xcall_core::kernel_cache::LoadedModule;
 use xcall_core::{DType, Device, DeviceMap, Error, KernelCache, KernelSource, Result};
 
@@ -16,8 +15,8 @@ use crate::codegen::{
     generate, generate_plain, ElementwiseOp, GeneratedKernel, WsParams, PLAIN_TILE_BYTES,
 };
 use crate::ops::{
-    check_ragged, check_scales, ragged_table_bytes, GroupScales, OpConfig, RaggedGroups,
-    MAX_RAGGED_GROUPS,
+    check_ragged, check_scales, ragged_table_bytes, table_offset, GroupScales, OpConfig,
+    RaggedGroups, MAX_RAGGED_GROUPS,
 };
 
 /// Where the operands and the result live on the device.
@@ -170,20 +169,11 @@ impl WsKernels {
         // Room for the ragged groups' table past the kernel's own shared
         // memory, where the device has it; otherwise the kernel's own.
         let with_table = table_offset(generated.smem_bytes) + ragged_table_bytes(MAX_RAGGED_GROUPS);
-        let set = |bytes: u64| {
-            // SAFETY: sets an attribute of a function loaded in this context.
-            cuda::on(device, "cuFuncSetAttribute", || unsafe {
-                sys::cuFuncSetAttribute(
-                    function.cu_function(),
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-            })
-        };
-        let max_smem_bytes = match set(with_table) {
-            Ok(()) => with_table as u32,
+        let with_table = u32::try_from(with_table).unwrap_or(u32::MAX);
+        let max_smem_bytes = match cuda::set_max_dynamic_shared(device, &function, with_table) {
+            Ok(()) => with_table,
             Err(_) => {
-                set(generated.smem_bytes as u64)?;
+                cuda::set_max_dynamic_shared(device, &function, generated.smem_bytes)?;
                 generated.smem_bytes
             }
         };
@@ -212,7 +202,7 @@ impl WsKernels {
     pub unsafe fn launch(
         &self,
         device: Device,
-        stream: sys::CUstream,
+        stream: RawStream,
         op: ElementwiseOp,
         dtype: DType,
         variant: Variant,
@@ -277,11 +267,4 @@ impl WsKernels {
         // size.
         unsafe { cuda::launch(device, &p.function, config, &mut params) }
     }
-}
-
-/// Where the ragged groups' table starts in a kernel's dynamic shared
-/// memory: past the kernel's own `smem_bytes`, 16-byte aligned (the
-/// templates' `@TABLE_OFF@`).
-pub fn table_offset(smem_bytes: u32) -> u64 {
-    (smem_bytes as u64).next_multiple_of(16)
 }

@@ -19,6 +19,7 @@ pub mod cuda;
 pub mod designs;
 mod error;
 pub mod host;
+mod host_vectorized;
 pub mod ops;
 pub mod pipeline;
 pub mod plan;
@@ -28,6 +29,7 @@ mod tables;
 pub mod verify;
 
 pub use error::PlanError;
+pub use ops::HostExecutor;
 pub use pipeline::{Action, BarrierGroup, PipelineState, RoleKind, RolePlan};
 pub use plan::{BarrierKind, BarrierPlan, PipelinePlan};
 pub use run::{run, shared_kernels, OpCall};

@@ -1,7 +1,12 @@
 //! Built-in warp-specialized ops: `mul(a, b)` with two async warps (one per
 //! operand, the shape whose hand-written barriers hang when two producers
 //! share one FULL barrier) and `silu(x) * scale` with one; f32 and
-//! bf16. This module runs them on the Host executor.
+//! bf16. This module runs them on the Host, by default vectorized over the
+//! buffer's elements ([`HostExecutor::Vectorized`]), or through the Host
+//! executor's thread-by-thread model of the pipeline
+//! ([`HostExecutor::Pipeline`], what the protocol tests run). Both compute
+//! every element with the same f32 arithmetic and the same rounding, so
+//! their outputs are equal bit for bit.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -9,6 +14,7 @@ use std::time::Duration;
 use xcall_core::{DType, FloatCodec};
 
 use crate::host::{self, HostError};
+use crate::host_vectorized::{silu_bf16_table, silu_f32, silu_run, vectorized, BlockFn};
 use crate::plan::PipelinePlan;
 use crate::spec::{PipelineSpec, RegisterSplit};
 use crate::PlanError;
@@ -49,6 +55,22 @@ impl OpConfig {
         .filter(|_| self.compute_warpgroups == 2);
         PipelinePlan::new(&spec)
     }
+}
+
+/// How the Host runs a built-in op. Both refuse the same input and write
+/// the same bytes; they differ in speed and in what they exercise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HostExecutor {
+    /// Blocks of elements decoded, computed and encoded in a loop, split
+    /// over the machine's cores for large buffers. The config is checked
+    /// (planned) as for the pipeline but shapes nothing.
+    #[default]
+    Vectorized,
+    /// The pipeline of the config on the Host executor ([`host::run`]):
+    /// producer and compute roles as threads on software mbarriers,
+    /// tile by tile. Orders of magnitude slower; it runs the protocol the
+    /// verifier checks and the CUDA kernels follow.
+    Pipeline,
 }
 
 /// An error of an op.
@@ -102,7 +124,7 @@ fn codec(dtype: DType) -> Result<FloatCodec, OpError> {
 /// `silu(x) * scale` in f32, the definition both platforms follow (CUDA
 /// with the fast exp and division: within a few ulp, see the tests).
 pub fn silu_scale_f32(x: f32, scale: f32) -> f32 {
-    x / (1.0 + (-x).exp()) * scale
+    silu_f32(x) * scale
 }
 
 /// Per-group scales of `silu(x) * scale` by address (host memory on Host,
@@ -129,6 +151,13 @@ pub const MAX_RAGGED_GROUPS: u64 = 1024;
 /// work item and the item count).
 pub fn ragged_table_bytes(groups: u64) -> u64 {
     24 * groups + 8
+}
+
+/// Where the ragged groups' table starts in a kernel's dynamic shared
+/// memory: past the kernel's own `smem_bytes`, 16-byte aligned (the
+/// templates' `@TABLE_OFF@`).
+pub fn table_offset(smem_bytes: u32) -> u64 {
+    (smem_bytes as u64).next_multiple_of(16)
 }
 
 /// Ragged groups of rows for `silu(x) * scale`, sized by data the caller
@@ -314,15 +343,18 @@ pub fn check_scales(s: &GroupScales, bytes: u64, elem: u64, output: u64) -> Resu
     Ok(groups)
 }
 
-/// Streams `inputs` through the plan; `f` maps the element index and the
-/// elements at that index of every input to the output element.
-fn run_elementwise(
+/// The table of [`silu_bf16_table`](crate::host_vectorized) where the vectorized path takes it.
+fn silu_table(dtype: DType, exec: HostExecutor) -> Option<&'static [f32]> {
+    (dtype == DType::Bf16 && exec == HostExecutor::Vectorized).then(silu_bf16_table)
+}
+
+/// The codec of `dtype` and the plan of `config` for `operands` async
+/// warps, or why the op cannot run them (checked at every size).
+fn check_config(
     dtype: DType,
-    inputs: &[&[u8]],
-    out: &mut [u8],
     config: &OpConfig,
-    f: impl Fn(usize, &[f32]) -> f32 + Sync,
-) -> Result<(), OpError> {
+    operands: usize,
+) -> Result<(FloatCodec, PipelinePlan), OpError> {
     let codec = codec(dtype)?;
     let size = dtype.size_bytes();
     if config.tile_bytes as usize % size != 0 {
@@ -331,6 +363,26 @@ fn run_elementwise(
             config.tile_bytes
         )));
     }
+    Ok((codec, config.plan(operands)?))
+}
+
+/// Runs the op over `inputs` with `exec`: through the plan of `config`,
+/// where `f` maps the element index and the elements at that index of
+/// every input to the output element, or vectorized, where `block` does
+/// the same over a block of elements (the same f32 operations per
+/// element). The config, the dtype and the sizes are checked first,
+/// whatever the executor and the size (an empty buffer included).
+fn run_elementwise(
+    dtype: DType,
+    inputs: &[&[u8]],
+    out: &mut [u8],
+    config: &OpConfig,
+    exec: HostExecutor,
+    f: impl Fn(usize, &[f32]) -> f32 + Sync,
+    block: BlockFn<'_>,
+) -> Result<(), OpError> {
+    let (codec, plan) = check_config(dtype, config, inputs.len())?;
+    let size = dtype.size_bytes();
     for (k, input) in inputs.iter().enumerate() {
         if input.len() != out.len() || input.len() % size != 0 {
             return Err(OpError::Input(format!(
@@ -343,7 +395,10 @@ fn run_elementwise(
     if out.is_empty() {
         return Ok(());
     }
-    let plan = config.plan(inputs.len())?;
+    if exec == HostExecutor::Vectorized {
+        vectorized(codec, inputs, out, block);
+        return Ok(());
+    }
     let tile = config.tile_bytes as usize;
     let tiles: Vec<Mutex<&mut [u8]>> = out.chunks_mut(tile).map(Mutex::new).collect();
     host::run(&plan, inputs, Duration::from_secs(10), |t| {
@@ -367,28 +422,43 @@ fn run_elementwise(
     Ok(())
 }
 
-/// `out = a * b` elementwise on the Host executor (two async warps).
+/// `out = a * b` elementwise with `exec` (a pipeline of two async warps).
 pub fn mul_host(
     dtype: DType,
     a: &[u8],
     b: &[u8],
     out: &mut [u8],
     config: &OpConfig,
+    exec: HostExecutor,
 ) -> Result<(), OpError> {
-    run_elementwise(dtype, &[a, b], out, config, |_, v| v[0] * v[1])
+    run_elementwise(
+        dtype,
+        &[a, b],
+        out,
+        config,
+        exec,
+        |_, v| v[0] * v[1],
+        &|_, v, out| {
+            for ((o, a), b) in out.iter_mut().zip(v[0]).zip(v[1]) {
+                *o = a * b;
+            }
+        },
+    )
 }
 
 /// `out[range] = silu(x[range]) * scale` for every `(range, scale)` of
 /// `pieces` (disjoint byte ranges inside the buffers, e.g. from
-/// [`ragged_pieces`]) on the Host executor; the rest of `out` is not
-/// written.
+/// [`ragged_pieces`]) with `exec`; the rest of `out` is not written. The
+/// config and every piece are checked before any is written.
 pub fn silu_scale_pieces_host(
     dtype: DType,
     x: &[u8],
     pieces: &[(std::ops::Range<usize>, f32)],
     out: &mut [u8],
     config: &OpConfig,
+    exec: HostExecutor,
 ) -> Result<(), OpError> {
+    check_config(dtype, config, 1)?;
     if x.len() != out.len() {
         return Err(OpError::Input(format!(
             "input of {} bytes, output of {}: they must match",
@@ -396,6 +466,16 @@ pub fn silu_scale_pieces_host(
             out.len()
         )));
     }
+    if let Some((range, _)) = pieces
+        .iter()
+        .find(|(r, _)| r.start > r.end || r.end > x.len())
+    {
+        return Err(OpError::Input(format!(
+            "a piece {range:?} outside the {}-byte buffers",
+            x.len()
+        )));
+    }
+    let table = silu_table(dtype, exec);
     for (range, scale) in pieces {
         let (x, out) = match (x.get(range.clone()), out.get_mut(range.clone())) {
             (Some(x), Some(out)) => (x, out),
@@ -406,24 +486,40 @@ pub fn silu_scale_pieces_host(
                 )))
             }
         };
-        run_elementwise(dtype, &[x], out, config, |_, v| {
-            silu_scale_f32(v[0], *scale)
-        })?;
+        run_elementwise(
+            dtype,
+            &[x],
+            out,
+            config,
+            exec,
+            |_, v| silu_scale_f32(v[0], *scale),
+            &|_, v, out| silu_run(table, v[0], out, *scale),
+        )?;
     }
     Ok(())
 }
 
-/// `out = silu(x) * scale` elementwise on the Host executor (one async
-/// warp), with one scale or one per group.
+/// `out = silu(x) * scale` elementwise with `exec` (a pipeline of one
+/// async warp), with one scale or one per group.
 pub fn silu_scale_host(
     dtype: DType,
     x: &[u8],
     scale: Scale<'_>,
     out: &mut [u8],
     config: &OpConfig,
+    exec: HostExecutor,
 ) -> Result<(), OpError> {
+    let table = silu_table(dtype, exec);
     match scale {
-        Scale::One(s) => run_elementwise(dtype, &[x], out, config, |_, v| silu_scale_f32(v[0], s)),
+        Scale::One(s) => run_elementwise(
+            dtype,
+            &[x],
+            out,
+            config,
+            exec,
+            |_, v| silu_scale_f32(v[0], s),
+            &|_, v, out| silu_run(table, v[0], out, s),
+        ),
         Scale::PerGroup {
             scales,
             group_bytes,
@@ -437,9 +533,24 @@ pub fn silu_scale_host(
                 )));
             }
             let per_group = group_bytes / size;
-            run_elementwise(dtype, &[x], out, config, |i, v| {
-                silu_scale_f32(v[0], scales[i / per_group])
-            })
+            run_elementwise(
+                dtype,
+                &[x],
+                out,
+                config,
+                exec,
+                |i, v| silu_scale_f32(v[0], scales[i / per_group]),
+                // Runs of one group's elements at a time.
+                &|first, v, out| {
+                    let mut j = 0;
+                    while j < out.len() {
+                        let g = (first + j) / per_group;
+                        let end = ((g + 1) * per_group - first).min(out.len());
+                        silu_run(table, &v[0][j..end], &mut out[j..end], scales[g]);
+                        j = end;
+                    }
+                },
+            )
         }
     }
 }

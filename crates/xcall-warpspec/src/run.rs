@@ -5,8 +5,9 @@
 //! sizes in 64 bits), grouped scales (only `SiluScale` takes them; NULL,
 //! alignment, groups that divide the buffer, overlap with the output) or
 //! ragged groups (see [`check_ragged`]), the
-//! Host device's ordinal; then runs the op on the
-//! Host executor or enqueues the warp-specialized kernel on the caller's
+//! Host device's ordinal, and on Host the dtype and the config (at every
+//! size, an empty buffer included); then runs the op on the Host (with
+//! the call's [`HostExecutor`]) or enqueues the warp-specialized kernel on the caller's
 //! stream, with the process's prepared kernels ([`shared_kernels`]).
 
 use std::sync::OnceLock;
@@ -17,7 +18,7 @@ use crate::codegen::ElementwiseOp;
 use crate::cuda::{DeviceBuffers, Variant, WsKernels};
 use crate::ops::{
     check_ragged, check_scales, mul_host, ragged_pieces, silu_scale_host, silu_scale_pieces_host,
-    GroupScales, OpConfig, OpError, RaggedGroups, Scale,
+    GroupScales, HostExecutor, OpConfig, OpError, RaggedGroups, Scale,
 };
 
 /// A call of a built-in op.
@@ -33,8 +34,11 @@ pub struct OpCall<'a> {
     pub dtype: DType,
     /// The pipeline's shape.
     pub config: OpConfig,
-    /// Which CUDA kernel runs (the Host always runs the pipeline).
+    /// Which CUDA kernel runs (ignored on Host).
     pub variant: Variant,
+    /// How the Host runs the op ([`HostExecutor::Vectorized`] unless a
+    /// caller asks for the pipeline model; ignored on CUDA).
+    pub host: HostExecutor,
     /// Operand addresses (host pointers or device pointers).
     pub inputs: &'a [u64],
     /// Result address.
@@ -132,7 +136,14 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
                     )
                 };
                 let pieces = ragged_pieces(&r, rows, scales)?;
-                return silu_scale_pieces_host(call.dtype, ins[0], &pieces, out, &call.config);
+                return silu_scale_pieces_host(
+                    call.dtype,
+                    ins[0],
+                    &pieces,
+                    out,
+                    &call.config,
+                    call.host,
+                );
             }
             let scale = match call.scales {
                 None => Scale::One(call.scale),
@@ -150,9 +161,11 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
                 },
             };
             match call.op {
-                ElementwiseOp::Mul => mul_host(call.dtype, ins[0], ins[1], out, &call.config),
+                ElementwiseOp::Mul => {
+                    mul_host(call.dtype, ins[0], ins[1], out, &call.config, call.host)
+                }
                 ElementwiseOp::SiluScale => {
-                    silu_scale_host(call.dtype, ins[0], scale, out, &call.config)
+                    silu_scale_host(call.dtype, ins[0], scale, out, &call.config, call.host)
                 }
             }
         }

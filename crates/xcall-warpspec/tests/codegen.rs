@@ -35,6 +35,18 @@ fn generated_source_follows_the_plan() {
     ] {
         assert!(k.source.contains(needle), "missing {needle:?}");
     }
+    // The four verbs of a stage wrap the barrier operations, with the
+    // state's parity on both waits.
+    for verb in [
+        "void producer_acquire(u32 empty, const PipelineState &st) {\n    mbar_wait(empty, st.phase);\n}",
+        "    if (bytes) {\n        bulk_load_arrive(buf, src, bytes, full);\n    } else {\n        mbar_arrive(full);\n    }",
+        // xcall-core's: expect_tx, then the copy.
+        "    mbar_arrive_expect_tx(bar, bytes);\n    bulk_load(dst, src, bytes, bar);",
+        "void consumer_wait(u32 full, const PipelineState &st) {\n    mbar_wait(full, st.phase);\n}",
+        "void consumer_release(u32 empty) {\n    mbar_arrive(empty);\n}",
+    ] {
+        assert!(k.source.contains(verb), "missing {verb:?}");
+    }
     // The plan's barrier offsets are what the kernel uses.
     let full: Vec<String> = (0..2)
         .flat_map(|w| (0..3).map(move |s| (w, s)))
@@ -132,18 +144,21 @@ fn each_role_issues_its_register_change_waits_and_arrives_exactly_once() {
                             regs,
                         ),
                         ("producer", producer, "setmaxnreg.inc", 0),
-                        ("producer", producer, "mbar_wait(", 1),
-                        ("producer", producer, "EMPTY_OFF[warp * STAGES + s]", 1),
-                        ("producer", producer, "mbar_arrive_expect_tx(", 1),
-                        ("producer", producer, "mbar_arrive(", 1),
-                        ("producer", producer, "bulk_load(", 1),
+                        ("producer", producer, "producer_acquire(", 1),
+                        ("producer", producer, "EMPTY_OFF, warp, s)", 1),
+                        ("producer", producer, "producer_commit(", 1),
+                        ("producer", producer, "FULL_OFF, warp, s)", 1),
+                        ("producer", producer, "consumer_", 0),
+                        ("producer", producer, "mbar_", 0),
+                        ("producer", producer, "bulk_load", 0),
                         ("compute", compute, "setmaxnreg.inc.sync.aligned.u32", regs),
                         ("compute", compute, "setmaxnreg.dec", 0),
-                        ("compute", compute, "mbar_wait(", 1),
-                        ("compute", compute, "FULL_OFF[w * STAGES + s]", 1),
-                        ("compute", compute, "mbar_arrive(", 1),
-                        ("compute", compute, "EMPTY_OFF[w * STAGES + s]", 1),
-                        ("compute", compute, "mbar_arrive_expect_tx", 0),
+                        ("compute", compute, "consumer_wait(", 1),
+                        ("compute", compute, "FULL_OFF, w, s)", 1),
+                        ("compute", compute, "consumer_release(", 1),
+                        ("compute", compute, "EMPTY_OFF, w, s)", 1),
+                        ("compute", compute, "producer_", 0),
+                        ("compute", compute, "mbar_", 0),
                         ("compute", compute, "bulk_load", 0),
                     ];
                     assert_eq!(regs, usize::from(wgs > 1), "{what}: registers planned");
@@ -160,17 +175,17 @@ fn each_role_issues_its_register_change_waits_and_arrives_exactly_once() {
                     // passes on the fresh barrier), compute on the plain
                     // phase of FULL.
                     assert_eq!(
-                        count(producer, "PipeState st = {0u, PRODUCER_PHASE};"),
+                        count(producer, "PipelineState st = {0u, PRODUCER_PHASE};"),
                         1,
                         "{what}"
                     );
                     assert_eq!(
-                        count(compute, "PipeState st = {0u, CONSUMER_PHASE};"),
+                        count(compute, "PipelineState st = {0u, CONSUMER_PHASE};"),
                         1,
                         "{what}"
                     );
-                    assert_eq!(count(producer, "st.phase"), 1, "{what}");
-                    assert_eq!(count(compute, "st.phase"), 1, "{what}");
+                    assert_eq!(count(producer, ", st);"), 1, "{what}");
+                    assert_eq!(count(compute, ", st);"), 1, "{what}");
                     // Both role loops walk the same work items.
                     let walk =
                         "for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES))";

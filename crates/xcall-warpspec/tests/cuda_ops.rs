@@ -9,7 +9,7 @@ use xcall_core::testing::{cuda_devices_or_skip, skip};
 use xcall_core::{cuda, DType, Device, Status};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::{DeviceBuffers, Variant, WsKernels};
-use xcall_warpspec::ops::{mul_host, silu_scale_host, GroupScales, OpConfig, Scale};
+use xcall_warpspec::ops::{mul_host, silu_scale_host, GroupScales, HostExecutor, OpConfig, Scale};
 
 fn hopper() -> Option<()> {
     cuda_devices_or_skip("warpspec cuda ops")?;
@@ -64,10 +64,19 @@ fn generated_kernels_equal_the_host_executor() {
                     let b = random_bytes(dtype, n, seed + 1000);
                     let mut want = vec![0u8; a.len()];
                     match op {
-                        ElementwiseOp::Mul => mul_host(dtype, &a, &b, &mut want, config).unwrap(),
-                        ElementwiseOp::SiluScale => {
-                            silu_scale_host(dtype, &a, Scale::One(0.75), &mut want, config).unwrap()
+                        ElementwiseOp::Mul => {
+                            mul_host(dtype, &a, &b, &mut want, config, HostExecutor::Vectorized)
+                                .unwrap()
                         }
+                        ElementwiseOp::SiluScale => silu_scale_host(
+                            dtype,
+                            &a,
+                            Scale::One(0.75),
+                            &mut want,
+                            config,
+                            HostExecutor::Vectorized,
+                        )
+                        .unwrap(),
                     }
                     let (da, db) = (
                         stream.clone_htod(&a).unwrap(),
@@ -231,6 +240,7 @@ fn grouped_scales_equal_the_host() {
                 },
                 &mut want,
                 config,
+                HostExecutor::Vectorized,
             )
             .unwrap();
             let dx = stream.clone_htod(&x).unwrap();
@@ -334,7 +344,15 @@ fn ragged_groups_equal_the_host_executor() {
         let dr = stream.clone_htod(&rows).unwrap();
         for config in &configs {
             let mut want = vec![0xa5u8; bytes];
-            silu_scale_pieces_host(dtype, &x, &pieces, &mut want, config).unwrap();
+            silu_scale_pieces_host(
+                dtype,
+                &x,
+                &pieces,
+                &mut want,
+                config,
+                HostExecutor::Vectorized,
+            )
+            .unwrap();
             for variant in [Variant::WarpSpecialized, Variant::Plain] {
                 let out = stream.clone_htod(&vec![0xa5u8; bytes]).unwrap(); // poisoned
                 let inputs = [dx.device_ptr(&stream).0];

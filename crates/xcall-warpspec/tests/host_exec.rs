@@ -9,9 +9,13 @@ use common::{decode, encode, random_bytes};
 use xcall_core::DType;
 use xcall_warpspec::host::{self, HostError};
 use xcall_warpspec::ops::{
-    check_scales, mul_host, silu_scale_f32, silu_scale_host, GroupScales, OpConfig, OpError, Scale,
+    check_scales, mul_host, silu_scale_f32, silu_scale_host, GroupScales, HostExecutor, OpConfig,
+    OpError, Scale,
 };
 use xcall_warpspec::{Action, BarrierKind, PipelinePlan, PipelineSpec, PipelineState};
+
+/// Both Host executors: every result test runs each.
+const EXECUTORS: [HostExecutor; 2] = [HostExecutor::Vectorized, HostExecutor::Pipeline];
 
 /// The plain-loop reference: decode, compute in f32, round to the dtype.
 fn reference(dtype: DType, inputs: &[&[u8]], f: impl Fn(&[f32]) -> f32) -> Vec<u8> {
@@ -47,27 +51,96 @@ fn mul_and_silu_match_plain_loops_with_tails() {
         },
     ];
     let mut seed = 1;
-    for dtype in [DType::F32, DType::Bf16] {
+    for (dtype, exec) in [DType::F32, DType::Bf16]
+        .into_iter()
+        .flat_map(|d| EXECUTORS.map(|e| (d, e)))
+    {
         for config in &configs {
             for n in [1usize, 7, 63, 1000, 4099, 20_001] {
                 seed += 1;
                 let a = random_bytes(dtype, n, seed);
                 let b = random_bytes(dtype, n, seed + 100);
                 let mut out = vec![0xa5u8; a.len()]; // poisoned
-                mul_host(dtype, &a, &b, &mut out, config).unwrap();
+                mul_host(dtype, &a, &b, &mut out, config, exec).unwrap();
                 assert_eq!(
                     out,
                     reference(dtype, &[&a, &b], |v| v[0] * v[1]),
-                    "mul {dtype} {config:?} n={n}"
+                    "mul {dtype} {exec:?} {config:?} n={n}"
                 );
                 let mut out = vec![0xa5u8; a.len()];
-                silu_scale_host(dtype, &a, Scale::One(0.75), &mut out, config).unwrap();
+                silu_scale_host(dtype, &a, Scale::One(0.75), &mut out, config, exec).unwrap();
                 assert_eq!(
                     out,
                     reference(dtype, &[&a], |v| silu_scale_f32(v[0], 0.75)),
-                    "silu {dtype} {config:?} n={n}"
+                    "silu {dtype} {exec:?} {config:?} n={n}"
                 );
             }
+        }
+    }
+}
+
+/// The vectorized path writes what the pipeline model writes, bit for
+/// bit, on random data (with infinities, NaN and signed zeros mixed in)
+/// of several shapes: sizes that split over threads (above 2^18 elements)
+/// and blocks, tails, configs of every shape, one scale and per-group
+/// scales.
+#[test]
+fn the_vectorized_path_writes_what_the_pipeline_writes() {
+    let config = |stages, tile_bytes, compute_warpgroups| OpConfig {
+        stages,
+        tile_bytes,
+        compute_warpgroups,
+    };
+    let mut seed = 900;
+    for (dtype, n, config, per_group) in [
+        (DType::F32, 600_001usize, OpConfig::default(), 1000usize),
+        (DType::Bf16, (1 << 19) + 2049, config(3, 1024, 1), 4096),
+        (DType::F32, 2047, config(1, 48, 1), 92),
+        (DType::Bf16, 5, config(2, 256, 2), 5),
+        (DType::Bf16, 70_000, config(4, 16 * 1024, 2), 7000),
+    ] {
+        seed += 1;
+        let mut v = decode(DType::F32, &random_bytes(DType::F32, n, seed));
+        for (i, special) in [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            90.0,
+            -90.0,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            v[(i * 7919) % n] = special;
+        }
+        let a = encode(dtype, &v);
+        let b = random_bytes(dtype, n, seed + 1);
+        let groups = n.div_ceil(per_group);
+        let x = &a[..(n / per_group).max(1) * per_group * dtype.size_bytes()];
+        let scales: Vec<f32> = (0..groups).map(|g| 0.25 + g as f32 * 0.125).collect();
+        let run = |exec: HostExecutor| {
+            let mut outs = [
+                vec![0xa5u8; a.len()],
+                vec![0xa5u8; a.len()],
+                vec![0xa5u8; x.len()],
+            ];
+            mul_host(dtype, &a, &b, &mut outs[0], &config, exec).unwrap();
+            silu_scale_host(dtype, &a, Scale::One(1.5), &mut outs[1], &config, exec).unwrap();
+            let grouped = Scale::PerGroup {
+                scales: &scales[..x.len() / (per_group * dtype.size_bytes())],
+                group_bytes: per_group * dtype.size_bytes(),
+            };
+            silu_scale_host(dtype, x, grouped, &mut outs[2], &config, exec).unwrap();
+            outs
+        };
+        let (fast, model) = (run(HostExecutor::Vectorized), run(HostExecutor::Pipeline));
+        for (k, what) in ["mul", "silu", "grouped silu"].into_iter().enumerate() {
+            assert!(
+                fast[k] == model[k],
+                "{what} {dtype} n={n} {config:?}: the paths differ"
+            );
+            assert!(!fast[k].iter().all(|&b| b == 0xa5), "{what}: written");
         }
     }
 }
@@ -78,7 +151,10 @@ fn mul_and_silu_match_plain_loops_with_tails() {
 #[test]
 fn grouped_scales_match_a_plain_loop() {
     let mut seed = 500;
-    for dtype in [DType::F32, DType::Bf16] {
+    for (dtype, exec) in [DType::F32, DType::Bf16]
+        .into_iter()
+        .flat_map(|d| EXECUTORS.map(|e| (d, e)))
+    {
         for (per_group, groups, tile_bytes) in
             [(40usize, 7usize, 256u32), (8, 50, 4096), (1000, 3, 48)]
         {
@@ -100,6 +176,7 @@ fn grouped_scales_match_a_plain_loop() {
                 },
                 &mut out,
                 &config,
+                exec,
             )
             .unwrap();
             let want: Vec<f32> = decode(dtype, &x)
@@ -107,13 +184,23 @@ fn grouped_scales_match_a_plain_loop() {
                 .enumerate()
                 .map(|(i, &v)| silu_scale_f32(v, scales[i / per_group]))
                 .collect();
-            assert_eq!(out, encode(dtype, &want), "{dtype} {groups} x {per_group}");
+            assert_eq!(
+                out,
+                encode(dtype, &want),
+                "{dtype} {exec:?} {groups} x {per_group}"
+            );
         }
     }
 }
 
 #[test]
 fn bad_group_scales_are_refused() {
+    for exec in EXECUTORS {
+        bad_group_scales_are_refused_by(exec);
+    }
+}
+
+fn bad_group_scales_are_refused_by(exec: HostExecutor) {
     let c = OpConfig::default();
     let x = [0u8; 64];
     let mut out = [0u8; 64];
@@ -127,6 +214,7 @@ fn bad_group_scales_are_refused() {
             },
             out,
             &c,
+            exec,
         )
     };
     for (scales, group_bytes, want) in [
@@ -197,18 +285,31 @@ fn silu_definition_matches_an_independent_formula() {
 
 #[test]
 fn bad_inputs_are_refused() {
+    for exec in EXECUTORS {
+        bad_inputs_are_refused_by(exec);
+    }
+}
+
+fn bad_inputs_are_refused_by(exec: HostExecutor) {
     let c = OpConfig::default();
     let mut out = vec![0u8; 8];
-    let err = mul_host(DType::F32, &[0u8; 8], &[0u8; 4], &mut out, &c).unwrap_err();
+    let err = mul_host(DType::F32, &[0u8; 8], &[0u8; 4], &mut out, &c, exec).unwrap_err();
     assert!(err.to_string().contains("input 1 has 4 bytes"), "{err}");
     // A dtype the ops do not take is UNSUPPORTED (f16 too), not a bad input.
     for dtype in [DType::I32, DType::F16] {
-        let e = mul_host(dtype, &[0u8; 8], &[0u8; 8], &mut out, &c).unwrap_err();
+        let e = mul_host(dtype, &[0u8; 8], &[0u8; 8], &mut out, &c, exec).unwrap_err();
         assert!(matches!(e, OpError::Unsupported(_)), "{e}");
         assert_eq!(e.status(), xcall_core::Status::Unsupported);
     }
     assert!(matches!(
-        silu_scale_host(DType::F32, &[0u8; 6], Scale::One(1.0), &mut [0u8; 6], &c),
+        silu_scale_host(
+            DType::F32,
+            &[0u8; 6],
+            Scale::One(1.0),
+            &mut [0u8; 6],
+            &c,
+            exec
+        ),
         Err(OpError::Input(_))
     ));
     let odd = OpConfig {
@@ -216,11 +317,24 @@ fn bad_inputs_are_refused() {
         ..c
     };
     assert!(matches!(
-        mul_host(DType::F32, &[0u8; 8], &[0u8; 8], &mut out, &odd),
+        mul_host(DType::F32, &[0u8; 8], &[0u8; 8], &mut out, &odd, exec),
         Err(OpError::Plan(_))
     ));
     // Nothing to do is not an error.
-    mul_host(DType::F32, &[], &[], &mut [], &c).unwrap();
+    mul_host(DType::F32, &[], &[], &mut [], &c, exec).unwrap();
+    // ...but a config the pipeline cannot have is, at every size.
+    let none = OpConfig {
+        stages: 0,
+        tile_bytes: 0,
+        compute_warpgroups: 0,
+    };
+    for bytes in [0usize, 16 * 1024] {
+        let (x, mut out) = (vec![0u8; bytes], vec![0xa5u8; bytes]);
+        let e =
+            silu_scale_host(DType::F32, &x, Scale::One(1.0), &mut out, &none, exec).unwrap_err();
+        assert!(matches!(e, OpError::Plan(_)), "{exec:?} {bytes} bytes: {e}");
+        assert!(out.iter().all(|&b| b == 0xa5), "nothing written");
+    }
 }
 
 #[test]
@@ -327,7 +441,7 @@ fn ragged_groups_match_a_loop_over_rows_and_leave_the_rest() {
     use xcall_warpspec::OpCall;
     let mut seed = 700;
     // (dtype, row elements, rows per segment, counts per segment)
-    for (dtype, row, seg_rows, counts) in [
+    for (dtype, row, seg_rows, counts, host) in [
         (
             DType::F32,
             8usize,
@@ -336,7 +450,11 @@ fn ragged_groups_match_a_loop_over_rows_and_leave_the_rest() {
         ),
         (DType::Bf16, 24, 7, vec![vec![1, 2, 3, 1]]),
         (DType::Bf16, 8, 5, vec![vec![0, 2], vec![5, 0], vec![1, 1]]),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|case| EXECUTORS.map(|e| (case.clone(), e)))
+    .map(|((d, r, s, c), e)| (d, r, s, c, e))
+    {
         seed += 1;
         let (segments, groups) = (counts.len(), counts[0].len());
         let row_bytes = row * dtype.size_bytes();
@@ -365,6 +483,7 @@ fn ragged_groups_match_a_loop_over_rows_and_leave_the_rest() {
                 compute_warpgroups: 2,
             },
             variant: Variant::WarpSpecialized,
+            host,
             inputs: &inputs,
             output: out.as_mut_ptr() as u64,
             bytes: bytes as u64,
@@ -394,7 +513,7 @@ fn ragged_groups_match_a_loop_over_rows_and_leave_the_rest() {
                     .copy_from_slice(&encode(dtype, &vals));
             }
         }
-        assert_eq!(out, want, "{dtype} {counts:?}");
+        assert_eq!(out, want, "{dtype} {host:?} {counts:?}");
     }
 }
 
@@ -522,4 +641,66 @@ fn bad_ragged_groups_are_refused() {
         pieces.iter().map(|p| p.0.clone()).collect::<Vec<_>>(),
         [0..128, 128..320, 320..640]
     );
+}
+
+/// A config the pipeline cannot have is refused by `run` (what the C ABI
+/// calls) before anything runs, at every size (an empty buffer included),
+/// with one scale, per-group scales or ragged groups, on either executor.
+#[test]
+fn a_bad_config_is_refused_by_run_at_every_size() {
+    use xcall_core::Device;
+    use xcall_warpspec::codegen::ElementwiseOp;
+    use xcall_warpspec::cuda::Variant;
+    use xcall_warpspec::ops::RaggedGroups;
+    use xcall_warpspec::OpCall;
+    let none = OpConfig {
+        stages: 0,
+        tile_bytes: 0,
+        compute_warpgroups: 0,
+    };
+    let (scales, rows) = ([1.0f32; 64], [0i64; 8]);
+    for (host, bytes, form) in EXECUTORS
+        .into_iter()
+        .flat_map(|e| [0usize, 16 * 1024].map(|b| (e, b)))
+        .flat_map(|(e, b)| [0, 1, 2].map(|f| (e, b, f)))
+    {
+        let x = vec![0x3fu8; bytes];
+        let mut out = vec![0xa5u8; bytes];
+        let inputs = [x.as_ptr() as u64];
+        let grouped = GroupScales {
+            addr: scales.as_ptr() as u64,
+            group_bytes: 16 * 1024,
+        };
+        let ragged = RaggedGroups {
+            scales: scales.as_ptr() as u64,
+            rows: rows.as_ptr() as u64,
+            segments: 1,
+            groups: 1,
+            segment_bytes: bytes as u64,
+            row_bytes: 16,
+        };
+        let call = OpCall {
+            device: Device::HOST,
+            stream: std::ptr::null_mut(),
+            op: ElementwiseOp::SiluScale,
+            dtype: DType::F32,
+            config: none,
+            variant: Variant::WarpSpecialized,
+            host,
+            inputs: &inputs,
+            output: out.as_mut_ptr() as u64,
+            bytes: bytes as u64,
+            scale: 1.0,
+            scales: (form == 1).then_some(grouped),
+            ragged: (form == 2).then_some(ragged),
+        };
+        // SAFETY: host buffers of the sizes the call names.
+        let e = unsafe { xcall_warpspec::run(&call) }.unwrap_err();
+        assert!(
+            matches!(e, OpError::Plan(_)),
+            "{host:?} {bytes} bytes, form {form}: {e}"
+        );
+        assert_eq!(e.status(), xcall_core::Status::InvalidArgument, "{e}");
+        assert!(out.iter().all(|&b| b == 0xa5), "nothing written");
+    }
 }

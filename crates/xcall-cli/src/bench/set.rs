@@ -16,7 +16,7 @@ use xcall_shmem::{Config, World};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::OpConfig;
-use xcall_warpspec::OpCall;
+use xcall_warpspec::{HostExecutor, OpCall};
 
 use super::{medians, stream_medians, FirstError, Problem, Row, Sweep, SweepPoint};
 use crate::layer::{Context, Dims, Layer, Res};
@@ -147,6 +147,8 @@ impl Set {
             dtype: DType::Bf16,
             config: OpConfig::default(),
             variant,
+            // The row measures the pipeline, on Host its thread model.
+            host: HostExecutor::Pipeline,
             inputs: &[self.b.perm],
             output: self.b.dst,
             bytes: self.tensor_bytes(),

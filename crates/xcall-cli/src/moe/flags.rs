@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use xcall_core::{DType, Device, Platform};
 use xcall_shmem::launch::LaunchEnv;
 use xcall_shmem::{BootstrapKind, MAX_PES};
+use xcall_warpspec::HostExecutor;
 
 use super::data::Shape;
 use super::pe::Pe;
@@ -31,6 +32,16 @@ pub enum DtypeArg {
     F32,
     /// bfloat16.
     Bf16,
+}
+
+/// How a Host PE runs its experts (the warp-specialized op).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HostExecutorArg {
+    /// Blocks of elements decoded, computed and encoded over the cores.
+    Vectorized,
+    /// The pipeline's thread-by-thread model on software mbarriers (the
+    /// protocol the CUDA kernels follow; far slower).
+    Pipeline,
 }
 
 /// How rows reach other PEs.
@@ -120,6 +131,10 @@ pub struct MoeArgs {
     /// process 0 writes it).
     #[arg(long)]
     pub(super) json: Option<PathBuf>,
+    /// How Host PEs run their experts; both write the same bytes. Ignored
+    /// on CUDA.
+    #[arg(long, value_enum, default_value_t = HostExecutorArg::Vectorized)]
+    pub(super) host_executor: HostExecutorArg,
 }
 
 /// A run whose PEs are processes started by a launcher (more than one).
@@ -156,6 +171,8 @@ pub(super) struct Run {
     pub(super) capacity_factor: f64,
     pub(super) verify: Verify,
     pub(super) progress_every: Duration,
+    /// How Host PEs run their experts.
+    pub(super) host: HostExecutor,
 }
 
 impl Run {
@@ -435,6 +452,18 @@ pub(super) fn validate(
         capacity_factor: f,
         verify: a.verify.unwrap_or(Verify::default_for(a.steps)),
         progress_every: a.progress_every,
+        host: match a.host_executor {
+            HostExecutorArg::Vectorized => HostExecutor::Vectorized,
+            HostExecutorArg::Pipeline => HostExecutor::Pipeline,
+        },
+    })
+}
+
+/// How the Host PEs ran their experts (`None` on CUDA).
+pub(super) fn host_executor(run: &Run) -> Option<&'static str> {
+    (run.platform == Platform::Host).then_some(match run.host {
+        HostExecutor::Vectorized => "vectorized",
+        HostExecutor::Pipeline => "pipeline",
     })
 }
 

@@ -40,7 +40,8 @@ pub(super) fn pe_thread(
         device,
         &run.bootstrap(group),
         run.timeout,
-    )?;
+    )?
+    .with_host_executor(run.host);
     let ran = run_and_gather(run, local, rank, &mut pe, cache, progress);
     if ran.is_err() && device.platform == Platform::Cuda {
         // A failed step may leave this PE's step graph running, its

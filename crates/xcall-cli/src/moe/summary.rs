@@ -7,7 +7,7 @@ use serde_json::json;
 use xcall_core::{Device, Platform};
 
 use super::data::{Check, Shape};
-use super::flags::{Run, PHASE_STEPS};
+use super::flags::{host_executor, Run, PHASE_STEPS};
 use super::log::{GraphLine, PeLog};
 use super::pe::{Pe, PHASES};
 use super::verify::{check_threads, Verify};
@@ -203,6 +203,9 @@ pub(super) fn report(
         mib(memory.1)
     );
     println!("  tokens/s       {tokens_per_s:.0}");
+    if let Some(e) = host_executor(run) {
+        println!("  experts        on the Host, {e}");
+    }
     println!(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
         if s.fused {
@@ -313,6 +316,7 @@ pub(super) fn report(
         doc["remote_transport"] = json!(remote);
         doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
         doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
+        doc["host_executor"] = json!(host_executor(run));
         out.write("moe", &devices, doc)?;
     }
     Ok(bad == 0)

@@ -13,6 +13,12 @@
 #define PRODUCER_THREADS @PRODUCER_THREADS@u
 #define TABLE_OFF @TABLE_OFF@u
 
+// The shared-memory address of async warp `w`'s entry at stage `s` of a
+// table of offsets (FULL_OFF, EMPTY_OFF, BUF_OFF).
+__device__ __forceinline__ u32 stage_addr(const unsigned char *smem, const u32 *table, u32 w, u32 s) {
+    return smem_addr(smem + table[w * STAGES + s]);
+}
+
 extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams p) {
 @OPERANDS@    unsigned char *__restrict__ dst = p.dst;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -22,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
             mbar_init(smem_addr(smem + FULL_OFF[i]), FULL_INIT[i]);
             mbar_init(smem_addr(smem + EMPTY_OFF[i]), EMPTY_INIT[i]);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_mbarrier_init();
     }
     // Ragged groups: their table, past the pipeline's shared memory.
     u64 *tab = (u64 *)(smem + TABLE_OFF);
@@ -40,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
         const u32 warp = tid / 32, lane = tid % 32;
         if (warp < WARPS && lane == 0) {
             const unsigned char *src = @SRC_SELECT@;
-            PipeState st = {0u, PRODUCER_PHASE};
+            PipelineState st = {0u, PRODUCER_PHASE};
             for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
                 const u32 s = st.index;
                 // The EMPTY barrier (release by the compute warps, acquire
@@ -48,28 +54,24 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
                 // copy into it, as in CUTLASS's TMA pipeline. A proxy fence
                 // here cost ~3% bandwidth on H100 (it waits for this
                 // producer's copies in flight) and changed no result.
-                mbar_wait(smem_addr(smem + EMPTY_OFF[warp * STAGES + s]), st.phase);
+                producer_acquire(stage_addr(smem, EMPTY_OFF, warp, s), st);
                 const Item it = p.rows ? ragged_item(tab, G, i, TILE) : item_of(i, tiles_per_group, group, TILE);
+                // The tile's whole 16-byte vectors; compute reads a tail
+                // from global memory.
                 const u32 bulk = it.n & ~15u;
-                const u32 full = smem_addr(smem + FULL_OFF[warp * STAGES + s]);
-                if (bulk) {
-                    mbar_arrive_expect_tx(full, bulk);
-                    bulk_load(smem_addr(smem + BUF_OFF[warp * STAGES + s]), src + it.base, bulk, full);
-                } else {
-                    mbar_arrive(full);
-                }
+                producer_commit(stage_addr(smem, FULL_OFF, warp, s), stage_addr(smem, BUF_OFF, warp, s), src + it.base, bulk);
             }
         }
     } else {
         @INC@
         const u32 ct = tid - PRODUCER_THREADS;
-        PipeState st = {0u, CONSUMER_PHASE};
+        PipelineState st = {0u, CONSUMER_PHASE};
         for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
             const u32 s = st.index;
             const Item it = p.rows ? ragged_item(tab, G, i, TILE) : item_of(i, tiles_per_group, group, TILE);
             const float scale = p.scales ? p.scales[it.group] : p.scale;
             (void)scale;
-            for (u32 w = 0; w < WARPS; ++w) mbar_wait(smem_addr(smem + FULL_OFF[w * STAGES + s]), st.phase);
+            for (u32 w = 0; w < WARPS; ++w) consumer_wait(stage_addr(smem, FULL_OFF, w, s), st);
             // The tile's whole 16-byte vectors come from shared memory.
             const u32 vecs = it.n / 16u;
             #pragma unroll 4
@@ -90,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
             }
             // Every compute thread releases the stage after its own reads
             // (the EMPTY count is the number of compute threads).
-            for (u32 w = 0; w < WARPS; ++w) mbar_arrive(smem_addr(smem + EMPTY_OFF[w * STAGES + s]));
+            for (u32 w = 0; w < WARPS; ++w) consumer_release(stage_addr(smem, EMPTY_OFF, w, s));
         }
     }
     __syncthreads();

@@ -85,6 +85,7 @@ use xcall_core::{Device, Platform};
 use xcall_graph::BufferRole;
 use xcall_shmem::{BootstrapKind, Config, Transport, World};
 use xcall_warpspec::ops::OpConfig;
+use xcall_warpspec::HostExecutor;
 
 use super::data::{Inputs, Shape};
 use crate::alloc::{self, AllocError, RunError};
@@ -125,6 +126,8 @@ pub struct Pe {
     sizes: Vec<(u64, usize, BufferRole)>,
     gpu: Option<Gpu>,
     ops: OpConfig,
+    /// How the experts run on Host.
+    host: HostExecutor,
     /// The transport of the peers without peer pointers (NCCL on CUDA,
     /// TCP on Host), when some peer takes one: the copy exchange then
     /// moves its slots with `World::exchange`.
@@ -243,6 +246,7 @@ impl Pe {
                 .collect(),
             gpu,
             ops: OpConfig::default(),
+            host: HostExecutor::default(),
             remote: None,
             timeout,
             staged: (Vec::new(), Vec::new()),
@@ -448,6 +452,13 @@ impl Pe {
     /// another in dispatch and in combine.
     pub fn slot_bytes(shape: &Shape) -> usize {
         shape.slot_rows() * shape.row_bytes()
+    }
+
+    /// This PE with its Host experts run by `host` (vectorized unless
+    /// set; ignored on CUDA).
+    pub fn with_host_executor(mut self, host: HostExecutor) -> Pe {
+        self.host = host;
+        self
     }
 
     /// Frees the buffers and leaves the world; an error on a leak.

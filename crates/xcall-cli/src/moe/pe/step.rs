@@ -428,6 +428,7 @@ impl Pe {
             dtype: s.dtype,
             config: self.ops,
             variant: Variant::WarpSpecialized,
+            host: self.host,
             inputs: &[self.b.rows],
             output: self.b.results,
             bytes: (s.pes * Self::slot_bytes(&s)) as u64,
