@@ -72,19 +72,37 @@ impl Model<'_> {
                     self.p.buffer_groups[*buffer_group][stage as usize]
                 )
             }
+            Step::ReadAsync { buffer_group } => {
+                format!(
+                    "{name} (iteration {i}): issue an asynchronous read of {}",
+                    self.p.buffer_groups[*buffer_group][stage as usize]
+                )
+            }
+            Step::Write { buffer_group } => {
+                format!(
+                    "{name} (iteration {i}): store into {}",
+                    self.p.buffer_groups[*buffer_group][stage as usize]
+                )
+            }
+            Step::WaitAsyncReads => {
+                format!("{name} (iteration {i}): wait for its asynchronous reads")
+            }
         }
     }
 
     pub(super) fn describe_land(&self, s: &[u32], k: usize) -> String {
         let c = self.in_flight(s, k);
-        format!(
-            "copy of {} (iteration {}) lands: {} B in {}, complete_tx on {}",
-            c.name,
-            c.iteration,
-            c.bytes,
-            self.p.buffer_groups[c.buffer_group][c.stage],
-            self.p.barriers[self.p.barrier_groups[c.group][c.stage]].name
-        )
+        let buffer = &self.p.buffer_groups[c.buffer_group][c.stage];
+        match c.copy {
+            Some((group, _, bytes)) => format!(
+                "copy of {} (iteration {}) lands: {bytes} B in {buffer}, complete_tx on {}",
+                c.name, c.iteration, self.p.barriers[self.p.barrier_groups[group][c.stage]].name
+            ),
+            None => format!(
+                "asynchronous read of {buffer} by {} (iteration {}) completes",
+                c.name, c.iteration
+            ),
+        }
     }
 
     pub(super) fn describe_event(&self, s: &[u32], e: Event) -> String {

@@ -82,13 +82,21 @@ impl<'a> Model<'a> {
                         buffer_group,
                         ..
                     } => (Some(*group), Some(*buffer_group)),
-                    Step::Read { buffer_group } => {
+                    Step::Read { buffer_group } | Step::ReadAsync { buffer_group } => {
                         if *buffer_group < reads_here.len() {
                             reads_here[*buffer_group] = true;
                         }
                         (None, Some(*buffer_group))
                     }
+                    Step::Write { buffer_group } => (None, Some(*buffer_group)),
+                    Step::WaitAsyncReads => (None, None),
                 };
+                if stage.is_some() && matches!(step, Step::Copy { .. } | Step::ReadAsync { .. }) {
+                    return bad(format!(
+                        "{}: copies and asynchronous reads belong in the body",
+                        role.name
+                    ));
+                }
                 if group.is_some_and(|g| g >= p.barrier_groups.len()) {
                     return bad(format!("{}: barrier group out of range", role.name));
                 }
@@ -102,7 +110,12 @@ impl<'a> Model<'a> {
         }
         let mut symmetric: Vec<Vec<usize>> = Vec::new();
         for (r, role) in p.roles.iter().enumerate() {
-            let copies = role.body.iter().any(|st| matches!(st, Step::Copy { .. }));
+            // In-flight entries name their role: roles that issue them are
+            // not interchangeable.
+            let copies = role
+                .body
+                .iter()
+                .any(|st| matches!(st, Step::Copy { .. } | Step::ReadAsync { .. }));
             if copies {
                 continue;
             }
@@ -177,7 +190,12 @@ impl<'a> Model<'a> {
     /// or a run of non-blocking operations.
     pub(super) fn block_end(&self, role: usize, pc: u32) -> u32 {
         let len = self.program_len(role);
-        let is_wait = |pc| matches!(self.locate(role, pc).2, Step::Wait { .. });
+        let is_wait = |pc| {
+            matches!(
+                self.locate(role, pc).2,
+                Step::Wait { .. } | Step::WaitAsyncReads
+            )
+        };
         let kind = is_wait(pc);
         let mut end = pc + 1;
         while end < len && is_wait(end) == kind {
@@ -332,34 +350,36 @@ impl<'a> Model<'a> {
                 }
             }
             Step::Copy { buffer_group, .. } => {
-                let buf = self.buffer_index[*buffer_group][stage as usize];
-                let at = self.buf(buf);
-                if n[at] != i {
-                    if n[at + 2] > 0 {
-                        return Outcome::Violation(
-                            ViolationKind::Overwrite,
-                            format!(
-                                "{who}: copy into {} while {} reader(s) of iteration {} have not released it",
-                                self.buffer_names[buf], n[at + 2], n[at] as i32
-                            ),
-                        );
-                    }
-                    n[at] = i;
-                    n[at + 1] = 0;
-                    n[at + 2] = self.readers[*buffer_group];
-                }
+                let at = match self.claim(&mut n, *buffer_group, stage, i, "copy", &who) {
+                    Ok(at) => at,
+                    Err(v) => return fail(v),
+                };
                 n[at + 1] += 1;
-                let copy = (role as u32) << 24
-                    | i << 8
-                    | (pc
-                        - self.p.roles[role].prologue.len() as u32
-                        - i * self.p.roles[role].body.len() as u32);
-                let start = self.copies_at();
-                let pos = n[start..].partition_point(|&c| c < copy) + start;
-                n.insert(pos, copy);
+                self.issue(&mut n, role, pc, i);
                 Outcome::Next(n)
             }
-            Step::Read { buffer_group } => {
+            Step::Write { buffer_group } => {
+                match self.claim(&mut n, *buffer_group, stage, i, "stores", &who) {
+                    Ok(_) => Outcome::Next(n),
+                    Err(v) => fail(v),
+                }
+            }
+            Step::WaitAsyncReads => {
+                let start = self.copies_at();
+                let reading = n[start..].iter().any(|&e| {
+                    (e >> 24) as usize == role
+                        && matches!(
+                            self.p.roles[role].body[(e & 0xff) as usize],
+                            Step::ReadAsync { .. }
+                        )
+                });
+                if reading {
+                    Outcome::Blocked
+                } else {
+                    Outcome::Next(n)
+                }
+            }
+            Step::Read { buffer_group } | Step::ReadAsync { buffer_group } => {
                 let buf = self.buffer_index[*buffer_group][stage as usize];
                 let at = self.buf(buf);
                 if n[at] != i || n[at + 1] > 0 {
@@ -376,10 +396,61 @@ impl<'a> Model<'a> {
                         ),
                     );
                 }
-                n[at + 2] = n[at + 2].saturating_sub(1);
+                if matches!(step, Step::ReadAsync { .. }) {
+                    // The claim is held until the read completes.
+                    self.issue(&mut n, role, pc, i);
+                } else {
+                    n[at + 2] = n[at + 2].saturating_sub(1);
+                }
                 Outcome::Next(n)
             }
         }
+    }
+
+    /// Makes the stage's buffer of `group` hold iteration `i` for a writer
+    /// (`what`: a copy or stores): refused while the readers of another
+    /// iteration have not released it. Returns the buffer's place in `n`.
+    fn claim(
+        &self,
+        n: &mut [u32],
+        group: usize,
+        stage: u32,
+        i: u32,
+        what: &str,
+        who: &str,
+    ) -> Result<usize, (ViolationKind, String)> {
+        let buf = self.buffer_index[group][stage as usize];
+        let at = self.buf(buf);
+        if n[at] != i {
+            if n[at + 2] > 0 {
+                return Err((
+                    ViolationKind::Overwrite,
+                    format!(
+                        "{who}: {what} into {} while {} reader(s) of iteration {} have not released it",
+                        self.buffer_names[buf],
+                        n[at + 2],
+                        n[at] as i32
+                    ),
+                ));
+            }
+            n[at] = i;
+            n[at + 1] = 0;
+            n[at + 2] = self.readers[group];
+        }
+        Ok(at)
+    }
+
+    /// Adds the in-flight entry of the body step at `pc` of `role`
+    /// (iteration `i`), keeping the list sorted.
+    fn issue(&self, n: &mut Vec<u32>, role: usize, pc: u32, i: u32) {
+        let entry = (role as u32) << 24
+            | i << 8
+            | (pc
+                - self.p.roles[role].prologue.len() as u32
+                - i * self.p.roles[role].body.len() as u32);
+        let start = self.copies_at();
+        let pos = n[start..].partition_point(|&c| c < entry) + start;
+        n.insert(pos, entry);
     }
 
     /// The in-flight copy at index `k` of the copy list.
@@ -390,22 +461,21 @@ impl<'a> Model<'a> {
             (copy >> 8) & 0xffff,
             (copy & 0xff) as usize,
         );
-        let Step::Copy {
-            group,
-            buffer_group,
-            phase_offset,
-            bytes,
-        } = &self.p.roles[role].body[step]
-        else {
-            unreachable!("in-flight entries are copies");
+        let (copy, buffer_group) = match &self.p.roles[role].body[step] {
+            Step::Copy {
+                group,
+                buffer_group,
+                phase_offset,
+                bytes,
+            } => (Some((*group, *phase_offset, *bytes)), *buffer_group),
+            Step::ReadAsync { buffer_group } => (None, *buffer_group),
+            _ => unreachable!("in-flight entries are copies and asynchronous reads"),
         };
         InFlight {
             iteration: i,
             stage: (i % self.p.stages) as usize,
-            group: *group,
-            buffer_group: *buffer_group,
-            phase_offset: *phase_offset,
-            bytes: *bytes,
+            copy,
+            buffer_group,
             name: &self.p.roles[role].name,
         }
     }
@@ -413,12 +483,21 @@ impl<'a> Model<'a> {
     /// Lands the in-flight copy at index `k` of the copy list.
     pub(super) fn land(&self, s: &[u32], k: usize) -> Outcome {
         let c = self.in_flight(s, k);
-        let b = self.p.barrier_groups[c.group][c.stage];
         let mut n = s.to_vec();
         n.remove(self.copies_at() + k);
         let buf = self.buffer_index[c.buffer_group][c.stage];
+        let Some((group, phase_offset, bytes)) = c.copy else {
+            // An asynchronous read completes: it releases its claim (an
+            // overwrite before this point was reported at the write).
+            let at = self.buf(buf);
+            if n[at] == c.iteration {
+                n[at + 2] = n[at + 2].saturating_sub(1);
+            }
+            return Outcome::Next(n);
+        };
+        let b = self.p.barrier_groups[group][c.stage];
         n[self.buf(buf) + 1] -= 1;
-        let phase = self.phase_of(c.iteration, c.phase_offset);
+        let phase = self.phase_of(c.iteration, phase_offset);
         let at = self.bar(b);
         if n[at] as i64 != phase {
             return Outcome::Violation(
@@ -427,12 +506,12 @@ impl<'a> Model<'a> {
                     "copy of {} (iteration {}) completed {} tx byte(s) meant for phase {phase} in {}",
                     c.name,
                     c.iteration,
-                    c.bytes,
+                    bytes,
                     self.describe_barrier(s, b)
                 ),
             );
         }
-        n[at + 2] = (n[at + 2] as i32 as i64 - c.bytes as i64) as i32 as u32;
+        n[at + 2] = (n[at + 2] as i32 as i64 - bytes as i64) as i32 as u32;
         self.settle(&mut n, b);
         Outcome::Next(n)
     }
@@ -460,16 +539,15 @@ impl<'a> Model<'a> {
     }
 }
 
-/// A decoded in-flight copy: which role issued it at which iteration, and
-/// its step's fields. Encoded in the state as
-/// `role << 24 | iteration << 8 | body step`.
+/// A decoded in-flight entry (a copy or an asynchronous read): which role
+/// issued it at which iteration, and its step's fields. Encoded in the
+/// state as `role << 24 | iteration << 8 | body step`.
 pub(super) struct InFlight<'a> {
     pub(super) iteration: u32,
     pub(super) stage: usize,
-    pub(super) group: usize,
+    /// A copy's barrier group, phase offset and bytes; `None` for a read.
+    pub(super) copy: Option<(usize, i32, u64)>,
     pub(super) buffer_group: usize,
-    pub(super) phase_offset: i32,
-    pub(super) bytes: u64,
     pub(super) name: &'a str,
 }
 

@@ -63,6 +63,28 @@ pub enum Step {
         /// Buffer group read.
         buffer_group: usize,
     },
+    /// Write the stage's buffer of `buffer_group` with ordinary stores of
+    /// the role's own threads (a producer that is not a bulk copy): done
+    /// when the step is, so a later plain `Arrive` publishes it. Like a
+    /// copy, it may not overwrite a buffer whose readers have not released
+    /// it.
+    Write {
+        /// Buffer group written.
+        buffer_group: usize,
+    },
+    /// Issue an asynchronous read of the stage's buffer of `buffer_group`
+    /// (a `wgmma` operand or a bulk copy out of shared memory): it needs
+    /// this iteration's load landed when issued, and it holds the reader's
+    /// claim until it completes, its own event at any later point. Only in
+    /// the body.
+    ReadAsync {
+        /// Buffer group read.
+        buffer_group: usize,
+    },
+    /// Wait until every asynchronous read this role issued has completed
+    /// (`wgmma.wait_group 0`, or `cp.async.bulk.wait_group.read 0` with the
+    /// proxy fence): the only way a release after it is safe.
+    WaitAsyncReads,
 }
 
 /// A role (one warp or warpgroup acting through an elected thread).

@@ -4,12 +4,24 @@ use std::time::Instant;
 
 use super::model::{Event, Model, Outcome};
 use super::protocol::{Budget, Protocol, Step, Verdict, Violation, ViolationKind};
-use super::states::StateSet;
+use super::states::{Full, StateSet};
 use crate::error::PlanError;
 
-/// Bytes of a search's tables: the states and the search tree.
-fn table_bytes(states: &StateSet, parents: &Vec<(u32, Event)>) -> u64 {
-    states.bytes() + (parents.capacity() * std::mem::size_of::<(u32, Event)>()) as u64
+impl Event {
+    fn code(self) -> u32 {
+        match self {
+            Event::Step(r) => u32::from(r) << 1,
+            Event::Land(k) => u32::from(k) << 1 | 1,
+        }
+    }
+
+    fn from_code(c: u32) -> Event {
+        if c & 1 == 0 {
+            Event::Step((c >> 1) as u16)
+        } else {
+            Event::Land((c >> 1) as u16)
+        }
+    }
 }
 
 /// Explores every interleaving of `protocol` (at most `state_limit` states)
@@ -32,12 +44,9 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
     let started = Instant::now();
     let model = Model::new(protocol)?;
     let init = model.canonical(model.initial());
-    let mut states = StateSet::new();
-    let mut parents: Vec<(u32, Event)> = Vec::new();
-    states.insert(&init)?;
-    parents.push((u32::MAX, Event::Step(0)));
-    let limit = |what: &str, states: &StateSet, parents: &Vec<(u32, Event)>| {
-        let bytes = table_bytes(states, parents);
+    let mut states = StateSet::new(model.initial(), budget.bytes);
+    let limit = |what: &str, states: &StateSet| {
+        let bytes = states.bytes();
         PlanError::Limit(format!(
             "{what}: {} states, {bytes} bytes ({} bytes/state), {:.1?} (budget: {} states, {} bytes, {:?}); verify fewer iterations or a smaller pipeline",
             states.len(),
@@ -48,12 +57,19 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
             budget.time
         ))
     };
-    let trace_to = |id: u32, parents: &[(u32, Event)]| -> Vec<Event> {
+    let full = |why: Full, states: &StateSet| match why {
+        Full::Budget => limit("memory budget reached", states),
+        Full::Allocation => limit("no memory for the search's tables", states),
+    };
+    if let Err(why) = states.insert(&init, None) {
+        return Err(full(why, &states));
+    }
+    let trace_to = |id: u32, states: &StateSet| -> Vec<Event> {
         let mut events = Vec::new();
         let mut at = id;
-        while parents[at as usize].0 != u32::MAX {
-            events.push(parents[at as usize].1);
-            at = parents[at as usize].0;
+        while let Some((parent, code)) = states.parent(at) {
+            events.push(Event::from_code(code));
+            at = parent;
         }
         events.reverse();
         events
@@ -71,18 +87,16 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
     };
     // Ids are in breadth-first order: the queue is the ids not yet expanded.
     let mut next = 0u32;
+    let mut s = Vec::new();
     while (next as usize) < states.len() {
         let id = next;
         next += 1;
         if id % 4096 == 0 {
-            if table_bytes(&states, &parents) > budget.bytes {
-                return Err(limit("memory budget reached", &states, &parents));
-            }
             if started.elapsed() > budget.time {
-                return Err(limit("time budget reached", &states, &parents));
+                return Err(limit("time budget reached", &states));
             }
         }
-        let s = states.get(id).to_vec();
+        states.get(id, &mut s);
         let mut moved = false;
         let events = model.events(&s);
         for e in events {
@@ -92,17 +106,17 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
                     moved = true;
                     let n = model.canonical(n);
                     if states.len() as u64 >= budget.states.min(u32::MAX as u64 - 1) {
-                        if states.slot_of(&n).1.is_none() {
-                            return Err(limit("state budget reached", &states, &parents));
+                        if !states.contains(&n) {
+                            return Err(limit("state budget reached", &states));
                         }
                         continue;
                     }
-                    if states.insert(&n)?.1 {
-                        parents.push((id, e));
+                    if let Err(why) = states.insert(&n, Some((id, e.code()))) {
+                        return Err(full(why, &states));
                     }
                 }
                 Outcome::Violation(kind, message) => {
-                    let mut events = trace_to(id, &parents);
+                    let mut events = trace_to(id, &states);
                     events.push(e);
                     let (trace, _) = replay(&events);
                     return Ok(Verdict {
@@ -111,8 +125,8 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
                             message,
                             trace,
                         }),
-                        states: parents.len() as u64,
-                        bytes: table_bytes(&states, &parents),
+                        states: states.len() as u64,
+                        bytes: states.bytes(),
                         elapsed: started.elapsed(),
                     });
                 }
@@ -120,7 +134,7 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
         }
         let finished = (0..model.roles).all(|r| s[r] >= model.program_len(r));
         if !moved && !finished {
-            let events = trace_to(id, &parents);
+            let events = trace_to(id, &states);
             let (trace, end) = replay(&events);
             let waits: Vec<String> = (0..model.roles)
                 .filter(|&r| end[r] < model.program_len(r))
@@ -148,16 +162,16 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
                     message: format!("no role can move: {}", waits.join("; ")),
                     trace,
                 }),
-                states: parents.len() as u64,
-                bytes: table_bytes(&states, &parents),
+                states: states.len() as u64,
+                bytes: states.bytes(),
                 elapsed: started.elapsed(),
             });
         }
     }
     Ok(Verdict {
         violation: None,
-        states: parents.len() as u64,
-        bytes: table_bytes(&states, &parents),
+        states: states.len() as u64,
+        bytes: states.bytes(),
         elapsed: started.elapsed(),
     })
 }
