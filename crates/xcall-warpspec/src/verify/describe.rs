@@ -1,6 +1,6 @@
 //! Trace lines: what an event does, in the words of the protocol.
 
-use super::model::{Event, Model, Outcome};
+use super::model::{Event, Model, One};
 use super::protocol::Step;
 
 impl Model<'_> {
@@ -22,9 +22,8 @@ impl Model<'_> {
                 out.push_str(&line);
                 last_prefix = prefix.to_string();
             }
-            match self.step_one(&cur, role) {
-                Outcome::Next(n) => cur = n,
-                _ => break,
+            if !matches!(self.step_one(&mut cur, role), One::Moved) {
+                break;
             }
         }
         out

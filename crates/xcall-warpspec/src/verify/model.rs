@@ -22,6 +22,16 @@ pub(super) struct Model<'a> {
 
 pub(super) const NONE: u32 = u32::MAX;
 
+/// What one step of a role did to the state it was given.
+pub(super) enum One {
+    /// It ran.
+    Moved,
+    /// It waits (the state is to be dropped).
+    Blocked,
+    /// It broke a rule (the state is to be dropped).
+    Violation(ViolationKind, String),
+}
+
 pub(super) enum Outcome {
     Blocked,
     Next(Vec<u32>),
@@ -281,22 +291,22 @@ impl<'a> Model<'a> {
         let end = self.block_end(role, s[role]);
         let mut cur = s.to_vec();
         while cur[role] < end {
-            match self.step_one(&cur, role) {
-                Outcome::Next(n) => cur = n,
-                other => return other,
+            match self.step_one(&mut cur, role) {
+                One::Moved => {}
+                One::Blocked => return Outcome::Blocked,
+                One::Violation(k, m) => return Outcome::Violation(k, m),
             }
         }
         Outcome::Next(cur)
     }
 
-    pub(super) fn step_one(&self, s: &[u32], role: usize) -> Outcome {
-        let pc = s[role];
+    pub(super) fn step_one(&self, n: &mut Vec<u32>, role: usize) -> One {
+        let pc = n[role];
         let name = &self.p.roles[role].name;
         let (i, stage, step) = self.locate(role, pc);
         let who = format!("{name} (iteration {i})");
-        let mut n = s.to_vec();
         n[role] += 1;
-        let fail = |(k, m): (ViolationKind, String)| Outcome::Violation(k, m);
+        let fail = |(k, m): (ViolationKind, String)| One::Violation(k, m);
         match step {
             Step::Wait {
                 group,
@@ -304,18 +314,18 @@ impl<'a> Model<'a> {
             } => {
                 let b = self.p.barrier_groups[*group][stage as usize];
                 let want = self.phase_of(i, *phase_offset);
-                let phase = s[self.bar(b)] as i64;
+                let phase = n[self.bar(b)] as i64;
                 if phase == want {
-                    Outcome::Blocked
+                    One::Blocked
                 } else if phase == want + 1 {
-                    Outcome::Next(n)
+                    One::Moved
                 } else {
-                    Outcome::Violation(
+                    One::Violation(
                         ViolationKind::ParityOutOfRange,
                         format!(
                             "{who}: try_wait.parity({}) for phase {want} while {}: only the current or the preceding phase can be waited on",
                             want.rem_euclid(2),
-                            self.describe_barrier(s, b)
+                            self.describe_barrier(n, b)
                         ),
                     )
                 }
@@ -326,8 +336,8 @@ impl<'a> Model<'a> {
                 count,
             } => {
                 let b = self.p.barrier_groups[*group][stage as usize];
-                match self.arrive(&mut n, b, self.phase_of(i, *phase_offset), *count, 0, &who) {
-                    Ok(()) => Outcome::Next(n),
+                match self.arrive(n, b, self.phase_of(i, *phase_offset), *count, 0, &who) {
+                    Ok(()) => One::Moved,
                     Err(v) => fail(v),
                 }
             }
@@ -338,29 +348,29 @@ impl<'a> Model<'a> {
             } => {
                 let b = self.p.barrier_groups[*group][stage as usize];
                 match self.arrive(
-                    &mut n,
+                    n,
                     b,
                     self.phase_of(i, *phase_offset),
                     1,
                     *bytes as i64,
                     &who,
                 ) {
-                    Ok(()) => Outcome::Next(n),
+                    Ok(()) => One::Moved,
                     Err(v) => fail(v),
                 }
             }
             Step::Copy { buffer_group, .. } => {
-                let at = match self.claim(&mut n, *buffer_group, stage, i, "copy", &who) {
+                let at = match self.claim(n, *buffer_group, stage, i, "copy", &who) {
                     Ok(at) => at,
                     Err(v) => return fail(v),
                 };
                 n[at + 1] += 1;
-                self.issue(&mut n, role, pc, i);
-                Outcome::Next(n)
+                self.issue(n, role, pc, i);
+                One::Moved
             }
             Step::Write { buffer_group } => {
-                match self.claim(&mut n, *buffer_group, stage, i, "stores", &who) {
-                    Ok(_) => Outcome::Next(n),
+                match self.claim(n, *buffer_group, stage, i, "stores", &who) {
+                    Ok(_) => One::Moved,
                     Err(v) => fail(v),
                 }
             }
@@ -374,9 +384,9 @@ impl<'a> Model<'a> {
                         )
                 });
                 if reading {
-                    Outcome::Blocked
+                    One::Blocked
                 } else {
-                    Outcome::Next(n)
+                    One::Moved
                 }
             }
             Step::Read { buffer_group } | Step::ReadAsync { buffer_group } => {
@@ -388,7 +398,7 @@ impl<'a> Model<'a> {
                     } else {
                         format!("{} copy(ies) still in flight", n[at + 1])
                     };
-                    return Outcome::Violation(
+                    return One::Violation(
                         ViolationKind::ReadBeforeLoad,
                         format!(
                             "{who}: reads {} before its load landed ({state})",
@@ -398,11 +408,11 @@ impl<'a> Model<'a> {
                 }
                 if matches!(step, Step::ReadAsync { .. }) {
                     // The claim is held until the read completes.
-                    self.issue(&mut n, role, pc, i);
+                    self.issue(n, role, pc, i);
                 } else {
                     n[at + 2] = n[at + 2].saturating_sub(1);
                 }
-                Outcome::Next(n)
+                One::Moved
             }
         }
     }
