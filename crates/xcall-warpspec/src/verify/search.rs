@@ -91,10 +91,8 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
     while (next as usize) < states.len() {
         let id = next;
         next += 1;
-        if id % 4096 == 0 {
-            if started.elapsed() > budget.time {
-                return Err(limit("time budget reached", &states));
-            }
+        if id % 4096 == 0 && started.elapsed() > budget.time {
+            return Err(limit("time budget reached", &states));
         }
         states.get(id, &mut s);
         let mut moved = false;
