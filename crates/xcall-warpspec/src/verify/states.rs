@@ -299,7 +299,7 @@ mod tests {
             let state: Vec<u32> = (0..10).map(|w| i * 10 + w).collect();
             pack(&[0; 10], &state, &mut p);
             packed += p.len();
-            let parent = (i > 0).then_some((i - 1, 7));
+            let parent = i.checked_sub(1).map(|p| (p, 7));
             assert_eq!(set.insert(&state, parent).unwrap(), (i, true));
         }
         assert_eq!(
