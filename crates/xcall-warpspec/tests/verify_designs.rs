@@ -300,19 +300,55 @@ fn the_verifier_judges_the_plans_own_tables() {
     );
 }
 
+/// The bytes a `Limit` message says the tables held.
+fn bytes_reached(err: &xcall_warpspec::PlanError) -> u64 {
+    let m = err.to_string();
+    let at = m
+        .find(" bytes (")
+        .unwrap_or_else(|| panic!("no bytes in {m}"));
+    let digits = m[..at].rsplit(' ').next().unwrap();
+    digits.parse().unwrap_or_else(|_| panic!("bytes in {m}"))
+}
+
 #[test]
 fn the_memory_budget_is_checked_all_through_the_search() {
     // The mul op's default pipeline (2 x 16 KiB tiles, 2 compute
-    // warpgroups) has 28,261 states, ~10 MB of tables at the end; 4 MiB
-    // is passed only after the first 4096 states have been expanded, so a
-    // check that stopped after them would let the search finish clean.
+    // warpgroups): half the bytes its whole search needs stops it, at the
+    // table growth that would pass them, long after its first states.
     let plan = xcall_warpspec::ops::OpConfig::default().plan(2).unwrap();
+    let whole = verify(&plan.protocol(8), DEFAULT_STATE_LIMIT).unwrap();
+    assert!(whole.is_clean(), "{}", whole.report());
     let budget = Budget {
-        bytes: 4 << 20,
+        bytes: whole.bytes / 2,
         ..Budget::default()
     };
     let err = verify_within(&plan.protocol(8), &budget).unwrap_err();
     assert!(err.to_string().contains("memory budget reached"), "{err}");
+    assert!(bytes_reached(&err) <= budget.bytes, "{err}");
+    assert!(
+        bytes_reached(&err) > budget.bytes / 2,
+        "stopped early: {err}"
+    );
+}
+
+#[test]
+fn the_memory_budget_is_enforced_before_it_is_passed() {
+    // A plan the planner accepts (8 stages, 4 async warps x 4 KiB, one
+    // compute warpgroup) whose search needs far more than these budgets:
+    // each stops it with LIMIT while the tables hold no more than it.
+    let plan = PipelinePlan::new(&PipelineSpec::new(8, &[4096; 4], 1)).unwrap();
+    for bytes in [1 << 20, 8 << 20] {
+        let budget = Budget {
+            bytes,
+            ..Budget::default()
+        };
+        let err = verify_within(&plan.protocol(17), &budget).unwrap_err();
+        assert_eq!(err.status(), xcall_core::Status::Limit, "{err}");
+        assert!(err.to_string().contains("memory budget reached"), "{err}");
+        let reached = bytes_reached(&err);
+        assert!(reached <= bytes, "the tables passed the budget: {err}");
+        assert!(reached > bytes / 2, "stopped long before it: {err}");
+    }
 }
 
 #[test]
