@@ -2,21 +2,24 @@
 # Builds, in release mode, every test binary of the workspace, every C test,
 # every bench and the xcall command into target/device-bundle/, with a
 # run-all.sh that runs them all (XCALL_REQUIRE_CUDA=1 unless told otherwise)
-# and prints one summary line "N passed, N failed".
+# and prints one summary line "N passed, N skipped, N failed" and its time.
 #
-# The bundle needs no Rust toolchain where it runs: carry the folder to a
-# GPU machine and run target/device-bundle/run-all.sh there.
+# The bundle needs no Rust toolchain and no checkout where it runs: carry
+# the folder to a GPU machine and run target/device-bundle/run-all.sh there
+# (`--quick` for a run of about 6 minutes on one GPU host). The files of
+# the source tree that tests compare against (docs, the report schema, the
+# kept reports, the sources scanned for XCALL_* names) travel in source/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/device-bundle
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/c_tests" "$out/benches" "$out/bin"
 
-# Rust tests. Four need the source tree or a toolchain, which the bundle
-# does not carry: the header check (runs cbindgen), the C-test runner (the
-# bundle compiles the C tests itself, below), the JAX runner (run-all.sh
-# runs python/tests itself) and the permute grid report check (reads docs/).
-skip_tests="xcall-ffi-header xcall-ffi-c_tests xcall-ffi-jax xcall-permute-grid_report"
+# Rust tests. Three need a toolchain, which the bundle does not carry: the
+# header check (runs cbindgen), the C-test runner (the bundle compiles the
+# C tests itself, below) and the JAX runner (run-all.sh runs python/tests
+# itself).
+skip_tests="xcall-ffi-header xcall-ffi-c_tests xcall-ffi-jax"
 copy_executables() { # <json file> <dest> <kind>
   python3 - "$1" "$2" "$3" "$skip_tests" <<'PY'
 import json, os, shutil, sys
@@ -50,6 +53,15 @@ cargo build --release --package xcall-cli --package xcall-ffi
 cp target/release/xcall "$out/bin/xcall"
 # The `xcall moe` figures of docs/BENCHMARKS.md: run by hand (needs 2 GPUs).
 cp scripts/moe-matrix.sh "$out/moe-matrix.sh"
+
+# The source files tests read (XCALL_SOURCE_ROOT points them here): the
+# tracked and new files of these folders, a few MB.
+echo "copying the source files tests read"
+mkdir -p "$out/source"
+git ls-files -z --cached --others --exclude-standard -- \
+  docs include crates python scripts c_tests examples .ci |
+  tar --null -T - -cf - | tar -xf - -C "$out/source"
+echo "  $out/source/ ($(du -sh "$out/source" | cut -f1))"
 
 # The C tests link the shared library the bundle carries (one copy of
 # xcall instead of one per program keeps the bundle small); CI runs them
@@ -100,16 +112,26 @@ echo "  $out/python/ ($(basename "$out"/python/xcall-*.whl))"
 cat >"$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs every binary of the bundle and prints "N passed, N skipped, N
-# failed". A run whose log has a skip line (a test's "SKIP <test>: <why>"
-# on stderr, pytest's "SKIPPED [n] ...") counts as skipped, not passed.
+# failed", then the run's own time. A run whose log has a skip line (a
+# test's "SKIP <test>: <why>" on stderr, pytest's "SKIPPED [n] ...") counts
+# as skipped, not passed. Each line gives the run's seconds.
+#   --quick: no Host benches (the criterion benches without a GPU part;
+#     CI runs them) and shorter GPU bench settings, for a run of about 6
+#     minutes on one GPU host.
 #   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
-#     and any skipped run counts as failed.
+#     and any skipped run counts as failed, except the one-sided NCCL
+#     tests' skip where the machine's NCCL runs no one-sided operations
+#     (older than 2.29): that counts as a skip, with its reason, unless
+#     XCALL_REQUIRE_NCCL_ONE_SIDED=1 (the test then fails itself).
+#   XCALL_SOURCE_ROOT (default <bundle>/source): the source files tests
+#     compare against.
 #   XCALL_BUNDLE_LOGS (default <bundle>/logs): one log per binary.
 #   XCALL_SANITIZERS (e.g. "memcheck racecheck synccheck"): also run the GPU
 #     test binaries (test files named cuda_*.rs) under compute-sanitizer with
 #     each tool. API errors are not reported: negative tests provoke driver
 #     errors on purpose and assert them themselves.
-#   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
+#   XCALL_BENCH_ARGS (default quick settings, shorter with --quick):
+#     arguments for the benches.
 #   NCCL_NVLS_ENABLE is always 0 here: NCCL never creates NVLink SHARP
 #   (multicast) objects, which can take a shared host's GPUs out of service.
 #   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
@@ -119,45 +141,76 @@ cat >"$out/run-all.sh" <<'RUN'
 #   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
 #   go to <logs>/jax-report.jsonl.
 set -u
+start=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
-export XCALL_REQUIRE_CUDA=${XCALL_REQUIRE_CUDA:-1}
+quick=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) quick=1 ;;
+    -h | --help)
+      sed -n '2,/^set -u/p' "$0" | sed '$d'
+      exit 0
+      ;;
+    *)
+      echo "run-all.sh: unknown argument $arg (--quick or --help)" >&2
+      exit 2
+      ;;
+  esac
+done
+# A boolean as xcall spells it (docs/ENVIRONMENT.md), printed as 1 or 0.
+flag() { # <name> <value>
+  case "$(printf '%s' "$2" | tr '[:upper:]' '[:lower:]' | tr -d ' ')" in
+    1 | true | yes | on) echo 1 ;;
+    0 | false | no | off | '') echo 0 ;;
+    *)
+      echo "$1=$2 is not a boolean: 1, 0, true, false, yes, no, on or off" >&2
+      return 2
+      ;;
+  esac
+}
+XCALL_REQUIRE_CUDA=$(flag XCALL_REQUIRE_CUDA "${XCALL_REQUIRE_CUDA:-1}") || exit 2
+export XCALL_REQUIRE_CUDA
+require_one_sided=$(flag XCALL_REQUIRE_NCCL_ONE_SIDED "${XCALL_REQUIRE_NCCL_ONE_SIDED:-}") || exit 2
 export NCCL_NVLS_ENABLE=0
-# A boolean as xcall spells it (docs/ENVIRONMENT.md), made 1 or 0 here.
-case "$(printf '%s' "$XCALL_REQUIRE_CUDA" | tr '[:upper:]' '[:lower:]' | tr -d ' ')" in
-  1 | true | yes | on) XCALL_REQUIRE_CUDA=1 ;;
-  0 | false | no | off | '') XCALL_REQUIRE_CUDA=0 ;;
-  *)
-    echo "XCALL_REQUIRE_CUDA=$XCALL_REQUIRE_CUDA is not a boolean: 1, 0, true, false, yes, no, on or off" >&2
-    exit 2
-    ;;
-esac
 export XCALL_BIN="$here/bin/xcall"
+export XCALL_SOURCE_ROOT=${XCALL_SOURCE_ROOT:-$here/source}
 logs=${XCALL_BUNDLE_LOGS:-$here/logs}
-bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
+if [ "$quick" = 1 ]; then
+  bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.2 --measurement-time 0.5 --noplot}
+else
+  bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
+fi
+# Skip lines that stay skips under XCALL_REQUIRE_CUDA=1: the one-sided NCCL
+# tests where the machine's NCCL runs no one-sided operations (their own
+# variable, XCALL_REQUIRE_NCCL_ONE_SIDED=1, makes that a failure).
+optional_skip='^SKIP shmem nccl one-sided( processes)?: '
+[ "$require_one_sided" = 1 ] && optional_skip='^$'
 mkdir -p "$logs"
 passed=0
 skipped=0
 failed=0
 run() { # <name> <command...>
-  local name=$1
+  local name=$1 t0=$SECONDS skips required
   shift
   if "$@" >"$logs/$name.log" 2>&1; then
-    if grep -qE '^(SKIP |SKIPPED \[)' "$logs/$name.log"; then
-      if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
+    skips=$(grep -E '^(SKIP |SKIPPED \[)' "$logs/$name.log")
+    if [ -n "$skips" ]; then
+      required=$(printf '%s\n' "$skips" | grep -Ev "$optional_skip")
+      if [ "$XCALL_REQUIRE_CUDA" = 1 ] && [ -n "$required" ]; then
         failed=$((failed + 1))
-        echo "FAIL $name (skipped with XCALL_REQUIRE_CUDA=1)"
+        echo "FAIL $name (skipped with XCALL_REQUIRE_CUDA=1, $((SECONDS - t0)) s)"
       else
         skipped=$((skipped + 1))
-        echo "SKIP $name"
+        echo "SKIP $name ($((SECONDS - t0)) s)"
       fi
-      grep -E '^(SKIP |SKIPPED \[)' "$logs/$name.log" | sed 's/^/    /'
+      printf '%s\n' "$skips" | sed 's/^/    /'
     else
       passed=$((passed + 1))
-      echo "PASS $name"
+      echo "PASS $name ($((SECONDS - t0)) s)"
     fi
   else
     failed=$((failed + 1))
-    echo "FAIL $name (log: $logs/$name.log)"
+    echo "FAIL $name ($((SECONDS - t0)) s, log: $logs/$name.log)"
     tail -n 30 "$logs/$name.log" | sed 's/^/    /'
   fi
 }
@@ -217,10 +270,21 @@ else
   echo "SKIP jax-suite: $py cannot import jax and pytest"
 fi
 for b in "$here"/benches/*; do
+  case "$(basename "$b")" in
+    bench-cuda_*) ;;
+    *)
+      if [ "$quick" = 1 ]; then
+        skipped=$((skipped + 1))
+        echo "SKIP $(basename "$b"): a Host bench (--quick)"
+        continue
+      fi
+      ;;
+  esac
   # shellcheck disable=SC2086
   run "$(basename "$b")" "$b" --bench $bench_args
 done
 echo "$passed passed, $skipped skipped, $failed failed"
+echo "run-all.sh took $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s$([ "$quick" = 1 ] && echo ' (--quick)')"
 [ "$failed" -eq 0 ]
 RUN
 chmod +x "$out/run-all.sh"
