@@ -61,7 +61,7 @@ fn the_docs_are_the_scripts_output_of_the_committed_json() {
         );
     }
     for (made, committed) in [
-        (&table, "docs/permute-grid.md"),
+        (&table, "docs/data/permute-grid.md"),
         (&svg, "docs/img/permute-grid.svg"),
     ] {
         let want = std::fs::read_to_string(r.join(committed)).unwrap();
