@@ -21,9 +21,10 @@ bundle() { # <dir> <extra test body>
   for e in hello shmem_exchange raii graph_cache permute_round_trip; do
     printf '#!/bin/sh\nexit 0\n' >"$b/examples/$e"
   done
-  # Benches record the arguments they were given.
-  printf '#!/bin/sh\necho "$*" >"$(dirname "$0")/../ran-$(basename "$0")"\n' >"$b/benches/bench-cuda_x"
-  cp "$b/benches/bench-cuda_x" "$b/benches/bench-core"
+  # Benches record the arguments and the grid variables they were given.
+  printf '#!/bin/sh\necho "$* grid_quick=$XCALL_GRID_QUICK grid_json=$XCALL_GRID_JSON" >"$(dirname "$0")/../ran-$(basename "$0")"\n' \
+    >"$b/benches/bench-cuda_permute_grid"
+  cp "$b/benches/bench-cuda_permute_grid" "$b/benches/bench-core"
   touch "$b/python/xcall-0-py3-none-any.whl"
   # An interpreter with jax and pytest whose suites pass.
   printf '#!/bin/sh\nexit 0\n' >"$b/python3"
@@ -42,7 +43,7 @@ run_bundle() { # <dir> <env assignments...> -- <args...>
   shift
   rc=0
   out=$(env -u XCALL_REQUIRE_NCCL_ONE_SIDED -u XCALL_BENCH_ARGS -u XCALL_SANITIZERS \
-    -u XCALL_BUNDLE_LOGS -u XCALL_SOURCE_ROOT XCALL_PYTHON="$b/python3" "${envs[@]}" \
+    -u XCALL_BUNDLE_LOGS -u XCALL_SOURCE_ROOT -u XCALL_GRID_QUICK -u XCALL_GRID_JSON XCALL_PYTHON="$b/python3" "${envs[@]}" \
     "$b/run-all.sh" "$@" 2>&1) || rc=$?
 }
 
@@ -68,7 +69,9 @@ expect "  counted as skipped" has "1 skipped, 0 failed"
 expect "  with its reason" has "SKIP shmem nccl one-sided: NCCL 2.28.3"
 expect "  the run's own time" has "run-all.sh took "
 expect "  the Host bench runs without --quick" test -e "$b/ran-bench-core"
-expect "  the default bench settings" grep -q -- "--warm-up-time 0.5 --measurement-time 1" "$b/ran-bench-cuda_x"
+expect "  the default bench settings" grep -q -- "--warm-up-time 0.5 --measurement-time 1" "$b/ran-bench-core"
+expect "  the whole permute grid, its JSON among the logs" \
+  grep -q -- "grid_quick= grid_json=$b/logs/permute-grid.json" "$b/ran-bench-cuda_permute_grid"
 
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 XCALL_REQUIRE_NCCL_ONE_SIDED=yes --
 expect "XCALL_REQUIRE_NCCL_ONE_SIDED=yes makes it a failure" test "$rc" = 1
@@ -93,7 +96,7 @@ run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --quick
 expect "--quick passes" test "$rc" = 0
 expect "  runs no Host bench" test ! -e "$b/ran-bench-core"
 expect "  and says so" has "SKIP bench-core: a Host bench (--quick)"
-expect "  runs the GPU benches, shorter" grep -q -- "--warm-up-time 0.2 --measurement-time 0.5" "$b/ran-bench-cuda_x"
+expect "  runs the GPU benches, the permute grid's quick half" grep -q -- "grid_quick=1" "$b/ran-bench-cuda_permute_grid"
 expect "  its time line says --quick" has "(--quick)"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow
 expect "an unknown argument is a usage error" test "$rc" = 2

@@ -3,9 +3,10 @@
 # failed", then the run's own time. A run whose log has a skip line (a
 # test's "SKIP <test>: <why>" on stderr, pytest's "SKIPPED [n] ...") counts
 # as skipped, not passed. Each line gives the run's seconds.
-#   --quick: no Host benches (the criterion benches without a GPU part;
-#     CI runs them) and shorter GPU bench settings, for a run of about 6
-#     minutes on one GPU host.
+#   --quick: no Host benches (the criterion benches, bench-* not named
+#     bench-cuda_*; CI runs them) and the permute grid's quick half
+#     (XCALL_GRID_QUICK=1: T = 4096 only), for a run of about 6 minutes
+#     on one GPU host.
 #   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
 #     and any skipped run counts as failed, except the one-sided NCCL
 #     tests' skip where the machine's NCCL runs no one-sided operations
@@ -18,8 +19,10 @@
 #     test binaries (test files named cuda_*.rs) under compute-sanitizer with
 #     each tool. API errors are not reported: negative tests provoke driver
 #     errors on purpose and assert them themselves.
-#   XCALL_BENCH_ARGS (default quick settings, shorter with --quick):
-#     arguments for the benches.
+#   XCALL_BENCH_ARGS (default quick settings): arguments for the benches
+#     (the criterion ones read them; the GPU benches run fixed rounds).
+#   XCALL_GRID_JSON (default <logs>/permute-grid.json): where the permute
+#     grid bench writes its measurements.
 #   NCCL_NVLS_ENABLE is always 0 here: NCCL never creates NVLink SHARP
 #   (multicast) objects, which can take a shared host's GPUs out of service.
 #   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
@@ -63,11 +66,9 @@ export NCCL_NVLS_ENABLE=0
 export XCALL_BIN="$here/bin/xcall"
 export XCALL_SOURCE_ROOT=${XCALL_SOURCE_ROOT:-$here/source}
 logs=${XCALL_BUNDLE_LOGS:-$here/logs}
-if [ "$quick" = 1 ]; then
-  bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.2 --measurement-time 0.5 --noplot}
-else
-  bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
-fi
+bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
+export XCALL_GRID_JSON=${XCALL_GRID_JSON:-$logs/permute-grid.json}
+[ "$quick" = 1 ] && export XCALL_GRID_QUICK=${XCALL_GRID_QUICK:-1}
 # Skip lines that stay skips under XCALL_REQUIRE_CUDA=1: the one-sided NCCL
 # tests where the machine's NCCL runs no one-sided operations (their own
 # variable, XCALL_REQUIRE_NCCL_ONE_SIDED=1, makes that a failure).

@@ -237,14 +237,14 @@ pub const VARIABLES: &[Variable] = &[
         Kind::Path,
         "`permute-grid.json`",
         "`bench-cuda_permute_grid`",
-        "Where the permute grid bench writes its JSON.",
+        "Where the permute grid bench writes its JSON (the device bundle's `run-all.sh`: `permute-grid.json` among its logs).",
     ),
     var(
         "XCALL_GRID_QUICK",
         Kind::Flag,
         "off",
         "`bench-cuda_permute_grid`",
-        "Run T = 4096 only.",
+        "Run T = 4096 only (`run-all.sh --quick` sets it).",
     ),
     var(
         "XCALL_GRID_ONLY",
