@@ -2,21 +2,25 @@
 # Builds, in release mode, every test binary of the workspace, every C test,
 # every bench and the xcall command into target/device-bundle/, with a
 # run-all.sh that runs them all (XCALL_REQUIRE_CUDA=1 unless told otherwise)
-# and prints one summary line "N passed, N failed".
+# and prints one summary line "N passed, N skipped, N failed" and its time.
 #
-# The bundle needs no Rust toolchain where it runs: carry the folder to a
-# GPU machine and run target/device-bundle/run-all.sh there.
+# The bundle needs no Rust toolchain and no checkout where it runs: carry
+# the folder to a GPU machine and run target/device-bundle/run-all.sh there
+# (`--quick`: no Host benches and the permute grid's quick half, for a run
+# of about 6 minutes on one GPU host). The files of the source tree that
+# tests compare against (docs, the report schema, the kept reports, the
+# sources scanned for XCALL_* names) travel in source/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/device-bundle
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/c_tests" "$out/benches" "$out/bin"
 
-# Rust tests. Four need the source tree or a toolchain, which the bundle
-# does not carry: the header check (runs cbindgen), the C-test runner (the
-# bundle compiles the C tests itself, below), the JAX runner (run-all.sh
-# runs python/tests itself) and the permute grid report check (reads docs/).
-skip_tests="xcall-ffi-header xcall-ffi-c_tests xcall-ffi-jax xcall-permute-grid_report"
+# Rust tests. Three need a toolchain, which the bundle does not carry: the
+# header check (runs cbindgen), the C-test runner (the bundle compiles the
+# C tests itself, below) and the JAX runner (run-all.sh runs python/tests
+# itself).
+skip_tests="xcall-ffi-header xcall-ffi-c_tests xcall-ffi-jax"
 copy_executables() { # <json file> <dest> <kind>
   python3 - "$1" "$2" "$3" "$skip_tests" <<'PY'
 import json, os, shutil, sys
@@ -50,6 +54,15 @@ cargo build --release --package xcall-cli --package xcall-ffi
 cp target/release/xcall "$out/bin/xcall"
 # The `xcall moe` figures of docs/BENCHMARKS.md: run by hand (needs 2 GPUs).
 cp scripts/moe-matrix.sh "$out/moe-matrix.sh"
+
+# The source files tests read (XCALL_SOURCE_ROOT points them here): the
+# tracked and new files of these folders, a few MB.
+echo "copying the source files tests read"
+mkdir -p "$out/source"
+git ls-files -z --cached --others --exclude-standard -- \
+  docs include crates python scripts c_tests examples .ci |
+  tar --null -T - -cf - | tar -xf - -C "$out/source"
+echo "  $out/source/ ($(du -sh "$out/source" | cut -f1))"
 
 # The C tests link the shared library the bundle carries (one copy of
 # xcall instead of one per program keeps the bundle small); CI runs them
@@ -97,132 +110,9 @@ cp python/bench_xcall_jax.py python/README.md "$out/python/"
 cp python/tests/*.py "$out/python/tests/"
 echo "  $out/python/ ($(basename "$out"/python/xcall-*.whl))"
 
-cat >"$out/run-all.sh" <<'RUN'
-#!/usr/bin/env bash
-# Runs every binary of the bundle and prints "N passed, N skipped, N
-# failed". A run whose log has a skip line (a test's "SKIP <test>: <why>"
-# on stderr, pytest's "SKIPPED [n] ...") counts as skipped, not passed.
-#   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
-#     and any skipped run counts as failed.
-#   XCALL_BUNDLE_LOGS (default <bundle>/logs): one log per binary.
-#   XCALL_SANITIZERS (e.g. "memcheck racecheck synccheck"): also run the GPU
-#     test binaries (test files named cuda_*.rs) under compute-sanitizer with
-#     each tool. API errors are not reported: negative tests provoke driver
-#     errors on purpose and assert them themselves.
-#   XCALL_BENCH_ARGS (default quick settings): arguments for the benches.
-#   NCCL_NVLS_ENABLE is always 0 here: NCCL never creates NVLink SHARP
-#   (multicast) objects, which can take a shared host's GPUs out of service.
-#   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
-#   imports jax and pytest, against the bundle's xcall wheel installed
-#   into <logs>/python-site, twice: XLA command buffers off, then on
-#   (custom calls recorded into XLA's command buffers). With
-#   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
-#   go to <logs>/jax-report.jsonl.
-set -u
-here=$(cd "$(dirname "$0")" && pwd)
-export XCALL_REQUIRE_CUDA=${XCALL_REQUIRE_CUDA:-1}
-export NCCL_NVLS_ENABLE=0
-# A boolean as xcall spells it (docs/ENVIRONMENT.md), made 1 or 0 here.
-case "$(printf '%s' "$XCALL_REQUIRE_CUDA" | tr '[:upper:]' '[:lower:]' | tr -d ' ')" in
-  1 | true | yes | on) XCALL_REQUIRE_CUDA=1 ;;
-  0 | false | no | off | '') XCALL_REQUIRE_CUDA=0 ;;
-  *)
-    echo "XCALL_REQUIRE_CUDA=$XCALL_REQUIRE_CUDA is not a boolean: 1, 0, true, false, yes, no, on or off" >&2
-    exit 2
-    ;;
-esac
-export XCALL_BIN="$here/bin/xcall"
-logs=${XCALL_BUNDLE_LOGS:-$here/logs}
-bench_args=${XCALL_BENCH_ARGS:---warm-up-time 0.5 --measurement-time 1 --noplot}
-mkdir -p "$logs"
-passed=0
-skipped=0
-failed=0
-run() { # <name> <command...>
-  local name=$1
-  shift
-  if "$@" >"$logs/$name.log" 2>&1; then
-    if grep -qE '^(SKIP |SKIPPED \[)' "$logs/$name.log"; then
-      if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
-        failed=$((failed + 1))
-        echo "FAIL $name (skipped with XCALL_REQUIRE_CUDA=1)"
-      else
-        skipped=$((skipped + 1))
-        echo "SKIP $name"
-      fi
-      grep -E '^(SKIP |SKIPPED \[)' "$logs/$name.log" | sed 's/^/    /'
-    else
-      passed=$((passed + 1))
-      echo "PASS $name"
-    fi
-  else
-    failed=$((failed + 1))
-    echo "FAIL $name (log: $logs/$name.log)"
-    tail -n 30 "$logs/$name.log" | sed 's/^/    /'
-  fi
-}
-doctor() {
-  "$here/bin/xcall" doctor || return 1
-  if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
-    "$here/bin/xcall" doctor | grep -q "cuda  available" || { echo "CUDA required but not available"; return 1; }
-  fi
-}
-run doctor doctor
-for t in "$here"/tests/*; do run "$(basename "$t")" "$t"; done
-for c in "$here"/c_tests/*; do run "$(basename "$c")" "$c"; done
-run example-hello "$here/examples/hello"
-run example-shmem_exchange "$here/examples/shmem_exchange"
-run example-raii "$here/examples/raii"
-for e in graph_cache permute_round_trip; do
-  run "example-$e-host" "$here/examples/$e" host
-  if [ "$XCALL_REQUIRE_CUDA" = 1 ] || "$here/bin/xcall" doctor 2>/dev/null | grep -q "cuda  available"; then
-    run "example-$e-cuda" "$here/examples/$e" cuda
-  else
-    skipped=$((skipped + 1))
-    echo "SKIP example-$e-cuda: no CUDA here"
-  fi
-done
-for tool in ${XCALL_SANITIZERS:-}; do
-  for t in "$here"/tests/*-cuda_*; do
-    run "$tool-$(basename "$t")" compute-sanitizer --tool "$tool" --report-api-errors no \
-      --error-exitcode 1 "$t" --test-threads 1
-  done
-done
-jax_suite() { # <on|off>
-  local flags="--xla_gpu_enable_command_buffer="
-  [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-  local platforms=cpu
-  [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
-  XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \
-    XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
-    env -u XCALL_LIB "$py" -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
-  local rc=$?
-  [ $rc -eq 5 ] && echo "pytest collected no tests"
-  return $rc
-}
-py=${XCALL_PYTHON:-python3}
-# The wheel goes into a folder of its own, on PYTHONPATH beside the
-# interpreter's jax: the suite tests the installed package.
-site="$logs/python-site"
-if "$py" -c "import jax, pytest" 2>/dev/null; then
-  rm -rf "$site" "$logs/jax-report.jsonl"
-  run install-wheel "$py" -m pip install --quiet --disable-pip-version-check --no-deps \
-    --no-index --target "$site" "$here"/python/xcall-*.whl
-  run jax-command-buffers-off jax_suite off
-  run jax-command-buffers-on jax_suite on
-elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
-  run jax-suite sh -c "echo '$py cannot import jax and pytest'; exit 1"
-else
-  skipped=$((skipped + 1))
-  echo "SKIP jax-suite: $py cannot import jax and pytest"
-fi
-for b in "$here"/benches/*; do
-  # shellcheck disable=SC2086
-  run "$(basename "$b")" "$b" --bench $bench_args
-done
-echo "$passed passed, $skipped skipped, $failed failed"
-[ "$failed" -eq 0 ]
-RUN
+# run-all.sh (scripts/bundle-run-all.sh; scripts/bundle-run-all-test.sh
+# tests it on a bundle of stand-in programs).
+cp scripts/bundle-run-all.sh "$out/run-all.sh"
 chmod +x "$out/run-all.sh"
 # Debug info would take the bundle past what travels to a GPU machine;
 # symbols stay, so backtraces still name functions.

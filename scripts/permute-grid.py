@@ -4,7 +4,7 @@ table (Markdown, stdout), a per-shape table (--table FILE) and a heat map
 (--svg FILE) of each op's ratio to a device-to-device copy.
 
     python3 scripts/permute-grid.py permute-grid.json \
-        --table docs/permute-grid.md --svg docs/img/permute-grid.svg
+        --table docs/data/permute-grid.md --svg docs/img/permute-grid.svg
 
 Standard library only: the SVG is written by hand, one rectangle per cell.
 """

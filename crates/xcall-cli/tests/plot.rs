@@ -6,11 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{json_path, read_json, run, xcall};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use common::{json_path, read_json, repo, run, xcall};
 
 fn out_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("xcall-plot-{name}-{}", std::process::id()));

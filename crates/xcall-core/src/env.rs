@@ -160,7 +160,7 @@ pub const VARIABLES: &[Variable] = &[
         Kind::Flag,
         "off",
         "tests",
-        "The one-sided NCCL tests (`cuda_nccl`) fail instead of skipping when the world's NCCL pairs fall back to two-sided NCCL (an NCCL older than 2.29, or one that runs no one-sided operations among the machine's GPUs).",
+        "The one-sided NCCL tests (`cuda_nccl`) fail instead of skipping when the world's NCCL pairs fall back to two-sided NCCL (an NCCL older than 2.29, or one that runs no one-sided operations among the machine's GPUs). Unset, the device bundle's `run-all.sh` counts that skip as a skip even under `XCALL_REQUIRE_CUDA=1`.",
     ),
     var(
         "XCALL_REQUIRE_NVRTC",
@@ -237,14 +237,14 @@ pub const VARIABLES: &[Variable] = &[
         Kind::Path,
         "`permute-grid.json`",
         "`bench-cuda_permute_grid`",
-        "Where the permute grid bench writes its JSON.",
+        "Where the permute grid bench writes its JSON (the device bundle's `run-all.sh`: `permute-grid.json` among its logs).",
     ),
     var(
         "XCALL_GRID_QUICK",
         Kind::Flag,
         "off",
         "`bench-cuda_permute_grid`",
-        "Run T = 4096 only.",
+        "Run T = 4096 only (`run-all.sh --quick` sets it).",
     ),
     var(
         "XCALL_GRID_ONLY",
@@ -273,6 +273,13 @@ pub const VARIABLES: &[Variable] = &[
         "none",
         "device bundle",
         "Arguments for the criterion benches `run-all.sh` runs (default: quick settings).",
+    ),
+    var(
+        "XCALL_SOURCE_ROOT",
+        Kind::Path,
+        "the checkout the tests were built from",
+        "tests",
+        "The source tree whose files the tests compare against (docs, the report schema, the kept reports, the sources scanned for `XCALL_*` names). The device bundle's `run-all.sh` sets it to the copy it carries.",
     ),
     var(
         "XCALL_BUNDLE_LOGS",

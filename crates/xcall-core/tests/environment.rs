@@ -7,8 +7,13 @@ use std::path::{Path, PathBuf};
 
 use xcall_core::env::{markdown_table, variable};
 
+/// The source tree: `XCALL_SOURCE_ROOT` where a test bundle carries a
+/// copy, else the checkout this test was built in.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    std::env::var_os("XCALL_SOURCE_ROOT")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
 #[test]

@@ -33,14 +33,21 @@ pub fn read_json(path: &std::path::Path) -> serde_json::Value {
     doc
 }
 
+/// The source tree the tests read docs from: `XCALL_SOURCE_ROOT` where a
+/// test bundle carries a copy, else the checkout these tests were built in.
+pub fn repo() -> std::path::PathBuf {
+    std::env::var_os("XCALL_SOURCE_ROOT")
+        .filter(|v| !v.is_empty())
+        .map(Into::into)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
 /// The published schema of every report, `docs/schema/report.schema.json`.
 pub fn schema() -> serde_json::Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../docs/schema/report.schema.json"
-    );
-    serde_json::from_str(&std::fs::read_to_string(path).expect("the schema exists"))
-        .expect("the schema is JSON")
+    let path = repo().join("docs/schema/report.schema.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("the schema {} exists: {e}", path.display()));
+    serde_json::from_str(&text).expect("the schema is JSON")
 }
 
 /// The schema's complaints about `doc` (empty when it conforms).

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Tests the device bundle's run-all.sh (scripts/bundle-run-all.sh) on a
+# bundle of stand-in programs in a temporary folder: how skip lines count
+# with and without XCALL_REQUIRE_CUDA and XCALL_REQUIRE_NCCL_ONE_SIDED,
+# what --quick leaves out, and the run's own time. Run by .ci/run.
+set -euo pipefail
+script="$(cd "$(dirname "$0")" && pwd)/bundle-run-all.sh"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+# A bundle whose programs pass; `extra` is a test program's body.
+bundle() { # <dir> <extra test body>
+  local b=$1
+  mkdir -p "$b"/{tests,c_tests,examples,benches,bin,python}
+  cp "$script" "$b/run-all.sh"
+  printf '#!/bin/sh\necho "cuda  available"\n' >"$b/bin/xcall"
+  printf '#!/bin/sh\nexit 0\n' >"$b/tests/xcall-core-passes"
+  printf '#!/bin/sh\n%s\n' "$2" >"$b/tests/xcall-shmem-cuda_nccl"
+  printf '#!/bin/sh\nexit 0\n' >"$b/c_tests/test_ok"
+  for e in hello shmem_exchange raii graph_cache permute_round_trip; do
+    printf '#!/bin/sh\nexit 0\n' >"$b/examples/$e"
+  done
+  # Benches record the arguments and the grid variables they were given.
+  printf '#!/bin/sh\necho "$* grid_quick=$XCALL_GRID_QUICK grid_json=$XCALL_GRID_JSON" >"$(dirname "$0")/../ran-$(basename "$0")"\n' \
+    >"$b/benches/bench-cuda_permute_grid"
+  cp "$b/benches/bench-cuda_permute_grid" "$b/benches/bench-core"
+  touch "$b/python/xcall-0-py3-none-any.whl"
+  # An interpreter with jax and pytest whose suites pass.
+  printf '#!/bin/sh\nexit 0\n' >"$b/python3"
+  chmod +x "$b"/run-all.sh "$b"/bin/* "$b"/tests/* "$b"/c_tests/* "$b"/examples/* "$b"/benches/* "$b/python3"
+}
+
+# Runs the bundle with `env...` and `args...`; sets $out and $rc.
+run_bundle() { # <dir> <env assignments...> -- <args...>
+  local b=$1
+  shift
+  local envs=()
+  while [ "$1" != -- ]; do
+    envs+=("$1")
+    shift
+  done
+  shift
+  rc=0
+  out=$(env -u XCALL_REQUIRE_NCCL_ONE_SIDED -u XCALL_BENCH_ARGS -u XCALL_SANITIZERS \
+    -u XCALL_BUNDLE_LOGS -u XCALL_SOURCE_ROOT -u XCALL_GRID_QUICK -u XCALL_GRID_JSON XCALL_PYTHON="$b/python3" "${envs[@]}" \
+    "$b/run-all.sh" "$@" 2>&1) || rc=$?
+}
+
+expect() { # <what> <condition...>
+  if ! "${@:2}"; then
+    echo "FAIL: $1"
+    echo "$out" | sed 's/^/    /'
+    failures=$((failures + 1))
+  else
+    echo "ok: $1"
+  fi
+}
+has() { grep -qF -- "$1" <<<"$out"; }
+
+one_sided='echo "SKIP shmem nccl one-sided: NCCL 2.28.3 has no one-sided operations (2.29 and newer)" >&2'
+two_gpus='echo "SKIP shmem two GPUs: this machine has 1 GPU" >&2'
+
+b="$tmp/one-sided"
+bundle "$b" "$one_sided"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "the one-sided skip is a skip under XCALL_REQUIRE_CUDA=1" test "$rc" = 0
+expect "  counted as skipped" has "1 skipped, 0 failed"
+expect "  with its reason" has "SKIP shmem nccl one-sided: NCCL 2.28.3"
+expect "  the run's own time" has "run-all.sh took "
+expect "  the Host bench runs without --quick" test -e "$b/ran-bench-core"
+expect "  the default bench settings" grep -q -- "--warm-up-time 0.5 --measurement-time 1" "$b/ran-bench-core"
+expect "  the whole permute grid, its JSON among the logs" \
+  grep -q -- "grid_quick= grid_json=$b/logs/permute-grid.json" "$b/ran-bench-cuda_permute_grid"
+
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 XCALL_REQUIRE_NCCL_ONE_SIDED=yes --
+expect "XCALL_REQUIRE_NCCL_ONE_SIDED=yes makes it a failure" test "$rc" = 1
+expect "  named" has "FAIL xcall-shmem-cuda_nccl (skipped with XCALL_REQUIRE_CUDA=1"
+
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 XCALL_REQUIRE_NCCL_ONE_SIDED=maybe --
+expect "a malformed XCALL_REQUIRE_NCCL_ONE_SIDED is a usage error" test "$rc" = 2
+expect "  naming the variable" has "XCALL_REQUIRE_NCCL_ONE_SIDED=maybe is not a boolean"
+
+b="$tmp/two-gpus"
+bundle "$b" "$one_sided; $two_gpus"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "any other skip still fails under XCALL_REQUIRE_CUDA=1" test "$rc" = 1
+expect "  named" has "FAIL xcall-shmem-cuda_nccl (skipped with XCALL_REQUIRE_CUDA=1"
+run_bundle "$b" XCALL_REQUIRE_CUDA=0 --
+expect "and is a skip without it" test "$rc" = 0
+expect "  counted" has "1 skipped, 0 failed"
+
+b="$tmp/quick"
+bundle "$b" "exit 0"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --quick
+expect "--quick passes" test "$rc" = 0
+expect "  runs no Host bench" test ! -e "$b/ran-bench-core"
+expect "  and says so" has "SKIP bench-core: a Host bench (--quick)"
+expect "  runs the GPU benches, the permute grid's quick half" grep -q -- "grid_quick=1" "$b/ran-bench-cuda_permute_grid"
+expect "  its time line says --quick" has "(--quick)"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow
+expect "an unknown argument is a usage error" test "$rc" = 2
+
+b="$tmp/failing"
+bundle "$b" 'echo "assertion failed"; exit 101'
+run_bundle "$b" XCALL_REQUIRE_CUDA=0 --
+expect "a failing program fails the run" test "$rc" = 1
+expect "  with its log's tail" has "    assertion failed"
+
+if [ "$failures" -ne 0 ]; then
+  echo "bundle-run-all-test: $failures check(s) failed"
+  exit 1
+fi
+echo "bundle-run-all-test: every check passed"
