@@ -1,3 +1,5 @@
+//! Long because each of the 20 C entry points of symmetric memory carries its whole C contract (the header text, "Bad input:" included) beside a short translating body.
+//!
 //! C ABI of symmetric memory (xcall-shmem).
 
 use std::ffi::{c_char, c_void, CStr};
