@@ -115,7 +115,9 @@ echo "  $out/python/ ($(basename "$out"/python/xcall-*.whl))"
 cp scripts/bundle-run-all.sh "$out/run-all.sh"
 chmod +x "$out/run-all.sh"
 # Debug info would take the bundle past what travels to a GPU machine;
-# symbols stay, so backtraces still name functions.
-find "$out" -type f -perm -u+x ! -name '*.sh' -exec strip --strip-debug {} +
+# symbols stay, so backtraces still name functions. source/ holds scripts,
+# not programs.
+find "$out" -path "$out/source" -prune -o -type f -perm -u+x ! -name '*.sh' \
+  -exec strip --strip-debug {} +
 du -sh "$out"
 echo "bundle ready: $out/run-all.sh"
