@@ -311,23 +311,9 @@ pub unsafe fn launch(
     let guard = ContextGuard::primary(device)?;
     // SAFETY: the caller's contract on the parameters and the stream; every
     // slot outlives the call.
-    let launched = unsafe {
-        sys::cuLaunchKernel(
-            function.cu_function(),
-            config.grid.0,
-            config.grid.1,
-            config.grid.2,
-            config.block.0,
-            config.block.1,
-            config.block.2,
-            config.shared_bytes,
-            config.stream,
-            pointers.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    };
+    let launched = unsafe { launch_raw(function, config, &mut pointers) };
     let restored = guard.restore();
-    check("cuLaunchKernel", device, launched)?;
+    launched.map_err(|e| super::driver_error("cuLaunchKernel", device, e))?;
     record_launch(function, config, params);
     restored
 }
