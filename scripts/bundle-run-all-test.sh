@@ -25,6 +25,7 @@ bundle() { # <dir> <extra test body>
   printf '#!/bin/sh\necho "$* grid_quick=$XCALL_GRID_QUICK grid_json=$XCALL_GRID_JSON" >"$(dirname "$0")/../ran-$(basename "$0")"\n' \
     >"$b/benches/bench-cuda_permute_grid"
   cp "$b/benches/bench-cuda_permute_grid" "$b/benches/bench-core"
+  cp "$b/benches/bench-cuda_permute_grid" "$b/benches/bench-cuda_permute_bound"
   touch "$b/python/xcall-0-py3-none-any.whl"
   # An interpreter with jax and pytest whose suites pass.
   printf '#!/bin/sh\nexit 0\n' >"$b/python3"
@@ -96,6 +97,7 @@ run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --quick
 expect "--quick passes" test "$rc" = 0
 expect "  runs no Host bench" test ! -e "$b/ran-bench-core"
 expect "  and says so" has "SKIP bench-core: a Host bench (--quick)"
+expect "  runs no permute bound analysis" test ! -e "$b/ran-bench-cuda_permute_bound"
 expect "  runs the GPU benches, the permute grid's quick half" grep -q -- "grid_quick=1" "$b/ran-bench-cuda_permute_grid"
 expect "  its time line says --quick" has "(--quick)"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow

@@ -4,7 +4,8 @@
 # test's "SKIP <test>: <why>" on stderr, pytest's "SKIPPED [n] ...") counts
 # as skipped, not passed. Each line gives the run's seconds.
 #   --quick: no Host benches (the criterion benches, bench-* not named
-#     bench-cuda_*; CI runs them) and the permute grid's quick half
+#     bench-cuda_*; CI runs them), no permute bound analysis
+#     (bench-cuda_permute_bound) and the permute grid's quick half
 #     (XCALL_GRID_QUICK=1: T = 4096 only), for a run of about 6 minutes
 #     on one GPU host.
 #   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
@@ -160,6 +161,14 @@ else
 fi
 for b in "$here"/benches/*; do
   case "$(basename "$b")" in
+    bench-cuda_permute_bound)
+      # The bound analysis (about 70 s on an H200) is no test of the build.
+      if [ "$quick" = 1 ]; then
+        skipped=$((skipped + 1))
+        echo "SKIP $(basename "$b"): the permute bound analysis (--quick)"
+        continue
+      fi
+      ;;
     bench-cuda_*) ;;
     *)
       if [ "$quick" = 1 ]; then
