@@ -13,7 +13,7 @@ use common::parallel;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use xcall_graph::sim::{SimBackend, SimStream};
-use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome};
+use xcall_graph::{Buffer, BufferRole, CacheConfig, Call, CallKey, Device, GraphCache, Outcome};
 
 fn key(ordinal: u32, buffers: usize) -> CallKey {
     CallKey {
@@ -43,7 +43,7 @@ fn hit(cache: &GraphCache<SimBackend>, ordinal: u32, buffers: usize) -> Outcome 
 }
 
 fn hit_path(c: &mut Criterion) {
-    let cache = GraphCache::new(SimBackend::new(), Config::default()).unwrap();
+    let cache = GraphCache::new(SimBackend::new(), CacheConfig::default()).unwrap();
     let mut g = c.benchmark_group("graph_cache_hit");
     for buffers in [1, 8, 64] {
         assert_eq!(hit(&cache, 0, buffers), Outcome::Captured);
@@ -58,7 +58,7 @@ fn hit_path(c: &mut Criterion) {
 
 /// Hits per thread with `threads` threads, each on its own device.
 fn scaling(c: &mut Criterion) {
-    let cache = Arc::new(GraphCache::new(SimBackend::new(), Config::default()).unwrap());
+    let cache = Arc::new(GraphCache::new(SimBackend::new(), CacheConfig::default()).unwrap());
     for d in 0..8 {
         assert_eq!(hit(&cache, d, 8), Outcome::Captured);
     }

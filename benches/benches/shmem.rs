@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use xcall_core::{Device, Platform};
-use xcall_shmem::{Config, World};
+use xcall_shmem::{World, WorldConfig};
 
 const SIZES: [usize; 2] = [64 << 10, 4 << 20];
 const HEAP: usize = 24 << 20;
@@ -38,7 +38,8 @@ struct Pe {
 impl Pe {
     fn new(group: &str, rank: usize, size: usize) -> Pe {
         let mut world = World::new();
-        let mut c = Config::in_process(group, rank, size, Device::new(Platform::Host, rank as u32));
+        let mut c =
+            WorldConfig::in_process(group, rank, size, Device::new(Platform::Host, rank as u32));
         c.heap_bytes = Some(HEAP);
         c.timeout = Duration::from_secs(120);
         world.init(&c).expect("init");

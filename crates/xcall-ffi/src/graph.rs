@@ -6,8 +6,8 @@ use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{
-    Attributes, Buffer, BufferRole, Call, CallKey, Config, GraphCache, GraphError, Outcome, Policy,
-    Stats,
+    Attributes, Buffer, BufferRole, CacheConfig, Call, CallKey, GraphCache, GraphError, Outcome,
+    Policy, Stats,
 };
 
 use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
@@ -146,15 +146,15 @@ fn device_arg(target: *const xcall_target) -> Result<Device, FfiError> {
     xcall_target::read(target, "target")?.device()
 }
 
-fn config_arg(c: &xcall_graph_cache_config) -> Result<Config, FfiError> {
+fn config_arg(c: &xcall_graph_cache_config) -> Result<CacheConfig, FfiError> {
     let policy = c.policy.get()?;
-    let config = Config {
+    let config = CacheConfig {
         capacity: c.capacity,
         max_nodes: (c.max_nodes > 0).then_some(c.max_nodes),
         policy,
         retry_after: c.retry_after,
         variants_per_topology: c.variants_per_topology,
-        ..Config::default()
+        ..CacheConfig::default()
     };
     config.validate()?;
     Ok(config)
@@ -171,7 +171,7 @@ pub extern "C" fn xcall_graph_cache_config_default(
 ) -> Status {
     ffi_call!({
         let out = out_ptr(out_config, "out_config")?;
-        let d = Config::default();
+        let d = CacheConfig::default();
         *out = xcall_graph_cache_config {
             capacity: d.capacity,
             max_nodes: d.max_nodes.unwrap_or(0),
@@ -202,7 +202,7 @@ pub extern "C" fn xcall_graph_cache_new(
         // SAFETY: NULL or a valid config, per the documentation.
         let config = match unsafe { config.as_ref() } {
             Some(c) => config_arg(c)?,
-            None => Config::default(),
+            None => CacheConfig::default(),
         };
         let inner = GraphCache::new(CudaGraphs, config)?;
         *out = handle::publish(xcall_graph_cache { inner })?;

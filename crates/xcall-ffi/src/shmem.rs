@@ -9,7 +9,8 @@ use std::time::Duration;
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::{Device, Status};
 use xcall_shmem::{
-    BootstrapKind, Cmp, Config, Incoming, Outgoing, Pairs, ShmemError, SignalOp, Transport, World,
+    BootstrapKind, Cmp, Incoming, Outgoing, Pairs, ShmemError, SignalOp, Transport, World,
+    WorldConfig,
 };
 
 use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
@@ -292,7 +293,7 @@ pub extern "C" fn xcall_shmem_init(
             },
             Bootstrap::Tcp => BootstrapKind::Tcp { address },
         };
-        let config = Config {
+        let config = WorldConfig {
             rank: c.rank as usize,
             size: c.size as usize,
             device: Device::new(c.target.platform.get()?, c.target.ordinal),

@@ -20,7 +20,7 @@ use gpu::{random, Gpu};
 use xcall_core::cuda::{CaptureMode, Graph, Stream};
 use xcall_core::KernelCache;
 use xcall_graph::cuda::CudaGraphs;
-use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, GraphCache, Outcome};
+use xcall_graph::{Buffer, BufferRole, CacheConfig, Call, CallKey, GraphCache, Outcome};
 
 const N: u64 = 4096;
 const KERNELS: usize = 10;
@@ -131,7 +131,7 @@ fn main() {
     let eager = time(&stream, &gpu, |_| {
         gpu.work(stream.cu_stream(), ptrs[0], N, KERNELS).unwrap()
     });
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     exec(&cache, ptrs[0], Outcome::Captured);
     let replay = time(&stream, &gpu, |_| exec(&cache, ptrs[0], Outcome::Replayed));
     let update = time(&stream, &gpu, |i| {
@@ -170,7 +170,7 @@ fn main() {
             .unwrap();
         assert_eq!(got, want);
     };
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     exec_p(&cache, ptrs[0], true, Outcome::Captured);
     let replay_p = time(&stream, &gpu, |_| {
         exec_p(&cache, ptrs[0], true, Outcome::Replayed)

@@ -16,7 +16,7 @@ use xcall_core::{Device, DeviceMap, Error, Platform};
 use crate::backend::{GraphBackend, StreamState};
 use crate::error::{GraphError, GraphResult};
 use crate::key::{CallKey, Relocation};
-use crate::policy::{Config, Policy};
+use crate::policy::{CacheConfig, Policy};
 use crate::shard::{Entry, Pending, Shard};
 
 pub use crate::call::{Call, Outcome, Stats};
@@ -33,7 +33,7 @@ struct DeviceState<B: GraphBackend> {
 /// lookups, launches and exec-updates, never for captures.
 pub struct GraphCache<B: GraphBackend> {
     backend: B,
-    config: Config,
+    config: CacheConfig,
     devices: DeviceMap<DeviceState<B>>,
 }
 
@@ -129,7 +129,7 @@ impl Notes {
 
 impl<B: GraphBackend> GraphCache<B> {
     /// A cache over `backend` with `config` (checked).
-    pub fn new(backend: B, config: Config) -> Result<Self, Error> {
+    pub fn new(backend: B, config: CacheConfig) -> Result<Self, Error> {
         config.validate()?;
         Ok(GraphCache {
             backend,
@@ -144,7 +144,7 @@ impl<B: GraphBackend> GraphCache<B> {
     }
 
     /// The configuration.
-    pub fn config(&self) -> &Config {
+    pub fn config(&self) -> &CacheConfig {
         &self.config
     }
 

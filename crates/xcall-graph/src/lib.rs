@@ -33,5 +33,5 @@ pub use cache::{Call, GraphCache, Outcome, Stats};
 pub use error::{GraphError, GraphResult};
 pub use key::{Attributes, Buffer, BufferRole, CallKey};
 pub use op::{op_id, OpCall, OpFailure};
-pub use policy::{Config, Policy};
+pub use policy::{CacheConfig, Policy};
 pub use xcall_core::{Device, Error, Platform, Result};

@@ -28,7 +28,7 @@ xcall_core::c_enum!(Policy, "graph policy", [ExecUpdate, Recapture, Disabled]);
 /// Limits and behaviour of a [`crate::GraphCache`]. Every limit applies per
 /// device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Config {
+pub struct CacheConfig {
     /// Graphs kept per device; the least recently used is evicted (default 64).
     pub capacity: usize,
     /// Optional limit on the total nodes of the graphs kept per device.
@@ -48,9 +48,9 @@ pub struct Config {
     pub bucket_mask: u64,
 }
 
-impl Default for Config {
+impl Default for CacheConfig {
     fn default() -> Self {
-        Config {
+        CacheConfig {
             capacity: 64,
             max_nodes: None,
             policy: Policy::ExecUpdate,
@@ -61,7 +61,7 @@ impl Default for Config {
     }
 }
 
-impl Config {
+impl CacheConfig {
     /// Checks the limits.
     pub fn validate(&self) -> Result<()> {
         if self.capacity == 0 {

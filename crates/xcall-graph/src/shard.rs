@@ -11,7 +11,7 @@ use rustc_hash::FxHashMap as HashMap;
 use crate::backend::GraphBackend;
 use crate::call::Stats;
 use crate::key::CallKey;
-use crate::policy::Config;
+use crate::policy::CacheConfig;
 
 /// A cached executable and what it was made for.
 pub(crate) struct Entry<B: GraphBackend> {
@@ -46,7 +46,7 @@ pub(crate) struct Shard<B: GraphBackend> {
     pub(crate) next_id: u64,
     pub(crate) nodes: usize,
     pub(crate) stats: Stats,
-    /// [`Config::bucket_mask`].
+    /// [`CacheConfig::bucket_mask`].
     pub(crate) mask: u64,
 }
 
@@ -149,7 +149,7 @@ impl<B: GraphBackend> Shard<B> {
 
     /// Evicts least recently used entries (never `keep`) until the shard is
     /// within its limits; returns how many.
-    pub(crate) fn evict_to_limits(&mut self, config: &Config, keep: u64) -> usize {
+    pub(crate) fn evict_to_limits(&mut self, config: &CacheConfig, keep: u64) -> usize {
         let mut evicted = 0;
         loop {
             let over_capacity = self.entries.len() > config.capacity;
@@ -176,7 +176,7 @@ impl<B: GraphBackend> Shard<B> {
 
     /// Remembers that `key` in `context` could not be captured: it runs
     /// eagerly for `retry_after` calls. The memory is bounded like the cache.
-    pub(crate) fn remember_not_capturable(&mut self, key: (CallKey, u64), config: &Config) {
+    pub(crate) fn remember_not_capturable(&mut self, key: (CallKey, u64), config: &CacheConfig) {
         self.not_capturable.insert(key, config.retry_after);
         while self.not_capturable.len() > config.capacity {
             let Some(k) = self.not_capturable.keys().next().cloned() else {

@@ -9,7 +9,7 @@ use xcall_core::testing::{cuda_devices_or_skip, skip};
 use xcall_core::{KernelCache, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{
-    Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, GraphError, Outcome,
+    Buffer, BufferRole, CacheConfig, Call, CallKey, Device, GraphCache, GraphError, Outcome,
 };
 
 const N: usize = 1 << 16;
@@ -50,7 +50,7 @@ fn capture_and_replay_compute_what_eager_launches_compute() {
     }
     let kernels = KernelCache::new();
     let gpu = Gpu::new(&kernels, 0);
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let data = random(N, 1);
     let (x, y) = (gpu.upload(&data), gpu.upload(&data));
     let (px, py) = (gpu.ptr(&x), gpu.ptr(&y));
@@ -84,7 +84,7 @@ fn exec_update_writes_the_new_buffers_and_not_the_old_ones() {
     }
     let kernels = KernelCache::new();
     let gpu = Gpu::new(&kernels, 0);
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let (dx, dy) = (random(N, 2), random(N, 3));
     let (x, y) = (gpu.upload(&dx), gpu.upload(&dy));
     let (px, py) = (gpu.ptr(&x), gpu.ptr(&y));
@@ -143,7 +143,7 @@ fn patched_graphs_write_the_new_buffers_and_not_the_old_ones() {
     }
     let kernels = KernelCache::new();
     let gpu = Gpu::new(&kernels, 0);
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let (dx, dy) = (random(N, 12), random(N, 13));
     let (x, y) = (gpu.upload(&dx), gpu.upload(&dy));
     let (px, py) = (gpu.ptr(&x), gpu.ptr(&y));
@@ -191,7 +191,7 @@ fn patched_graphs_write_the_new_buffers_and_not_the_old_ones() {
         (1, 1, 1, 0, 1)
     );
     // One foreign kernel in the graph: the cache captures again and updates.
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let (dz, dw) = (random(N, 14), random(N, 15));
     let (z, w) = (gpu.upload(&dz), gpu.upload(&dw));
     assert_eq!(
@@ -223,7 +223,7 @@ fn a_failing_record_function_leaves_the_stream_usable() {
     }
     let kernels = KernelCache::new();
     let gpu = Gpu::new(&kernels, 0);
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let data = random(N, 4);
     let x = gpu.upload(&data);
     let px = gpu.ptr(&x);
@@ -261,9 +261,9 @@ fn work_that_cannot_be_captured_runs_eagerly_once() {
     let gpu = Gpu::new(&kernels, 0);
     let cache = GraphCache::new(
         CudaGraphs,
-        Config {
+        CacheConfig {
             retry_after: 1,
-            ..Config::default()
+            ..CacheConfig::default()
         },
     )
     .unwrap();
@@ -308,7 +308,7 @@ fn a_stream_the_caller_captures_gets_the_work_recorded() {
     }
     let kernels = KernelCache::new();
     let gpu = Gpu::new(&kernels, 0);
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let data = random(N, 6);
     let x = gpu.upload(&data);
     let px = gpu.ptr(&x);
@@ -347,7 +347,7 @@ fn bad_streams_are_refused_and_the_callers_context_is_restored() {
     };
     let kernels = KernelCache::new();
     let gpu = Gpu::new(&kernels, 0);
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let x = gpu.upload(&random(N, 7));
     let px = gpu.ptr(&x);
     let null = Call::new(
@@ -390,7 +390,7 @@ fn two_gpus_with_identical_keys_each_replay_their_own_graph() {
         return;
     }
     let kernels = KernelCache::new();
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let gpus = [Gpu::new(&kernels, 0), Gpu::new(&kernels, 1)];
     let data = [random(N, 8), random(N, 9)];
     let bufs = [gpus[0].upload(&data[0]), gpus[1].upload(&data[1])];

@@ -3,12 +3,12 @@
 
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{
-    Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome, Platform,
+    Buffer, BufferRole, CacheConfig, Call, CallKey, Device, GraphCache, Outcome, Platform,
 };
 
 #[test]
 fn host_calls_run_directly_and_never_touch_cuda() {
-    let cache = GraphCache::new(CudaGraphs, Config::default()).unwrap();
+    let cache = GraphCache::new(CudaGraphs, CacheConfig::default()).unwrap();
     let key = CallKey {
         device: Device::HOST,
         target: 1,

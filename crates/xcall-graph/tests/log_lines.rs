@@ -8,7 +8,7 @@ mod sim;
 use sim::{add, cache, key, run, run_ops, stream};
 use xcall_core::testing::{watchdog, within};
 use xcall_graph::sim::SimOp;
-use xcall_graph::{Call, Config, Device};
+use xcall_graph::{CacheConfig, Call, Device};
 
 /// The tests of this file reach the same event sites: they run one at a
 /// time, so no site is first reached while another test's capture is
@@ -22,10 +22,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
     let _s = serial();
     use xcall_core::log::{capture, LogLevel};
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         retry_after: 1,
         max_nodes: Some(3),
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let (s, a, b) = (stream(0), key(0, 0x51, &[0x100]), key(0, 0x51, &[0x200]));
     let first = a.clone();
@@ -110,7 +110,7 @@ fn each_call_logs_one_line_with_its_outcome_and_reason_replays_only_at_trace() {
     assert!(lines.iter().all(|l| l.target == "xcall_graph::cache"));
 
     // At debug the replay (a hot path) is not logged, the rest is.
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let ((), lines) = capture("xcall_graph=debug", || {
         run(&c, &a, s, 1);
         run(&c, &a, s, 1);
@@ -129,10 +129,10 @@ fn lines_are_logged_after_the_device_lock_is_released() {
     use std::time::Duration;
     use xcall_core::testing::{watchdog, within};
     let _s = serial();
-    let c = Arc::new(cache(Config {
+    let c = Arc::new(cache(CacheConfig {
         retry_after: 1,
         max_nodes: Some(3),
-        ..Config::default()
+        ..CacheConfig::default()
     }));
     let lines = Arc::new(AtomicUsize::new(0));
     let (on_line_cache, counted) = (c.clone(), lines.clone());

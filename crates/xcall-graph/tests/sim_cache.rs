@@ -6,7 +6,7 @@ use std::sync::{Arc, Barrier};
 use xcall_core::testing::{run_threads, watchdog, within};
 use xcall_graph::sim::{SimBackend, SimOp, SimStream};
 use xcall_graph::{
-    op_id, Attributes, Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, OpCall,
+    op_id, Attributes, Buffer, BufferRole, CacheConfig, Call, CallKey, Device, GraphCache, OpCall,
     Outcome, Policy, Stats,
 };
 
@@ -16,7 +16,7 @@ use sim::{add, cache, key, run, run_ops, stream};
 
 #[test]
 fn identical_calls_capture_once_then_replay() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let k = key(0, 1, &[0x1000, 0x2000]);
     assert_eq!(run(&c, &k, stream(0), 1), Outcome::Captured);
     for _ in 0..5 {
@@ -36,7 +36,7 @@ fn identical_calls_capture_once_then_replay() {
 fn same_addresses_on_two_devices_never_share_a_graph() {
     // Both devices hand out the same virtual address: the key's device
     // must keep their graphs apart.
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     for ordinal in [0, 1] {
         let k = key(ordinal, 1, &[0x7f00_0000]);
         assert_eq!(
@@ -60,7 +60,7 @@ fn same_addresses_on_two_devices_never_share_a_graph() {
 
 #[test]
 fn a_stream_of_another_device_is_refused_before_anything_runs() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let call = Call::new(key(0, 1, &[0x10]), Some(stream(1)));
     let mut ran = false;
     let err = c
@@ -91,7 +91,7 @@ fn a_stream_of_another_device_is_refused_before_anything_runs() {
 
 #[test]
 fn pointer_churn_updates_the_executable_in_place() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let a = key(0, 1, &[0x100]);
     let b = key(0, 1, &[0x200]);
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
@@ -111,7 +111,7 @@ fn pointer_churn_updates_the_executable_in_place() {
 
 #[test]
 fn refused_update_instantiates_instead() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let a = key(0, 1, &[0x100]);
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
     // Same key topology, but the work has two nodes now: the update is refused.
@@ -124,9 +124,9 @@ fn refused_update_instantiates_instead() {
 
 #[test]
 fn recapture_policy_and_variants_keep_several_executables() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         policy: Policy::Recapture,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     assert_eq!(
         run(&c, &key(0, 1, &[0x100]), stream(0), 1),
@@ -142,9 +142,9 @@ fn recapture_policy_and_variants_keep_several_executables() {
     );
     assert_eq!(c.stats(Device::cuda(0)).updates, 0);
 
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         variants_per_topology: 2,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     assert_eq!(
         run(&c, &key(0, 1, &[0x100]), stream(0), 1),
@@ -177,9 +177,9 @@ fn recapture_policy_and_variants_keep_several_executables() {
 
 #[test]
 fn disabled_policy_always_runs_eagerly() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         policy: Policy::Disabled,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     for _ in 0..3 {
         assert_eq!(
@@ -194,9 +194,9 @@ fn disabled_policy_always_runs_eagerly() {
 
 #[test]
 fn lru_capacity_per_device() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         capacity: 2,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let keys: Vec<CallKey> = (1..=3).map(|t| key(0, t, &[0x100 * t])).collect();
     run(&c, &keys[0], stream(0), 1);
@@ -214,9 +214,9 @@ fn lru_capacity_per_device() {
 
 #[test]
 fn node_limit_per_device() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         max_nodes: Some(3),
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let two = key(0, 1, &[0x100, 0x200]);
     let two_more = key(0, 2, &[0x300, 0x400]);
@@ -234,7 +234,7 @@ fn node_limit_per_device() {
 
 #[test]
 fn invalidate_range_evicts_exactly_the_overlapping_graphs() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let a = key(0, 1, &[0x1000]); // [0x1000, 0x1040)
     let b = key(0, 2, &[0x2000]);
     run(&c, &a, stream(0), 1);
@@ -269,7 +269,7 @@ fn invalidation_during_a_capture_keeps_the_graph_out_of_the_cache() {
     // Under the watchdog: a lock held across the record function would
     // deadlock this thread.
     within("invalidate inside a record function", watchdog(), || {
-        let c = cache(Config::default());
+        let c = cache(CacheConfig::default());
         let k = key(0, 1, &[0x1000]);
         let call = Call::new(k.clone(), Some(stream(0)));
         // The record function itself frees the memory (no lock is held while it
@@ -295,9 +295,9 @@ fn invalidation_during_a_capture_keeps_the_graph_out_of_the_cache() {
 
 #[test]
 fn failed_captures_run_eagerly_and_retry_later() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         retry_after: 2,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let k = key(0, 1, &[0x100]);
     let uncapturable = |c: &GraphCache<SimBackend>| {
@@ -324,7 +324,7 @@ fn failed_captures_run_eagerly_and_retry_later() {
 
 #[test]
 fn a_failing_record_function_returns_its_error() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let call = Call::new(key(0, 1, &[0x100]), Some(stream(0)));
     let mut calls = 0;
     let err = c
@@ -353,7 +353,7 @@ fn a_failing_record_function_returns_its_error() {
 
 #[test]
 fn a_stream_the_caller_is_capturing_records_into_the_callers_capture() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let s = stream(0);
     c.backend().begin_caller_capture(s);
     assert_eq!(run(&c, &key(0, 1, &[0x100]), s, 3), Outcome::EagerFallback);
@@ -378,7 +378,7 @@ fn a_stream_the_caller_is_capturing_records_into_the_callers_capture() {
 fn racing_threads_on_one_new_key_capture_once() {
     // Barriers between two threads: under the watchdog, a hang fails.
     within("racing capture", watchdog(), || {
-        let c = Arc::new(cache(Config::default()));
+        let c = Arc::new(cache(CacheConfig::default()));
         let k = key(0, 1, &[0x100]);
         let inside = Arc::new(Barrier::new(2));
         let release = Arc::new(Barrier::new(2));
@@ -417,9 +417,9 @@ fn stress_8_threads_4_devices_random_keys() {
     const THREADS: u64 = 8;
     const DEVICES: u32 = 4;
     const CALLS: u64 = 2000;
-    let c = Arc::new(cache(Config {
+    let c = Arc::new(cache(CacheConfig {
         capacity: 6,
-        ..Config::default()
+        ..CacheConfig::default()
     }));
     let results = {
         let c = c.clone();
@@ -492,9 +492,9 @@ fn stress_8_threads_4_devices_random_keys() {
 
 #[test]
 fn a_graph_that_cannot_be_instantiated_runs_eagerly_once() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         retry_after: 1,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let k = key(0, 1, &[0x100]);
     let run_it = |c: &GraphCache<SimBackend>| {
@@ -529,11 +529,11 @@ fn forced_hash_collisions_never_replay_another_keys_graph() {
     // bucket_mask 0 puts every key in one bucket: only the full key
     // comparison tells them apart.
     for policy in [Policy::Recapture, Policy::ExecUpdate] {
-        let c = cache(Config {
+        let c = cache(CacheConfig {
             bucket_mask: 0,
             policy,
             variants_per_topology: 2,
-            ..Config::default()
+            ..CacheConfig::default()
         });
         let keys = [
             key(0, 1, &[0x1000]),
@@ -580,9 +580,9 @@ fn forced_digest_collisions_never_replay_another_attributes_graph() {
     // attributes collide would have), the same op and buffers: only the
     // full comparison of the attributes tells them apart.
     for policy in [Policy::Recapture, Policy::ExecUpdate] {
-        let c = cache(Config {
+        let c = cache(CacheConfig {
             policy,
-            ..Config::default()
+            ..CacheConfig::default()
         });
         let sets = [
             Attributes::with_digest(
@@ -633,7 +633,7 @@ fn forced_digest_collisions_never_replay_another_attributes_graph() {
 fn the_record_function_runs_without_the_shard_lock() {
     // While a capture's record function runs, another thread can use the
     // same device's shard: the lock is not held across the caller's code.
-    let c = Arc::new(cache(Config::default()));
+    let c = Arc::new(cache(CacheConfig::default()));
     let k = key(0, 1, &[0x100]);
     let outcome = within("capture", watchdog(), {
         let c = c.clone();
@@ -656,7 +656,7 @@ fn the_record_function_runs_without_the_shard_lock() {
 
 #[test]
 fn clear_all_counts_every_device_and_nodes_add_up() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     run_ops(&c, &key(0, 1, &[0x100]), stream(0), &[add(0x100, 1)]);
     run_ops(
         &c,
@@ -688,9 +688,9 @@ fn clear_all_counts_every_device_and_nodes_add_up() {
 
 #[test]
 fn graphs_exactly_at_the_node_limit_are_kept() {
-    let config = Config {
+    let config = CacheConfig {
         max_nodes: Some(4),
-        ..Config::default()
+        ..CacheConfig::default()
     };
     let c = cache(config);
     assert_eq!(c.config(), &config);
@@ -702,10 +702,10 @@ fn graphs_exactly_at_the_node_limit_are_kept() {
 
 #[test]
 fn not_capturable_marks_are_bounded_like_the_cache() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         capacity: 2,
         retry_after: 5,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let keys: Vec<CallKey> = (1..=3).map(|t| key(0, t, &[0x100 * t])).collect();
     for k in &keys {
@@ -725,9 +725,9 @@ fn not_capturable_marks_are_bounded_like_the_cache() {
 
 #[test]
 fn invalidate_range_forgets_the_not_capturable_marks_in_it_only() {
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         retry_after: 5,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let inside = key(0, 1, &[0x1000]);
     let outside = key(0, 2, &[0x8000]);
@@ -748,7 +748,7 @@ fn invalidate_range_forgets_the_not_capturable_marks_in_it_only() {
 fn an_invalidated_capture_never_updates_a_cached_graph() {
     // `kept` is cached; `freed` has the same topology (an exec-update
     // candidate), but its memory is invalidated while it is captured.
-    let c = Arc::new(cache(Config::default()));
+    let c = Arc::new(cache(CacheConfig::default()));
     let kept = key(0, 1, &[0x100]);
     let freed = key(0, 1, &[0x200]);
     assert_eq!(run(&c, &kept, stream(0), 1), Outcome::Captured);
@@ -786,7 +786,7 @@ fn concurrent_captures_of_two_keys_keep_their_own_pending_state() {
     // as if A's capture were its own), and the invalidation of A's memory
     // must keep A's graph, and only A's, out of the cache.
     use std::sync::mpsc;
-    let c = Arc::new(cache(Config::default()));
+    let c = Arc::new(cache(CacheConfig::default()));
     let a = key(0, 1, &[0x1000]);
     let b = key(0, 2, &[0x2000]);
     let (started_tx, started) = mpsc::channel();
@@ -833,7 +833,7 @@ impl std::fmt::Display for OpCode {
 #[test]
 fn execute_op_returns_the_ops_own_error_whole() {
     use xcall_graph::OpFailure;
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     // Fails under capture (code 1) and eagerly (code 2): the last error.
     let mut code = 0;
     let err = c
@@ -891,7 +891,7 @@ fn run_relocatable(
 
 #[test]
 fn relocatable_calls_move_the_pointers_of_a_cached_graph_without_capture() {
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let mut records = 0;
     // Each buffer's first cell, and a scratch cell no buffer holds (a
     // pointer the op owns, which must stay where it is).
@@ -943,7 +943,7 @@ fn calls_a_pointer_move_cannot_express_take_the_capture_path() {
         ("alignment below 256 changes", key(0, 1, &[0x5010, 0x6000])),
         ("the buffers now overlap", key(0, 1, &[0x5000, 0x5000])),
     ] {
-        let c = cache(Config::default());
+        let c = cache(CacheConfig::default());
         let mut records = 0;
         assert_eq!(
             run_relocatable(&c, &a, &mut records, ops),
@@ -960,7 +960,7 @@ fn calls_a_pointer_move_cannot_express_take_the_capture_path() {
         assert_eq!(run_relocatable(&c, &a, &mut records, ops), Outcome::Updated);
     }
     // A graph with a node the backend cannot patch (a foreign kernel).
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let mut records = 0;
     let foreign = |k: &CallKey| {
         vec![SimOp::Foreign {
@@ -979,18 +979,18 @@ fn calls_a_pointer_move_cannot_express_take_the_capture_path() {
     );
     assert_eq!(c.backend().read(Device::cuda(0), 0x5000), 1);
     // Calls not declared relocatable, and the Recapture policy, never patch.
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
     assert_eq!(run(&c, &b, stream(0), 1), Outcome::Updated);
     // Nor does a graph a non-relocatable call captured, when a relocatable
     // call of its topology comes.
-    let c = cache(Config::default());
+    let c = cache(CacheConfig::default());
     let mut records = 0;
     assert_eq!(run(&c, &a, stream(0), 1), Outcome::Captured);
     assert_eq!(run_relocatable(&c, &b, &mut records, ops), Outcome::Updated);
-    let c = cache(Config {
+    let c = cache(CacheConfig {
         policy: Policy::Recapture,
-        ..Config::default()
+        ..CacheConfig::default()
     });
     let mut records = 0;
     assert_eq!(

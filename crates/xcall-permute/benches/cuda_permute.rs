@@ -23,7 +23,9 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{backward_candidates, permute_candidates, unpermute_candidates, Config};
+use xcall_permute::cuda::{
+    backward_candidates, permute_candidates, unpermute_candidates, LaunchConfig,
+};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 30;
@@ -263,7 +265,7 @@ fn main() {
         // Every candidate config of the three tuned ops, each replayed from
         // its own graph beside the tuned op's graph: how far the tuner's
         // pick is from the fastest config in replays.
-        let tuned_calls: [(&str, &str, Vec<Config>, usize); 3] = [
+        let tuned_calls: [(&str, &str, Vec<LaunchConfig>, usize); 3] = [
             ("permute (+probs)", "permute", permute_candidates(), 2),
             (
                 "unpermute (merging probs)",
@@ -297,7 +299,7 @@ fn main() {
                 None,
             );
             let us: Vec<f64> = timed.iter().map(|&(_, ms)| ms * 1e3).collect();
-            let configs: Vec<Config> = timed[1..].iter().map(|&(c, _)| c.unwrap()).collect();
+            let configs: Vec<LaunchConfig> = timed[1..].iter().map(|&(c, _)| c.unwrap()).collect();
             let ratio = |u: f64| rows[at].1 / u / 1e3 / graph_copy_gbs;
             let (best, best_us) = configs
                 .iter()

@@ -35,7 +35,9 @@ use xcall_permute::call::{
     UnpermuteArgs, UnpermuteBackwardArgs,
 };
 use xcall_permute::chunks::Direction;
-use xcall_permute::cuda::{backward_candidates, permute_candidates, unpermute_candidates, Config};
+use xcall_permute::cuda::{
+    backward_candidates, permute_candidates, unpermute_candidates, LaunchConfig,
+};
 use xcall_permute::RowIdMapOptions;
 
 const ROUNDS: usize = 10;
@@ -515,7 +517,7 @@ fn run_shape(env: &Env<'_>, s: &Shape, dtype: DType, variant: &str, b: &Buffers)
         let unpermute_call = || unsafe { call::unpermute(target, &unpermute) };
         // SAFETY: as above.
         let backward_call = || unsafe { call::unpermute_backward(target, &backward) };
-        let tuned: [(&str, Vec<Config>, &TunedCall<'_>); 3] = [
+        let tuned: [(&str, Vec<LaunchConfig>, &TunedCall<'_>); 3] = [
             ("permute", permute_candidates(), &permute_call),
             ("unpermute", unpermute_candidates(true), &unpermute_call),
             ("unpermute_backward", backward_candidates(), &backward_call),
@@ -558,7 +560,7 @@ fn config_sweep(
     env: &Env<'_>,
     shape: &str,
     kernel: &'static str,
-    candidates: &[Config],
+    candidates: &[LaunchConfig],
     call: &TunedCall<'_>,
     flush: &GraphExec,
     ratio: impl Fn(f64) -> f64,

@@ -859,7 +859,7 @@ fn row_holding_backward_kernels_equal_the_host() {
 /// The bulk-copy permute configs (sm_90+), or `None` after a skip line on
 /// an older device: there a forced bulk config runs the default kernel, so
 /// a test of the bulk kernels would pass without running them.
-fn bulk_configs(test: &str) -> Option<Vec<xcall_permute::cuda::Config>> {
+fn bulk_configs(test: &str) -> Option<Vec<xcall_permute::cuda::LaunchConfig>> {
     let info = xcall_core::cuda::device_info(xcall_core::Device::cuda(0)).unwrap();
     if info.compute_capability.0 < 9 {
         xcall_core::testing::skip(test, "the bulk-copy permute kernels need sm_90 or newer");
@@ -917,7 +917,7 @@ fn bulk_copy_permute_kernels_equal_the_host() {
 
 /// unpermute's async configs (a warp per token, routes copied into shared
 /// memory by cp.async).
-fn async_configs() -> Vec<xcall_permute::cuda::Config> {
+fn async_configs() -> Vec<xcall_permute::cuda::LaunchConfig> {
     let a: Vec<_> = xcall_permute::cuda::unpermute_candidates(true)
         .into_iter()
         .filter(|c| c.stages > 0)
@@ -1588,7 +1588,7 @@ fn bad_maps_never_write_out_of_range_and_cuda_reports_what_the_host_refuses() {
     // Each map through the default kernels, then (sm_90+) with permute
     // through the bulk-copy kernel, then unpermute through an async kernel.
     let bulk = bulk_configs("bad maps through the bulk-copy permute").unwrap_or_default();
-    let passes: Vec<Vec<(&str, xcall_permute::cuda::Config)>> = std::iter::once(vec![])
+    let passes: Vec<Vec<(&str, xcall_permute::cuda::LaunchConfig)>> = std::iter::once(vec![])
         .chain(bulk.iter().take(1).map(|&b| vec![("permute", b)]))
         .chain(std::iter::once(vec![("unpermute", async_configs()[0])]))
         .collect();

@@ -25,7 +25,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use xcall_core::cuda::Stream;
 use xcall_core::testing::{capture_graph, cuda_devices_or_skip, interleaved_medians, skip};
 use xcall_core::{cuda, Device};
-use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, Transport, World};
+use xcall_shmem::{Cmp, Incoming, Outgoing, Pairs, Transport, World, WorldConfig};
 
 const MAX: usize = 1 << 30;
 const BARRIERS: usize = 100;
@@ -47,7 +47,7 @@ fn main() {
 /// driver wait, eager and as graphs of WAITS waits.
 fn waits() {
     let device = Device::cuda(0);
-    let mut c = Config::in_process("bench-waits", 0, 1, device);
+    let mut c = WorldConfig::in_process("bench-waits", 0, 1, device);
     c.heap_bytes = Some(16 << 20);
     c.timeout = Duration::from_secs(10);
     let mut w = World::new();
@@ -199,7 +199,7 @@ fn filled_world(
     name: &str,
     pairs: Option<Pairs>,
 ) -> xcall_shmem::Result<(World, u64, u64)> {
-    let mut c = Config::in_process(name, rank, 2, Device::cuda(rank as u32));
+    let mut c = WorldConfig::in_process(name, rank, 2, Device::cuda(rank as u32));
     c.heap_bytes = Some(2 * MAX + (16 << 20));
     c.timeout = Duration::from_secs(120);
     c.pairs = pairs;

@@ -15,12 +15,12 @@
 //! launcher's rank that disagrees with the first's (a torchrun inside an
 //! `srun` allocation exports both, which must agree when both are ranks
 //! of this world). [`LaunchEnv::config`] makes the TCP bootstrap's
-//! [`Config`] for one PE per process.
+//! [`WorldConfig`] for one PE per process.
 
 use xcall_core::Device;
 
 use crate::error::{Result, ShmemError};
-use crate::world::{Config, MAX_PES};
+use crate::world::{WorldConfig, MAX_PES};
 
 /// What a launcher told this process: its environment, read once (not a
 /// kernel launch, which is `xcall_core::cuda::Launch`).
@@ -168,14 +168,14 @@ impl LaunchEnv {
     /// The TCP bootstrap's config of this process as one PE on `device`
     /// (rank and size the launcher's). An error when the launcher gave no
     /// `MASTER_ADDR` and `MASTER_PORT`.
-    pub fn config(&self, device: Device) -> Result<Config> {
+    pub fn config(&self, device: Device) -> Result<WorldConfig> {
         let address = self.address.as_deref().ok_or_else(|| {
             ShmemError::InvalidArgument(format!(
                 "{} gave rank {} of {} but no rank 0 address: set MASTER_ADDR and MASTER_PORT",
                 self.launcher, self.rank, self.size
             ))
         })?;
-        Ok(Config::tcp(address, self.rank, self.size, device))
+        Ok(WorldConfig::tcp(address, self.rank, self.size, device))
     }
 }
 

@@ -57,7 +57,7 @@ pub use transport::tcp as sockets;
 pub use error::{Result, ShmemError};
 pub use transport::host_shared_memory::{host_identity, HOST_ENV};
 pub use world::{
-    BootstrapKind, Cmp, Config, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp,
-    Transport, World, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,
+    BootstrapKind, Cmp, FinalizeReport, Incoming, Outgoing, Pairs, Phase, SignalOp, Transport,
+    World, WorldConfig, MAX_GATHER_BYTES, MAX_PES, TRANSPORT_ENV,
 };
 pub use xcall_core::{Device, Platform};

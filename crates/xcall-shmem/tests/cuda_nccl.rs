@@ -24,7 +24,7 @@ use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 use xcall_core::cuda::{CaptureMode, InstantiateFlags, Stream};
 use xcall_core::testing::{cuda_devices_or_skip, cuda_required, run_threads, skip, watchdog};
 use xcall_core::{Device, Status};
-use xcall_shmem::{Cmp, Config, Incoming, Outgoing, Pairs, SignalOp, Transport, World};
+use xcall_shmem::{Cmp, Incoming, Outgoing, Pairs, SignalOp, Transport, World, WorldConfig};
 
 mod common;
 
@@ -55,8 +55,8 @@ fn gpus_with_nccl(test: &str, need: usize) -> Option<usize> {
     Some(n)
 }
 
-fn config(c: Config) -> Config {
-    Config {
+fn config(c: WorldConfig) -> WorldConfig {
+    WorldConfig {
         heap_bytes: Some(64 << 20),
         timeout: Duration::from_secs(30),
         pairs: Some(Pairs::Nccl),
@@ -68,7 +68,7 @@ fn config(c: Config) -> Config {
 /// pair through NCCL ([`config`]).
 fn nccl_world(name: &str, rank: usize, n: usize) -> World {
     let mut w = World::new();
-    w.init(&config(Config::in_process(
+    w.init(&config(WorldConfig::in_process(
         name,
         rank,
         n,
@@ -552,7 +552,12 @@ fn child(spec: &str) {
         parts.next().unwrap().parse::<usize>().unwrap(),
         parts.next().unwrap(),
     );
-    let mut c = config(Config::tcp(address, rank, size, Device::cuda(rank as u32)));
+    let mut c = config(WorldConfig::tcp(
+        address,
+        rank,
+        size,
+        Device::cuda(rank as u32),
+    ));
     if role == "dies" {
         c.timeout = Duration::from_secs(10);
     }

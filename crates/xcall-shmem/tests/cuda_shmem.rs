@@ -10,7 +10,7 @@ use std::time::Duration;
 use cudarc::driver::CudaContext;
 use xcall_core::testing::{cuda_devices_or_skip, run_threads, skip, watchdog, XorShift};
 use xcall_core::{Device, KernelCache, KernelSource, Status};
-use xcall_shmem::{Cmp, Config, SignalOp, World};
+use xcall_shmem::{Cmp, SignalOp, World, WorldConfig};
 
 mod common;
 
@@ -166,11 +166,11 @@ fn exchange(w: &mut World, rank: usize, n: usize) {
     w.free(buf).unwrap();
 }
 
-fn config(socket: Option<&str>, rank: usize, n: usize) -> Config {
+fn config(socket: Option<&str>, rank: usize, n: usize) -> WorldConfig {
     let device = Device::cuda(rank as u32);
     let mut c = match socket {
-        Some(p) => Config::unix_socket(p, rank, n, device),
-        None => Config::in_process("cuda-spmt", rank, n, device),
+        Some(p) => WorldConfig::unix_socket(p, rank, n, device),
+        None => WorldConfig::in_process("cuda-spmt", rank, n, device),
     };
     c.heap_bytes = Some(64 << 20);
     c.timeout = Duration::from_secs(30);
@@ -184,7 +184,7 @@ fn one_gpu_world_of_one_pe() {
         return;
     }
     let mut w = World::new();
-    let mut c = Config::in_process("cuda-one", 0, 1, Device::cuda(0));
+    let mut c = WorldConfig::in_process("cuda-one", 0, 1, Device::cuda(0));
     c.heap_bytes = Some(32 << 20);
     c.timeout = Duration::from_millis(500);
     w.init(&c).unwrap();
@@ -299,7 +299,7 @@ fn wait_until_on_stream_orders_the_stream_and_gives_up_after_the_timeout() {
     run_threads("cuda stream wait", 1, watchdog(), |_| {
         let timeout = Duration::from_millis(400);
         let mut w = World::new();
-        let mut c = Config::in_process("cuda-wait", 0, 1, Device::cuda(0));
+        let mut c = WorldConfig::in_process("cuda-wait", 0, 1, Device::cuda(0));
         c.heap_bytes = Some(32 << 20);
         c.timeout = timeout;
         w.init(&c).unwrap();
@@ -392,7 +392,7 @@ fn wait_until_on_stream_orders_the_stream_and_gives_up_after_the_timeout() {
 fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
     let _serial = serial();
     let config = |socket: &str, rank: usize| {
-        let mut c = Config::unix_socket(socket, rank, 2, Device::cuda(0));
+        let mut c = WorldConfig::unix_socket(socket, rank, 2, Device::cuda(0));
         c.heap_bytes = Some(16 << 20);
         c.timeout = Duration::from_millis(500);
         c

@@ -7,7 +7,7 @@ use std::time::Duration;
 use xcall_core::testing::{run_threads, watchdog};
 use xcall_core::{Device, Platform};
 use xcall_shmem::registry::device_slot;
-use xcall_shmem::{Config, World};
+use xcall_shmem::{World, WorldConfig};
 
 fn host(rank: usize) -> Device {
     Device::new(Platform::Host, rank as u32)
@@ -52,7 +52,7 @@ fn two_hundred_init_finalize_cycles_leave_nothing_behind() {
             return at;
         }
         let mut w = World::new();
-        let mut c = Config::in_process("cycles", rank, n, host(200 + rank));
+        let mut c = WorldConfig::in_process("cycles", rank, n, host(200 + rank));
         c.heap_bytes = Some(1 << 20);
         c.timeout = Duration::from_secs(20);
         for cycle in 0..200 {

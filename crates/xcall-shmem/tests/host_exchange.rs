@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use xcall_core::testing::{run_threads, watchdog};
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::{Config, Incoming, Outgoing, Pairs, Transport, World};
+use xcall_shmem::{Incoming, Outgoing, Pairs, Transport, World, WorldConfig};
 
 mod common;
 
@@ -18,8 +18,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn config(group: &str, rank: usize, n: usize, timeout: Duration) -> Config {
-    let mut c = Config::in_process(group, rank, n, Device::new(Platform::Host, rank as u32));
+fn config(group: &str, rank: usize, n: usize, timeout: Duration) -> WorldConfig {
+    let mut c = WorldConfig::in_process(group, rank, n, Device::new(Platform::Host, rank as u32));
     c.heap_bytes = Some(1 << 20);
     c.timeout = timeout;
     c
@@ -257,7 +257,9 @@ fn disagreeing_lists(listed: Option<usize>, tag: &str) {
         let group = format!("xdis-{tag}-{tcp_boot}-{tcp_pairs}");
         let results = run_threads(what, 2, watchdog(), move |rank| {
             let mut c = match tcp_boot {
-                true => Config::tcp(&address, rank, 2, Device::new(Platform::Host, rank as u32)),
+                true => {
+                    WorldConfig::tcp(&address, rank, 2, Device::new(Platform::Host, rank as u32))
+                }
                 false => config(&group, rank, 2, Duration::from_secs(20)),
             };
             c.heap_bytes = Some(1 << 20);

@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use xcall_core::testing::{run_threads, watchdog};
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::{Config, World};
+use xcall_shmem::{World, WorldConfig};
 
 mod common;
 
 const PE_ENV: &str = "XCALL_SHMEM_TEST_PE";
 
-fn config(socket: &str, rank: usize, n: usize, timeout_ms: u64) -> Config {
-    let mut c = Config::unix_socket(socket, rank, n, Device::new(Platform::Host, rank as u32));
+fn config(socket: &str, rank: usize, n: usize, timeout_ms: u64) -> WorldConfig {
+    let mut c = WorldConfig::unix_socket(socket, rank, n, Device::new(Platform::Host, rank as u32));
     c.heap_bytes = Some(1 << 20);
     c.timeout = Duration::from_millis(timeout_ms);
     c

@@ -14,7 +14,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::{Cmp, Config, Phase, SignalOp, Transport, World};
+use xcall_shmem::{Cmp, Phase, SignalOp, Transport, World, WorldConfig};
 
 const PE_ENV: &str = "XCALL_SHMEM_FAILURE_PE";
 /// No test here may take longer than this to reach any one point.
@@ -29,8 +29,8 @@ fn host(rank: usize) -> Device {
     Device::new(Platform::Host, rank as u32)
 }
 
-fn spmt_config(group: &str, rank: usize, n: usize, timeout: Duration) -> Config {
-    let mut c = Config::in_process(group, rank, n, host(rank));
+fn spmt_config(group: &str, rank: usize, n: usize, timeout: Duration) -> WorldConfig {
+    let mut c = WorldConfig::in_process(group, rank, n, host(rank));
     c.heap_bytes = Some(1 << 20);
     c.timeout = timeout;
     c
@@ -281,8 +281,8 @@ fn socket_path(tag: &str) -> String {
         .to_string()
 }
 
-fn mp_config(socket: &str, rank: usize, timeout: Duration) -> Config {
-    let mut c = Config::unix_socket(socket, rank, 2, host(rank));
+fn mp_config(socket: &str, rank: usize, timeout: Duration) -> WorldConfig {
+    let mut c = WorldConfig::unix_socket(socket, rank, 2, host(rank));
     c.heap_bytes = Some(1 << 20);
     c.timeout = timeout;
     c
@@ -418,7 +418,7 @@ fn the_socket_bootstrap_never_removes_what_is_not_a_stale_socket() {
     // The same socket with nobody listening is stale: removed, and the
     // world forms (a one-PE world needs no peer), with an owner-only socket
     // while it listens.
-    let mut c = Config::unix_socket(&path, 0, 1, host(0));
+    let mut c = WorldConfig::unix_socket(&path, 0, 1, host(0));
     c.heap_bytes = Some(1 << 20);
     w.init(&c).unwrap();
     w.finalize().unwrap();

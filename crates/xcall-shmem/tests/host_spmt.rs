@@ -6,7 +6,7 @@ use std::time::Duration;
 use xcall_core::testing::{run_threads, watchdog, XorShift};
 use xcall_core::{Device, Platform, Status};
 use xcall_shmem::registry::device_slot;
-use xcall_shmem::{Cmp, Config, Phase, ShmemError, SignalOp, World};
+use xcall_shmem::{Cmp, Phase, ShmemError, SignalOp, World, WorldConfig};
 
 /// Tests of this file bind devices (one live PE per device per process):
 /// they run one at a time, whatever the harness's thread count.
@@ -29,7 +29,7 @@ fn spmt<T: Send + 'static>(
     let group = group.to_string();
     run_threads(&format!("spmt {group}"), n, watchdog(), move |rank| {
         let mut w = World::new();
-        let mut c = Config::in_process(&group, rank, n, host(rank));
+        let mut c = WorldConfig::in_process(&group, rank, n, host(rank));
         c.heap_bytes = Some(heap);
         c.timeout = Duration::from_secs(20);
         w.init(&c).unwrap();
@@ -164,7 +164,7 @@ fn put_signal_and_wait_until_deliver_data_before_the_signal() {
 fn wait_until_times_out_clearly() {
     let _serial = serial();
     let mut w = World::new();
-    let mut c = Config::in_process("waiter", 0, 1, host(900));
+    let mut c = WorldConfig::in_process("waiter", 0, 1, host(900));
     c.heap_bytes = Some(1 << 16);
     c.timeout = Duration::from_millis(200);
     w.init(&c).unwrap();
@@ -302,7 +302,7 @@ fn a_missing_pe_times_out_on_every_other_pe() {
     let n = 4;
     let results = run_threads("missing PE", n - 1, watchdog(), move |rank| {
         let mut w = World::new();
-        let mut c = Config::in_process("missing", rank, n, host(100 + rank));
+        let mut c = WorldConfig::in_process("missing", rank, n, host(100 + rank));
         c.heap_bytes = Some(1 << 16);
         c.timeout = Duration::from_millis(300);
         let t0 = std::time::Instant::now();
@@ -329,7 +329,7 @@ fn lifecycle_errors_are_clear() {
     let e = w.malloc(8).unwrap_err();
     assert_eq!(e.status(), Status::InvalidState);
     assert!(e.to_string().contains("call init first"), "{e}");
-    let mut c = Config::in_process("life", 0, 1, host(500));
+    let mut c = WorldConfig::in_process("life", 0, 1, host(500));
     c.heap_bytes = Some(1 << 16);
     w.init(&c).unwrap();
     let e = w.init(&c).unwrap_err();
@@ -337,7 +337,7 @@ fn lifecycle_errors_are_clear() {
     assert!(e.to_string().contains("finalize it first"), "{e}");
     // A second world on the same device is refused, naming the holder.
     let mut other = World::new();
-    let mut c2 = Config::in_process("life2", 0, 1, host(500));
+    let mut c2 = WorldConfig::in_process("life2", 0, 1, host(500));
     c2.heap_bytes = Some(1 << 16);
     let e = other.init(&c2).unwrap_err();
     assert!(e.to_string().contains("already bound to rank 0"), "{e}");
@@ -354,7 +354,7 @@ fn lifecycle_errors_are_clear() {
     assert!(w.malloc(8).unwrap_err().to_string().contains("finalized"));
     assert!(w.finalize().is_err());
     // Bad configs.
-    let mut bad = Config::in_process("bad", 2, 2, host(501));
+    let mut bad = WorldConfig::in_process("bad", 2, 2, host(501));
     assert!(matches!(w.init(&bad), Err(ShmemError::InvalidArgument(_))));
     bad.rank = 0;
     bad.size = 1;
@@ -476,7 +476,7 @@ fn init_and_finalize_log_their_steps_and_each_peers_transport() {
     let per_rank = run_threads("logged world", n, watchdog(), move |rank| {
         capture("xcall_shmem=debug", || {
             let mut w = World::new();
-            let mut c = Config::in_process("logged", rank, n, host(rank));
+            let mut c = WorldConfig::in_process("logged", rank, n, host(rank));
             c.heap_bytes = Some(1 << 20);
             c.timeout = Duration::from_secs(20);
             w.init(&c).unwrap();
@@ -534,7 +534,7 @@ fn a_bootstrap_timeout_is_logged_as_a_warning_naming_the_missing_rank() {
     let _s = serial();
     let (e, lines) = capture("xcall_shmem=warn", || {
         let mut w = World::new();
-        let mut c = Config::in_process("logged-alone", 0, 2, host(0));
+        let mut c = WorldConfig::in_process("logged-alone", 0, 2, host(0));
         c.heap_bytes = Some(1 << 20);
         c.timeout = Duration::from_millis(200);
         w.init(&c).unwrap_err()

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::{Cmp, Config, SignalOp, World};
+use xcall_shmem::{Cmp, SignalOp, World, WorldConfig};
 
 /// Bytes a world of `n` PEs reserves at offset 0 of its heap, computed here
 /// from the layout the crate documents: `n` arrival words, the epoch and
@@ -26,7 +26,7 @@ fn host_world_waiting(
     heap: usize,
     timeout: Duration,
 ) -> Result<World, xcall_shmem::ShmemError> {
-    let mut c = Config::in_process(group, 0, 1, Device::new(Platform::Host, 0));
+    let mut c = WorldConfig::in_process(group, 0, 1, Device::new(Platform::Host, 0));
     c.heap_bytes = Some(heap);
     c.timeout = timeout;
     let mut w = World::new();
@@ -54,7 +54,7 @@ fn the_smallest_heap_holds_the_internal_region_and_one_block() {
     );
     // Larger worlds reserve more; init says how much before any rendezvous.
     for n in [2, 20, 100] {
-        let mut c = Config::in_process("bounds-many", 0, n, Device::new(Platform::Host, 0));
+        let mut c = WorldConfig::in_process("bounds-many", 0, n, Device::new(Platform::Host, 0));
         c.heap_bytes = Some(1);
         let err = World::new().init(&c).unwrap_err();
         let least = internal(n) + 256;

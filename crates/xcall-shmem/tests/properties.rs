@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use xcall_core::{Device, Platform, Status};
-use xcall_shmem::{Config, World, MAX_PES};
+use xcall_shmem::{World, WorldConfig, MAX_PES};
 
 fn config() -> ProptestConfig {
     ProptestConfig {
@@ -36,7 +36,7 @@ proptest! {
     ) {
         let _s = serial();
         let mut w = World::new();
-        let mut c = Config::in_process("prop-init", rank, size, Device::new(Platform::Host, 0));
+        let mut c = WorldConfig::in_process("prop-init", rank, size, Device::new(Platform::Host, 0));
         c.heap_bytes = heap;
         c.timeout = Duration::from_secs(30);
         let t0 = std::time::Instant::now();
@@ -55,7 +55,7 @@ proptest! {
     ) {
         let _s = serial();
         let mut w = World::new();
-        let mut c = Config::in_process("prop-ranges", 0, 1, Device::new(Platform::Host, 0));
+        let mut c = WorldConfig::in_process("prop-ranges", 0, 1, Device::new(Platform::Host, 0));
         c.heap_bytes = Some(1 << 20);
         w.init(&c).unwrap();
         let objects: Vec<(u64, usize)> = sizes.iter().map(|&n| (w.malloc(n).unwrap(), n)).collect();

@@ -17,7 +17,7 @@ use clap::Args;
 use serde_json::json;
 use xcall_core::cuda::{Event, Stream};
 use xcall_core::{Device, Platform};
-use xcall_shmem::{Config, World};
+use xcall_shmem::{World, WorldConfig};
 
 use crate::layer::{Context, Res};
 use crate::moe::PlatformArg;
@@ -216,7 +216,7 @@ pub fn run(args: &BenchArgs) -> Result<bool, Failure> {
     bar.enable_steady_tick(Duration::from_millis(200));
     let group = format!("xcall-bench-{}", std::process::id());
     let config = |rank| {
-        let mut c = Config::in_process(&group, rank, pes, Device::new(platform, rank as u32));
+        let mut c = WorldConfig::in_process(&group, rank, pes, Device::new(platform, rank as u32));
         c.heap_bytes = heap;
         c.timeout = Duration::from_secs(600);
         c

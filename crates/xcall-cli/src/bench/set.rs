@@ -12,7 +12,7 @@ use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
 use xcall_graph::{Buffer, BufferRole, Call, CallKey, GraphCache};
 use xcall_permute::call::Target;
 use xcall_permute::RowIdMapOptions;
-use xcall_shmem::{Config, World};
+use xcall_shmem::{World, WorldConfig};
 use xcall_warpspec::codegen::ElementwiseOp;
 use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::OpConfig;
@@ -235,7 +235,7 @@ pub(super) const STAGES: [&str; 5] = [
 
 pub(super) fn measure(
     platform: Platform,
-    config: &Config,
+    config: &WorldConfig,
     p: Problem,
     rounds: usize,
     bar: &ProgressBar,
@@ -520,7 +520,7 @@ fn graph_rows(
     };
     calls()?;
     let cache =
-        GraphCache::new(CudaGraphs, xcall_graph::Config::default()).context("graph cache")?;
+        GraphCache::new(CudaGraphs, xcall_graph::CacheConfig::default()).context("graph cache")?;
     let key = CallKey {
         device: Device::cuda(0),
         target: 1,

@@ -32,7 +32,7 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use xcall_core::Platform;
 use xcall_graph::cuda::CudaGraphs;
-use xcall_graph::{Config as CacheConfig, GraphCache};
+use xcall_graph::{CacheConfig, GraphCache};
 use xcall_shmem::launch::LaunchEnv;
 
 use flags::validate;

@@ -41,7 +41,9 @@ use std::sync::OnceLock;
 
 use xcall_core::{DType, Device, Status};
 use xcall_graph::cuda::{CudaGraphs, CudaStreamHandle};
-use xcall_graph::{op_id, Attributes, Buffer, BufferRole, Config, GraphCache, OpCall, OpFailure};
+use xcall_graph::{
+    op_id, Attributes, Buffer, BufferRole, CacheConfig, GraphCache, OpCall, OpFailure,
+};
 use xcall_permute::call::{Target, Tensor};
 
 use crate::graph::xcall_graph_cache;
@@ -56,7 +58,7 @@ fn handler_cache() -> &'static xcall_graph_cache {
     static CACHE: OnceLock<xcall_graph_cache> = OnceLock::new();
     static PUBLISHED: std::sync::Once = std::sync::Once::new();
     let cache = CACHE.get_or_init(|| xcall_graph_cache {
-        inner: GraphCache::new(CudaGraphs, Config::default())
+        inner: GraphCache::new(CudaGraphs, CacheConfig::default())
             .unwrap_or_else(|e| unreachable!("the default config is valid: {e}")),
     });
     // A live handle owned by the library: usable with every

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use xcall_graph::sim::{SimBackend, SimOp, SimStream};
-use xcall_graph::{Buffer, BufferRole, Call, CallKey, Config, Device, GraphCache, Outcome};
+use xcall_graph::{Buffer, BufferRole, CacheConfig, Call, CallKey, Device, GraphCache, Outcome};
 
 pub fn stream(ordinal: u32) -> SimStream {
     SimStream {
@@ -27,7 +27,7 @@ pub fn key(ordinal: u32, target: u64, addresses: &[u64]) -> CallKey {
     }
 }
 
-pub fn cache(config: Config) -> GraphCache<SimBackend> {
+pub fn cache(config: CacheConfig) -> GraphCache<SimBackend> {
     GraphCache::new(SimBackend::new(), config).unwrap()
 }
 

@@ -127,10 +127,10 @@ pub fn time_configs(
     stream: &Arc<CudaStream>,
     rounds: usize,
     kernel: &'static str,
-    candidates: &[xcall_permute::cuda::Config],
+    candidates: &[xcall_permute::cuda::LaunchConfig],
     call: &TunedCall<'_>,
     before: Option<&GraphExec>,
-) -> Vec<(Option<xcall_permute::cuda::Config>, f64)> {
+) -> Vec<(Option<xcall_permute::cuda::LaunchConfig>, f64)> {
     use xcall_core::testing::{capture_graph, interleaved_medians};
     use xcall_permute::cuda::with_configs;
     let device = Device::cuda(0);

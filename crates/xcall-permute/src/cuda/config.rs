@@ -9,7 +9,7 @@ use super::{device_facts, Result};
 
 /// A launch config of a tunable kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Config {
+pub struct LaunchConfig {
     /// Threads per block.
     pub threads: u32,
     /// Vectors in flight per thread (movement, unpermute), or dot slots per
@@ -41,7 +41,7 @@ pub struct Config {
     pub split: u32,
 }
 
-impl Config {
+impl LaunchConfig {
     /// Rows one block takes at a time.
     fn rows_per_block(self) -> u64 {
         if self.per_warp {
@@ -62,11 +62,11 @@ impl Config {
     }
 }
 
-pub(super) fn default_config(vectors_per_row: u64) -> Config {
+pub(super) fn default_config(vectors_per_row: u64) -> LaunchConfig {
     let threads = (vectors_per_row.div_ceil(2))
         .next_power_of_two()
         .clamp(64, 256) as u32;
-    Config {
+    LaunchConfig {
         threads,
         unroll: 2,
         waves: 0,
@@ -80,13 +80,13 @@ pub(super) fn default_config(vectors_per_row: u64) -> Config {
 /// The configs tried for unpermute and sort_chunks_by_map, and permute's
 /// register kernels (see [`permute_candidates`]).
 #[doc(hidden)]
-pub fn movement_candidates() -> Vec<Config> {
+pub fn movement_candidates() -> Vec<LaunchConfig> {
     let mut c = Vec::new();
     for per_warp in [false, true] {
         for threads in [128, 256, 512] {
             for unroll in UNROLLS {
                 for waves in [0, 4, 8] {
-                    c.push(Config {
+                    c.push(LaunchConfig {
                         threads,
                         unroll,
                         waves,
@@ -118,7 +118,7 @@ pub(super) fn async_smem(threads: u32, stages: u32) -> u64 {
 /// kernels' (a warp per token; blocks of 64 or 128 threads whose stages
 /// fit [`BULK_SMEM`]).
 #[doc(hidden)]
-pub fn unpermute_candidates(async_rows: bool) -> Vec<Config> {
+pub fn unpermute_candidates(async_rows: bool) -> Vec<LaunchConfig> {
     let mut c = movement_candidates();
     if !async_rows {
         return c;
@@ -129,7 +129,7 @@ pub fn unpermute_candidates(async_rows: bool) -> Vec<Config> {
                 continue;
             }
             for waves in [0, 8] {
-                c.push(Config {
+                c.push(LaunchConfig {
                     threads,
                     unroll: 1,
                     waves,
@@ -166,11 +166,11 @@ pub(super) fn bulk_piece(row: u64, stages: u32) -> u64 {
 /// device and the row take them, the bulk-copy kernels' (a block of two
 /// warps; `waves` blocks per multiprocessor, 0: as many as fit).
 #[doc(hidden)]
-pub fn permute_candidates() -> Vec<Config> {
+pub fn permute_candidates() -> Vec<LaunchConfig> {
     let mut c = movement_candidates();
     for stages in BULK_STAGES {
         for waves in [0, 4, 8, 16] {
-            c.push(Config {
+            c.push(LaunchConfig {
                 threads: BULK_THREADS,
                 unroll: 1,
                 waves,
@@ -188,11 +188,11 @@ pub fn permute_candidates() -> Vec<Config> {
 /// threads per token, a warp per token holding all 256 dot slots, or 2, 4
 /// or 8 such warps per token sharing its routes.
 #[doc(hidden)]
-pub fn backward_candidates() -> Vec<Config> {
+pub fn backward_candidates() -> Vec<LaunchConfig> {
     let mut c = Vec::new();
     for waves in [0, 4, 8] {
         for unroll in UNROLLS {
-            c.push(Config {
+            c.push(LaunchConfig {
                 threads: 256 / unroll,
                 unroll,
                 waves,
@@ -207,7 +207,7 @@ pub fn backward_candidates() -> Vec<Config> {
                 if split > 0 && waves == 4 {
                     continue;
                 }
-                c.push(Config {
+                c.push(LaunchConfig {
                     threads,
                     unroll: 8,
                     waves,
@@ -220,7 +220,7 @@ pub fn backward_candidates() -> Vec<Config> {
         }
     }
     for (held, unroll) in HELD {
-        c.push(Config {
+        c.push(LaunchConfig {
             threads: 256,
             unroll,
             waves: 0,
@@ -236,12 +236,12 @@ pub fn backward_candidates() -> Vec<Config> {
 /// Whether a row-holding `unpermute_backward` config fits rows of `row`
 /// bytes moved in `width`-byte vectors: whole 16-byte groups, at most 256
 /// x `held` of them.
-pub(super) fn held_fits(config: Config, width: usize, row: u64) -> bool {
+pub(super) fn held_fits(config: LaunchConfig, width: usize, row: u64) -> bool {
     width == 16 && row % 16 == 0 && row / 16 <= 256 * config.held as u64
 }
 
 /// Blocks for `rows` rows under `config`.
-pub(super) fn grid_for(device: Device, rows: usize, config: Config) -> Result<u64> {
+pub(super) fn grid_for(device: Device, rows: usize, config: LaunchConfig) -> Result<u64> {
     let rows = (rows as u64).div_ceil(config.rows_per_block()).min(1 << 20);
     if config.waves == 0 {
         return Ok(rows);
@@ -322,7 +322,7 @@ mod tests {
 
     #[test]
     fn a_warp_per_row_config_takes_threads_over_32_rows_per_block() {
-        let c = |threads, per_warp| Config {
+        let c = |threads, per_warp| LaunchConfig {
             threads,
             unroll: 1,
             waves: 0,
@@ -381,7 +381,7 @@ mod tests {
 
     #[test]
     fn a_held_row_is_whole_16_byte_groups_at_most_256_per_held() {
-        let c = |held| Config {
+        let c = |held| LaunchConfig {
             threads: 256,
             unroll: 1,
             waves: 0,

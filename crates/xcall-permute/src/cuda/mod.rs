@@ -20,14 +20,14 @@
 //! permute has a second kind of candidate on sm_90 and newer, where the
 //! row and every address are in 16-byte units and a token has three or
 //! more routes on average: the bulk-copy kernels
-//! (`permute_bulk_4`, `_8`; [`Config::stages`]), which move rows through
+//! (`permute_bulk_4`, `_8`; [`LaunchConfig::stages`]), which move rows through
 //! shared memory with `cp.async.bulk` loads and one bulk store per route,
 //! so no thread moves row data. A row is moved in pieces of at most
 //! 40 KiB / stages (see `config::bulk_piece`).
 //!
 //! unpermute has a second kind too, where rows and addresses are 16-byte
 //! vectors and a token has three or more routes on average: the async
-//! kernels (`unpermute_a2_w_16_1`, `_a3_`; [`Config::stages`]). A warp per
+//! kernels (`unpermute_a2_w_16_1`, `_a3_`; [`LaunchConfig::stages`]). A warp per
 //! token copies its routes' vectors into shared memory with `cp.async`
 //! (no registers held while in flight), a chunk of 32 vectors of up to
 //! eight routes per stage, and sums one stage while the next lands.
@@ -59,7 +59,8 @@ use crate::error::PermuteError;
 use catalogue::{Family, Kernel, UnpermutePath, BWD_WARP_SLOTS, SUMMING};
 use config::{async_smem, bulk_piece, default_config, grid_for, held_fits, BULK_THREADS};
 pub use config::{
-    backward_candidates, movement_candidates, permute_candidates, unpermute_candidates, Config,
+    backward_candidates, movement_candidates, permute_candidates, unpermute_candidates,
+    LaunchConfig,
 };
 use module::{
     capturing, check_device_memory, check_map_on_device, check_segments_reachable, launch,
@@ -80,7 +81,7 @@ struct State {
     /// Loaded kernels (an arithmetic kernel's dtype tells its module: the
     /// arithmetic families share kernel names).
     functions: DeviceMap<Mutex<HashMap<Kernel, Arc<Loaded>>>>,
-    tuned: DeviceMap<Mutex<HashMap<TuneKey, Config>>>,
+    tuned: DeviceMap<Mutex<HashMap<TuneKey, LaunchConfig>>>,
     /// What the launches need to know of each device.
     devices: DeviceMap<DeviceFacts>,
     /// The address of each loaded module's map fault word
@@ -256,7 +257,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
     let v = width(row, &addresses);
     let bulk = v == 16 && row > 0 && device_facts(dev)?.bulk_copies;
     let default = default_config(row / v as u64);
-    let run = |c: Config, outs: &[u64]| -> Result<()> {
+    let run = |c: LaunchConfig, outs: &[u64]| -> Result<()> {
         // A bulk-copy config where the row or device cannot take it (only
         // ever forced) runs the default one.
         let c = if c.stages > 0 && !bulk { default } else { c };
@@ -294,7 +295,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
             return launch(
                 target,
                 kernel,
-                grid_for(dev, items as usize, Config { waves, ..c })?,
+                grid_for(dev, items as usize, LaunchConfig { waves, ..c })?,
                 BULK_THREADS,
                 smem,
                 &PermuteParams {
@@ -381,14 +382,14 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
         _ => SUMMING,
     };
     let default = default_config(row / v as u64);
-    let run = |c: Config, outs: &[u64]| -> Result<()> {
+    let run = |c: LaunchConfig, outs: &[u64]| -> Result<()> {
         // An async config where the row cannot take it (only ever forced)
         // runs the default one.
         let c = if c.stages > 0 && v != 16 { default } else { c };
         let (lanes, path, smem) = match c.stages {
             0 => (c.lanes(v), path, 0),
             s => (
-                Config {
+                LaunchConfig {
                     unroll: 1,
                     per_warp: true,
                     ..c
@@ -470,7 +471,7 @@ pub(crate) unsafe fn unpermute_backward(
         row,
         &[a.grad.address, a.fwd_input.address, a.act_grad.address],
     );
-    let run = |c: Config, outs: &[u64]| -> Result<()> {
+    let run = |c: LaunchConfig, outs: &[u64]| -> Result<()> {
         let kernel = match c.held {
             0 if c.per_warp && c.unroll == BWD_WARP_SLOTS => {
                 Kernel::UnpermuteBwdWarp { dtype, width: v }
@@ -522,7 +523,7 @@ pub(crate) unsafe fn unpermute_backward(
             },
         )
     };
-    let default = Config {
+    let default = LaunchConfig {
         threads: 128,
         unroll: 2,
         waves: 0,
@@ -611,7 +612,7 @@ pub(crate) unsafe fn sort_chunks_by_map(
     let v = width(row, &[a.input.address, a.output.address]);
     let dev = target.device;
     let backward = matches!(a.direction, Direction::Backward) as i64;
-    let run = |c: Config, outs: &[u64]| -> Result<()> {
+    let run = |c: LaunchConfig, outs: &[u64]| -> Result<()> {
         launch(
             target,
             Kernel::Sort(c.lanes(v)),

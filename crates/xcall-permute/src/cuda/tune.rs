@@ -9,7 +9,7 @@ use xcall_core::cuda::{Event, StreamAlloc};
 use xcall_core::{DType, Device};
 
 use super::catalogue::MOVE_WIDTHS;
-use super::config::Config;
+use super::config::LaunchConfig;
 use super::module::{capturing, scratch, stream};
 use super::{state, Result};
 use crate::args::Target;
@@ -109,7 +109,7 @@ pub(super) fn experts_class(experts: usize) -> u32 {
     tokens_class(experts)
 }
 
-type Forced = Vec<(&'static str, Config)>;
+type Forced = Vec<(&'static str, LaunchConfig)>;
 
 thread_local! {
     static FORCED: std::cell::RefCell<Forced> = const { std::cell::RefCell::new(Vec::new()) };
@@ -121,7 +121,7 @@ thread_local! {
 /// bypassing the cache and the trials, so tests can check every variant
 /// against the Host.
 #[doc(hidden)]
-pub fn with_configs<R>(configs: &[(&'static str, Config)], f: impl FnOnce() -> R) -> R {
+pub fn with_configs<R>(configs: &[(&'static str, LaunchConfig)], f: impl FnOnce() -> R) -> R {
     struct Reset(Forced);
     impl Drop for Reset {
         fn drop(&mut self) {
@@ -153,11 +153,11 @@ pub fn set_after_tuning_hook(hook: Option<TuningHook>) {
 pub(super) fn choose(
     target: &Target,
     key: TuneKey,
-    default: Config,
-    candidates: &[Config],
+    default: LaunchConfig,
+    candidates: &[LaunchConfig],
     out_bytes: &[u64],
-    run: &dyn Fn(Config, &[u64]) -> Result<()>,
-) -> Result<Config> {
+    run: &dyn Fn(LaunchConfig, &[u64]) -> Result<()>,
+) -> Result<LaunchConfig> {
     let forced = FORCED.with(|c| c.borrow().iter().find(|f| f.0 == key.kernel).map(|f| f.1));
     if let Some(config) = forced {
         return Ok(config);
@@ -210,10 +210,10 @@ pub(super) fn choose(
 
 fn time_candidates(
     target: &Target,
-    candidates: &[Config],
+    candidates: &[LaunchConfig],
     out_bytes: &[u64],
-    run: &dyn Fn(Config, &[u64]) -> Result<()>,
-) -> Result<Option<Config>> {
+    run: &dyn Fn(LaunchConfig, &[u64]) -> Result<()>,
+) -> Result<Option<LaunchConfig>> {
     let mut trial_outputs = Vec::new();
     for &b in out_bytes {
         match scratch(target, b) {
@@ -239,7 +239,7 @@ fn time_candidates(
     // the fastest median of those wins: a candidate that screened fast in
     // one lucky pass does not win on it.
     let screened = time_passes(target, &usable, 2, &outs, run)?;
-    let best: Vec<(Config, f32)> = usable
+    let best: Vec<(LaunchConfig, f32)> = usable
         .iter()
         .zip(&screened)
         .map(|(&c, ms)| (c, ms.iter().copied().fold(f32::INFINITY, f32::min)))
@@ -259,10 +259,10 @@ const CONFIRM_PASSES: usize = 5;
 /// all of them in turn (waits for the stream once, at the end).
 fn time_passes(
     target: &Target,
-    configs: &[Config],
+    configs: &[LaunchConfig],
     passes: usize,
     outs: &[u64],
-    run: &dyn Fn(Config, &[u64]) -> Result<()>,
+    run: &dyn Fn(LaunchConfig, &[u64]) -> Result<()>,
 ) -> Result<Vec<Vec<f32>>> {
     const REPS: usize = 3;
     let (device, stream) = (target.device, stream(target));
@@ -286,7 +286,7 @@ fn time_passes(
 }
 
 /// The `n` configs with the lowest times, fastest first.
-fn finalists(best: &[(Config, f32)], n: usize) -> Vec<Config> {
+fn finalists(best: &[(LaunchConfig, f32)], n: usize) -> Vec<LaunchConfig> {
     let mut sorted = best.to_vec();
     sorted.sort_by(|a, b| a.1.total_cmp(&b.1));
     sorted.into_iter().take(n).map(|(c, _)| c).collect()
@@ -294,7 +294,7 @@ fn finalists(best: &[(Config, f32)], n: usize) -> Vec<Config> {
 
 /// The config whose passes have the lowest median (the earlier of equal
 /// ones), or `None` for no configs.
-fn fastest_median(configs: &[Config], ms: &[Vec<f32>]) -> Option<Config> {
+fn fastest_median(configs: &[LaunchConfig], ms: &[Vec<f32>]) -> Option<LaunchConfig> {
     let median = |v: &[f32]| {
         let mut v = v.to_vec();
         v.sort_by(f32::total_cmp);
@@ -304,7 +304,7 @@ fn fastest_median(configs: &[Config], ms: &[Vec<f32>]) -> Option<Config> {
         .iter()
         .zip(ms)
         .map(|(&c, v)| (c, median(v)))
-        .fold(None, |acc: Option<(Config, f32)>, (c, m)| match acc {
+        .fold(None, |acc: Option<(LaunchConfig, f32)>, (c, m)| match acc {
             Some((_, b)) if b <= m => acc,
             _ => Some((c, m)),
         })
@@ -313,10 +313,10 @@ fn fastest_median(configs: &[Config], ms: &[Vec<f32>]) -> Option<Config> {
 
 /// The config cached for a kernel on a device, if any (tests and
 /// benchmarks report it).
-pub fn cached_configs(device: Device) -> Vec<(String, Config)> {
+pub fn cached_configs(device: Device) -> Vec<(String, LaunchConfig)> {
     state().tuned.get(device).map_or_else(Vec::new, |slot| {
         let map = slot.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v: Vec<(String, Config)> = map
+        let mut v: Vec<(String, LaunchConfig)> = map
             .iter()
             .map(|(k, c)| {
                 (
@@ -429,8 +429,8 @@ mod tests {
     }
 
     /// Configs told apart by their thread count.
-    fn c(threads: u32) -> Config {
-        Config {
+    fn c(threads: u32) -> LaunchConfig {
+        LaunchConfig {
             threads,
             ..default_config(64)
         }

@@ -48,7 +48,7 @@ pub enum BootstrapKind {
 /// What `init` needs. The device is explicit: never inferred from the
 /// calling thread.
 #[derive(Clone, Debug)]
-pub struct Config {
+pub struct WorldConfig {
     /// This PE's rank in `[0, size)`.
     pub rank: usize,
     /// Number of PEs.
@@ -100,10 +100,10 @@ impl Pairs {
     }
 }
 
-impl Config {
+impl WorldConfig {
     /// An SPMT config: PEs are threads meeting in group `group`.
-    pub fn in_process(group: &str, rank: usize, size: usize, device: Device) -> Config {
-        Config {
+    pub fn in_process(group: &str, rank: usize, size: usize, device: Device) -> WorldConfig {
+        WorldConfig {
             rank,
             size,
             device,
@@ -122,21 +122,21 @@ impl Config {
         rank: usize,
         size: usize,
         device: Device,
-    ) -> Config {
-        Config {
+    ) -> WorldConfig {
+        WorldConfig {
             bootstrap: BootstrapKind::UnixSocket { path: path.into() },
-            ..Config::in_process("", rank, size, device)
+            ..WorldConfig::in_process("", rank, size, device)
         }
     }
 
     /// A multi-process config: PEs meet at TCP `address` (`host:port`),
     /// where rank 0 listens.
-    pub fn tcp(address: &str, rank: usize, size: usize, device: Device) -> Config {
-        Config {
+    pub fn tcp(address: &str, rank: usize, size: usize, device: Device) -> WorldConfig {
+        WorldConfig {
             bootstrap: BootstrapKind::Tcp {
                 address: address.to_string(),
             },
-            ..Config::in_process("", rank, size, device)
+            ..WorldConfig::in_process("", rank, size, device)
         }
     }
 

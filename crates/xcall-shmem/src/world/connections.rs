@@ -3,7 +3,7 @@
 //! run there), and the TCP connections of a Host world.
 
 use super::agreement::agree;
-use super::config::Config;
+use super::config::WorldConfig;
 use super::live::Peer;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Result, ShmemError};
@@ -26,7 +26,7 @@ pub(super) fn one_sided_nccl() -> bool {
 /// unique id spread by the bootstrap, the init agreed on.
 fn nccl_comm(
     boot: &mut dyn Bootstrap,
-    c: &Config,
+    c: &WorldConfig,
     healthy: &dyn Fn() -> Result<()>,
 ) -> Result<nccl::Comm> {
     let id = match c.rank {
@@ -48,7 +48,7 @@ fn nccl_comm(
 /// window and the NCCL pairs report [`Transport::NcclOneSided`].
 pub(super) fn connect_nccl(
     boot: &mut dyn Bootstrap,
-    c: &Config,
+    c: &WorldConfig,
     (base, len): (u64, usize),
     try_one_sided: bool,
     peers: &mut [Peer],
@@ -82,7 +82,7 @@ pub(super) fn connect_nccl(
 /// and rank 0's token spread by the bootstrap.
 pub(super) fn connect_tcp(
     boot: &mut dyn Bootstrap,
-    c: &Config,
+    c: &WorldConfig,
     tcp: &[bool],
     step: &dyn Fn(&str),
 ) -> Result<Mesh> {

@@ -4,7 +4,7 @@
 use xcall_core::{Device, Platform};
 
 use super::agreement::{agree, fields};
-use super::config::{Config, Pairs, TRANSPORT_ENV};
+use super::config::{Pairs, WorldConfig, TRANSPORT_ENV};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Result, ShmemError};
 use crate::transport::host_shared_memory::host_identity;
@@ -14,7 +14,7 @@ use crate::transport::host_shared_memory::host_identity;
 /// PE's device, agreed on ([`check_identities`]).
 pub(super) fn exchange_identities(
     boot: &mut dyn Bootstrap,
-    c: &Config,
+    c: &WorldConfig,
     len: usize,
     pairs: Pairs,
 ) -> Result<(Vec<Vec<String>>, Vec<Device>)> {
@@ -39,7 +39,7 @@ pub(super) fn exchange_identities(
 
 /// Step 3: the devices of every rank, from their identities (`host`, `pid`,
 /// platform, ordinal, heap bytes); refuses what a world cannot hold.
-fn check_identities(ids: &[Vec<String>], c: &Config, len: usize) -> Result<Vec<Device>> {
+fn check_identities(ids: &[Vec<String>], c: &WorldConfig, len: usize) -> Result<Vec<Device>> {
     let mut devices = Vec::with_capacity(c.size);
     for (r, f) in ids.iter().enumerate() {
         if f.len() != 6 {

@@ -8,7 +8,7 @@ use std::time::Instant;
 use xcall_core::Platform;
 
 use super::agreement::{agree, fields};
-use super::config::{BootstrapKind, Config, Pairs};
+use super::config::{BootstrapKind, Pairs, WorldConfig};
 use super::connections::{all_say, connect_nccl, connect_tcp, one_sided_nccl};
 use super::identities::exchange_identities;
 use super::layout::internal_bytes;
@@ -36,7 +36,7 @@ const LOG_TARGET: &str = "xcall_shmem::world::live";
 /// processes open it by (a shared-memory name, an IPC handle in hex).
 fn allocate_heap(
     boot: &mut dyn Bootstrap,
-    c: &Config,
+    c: &WorldConfig,
     len: usize,
     ipc: bool,
     one_sided: bool,
@@ -66,7 +66,7 @@ fn allocate_heap(
 impl Live {
     /// The checks and the device binding before a PE joins its bootstrap:
     /// (heap bytes, binding, the bootstrap's name).
-    fn before_joining(c: &Config) -> Result<(usize, registry::Binding, String)> {
+    fn before_joining(c: &WorldConfig) -> Result<(usize, registry::Binding, String)> {
         if c.size == 0 || c.rank >= c.size {
             return Err(ShmemError::InvalidArgument(format!(
                 "rank {} is not in a world of {} PE(s)",
@@ -99,7 +99,7 @@ impl Live {
         Ok((len, binding, name))
     }
 
-    pub(super) fn init(c: &Config) -> Result<Live> {
+    pub(super) fn init(c: &WorldConfig) -> Result<Live> {
         let (len, binding, name) = Self::before_joining(c).inspect_err(|e| {
             if let BootstrapKind::InProcess { group } = &c.bootstrap {
                 // Its peers learn at once that this rank will never join

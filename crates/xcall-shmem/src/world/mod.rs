@@ -71,7 +71,7 @@ mod peers;
 mod state;
 
 pub use config::{
-    BootstrapKind, Cmp, Config, FinalizeReport, Pairs, SignalOp, DEFAULT_CUDA_HEAP,
+    BootstrapKind, Cmp, FinalizeReport, Pairs, SignalOp, WorldConfig, DEFAULT_CUDA_HEAP,
     DEFAULT_HOST_HEAP, DEFAULT_TIMEOUT, HEAP_ENV, TRANSPORT_ENV,
 };
 pub use exchange::{Incoming, Outgoing};
@@ -164,7 +164,7 @@ impl World {
     }
 
     /// Joins the world described by `config`; collective over all PEs.
-    pub fn init(&mut self, config: &Config) -> Result<()> {
+    pub fn init(&mut self, config: &WorldConfig) -> Result<()> {
         if self.phase == Phase::Live {
             let l = self.live()?;
             return Err(ShmemError::State(format!(

@@ -2,7 +2,7 @@
 
 use xcall_core::{Device, Platform};
 
-use super::config::Config;
+use super::config::WorldConfig;
 use super::live::{Memory, Peer, PeerMap};
 use crate::error::{Result, ShmemError};
 use crate::transport::host_shared_memory::HostMapping;
@@ -15,7 +15,7 @@ use crate::transport::Transport;
 pub(super) fn map_peers(
     descs: &[Vec<String>],
     devices: &[Device],
-    c: &Config,
+    c: &WorldConfig,
     len: usize,
     same_process: &dyn Fn(usize) -> bool,
     remote: &dyn Fn(usize) -> Option<Transport>,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::agreement::{agree, fields};
-use super::config::Config;
+use super::config::WorldConfig;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Result, ShmemError};
 use crate::transport::host_shared_memory::{HostHeap, HostMapping};
@@ -107,7 +107,7 @@ impl StatePage {
 /// failure through NCCL's errors or the world's timeout.
 pub(super) fn state_page(
     boot: &mut dyn Bootstrap,
-    c: &Config,
+    c: &WorldConfig,
     leader: usize,
     cross: bool,
     same_process: &dyn Fn(usize) -> bool,

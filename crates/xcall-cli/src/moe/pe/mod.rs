@@ -83,7 +83,7 @@ use std::time::{Duration, Instant};
 use xcall_core::cuda::OwnedStream;
 use xcall_core::{Device, Platform};
 use xcall_graph::BufferRole;
-use xcall_shmem::{BootstrapKind, Config, Transport, World};
+use xcall_shmem::{BootstrapKind, Transport, World, WorldConfig};
 use xcall_warpspec::ops::OpConfig;
 use xcall_warpspec::HostExecutor;
 
@@ -199,7 +199,7 @@ impl Pe {
     ) -> Result<Pe, RunError> {
         let p = shape.pes;
         let sizes = Self::buffer_sizes(&shape).ok_or("the layer's buffers pass usize")?;
-        let mut config = Config::in_process("", rank, p, device);
+        let mut config = WorldConfig::in_process("", rank, p, device);
         config.bootstrap = bootstrap.clone();
         config.heap_bytes = heap;
         config.timeout = timeout;
