@@ -319,7 +319,7 @@ pub(crate) unsafe fn permute(target: &Target, c: &Checked<'_, PermuteArgs>) -> R
         default,
         // The bulk copies pay off where a loaded row feeds several stores:
         // at one or two routes per token their picks replayed slower than
-        // the register kernels' on the H200 grid (see BENCHMARKS.md).
+        // the register kernels' on the H200 grid (see docs/lab/).
         &if bulk && routes_class(d.tokens, d.out_rows) >= 2 {
             permute_candidates()
         } else {
@@ -429,7 +429,7 @@ pub(crate) unsafe fn unpermute(target: &Target, c: &Checked<'_, UnpermuteArgs>) 
         default,
         // The async kernels pay where a token has several routes to
         // keep in flight: at one or two routes per token on average they
-        // replayed slower on the H200 grid (see BENCHMARKS.md).
+        // replayed slower on the H200 grid (see docs/lab/).
         &unpermute_candidates(v == 16 && routes >= 2),
         &[a.output.bytes(), opt_bytes(&a.unpermuted_probs)],
         &run,
