@@ -209,7 +209,7 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| g.next_f32()).collect()
 }
 
-/// Held by [`capture_exec`] while it captures and by [`new_stream`] while it
+/// Held by [`capture_graph`] while it captures and by [`new_stream`] while it
 /// creates a stream: a test process's threads share the device's primary
 /// context, and cudarc's first stream of a context handle synchronizes the
 /// whole context, which fails while another thread captures and
@@ -220,7 +220,7 @@ fn capture_guard() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// A new stream of `ctx`, never created while another thread of this
-/// process captures through [`capture_exec`] (see [`capture_guard`]).
+/// process captures through [`capture_graph`] (see [`capture_guard`]).
 /// Panics on a driver error (a test helper).
 pub fn new_stream(
     ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
@@ -230,42 +230,10 @@ pub fn new_stream(
 }
 
 /// Captures one call of `f` on `stream` (thread-local capture mode) into an
-/// executable graph, for tests and benches that replay graphs; the graph
-/// itself is destroyed once instantiated. No stream is created through
+/// owned executable of the core graph layer (destroyed on drop; launch it
+/// with [`Stream::launch_graph`](crate::cuda::Stream::launch_graph)), for
+/// tests and benches that replay graphs. No stream is created through
 /// [`new_stream`] meanwhile. Panics on a driver error (a test helper).
-pub fn capture_exec(
-    stream: &cudarc::driver::CudaStream,
-    f: &mut dyn FnMut(),
-) -> cudarc::driver::sys::CUgraphExec {
-    use cudarc::driver::sys;
-    let stream = stream.cu_stream();
-    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
-    let _guard = capture_guard();
-    // SAFETY: captures work enqueued on a live stream by this thread, then
-    // instantiates it; the graph is destroyed once instantiated.
-    unsafe {
-        sys::cuStreamBeginCapture_v2(
-            stream,
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .result()
-        .unwrap();
-        f();
-        sys::cuStreamEndCapture(stream, &mut graph)
-            .result()
-            .unwrap();
-        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
-            .result()
-            .unwrap();
-        sys::cuGraphDestroy(graph).result().unwrap();
-    }
-    exec
-}
-
-/// [`capture_exec`] as an owned executable of the core graph layer
-/// (destroyed on drop; launch it with
-/// [`Stream::launch_graph`](crate::cuda::Stream::launch_graph)).
-/// Panics on a driver error (a test helper).
 pub fn capture_graph(
     device: crate::Device,
     stream: &cudarc::driver::CudaStream,
