@@ -156,6 +156,12 @@ impl World {
         Ok(l.peers[pe].transport)
     }
 
+    /// How long a wait on other PEs lasts before it fails (the
+    /// [`WorldConfig::timeout`] the world started with).
+    pub fn timeout(&self) -> Result<std::time::Duration> {
+        Ok(self.live()?.timeout)
+    }
+
     /// This PE's heap: (base address, bytes). User allocations start after
     /// the internal region.
     pub fn heap(&self) -> Result<(u64, usize)> {

@@ -1,0 +1,445 @@
+//! A group's shape ([`EpConfig`]), checked, and the layout of its
+//! buffers ([`Layout`]): every size follows from (T, H, k, E, P) and the
+//! precision, never from the routing, so a captured step replays for any
+//! routing.
+
+use crate::error::{EpError, Result};
+
+/// The largest PE count of a group (the kernels keep a per-PE table in
+/// registers and shared memory).
+pub const MAX_PES: usize = 64;
+/// The largest top-k.
+pub const MAX_TOPK: usize = 32;
+/// Elements of a row that share one FP8 scale (the DeepSeek-V3 layout).
+pub const FP8_BLOCK: usize = 128;
+/// Largest finite e4m3 magnitude: a block's largest magnitude maps to it.
+pub const FP8_MAX: f32 = 448.0;
+/// Tokens per tile of the layout pass (rows of one sender that one warp
+/// of the counting and assigning kernels walks in order).
+pub const TILE_TOKENS: usize = 64;
+
+/// What moves, and in which precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// f32 both ways (tests and references).
+    F32,
+    /// bf16 both ways, f32 accumulation in combine.
+    Bf16,
+    /// bf16 tokens quantized to FP8 e4m3 on the way out, one f32 scale per
+    /// [`FP8_BLOCK`] elements of a row; the receiver gets FP8 rows and
+    /// their scales in the expert-major layout (and, if asked, bf16 rows
+    /// dequantized from them). Combine is bf16.
+    Fp8Dispatch,
+}
+
+impl Precision {
+    /// Bytes of one element of the tokens the caller hands to dispatch and
+    /// of everything combine moves.
+    pub fn element_bytes(self) -> usize {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 | Precision::Fp8Dispatch => 2,
+        }
+    }
+
+    /// Bytes of one element as dispatch sends it.
+    pub fn wire_bytes(self) -> usize {
+        match self {
+            Precision::Fp8Dispatch => 1,
+            p => p.element_bytes(),
+        }
+    }
+
+    /// The name flags and reports use: `f32`, `bf16`, `fp8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp8Dispatch => "fp8",
+        }
+    }
+
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            Precision::F32 => 0,
+            Precision::Bf16 => 1,
+            Precision::Fp8Dispatch => 2,
+        }
+    }
+}
+
+/// How many rows each local expert may receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Capacity {
+    /// Every route lands: the expert-major buffer is sized for the worst
+    /// case, `P * T * min(k, L)` rows (plus alignment padding).
+    Dropless,
+    /// At most this many rows per local expert, taken in (sender rank,
+    /// token, top-k slot) order; the rest are dropped, counted in the
+    /// group's dropped-route counter, and contribute nothing to combine.
+    PerExpert(usize),
+}
+
+/// The shape of an expert-parallel group; the same on every PE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EpConfig {
+    /// Most tokens a PE hands to one dispatch (`T`); a call may pass
+    /// fewer.
+    pub tokens: usize,
+    /// Elements of a token row (`H`).
+    pub hidden: usize,
+    /// Experts each token is routed to (`k`).
+    pub topk: usize,
+    /// Experts in all (`E`), `E / P` on each PE: PE `q` hosts experts
+    /// `q*L .. (q+1)*L`.
+    pub experts: usize,
+    /// The precision of the exchange.
+    pub precision: Precision,
+    /// Each expert's group of rows starts at a multiple of `align` rows of
+    /// the expert-major layout (1: packed; 128 suits grouped GEMMs).
+    pub align: usize,
+    /// Dropless, or a per-expert capacity.
+    pub capacity: Capacity,
+    /// Streaming multiprocessors the exchange kernels (the ones that read
+    /// peers' memory) may occupy on CUDA; 0: as many as help.
+    pub num_sms: usize,
+}
+
+impl EpConfig {
+    /// A dropless bf16 group with packed expert groups.
+    pub fn new(tokens: usize, hidden: usize, topk: usize, experts: usize) -> EpConfig {
+        EpConfig {
+            tokens,
+            hidden,
+            topk,
+            experts,
+            precision: Precision::Bf16,
+            align: 1,
+            capacity: Capacity::Dropless,
+            num_sms: 0,
+        }
+    }
+
+    /// The buffers of this group on `pes` PEs, after checking the shape.
+    pub fn layout(&self, pes: usize) -> Result<Layout> {
+        Layout::new(self, pes)
+    }
+}
+
+/// Where everything of a group lies in its one symmetric allocation (the
+/// same offsets on every PE), and the sizes of the caller's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// PEs of the group.
+    pub pes: usize,
+    /// Experts on each PE (`L`).
+    pub local_experts: usize,
+    /// Rows of the expert-major buffer dispatch writes: dropless,
+    /// `P * T * min(k, L)` plus `L * (align - 1)`; with a capacity `C`,
+    /// `L * round_up(C, align)`.
+    pub expert_rows: usize,
+    /// Tiles of the layout pass (`P * ceil(T / TILE_TOKENS)`).
+    pub tiles: usize,
+    /// Bytes of the group's symmetric allocation on each PE.
+    pub heap_bytes: usize,
+    /// Offsets of the parts of that allocation, in bytes.
+    pub at: Offsets,
+}
+
+/// Byte offsets into a group's symmetric allocation. Peers read the first
+/// six (what a PE publishes); the rest only its owner touches, except the
+/// ready words, which peers write.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Offsets {
+    /// `[T, H]` rows as sent (the precision's wire type), published by
+    /// dispatch and by `combine_backward` (its output gradient).
+    pub send: usize,
+    /// `[T, H / 128]` f32 FP8 scales of `send` (FP8 only).
+    pub send_scales: usize,
+    /// `[T, k]` i32 expert ids as published.
+    pub ids: usize,
+    /// `[T, k]` f32 probs as published.
+    pub probs: usize,
+    /// `[P, T, H]` partial sums, one row per (source PE, token) whose
+    /// token has an expert here, published by combine.
+    pub partial: usize,
+    /// `[P, T, k]` f32 gradients of probs, published by
+    /// `combine_backward`.
+    pub grad_probs: usize,
+    /// `[P]` u64: the phase each PE last announced here (peers write).
+    pub ready: usize,
+    /// u64 words: tokens published, phase epoch, error, dropped routes.
+    pub words: usize,
+    /// `[P]` u64: the group's base address as each PE reaches it.
+    pub bases: usize,
+    /// `[P, T, k]` i32: the local expert of each received route (-1: not
+    /// here, or no route).
+    pub local: usize,
+    /// `[P, T, k]` f32: the received probs.
+    pub recv_probs: usize,
+    /// `[P, T, k]` i32: each route's row in the expert-major layout (-1:
+    /// not here, or dropped).
+    pub route_row: usize,
+    /// `[tiles, L]` i32: routes per (tile, local expert), then each
+    /// tile's first rank per expert.
+    pub tile_counts: usize,
+    /// `[L]` i64: each expert's first row (padded starts).
+    pub expert_start: usize,
+    /// `[P]` i32: the tokens each sender published this dispatch.
+    pub sent: usize,
+}
+
+/// Index of each u64 in [`Offsets::words`].
+pub(crate) mod word {
+    /// Tokens this PE published (peers read it).
+    pub const TOKENS: usize = 0;
+    /// The last phase epoch this PE announced.
+    pub const EPOCH: usize = 1;
+    /// The first error a kernel met (see `crate::cuda::ErrorCode`).
+    pub const ERROR: usize = 2;
+    /// Routes dropped by the capacity, summed over calls.
+    pub const DROPPED: usize = 3;
+    /// Words in all.
+    pub const COUNT: usize = 4;
+}
+
+fn too_big(what: &str) -> EpError {
+    EpError::InvalidArgument(format!("{what} overflows 64 bits"))
+}
+
+fn mul(a: usize, b: usize, what: &str) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| too_big(what))
+}
+
+impl Layout {
+    fn new(c: &EpConfig, pes: usize) -> Result<Layout> {
+        let bad = |m: String| Err(EpError::InvalidArgument(m));
+        if pes == 0 || pes > MAX_PES {
+            return bad(format!("PEs must be in 1..={MAX_PES}, not {pes}"));
+        }
+        if c.tokens == 0 || c.hidden == 0 || c.topk == 0 || c.experts == 0 {
+            return bad(format!(
+                "tokens, hidden, topk and experts must be positive (got {}, {}, {}, {})",
+                c.tokens, c.hidden, c.topk, c.experts
+            ));
+        }
+        if c.topk > MAX_TOPK {
+            return bad(format!("topk {} is over {MAX_TOPK}", c.topk));
+        }
+        if c.topk > c.experts {
+            return bad(format!(
+                "topk {} is more than the {} experts",
+                c.topk, c.experts
+            ));
+        }
+        if c.experts % pes != 0 {
+            return bad(format!(
+                "{} experts do not split evenly over {pes} PEs",
+                c.experts
+            ));
+        }
+        if c.align == 0 {
+            return bad("align must be at least 1".into());
+        }
+        let row = mul(c.hidden, c.precision.element_bytes(), "a row")?;
+        if row % 16 != 0 {
+            return bad(format!(
+                "a row of {} {} elements is {row} bytes; rows must be whole 16-byte vectors",
+                c.hidden,
+                c.precision.name()
+            ));
+        }
+        if c.precision == Precision::Fp8Dispatch && c.hidden % FP8_BLOCK != 0 {
+            return bad(format!(
+                "FP8 dispatch scales blocks of {FP8_BLOCK} elements; hidden {} is not a multiple",
+                c.hidden
+            ));
+        }
+        let l = c.experts / pes;
+        let expert_rows = match c.capacity {
+            Capacity::Dropless => mul(mul(pes, c.tokens, "rows")?, c.topk.min(l), "rows")?
+                .checked_add(mul(l, c.align - 1, "rows")?)
+                .ok_or_else(|| too_big("rows"))?,
+            Capacity::PerExpert(0) => return bad("a capacity must be at least 1 row".into()),
+            Capacity::PerExpert(cap) => mul(
+                l,
+                cap.div_ceil(c.align)
+                    .checked_mul(c.align)
+                    .ok_or_else(|| too_big("rows"))?,
+                "rows",
+            )?,
+        };
+        // Rows, routes and their indices are i32 on the device.
+        let routes = mul(mul(pes, c.tokens, "routes")?, c.topk, "routes")?;
+        if expert_rows > i32::MAX as usize || routes > i32::MAX as usize {
+            return bad(format!(
+                "{expert_rows} expert rows / {routes} routes: at most {} each",
+                i32::MAX
+            ));
+        }
+        mul(expert_rows, row, "the expert-major rows")?;
+        let tiles = mul(pes, c.tokens.div_ceil(TILE_TOKENS), "tiles")?;
+        let tk = mul(c.tokens, c.topk, "routes")?;
+        let send = mul(
+            c.tokens,
+            mul(c.hidden, c.precision.element_bytes(), "a row")?,
+            "send rows",
+        )?;
+        let scales = match c.precision {
+            Precision::Fp8Dispatch => mul(c.tokens, c.hidden / FP8_BLOCK * 4, "scales")?,
+            _ => 0,
+        };
+        // Each part starts on 256 bytes, so every vector access is aligned.
+        let mut at = Offsets::default();
+        let mut end = 0usize;
+        let mut place = |bytes: usize| -> Result<usize> {
+            let start = end
+                .div_ceil(256)
+                .checked_mul(256)
+                .ok_or_else(|| too_big("the group"))?;
+            end = start
+                .checked_add(bytes)
+                .ok_or_else(|| too_big("the group"))?;
+            Ok(start)
+        };
+        at.send = place(send)?;
+        at.send_scales = place(scales)?;
+        at.ids = place(tk * 4)?;
+        at.probs = place(tk * 4)?;
+        at.partial = place(mul(pes, mul(c.tokens, row, "partials")?, "partials")?)?;
+        at.grad_probs = place(routes * 4)?;
+        at.ready = place(pes * 8)?;
+        at.words = place(word::COUNT * 8)?;
+        at.bases = place(pes * 8)?;
+        at.local = place(routes * 4)?;
+        at.recv_probs = place(routes * 4)?;
+        at.route_row = place(routes * 4)?;
+        at.tile_counts = place(mul(tiles, l * 4, "tile counts")?)?;
+        at.expert_start = place(l * 8)?;
+        at.sent = place(pes * 4)?;
+        let heap_bytes = place(0)?;
+        Ok(Layout {
+            pes,
+            local_experts: l,
+            expert_rows,
+            tiles,
+            heap_bytes,
+            at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropless_rows_are_the_worst_case_and_capacity_rows_are_padded() {
+        let c = EpConfig::new(4096, 7168, 8, 256);
+        let l = c.layout(4).unwrap();
+        assert_eq!(l.local_experts, 64);
+        assert_eq!(l.expert_rows, 4 * 4096 * 8);
+        let c = EpConfig { align: 128, ..c };
+        assert_eq!(c.layout(4).unwrap().expert_rows, 4 * 4096 * 8 + 64 * 127);
+        // k > L: a token has at most L routes to one PE.
+        let small = EpConfig::new(10, 8, 4, 4);
+        assert_eq!(small.layout(2).unwrap().expert_rows, 2 * 10 * 2);
+        let cap = EpConfig {
+            capacity: Capacity::PerExpert(100),
+            align: 64,
+            ..EpConfig::new(10, 8, 2, 8)
+        };
+        assert_eq!(cap.layout(2).unwrap().expert_rows, 4 * 128);
+    }
+
+    #[test]
+    fn parts_do_not_overlap_and_start_on_256_bytes() {
+        let c = EpConfig {
+            precision: Precision::Fp8Dispatch,
+            ..EpConfig::new(100, 256, 3, 12)
+        };
+        let l = c.layout(3).unwrap();
+        let a = l.at;
+        let starts = [
+            a.send,
+            a.send_scales,
+            a.ids,
+            a.probs,
+            a.partial,
+            a.grad_probs,
+            a.ready,
+            a.words,
+            a.bases,
+            a.local,
+            a.recv_probs,
+            a.route_row,
+            a.tile_counts,
+            a.expert_start,
+            a.sent,
+            l.heap_bytes,
+        ];
+        assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
+        assert!(starts.iter().all(|s| s % 256 == 0));
+        // The parts hold what they must: send 100*256*2, scales 100*2*4,
+        // partials 3*100*256*2.
+        assert!(a.send_scales - a.send >= 100 * 256 * 2);
+        assert!(a.ids - a.send_scales >= 100 * 2 * 4);
+        assert!(a.grad_probs - a.partial >= 3 * 100 * 256 * 2);
+        assert!(a.tile_counts < a.expert_start);
+        assert_eq!(l.tiles, 3 * 2);
+    }
+
+    #[test]
+    fn bad_shapes_name_what_is_wrong() {
+        let err = |c: EpConfig, p: usize| c.layout(p).unwrap_err().to_string();
+        let base = EpConfig::new(16, 8, 2, 8);
+        assert!(err(base, 0).contains("PEs must be"));
+        assert!(err(base, 3).contains("do not split evenly"));
+        assert!(err(EpConfig { topk: 9, ..base }, 2).contains("more than the 8 experts"));
+        assert!(err(
+            EpConfig {
+                topk: 33,
+                experts: 64,
+                ..base
+            },
+            2
+        )
+        .contains("over 32"));
+        assert!(err(EpConfig { hidden: 4, ..base }, 2).contains("16-byte"));
+        assert!(err(EpConfig { align: 0, ..base }, 2).contains("align"));
+        assert!(err(EpConfig { tokens: 0, ..base }, 2).contains("positive"));
+        assert!(err(
+            EpConfig {
+                capacity: Capacity::PerExpert(0),
+                ..base
+            },
+            2
+        )
+        .contains("capacity"));
+        assert!(err(
+            EpConfig {
+                precision: Precision::Fp8Dispatch,
+                hidden: 64,
+                ..base
+            },
+            2
+        )
+        .contains("multiple"));
+        assert!(err(
+            EpConfig {
+                tokens: usize::MAX / 2,
+                ..base
+            },
+            2
+        )
+        .contains("64 bits"));
+        assert!(err(
+            EpConfig {
+                tokens: 1 << 30,
+                ..base
+            },
+            2
+        )
+        .contains("at most"));
+    }
+}

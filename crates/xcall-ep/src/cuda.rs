@@ -1,0 +1,216 @@
+//! The CUDA side: the steps of `kernels.cu`, compiled with NVRTC once per
+//! device, launched on the caller's stream, and the group's words read
+//! back.
+
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use xcall_core::cuda::{self, CudaFunction, KernelRecord, Launch, Params, RawStream};
+use xcall_core::kernel_cache::LoadedModule;
+use xcall_core::{Device, DeviceMap, KernelCache, KernelSource};
+
+use crate::error::Result;
+use crate::params::EpParams;
+
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// The kernels' source: CONVERT, the parameter record's C definition,
+/// then `kernels.cu`.
+pub(crate) fn source() -> String {
+    format!(
+        "// Generated from xcall-ep's cuda.rs.\ntypedef unsigned long long u64;\n{}\n{}{SOURCE}",
+        xcall_core::cuda::device::CONVERT,
+        EpParams::c_definition(),
+    )
+}
+
+/// One step: which kernel, and how it is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    Publish,
+    Signal,
+    Wait,
+    Count,
+    Scan,
+    Assign,
+    Copy,
+    Reduce,
+    GatherSum,
+    ScatterGrad,
+    GatherProbs,
+}
+
+impl Step {
+    const ALL: [Step; 11] = [
+        Step::Publish,
+        Step::Signal,
+        Step::Wait,
+        Step::Count,
+        Step::Scan,
+        Step::Assign,
+        Step::Copy,
+        Step::Reduce,
+        Step::GatherSum,
+        Step::ScatterGrad,
+        Step::GatherProbs,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Step::Publish => "ep_publish",
+            Step::Signal => "ep_signal",
+            Step::Wait => "ep_wait",
+            Step::Count => "ep_count",
+            Step::Scan => "ep_scan",
+            Step::Assign => "ep_assign",
+            Step::Copy => "ep_copy",
+            Step::Reduce => "ep_reduce",
+            Step::GatherSum => "ep_gather_sum",
+            Step::ScatterGrad => "ep_scatter_grad",
+            Step::GatherProbs => "ep_gather_probs",
+        }
+    }
+
+    /// (blocks, threads) for the parameters `p` on a device of `sms` SMs.
+    fn shape(self, p: &EpParams, sms: u32) -> (u32, u32) {
+        let warps_for = |items: i64, threads: u32| {
+            let per = (threads / 32) as i64;
+            (((items + per - 1) / per).clamp(1, 65535) as u32, threads)
+        };
+        match self {
+            Step::Publish => (p.n.clamp(1, 4 * sms as i64) as u32, 256),
+            Step::Signal | Step::Wait => (1, 64),
+            Step::Scan => (1, 256),
+            Step::Count | Step::Assign => warps_for(p.pes * p.tiles_per_pe, 256),
+            Step::Copy | Step::GatherSum | Step::ScatterGrad => (p.exchange_blocks as u32, 512),
+            Step::Reduce => (2 * sms, 512),
+            Step::GatherProbs => (
+                ((p.n * p.topk + 255) / 256).clamp(1, 4 * sms as i64) as u32,
+                256,
+            ),
+        }
+    }
+}
+
+/// The kernels of one device.
+pub(crate) struct Kernels {
+    functions: Vec<CudaFunction>,
+    /// Streaming multiprocessors of the device.
+    pub sms: u32,
+    /// Compute capability.
+    pub capability: (i32, i32),
+    _module: Arc<LoadedModule>,
+}
+
+struct State {
+    cache: KernelCache,
+    kernels: DeviceMap<Arc<Kernels>>,
+}
+
+fn state() -> &'static State {
+    static STATE: OnceLock<State> = OnceLock::new();
+    STATE.get_or_init(|| State {
+        cache: KernelCache::new(),
+        kernels: DeviceMap::new(),
+    })
+}
+
+/// The kernels of `device`, compiled once per device.
+pub(crate) fn kernels(device: Device) -> Result<Arc<Kernels>> {
+    let k = state().kernels.get_or_try_init(device, || {
+        let info = cuda::device_info(device)?;
+        let module = state().cache.module(
+            device,
+            &KernelSource {
+                name: "xcall_ep.cu",
+                code: &source(),
+                options: &[],
+            },
+        )?;
+        let functions = Step::ALL
+            .iter()
+            .map(|s| module.function(s.name()))
+            .collect::<xcall_core::Result<Vec<_>>>()?;
+        Ok::<_, xcall_core::Error>(Arc::new(Kernels {
+            functions,
+            sms: info.multiprocessors.max(1) as u32,
+            capability: info.compute_capability,
+            _module: module,
+        }))
+    })?;
+    Ok(k.clone())
+}
+
+/// Enqueues `step` with `p` on `stream`.
+///
+/// # Safety
+/// Every address in `p` is valid for what the step does with it while the
+/// stream runs it (the group's contract, see `crate::host`).
+pub(crate) unsafe fn launch(
+    device: Device,
+    k: &Kernels,
+    step: Step,
+    p: &EpParams,
+    stream: *mut c_void,
+) -> Result<()> {
+    let at = Step::ALL
+        .iter()
+        .position(|s| *s == step)
+        .expect("every step is listed");
+    let (blocks, threads) = step.shape(p, k.sms);
+    let mut params = Params::new().record(p);
+    let config = Launch::linear(blocks, threads, stream as RawStream);
+    // SAFETY: the kernel takes EpParams by value; the caller's contract.
+    unsafe { cuda::launch(device, &k.functions[at], config, &mut params) }?;
+    Ok(())
+}
+
+/// Reads `words` u64s at `addr` of `device` (after the caller's stream
+/// finished what wrote them).
+///
+/// # Safety
+/// `addr` holds `words.len()` readable u64s of `device`.
+pub(crate) unsafe fn read_words(device: Device, addr: u64, words: &mut [u64]) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { cuda::copy_dtoh_sync(device, words, addr) }?;
+    Ok(())
+}
+
+/// Writes `words` to `addr` of `device`, waiting for the copy.
+///
+/// # Safety
+/// `addr` holds `words.len()` writable u64s of `device`.
+pub(crate) unsafe fn write_words(device: Device, addr: u64, words: &[u64]) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { cuda::copy_htod_sync(device, addr, words) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The module compiles with NVRTC for sm_90 and sm_80 (no FP8 there),
+    /// no GPU needed.
+    #[test]
+    fn the_module_compiles_with_nvrtc() {
+        if xcall_core::testing::nvrtc_or_skip("ep module with NVRTC").is_none() {
+            return;
+        }
+        for arch in ["sm_90", "sm_80"] {
+            xcall_core::testing::nvrtc_compiles("xcall_ep.cu", &source(), arch, &[]);
+        }
+    }
+
+    #[test]
+    fn each_kernel_takes_the_record_and_reads_only_its_fields() {
+        assert_eq!(EpParams::check_reads(SOURCE), Ok(()));
+        for s in Step::ALL {
+            assert!(
+                SOURCE.contains(&format!("void {}(EpParams p)", s.name())),
+                "{}",
+                s.name()
+            );
+        }
+    }
+}

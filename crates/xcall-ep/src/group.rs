@@ -1,0 +1,630 @@
+//! An expert-parallel group on a world: its buffers, the calls, and the
+//! phase protocol that keeps them safe with no host synchronisation.
+//!
+//! # Phases
+//! Every call is a sequence of phases. In a phase each PE writes one part
+//! of its allocation that peers read (its tokens and routing, its partial
+//! sums, or its probs' gradients), then announces the phase to every PE,
+//! then waits until every PE announced it, then reads what peers wrote.
+//! The epoch of a phase is a counter in device memory, so a captured call
+//! replays correctly.
+//!
+//! A PE reads a peer's part of phase `m` only between its wait of phase
+//! `m` and its announcement of phase `m + 1`; a PE writes a part for
+//! phase `m` only after its wait of phase `m - 1`, which every PE passes
+//! only after announcing `m - 1`, that is after finishing its reads of
+//! phase `m - 2`. So a write never meets a read of the same part as long
+//! as consecutive phases publish different parts; where two would publish
+//! the same one (two dispatches in a row), the group puts an empty phase
+//! between them.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use xcall_core::{Device, Platform};
+use xcall_shmem::{ShmemError, World};
+
+use crate::config::{word, Capacity, EpConfig, Layout, Precision, FP8_BLOCK};
+use crate::cuda::{self, Kernels, Step};
+use crate::error::{EpError, Result};
+use crate::host;
+use crate::params::EpParams;
+
+/// A caller's buffer: its address (Host memory on Host PEs, this PE's
+/// device memory on CUDA) and its size in bytes. [`Buf::NONE`] for an
+/// optional buffer left out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Buf {
+    /// Address of the first byte.
+    pub addr: u64,
+    /// Bytes the caller owns from `addr`.
+    pub bytes: usize,
+}
+
+impl Buf {
+    /// No buffer.
+    pub const NONE: Buf = Buf { addr: 0, bytes: 0 };
+
+    /// `bytes` at `addr`.
+    pub fn new(addr: u64, bytes: usize) -> Buf {
+        Buf { addr, bytes }
+    }
+}
+
+/// Where dispatch writes what a PE's experts receive: rows grouped by
+/// local expert (expert `l`'s from row `offsets[l]`, a multiple of the
+/// group's `align`), in (sender rank, token, top-k slot) order within an
+/// expert. Rows between one expert's last and the next one's first
+/// (alignment padding) are not written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertMajor {
+    /// `[expert_rows, H]`: f32 or bf16 rows, or FP8 e4m3 bytes.
+    pub rows: Buf,
+    /// FP8 only: `[expert_rows, H / 128]` f32 scales of `rows`.
+    pub scales: Buf,
+    /// FP8 only, optional: `[expert_rows, H]` bf16 rows dequantized from
+    /// `rows` and `scales`.
+    pub rows_bf16: Buf,
+    /// `[L]` i64: routes each local expert received (after the capacity).
+    pub tokens_per_expert: Buf,
+    /// Optional `[L]` i64: rows each expert's group spans (its count
+    /// rounded up to `align`).
+    pub padded_per_expert: Buf,
+    /// Optional `[L + 1]` i64: each expert's first row, then the end of
+    /// the last group.
+    pub offsets: Buf,
+}
+
+/// The part of the allocation a phase publishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Send,
+    Partial,
+    GradProbs,
+}
+
+/// One PE's handle on an expert-parallel group. Made collectively on a
+/// live world by [`EpGroup::new`], freed collectively by
+/// [`EpGroup::destroy`]. Calls enqueue on the caller's CUDA stream (Host:
+/// run before returning) and every PE makes the same calls in the same
+/// order; a PE whose call is refused (bad arguments) takes no part, and
+/// its peers' waits time out.
+pub struct EpGroup {
+    config: EpConfig,
+    layout: Layout,
+    device: Device,
+    rank: usize,
+    base: u64,
+    timeout: Duration,
+    kernels: Option<Arc<Kernels>>,
+    exchange_blocks: u32,
+    sms_used: usize,
+    last: Option<Part>,
+    dispatched: Option<usize>,
+}
+
+impl std::fmt::Debug for EpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpGroup")
+            .field("config", &self.config)
+            .field("rank", &self.rank)
+            .field("device", &self.device)
+            .field("base", &format_args!("{:#x}", self.base))
+            .finish()
+    }
+}
+
+fn need(what: &str, b: Buf, bytes: usize, align: u64) -> Result<()> {
+    if b.bytes < bytes {
+        return Err(EpError::InvalidArgument(format!(
+            "{what} holds {} bytes; this call needs {bytes}",
+            b.bytes
+        )));
+    }
+    if bytes > 0 && b.addr == 0 {
+        return Err(EpError::InvalidArgument(format!("{what} is null")));
+    }
+    if b.addr % align != 0 {
+        return Err(EpError::InvalidArgument(format!(
+            "{what} at {:#x} is not {align}-byte aligned",
+            b.addr
+        )));
+    }
+    Ok(())
+}
+
+fn optional(what: &str, b: Buf, bytes: usize, align: u64) -> Result<()> {
+    match b.addr {
+        0 => Ok(()),
+        _ => need(what, b, bytes, align),
+    }
+}
+
+impl EpGroup {
+    /// Makes the group on every PE of `world` (collective: every PE calls
+    /// it with the same config). Needs `config.layout(P).heap_bytes` of
+    /// the world's symmetric heap and load/store access to every peer
+    /// (same process, or one host: CUDA IPC or shared memory).
+    pub fn new(world: &mut World, config: EpConfig) -> Result<EpGroup> {
+        let pes = world.size()?;
+        let rank = world.rank()?;
+        let layout = config.layout(pes)?;
+        let device = world.device_of(rank)?;
+        let kernels = match device.platform {
+            Platform::Host => None,
+            Platform::Cuda => {
+                let k = cuda::kernels(device)?;
+                if config.precision == Precision::Fp8Dispatch && k.capability < (8, 9) {
+                    return Err(EpError::Shmem(ShmemError::Unsupported(format!(
+                        "FP8 dispatch needs compute capability 8.9 or newer; {device} has {}.{}",
+                        k.capability.0, k.capability.1
+                    ))));
+                }
+                Some(k)
+            }
+        };
+        let base = world.malloc(layout.heap_bytes).map_err(|e| match e {
+            ShmemError::OutOfMemory(m) => EpError::OutOfMemory(format!(
+                "the group needs {} bytes of symmetric heap on each PE ({m}); \
+                 start the world with a larger heap",
+                layout.heap_bytes
+            )),
+            e => e.into(),
+        })?;
+        let bases: Option<Vec<u64>> = (0..pes).map(|q| world.ptr(q, base)).collect();
+        let Some(bases) = bases else {
+            // Every PE sees the same pairs, so every PE frees here too.
+            let q = (0..pes)
+                .find(|&q| world.ptr(q, base).is_none())
+                .unwrap_or(0);
+            let transport = world.transport(q)?;
+            world.free(base)?;
+            return Err(EpError::Shmem(ShmemError::Unsupported(format!(
+                "PE {q} is reached through {transport:?}; an expert-parallel group reads \
+                 peers' memory directly (one host)"
+            ))));
+        };
+        let mut zeros = vec![0u64; pes + word::COUNT];
+        let at = layout.at;
+        // SAFETY: the group's allocation holds `pes` ready words, then (at
+        // `words`) word::COUNT words and (at `bases`) `pes` bases.
+        unsafe {
+            match &kernels {
+                None => {
+                    std::ptr::write_bytes((base + at.ready as u64) as *mut u64, 0, pes);
+                    std::ptr::write_bytes((base + at.words as u64) as *mut u64, 0, word::COUNT);
+                    std::ptr::copy_nonoverlapping(
+                        bases.as_ptr(),
+                        (base + at.bases as u64) as *mut u64,
+                        pes,
+                    );
+                }
+                Some(_) => {
+                    zeros.truncate(pes);
+                    cuda::write_words(device, base + at.ready as u64, &zeros)?;
+                    cuda::write_words(device, base + at.words as u64, &[0; word::COUNT])?;
+                    cuda::write_words(device, base + at.bases as u64, &bases)?;
+                }
+            }
+        }
+        // Nobody announces a phase before every PE cleared its ready words.
+        world.barrier_all()?;
+        let sms = kernels.as_ref().map_or(1, |k| k.sms as usize);
+        let sms_used = match config.num_sms {
+            0 => sms,
+            n => n.min(sms),
+        };
+        Ok(EpGroup {
+            config,
+            layout,
+            device,
+            rank,
+            base,
+            timeout: world.timeout()?,
+            exchange_blocks: (2 * sms_used).max(1) as u32,
+            kernels,
+            sms_used,
+            last: None,
+            dispatched: None,
+        })
+    }
+
+    /// The group's config.
+    pub fn config(&self) -> &EpConfig {
+        &self.config
+    }
+
+    /// The group's layout (sizes of the caller's buffers among them).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// This PE's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Streaming multiprocessors the exchange kernels occupy at most (1 on
+    /// Host).
+    pub fn sms_used(&self) -> usize {
+        self.sms_used
+    }
+
+    /// Bytes of the caller's expert-major rows buffer
+    /// ([`ExpertMajor::rows`]).
+    pub fn expert_rows_bytes(&self) -> usize {
+        // Checked by the layout: rows * H * 4 fits (see Layout::new).
+        self.layout.expert_rows * self.config.hidden * self.config.precision.wire_bytes()
+    }
+
+    fn params(&self) -> EpParams {
+        let (c, l, at) = (&self.config, &self.layout, &self.layout.at);
+        EpParams {
+            base: self.base,
+            bases: self.base + at.bases as u64,
+            rank: self.rank as i64,
+            pes: l.pes as i64,
+            tokens: c.tokens as i64,
+            hidden: c.hidden as i64,
+            topk: c.topk as i64,
+            experts: c.experts as i64,
+            local_experts: l.local_experts as i64,
+            tiles_per_pe: (l.tiles / l.pes) as i64,
+            align: c.align as i64,
+            capacity: match c.capacity {
+                Capacity::Dropless => 0,
+                Capacity::PerExpert(n) => n as i64,
+            },
+            precision: c.precision.code() as i64,
+            expert_rows: l.expert_rows as i64,
+            off_send: at.send as i64,
+            off_send_scales: at.send_scales as i64,
+            off_ids: at.ids as i64,
+            off_probs: at.probs as i64,
+            off_partial: at.partial as i64,
+            off_grad_probs: at.grad_probs as i64,
+            off_ready: at.ready as i64,
+            off_words: at.words as i64,
+            off_local: at.local as i64,
+            off_recv_probs: at.recv_probs as i64,
+            off_route_row: at.route_row as i64,
+            off_tile_counts: at.tile_counts as i64,
+            off_expert_start: at.expert_start as i64,
+            off_sent: at.sent as i64,
+            timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            exchange_blocks: self.exchange_blocks as i64,
+            ..EpParams::default()
+        }
+    }
+
+    /// Runs `steps` with `p`: on Host now, on CUDA enqueued on `stream`.
+    ///
+    /// # Safety
+    /// `p`'s addresses are valid for the steps (checked by the caller).
+    unsafe fn run(&self, steps: &[Step], p: &EpParams, stream: *mut c_void) -> Result<usize> {
+        let mut replaced = 0;
+        for &step in steps {
+            match &self.kernels {
+                // SAFETY: the caller's contract.
+                Some(k) => unsafe { cuda::launch(self.device, k, step, p, stream) }?,
+                // SAFETY: the caller's contract.
+                None => unsafe {
+                    match step {
+                        Step::Publish => replaced += host::publish(p, p.wire == 1),
+                        Step::Signal => host::signal(p),
+                        Step::Wait => host::wait(p)?,
+                        Step::Count => host::count(p),
+                        Step::Scan => host::scan(p),
+                        Step::Assign => host::assign(p),
+                        Step::Copy => host::copy(p),
+                        Step::Reduce => host::reduce(p),
+                        Step::GatherSum => host::gather_sum(p),
+                        Step::ScatterGrad => host::scatter_grad(p),
+                        Step::GatherProbs => host::gather_probs(p),
+                    }
+                },
+            }
+        }
+        Ok(replaced)
+    }
+
+    /// Puts an empty phase first when the last call's last phase published
+    /// `part` too (see the module docs).
+    ///
+    /// # Safety
+    /// As [`EpGroup::run`].
+    unsafe fn fence(&mut self, part: Part, stream: *mut c_void) -> Result<()> {
+        if self.last == Some(part) {
+            // SAFETY: signal and wait touch only the group's allocation.
+            unsafe { self.run(&[Step::Signal, Step::Wait], &self.params(), stream) }?;
+        }
+        Ok(())
+    }
+
+    fn dispatched(&self, call: &str) -> Result<usize> {
+        self.dispatched.ok_or_else(|| {
+            EpError::State(format!(
+                "{call} needs the layout of a dispatch; call dispatch first"
+            ))
+        })
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.config.hidden * self.config.precision.element_bytes()
+    }
+
+    /// Dispatch: this PE's first `tokens` rows of `x` (`[tokens, H]`, f32
+    /// or bf16; bf16 for FP8, quantized here), each sent once to each PE
+    /// hosting one of its experts, with `ids` (`[tokens, k]` i32, -1: no
+    /// route) and `probs` (`[tokens, k]` f32); every PE's received rows
+    /// land in `out`, grouped by its local experts. With a capacity,
+    /// routes past an expert's capacity are dropped and counted
+    /// ([`EpGroup::dropped_routes`]).
+    ///
+    /// An id outside `-1..E`, or one listed twice for a token, is not
+    /// routed; the call still completes on every PE (so no peer waits for
+    /// it), and this PE reports [`EpError::BadRouting`]: on Host as this
+    /// call's result, on CUDA at the next [`EpGroup::check`].
+    ///
+    /// # Safety
+    /// The buffers are this PE's memory (Host: host memory; CUDA: device
+    /// memory of this PE's device) of at least the sizes given, and stay
+    /// valid until the stream has run the call; nothing else writes `x`,
+    /// `ids` or `probs`, or reads or writes `out`, meanwhile.
+    pub unsafe fn dispatch(
+        &mut self,
+        x: Buf,
+        ids: Buf,
+        probs: Buf,
+        tokens: usize,
+        out: &ExpertMajor,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let c = self.config;
+        let (rows, l, h) = (self.layout.expert_rows, self.layout.local_experts, c.hidden);
+        if tokens > c.tokens {
+            return Err(EpError::InvalidArgument(format!(
+                "{tokens} tokens is more than the group's {}",
+                c.tokens
+            )));
+        }
+        need("x", x, tokens * self.row_bytes(), 16)?;
+        need("ids", ids, tokens * c.topk * 4, 4)?;
+        need("probs", probs, tokens * c.topk * 4, 4)?;
+        need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
+        match c.precision {
+            Precision::Fp8Dispatch => {
+                need("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
+                optional("out.rows_bf16", out.rows_bf16, rows * h * 2, 16)?;
+            }
+            _ => {
+                if out.scales.addr != 0 || out.rows_bf16.addr != 0 {
+                    return Err(EpError::InvalidArgument(
+                        "out.scales and out.rows_bf16 are for FP8 dispatch only".into(),
+                    ));
+                }
+            }
+        }
+        need("out.tokens_per_expert", out.tokens_per_expert, l * 8, 8)?;
+        optional("out.padded_per_expert", out.padded_per_expert, l * 8, 8)?;
+        optional("out.offsets", out.offsets, (l + 1) * 8, 8)?;
+        let p = EpParams {
+            n: tokens as i64,
+            src: x.addr,
+            src_ids: ids.addr,
+            src_probs: probs.addr,
+            out: out.rows.addr,
+            out_scales: out.scales.addr,
+            out_bf16: out.rows_bf16.addr,
+            tokens_per_expert: out.tokens_per_expert.addr,
+            padded_per_expert: out.padded_per_expert.addr,
+            expert_offsets: out.offsets.addr,
+            wire: 1,
+            ..self.params()
+        };
+        // SAFETY: the addresses were checked against the sizes the steps
+        // use; the rest is the caller's contract and the group's layout.
+        unsafe {
+            self.fence(Part::Send, stream)?;
+            let steps = [
+                Step::Publish,
+                Step::Signal,
+                Step::Wait,
+                Step::Count,
+                Step::Scan,
+                Step::Assign,
+                Step::Copy,
+            ];
+            let replaced = self.run(&steps, &p, stream)?;
+            self.last = Some(Part::Send);
+            self.dispatched = Some(tokens);
+            if replaced > 0 {
+                return Err(host::routing_error(&p, replaced));
+            }
+        }
+        Ok(())
+    }
+
+    /// Combine: each of this PE's tokens of the last dispatch becomes the
+    /// sum of its experts' output rows, each times its prob: every PE sums
+    /// its experts' rows of a token (in top-k slot order, f32) and sends
+    /// one row back; this PE adds those in PE rank order (f32) into `y`
+    /// (`[tokens, H]`). `expert_out` is `[expert_rows, H]` in the
+    /// expert-major layout (bf16 for FP8). A token with no route gets a
+    /// zero row.
+    ///
+    /// # Safety
+    /// As [`EpGroup::dispatch`], for `expert_out` (read) and `y` (written).
+    pub unsafe fn combine(&mut self, expert_out: Buf, y: Buf, stream: *mut c_void) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.combine_weighted(expert_out, y, true, stream, "combine") }
+    }
+
+    /// The gradient of dispatch: `grad_x` (`[tokens, H]`) of each token is
+    /// the sum of the gradients of its routes' rows (`grad_rows`, the
+    /// expert-major layout), unweighted; dropped routes add nothing.
+    ///
+    /// # Safety
+    /// As [`EpGroup::combine`].
+    pub unsafe fn dispatch_backward(
+        &mut self,
+        grad_rows: Buf,
+        grad_x: Buf,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.combine_weighted(grad_rows, grad_x, false, stream, "dispatch_backward") }
+    }
+
+    unsafe fn combine_weighted(
+        &mut self,
+        src: Buf,
+        y: Buf,
+        weighted: bool,
+        stream: *mut c_void,
+        call: &str,
+    ) -> Result<()> {
+        let n = self.dispatched(call)?;
+        let rows = self.layout.expert_rows * self.row_bytes();
+        need(
+            if weighted { "expert_out" } else { "grad_rows" },
+            src,
+            rows,
+            16,
+        )?;
+        need(
+            if weighted { "y" } else { "grad_x" },
+            y,
+            n * self.row_bytes(),
+            16,
+        )?;
+        let p = EpParams {
+            n: n as i64,
+            src: src.addr,
+            out: y.addr,
+            weighted: weighted as i64,
+            ..self.params()
+        };
+        // SAFETY: checked above; the caller's contract.
+        unsafe {
+            self.fence(Part::Partial, stream)?;
+            let steps = [Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum];
+            self.run(&steps, &p, stream)?;
+        }
+        self.last = Some(Part::Partial);
+        Ok(())
+    }
+
+    /// The gradient of combine, given `grad_y` (`[tokens, H]`): each route's
+    /// row of `grad_expert_out` (expert-major) is `grad_y` of its token
+    /// times the route's prob, and `grad_probs` (`[tokens, k]` f32) each
+    /// route's dot product of its expert's output row (`expert_out`, as
+    /// combine read it) with `grad_y`, in f32; 0 for a dropped route or an
+    /// id that routes nowhere.
+    ///
+    /// # Safety
+    /// As [`EpGroup::combine`], for `grad_y` and `expert_out` (read) and
+    /// `grad_expert_out` and `grad_probs` (written).
+    pub unsafe fn combine_backward(
+        &mut self,
+        grad_y: Buf,
+        expert_out: Buf,
+        grad_expert_out: Buf,
+        grad_probs: Buf,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        let n = self.dispatched("combine_backward")?;
+        let rows = self.layout.expert_rows * self.row_bytes();
+        need("grad_y", grad_y, n * self.row_bytes(), 16)?;
+        need("expert_out", expert_out, rows, 16)?;
+        need("grad_expert_out", grad_expert_out, rows, 16)?;
+        need("grad_probs", grad_probs, n * self.config.topk * 4, 4)?;
+        let p = EpParams {
+            n: n as i64,
+            src: grad_y.addr,
+            out: grad_expert_out.addr,
+            expert_out: expert_out.addr,
+            grad_probs_out: grad_probs.addr,
+            ..self.params()
+        };
+        // SAFETY: checked above; the caller's contract.
+        unsafe {
+            self.fence(Part::Send, stream)?;
+            let steps = [
+                Step::Publish,
+                Step::Signal,
+                Step::Wait,
+                Step::ScatterGrad,
+                Step::Signal,
+                Step::Wait,
+                Step::GatherProbs,
+            ];
+            self.run(&steps, &p, stream)?;
+        }
+        self.last = Some(Part::GradProbs);
+        Ok(())
+    }
+
+    fn words(&self) -> Result<[u64; word::COUNT]> {
+        let mut w = [0u64; word::COUNT];
+        let addr = self.base + self.layout.at.words as u64;
+        match &self.kernels {
+            // SAFETY: the group's words part.
+            Some(_) => unsafe { cuda::read_words(self.device, addr, &mut w) }?,
+            None => {
+                for (i, v) in w.iter_mut().enumerate() {
+                    // SAFETY: as above; atomics, as peers read them.
+                    *v = unsafe {
+                        std::sync::atomic::AtomicU64::from_ptr((addr as *mut u64).add(i))
+                    }
+                    .load(std::sync::atomic::Ordering::Acquire);
+                }
+            }
+        }
+        Ok(w)
+    }
+
+    /// Routes dropped by the capacity on this PE, summed over every
+    /// dispatch so far. On CUDA, synchronize the calls' streams first.
+    pub fn dropped_routes(&self) -> Result<u64> {
+        Ok(self.words()?[word::DROPPED])
+    }
+
+    /// The first error a CUDA kernel of this PE met since the last check
+    /// (a peer that did not reach a phase in time, or routing this PE
+    /// published that was not taken), then clears it. Synchronize the
+    /// calls' streams first. Host calls report their errors themselves.
+    pub fn check(&mut self) -> Result<()> {
+        let w = self.words()?[word::ERROR];
+        if w == 0 {
+            return Ok(());
+        }
+        let addr = self.base + (self.layout.at.words + word::ERROR * 8) as u64;
+        if self.kernels.is_some() {
+            // SAFETY: the group's error word.
+            unsafe { cuda::write_words(self.device, addr, &[0]) }?;
+        }
+        let who = (w & 0xffff_ffff).saturating_sub(1);
+        Err(match w >> 32 {
+            1 => EpError::Timeout(format!(
+                "PE {} waited {:?} for PE {who} to reach a phase",
+                self.rank, self.timeout
+            )),
+            _ => EpError::BadRouting(format!(
+                "PE {}: expert id(s) outside -1..{} or repeated within a token; \
+                 those routes were not taken",
+                self.rank, self.config.experts
+            )),
+        })
+    }
+
+    /// Frees the group on every PE (collective). Synchronize the calls'
+    /// streams first: peers may still read this PE's memory until every
+    /// PE is here.
+    pub fn destroy(self, world: &mut World) -> Result<()> {
+        world.barrier_all()?;
+        world.free(self.base)?;
+        Ok(())
+    }
+}

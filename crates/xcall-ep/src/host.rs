@@ -1,0 +1,596 @@
+//! The steps of a call on Host PEs: the same steps, in the same order and
+//! with the same arithmetic, as the CUDA kernels (`kernels.cu`), so a
+//! Host run is the reference a CUDA run is compared with bit for bit
+//! (the probs' gradient, a dot product summed in another order there,
+//! aside). Peers' memory is read through the group's base table, as on
+//! CUDA; announcements are release stores and waits acquire loads.
+//!
+//! Every function takes the call's [`EpParams`]; its safety contract is
+//! the group's: the allocation at `base` (and each peer's at `bases[q]`)
+//! is the group's layout for these parameters, the caller's buffers hold
+//! what the call checked they hold, and the phase protocol (see
+//! [`crate::group`]) keeps anyone from writing what a step reads.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use xcall_core::{fp8_decode, fp8_encode, Fp8};
+
+use crate::config::{word, FP8_BLOCK, FP8_MAX, TILE_TOKENS};
+use crate::error::{EpError, Result};
+use crate::params::EpParams;
+
+fn at<T>(base: u64, offset: i64) -> *mut T {
+    (base + offset as u64) as *mut T
+}
+
+/// A word of the group's words part.
+///
+/// # Safety
+/// `base` is a group allocation of `p`'s layout.
+unsafe fn word_of<'a>(p: &EpParams, base: u64, w: usize) -> &'a AtomicU64 {
+    // SAFETY: the words part holds word::COUNT aligned u64s at every PE's
+    // allocation; atomics because peers read them concurrently.
+    unsafe { AtomicU64::from_ptr(at::<u64>(base, p.off_words).add(w)) }
+}
+
+/// PE `q`'s allocation as this PE reaches it.
+///
+/// # Safety
+/// `p.bases` holds `p.pes` addresses.
+unsafe fn base_of(p: &EpParams, q: usize) -> u64 {
+    // SAFETY: the caller's contract.
+    unsafe { *(p.bases as *const u64).add(q) }
+}
+
+/// Element `i` of a row of `precision`'s element type, as f32.
+fn load(precision: i64, row: *const u8, i: usize) -> f32 {
+    // SAFETY: callers pass rows of at least `i + 1` elements.
+    unsafe {
+        match precision {
+            0 => (row as *const f32).add(i).read_unaligned(),
+            _ => bf16::from_bits((row as *const u16).add(i).read_unaligned()).to_f32(),
+        }
+    }
+}
+
+/// Stores `v` rounded to `precision`'s element type (bf16: nearest even).
+fn store(precision: i64, row: *mut u8, i: usize, v: f32) {
+    // SAFETY: callers pass rows of at least `i + 1` elements.
+    unsafe {
+        match precision {
+            0 => (row as *mut f32).add(i).write_unaligned(v),
+            _ => (row as *mut u16)
+                .add(i)
+                .write_unaligned(bf16::from_f32(v).to_bits()),
+        }
+    }
+}
+
+/// The FP8 scale of a block whose largest magnitude is `amax`: it maps to
+/// the largest e4m3 value (an all-zero block scales by 1).
+pub fn fp8_scale(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / FP8_MAX
+    } else {
+        1.0
+    }
+}
+
+/// Publishes this PE's `n` rows of `src` into `send` (quantized to FP8
+/// with `wire` and an FP8 group), and with `src_ids` its routing, each id
+/// outside `-1..E` or repeated within its token replaced by -1. Returns
+/// how many ids were replaced.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn publish(p: &EpParams, wire: bool) -> usize {
+    let (h, n) = (p.hidden as usize, p.n as usize);
+    let fp8 = wire && p.precision == 2;
+    let elem = if p.precision == 0 { 4 } else { 2 };
+    let send = at::<u8>(p.base, p.off_send);
+    for t in 0..n {
+        let row = (p.src as *const u8).wrapping_add(t * h * elem);
+        if fp8 {
+            let scales = at::<f32>(p.base, p.off_send_scales);
+            for b in 0..h / FP8_BLOCK {
+                let amax = (0..FP8_BLOCK)
+                    .map(|i| load(1, row, b * FP8_BLOCK + i).abs())
+                    .fold(0.0f32, f32::max);
+                let scale = fp8_scale(amax);
+                // SAFETY: send holds [T, H] bytes, scales [T, H/128].
+                unsafe {
+                    *scales.add(t * (h / FP8_BLOCK) + b) = scale;
+                    for i in 0..FP8_BLOCK {
+                        let e = b * FP8_BLOCK + i;
+                        *send.add(t * h + e) = fp8_encode(Fp8::E4M3, load(1, row, e) / scale);
+                    }
+                }
+            }
+        } else {
+            // SAFETY: `src` holds n rows, send T >= n rows of H*elem bytes.
+            unsafe { std::ptr::copy_nonoverlapping(row, send.add(t * h * elem), h * elem) };
+        }
+    }
+    let mut replaced = 0;
+    if p.src_ids != 0 {
+        let k = p.topk as usize;
+        let ids = at::<i32>(p.base, p.off_ids);
+        let probs = at::<f32>(p.base, p.off_probs);
+        for t in 0..n {
+            for j in 0..k {
+                // SAFETY: src_ids/src_probs hold [n, k], ids/probs [T, k].
+                unsafe {
+                    let id = *(p.src_ids as *const i32).add(t * k + j);
+                    let repeated = (0..j).any(|i| *(p.src_ids as *const i32).add(t * k + i) == id);
+                    let ok = id == -1 || (id >= 0 && (id as i64) < p.experts && !repeated);
+                    replaced += usize::from(!ok);
+                    *ids.add(t * k + j) = if ok { id } else { -1 };
+                    *probs.add(t * k + j) = *(p.src_probs as *const f32).add(t * k + j);
+                }
+            }
+        }
+        // SAFETY: see the module docs.
+        unsafe { word_of(p, p.base, word::TOKENS) }.store(n as u64, Ordering::Relaxed);
+    }
+    replaced
+}
+
+/// Announces a new phase to every PE (after everything this PE wrote
+/// before it).
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn signal(p: &EpParams) {
+    // SAFETY: see the module docs.
+    let epoch = unsafe { word_of(p, p.base, word::EPOCH) }.fetch_add(1, Ordering::Relaxed) + 1;
+    for q in 0..p.pes as usize {
+        // SAFETY: PE q's ready words, one per PE; this PE writes only its own.
+        let ready = unsafe {
+            AtomicU64::from_ptr(at::<u64>(base_of(p, q), p.off_ready).add(p.rank as usize))
+        };
+        ready.store(epoch, Ordering::Release);
+    }
+}
+
+/// Waits until every PE announced this PE's current phase.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn wait(p: &EpParams) -> Result<()> {
+    // SAFETY: see the module docs.
+    let epoch = unsafe { word_of(p, p.base, word::EPOCH) }.load(Ordering::Relaxed);
+    let timeout = Duration::from_nanos(p.timeout_ns);
+    let started = Instant::now();
+    for s in 0..p.pes as usize {
+        // SAFETY: this PE's ready words.
+        let ready = unsafe { AtomicU64::from_ptr(at::<u64>(p.base, p.off_ready).add(s)) };
+        let mut spins = 0u32;
+        while ready.load(Ordering::Acquire) < epoch {
+            if started.elapsed() > timeout {
+                return Err(EpError::Timeout(format!(
+                    "PE {} waited {timeout:?} for PE {s} to reach phase {epoch}",
+                    p.rank
+                )));
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::yield_now();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The first layout pass: each sender's routing, read once, kept here as
+/// local expert numbers and probs, and each tile's routes per local
+/// expert counted.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn count(p: &EpParams) {
+    let (t_max, k, l) = (p.tokens as usize, p.topk as usize, p.local_experts as usize);
+    let local = at::<i32>(p.base, p.off_local);
+    let probs = at::<f32>(p.base, p.off_recv_probs);
+    let counts = at::<i32>(p.base, p.off_tile_counts);
+    let sent = at::<i32>(p.base, p.off_sent);
+    for s in 0..p.pes as usize {
+        // SAFETY: see the module docs (the sender's words, ids and probs
+        // are stable from its announcement until this PE's next one).
+        let bs = unsafe { base_of(p, s) };
+        // SAFETY: as above.
+        let published = unsafe { word_of(p, bs, word::TOKENS) }.load(Ordering::Relaxed);
+        let n = (published as usize).min(t_max);
+        // SAFETY: sent holds P i32.
+        unsafe { *sent.add(s) = n as i32 };
+        for tile in 0..p.tiles_per_pe as usize {
+            let row = s * p.tiles_per_pe as usize + tile;
+            // SAFETY: tile_counts holds [tiles, L].
+            let c = unsafe { std::slice::from_raw_parts_mut(counts.add(row * l), l) };
+            c.fill(0);
+            for t in tile * TILE_TOKENS..((tile + 1) * TILE_TOKENS).min(t_max) {
+                for j in 0..k {
+                    let r = (s * t_max + t) * k + j;
+                    // SAFETY: ids/probs hold [T, k] at the sender, local
+                    // and recv_probs [P, T, k] here.
+                    unsafe {
+                        let id = if t < n {
+                            *at::<i32>(bs, p.off_ids).add(t * k + j)
+                        } else {
+                            -1
+                        };
+                        let mine = id >= 0
+                            && (id as i64) < p.experts
+                            && id as i64 / p.local_experts == p.rank;
+                        let loc = if mine {
+                            (id as i64 % p.local_experts) as i32
+                        } else {
+                            -1
+                        };
+                        *local.add(r) = loc;
+                        *probs.add(r) = if t < n {
+                            *at::<f32>(bs, p.off_probs).add(t * k + j)
+                        } else {
+                            0.0
+                        };
+                        if loc >= 0 {
+                            c[loc as usize] += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The second layout pass: each tile's counts become its first rank per
+/// expert; each expert's kept routes, padded rows and first row follow,
+/// and the routes a capacity drops are added to the dropped counter.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn scan(p: &EpParams) {
+    let (l, tiles) = (p.local_experts as usize, (p.pes * p.tiles_per_pe) as usize);
+    let counts = at::<i32>(p.base, p.off_tile_counts);
+    let start = at::<i64>(p.base, p.off_expert_start);
+    let mut next = 0i64;
+    let mut dropped = 0u64;
+    for e in 0..l {
+        let mut run = 0i64;
+        for tile in 0..tiles {
+            // SAFETY: tile_counts holds [tiles, L].
+            unsafe {
+                let c = counts.add(tile * l + e);
+                let v = *c as i64;
+                *c = run as i32;
+                run += v;
+            }
+        }
+        let kept = if p.capacity > 0 {
+            run.min(p.capacity)
+        } else {
+            run
+        };
+        dropped += (run - kept) as u64;
+        let padded = (kept + p.align - 1) / p.align * p.align;
+        // SAFETY: expert_start holds L i64; the caller's arrays L (L + 1).
+        unsafe {
+            *start.add(e) = next;
+            *(p.tokens_per_expert as *mut i64).add(e) = kept;
+            if p.padded_per_expert != 0 {
+                *(p.padded_per_expert as *mut i64).add(e) = padded;
+            }
+            if p.expert_offsets != 0 {
+                *(p.expert_offsets as *mut i64).add(e) = next;
+            }
+        }
+        next += padded;
+    }
+    if p.expert_offsets != 0 {
+        // SAFETY: as above.
+        unsafe { *(p.expert_offsets as *mut i64).add(l) = next };
+    }
+    // SAFETY: see the module docs.
+    unsafe { word_of(p, p.base, word::DROPPED) }.fetch_add(dropped, Ordering::Relaxed);
+}
+
+/// The third layout pass: each route's row, ranks taken in (sender,
+/// token, slot) order; a route past its expert's capacity gets -1.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn assign(p: &EpParams) {
+    let (t_max, k, l) = (p.tokens as usize, p.topk as usize, p.local_experts as usize);
+    let local = at::<i32>(p.base, p.off_local);
+    let rows = at::<i32>(p.base, p.off_route_row);
+    let counts = at::<i32>(p.base, p.off_tile_counts);
+    let start = at::<i64>(p.base, p.off_expert_start);
+    for s in 0..p.pes as usize {
+        for tile in 0..p.tiles_per_pe as usize {
+            let c = (s * p.tiles_per_pe as usize + tile) * l;
+            for t in tile * TILE_TOKENS..((tile + 1) * TILE_TOKENS).min(t_max) {
+                for j in 0..k {
+                    let r = (s * t_max + t) * k + j;
+                    // SAFETY: the layout's arrays, indices in range.
+                    unsafe {
+                        let loc = *local.add(r);
+                        let mut row = -1;
+                        if loc >= 0 {
+                            let rank = counts.add(c + loc as usize);
+                            let taken = *rank as i64;
+                            *rank += 1;
+                            if p.capacity == 0 || taken < p.capacity {
+                                let at = *start.add(loc as usize) + taken;
+                                row = if at < p.expert_rows { at as i32 } else { -1 };
+                            }
+                        }
+                        *rows.add(r) = row;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The rows of route slot `r`'s kept routes (and their slots), for token
+/// `t` of sender `s`.
+///
+/// # Safety
+/// See the module docs.
+unsafe fn routes(p: &EpParams, s: usize, t: usize) -> (usize, [(usize, i32); 32]) {
+    let k = p.topk as usize;
+    let rows = at::<i32>(p.base, p.off_route_row);
+    let mut out = [(0usize, -1i32); 32];
+    let mut m = 0;
+    for j in 0..k {
+        // SAFETY: route_row holds [P, T, k].
+        let r = unsafe { *rows.add((s * p.tokens as usize + t) * k + j) };
+        if r >= 0 {
+            out[m] = (j, r);
+            m += 1;
+        }
+    }
+    (m, out)
+}
+
+/// Whether token `t` of sender `s` has a route to one of this PE's
+/// experts (kept or dropped).
+///
+/// # Safety
+/// See the module docs.
+unsafe fn routed_here(p: &EpParams, s: usize, t: usize) -> bool {
+    let k = p.topk as usize;
+    let local = at::<i32>(p.base, p.off_local);
+    // SAFETY: local holds [P, T, k].
+    (0..k).any(|j| unsafe { *local.add((s * p.tokens as usize + t) * k + j) } >= 0)
+}
+
+/// Dispatch's exchange step: each received token's row read from its
+/// sender once and written to each of its kept routes' rows.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn copy(p: &EpParams) {
+    let h = p.hidden as usize;
+    let elem = if p.precision == 0 { 4 } else { 2 };
+    let fp8 = p.precision == 2;
+    let sent = at::<i32>(p.base, p.off_sent);
+    for s in 0..p.pes as usize {
+        // SAFETY: see the module docs.
+        let (bs, n) = unsafe { (base_of(p, s), *sent.add(s) as usize) };
+        for t in 0..n {
+            // SAFETY: see the module docs.
+            let (m, rs) = unsafe { routes(p, s, t) };
+            for &(_, r) in &rs[..m] {
+                let r = r as usize;
+                // SAFETY: the sender's send rows (and scales) hold T rows;
+                // the caller's expert-major buffers hold expert_rows.
+                unsafe {
+                    if fp8 {
+                        let blocks = h / FP8_BLOCK;
+                        let src = at::<u8>(bs, p.off_send).add(t * h);
+                        let scales = at::<f32>(bs, p.off_send_scales).add(t * blocks);
+                        std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
+                        std::ptr::copy_nonoverlapping(
+                            scales,
+                            (p.out_scales as *mut f32).add(r * blocks),
+                            blocks,
+                        );
+                        if p.out_bf16 != 0 {
+                            let dst = (p.out_bf16 as *mut u8).add(r * h * 2);
+                            for e in 0..h {
+                                let v =
+                                    fp8_decode(Fp8::E4M3, *src.add(e)) * *scales.add(e / FP8_BLOCK);
+                                store(1, dst, e, v);
+                            }
+                        }
+                    } else {
+                        std::ptr::copy_nonoverlapping(
+                            at::<u8>(bs, p.off_send).add(t * h * elem),
+                            (p.out as *mut u8).add(r * h * elem),
+                            h * elem,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Combine's local step: for each received token routed here, the sum of
+/// its kept routes' rows of `src` (weighted by their probs, or not), in
+/// slot order with f32 accumulation, into its partial row; a token whose
+/// routes here were all dropped gets a zero row.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn reduce(p: &EpParams) {
+    let (t_max, k, h) = (p.tokens as usize, p.topk as usize, p.hidden as usize);
+    let prec = if p.precision == 0 { 0 } else { 1 };
+    let elem = if prec == 0 { 4 } else { 2 };
+    let sent = at::<i32>(p.base, p.off_sent);
+    let probs = at::<f32>(p.base, p.off_recv_probs);
+    let mut acc = vec![0f32; h];
+    for s in 0..p.pes as usize {
+        // SAFETY: see the module docs.
+        let n = unsafe { *sent.add(s) } as usize;
+        for t in 0..n {
+            // SAFETY: see the module docs.
+            if !unsafe { routed_here(p, s, t) } {
+                continue;
+            }
+            acc.fill(0.0);
+            // SAFETY: see the module docs.
+            let (m, rs) = unsafe { routes(p, s, t) };
+            for &(j, r) in &rs[..m] {
+                let w = match p.weighted {
+                    // SAFETY: recv_probs holds [P, T, k].
+                    1 => unsafe { *probs.add((s * t_max + t) * k + j) },
+                    _ => 1.0,
+                };
+                let row = (p.src as *const u8).wrapping_add(r as usize * h * elem);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a += w * load(prec, row, i);
+                }
+            }
+            let out = at::<u8>(p.base, p.off_partial).wrapping_add((s * t_max + t) * h * elem);
+            for (i, a) in acc.iter().enumerate() {
+                store(prec, out, i, *a);
+            }
+        }
+    }
+}
+
+/// The PEs hosting token `t`'s experts, from this PE's published ids: a
+/// bit per rank.
+///
+/// # Safety
+/// See the module docs.
+unsafe fn destinations(p: &EpParams, t: usize) -> u64 {
+    let k = p.topk as usize;
+    let ids = at::<i32>(p.base, p.off_ids);
+    let mut mask = 0u64;
+    for j in 0..k {
+        // SAFETY: ids holds [T, k].
+        let id = unsafe { *ids.add(t * k + j) };
+        if id >= 0 && (id as i64) < p.experts {
+            mask |= 1 << (id as i64 / p.local_experts);
+        }
+    }
+    mask
+}
+
+/// Combine's exchange step: each of this PE's tokens is the sum, in rank
+/// order with f32 accumulation, of the partial rows the PEs hosting its
+/// experts hold for it (zero when it has none).
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn gather_sum(p: &EpParams) {
+    let (t_max, h) = (p.tokens as usize, p.hidden as usize);
+    let prec = if p.precision == 0 { 0 } else { 1 };
+    let elem = if prec == 0 { 4 } else { 2 };
+    let me = p.rank as usize;
+    let mut acc = vec![0f32; h];
+    for t in 0..p.n as usize {
+        acc.fill(0.0);
+        // SAFETY: see the module docs.
+        let mask = unsafe { destinations(p, t) };
+        for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
+            // SAFETY: PE q's partials hold [P, T, H]; q wrote row (me, t)
+            // before announcing this phase.
+            let row =
+                unsafe { at::<u8>(base_of(p, q), p.off_partial).add((me * t_max + t) * h * elem) };
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a += load(prec, row, i);
+            }
+        }
+        let out = (p.out as *mut u8).wrapping_add(t * h * elem);
+        for (i, a) in acc.iter().enumerate() {
+            store(prec, out, i, *a);
+        }
+    }
+}
+
+/// `combine_backward`'s exchange step: each received token's output
+/// gradient read from its sender once; each kept route's row of the
+/// experts' output gradient is it times the route's prob, and the route's
+/// probs' gradient is its dot product with the expert's output (0 for a
+/// dropped route), kept here for the sender to read.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn scatter_grad(p: &EpParams) {
+    let (t_max, k, h) = (p.tokens as usize, p.topk as usize, p.hidden as usize);
+    let prec = if p.precision == 0 { 0 } else { 1 };
+    let elem = if prec == 0 { 4 } else { 2 };
+    let sent = at::<i32>(p.base, p.off_sent);
+    let probs = at::<f32>(p.base, p.off_recv_probs);
+    let local = at::<i32>(p.base, p.off_local);
+    let gp = at::<f32>(p.base, p.off_grad_probs);
+    let rows = at::<i32>(p.base, p.off_route_row);
+    for s in 0..p.pes as usize {
+        // SAFETY: see the module docs.
+        let (bs, n) = unsafe { (base_of(p, s), *sent.add(s) as usize) };
+        for t in 0..n {
+            let g = at::<u8>(bs, p.off_send).wrapping_add(t * h * elem);
+            for j in 0..k {
+                let r = (s * t_max + t) * k + j;
+                // SAFETY: the layout's arrays hold [P, T, k].
+                let (loc, row, w) = unsafe { (*local.add(r), *rows.add(r), *probs.add(r)) };
+                if loc < 0 {
+                    continue;
+                }
+                let mut dot = 0f32;
+                if row >= 0 {
+                    let out = (p.out as *mut u8).wrapping_add(row as usize * h * elem);
+                    let y = (p.expert_out as *const u8).wrapping_add(row as usize * h * elem);
+                    for i in 0..h {
+                        let gi = load(prec, g, i);
+                        store(prec, out, i, w * gi);
+                        dot += load(prec, y, i) * gi;
+                    }
+                }
+                // SAFETY: grad_probs holds [P, T, k].
+                unsafe { *gp.add(r) = dot };
+            }
+        }
+    }
+}
+
+/// `combine_backward`'s last step: each route's probs' gradient read from
+/// the PE hosting its expert (0 for an id that routes nowhere).
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn gather_probs(p: &EpParams) {
+    let (t_max, k) = (p.tokens as usize, p.topk as usize);
+    let me = p.rank as usize;
+    let ids = at::<i32>(p.base, p.off_ids);
+    for t in 0..p.n as usize {
+        for j in 0..k {
+            // SAFETY: ids holds [T, k]; PE q's grad_probs [P, T, k]; the
+            // caller's output [n, k].
+            unsafe {
+                let id = *ids.add(t * k + j);
+                let v = if id >= 0 && (id as i64) < p.experts {
+                    let q = (id as i64 / p.local_experts) as usize;
+                    *at::<f32>(base_of(p, q), p.off_grad_probs).add((me * t_max + t) * k + j)
+                } else {
+                    0.0
+                };
+                *(p.grad_probs_out as *mut f32).add(t * k + j) = v;
+            }
+        }
+    }
+}
+
+/// The error word's code for routing this PE replaced.
+pub(crate) fn routing_error(p: &EpParams, replaced: usize) -> EpError {
+    EpError::BadRouting(format!(
+        "PE {}: {replaced} expert id(s) outside -1..{} or repeated within a token; \
+         those routes were not taken",
+        p.rank, p.experts
+    ))
+}

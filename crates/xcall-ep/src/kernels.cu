@@ -1,0 +1,481 @@
+// The expert-parallel steps on CUDA; each mirrors the function of the
+// same name in host.rs (same order, same arithmetic: products and sums
+// rounded separately, never fused, so a Host run matches bit for bit).
+// Every kernel takes EpParams (defined before this file by cuda.rs), and
+// CONVERT (bf16 / fp8 conversions) comes first.
+//
+// Peers' memory is reached through p.bases (direct pointers: peer access
+// inside a process, CUDA IPC across processes). A phase is announced with
+// a system-scope release store of the PE's epoch into every PE's ready
+// word for it, after a system-scope fence; a wait is an acquire load
+// spinning until every PE's word reaches the epoch, giving up after
+// p.timeout_ns (the PE's error word then names the peer).
+
+#define EP_TILE 64
+#define EP_FP8_BLOCK 128
+#define EP_WORD_TOKENS 0
+#define EP_WORD_EPOCH 1
+#define EP_WORD_ERROR 2
+#define EP_WORD_DROPPED 3
+
+typedef unsigned long long u64;
+typedef long long i64;
+
+// FP8 needs sm_89 or newer; the group refuses FP8 on older devices.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+#define EP_FP8 1
+#else
+#define EP_FP8 0
+#endif
+
+__device__ __forceinline__ unsigned char *ep_at(const EpParams &p, int q, i64 off) {
+    return (unsigned char *)(q < 0 ? (u64)p.base : p.bases[q]) + off;
+}
+__device__ __forceinline__ u64 *ep_words(const EpParams &p) {
+    return (u64 *)(p.base + p.off_words);
+}
+__device__ __forceinline__ u64 ep_load_acquire(const u64 *a) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ void ep_store_release(u64 *a, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ep_load_peer(const void *a) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(a));
+    return v;
+}
+__device__ __forceinline__ float ep_load(int prec, const unsigned char *row, i64 i) {
+    return prec == 0 ? ((const float *)row)[i] : bf16_to_f32(((const unsigned short *)row)[i]);
+}
+__device__ __forceinline__ void ep_store(int prec, unsigned char *row, i64 i, float v) {
+    if (prec == 0) ((float *)row)[i] = v;
+    else ((unsigned short *)row)[i] = f32_to_bf16(v);
+}
+// The first error wins: kind << 32 | (1 + rank).
+__device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) {
+    atomicCAS(ep_words(p) + EP_WORD_ERROR, 0ull, (kind << 32) | (u64)(rank + 1));
+}
+
+// publish: grid-stride over the n rows (one block per row); block 0 also
+// publishes the routing (one thread per token). `wire`: FP8 quantization
+// for an FP8 group.
+extern "C" __global__ void ep_publish(EpParams p) {
+    const i64 h = p.hidden, n = p.n, k = p.topk;
+    const bool fp8 = p.wire && p.precision == 2;
+    const int elem = p.precision == 0 ? 4 : 2;
+    unsigned char *send = p.base + p.off_send;
+    for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
+        const unsigned char *row = p.src + t * h * elem;
+        if (fp8) {
+#if EP_FP8
+            float *scales = (float *)(p.base + p.off_send_scales);
+            // One warp per block of 128 elements: 4 per lane.
+            const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+            for (i64 b = warp; b < h / EP_FP8_BLOCK; b += blockDim.x / 32) {
+                float v[4], amax = 0.0f;
+                for (int i = 0; i < 4; ++i) {
+                    v[i] = bf16_to_f32(((const unsigned short *)row)[b * EP_FP8_BLOCK + lane * 4 + i]);
+                    amax = fmaxf(amax, fabsf(v[i]));
+                }
+                for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+                if (lane == 0) scales[t * (h / EP_FP8_BLOCK) + b] = scale;
+                unsigned int packed = 0;
+                for (int i = 0; i < 4; ++i)
+                    packed |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[i], scale)) << (8 * i);
+                ((unsigned int *)(send + t * h + b * EP_FP8_BLOCK))[lane] = packed;
+            }
+#endif
+        } else {
+            const uint4 *s = (const uint4 *)row;
+            uint4 *d = (uint4 *)(send + t * h * elem);
+            for (i64 c = threadIdx.x; c < h * elem / 16; c += blockDim.x) d[c] = s[c];
+        }
+    }
+    if (p.src_ids != 0 && blockIdx.x == 0) {
+        int *ids = (int *)(p.base + p.off_ids);
+        float *probs = (float *)(p.base + p.off_probs);
+        for (i64 t = threadIdx.x; t < n; t += blockDim.x) {
+            int replaced = 0;
+            for (i64 j = 0; j < k; ++j) {
+                const int id = p.src_ids[t * k + j];
+                bool repeated = false;
+                for (i64 i = 0; i < j; ++i) repeated |= p.src_ids[t * k + i] == id;
+                const bool ok = id == -1 || (id >= 0 && id < p.experts && !repeated);
+                replaced += !ok;
+                ids[t * k + j] = ok ? id : -1;
+                probs[t * k + j] = p.src_probs[t * k + j];
+            }
+            if (replaced) ep_error(p, 2, p.rank);
+        }
+        if (threadIdx.x == 0) ep_words(p)[EP_WORD_TOKENS] = (u64)n;
+    }
+}
+
+// signal: one block, thread q announces to PE q.
+extern "C" __global__ void ep_signal(EpParams p) {
+    __shared__ u64 epoch;
+    if (threadIdx.x == 0) epoch = ep_words(p)[EP_WORD_EPOCH] + 1;
+    __syncthreads();
+    __threadfence_system();
+    if (threadIdx.x < p.pes) ep_store_release((u64 *)(ep_at(p, threadIdx.x, p.off_ready)) + p.rank, epoch);
+    __syncthreads();
+    if (threadIdx.x == 0) ep_words(p)[EP_WORD_EPOCH] = epoch;
+}
+
+// wait: one block, thread s waits for PE s.
+extern "C" __global__ void ep_wait(EpParams p) {
+    const u64 epoch = ep_words(p)[EP_WORD_EPOCH];
+    if (threadIdx.x < p.pes) {
+        const u64 *ready = (const u64 *)(p.base + p.off_ready) + threadIdx.x;
+        u64 started_ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(started_ns));
+        while (ep_load_acquire(ready) < epoch) {
+            u64 now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - started_ns > p.timeout_ns) {
+                ep_error(p, 1, threadIdx.x);
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    __syncthreads();
+    __threadfence_system();
+}
+
+// count: one warp per tile of one sender; lane = token of the tile.
+extern "C" __global__ void ep_count(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, L = p.local_experts;
+    const i64 tiles = p.pes * p.tiles_per_pe;
+    int *local = (int *)(p.base + p.off_local);
+    float *probs = (float *)(p.base + p.off_recv_probs);
+    int *counts = (int *)(p.base + p.off_tile_counts);
+    for (i64 tile = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; tile < tiles; tile += warps) {
+        const int s = (int)(tile / p.tiles_per_pe);
+        const i64 t0 = (tile % p.tiles_per_pe) * EP_TILE;
+        const unsigned char *bs = ep_at(p, s, 0);
+        const u64 sent = ((const volatile u64 *)(bs + p.off_words))[EP_WORD_TOKENS];
+        const i64 n = sent < (u64)T ? (i64)sent : T;
+        if (t0 == 0 && lane == 0) ((int *)(p.base + p.off_sent))[s] = (int)n;
+        int *c = counts + tile * L;
+        for (i64 e = lane; e < L; e += 32) c[e] = 0;
+        __syncwarp();
+        for (i64 t = t0 + lane; t < t0 + EP_TILE && t < T; t += 32) {
+            for (i64 j = 0; j < k; ++j) {
+                const i64 r = ((i64)s * T + t) * k + j;
+                const int id = t < n ? ((const int *)(bs + p.off_ids))[t * k + j] : -1;
+                const bool mine = id >= 0 && id < p.experts && id / L == p.rank;
+                const int loc = mine ? (int)(id % L) : -1;
+                local[r] = loc;
+                probs[r] = t < n ? ((const float *)(bs + p.off_probs))[t * k + j] : 0.0f;
+                if (loc >= 0) atomicAdd(c + loc, 1);
+            }
+        }
+    }
+}
+
+// scan: one block; thread e scans expert e over the tiles, then thread 0
+// lays the experts out.
+extern "C" __global__ void ep_scan(EpParams p) {
+    const i64 L = p.local_experts, tiles = p.pes * p.tiles_per_pe;
+    int *counts = (int *)(p.base + p.off_tile_counts);
+    i64 *start = (i64 *)(p.base + p.off_expert_start);
+    for (i64 e = threadIdx.x; e < L; e += blockDim.x) {
+        i64 run = 0;
+        for (i64 tile = 0; tile < tiles; ++tile) {
+            const int v = counts[tile * L + e];
+            counts[tile * L + e] = (int)run;
+            run += v;
+        }
+        const i64 kept = p.capacity > 0 && run > p.capacity ? p.capacity : run;
+        if (run > kept) atomicAdd(ep_words(p) + EP_WORD_DROPPED, (u64)(run - kept));
+        p.tokens_per_expert[e] = kept;
+        start[e] = (kept + p.align - 1) / p.align * p.align;  // padded, for now
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        i64 next = 0;
+        for (i64 e = 0; e < L; ++e) {
+            const i64 padded = start[e];
+            start[e] = next;
+            if (p.padded_per_expert) p.padded_per_expert[e] = padded;
+            if (p.expert_offsets) p.expert_offsets[e] = next;
+            next += padded;
+        }
+        if (p.expert_offsets) p.expert_offsets[L] = next;
+    }
+}
+
+// assign: one warp per tile; 32 route slots at a time, in order.
+extern "C" __global__ void ep_assign(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, L = p.local_experts;
+    const i64 tiles = p.pes * p.tiles_per_pe;
+    const int *local = (const int *)(p.base + p.off_local);
+    int *rows = (int *)(p.base + p.off_route_row);
+    int *counts = (int *)(p.base + p.off_tile_counts);
+    const i64 *start = (const i64 *)(p.base + p.off_expert_start);
+    for (i64 tile = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; tile < tiles; tile += warps) {
+        const i64 s = tile / p.tiles_per_pe;
+        const i64 t0 = (tile % p.tiles_per_pe) * EP_TILE;
+        const i64 t1 = t0 + EP_TILE < T ? t0 + EP_TILE : T;
+        int *c = counts + tile * L;
+        const i64 first = (s * T + t0) * k, last = (s * T + t1) * k;
+        for (i64 base = first; base < last; base += 32) {
+            const i64 r = base + lane;
+            const int loc = r < last ? local[r] : -1;
+            const unsigned active = __ballot_sync(0xffffffffu, loc >= 0);
+            const unsigned same = __match_any_sync(0xffffffffu, loc) & active;
+            int row = -1;
+            if (loc >= 0) {
+                const int before = __popc(same & ((1u << lane) - 1));
+                const i64 taken = (i64)c[loc] + before;
+                if (p.capacity == 0 || taken < p.capacity) {
+                    const i64 at = start[loc] + taken;
+                    row = at < p.expert_rows ? (int)at : -1;
+                }
+            }
+            __syncwarp();
+            // The group's highest lane moves the expert's rank on.
+            if (loc >= 0 && (same >> lane) == 1u) c[loc] += __popc(same);
+            __syncwarp();
+            if (r < last) rows[r] = row;
+        }
+    }
+}
+
+// copy: one warp per received token (grid-stride over every sender's T
+// slots); its row is read from the sender once and written to each kept
+// route's row.
+extern "C" __global__ void ep_copy(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, h = p.hidden;
+    const int elem = p.precision == 0 ? 4 : 2;
+    const bool fp8 = p.precision == 2;
+    const int *rows = (const int *)(p.base + p.off_route_row);
+    const int *sent = (const int *)(p.base + p.off_sent);
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T; item += warps) {
+        const int s = (int)(item / T);
+        const i64 t = item % T;
+        if (t >= sent[s]) continue;
+        int dst[32];
+        int m = 0;
+        for (i64 j = 0; j < k; ++j) {
+            const int r = rows[item * k + j];
+            if (r >= 0) dst[m++] = r;
+        }
+        if (m == 0) continue;
+        const unsigned char *bs = ep_at(p, s, 0);
+        if (fp8) {
+#if EP_FP8
+            const unsigned char *src = bs + p.off_send + t * h;
+            const i64 blocks = h / EP_FP8_BLOCK;
+            const float *sc = (const float *)(bs + p.off_send_scales) + t * blocks;
+            for (i64 c = lane; c < h / 16; c += 32) {
+                const uint4 v = ep_load_peer(src + c * 16);
+                const float scale = sc[c * 16 / EP_FP8_BLOCK];
+                for (int i = 0; i < m; ++i) ((uint4 *)(p.out + (i64)dst[i] * h))[c] = v;
+                if (p.out_bf16) {
+                    const unsigned char *b = (const unsigned char *)&v;
+                    unsigned int w[8];
+                    for (int e = 0; e < 8; ++e)
+                        w[e] = f32_to_bf16x2(__fmul_rn(fp8e4m3_to_f32(b[2 * e]), scale),
+                                             __fmul_rn(fp8e4m3_to_f32(b[2 * e + 1]), scale));
+                    for (int i = 0; i < m; ++i) {
+                        uint4 *d = (uint4 *)(p.out_bf16 + (i64)dst[i] * h) + 2 * c;
+                        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+                        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+                    }
+                }
+            }
+            for (i64 b = lane; b < blocks; b += 32) {
+                const float v = sc[b];
+                for (int i = 0; i < m; ++i) p.out_scales[(i64)dst[i] * blocks + b] = v;
+            }
+#endif
+        } else {
+            const unsigned char *src = bs + p.off_send + t * h * elem;
+            const i64 chunks = h * elem / 16;
+            i64 c = lane;
+            // Four loads in flight per lane before their stores.
+            for (; c + 96 < chunks; c += 128) {
+                uint4 v[4];
+                for (int u = 0; u < 4; ++u) v[u] = ep_load_peer(src + (c + 32 * u) * 16);
+                for (int i = 0; i < m; ++i) {
+                    uint4 *d = (uint4 *)(p.out + (i64)dst[i] * h * elem);
+                    for (int u = 0; u < 4; ++u) d[c + 32 * u] = v[u];
+                }
+            }
+            for (; c < chunks; c += 32) {
+                const uint4 v = ep_load_peer(src + c * 16);
+                for (int i = 0; i < m; ++i) ((uint4 *)(p.out + (i64)dst[i] * h * elem))[c] = v;
+            }
+        }
+    }
+}
+
+// Two bf16 or one f32 lane values of a 16-byte chunk as floats: chunk c
+// of a row holds elements [c*per, (c+1)*per).
+__device__ __forceinline__ void ep_unpack(int prec, uint4 v, float *f) {
+    if (prec == 0) {
+        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+    } else {
+        bf16x2_to_f32(v.x, f[0], f[1]); bf16x2_to_f32(v.y, f[2], f[3]);
+        bf16x2_to_f32(v.z, f[4], f[5]); bf16x2_to_f32(v.w, f[6], f[7]);
+    }
+}
+__device__ __forceinline__ uint4 ep_pack(int prec, const float *f) {
+    if (prec == 0)
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    return make_uint4(f32_to_bf16x2(f[0], f[1]), f32_to_bf16x2(f[2], f[3]), f32_to_bf16x2(f[4], f[5]),
+                      f32_to_bf16x2(f[6], f[7]));
+}
+
+// reduce: one warp per received token routed here.
+extern "C" __global__ void ep_reduce(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, h = p.hidden;
+    const int prec = p.precision == 0 ? 0 : 1;
+    const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
+    const int *rows = (const int *)(p.base + p.off_route_row);
+    const int *local = (const int *)(p.base + p.off_local);
+    const float *probs = (const float *)(p.base + p.off_recv_probs);
+    const int *sent = (const int *)(p.base + p.off_sent);
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T; item += warps) {
+        const int s = (int)(item / T);
+        const i64 t = item % T;
+        if (t >= sent[s]) continue;
+        bool here = false;
+        int dst[32];
+        float w[32];
+        int m = 0;
+        for (i64 j = 0; j < k; ++j) {
+            here |= local[item * k + j] >= 0;
+            const int r = rows[item * k + j];
+            if (r >= 0) {
+                dst[m] = r;
+                w[m++] = p.weighted ? probs[item * k + j] : 1.0f;
+            }
+        }
+        if (!here) continue;
+        uint4 *out = (uint4 *)(p.base + p.off_partial + item * h * elem);
+        for (i64 c = lane; c < h / per; c += 32) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
+            for (int i = 0; i < m; ++i) {
+                ep_unpack(prec, ((const uint4 *)(p.src + (i64)dst[i] * h * elem))[c], f);
+                for (int e = 0; e < per; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[i], f[e]));
+            }
+            out[c] = ep_pack(prec, acc);
+        }
+    }
+}
+
+// gather_sum: one warp per token of this PE; partials read in rank order.
+extern "C" __global__ void ep_gather_sum(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, h = p.hidden;
+    const int prec = p.precision == 0 ? 0 : 1;
+    const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
+    const int *ids = (const int *)(p.base + p.off_ids);
+    for (i64 t = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.n; t += warps) {
+        u64 mask = 0;
+        for (i64 j = 0; j < k; ++j) {
+            const int id = ids[t * k + j];
+            if (id >= 0 && id < p.experts) mask |= 1ull << (id / p.local_experts);
+        }
+        const uint4 *src[64];
+        int m = 0;
+        for (int q = 0; q < p.pes; ++q)
+            if (mask >> q & 1) src[m++] = (const uint4 *)(ep_at(p, q, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
+        uint4 *out = (uint4 *)(p.out + t * h * elem);
+        for (i64 c = lane; c < h / per; c += 32) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
+            uint4 v[4];
+            int i = 0;
+            for (; i + 4 <= m; i += 4) {
+                for (int u = 0; u < 4; ++u) v[u] = ep_load_peer(src[i + u] + c);
+                for (int u = 0; u < 4; ++u) {
+                    ep_unpack(prec, v[u], f);
+                    for (int e = 0; e < per; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
+                }
+            }
+            for (; i < m; ++i) {
+                ep_unpack(prec, ep_load_peer(src[i] + c), f);
+                for (int e = 0; e < per; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
+            }
+            out[c] = ep_pack(prec, acc);
+        }
+    }
+}
+
+// scatter_grad: one warp per received token; per route, the scaled row and
+// the dot product (summed per lane, then across the warp).
+extern "C" __global__ void ep_scatter_grad(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, h = p.hidden;
+    const int prec = p.precision == 0 ? 0 : 1;
+    const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
+    const int *rows = (const int *)(p.base + p.off_route_row);
+    const int *local = (const int *)(p.base + p.off_local);
+    const float *probs = (const float *)(p.base + p.off_recv_probs);
+    const int *sent = (const int *)(p.base + p.off_sent);
+    float *gp = (float *)(p.base + p.off_grad_probs);
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T; item += warps) {
+        const int s = (int)(item / T);
+        const i64 t = item % T;
+        if (t >= sent[s]) continue;
+        const uint4 *g = (const uint4 *)(ep_at(p, s, p.off_send) + t * h * elem);
+        for (i64 j = 0; j < k; ++j) {
+            if (local[item * k + j] < 0) continue;
+            const int r = rows[item * k + j];
+            float dot = 0.0f;
+            if (r >= 0) {
+                const float w = probs[item * k + j];
+                uint4 *out = (uint4 *)(p.out + (i64)r * h * elem);
+                const uint4 *y = (const uint4 *)(p.expert_out + (i64)r * h * elem);
+                for (i64 c = lane; c < h / per; c += 32) {
+                    float f[8], o[8], yy[8];
+                    ep_unpack(prec, ep_load_peer(g + c), f);
+                    ep_unpack(prec, y[c], yy);
+                    for (int e = 0; e < per; ++e) {
+                        o[e] = __fmul_rn(w, f[e]);
+                        dot = __fadd_rn(dot, __fmul_rn(yy[e], f[e]));
+                    }
+                    out[c] = ep_pack(prec, o);
+                }
+                for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            }
+            if (lane == 0) gp[item * k + j] = dot;
+        }
+    }
+}
+
+// gather_probs: one thread per (token, slot) of this PE.
+extern "C" __global__ void ep_gather_probs(EpParams p) {
+    const i64 T = p.tokens, k = p.topk;
+    const int *ids = (const int *)(p.base + p.off_ids);
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.n * k; r += (i64)gridDim.x * blockDim.x) {
+        const i64 t = r / k;
+        const int id = ids[r];
+        float v = 0.0f;
+        if (id >= 0 && id < p.experts) {
+            const int q = (int)(id / p.local_experts);
+            v = ((const float *)(ep_at(p, q, p.off_grad_probs)))[((i64)p.rank * T + t) * k + r % k];
+        }
+        p.grad_probs_out[r] = v;
+    }
+}

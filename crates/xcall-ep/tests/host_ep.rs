@@ -1,0 +1,375 @@
+//! Expert-parallel dispatch and combine on Host PEs (threads of this
+//! process), every output compared with the plain-loop reference of
+//! `common`.
+
+use std::time::Duration;
+
+use xcall_core::testing::{run_threads, watchdog};
+use xcall_core::{Device, Platform, Status};
+use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, Precision};
+use xcall_shmem::{World, WorldConfig};
+
+mod common;
+use common::run::{expert_major, round, HostMem, Mem};
+use common::*;
+
+fn world(group: &str, rank: usize, n: usize, heap: usize) -> World {
+    let mut c = WorldConfig::in_process(group, rank, n, Device::new(Platform::Host, rank as u32));
+    c.heap_bytes = Some(heap + (1 << 20));
+    c.timeout = Duration::from_secs(20);
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    w
+}
+
+/// Runs `rounds` rounds of `case` on its PEs as threads.
+fn run(name: &str, case: Case, rounds: usize, backward: bool) {
+    let heap = case.config.layout(case.pes).unwrap().heap_bytes;
+    let group = format!("ep-{name}-{}", std::process::id());
+    run_threads(name, case.pes, watchdog(), move |rank| {
+        let mut w = world(&group, rank, case.pes, heap);
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let mut m = HostMem::default();
+        for r in 0..rounds {
+            let c = Case {
+                seed: case.seed + r as u64,
+                ..case.clone()
+            };
+            round(&c, rank, &mut g, &mut m, backward);
+        }
+        g.destroy(&mut w).unwrap();
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
+}
+
+fn cfg(
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    precision: Precision,
+) -> EpConfig {
+    EpConfig {
+        precision,
+        ..EpConfig::new(tokens, hidden, topk, experts)
+    }
+}
+
+#[test]
+fn every_pe_count_and_precision_matches_the_reference() {
+    let _s = serial();
+    for pes in 1..=4 {
+        for precision in [Precision::F32, Precision::Bf16] {
+            let c = cfg(70, 16, 3, 4 * pes, precision);
+            run(
+                &format!("basic-{pes}-{}", precision.name()),
+                Case::new(c, pes, Routing::Random, 11),
+                2,
+                true,
+            );
+        }
+    }
+}
+
+#[test]
+fn eight_pes_with_alignment_and_tiles_of_several_senders() {
+    let _s = serial();
+    let c = EpConfig {
+        align: 8,
+        ..cfg(150, 8, 4, 16, Precision::F32)
+    };
+    run("eight", Case::new(c, 8, Routing::Random, 5), 1, true);
+}
+
+#[test]
+fn fp8_dispatch_quantizes_once_and_the_receiver_gets_rows_scales_and_bf16() {
+    let _s = serial();
+    for pes in [1, 2, 3] {
+        let c = EpConfig {
+            align: 4,
+            ..cfg(40, 256, 2, 6, Precision::Fp8Dispatch)
+        };
+        run(
+            &format!("fp8-{pes}"),
+            Case::new(c, pes, Routing::Random, 21),
+            2,
+            true,
+        );
+    }
+}
+
+#[test]
+fn capacity_drops_routes_in_sender_token_order_and_counts_them() {
+    let _s = serial();
+    for pes in [1, 2, 4] {
+        let c = EpConfig {
+            capacity: Capacity::PerExpert(9),
+            align: 4,
+            ..cfg(64, 16, 3, 4 * pes, Precision::Bf16)
+        };
+        run(
+            &format!("capacity-{pes}"),
+            Case::new(c, pes, Routing::Random, 3),
+            2,
+            true,
+        );
+    }
+}
+
+#[test]
+fn routing_edge_cases() {
+    let _s = serial();
+    // All tokens to PE 0 (the others receive nothing); each token's
+    // experts on one PE; -1 holes; k = 1; k = L; E = P.
+    let cases = [
+        (
+            "all-to-first",
+            cfg(50, 8, 2, 8, Precision::F32),
+            4,
+            Routing::AllToFirst,
+        ),
+        (
+            "one-pe",
+            cfg(50, 8, 3, 12, Precision::F32),
+            3,
+            Routing::OnePe,
+        ),
+        (
+            "holes",
+            cfg(50, 8, 3, 12, Precision::Bf16),
+            3,
+            Routing::Holes,
+        ),
+        ("k1", cfg(50, 8, 1, 4, Precision::F32), 2, Routing::Random),
+        (
+            "k-is-l",
+            cfg(50, 8, 4, 8, Precision::F32),
+            2,
+            Routing::OnePe,
+        ),
+        (
+            "e-is-p",
+            cfg(50, 8, 3, 3, Precision::F32),
+            3,
+            Routing::Random,
+        ),
+    ];
+    for (name, c, pes, routing) in cases {
+        run(name, Case::new(c, pes, routing, 8), 1, true);
+    }
+}
+
+#[test]
+fn pes_may_send_fewer_tokens_than_the_group_holds_or_none() {
+    let _s = serial();
+    let c = cfg(70, 8, 2, 6, Precision::F32);
+    let mut case = Case::new(c, 3, Routing::Random, 4);
+    case.sent = vec![70, 0, 13];
+    run("ragged", case, 2, true);
+}
+
+#[test]
+fn dispatching_twice_in_a_row_is_fenced_and_stays_right() {
+    let _s = serial();
+    let case = Case::new(cfg(30, 8, 2, 4, Precision::F32), 2, Routing::Random, 9);
+    let heap = case.config.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-twice-{}", std::process::id());
+    run_threads("twice", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, heap);
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let mut m = HostMem::default();
+        let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
+        let d = &all[rank];
+        let x = m.alloc(d.x.len());
+        m.write(x, &d.x);
+        let ids = m.alloc(d.ids.len() * 4);
+        m.write(
+            ids,
+            &d.ids
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let probs = m.alloc(d.probs.len() * 4);
+        m.write(
+            probs,
+            &d.probs
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let out = expert_major(&mut m, &g, false);
+        for _ in 0..3 {
+            // SAFETY: the buffers above, alive for the test.
+            unsafe { g.dispatch(x, ids, probs, 30, &out, std::ptr::null_mut()) }.unwrap();
+        }
+        // The last dispatch's combine is still right.
+        round(&case, rank, &mut g, &mut m, false);
+        g.destroy(&mut w).unwrap();
+    });
+}
+
+#[test]
+fn bad_routing_is_not_taken_and_reported_by_its_pe_alone() {
+    let _s = serial();
+    let c = cfg(20, 8, 2, 4, Precision::F32);
+    let group = format!("ep-bad-{}", std::process::id());
+    let heap = c.layout(2).unwrap().heap_bytes;
+    let results = run_threads("bad routing", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, heap);
+        let mut g = EpGroup::new(&mut w, c).unwrap();
+        let mut m = HostMem::default();
+        let x = m.alloc(20 * 8 * 4);
+        m.write(x, &vec![0x3f; 20 * 8 * 4]);
+        // Rank 1: token 0 lists expert 4 (out of range) and token 1
+        // expert 2 twice.
+        let mut ids: Vec<i32> = (0..40).map(|i| i % 4).collect();
+        if rank == 1 {
+            ids[0] = 4;
+            ids[2] = 2;
+            ids[3] = 2;
+        }
+        let ib = m.alloc(160);
+        m.write(
+            ib,
+            &ids.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>(),
+        );
+        let pb = m.alloc(160);
+        m.write(pb, &[0u8; 160]);
+        let out = expert_major(&mut m, &g, false);
+        // SAFETY: the buffers above.
+        let r = unsafe { g.dispatch(x, ib, pb, 20, &out, std::ptr::null_mut()) };
+        let tpe: Vec<u8> = m.read(out.tokens_per_expert);
+        g.destroy(&mut w).unwrap();
+        (r.map_err(|e| e.to_string()), tpe)
+    });
+    assert!(results[0].0.is_ok(), "{:?}", results[0].0);
+    let err = results[1].0.as_ref().unwrap_err();
+    assert!(err.contains("2 expert id(s)"), "{err}");
+    // Token t lists experts [0, 1] (t even) or [2, 3] (t odd); PE 0
+    // hosts 0 and 1, PE 1 2 and 3. PE 1's token 0 loses its route to
+    // expert 0 (listed as 4) and token 1 its route to 3 (listed as a
+    // second 2); everything else lands: 10 tokens per expert per sender.
+    let counts = |b: &[u8]| -> Vec<i64> {
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    assert_eq!(counts(&results[0].1), vec![19, 20]);
+    assert_eq!(counts(&results[1].1), vec![20, 19]);
+}
+
+#[test]
+fn bad_arguments_get_a_specific_error_and_write_nothing() {
+    let _s = serial();
+    let c = cfg(16, 8, 2, 4, Precision::F32);
+    let heap = c.layout(1).unwrap().heap_bytes;
+    let group = format!("ep-args-{}", std::process::id());
+    run_threads("bad arguments", 1, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 1, heap);
+        let mut g = EpGroup::new(&mut w, c).unwrap();
+        let mut m = HostMem::default();
+        let x = m.alloc(16 * 8 * 4);
+        let ids = m.alloc(16 * 2 * 4);
+        let probs = m.alloc(16 * 2 * 4);
+        let out = expert_major(&mut m, &g, false);
+        m.write(out.tokens_per_expert, &[0x5a; 32]);
+        let s = std::ptr::null_mut();
+        // Combine before any dispatch.
+        let y = m.alloc(16 * 8 * 4);
+        // SAFETY: (every call below) the buffers above; each is refused
+        // before anything runs.
+        let e = unsafe { g.combine(out.rows, y, s) }.unwrap_err();
+        assert_eq!(e.status(), Status::InvalidState, "{e}");
+        let small = Buf::new(x.addr, 16 * 8 * 4 - 1);
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.dispatch(small, ids, probs, 16, &out, s) }.unwrap_err();
+        assert!(
+            matches!(&e, EpError::InvalidArgument(m) if m.contains("x holds 511 bytes")),
+            "{e}"
+        );
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.dispatch(x, ids, probs, 17, &out, s) }.unwrap_err();
+        assert!(e.to_string().contains("more than the group's 16"), "{e}");
+        let mut short = out;
+        short.tokens_per_expert.bytes = 8;
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.dispatch(x, ids, probs, 16, &short, s) }.unwrap_err();
+        assert!(e.to_string().contains("out.tokens_per_expert"), "{e}");
+        let mut odd = out;
+        odd.rows.addr += 4;
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.dispatch(x, ids, probs, 16, &odd, s) }.unwrap_err();
+        assert!(e.to_string().contains("16-byte aligned"), "{e}");
+        let mut fp8_only = out;
+        fp8_only.scales = out.offsets;
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.dispatch(x, ids, probs, 16, &fp8_only, s) }.unwrap_err();
+        assert!(e.to_string().contains("FP8 dispatch only"), "{e}");
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.dispatch(Buf::new(0, 512), ids, probs, 16, &out, s) }.unwrap_err();
+        assert!(e.to_string().contains("x is null"), "{e}");
+        // Nothing was written, and no phase was announced: a good call
+        // still works alone.
+        assert_eq!(m.read(out.tokens_per_expert), vec![0x5a; 32]);
+        let good: Vec<u8> = (0..32).flat_map(|i: i32| (i % 2).to_le_bytes()).collect();
+        m.write(ids, &good);
+        // SAFETY: the buffers above, alive for the test.
+        unsafe { g.dispatch(x, ids, probs, 16, &out, s) }.unwrap();
+        // SAFETY: the buffers above, alive for the test.
+        let e = unsafe { g.combine(out.rows, Buf::new(y.addr, 100), s) }.unwrap_err();
+        assert!(e.to_string().contains("y holds 100 bytes"), "{e}");
+        g.destroy(&mut w).unwrap();
+    });
+}
+
+#[test]
+fn a_heap_too_small_names_the_bytes() {
+    let _s = serial();
+    let c = cfg(4096, 1024, 8, 64, Precision::Bf16);
+    let group = format!("ep-heap-{}", std::process::id());
+    run_threads("small heap", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, 0);
+        let e = EpGroup::new(&mut w, c).unwrap_err();
+        let need = c.layout(2).unwrap().heap_bytes;
+        assert_eq!(e.status(), Status::OutOfMemory);
+        assert!(
+            e.to_string().contains(&format!("needs {need} bytes")),
+            "{e}"
+        );
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    });
+}
+
+#[test]
+fn a_peer_that_never_calls_makes_the_others_time_out() {
+    let _s = serial();
+    let c = cfg(8, 8, 1, 2, Precision::F32);
+    let heap = c.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-timeout-{}", std::process::id());
+    let r = run_threads("timeout", 2, watchdog(), move |rank| {
+        let mut cfg =
+            WorldConfig::in_process(&group, rank, 2, Device::new(Platform::Host, rank as u32));
+        cfg.heap_bytes = Some(heap + (1 << 20));
+        cfg.timeout = Duration::from_millis(300);
+        let mut w = World::new();
+        w.init(&cfg).unwrap();
+        let mut g = EpGroup::new(&mut w, c).unwrap();
+        if rank == 1 {
+            return None;
+        }
+        let mut m = HostMem::default();
+        let x = m.alloc(256);
+        let ids = m.alloc(32);
+        let probs = m.alloc(32);
+        let out = expert_major(&mut m, &g, false);
+        let t = std::time::Instant::now();
+        // SAFETY: the buffers above.
+        let e = unsafe { g.dispatch(x, ids, probs, 8, &out, std::ptr::null_mut()) }.unwrap_err();
+        Some((e.status(), e.to_string(), t.elapsed()))
+    });
+    let (status, msg, took) = r[0].clone().unwrap();
+    assert_eq!(status, Status::Timeout, "{msg}");
+    assert!(msg.contains("for PE 1"), "{msg}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
