@@ -258,6 +258,18 @@ impl EpGroup {
         self.layout.expert_rows * self.config.hidden * self.config.precision.wire_bytes()
     }
 
+    /// The group's send rows (`[T, H]`, f32 or bf16 groups): tokens the
+    /// caller writes here (after the combine or backward call that ends
+    /// the previous dispatch, on the same stream) are sent from where they
+    /// are when `x` of [`EpGroup::dispatch`] is this buffer, saving a copy.
+    /// FP8 groups quantize from `x` wherever it is (not here).
+    pub fn send_rows(&self) -> Buf {
+        Buf::new(
+            self.base + self.layout.at.send as u64,
+            self.config.tokens * self.row_bytes(),
+        )
+    }
+
     fn params(&self) -> EpParams {
         let (c, l, at) = (&self.config, &self.layout, &self.layout.at);
         EpParams {
@@ -390,6 +402,18 @@ impl EpGroup {
             )));
         }
         need("x", x, tokens * self.row_bytes(), 16)?;
+        let ours = self.base..self.base + self.layout.heap_bytes as u64;
+        let zero_copy = x.addr == self.send_rows().addr && c.precision != Precision::Fp8Dispatch;
+        if !zero_copy
+            && tokens > 0
+            && (ours.contains(&x.addr)
+                || x.addr < ours.start && x.addr + x.bytes as u64 > ours.start)
+        {
+            return Err(EpError::InvalidArgument(format!(
+                "x at {:#x} overlaps the group's own memory; only an f32 or bf16 group's send_rows() may be passed as x",
+                x.addr
+            )));
+        }
         need("ids", ids, tokens * c.topk * 4, 4)?;
         need("probs", probs, tokens * c.topk * 4, 4)?;
         need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;

@@ -69,7 +69,9 @@ extern "C" __global__ void ep_publish(EpParams p) {
     const bool fp8 = p.wire && p.precision == 2;
     const int elem = p.precision == 0 ? 4 : 2;
     unsigned char *send = p.base + p.off_send;
-    for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
+    // Rows the caller wrote into the send buffer itself stay where they are.
+    const bool in_place = !fp8 && p.src == send;
+    for (i64 t = in_place ? n : blockIdx.x; t < n; t += gridDim.x) {
         const unsigned char *row = p.src + t * h * elem;
         if (fp8) {
 #if EP_FP8
@@ -168,14 +170,30 @@ extern "C" __global__ void ep_count(EpParams p) {
         int *c = counts + tile * L;
         for (i64 e = lane; e < L; e += 32) c[e] = 0;
         __syncwarp();
-        for (i64 t = t0 + lane; t < t0 + EP_TILE && t < T; t += 32) {
-            for (i64 j = 0; j < k; ++j) {
-                const i64 r = ((i64)s * T + t) * k + j;
-                const int id = t < n ? ((const int *)(bs + p.off_ids))[t * k + j] : -1;
-                const bool mine = id >= 0 && id < p.experts && id / L == p.rank;
-                const int loc = mine ? (int)(id % L) : -1;
-                local[r] = loc;
-                probs[r] = t < n ? ((const float *)(bs + p.off_probs))[t * k + j] : 0.0f;
+        // The tile's route slots are contiguous: read them coalesced,
+        // four per lane in flight.
+        const i64 t1 = t0 + EP_TILE < T ? t0 + EP_TILE : T;
+        const i64 first = t0 * k, last = t1 * k, row0 = (i64)s * T * k;
+        const int *ids = (const int *)(bs + p.off_ids);
+        const float *pr = (const float *)(bs + p.off_probs);
+        for (i64 e0 = first + lane; e0 < last; e0 += 128) {
+            int id[4];
+            float pv[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const i64 e = e0 + 32 * u;
+                const bool live = e < last && e / k < n;
+                id[u] = live ? ids[e] : -1;
+                pv[u] = live ? pr[e] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const i64 e = e0 + 32 * u;
+                if (e >= last) break;
+                const bool mine = id[u] >= 0 && id[u] < p.experts && id[u] / L == p.rank;
+                const int loc = mine ? (int)(id[u] % L) : -1;
+                local[row0 + e] = loc;
+                probs[row0 + e] = pv[u];
                 if (loc >= 0) atomicAdd(c + loc, 1);
             }
         }
@@ -253,72 +271,89 @@ extern "C" __global__ void ep_assign(EpParams p) {
     }
 }
 
-// copy: one warp per received token (grid-stride over every sender's T
-// slots); its row is read from the sender once and written to each kept
-// route's row.
+// The work of the exchange kernels is split into items of one token's
+// 32 * EP_UNROLL 16-byte chunks: a warp per item, EP_UNROLL chunks per
+// lane in flight at once.
+#define EP_UNROLL 4
+
+// A lane's route j (j < k) of route slot block `slots`: its row, or -1.
+__device__ __forceinline__ int ep_route(const int *slots, i64 k, int lane) {
+    return lane < k ? slots[lane] : -1;
+}
+
+// copy: per item, the sender's chunks read once and written to each kept
+// route's row (in slot order).
 extern "C" __global__ void ep_copy(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
     const int elem = p.precision == 0 ? 4 : 2;
     const bool fp8 = p.precision == 2;
+    const i64 chunks = fp8 ? h / 16 : h * elem / 16;
+    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
     const int *rows = (const int *)(p.base + p.off_route_row);
     const int *sent = (const int *)(p.base + p.off_sent);
-    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T; item += warps) {
-        const int s = (int)(item / T);
-        const i64 t = item % T;
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
+         item += warps) {
+        const i64 tok = item / groups, grp = item % groups;
+        const int s = (int)(tok / T);
+        const i64 t = tok % T;
         if (t >= sent[s]) continue;
-        int dst[32];
-        int m = 0;
-        for (i64 j = 0; j < k; ++j) {
-            const int r = rows[item * k + j];
-            if (r >= 0) dst[m++] = r;
-        }
-        if (m == 0) continue;
+        const int mine = ep_route(rows + tok * k, k, lane);
+        unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
+        if (kept == 0) continue;
         const unsigned char *bs = ep_at(p, s, 0);
+        const i64 c0 = grp * 32 * EP_UNROLL + lane;
         if (fp8) {
 #if EP_FP8
-            const unsigned char *src = bs + p.off_send + t * h;
+            const uint4 *src = (const uint4 *)(bs + p.off_send + t * h);
             const i64 blocks = h / EP_FP8_BLOCK;
             const float *sc = (const float *)(bs + p.off_send_scales) + t * blocks;
-            for (i64 c = lane; c < h / 16; c += 32) {
-                const uint4 v = ep_load_peer(src + c * 16);
-                const float scale = sc[c * 16 / EP_FP8_BLOCK];
-                for (int i = 0; i < m; ++i) ((uint4 *)(p.out + (i64)dst[i] * h))[c] = v;
-                if (p.out_bf16) {
-                    const unsigned char *b = (const unsigned char *)&v;
-                    unsigned int w[8];
-                    for (int e = 0; e < 8; ++e)
-                        w[e] = f32_to_bf16x2(__fmul_rn(fp8e4m3_to_f32(b[2 * e]), scale),
-                                             __fmul_rn(fp8e4m3_to_f32(b[2 * e + 1]), scale));
-                    for (int i = 0; i < m; ++i) {
-                        uint4 *d = (uint4 *)(p.out_bf16 + (i64)dst[i] * h) + 2 * c;
+            uint4 v[EP_UNROLL];
+            float scale[EP_UNROLL];
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                const i64 c = c0 + 32 * u;
+                if (c < chunks) {
+                    v[u] = ep_load_peer(src + c);
+                    scale[u] = sc[c * 16 / EP_FP8_BLOCK];
+                }
+            }
+            // This item's scale blocks: 16 fp8 per chunk, 8 chunks a block.
+            const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
+            for (unsigned m = kept; m; m &= m - 1) {
+                const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
+#pragma unroll
+                for (int u = 0; u < EP_UNROLL; ++u) {
+                    const i64 c = c0 + 32 * u;
+                    if (c >= chunks) break;
+                    ((uint4 *)(p.out + r * h))[c] = v[u];
+                    if (p.out_bf16) {
+                        const unsigned char *b = (const unsigned char *)&v[u];
+                        unsigned int w[8];
+                        for (int e = 0; e < 8; ++e)
+                            w[e] = f32_to_bf16x2(__fmul_rn(fp8e4m3_to_f32(b[2 * e]), scale[u]),
+                                                 __fmul_rn(fp8e4m3_to_f32(b[2 * e + 1]), scale[u]));
+                        uint4 *d = (uint4 *)(p.out_bf16 + r * h) + 2 * c;
                         d[0] = make_uint4(w[0], w[1], w[2], w[3]);
                         d[1] = make_uint4(w[4], w[5], w[6], w[7]);
                     }
                 }
-            }
-            for (i64 b = lane; b < blocks; b += 32) {
-                const float v = sc[b];
-                for (int i = 0; i < m; ++i) p.out_scales[(i64)dst[i] * blocks + b] = v;
+                for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];
             }
 #endif
         } else {
-            const unsigned char *src = bs + p.off_send + t * h * elem;
-            const i64 chunks = h * elem / 16;
-            i64 c = lane;
-            // Four loads in flight per lane before their stores.
-            for (; c + 96 < chunks; c += 128) {
-                uint4 v[4];
-                for (int u = 0; u < 4; ++u) v[u] = ep_load_peer(src + (c + 32 * u) * 16);
-                for (int i = 0; i < m; ++i) {
-                    uint4 *d = (uint4 *)(p.out + (i64)dst[i] * h * elem);
-                    for (int u = 0; u < 4; ++u) d[c + 32 * u] = v[u];
-                }
-            }
-            for (; c < chunks; c += 32) {
-                const uint4 v = ep_load_peer(src + c * 16);
-                for (int i = 0; i < m; ++i) ((uint4 *)(p.out + (i64)dst[i] * h * elem))[c] = v;
+            const uint4 *src = (const uint4 *)(bs + p.off_send + t * h * elem);
+            uint4 v[EP_UNROLL];
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u)
+                if (c0 + 32 * u < chunks) v[u] = ep_load_peer(src + c0 + 32 * u);
+            for (unsigned m = kept; m; m &= m - 1) {
+                const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
+                uint4 *d = (uint4 *)(p.out + r * h * elem);
+#pragma unroll
+                for (int u = 0; u < EP_UNROLL; ++u)
+                    if (c0 + 32 * u < chunks) d[c0 + 32 * u] = v[u];
             }
         }
     }
@@ -342,82 +377,98 @@ __device__ __forceinline__ uint4 ep_pack(int prec, const float *f) {
                       f32_to_bf16x2(f[6], f[7]));
 }
 
-// reduce: one warp per received token routed here.
+// reduce: per item of a received token routed here, its kept routes'
+// chunks summed in slot order (weighted or not) into its partial row.
 extern "C" __global__ void ep_reduce(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
     const int prec = p.precision == 0 ? 0 : 1;
     const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
+    const i64 chunks = h / per;
+    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
     const int *rows = (const int *)(p.base + p.off_route_row);
     const int *local = (const int *)(p.base + p.off_local);
     const float *probs = (const float *)(p.base + p.off_recv_probs);
     const int *sent = (const int *)(p.base + p.off_sent);
-    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T; item += warps) {
-        const int s = (int)(item / T);
-        const i64 t = item % T;
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
+         item += warps) {
+        const i64 tok = item / groups, grp = item % groups;
+        const int s = (int)(tok / T);
+        const i64 t = tok % T;
         if (t >= sent[s]) continue;
-        bool here = false;
-        int dst[32];
-        float w[32];
-        int m = 0;
-        for (i64 j = 0; j < k; ++j) {
-            here |= local[item * k + j] >= 0;
-            const int r = rows[item * k + j];
-            if (r >= 0) {
-                dst[m] = r;
-                w[m++] = p.weighted ? probs[item * k + j] : 1.0f;
-            }
-        }
+        const bool here = __any_sync(0xffffffffu, lane < k && local[tok * k + lane] >= 0);
         if (!here) continue;
-        uint4 *out = (uint4 *)(p.base + p.off_partial + item * h * elem);
-        for (i64 c = lane; c < h / per; c += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
-            for (int i = 0; i < m; ++i) {
-                ep_unpack(prec, ((const uint4 *)(p.src + (i64)dst[i] * h * elem))[c], f);
-                for (int e = 0; e < per; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[i], f[e]));
+        const int mine = ep_route(rows + tok * k, k, lane);
+        const float wmine = lane < k && p.weighted ? probs[tok * k + lane] : 1.0f;
+        const unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
+        const i64 c0 = grp * 32 * EP_UNROLL + lane;
+        float acc[EP_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u)
+            for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+        for (unsigned m = kept; m; m &= m - 1) {
+            const int j = __ffs(m) - 1;
+            const i64 r = __shfl_sync(0xffffffffu, mine, j);
+            const float w = __shfl_sync(0xffffffffu, wmine, j);
+            const uint4 *src = (const uint4 *)(p.src + r * h * elem);
+            uint4 v[EP_UNROLL];
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u)
+                if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                float f[8];
+                ep_unpack(prec, v[u], f);
+                for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, f[e]));
             }
-            out[c] = ep_pack(prec, acc);
         }
+        uint4 *out = (uint4 *)(p.base + p.off_partial + tok * h * elem);
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u)
+            if (c0 + 32 * u < chunks) out[c0 + 32 * u] = ep_pack(prec, acc[u]);
     }
 }
 
-// gather_sum: one warp per token of this PE; partials read in rank order.
+// gather_sum: per item of this PE's token, the partial chunks of the PEs
+// hosting its experts added in rank order.
 extern "C" __global__ void ep_gather_sum(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
     const int prec = p.precision == 0 ? 0 : 1;
     const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
+    const i64 chunks = h / per;
+    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
     const int *ids = (const int *)(p.base + p.off_ids);
-    for (i64 t = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < p.n; t += warps) {
-        u64 mask = 0;
-        for (i64 j = 0; j < k; ++j) {
-            const int id = ids[t * k + j];
-            if (id >= 0 && id < p.experts) mask |= 1ull << (id / p.local_experts);
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps) {
+        const i64 t = item / groups, grp = item % groups;
+        const int id = lane < k ? ids[t * k + lane] : -1;
+        u64 mask = id >= 0 && id < p.experts ? 1ull << (id / p.local_experts) : 0ull;
+        for (int o = 16; o > 0; o /= 2) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
+        const i64 c0 = grp * 32 * EP_UNROLL + lane;
+        float acc[EP_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u)
+            for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+        for (u64 m = mask; m; m &= m - 1) {
+            const int q = __ffsll((long long)m) - 1;
+            const uint4 *src = (const uint4 *)(ep_at(p, q, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
+            uint4 v[EP_UNROLL];
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u)
+                if (c0 + 32 * u < chunks) v[u] = ep_load_peer(src + c0 + 32 * u);
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                float f[8];
+                ep_unpack(prec, v[u], f);
+                for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], f[e]);
+            }
         }
-        const uint4 *src[64];
-        int m = 0;
-        for (int q = 0; q < p.pes; ++q)
-            if (mask >> q & 1) src[m++] = (const uint4 *)(ep_at(p, q, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
         uint4 *out = (uint4 *)(p.out + t * h * elem);
-        for (i64 c = lane; c < h / per; c += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
-            uint4 v[4];
-            int i = 0;
-            for (; i + 4 <= m; i += 4) {
-                for (int u = 0; u < 4; ++u) v[u] = ep_load_peer(src[i + u] + c);
-                for (int u = 0; u < 4; ++u) {
-                    ep_unpack(prec, v[u], f);
-                    for (int e = 0; e < per; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
-                }
-            }
-            for (; i < m; ++i) {
-                ep_unpack(prec, ep_load_peer(src[i] + c), f);
-                for (int e = 0; e < per; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
-            }
-            out[c] = ep_pack(prec, acc);
-        }
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u)
+            if (c0 + 32 * u < chunks) out[c0 + 32 * u] = ep_pack(prec, acc[u]);
     }
 }
 

@@ -373,3 +373,59 @@ fn a_peer_that_never_calls_makes_the_others_time_out() {
     assert!(msg.contains("for PE 1"), "{msg}");
     assert!(took < Duration::from_secs(5), "{took:?}");
 }
+
+#[test]
+fn tokens_written_into_the_send_rows_are_sent_in_place() {
+    let _s = serial();
+    let case = Case::new(cfg(40, 16, 2, 8, Precision::Bf16), 2, Routing::Random, 12);
+    let heap = case.config.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-inplace-{}", std::process::id());
+    run_threads("in place", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, heap);
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let mut m = HostMem::default();
+        let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
+        let x = g.send_rows();
+        m.write(x, &all[rank].x);
+        let ids = m.alloc(40 * 2 * 4);
+        m.write(
+            ids,
+            &all[rank]
+                .ids
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let probs = m.alloc(40 * 2 * 4);
+        m.write(
+            probs,
+            &all[rank]
+                .probs
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let out = expert_major(&mut m, &g, false);
+        // SAFETY: the buffers above (x is the group's own send rows).
+        unsafe { g.dispatch(x, ids, probs, 40, &out, std::ptr::null_mut()) }.unwrap();
+        let rows = m.read(out.rows);
+        for kept in received(&case, &all, rank).kept {
+            let row = 16 * 2;
+            assert_eq!(
+                &rows[kept.row * row..(kept.row + 1) * row],
+                &all[kept.s].x[kept.t * row..(kept.t + 1) * row],
+                "PE {rank}: {kept:?}"
+            );
+        }
+        // Any other address inside the group is refused.
+        let inside = Buf::new(x.addr + 16, 16 * 2 * 40);
+        // SAFETY: refused before anything runs.
+        let e =
+            unsafe { g.dispatch(inside, ids, probs, 40, &out, std::ptr::null_mut()) }.unwrap_err();
+        assert!(
+            e.to_string().contains("overlaps the group's own memory"),
+            "{e}"
+        );
+        g.destroy(&mut w).unwrap();
+    });
+}

@@ -1,0 +1,380 @@
+//! Expert-parallel dispatch and combine on GPUs (one thread per GPU in
+//! this process): every output poisoned first, checked against the
+//! plain-loop reference of `common`, and equal bit for bit to a Host run
+//! of the same case (the probs' gradient within rounding); captured in a
+//! CUDA graph and replayed on new data; a peer that never calls makes the
+//! others' waits time out. Skips without a GPU unless
+//! XCALL_REQUIRE_CUDA=1; cases needing more GPUs than the machine has
+//! skip with a SKIP line.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use xcall_core::testing::{capture_graph, cuda_devices_or_skip, run_threads, skip, watchdog};
+use xcall_core::{Device, Platform, Status};
+use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, Precision};
+use xcall_shmem::{World, WorldConfig};
+
+mod common;
+use common::run::{expert_major, round, HostMem, Mem, Outputs};
+use common::*;
+
+/// Device memory of one GPU and a stream of its own.
+struct CudaMem {
+    device: Device,
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    held: Vec<u64>,
+}
+
+impl CudaMem {
+    fn new(device: Device) -> CudaMem {
+        let ctx = CudaContext::new(device.ordinal as usize).unwrap();
+        let stream = xcall_core::testing::new_stream(&ctx);
+        CudaMem {
+            device,
+            _ctx: ctx,
+            stream,
+            held: Vec::new(),
+        }
+    }
+}
+
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        for a in self.held.drain(..) {
+            // SAFETY: allocated by mem_alloc below; the stream is idle.
+            let _ = unsafe { xcall_core::cuda::mem_free(self.device, a) };
+        }
+    }
+}
+
+impl Mem for CudaMem {
+    fn alloc(&mut self, bytes: usize) -> Buf {
+        let a = xcall_core::cuda::mem_alloc(self.device, bytes.max(16)).unwrap();
+        self.held.push(a);
+        Buf::new(a, bytes)
+    }
+    fn write(&mut self, b: Buf, data: &[u8]) {
+        assert!(data.len() <= b.bytes);
+        self.stream.synchronize().unwrap();
+        // SAFETY: `b` is device memory of this GPU of b.bytes bytes.
+        unsafe { xcall_core::cuda::copy_htod_sync(self.device, b.addr, data) }.unwrap();
+    }
+    fn read(&mut self, b: Buf) -> Vec<u8> {
+        self.stream.synchronize().unwrap();
+        let mut v = vec![0u8; b.bytes];
+        // SAFETY: as for write.
+        unsafe { xcall_core::cuda::copy_dtoh_sync(self.device, &mut v, b.addr) }.unwrap();
+        v
+    }
+    fn stream(&self) -> *mut c_void {
+        self.stream.cu_stream() as *mut c_void
+    }
+    fn sync(&mut self) {
+        self.stream.synchronize().unwrap();
+    }
+}
+
+fn gpus(test: &str, need: usize) -> bool {
+    match cuda_devices_or_skip(test) {
+        Some(n) if n >= need => true,
+        Some(n) => {
+            skip(test, &format!("needs {need} GPU(s), this machine has {n}"));
+            false
+        }
+        None => false,
+    }
+}
+
+fn world(
+    group: &str,
+    rank: usize,
+    n: usize,
+    device: Device,
+    heap: usize,
+    timeout: Duration,
+) -> World {
+    let mut c = WorldConfig::in_process(group, rank, n, device);
+    c.heap_bytes = Some(heap + (2 << 20));
+    c.timeout = timeout;
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    w
+}
+
+/// Runs `case` on its PEs as threads, on GPUs (`cuda`) or Host, and
+/// returns each PE's outputs.
+fn run(name: &str, case: &Case, cuda: bool) -> Vec<Outputs> {
+    let heap = case.config.layout(case.pes).unwrap().heap_bytes;
+    let group = format!("ep-{name}-{cuda}-{}", std::process::id());
+    let case = case.clone();
+    run_threads(name, case.pes, watchdog(), move |rank| {
+        let device = match cuda {
+            true => Device::cuda(rank as u32),
+            false => Device::new(Platform::Host, rank as u32),
+        };
+        let mut w = world(
+            &group,
+            rank,
+            case.pes,
+            device,
+            heap,
+            Duration::from_secs(30),
+        );
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let out = {
+            let mut m: Box<dyn Mem> = match cuda {
+                true => Box::new(CudaMem::new(device)),
+                false => Box::new(HostMem::default()),
+            };
+            round(&case, rank, &mut g, m.as_mut(), true)
+        };
+        g.destroy(&mut w).unwrap();
+        assert!(w.finalize().unwrap().leaked.is_empty());
+        out
+    })
+}
+
+fn same_as_host(name: &str, case: Case) {
+    let gpu = run(name, &case, true);
+    let host = run(name, &case, false);
+    for (rank, (g, h)) in gpu.iter().zip(&host).enumerate() {
+        let what = |s: &str| format!("{name}: PE {rank}: {s} differs from the Host run");
+        assert!(
+            g.expert_rows == h.expert_rows || rows_equal_where_written(&case, rank, g, h),
+            "{}",
+            what("expert rows")
+        );
+        assert_eq!(g.y, h.y, "{}", what("combine"));
+        assert_eq!(g.grad_x, h.grad_x, "{}", what("dispatch_backward"));
+        assert_eq!(g.grad_expert_out.len(), h.grad_expert_out.len());
+        for (i, (a, b)) in g.grad_probs.iter().zip(&h.grad_probs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "{}: {i}: {a} vs {b}",
+                what("grad_probs")
+            );
+        }
+    }
+}
+
+/// Padding rows are never written: compare only the kept rows.
+fn rows_equal_where_written(case: &Case, rank: usize, g: &Outputs, h: &Outputs) -> bool {
+    let all: Vec<PeData> = (0..case.pes).map(|r| data(case, r)).collect();
+    let row = case.config.hidden * case.config.precision.wire_bytes();
+    received(case, &all, rank).kept.iter().all(|k| {
+        g.expert_rows[k.row * row..(k.row + 1) * row]
+            == h.expert_rows[k.row * row..(k.row + 1) * row]
+    })
+}
+
+fn cfg(
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    precision: Precision,
+) -> EpConfig {
+    EpConfig {
+        precision,
+        ..EpConfig::new(tokens, hidden, topk, experts)
+    }
+}
+
+#[test]
+fn one_to_four_gpus_match_the_reference_and_the_host_bit_for_bit() {
+    let _s = serial();
+    for pes in [1, 2, 4] {
+        if !gpus("cuda ep", pes) {
+            return;
+        }
+        for precision in [Precision::F32, Precision::Bf16, Precision::Fp8Dispatch] {
+            let c = EpConfig {
+                align: 8,
+                ..cfg(300, 256, 4, 8 * pes, precision)
+            };
+            same_as_host(
+                &format!("cuda-{pes}-{}", precision.name()),
+                Case::new(c, pes, Routing::Random, 40 + pes as u64),
+            );
+        }
+        let capped = EpConfig {
+            capacity: Capacity::PerExpert(20),
+            ..cfg(200, 64, 3, 4 * pes, Precision::Bf16)
+        };
+        same_as_host(
+            &format!("cuda-cap-{pes}"),
+            Case::new(capped, pes, Routing::Random, 3),
+        );
+        let mut ragged = Case::new(
+            cfg(130, 64, 2, 2 * pes, Precision::Bf16),
+            pes,
+            Routing::Holes,
+            5,
+        );
+        ragged.sent[0] = 1;
+        same_as_host(&format!("cuda-ragged-{pes}"), ragged);
+        same_as_host(
+            &format!("cuda-onepe-{pes}"),
+            Case::new(
+                cfg(100, 64, 2, 2 * pes, Precision::F32),
+                pes,
+                Routing::OnePe,
+                6,
+            ),
+        );
+    }
+}
+
+/// One PE's graph test: dispatch (from the group's send rows) and combine
+/// captured once, replayed on new inputs written into the same buffers,
+/// each replay checked.
+fn graph_pe(case: &Case, rank: usize, replays: u64) {
+    let device = Device::cuda(rank as u32);
+    let c = case.config;
+    let heap = c.layout(case.pes).unwrap().heap_bytes;
+    let mut w = world(
+        &format!("ep-graph-{}", std::process::id()),
+        rank,
+        case.pes,
+        device,
+        heap,
+        Duration::from_secs(30),
+    );
+    let mut g = EpGroup::new(&mut w, c).unwrap();
+    let mut m = CudaMem::new(device);
+    let (h, k, n) = (c.hidden, c.topk, c.tokens);
+    // Tokens written straight into the group's send rows (no copy).
+    let x = g.send_rows();
+    let ids = m.alloc(n * k * 4);
+    let probs = m.alloc(n * k * 4);
+    let out = expert_major(&mut m, &g, false);
+    let y = m.alloc(n * h * 2);
+    let s = m.stream();
+    let exec = capture_graph(device, &m.stream.clone(), &mut || {
+        // SAFETY: the buffers above, alive for the test; the combine reads
+        // the dispatched rows as the experts' output (scale 1).
+        unsafe {
+            g.dispatch(x, ids, probs, n, &out, s).unwrap();
+            g.combine(out.rows, y, s).unwrap();
+        }
+    });
+    for r in 0..replays {
+        let case = Case {
+            seed: case.seed + r,
+            ..case.clone()
+        };
+        let all: Vec<PeData> = (0..case.pes).map(|q| data(&case, q)).collect();
+        m.write(x, &all[rank].x);
+        m.write(
+            ids,
+            &all[rank]
+                .ids
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        m.write(
+            probs,
+            &all[rank]
+                .probs
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        m.write(y, &vec![0xa5; n * h * 2]);
+        // SAFETY: this PE's live stream, borrowed for the launch.
+        let st =
+            unsafe { xcall_core::cuda::Stream::from_raw(device, s as xcall_core::cuda::RawStream) };
+        st.launch_graph(&exec).unwrap();
+        m.sync();
+        g.check().unwrap();
+        // The reference with the identity expert: y = sum of probs times x.
+        let got = to_f32(Precision::Bf16, &m.read(y));
+        let mut want = vec![0f64; n * h];
+        let mut mag = vec![0f64; n * h];
+        for q in 0..case.pes {
+            for kept in received(&case, &all, q).kept.iter().filter(|r| r.s == rank) {
+                let p = all[rank].probs[kept.t * k + kept.j] as f64;
+                let row = expert_row(&case, &all, kept);
+                for i in 0..h {
+                    want[kept.t * h + i] += p * row[i] as f64;
+                    mag[kept.t * h + i] += (p * row[i] as f64).abs();
+                }
+            }
+        }
+        close(
+            &format!("graph replay {r}, PE {rank}"),
+            &got,
+            &want,
+            &mag,
+            Precision::Bf16,
+            3.0,
+        );
+    }
+    drop(exec);
+    g.destroy(&mut w).unwrap();
+}
+
+#[test]
+fn a_captured_step_replays_on_new_routing() {
+    let _s = serial();
+    for pes in [1, 2, 4] {
+        if !gpus("cuda ep graph", pes) {
+            return;
+        }
+        let case = Case::new(
+            cfg(256, 128, 4, 8 * pes, Precision::Bf16),
+            pes,
+            Routing::Random,
+            90,
+        );
+        run_threads("graph", pes, watchdog(), move |rank| {
+            graph_pe(&case, rank, 4)
+        });
+    }
+}
+
+#[test]
+fn a_peer_that_never_calls_times_out_on_the_stream_and_check_says_so() {
+    let _s = serial();
+    if !gpus("cuda ep timeout", 2) {
+        return;
+    }
+    let c = cfg(64, 64, 2, 4, Precision::Bf16);
+    let heap = c.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-timeout-{}", std::process::id());
+    let r = run_threads("cuda timeout", 2, watchdog(), move |rank| {
+        let device = Device::cuda(rank as u32);
+        let mut w = world(&group, rank, 2, device, heap, Duration::from_millis(500));
+        let mut g = EpGroup::new(&mut w, c).unwrap();
+        if rank == 1 {
+            return None;
+        }
+        let mut m = CudaMem::new(device);
+        let x = m.alloc(64 * 64 * 2);
+        let ids = m.alloc(64 * 2 * 4);
+        let probs = m.alloc(64 * 2 * 4);
+        m.write(
+            ids,
+            &(0..128)
+                .flat_map(|i: i32| (i % 4).to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let out = expert_major(&mut m, &g, false);
+        let t = std::time::Instant::now();
+        // SAFETY: the buffers above.
+        unsafe { g.dispatch(x, ids, probs, 64, &out, m.stream()) }.unwrap();
+        m.sync();
+        let e = g.check().unwrap_err();
+        Some((e.status(), e.to_string(), t.elapsed()))
+    });
+    let (status, msg, took) = r[0].clone().unwrap();
+    assert_eq!(status, Status::Timeout, "{msg}");
+    assert!(msg.contains("for PE 1"), "{msg}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
