@@ -8,6 +8,9 @@ use crate::error::{EpError, Result};
 /// The largest PE count of a group (the kernels keep a per-PE table in
 /// registers and shared memory).
 pub const MAX_PES: usize = 64;
+/// The most experts on one PE (the layout pass keeps their first rows in
+/// shared memory).
+pub const MAX_LOCAL_EXPERTS: usize = 4096;
 /// The largest top-k.
 pub const MAX_TOPK: usize = 32;
 /// Elements of a row that share one FP8 scale (the DeepSeek-V3 layout).
@@ -16,7 +19,7 @@ pub const FP8_BLOCK: usize = 128;
 pub const FP8_MAX: f32 = 448.0;
 /// Tokens per tile of the layout pass (rows of one sender that one warp
 /// of the counting and assigning kernels walks in order).
-pub const TILE_TOKENS: usize = 64;
+pub const TILE_TOKENS: usize = 16;
 
 /// What moves, and in which precision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -146,9 +149,10 @@ pub struct Layout {
     pub at: Offsets,
 }
 
-/// Byte offsets into a group's symmetric allocation. Peers read the first
-/// six (what a PE publishes); the rest only its owner touches, except the
-/// ready words, which peers write.
+/// Byte offsets into a group's symmetric allocation. Peers read `send`,
+/// `send_scales`, `ids`, `probs`, `grad_probs` and the words, and write
+/// `partial`, `recv`, `recv_scales` and the ready words; the rest only
+/// its owner touches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Offsets {
     /// `[T, H]` rows as sent (the precision's wire type), published by
@@ -160,9 +164,15 @@ pub struct Offsets {
     pub ids: usize,
     /// `[T, k]` f32 probs as published.
     pub probs: usize,
-    /// `[P, T, H]` partial sums, one row per (source PE, token) whose
-    /// token has an expert here, published by combine.
+    /// `[P, T, H]` partial sums of this PE's tokens: row `(q, t)` holds
+    /// what PE `q`'s experts made of token `t`, stored there by PE `q` in
+    /// combine.
     pub partial: usize,
+    /// `[P, T, H]` received rows as sent (the wire type): row `(s, t)` is
+    /// token `t` of PE `s`, stored here by PE `s` in dispatch.
+    pub recv: usize,
+    /// `[P, T, H / 128]` f32 FP8 scales of `recv` (FP8 only).
+    pub recv_scales: usize,
     /// `[P, T, k]` f32 gradients of probs, published by
     /// `combine_backward`.
     pub grad_probs: usize,
@@ -256,6 +266,9 @@ impl Layout {
             ));
         }
         let l = c.experts / pes;
+        if l > MAX_LOCAL_EXPERTS {
+            return bad(format!("{l} experts per PE is over {MAX_LOCAL_EXPERTS}"));
+        }
         let expert_rows = match c.capacity {
             Capacity::Dropless => mul(mul(pes, c.tokens, "rows")?, c.topk.min(l), "rows")?
                 .checked_add(mul(l, c.align - 1, "rows")?)
@@ -307,6 +320,13 @@ impl Layout {
         at.ids = place(tk * 4)?;
         at.probs = place(tk * 4)?;
         at.partial = place(mul(pes, mul(c.tokens, row, "partials")?, "partials")?)?;
+        let wire_row = mul(c.hidden, c.precision.wire_bytes(), "a row")?;
+        at.recv = place(mul(
+            pes,
+            mul(c.tokens, wire_row, "received rows")?,
+            "received rows",
+        )?)?;
+        at.recv_scales = place(mul(pes, scales, "received scales")?)?;
         at.grad_probs = place(routes * 4)?;
         at.ready = place(pes * 8)?;
         at.words = place(word::COUNT * 8)?;
@@ -366,6 +386,8 @@ mod tests {
             a.ids,
             a.probs,
             a.partial,
+            a.recv,
+            a.recv_scales,
             a.grad_probs,
             a.ready,
             a.words,
@@ -384,9 +406,11 @@ mod tests {
         // partials 3*100*256*2.
         assert!(a.send_scales - a.send >= 100 * 256 * 2);
         assert!(a.ids - a.send_scales >= 100 * 2 * 4);
-        assert!(a.grad_probs - a.partial >= 3 * 100 * 256 * 2);
+        assert!(a.recv - a.partial >= 3 * 100 * 256 * 2);
+        assert!(a.recv_scales - a.recv >= 3 * 100 * 256);
+        assert!(a.grad_probs - a.recv_scales >= 3 * 100 * 2 * 4);
         assert!(a.tile_counts < a.expert_start);
-        assert_eq!(l.tiles, 3 * 2);
+        assert_eq!(l.tiles, 3 * 100usize.div_ceil(TILE_TOKENS));
     }
 
     #[test]

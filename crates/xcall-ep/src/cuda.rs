@@ -28,6 +28,7 @@ pub(crate) fn source() -> String {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     Publish,
+    Push,
     Signal,
     Wait,
     Count,
@@ -41,8 +42,9 @@ pub(crate) enum Step {
 }
 
 impl Step {
-    const ALL: [Step; 11] = [
+    const ALL: [Step; 12] = [
         Step::Publish,
+        Step::Push,
         Step::Signal,
         Step::Wait,
         Step::Count,
@@ -58,6 +60,7 @@ impl Step {
     fn name(self) -> &'static str {
         match self {
             Step::Publish => "ep_publish",
+            Step::Push => "ep_push",
             Step::Signal => "ep_signal",
             Step::Wait => "ep_wait",
             Step::Count => "ep_count",
@@ -80,10 +83,11 @@ impl Step {
         match self {
             Step::Publish => (p.n.clamp(1, 4 * sms as i64) as u32, 256),
             Step::Signal | Step::Wait => (1, 64),
-            Step::Scan => (1, 256),
+            Step::Scan => (p.local_experts.clamp(1, 65535) as u32, 256),
             Step::Count | Step::Assign => warps_for(p.pes * p.tiles_per_pe, 256),
-            Step::Copy | Step::GatherSum | Step::ScatterGrad => (p.exchange_blocks as u32, 512),
-            Step::Reduce => (2 * sms, 512),
+            // The steps that reach peers' memory keep to the SM budget.
+            Step::Push | Step::Reduce | Step::ScatterGrad => (p.exchange_blocks as u32, 512),
+            Step::Copy | Step::GatherSum => (2 * sms, 512),
             Step::GatherProbs => (
                 ((p.n * p.topk + 255) / 256).clamp(1, 4 * sms as i64) as u32,
                 256,

@@ -295,6 +295,8 @@ impl EpGroup {
             off_ids: at.ids as i64,
             off_probs: at.probs as i64,
             off_partial: at.partial as i64,
+            off_recv: at.recv as i64,
+            off_recv_scales: at.recv_scales as i64,
             off_grad_probs: at.grad_probs as i64,
             off_ready: at.ready as i64,
             off_words: at.words as i64,
@@ -324,6 +326,7 @@ impl EpGroup {
                 None => unsafe {
                     match step {
                         Step::Publish => replaced += host::publish(p, p.wire == 1),
+                        Step::Push => host::push(p),
                         Step::Signal => host::signal(p),
                         Step::Wait => host::wait(p)?,
                         Step::Count => host::count(p),
@@ -453,6 +456,7 @@ impl EpGroup {
             self.fence(Part::Send, stream)?;
             let steps = [
                 Step::Publish,
+                Step::Push,
                 Step::Signal,
                 Step::Wait,
                 Step::Count,

@@ -78,8 +78,9 @@ pub fn fp8_scale(amax: f32) -> f32 {
     }
 }
 
-/// Publishes this PE's `n` rows of `src` into `send` (quantized to FP8
-/// with `wire` and an FP8 group), and with `src_ids` its routing, each id
+/// Publishes what peers read of this PE: for FP8 dispatch (`wire`) its
+/// `n` rows of `src` quantized into `send`, for `combine_backward` (not
+/// `wire`) the rows themselves, and with `src_ids` its routing, each id
 /// outside `-1..E` or repeated within its token replaced by -1. Returns
 /// how many ids were replaced.
 ///
@@ -90,9 +91,10 @@ pub unsafe fn publish(p: &EpParams, wire: bool) -> usize {
     let fp8 = wire && p.precision == 2;
     let elem = if p.precision == 0 { 4 } else { 2 };
     let send = at::<u8>(p.base, p.off_send);
-    // Rows the caller wrote into the send buffer itself stay where they are.
-    let in_place = !fp8 && p.src == send as u64;
-    for t in (0..n).filter(|_| !in_place) {
+    // Dispatch pushes f32 and bf16 rows from the caller's buffer: no copy;
+    // nor for rows the caller wrote into the send buffer itself.
+    let rows = fp8 || (!wire && p.src != send as u64);
+    for t in (0..n).filter(|_| rows) {
         let row = (p.src as *const u8).wrapping_add(t * h * elem);
         if fp8 {
             let scales = at::<f32>(p.base, p.off_send_scales);
@@ -137,6 +139,52 @@ pub unsafe fn publish(p: &EpParams, wire: bool) -> usize {
         unsafe { word_of(p, p.base, word::TOKENS) }.store(n as u64, Ordering::Relaxed);
     }
     replaced
+}
+
+/// Dispatch's exchange step: each of this PE's tokens stored once into the
+/// receive rows (FP8: and scales) of each other PE hosting one of its
+/// experts.
+///
+/// # Safety
+/// See the module docs.
+pub unsafe fn push(p: &EpParams) {
+    let (t_max, h) = (p.tokens as usize, p.hidden as usize);
+    let fp8 = p.precision == 2;
+    let wire_row = if fp8 {
+        h
+    } else {
+        h * if p.precision == 0 { 4 } else { 2 }
+    };
+    let blocks = h / FP8_BLOCK;
+    let me = p.rank as usize;
+    let src = if fp8 {
+        at::<u8>(p.base, p.off_send)
+    } else {
+        p.src as *mut u8
+    };
+    for t in 0..p.n as usize {
+        // SAFETY: see the module docs.
+        let mask = unsafe { destinations(p, t) } & !(1u64 << me);
+        for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
+            // SAFETY: `src` holds n rows; PE q's receive rows [P, T] (and
+            // scales), of which row (me, t) only this PE writes.
+            unsafe {
+                let bq = base_of(p, q);
+                std::ptr::copy_nonoverlapping(
+                    src.add(t * wire_row),
+                    at::<u8>(bq, p.off_recv).add((me * t_max + t) * wire_row),
+                    wire_row,
+                );
+                if fp8 {
+                    std::ptr::copy_nonoverlapping(
+                        at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                        at::<f32>(bq, p.off_recv_scales).add((me * t_max + t) * blocks),
+                        blocks,
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Announces a new phase to every PE (after everything this PE wrote
@@ -368,8 +416,8 @@ unsafe fn routed_here(p: &EpParams, s: usize, t: usize) -> bool {
     (0..k).any(|j| unsafe { *local.add((s * p.tokens as usize + t) * k + j) } >= 0)
 }
 
-/// Dispatch's exchange step: each received token's row read from its
-/// sender once and written to each of its kept routes' rows.
+/// Dispatch's expansion: each received token's row (pushed here, or this
+/// PE's own) read once and written to each of its kept routes' rows.
 ///
 /// # Safety
 /// See the module docs.
@@ -378,9 +426,10 @@ pub unsafe fn copy(p: &EpParams) {
     let elem = if p.precision == 0 { 4 } else { 2 };
     let fp8 = p.precision == 2;
     let sent = at::<i32>(p.base, p.off_sent);
+    let (t_max, me) = (p.tokens as usize, p.rank as usize);
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
-        let (bs, n) = unsafe { (base_of(p, s), *sent.add(s) as usize) };
+        let n = unsafe { *sent.add(s) as usize };
         for t in 0..n {
             // SAFETY: see the module docs.
             let (m, rs) = unsafe { routes(p, s, t) };
@@ -389,10 +438,22 @@ pub unsafe fn copy(p: &EpParams) {
                 // SAFETY: the sender's send rows (and scales) hold T rows;
                 // the caller's expert-major buffers hold expert_rows.
                 unsafe {
+                    // Peers' rows were pushed into the receive rows; this
+                    // PE's own are in the caller's buffer (FP8: send).
+                    let own = s == me;
+                    let tok = s * t_max + t;
                     if fp8 {
                         let blocks = h / FP8_BLOCK;
-                        let src = at::<u8>(bs, p.off_send).add(t * h);
-                        let scales = at::<f32>(bs, p.off_send_scales).add(t * blocks);
+                        let (src, scales) = match own {
+                            true => (
+                                at::<u8>(p.base, p.off_send).add(t * h),
+                                at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                            ),
+                            false => (
+                                at::<u8>(p.base, p.off_recv).add(tok * h),
+                                at::<f32>(p.base, p.off_recv_scales).add(tok * blocks),
+                            ),
+                        };
                         std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
                         std::ptr::copy_nonoverlapping(
                             scales,
@@ -408,8 +469,12 @@ pub unsafe fn copy(p: &EpParams) {
                             }
                         }
                     } else {
+                        let src = match own {
+                            true => (p.src as *const u8).add(t * h * elem),
+                            false => at::<u8>(p.base, p.off_recv).add(tok * h * elem),
+                        };
                         std::ptr::copy_nonoverlapping(
-                            at::<u8>(bs, p.off_send).add(t * h * elem),
+                            src,
                             (p.out as *mut u8).add(r * h * elem),
                             h * elem,
                         );
@@ -420,10 +485,11 @@ pub unsafe fn copy(p: &EpParams) {
     }
 }
 
-/// Combine's local step: for each received token routed here, the sum of
-/// its kept routes' rows of `src` (weighted by their probs, or not), in
-/// slot order with f32 accumulation, into its partial row; a token whose
-/// routes here were all dropped gets a zero row.
+/// Combine's exchange step: for each received token routed here, the sum
+/// of its kept routes' rows of `src` (weighted by their probs, or not),
+/// in slot order with f32 accumulation, stored into its partial row at
+/// the token's PE; a token whose routes here were all dropped gets a zero
+/// row.
 ///
 /// # Safety
 /// See the module docs.
@@ -456,7 +522,11 @@ pub unsafe fn reduce(p: &EpParams) {
                     *a += w * load(prec, row, i);
                 }
             }
-            let out = at::<u8>(p.base, p.off_partial).wrapping_add((s * t_max + t) * h * elem);
+            // Into the token's PE: its partial row from this PE.
+            // SAFETY: see the module docs.
+            let bs = unsafe { base_of(p, s) };
+            let out =
+                at::<u8>(bs, p.off_partial).wrapping_add((p.rank as usize * t_max + t) * h * elem);
             for (i, a) in acc.iter().enumerate() {
                 store(prec, out, i, *a);
             }
@@ -483,9 +553,9 @@ unsafe fn destinations(p: &EpParams, t: usize) -> u64 {
     mask
 }
 
-/// Combine's exchange step: each of this PE's tokens is the sum, in rank
-/// order with f32 accumulation, of the partial rows the PEs hosting its
-/// experts hold for it (zero when it has none).
+/// Combine's last step: each of this PE's tokens is the sum, in rank order
+/// with f32 accumulation, of the partial rows the PEs hosting its experts
+/// stored here for it (zero when it has none).
 ///
 /// # Safety
 /// See the module docs.
@@ -493,17 +563,15 @@ pub unsafe fn gather_sum(p: &EpParams) {
     let (t_max, h) = (p.tokens as usize, p.hidden as usize);
     let prec = if p.precision == 0 { 0 } else { 1 };
     let elem = if prec == 0 { 4 } else { 2 };
-    let me = p.rank as usize;
     let mut acc = vec![0f32; h];
     for t in 0..p.n as usize {
         acc.fill(0.0);
         // SAFETY: see the module docs.
         let mask = unsafe { destinations(p, t) };
         for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
-            // SAFETY: PE q's partials hold [P, T, H]; q wrote row (me, t)
+            // SAFETY: the partials hold [P, T, H]; PE q stored row (q, t)
             // before announcing this phase.
-            let row =
-                unsafe { at::<u8>(base_of(p, q), p.off_partial).add((me * t_max + t) * h * elem) };
+            let row = unsafe { at::<u8>(p.base, p.off_partial).add((q * t_max + t) * h * elem) };
             for (i, a) in acc.iter_mut().enumerate() {
                 *a += load(prec, row, i);
             }

@@ -11,12 +11,15 @@
 // spinning until every PE's word reaches the epoch, giving up after
 // p.timeout_ns (the PE's error word then names the peer).
 
-#define EP_TILE 64
+#define EP_TILE 16
 #define EP_FP8_BLOCK 128
 #define EP_WORD_TOKENS 0
 #define EP_WORD_EPOCH 1
 #define EP_WORD_ERROR 2
 #define EP_WORD_DROPPED 3
+// The exchange kernels work on items of one token's 32 * EP_UNROLL
+// 16-byte chunks: a warp per item, EP_UNROLL chunks per lane in flight.
+#define EP_UNROLL 4
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -61,17 +64,18 @@ __device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) 
     atomicCAS(ep_words(p) + EP_WORD_ERROR, 0ull, (kind << 32) | (u64)(rank + 1));
 }
 
-// publish: grid-stride over the n rows (one block per row); block 0 also
-// publishes the routing (one thread per token). `wire`: FP8 quantization
-// for an FP8 group.
+// publish: the rows peers read from the send buffer (FP8: quantized
+// there, one block per row; combine_backward: the output gradient, which
+// peers pull), then the routing, one warp per token (lane j: slot j).
 extern "C" __global__ void ep_publish(EpParams p) {
     const i64 h = p.hidden, n = p.n, k = p.topk;
     const bool fp8 = p.wire && p.precision == 2;
     const int elem = p.precision == 0 ? 4 : 2;
     unsigned char *send = p.base + p.off_send;
-    // Rows the caller wrote into the send buffer itself stay where they are.
-    const bool in_place = !fp8 && p.src == send;
-    for (i64 t = in_place ? n : blockIdx.x; t < n; t += gridDim.x) {
+    // Dispatch pushes f32 and bf16 rows from the caller's buffer: no copy;
+    // nor for rows the caller wrote into the send buffer itself.
+    const bool rows = fp8 || (!p.wire && p.src != send);
+    for (i64 t = rows ? blockIdx.x : n; t < n; t += gridDim.x) {
         const unsigned char *row = p.src + t * h * elem;
         if (fp8) {
 #if EP_FP8
@@ -99,23 +103,67 @@ extern "C" __global__ void ep_publish(EpParams p) {
             for (i64 c = threadIdx.x; c < h * elem / 16; c += blockDim.x) d[c] = s[c];
         }
     }
-    if (p.src_ids != 0 && blockIdx.x == 0) {
-        int *ids = (int *)(p.base + p.off_ids);
-        float *probs = (float *)(p.base + p.off_probs);
-        for (i64 t = threadIdx.x; t < n; t += blockDim.x) {
-            int replaced = 0;
-            for (i64 j = 0; j < k; ++j) {
-                const int id = p.src_ids[t * k + j];
-                bool repeated = false;
-                for (i64 i = 0; i < j; ++i) repeated |= p.src_ids[t * k + i] == id;
-                const bool ok = id == -1 || (id >= 0 && id < p.experts && !repeated);
-                replaced += !ok;
-                ids[t * k + j] = ok ? id : -1;
-                probs[t * k + j] = p.src_probs[t * k + j];
-            }
-            if (replaced) ep_error(p, 2, p.rank);
+    if (p.src_ids == 0) return;
+    int *ids = (int *)(p.base + p.off_ids);
+    float *probs = (float *)(p.base + p.off_probs);
+    const int lane = threadIdx.x % 32;
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    for (i64 t = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < n; t += warps) {
+        // Lanes past k hold ids no slot can (-2 - lane).
+        const int id = lane < k ? p.src_ids[t * k + lane] : -2 - lane;
+        const unsigned same = __match_any_sync(0xffffffffu, id);
+        const bool repeated = (same & ((1u << lane) - 1)) != 0;
+        const bool ok = id == -1 || (id >= 0 && id < p.experts && !repeated);
+        if (lane < k) {
+            ids[t * k + lane] = ok ? id : -1;
+            probs[t * k + lane] = p.src_probs[t * k + lane];
         }
-        if (threadIdx.x == 0) ep_words(p)[EP_WORD_TOKENS] = (u64)n;
+        if (__any_sync(0xffffffffu, lane < k && !ok) && lane == 0) ep_error(p, 2, p.rank);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) ep_words(p)[EP_WORD_TOKENS] = (u64)n;
+}
+
+// push: per item of one of this PE's tokens (a 32 * EP_UNROLL-chunk
+// slice), the rows (FP8: and scales) stored once into the receive rows of
+// each other PE hosting one of its experts.
+extern "C" __global__ void ep_push(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, k = p.topk, h = p.hidden;
+    const bool fp8 = p.precision == 2;
+    const int elem = p.precision == 0 ? 4 : 2;
+    const i64 wire_row = fp8 ? h : h * elem;
+    const i64 chunks = wire_row / 16;
+    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+    const int *ids = (const int *)(p.base + p.off_ids);
+    const unsigned char *src = fp8 ? p.base + p.off_send : p.src;
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps) {
+        const i64 t = item / groups, grp = item % groups;
+        const int id = lane < k ? ids[t * k + lane] : -1;
+        u64 mask = id >= 0 && id < p.experts ? 1ull << (id / p.local_experts) : 0ull;
+        for (int o = 16; o > 0; o /= 2) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
+        mask &= ~(1ull << p.rank);
+        if (mask == 0) continue;
+        const i64 c0 = grp * 32 * EP_UNROLL + lane;
+        const uint4 *row = (const uint4 *)(src + t * wire_row);
+        uint4 v[EP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u)
+            if (c0 + 32 * u < chunks) v[u] = row[c0 + 32 * u];
+        const i64 blocks = h / EP_FP8_BLOCK;
+        for (u64 m = mask; m; m &= m - 1) {
+            const int q = __ffsll((long long)m) - 1;
+            uint4 *d = (uint4 *)(ep_at(p, q, p.off_recv) + ((i64)p.rank * T + t) * wire_row);
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u)
+                if (c0 + 32 * u < chunks) d[c0 + 32 * u] = v[u];
+            if (fp8) {
+                const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
+                const float *sc = (const float *)(p.base + p.off_send_scales) + t * blocks;
+                float *ds = (float *)(ep_at(p, q, p.off_recv_scales)) + ((i64)p.rank * T + t) * blocks;
+                for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) ds[b] = sc[b];
+            }
+        }
     }
 }
 
@@ -200,40 +248,82 @@ extern "C" __global__ void ep_count(EpParams p) {
     }
 }
 
-// scan: one block; thread e scans expert e over the tiles, then thread 0
-// lays the experts out.
+// scan: one block per local expert: its counts over the tiles become
+// each tile's first rank (a block-wide exclusive scan, each thread a run
+// of consecutive tiles); its kept count and dropped routes follow.
 extern "C" __global__ void ep_scan(EpParams p) {
+    __shared__ i64 sums[256];
     const i64 L = p.local_experts, tiles = p.pes * p.tiles_per_pe;
     int *counts = (int *)(p.base + p.off_tile_counts);
-    i64 *start = (i64 *)(p.base + p.off_expert_start);
-    for (i64 e = threadIdx.x; e < L; e += blockDim.x) {
-        i64 run = 0;
-        for (i64 tile = 0; tile < tiles; ++tile) {
+    const i64 per = (tiles + blockDim.x - 1) / blockDim.x;
+    for (i64 e = blockIdx.x; e < L; e += gridDim.x) {
+        const i64 t0 = threadIdx.x * per, t1 = t0 + per < tiles ? t0 + per : tiles;
+        i64 mine = 0;
+        for (i64 tile = t0; tile < t1; ++tile) mine += counts[tile * L + e];
+        sums[threadIdx.x] = mine;
+        __syncthreads();
+        // Hillis-Steele inclusive scan of the runs' sums.
+        for (int o = 1; o < blockDim.x; o *= 2) {
+            const i64 v = threadIdx.x >= o ? sums[threadIdx.x - o] : 0;
+            __syncthreads();
+            sums[threadIdx.x] += v;
+            __syncthreads();
+        }
+        i64 run = sums[threadIdx.x] - mine;
+        for (i64 tile = t0; tile < t1; ++tile) {
             const int v = counts[tile * L + e];
             counts[tile * L + e] = (int)run;
             run += v;
         }
-        const i64 kept = p.capacity > 0 && run > p.capacity ? p.capacity : run;
-        if (run > kept) atomicAdd(ep_words(p) + EP_WORD_DROPPED, (u64)(run - kept));
-        p.tokens_per_expert[e] = kept;
-        start[e] = (kept + p.align - 1) / p.align * p.align;  // padded, for now
+        if (threadIdx.x == blockDim.x - 1) {
+            const i64 total = sums[threadIdx.x];
+            const i64 kept = p.capacity > 0 && total > p.capacity ? p.capacity : total;
+            if (total > kept) atomicAdd(ep_words(p) + EP_WORD_DROPPED, (u64)(total - kept));
+            p.tokens_per_expert[e] = kept;
+        }
+        __syncthreads();
     }
+}
+
+// The experts' first rows (padded), in shared memory: a block-wide
+// exclusive scan over the local experts of their kept counts rounded up
+// to `align` (each thread a run of consecutive experts). Block 0 also
+// writes the caller's padded counts and offsets.
+#define EP_MAX_LOCAL 4096
+__device__ void ep_starts(const EpParams &p, i64 *start) {
+    __shared__ i64 sums[256];
+    const i64 L = p.local_experts;
+    const i64 per = (L + blockDim.x - 1) / blockDim.x;
+    const i64 e0 = threadIdx.x * per, e1 = e0 + per < L ? e0 + per : L;
+    i64 mine = 0;
+    for (i64 e = e0; e < e1; ++e) mine += (p.tokens_per_expert[e] + p.align - 1) / p.align * p.align;
+    sums[threadIdx.x] = mine;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        i64 next = 0;
-        for (i64 e = 0; e < L; ++e) {
-            const i64 padded = start[e];
-            start[e] = next;
+    for (int o = 1; o < blockDim.x; o *= 2) {
+        const i64 v = threadIdx.x >= o ? sums[threadIdx.x - o] : 0;
+        __syncthreads();
+        sums[threadIdx.x] += v;
+        __syncthreads();
+    }
+    i64 next = sums[threadIdx.x] - mine;
+    for (i64 e = e0; e < e1; ++e) {
+        const i64 padded = (p.tokens_per_expert[e] + p.align - 1) / p.align * p.align;
+        start[e] = next;
+        if (blockIdx.x == 0) {
+            ((i64 *)(p.base + p.off_expert_start))[e] = next;
             if (p.padded_per_expert) p.padded_per_expert[e] = padded;
             if (p.expert_offsets) p.expert_offsets[e] = next;
-            next += padded;
         }
-        if (p.expert_offsets) p.expert_offsets[L] = next;
+        next += padded;
     }
+    if (blockIdx.x == 0 && threadIdx.x == blockDim.x - 1 && p.expert_offsets) p.expert_offsets[L] = sums[threadIdx.x];
+    __syncthreads();
 }
 
 // assign: one warp per tile; 32 route slots at a time, in order.
 extern "C" __global__ void ep_assign(EpParams p) {
+    __shared__ i64 start[EP_MAX_LOCAL];
+    ep_starts(p, start);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, L = p.local_experts;
@@ -241,7 +331,6 @@ extern "C" __global__ void ep_assign(EpParams p) {
     const int *local = (const int *)(p.base + p.off_local);
     int *rows = (int *)(p.base + p.off_route_row);
     int *counts = (int *)(p.base + p.off_tile_counts);
-    const i64 *start = (const i64 *)(p.base + p.off_expert_start);
     for (i64 tile = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; tile < tiles; tile += warps) {
         const i64 s = tile / p.tiles_per_pe;
         const i64 t0 = (tile % p.tiles_per_pe) * EP_TILE;
@@ -271,18 +360,13 @@ extern "C" __global__ void ep_assign(EpParams p) {
     }
 }
 
-// The work of the exchange kernels is split into items of one token's
-// 32 * EP_UNROLL 16-byte chunks: a warp per item, EP_UNROLL chunks per
-// lane in flight at once.
-#define EP_UNROLL 4
-
 // A lane's route j (j < k) of route slot block `slots`: its row, or -1.
 __device__ __forceinline__ int ep_route(const int *slots, i64 k, int lane) {
     return lane < k ? slots[lane] : -1;
 }
 
-// copy: per item, the sender's chunks read once and written to each kept
-// route's row (in slot order).
+// copy: per item of a received token, its chunks read once and written
+// to each kept route's row (in slot order).
 extern "C" __global__ void ep_copy(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
@@ -302,20 +386,24 @@ extern "C" __global__ void ep_copy(EpParams p) {
         const int mine = ep_route(rows + tok * k, k, lane);
         unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
         if (kept == 0) continue;
-        const unsigned char *bs = ep_at(p, s, 0);
+        // Peers pushed their rows into the receive rows; this PE's own
+        // are in the caller's buffer (FP8: the send rows).
+        const bool own = s == p.rank;
         const i64 c0 = grp * 32 * EP_UNROLL + lane;
         if (fp8) {
 #if EP_FP8
-            const uint4 *src = (const uint4 *)(bs + p.off_send + t * h);
             const i64 blocks = h / EP_FP8_BLOCK;
-            const float *sc = (const float *)(bs + p.off_send_scales) + t * blocks;
+            const uint4 *src = (const uint4 *)(own ? p.base + p.off_send + t * h
+                                                   : p.base + p.off_recv + tok * h);
+            const float *sc = own ? (const float *)(p.base + p.off_send_scales) + t * blocks
+                                  : (const float *)(p.base + p.off_recv_scales) + tok * blocks;
             uint4 v[EP_UNROLL];
             float scale[EP_UNROLL];
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u) {
                 const i64 c = c0 + 32 * u;
                 if (c < chunks) {
-                    v[u] = ep_load_peer(src + c);
+                    v[u] = src[c];
                     scale[u] = sc[c * 16 / EP_FP8_BLOCK];
                 }
             }
@@ -343,11 +431,11 @@ extern "C" __global__ void ep_copy(EpParams p) {
             }
 #endif
         } else {
-            const uint4 *src = (const uint4 *)(bs + p.off_send + t * h * elem);
+            const uint4 *src = (const uint4 *)(own ? p.src + t * h * elem : p.base + p.off_recv + tok * h * elem);
             uint4 v[EP_UNROLL];
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u)
-                if (c0 + 32 * u < chunks) v[u] = ep_load_peer(src + c0 + 32 * u);
+                if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
             for (unsigned m = kept; m; m &= m - 1) {
                 const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
                 uint4 *d = (uint4 *)(p.out + r * h * elem);
@@ -378,7 +466,8 @@ __device__ __forceinline__ uint4 ep_pack(int prec, const float *f) {
 }
 
 // reduce: per item of a received token routed here, its kept routes'
-// chunks summed in slot order (weighted or not) into its partial row.
+// chunks summed in slot order (weighted or not), stored into its partial
+// row at the token's PE.
 extern "C" __global__ void ep_reduce(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
@@ -423,15 +512,16 @@ extern "C" __global__ void ep_reduce(EpParams p) {
                 for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, f[e]));
             }
         }
-        uint4 *out = (uint4 *)(p.base + p.off_partial + tok * h * elem);
+        // Into the token's PE: its partial row from this PE.
+        uint4 *out = (uint4 *)(ep_at(p, s, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u)
             if (c0 + 32 * u < chunks) out[c0 + 32 * u] = ep_pack(prec, acc[u]);
     }
 }
 
-// gather_sum: per item of this PE's token, the partial chunks of the PEs
-// hosting its experts added in rank order.
+// gather_sum: per item of this PE's token, the partial chunks the PEs
+// hosting its experts stored here, added in rank order.
 extern "C" __global__ void ep_gather_sum(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
@@ -453,11 +543,11 @@ extern "C" __global__ void ep_gather_sum(EpParams p) {
             for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
         for (u64 m = mask; m; m &= m - 1) {
             const int q = __ffsll((long long)m) - 1;
-            const uint4 *src = (const uint4 *)(ep_at(p, q, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
+            const uint4 *src = (const uint4 *)(p.base + p.off_partial + ((i64)q * T + t) * h * elem);
             uint4 v[EP_UNROLL];
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u)
-                if (c0 + 32 * u < chunks) v[u] = ep_load_peer(src + c0 + 32 * u);
+                if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u) {
                 float f[8];

@@ -44,6 +44,10 @@ xcall_core::kernel_params! {
         off_probs: i64 => "long long",
         /// Offset of [`crate::config::Offsets::partial`].
         off_partial: i64 => "long long",
+        /// Offset of [`crate::config::Offsets::recv`].
+        off_recv: i64 => "long long",
+        /// Offset of [`crate::config::Offsets::recv_scales`].
+        off_recv_scales: i64 => "long long",
         /// Offset of [`crate::config::Offsets::grad_probs`].
         off_grad_probs: i64 => "long long",
         /// Offset of [`crate::config::Offsets::ready`].
