@@ -623,7 +623,7 @@ impl EpGroup {
     /// (a peer that did not reach a phase in time, or routing this PE
     /// published that was not taken), then clears it. Synchronize the
     /// calls' streams first. Host calls report their errors themselves.
-    pub fn check(&mut self) -> Result<()> {
+    pub fn check(&self) -> Result<()> {
         let w = self.words()?[word::ERROR];
         if w == 0 {
             return Ok(());

@@ -151,8 +151,11 @@ extern "C" __global__ void ep_push(EpParams p) {
         for (int u = 0; u < EP_UNROLL; ++u)
             if (c0 + 32 * u < chunks) v[u] = row[c0 + 32 * u];
         const i64 blocks = h / EP_FP8_BLOCK;
-        for (u64 m = mask; m; m &= m - 1) {
-            const int q = __ffsll((long long)m) - 1;
+        // Each PE starts with the next rank up, so the PEs' stores spread
+        // over the destinations.
+        const u64 rot = ((p.rank + 1 < 64 ? mask >> (p.rank + 1) : 0ull) | (mask << (p.pes - p.rank - 1))) & (p.pes == 64 ? ~0ull : (1ull << p.pes) - 1);
+        for (u64 m = rot; m; m &= m - 1) {
+            const int q = (int)((__ffsll((long long)m) - 1 + p.rank + 1) % p.pes);
             uint4 *d = (uint4 *)(ep_at(p, q, p.off_recv) + ((i64)p.rank * T + t) * wire_row);
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u)
