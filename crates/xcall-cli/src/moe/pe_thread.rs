@@ -154,6 +154,8 @@ pub(super) fn run_steps(
     let mut log = PeLog::default();
     let mut current = None;
     let mut dropped = 0;
+    let mut link = 0;
+    log.sms = pe.sms_used();
     for n in 0..total {
         let checked = run.verify.checks(n, total);
         if n == 0 || checked {
@@ -164,6 +166,7 @@ pub(super) fn run_steps(
             pe.drain()?;
             pe.upload(&d.inputs)?;
             dropped = d.dropped;
+            link = d.link_tokens;
             current = Some(d.inputs);
         }
         pe.barrier()?;
@@ -179,6 +182,7 @@ pub(super) fn run_steps(
             log.phases.push(pe.phase_step()?);
         }
         log.dropped.push(dropped);
+        log.link_tokens.push(link);
         if checked {
             let mut y = checks.output()?;
             pe.download(&mut y)?;

@@ -28,6 +28,11 @@ impl Pe {
             bytes.extend_from_slice(&(v as u64).to_le_bytes());
         }
         bytes.extend_from_slice(&[u8::from(s.dropless), u8::from(s.fused)]);
+        if let Some(ep) = s.ep {
+            for v in [u64::from(ep.fp8), ep.align as u64, ep.sms as u64] {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
         bytes.extend_from_slice(format!("{:?}", s.dtype).as_bytes());
         bytes.push(0);
         for pe in 0..s.pes {
@@ -84,13 +89,27 @@ impl Pe {
 
     /// The median ms of a device-to-device copy of `P` slots (the size of
     /// the permuted tensor), the first `P` of `rows` into the first `P` of
-    /// `results`, on the PE's stream: the bandwidth the
+    /// `results` (token-once: the expert-major rows into the experts'
+    /// outputs), on the PE's stream: the bandwidth the
     /// phases' byte floors are measured against. `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
             return Ok(None);
         };
-        let bytes = self.shape.pes * Self::slot_bytes(&self.shape);
+        // The expert-major rows into the experts' outputs (token-once), or
+        // the first P slots of `rows` into those of `results`.
+        let (dst, src, bytes) = match &self.ep {
+            Some(t) => (
+                t.expert_out.addr,
+                t.out.rows.addr,
+                t.out.rows.bytes.min(t.expert_out.bytes),
+            ),
+            None => (
+                self.b.results,
+                self.b.rows,
+                self.shape.pes * Self::slot_bytes(&self.shape),
+            ),
+        };
         let stream = g.stream.stream();
         let mut ms = Vec::new();
         for _ in 0..5 {
@@ -103,7 +122,7 @@ impl Pe {
                     // allocations of this PE's heap, each holding at least
                     // P slots; neither is read or written by anyone else
                     // between steps.
-                    unsafe { s.copy_dtod(self.b.results, self.b.rows, bytes) }
+                    unsafe { s.copy_dtod(dst, src, bytes) }
                 })
                 .context("cuMemcpyDtoDAsync")?;
             z.record_on(&stream).context("CUDA event")?;
