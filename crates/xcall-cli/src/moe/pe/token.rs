@@ -111,10 +111,7 @@ pub(super) fn heap_bytes(shape: &Shape) -> Option<usize> {
 pub(super) type Held = (u64, usize, BufferRole);
 
 /// Allocates the buffers in `world` and makes the group (collective).
-pub(super) fn new(
-    world: &mut World,
-    shape: &Shape,
-) -> Result<(TokenPe, Vec<Held>), RunError> {
+pub(super) fn new(world: &mut World, shape: &Shape) -> Result<(TokenPe, Vec<Held>), RunError> {
     let (_, sizes) = buffer_sizes(shape).ok_or("the layer's buffers pass usize")?;
     let group = EpGroup::new(world, config(shape)).context("expert-parallel group")?;
     let mut held = Vec::with_capacity(sizes.len());
