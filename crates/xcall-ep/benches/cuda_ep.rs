@@ -14,7 +14,8 @@
 //! slowest GPU's median. Received bandwidth counts the tokens a GPU
 //! receives (its own included) times the row's bytes, over dispatch's
 //! time. One JSON line per case on stdout (`"bench": "cuda_ep"`).
-//! `XCALL_EP_BENCH_GPUS` caps the GPUs used; `XCALL_EP_BENCH_CASE` keeps
+//! `XCALL_EP_BENCH_GPUS` caps the GPUs used, `XCALL_EP_BENCH_ONLY=P` runs P
+//! GPUs alone; `XCALL_EP_BENCH_CASE` keeps
 //! the cases whose name contains it.
 
 use std::ffi::c_void;
@@ -281,6 +282,12 @@ fn main() {
         if p <= n.min(cap) {
             counts.push(p);
         }
+    }
+    if let Some(only) = std::env::var("XCALL_EP_BENCH_ONLY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        counts.retain(|&p| p == only);
     }
     for pes in counts {
         let only = std::env::var("XCALL_EP_BENCH_CASE").unwrap_or_default();
