@@ -93,6 +93,7 @@ use crate::alloc::{self, AllocError, RunError};
 use crate::layer::{Context, Layer, Res};
 
 pub use step::{phases, Waits};
+pub use timed::Queued;
 
 /// Symmetric buffers (the same offsets on every PE).
 #[derive(Clone, Copy, Debug, Default)]

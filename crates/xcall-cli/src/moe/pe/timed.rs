@@ -56,6 +56,35 @@ impl Pe {
         }
     }
 
+    /// [`Pe::timed_step`] without waiting for it on CUDA: the step's
+    /// events come back with it, read once the stream drained (so that
+    /// the host runs ahead of the GPUs and its own delays stay out of the
+    /// steps' times).
+    pub fn queue_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<Queued> {
+        let key = self.key();
+        let Some(stream) = self.gpu.as_ref().map(|g| g.stream.stream()) else {
+            let (ms, outcome) = self.timed_step(cache)?;
+            return Ok(Queued {
+                outcome,
+                ms: Some(ms),
+                marks: None,
+            });
+        };
+        let a = Event::new(self.device).context("CUDA event")?;
+        let z = Event::new(self.device).context("CUDA event")?;
+        a.record_on(&stream).context("CUDA event")?;
+        let handle = CudaStreamHandle(stream.raw());
+        let outcome = cache
+            .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
+            .context("graph cache")?;
+        z.record_on(&stream).context("CUDA event")?;
+        Ok(Queued {
+            outcome,
+            ms: None,
+            marks: Some((a, z)),
+        })
+    }
+
     /// Runs one step through the graph cache; returns its time in ms (CUDA
     /// events on the PE's stream, or the host clock) and what the cache
     /// did.
@@ -155,4 +184,24 @@ fn resident_bytes() -> Option<u64> {
     // SAFETY: sysconf reads a constant of the system.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     u64::try_from(page).ok()?.checked_mul(pages)
+}
+
+/// A step enqueued by [`Pe::queue_step`].
+pub struct Queued {
+    /// What the graph cache did.
+    pub outcome: Outcome,
+    ms: Option<f64>,
+    marks: Option<(Event, Event)>,
+}
+
+impl Queued {
+    /// The step's time in ms; on CUDA only once the PE's stream drained
+    /// past it ([`Pe::drain`]).
+    pub fn ms(&self) -> Res<f64> {
+        match (&self.ms, &self.marks) {
+            (Some(ms), _) => Ok(*ms),
+            (None, Some((a, z))) => Ok(z.elapsed_ms_since(a).context("CUDA event")? as f64),
+            (None, None) => Err("a step with neither a time nor events".into()),
+        }
+    }
 }
