@@ -18,6 +18,7 @@
 //! the same one (two dispatches in a row), the group puts an empty phase
 //! between them.
 
+use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,7 +103,13 @@ pub struct EpGroup {
     sms_used: usize,
     last: Option<Part>,
     dispatched: Option<usize>,
+    /// With [`EpGroup::profile`] on (CUDA): an event after each step, the
+    /// first one before.
+    marks: RefCell<Option<Vec<Mark>>>,
 }
+
+/// A step's end: its name and an event after it.
+type Mark = (&'static str, xcall_core::cuda::Event);
 
 impl std::fmt::Debug for EpGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -227,6 +234,7 @@ impl EpGroup {
             sms_used,
             last: None,
             dispatched: None,
+            marks: RefCell::new(None),
         })
     }
 
@@ -321,7 +329,14 @@ impl EpGroup {
         for &step in steps {
             match &self.kernels {
                 // SAFETY: the caller's contract.
-                Some(k) => unsafe { cuda::launch(self.device, k, step, p, stream) }?,
+                Some(k) => {
+                    if self.marks.borrow().as_ref().is_some_and(|m| m.is_empty()) {
+                        self.mark("start", stream)?;
+                    }
+                    // SAFETY: the caller's contract.
+                    unsafe { cuda::launch(self.device, k, step, p, stream) }?;
+                    self.mark(step.name(), stream)?;
+                }
                 // SAFETY: the caller's contract.
                 None => unsafe {
                     match step {
@@ -342,6 +357,40 @@ impl EpGroup {
             }
         }
         Ok(replaced)
+    }
+
+    /// Records an event after `what` on `stream` when profiling.
+    fn mark(&self, what: &'static str, stream: *mut c_void) -> Result<()> {
+        let mut marks = self.marks.borrow_mut();
+        let Some(marks) = marks.as_mut() else {
+            return Ok(());
+        };
+        let e = xcall_core::cuda::Event::new(self.device)?;
+        // SAFETY: the caller's stream, live while the call runs.
+        unsafe { e.record(stream as xcall_core::cuda::RawStream) }?;
+        marks.push((what, e));
+        Ok(())
+    }
+
+    /// Turns per-step timing on (CUDA, eager calls only: not while a
+    /// stream captures): every step kernel is followed by an event; see
+    /// [`EpGroup::take_profile`].
+    pub fn profile(&mut self, on: bool) {
+        *self.marks.get_mut() = on.then(Vec::new);
+    }
+
+    /// Each step's time in ms since the profile was turned on or last
+    /// taken, in order (synchronize the stream first); profiling stays on.
+    pub fn take_profile(&mut self) -> Result<Vec<(&'static str, f32)>> {
+        let Some(marks) = self.marks.get_mut().as_mut() else {
+            return Ok(Vec::new());
+        };
+        let taken = std::mem::take(marks);
+        let mut out = Vec::with_capacity(taken.len());
+        for w in taken.windows(2) {
+            out.push((w[1].0, w[1].1.elapsed_ms_since(&w[0].1)?));
+        }
+        Ok(out)
     }
 
     /// Puts an empty phase first when the last call's last phase published
