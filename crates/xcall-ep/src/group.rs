@@ -326,8 +326,15 @@ impl EpGroup {
     /// `p`'s addresses are valid for the steps (checked by the caller).
     unsafe fn run(&self, steps: &[Step], p: &EpParams, stream: *mut c_void) -> Result<usize> {
         let mut replaced = 0;
-        for &step in steps {
+        for (i, &step) in steps.iter().enumerate() {
+            // On CUDA the kernels that read what peers wrote in a phase
+            // wait for it themselves.
+            let awaits = matches!(
+                steps.get(i + 1),
+                Some(Step::Count | Step::GatherSum | Step::ScatterGrad | Step::GatherProbs)
+            );
             match &self.kernels {
+                Some(_) if step == Step::Wait && awaits => {}
                 // SAFETY: the caller's contract.
                 Some(k) => {
                     if self.marks.borrow().as_ref().is_some_and(|m| m.is_empty()) {
@@ -503,17 +510,27 @@ impl EpGroup {
         // use; the rest is the caller's contract and the group's layout.
         unsafe {
             self.fence(Part::Send, stream)?;
-            let steps = [
-                Step::Publish,
-                Step::Push,
-                Step::Signal,
-                Step::Wait,
-                Step::Count,
-                Step::Scan,
-                Step::Assign,
-                Step::Copy,
-            ];
-            let replaced = self.run(&steps, &p, stream)?;
+            // One PE has no peer to push to or wait for.
+            let steps: &[Step] = match self.layout.pes {
+                1 => &[
+                    Step::Publish,
+                    Step::Count,
+                    Step::Scan,
+                    Step::Assign,
+                    Step::Copy,
+                ],
+                _ => &[
+                    Step::Publish,
+                    Step::Push,
+                    Step::Signal,
+                    Step::Wait,
+                    Step::Count,
+                    Step::Scan,
+                    Step::Assign,
+                    Step::Copy,
+                ],
+            };
+            let replaced = self.run(steps, &p, stream)?;
             self.last = Some(Part::Send);
             self.dispatched = Some(tokens);
             if replaced > 0 {
@@ -586,8 +603,12 @@ impl EpGroup {
         // SAFETY: checked above; the caller's contract.
         unsafe {
             self.fence(Part::Partial, stream)?;
-            let steps = [Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum];
-            self.run(&steps, &p, stream)?;
+            // One PE's sums are its outputs (see `host::reduce`).
+            let steps: &[Step] = match self.layout.pes {
+                1 => &[Step::Reduce],
+                _ => &[Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum],
+            };
+            self.run(steps, &p, stream)?;
         }
         self.last = Some(Part::Partial);
         Ok(())

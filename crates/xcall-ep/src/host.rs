@@ -534,7 +534,8 @@ pub unsafe fn copy(p: &EpParams) {
 /// of its kept routes' rows of `src` (weighted by their probs, or not),
 /// in slot order with f32 accumulation, stored into its partial row at
 /// the token's PE; a token whose routes here were all dropped gets a zero
-/// row.
+/// row. With one PE the sums go straight to the output (every token's row
+/// written, zeros for a token with no route): nothing is left to gather.
 ///
 /// # Safety
 /// See the module docs.
@@ -545,15 +546,20 @@ pub unsafe fn reduce(p: &EpParams) {
     let sent = at::<i32>(p.base, p.off_sent);
     let probs = at::<f32>(p.base, p.off_recv_probs);
     let mut acc = vec![0f32; h];
+    // One PE: the sums are the outputs (a token with no route: zeros).
+    let solo = p.pes == 1;
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) } as usize;
         for t in 0..n {
+            acc.fill(0.0);
             // SAFETY: see the module docs.
             if !unsafe { routed_here(p, s, t) } {
+                if solo {
+                    store_row(prec, (p.out as *mut u8).wrapping_add(t * h * elem), &acc);
+                }
                 continue;
             }
-            acc.fill(0.0);
             // SAFETY: see the module docs.
             let (m, rs) = unsafe { routes(p, s, t) };
             for &(j, r) in &rs[..m] {
@@ -568,8 +574,11 @@ pub unsafe fn reduce(p: &EpParams) {
             // Into the token's PE: its partial row from this PE.
             // SAFETY: see the module docs.
             let bs = unsafe { base_of(p, s) };
-            let out =
-                at::<u8>(bs, p.off_partial).wrapping_add((p.rank as usize * t_max + t) * h * elem);
+            let out = match solo {
+                true => (p.out as *mut u8).wrapping_add(t * h * elem),
+                false => at::<u8>(bs, p.off_partial)
+                    .wrapping_add((p.rank as usize * t_max + t) * h * elem),
+            };
             store_row(prec, out, &acc);
         }
     }
