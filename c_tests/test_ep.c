@@ -306,6 +306,33 @@ static void bad_input(struct pe *p, xcall_ep_group *g, struct bufs *b) {
   PE_EXPECT(rows == NULL && bytes == 0);
 }
 
+/* Foreign handles, and frees refused with the group left live. */
+static void handles(struct pe *p, xcall_ep_group *g, xcall_shmem_world *w) {
+  PE_EXPECT(xcall_ep_check((xcall_ep_group *)w) == XCALL_STATUS_INVALID_HANDLE);
+  PE_EXPECT(strstr(xcall_last_error_message(), "not an xcall_ep_group") != NULL);
+  PE_EXPECT(xcall_ep_group_free(g, NULL) == XCALL_STATUS_NULL_ARGUMENT);
+  PE_EXPECT(xcall_ep_group_free(g, (xcall_shmem_world *)g) == XCALL_STATUS_INVALID_HANDLE);
+  /* A world of this PE alone: not the group's. */
+  xcall_shmem_world *solo = NULL;
+  char address[32];
+  snprintf(address, sizeof address, "c-test-ep-solo-%u", p->rank);
+  xcall_shmem_config c = {0};
+  c.size = 1;
+  c.target.platform = XCALL_PLATFORM_HOST;
+  c.target.ordinal = 950 + p->rank;
+  c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
+  c.address = address;
+  c.heap_bytes = 1 << 16;
+  c.timeout_ms = 20000;
+  PE_EXPECT(xcall_shmem_world_new(&solo) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_shmem_init(solo, &c) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_ep_group_free(g, solo) == XCALL_STATUS_INVALID_ARGUMENT);
+  PE_EXPECT(strstr(xcall_last_error_message(), "the group was made on world") != NULL);
+  PE_EXPECT(xcall_shmem_finalize(solo, NULL) == XCALL_STATUS_OK);
+  xcall_shmem_world_free(solo);
+  PE_EXPECT(xcall_ep_check(g) == XCALL_STATUS_OK); /* still live */
+}
+
 static xcall_ep_group *group_new(struct pe *p, xcall_shmem_world *w, const xcall_ep_config *c) {
   xcall_ep_group *g = NULL;
   PE_EXPECT(xcall_ep_group_new(w, c, &g) == XCALL_STATUS_OK);
@@ -348,6 +375,7 @@ static void *run_pe(void *arg) {
   bufs_new(&b, &s1);
   if (g != NULL) {
     bad_input(p, g, &b);
+    handles(p, g, w);
     round_on(p, g, &b, b.x, 4, 0, 1);
     PE_EXPECT(p->dropped == 0);
     void *send = NULL;
