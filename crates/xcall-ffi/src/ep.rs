@@ -395,7 +395,7 @@ pub extern "C" fn xcall_ep_group_free(g: *mut xcall_ep_group, w: *mut xcall_shme
 /// group calls in the same order. On CUDA the call enqueues on `stream`
 /// (a `CUstream` of this PE's device; NULL: the legacy default stream)
 /// and returns; it is capturable, and a captured call replays for any
-/// routing and any `tokens` up to the group's. On Host it runs before
+/// routing (with the `tokens` it was captured with). On Host it runs before
 /// returning (it waits for the peers; `stream` is ignored). `x` may be
 /// the group's own send rows (`xcall_ep_send_rows`), saving a copy.
 ///
@@ -410,9 +410,9 @@ pub extern "C" fn xcall_ep_group_free(g: *mut xcall_ep_group, w: *mut xcall_shme
 /// NULL `out`, NULL `out->rows` or `out->tokens_per_expert`, a NULL buffer
 /// with a size above 0: `XCALL_STATUS_NULL_ARGUMENT`; `tokens` above the
 /// group's, a buffer smaller than the call needs (see `xcall_ep_sizes`),
-/// one not aligned to its element (rows: 16 bytes), `x` inside the group's
-/// memory other than its send rows (or those of an FP8 group), `scales` or
-/// `rows_bf16` given to a group that is not FP8:
+/// one not aligned to its element (rows: 16 bytes), `x` overlapping the
+/// group's memory but for the send rows of an f32 or bf16 group, `scales`
+/// or `rows_bf16` given to a group that is not FP8:
 /// `XCALL_STATUS_INVALID_ARGUMENT` naming the buffer.
 #[no_mangle]
 pub extern "C" fn xcall_ep_dispatch(
