@@ -7,7 +7,8 @@
  * plain loop over all PEs' inputs (each PE rebuilds its peers' inputs
  * from their rank): the expert-major rows and counts, y, grad_x,
  * grad_expert_out and grad_probs; dropless with alignment, then with a
- * capacity (dropped routes counted and left out of y). Then the bad-input
+ * capacity (dropped routes counted and left out of y); dispatch and
+ * combine of bf16 rows. Then the bad-input
  * cases, each refused with its status and nothing written.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -333,6 +334,79 @@ static void handles(struct pe *p, xcall_ep_group *g, xcall_shmem_world *w) {
   PE_EXPECT(xcall_ep_check(g) == XCALL_STATUS_OK); /* still live */
 }
 
+static uint16_t bf16_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+}
+static float float_of(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* A bf16 group: rows arrive exactly (the inputs are bf16 values), y is
+ * the loop's within bf16 rounding. */
+static void bf16_round(struct pe *p, xcall_shmem_world *w, const xcall_ep_config *c, const xcall_ep_sizes *s) {
+  xcall_ep_group *g = NULL;
+  PE_EXPECT(xcall_ep_group_new(w, c, &g) == XCALL_STATUS_OK);
+  if (g == NULL) return;
+  int r = (int)p->rank, n = tokens_of(r), wrong_rows = 0, wrong_y = 0;
+  uint16_t *x = buffer(s->token_rows_bytes), *y = buffer(s->token_rows_bytes);
+  uint16_t *rows = buffer(s->rows_bytes), *expert_out = buffer(s->expert_out_bytes);
+  int32_t *ids = buffer(s->routing_bytes);
+  float *probs = buffer(s->routing_bytes);
+  int64_t *tpe = buffer(s->tokens_per_expert_bytes), *offsets = buffer(s->offsets_bytes);
+  for (int t = 0; t < n; t++) {
+    for (int j = 0; j < H; j++) x[t * H + j] = bf16_of(x_of(r, t, j));
+    for (int k = 0; k < K; k++) {
+      ids[t * K + k] = id_of(r, t, k);
+      probs[t * K + k] = prob_of(r, t, k);
+    }
+  }
+  xcall_ep_expert_major out = {.rows = rows, .rows_bytes = s->rows_bytes, .tokens_per_expert = tpe,
+                               .tokens_per_expert_bytes = s->tokens_per_expert_bytes, .offsets = offsets,
+                               .offsets_bytes = s->offsets_bytes};
+  for (size_t i = 0; i < s->expert_out_bytes / 2; i++) expert_out[i] = 0x7fc0; /* NaN */
+  for (size_t i = 0; i < (size_t)T * H; i++) y[i] = 0x7fc0;
+  const uint64_t row_bytes = (uint64_t)n * H * 2, route_bytes = (uint64_t)n * K * 4;
+  PE_EXPECT(xcall_ep_dispatch(g, x, row_bytes, ids, route_bytes, probs, route_bytes, (uint64_t)n, &out, NULL) ==
+            XCALL_STATUS_OK);
+  for (int l = 0; l < L; l++) {
+    int e = r * L + l, i = 0;
+    float scale = scale_of(e);
+    for (int q = 0; q < PES; q++)
+      for (int t = 0; t < tokens_of(q); t++)
+        for (int k = 0; k < K; k++)
+          if (id_of(q, t, k) == e) {
+            for (int j = 0; j < H; j++) wrong_rows += float_of(rows[(offsets[l] + i) * H + j]) != x_of(q, t, j);
+            i++;
+          }
+    PE_EXPECT(tpe[l] == i);
+    for (int64_t row = offsets[l]; row < offsets[l] + tpe[l]; row++)
+      for (int j = 0; j < H; j++) expert_out[row * H + j] = bf16_of(float_of(rows[row * H + j]) * scale);
+  }
+  PE_EXPECT(xcall_ep_combine(g, expert_out, s->expert_out_bytes, y, row_bytes, NULL) == XCALL_STATUS_OK);
+  for (int t = 0; t < n; t++)
+    for (int j = 0; j < H; j++) {
+      double want = 0, size = 0;
+      for (int k = 0; k < K; k++)
+        if (id_of(r, t, k) >= 0) {
+          double term = prob_of(r, t, k) * (double)x_of(r, t, j) * scale_of(id_of(r, t, k));
+          want += term;
+          size += fabs(term);
+        }
+      /* Each expert output and y are rounded to bf16 (2^-9 relative). */
+      wrong_y += !(fabs(float_of(y[t * H + j]) - want) <= 6e-3 * size + 1e-6);
+    }
+  PE_EXPECT(wrong_rows == 0);
+  PE_EXPECT(wrong_y == 0);
+  PE_EXPECT(xcall_ep_group_free(g, w) == XCALL_STATUS_OK);
+  void *all[] = {x, y, rows, expert_out, ids, probs, tpe, offsets};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
+}
+
 static xcall_ep_group *group_new(struct pe *p, xcall_shmem_world *w, const xcall_ep_config *c) {
   xcall_ep_group *g = NULL;
   PE_EXPECT(xcall_ep_group_new(w, c, &g) == XCALL_STATUS_OK);
@@ -342,9 +416,13 @@ static xcall_ep_group *group_new(struct pe *p, xcall_shmem_world *w, const xcall
 static void *run_pe(void *arg) {
   struct pe *p = arg;
   const xcall_ep_config dropless = config_of(4, 0), capped = config_of(1, 5);
-  xcall_ep_sizes s1, s2;
+  xcall_ep_config bf16 = config_of(1, 0);
+  bf16.precision = XCALL_EP_PRECISION_BF16;
+  xcall_ep_sizes s1, s2, s3;
   PE_EXPECT(xcall_ep_layout(&dropless, PES, &s1) == XCALL_STATUS_OK);
   PE_EXPECT(xcall_ep_layout(&capped, PES, &s2) == XCALL_STATUS_OK);
+  PE_EXPECT(xcall_ep_layout(&bf16, PES, &s3) == XCALL_STATUS_OK);
+  PE_EXPECT(s3.token_rows_bytes == (uint64_t)T * H * 2 && s3.rows_bytes == s3.expert_rows * H * 2);
   xcall_shmem_world *w = NULL;
   PE_EXPECT(xcall_shmem_world_new(&w) == XCALL_STATUS_OK);
   xcall_shmem_config c = {0};
@@ -354,7 +432,7 @@ static void *run_pe(void *arg) {
   c.target.ordinal = 900 + p->rank;
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   c.address = "c-test-ep";
-  c.heap_bytes = s1.heap_bytes + s2.heap_bytes + (1 << 16);
+  c.heap_bytes = s1.heap_bytes + s2.heap_bytes + s3.heap_bytes + (1 << 16);
   c.timeout_ms = 20000;
   PE_EXPECT(xcall_shmem_init(w, &c) == XCALL_STATUS_OK);
   if (p->failures) return NULL;
@@ -398,6 +476,7 @@ static void *run_pe(void *arg) {
     PE_EXPECT(xcall_ep_group_free(g, w) == XCALL_STATUS_OK);
   }
   bufs_free(&b);
+  bf16_round(p, w, &bf16, &s3);
   PE_EXPECT(xcall_shmem_finalize(w, &p->leaked) == XCALL_STATUS_OK);
   xcall_shmem_world_free(w);
   return NULL;
