@@ -77,7 +77,7 @@ pub struct Dims {
 
 /// A token layer's buffers: tokens `[T, H]`, routing `[T, E]` u8, merging
 /// probs `[T, E]` f32, and the row-id map with its chunk facts.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Layer {
     /// Tokens.
     pub x: u64,

@@ -426,7 +426,17 @@ fn bad_flags_are_one_line_and_a_failure() {
 
 #[test]
 fn the_heap_variable_is_honoured_when_large_enough_and_refused_by_name_otherwise() {
-    let moe = ["moe", "--tokens", "100", "--hidden", "32", "--steps", "1"];
+    let moe = [
+        "moe",
+        "--tokens",
+        "100",
+        "--hidden",
+        "32",
+        "--steps",
+        "1",
+        "--exchange",
+        "fused",
+    ];
     // The heap: the layer's buffers (256-byte aligned) with 2 x 4 slots
     // (fused) of 2 experts x 32 rows x 64 bytes, signal words and 1 MiB
     // to spare.
@@ -470,11 +480,31 @@ fn moe_in_8_gib(args: &[&str]) -> std::process::Output {
 #[test]
 fn host_buffers_that_cannot_be_allocated_are_one_line_and_exit_1() {
     for args in [
+        // The per-route exchange: its heaps fit, the CLI's own buffers do
+        // not (the token-once exchange's larger heaps fail first).
         &[
-            "--tokens", "7000000", "--hidden", "8", "--steps", "1", "--verify", "off",
+            "--tokens",
+            "7000000",
+            "--hidden",
+            "8",
+            "--steps",
+            "1",
+            "--verify",
+            "off",
+            "--exchange",
+            "fused",
         ][..],
         &[
-            "--pes", "1", "--tokens", "30000000", "--hidden", "8", "--steps", "1",
+            "--pes",
+            "1",
+            "--tokens",
+            "30000000",
+            "--hidden",
+            "8",
+            "--steps",
+            "1",
+            "--exchange",
+            "fused",
         ],
     ] {
         let out = moe_in_8_gib(args);
@@ -719,4 +749,115 @@ fn both_host_executors_write_the_same_experts() {
         assert!(errors[0] > 0.0, "{errors:?}");
         assert!(errors.iter().all(|&e| e == errors[0]), "{errors:?}");
     }
+}
+
+/// The default exchange is the token-once one: every PE count and FP8
+/// dispatch and aligned groups match the reference; with every token
+/// routed to every PE (E = P, top-P) each PE stores exactly its T tokens
+/// into each of the P - 1 others and gets as many rows back.
+#[test]
+fn the_token_once_exchange_is_the_default_and_counts_its_bytes() {
+    for (pes, extra) in [
+        ("1", &["--hidden", "64"][..]),
+        ("2", &["--dtype", "fp8", "--hidden", "256"][..]),
+        (
+            "3",
+            &[
+                "--align",
+                "8",
+                "--dtype",
+                "f32",
+                "--hidden",
+                "64",
+                "--experts",
+                "12",
+            ][..],
+        ),
+        (
+            "4",
+            &["--experts", "4", "--topk", "4", "--hidden", "64"][..],
+        ),
+    ] {
+        let path = json_path(&format!("moe-token-{pes}"));
+        let mut args = vec![
+            "moe", "--pes", pes, "--tokens", "300", "--steps", "2", "--json",
+        ];
+        args.push(path.to_str().unwrap());
+        args.extend_from_slice(extra);
+        let (out, stdout) = run(&args);
+        let what = format!("{pes} PEs {extra:?}");
+        assert!(
+            out.status.success(),
+            "{what}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("verification   PASS"), "{what}: {stdout}");
+        assert!(stdout.contains("token-once"), "{what}: {stdout}");
+        let j = read_json(&path);
+        assert_eq!(j["exchange"], "token", "{what}");
+        assert_eq!(j["dropless"], true, "{what}");
+        let names: Vec<&str> = j["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["dispatch", "experts", "combine"], "{what}");
+        let per_pe = j["exchange_per_pe"]["bytes_per_step"].as_f64().unwrap();
+        match pes {
+            "1" => assert_eq!(per_pe, 0.0, "{what}"),
+            // 300 tokens to each of 3 others, 128-byte rows both ways.
+            "4" => assert_eq!(per_pe, 300.0 * 3.0 * 2.0 * 128.0, "{what}"),
+            _ => assert!(per_pe > 0.0, "{what}"),
+        }
+        assert_eq!(j["exchange_per_pe"]["fp8_dispatch"], pes == "2", "{what}");
+    }
+}
+
+/// The token-once exchange's flags are refused where they do not apply.
+#[test]
+fn token_once_flags_are_refused_elsewhere() {
+    for (args, want) in [
+        (
+            vec!["--dtype", "fp8", "--exchange", "fused"],
+            "are for --exchange token",
+        ),
+        (
+            vec!["--align", "4", "--exchange", "copy"],
+            "are for --exchange token",
+        ),
+        (
+            vec!["--exchange", "token", "--capacity-factor", "1.5"],
+            "--exchange token is dropless",
+        ),
+        (
+            vec!["--dtype", "fp8", "--hidden", "64"],
+            "not a multiple of 128",
+        ),
+        (vec!["--align", "0"], "--align must be at least 1"),
+    ] {
+        let mut full = vec!["moe", "--steps", "1"];
+        full.extend(&args);
+        let (out, _) = run(&full);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+    // A capacity alone picks the fused per-route exchange.
+    let path = json_path("moe-capacity-default");
+    let (out, _) = run(&[
+        "moe",
+        "--steps",
+        "1",
+        "--tokens",
+        "64",
+        "--hidden",
+        "32",
+        "--capacity-factor",
+        "1.25",
+        "--json",
+        path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    assert_eq!(read_json(&path)["exchange"], "fused");
 }

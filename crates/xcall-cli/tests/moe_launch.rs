@@ -58,8 +58,9 @@ fn four_processes_under_torchrun_make_one_world_and_one_report() {
     // Process 0 wrote the report of every PE; the others wrote nothing.
     let j = read_json(&path);
     assert_eq!(j["processes"], 4);
-    // No transport forced: the fused exchange by default.
-    assert_eq!(j["exchange"], "fused");
+    // No transport forced: the token-once exchange by default, across
+    // processes through shared memory.
+    assert_eq!(j["exchange"], "token");
     assert_eq!(j["launcher"], "torchrun");
     assert_eq!(j["pes"], 4);
     assert_eq!(j["remote_transport"], serde_json::Value::Null);

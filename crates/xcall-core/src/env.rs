@@ -268,6 +268,27 @@ pub const VARIABLES: &[Variable] = &[
         "The bf16 cases to run instead, `T,E,H,topK` separated by `;` (e.g. `4096,256,2048,8;16384,256,1024,8`).",
     ),
     var(
+        "XCALL_EP_BENCH_GPUS",
+        Kind::Text,
+        "8",
+        "`bench-cuda_ep`",
+        "The most GPUs the expert-parallel bench runs on (it runs 1, 2, 4 and 8 up to it).",
+    ),
+    var(
+        "XCALL_EP_BENCH_ONLY",
+        Kind::Text,
+        "none",
+        "`bench-cuda_ep`",
+        "Runs the expert-parallel bench on this many GPUs alone.",
+    ),
+    var(
+        "XCALL_EP_BENCH_CASE",
+        Kind::Text,
+        "every case",
+        "`bench-cuda_ep`",
+        "Keeps the expert-parallel bench's cases whose name contains this text (e.g. `dsv3 bf16`).",
+    ),
+    var(
         "XCALL_BENCH_ARGS",
         Kind::Text,
         "none",

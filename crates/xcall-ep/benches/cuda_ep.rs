@@ -14,7 +14,8 @@
 //! slowest GPU's median. Received bandwidth counts the tokens a GPU
 //! receives (its own included) times the row's bytes, over dispatch's
 //! time. One JSON line per case on stdout (`"bench": "cuda_ep"`).
-//! `XCALL_EP_BENCH_GPUS` caps the GPUs used; `XCALL_EP_BENCH_CASE` keeps
+//! `XCALL_EP_BENCH_GPUS` caps the GPUs used, `XCALL_EP_BENCH_ONLY=P` runs P
+//! GPUs alone; `XCALL_EP_BENCH_CASE` keeps
 //! the cases whose name contains it.
 
 use std::ffi::c_void;
@@ -92,14 +93,19 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// One PE: (dispatch ms, combine ms, step ms, tokens received, SMs used).
-fn pe(
-    case: &EpConfig,
-    name: &str,
-    rank: usize,
-    pes: usize,
-    start: &Barrier,
-) -> (f64, f64, f64, usize, usize) {
+/// What one PE measured.
+struct PeTimes {
+    dispatch: f64,
+    combine: f64,
+    step: f64,
+    received: usize,
+    sms: usize,
+    /// Each kernel of an eager step (in order): its name and median ms.
+    kernels: Vec<(&'static str, f64)>,
+}
+
+/// One PE's figures.
+fn pe(case: &EpConfig, name: &str, rank: usize, pes: usize, start: &Barrier) -> PeTimes {
     let device = Device::cuda(rank as u32);
     let layout = case.layout(pes).unwrap();
     let mut wc = WorldConfig::in_process(&format!("ep-bench-{name}"), rank, pes, device);
@@ -257,6 +263,25 @@ fn pe(
         .map(|m| m[1].elapsed_ms_since(&m[0]).unwrap() as f64)
         .collect();
     drop(exec);
+    // Where an eager step's time goes: an event after every kernel.
+    g.profile(true);
+    let mut per: Vec<(&'static str, Vec<f64>)> = Vec::new();
+    start.wait();
+    for _ in 0..20 {
+        step(&mut g, None);
+        stream.synchronize().unwrap();
+        for (i, (what, ms)) in g.take_profile().unwrap().into_iter().enumerate() {
+            if per.len() <= i {
+                per.push((what, Vec::new()));
+            }
+            per[i].1.push(ms as f64);
+        }
+    }
+    g.profile(false);
+    let kernels = per
+        .into_iter()
+        .map(|(w, mut v)| (w, median(&mut v)))
+        .collect();
     let sms = g.sms_used();
     g.destroy(&mut w).unwrap();
     for a in held {
@@ -264,7 +289,14 @@ fn pe(
         unsafe { xcall_core::cuda::mem_free(device, a) }.unwrap();
     }
     w.finalize().unwrap();
-    (median(&mut d), median(&mut c), median(&mut steps), got, sms)
+    PeTimes {
+        dispatch: median(&mut d),
+        combine: median(&mut c),
+        step: median(&mut steps),
+        received: got,
+        sms,
+        kernels,
+    }
 }
 
 fn main() {
@@ -282,6 +314,12 @@ fn main() {
             counts.push(p);
         }
     }
+    if let Some(only) = std::env::var("XCALL_EP_BENCH_ONLY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        counts.retain(|&p| p == only);
+    }
     for pes in counts {
         let only = std::env::var("XCALL_EP_BENCH_CASE").unwrap_or_default();
         for case in cases() {
@@ -294,27 +332,47 @@ fn main() {
             let r = run_threads(&name.clone(), pes, Duration::from_secs(600), move |rank| {
                 pe(&config, &name, rank, pes, &start)
             });
-            let worst =
-                |f: fn(&(f64, f64, f64, usize, usize)) -> f64| r.iter().map(f).fold(0.0, f64::max);
-            let (d, c, st) = (worst(|v| v.0), worst(|v| v.1), worst(|v| v.2));
+            let worst = |f: fn(&PeTimes) -> f64| r.iter().map(f).fold(0.0, f64::max);
+            let (d, c, st) = (
+                worst(|v| v.dispatch),
+                worst(|v| v.combine),
+                worst(|v| v.step),
+            );
             let wire = config.hidden * config.precision.wire_bytes()
                 + if config.precision == Precision::Fp8Dispatch {
                     config.hidden / 128 * 4
                 } else {
                     0
                 };
-            let min_recv = r.iter().map(|v| v.3).min().unwrap_or(0);
+            let min_recv = r.iter().map(|v| v.received).min().unwrap_or(0);
             let gbs = r
                 .iter()
-                .map(|v| v.3 as f64 * wire as f64 / (v.0 * 1e-3) / 1e9)
+                .map(|v| v.received as f64 * wire as f64 / (v.dispatch * 1e-3) / 1e9)
                 .fold(f64::MAX, f64::min);
             println!(
                 "{:>22} on {pes} x {}: dispatch {d:.3} ms ({gbs:.0} GB/s received per GPU, >= {min_recv} tokens), combine {c:.3} ms, step (graph) {st:.3} ms, {} SMs",
-                case.name, info.name, r[0].4
+                case.name, info.name, r[0].sms
+            );
+            let kernels: Vec<String> = r[0]
+                .kernels
+                .iter()
+                .enumerate()
+                .map(|(i, (w, _))| {
+                    let slowest = r
+                        .iter()
+                        .map(|v| v.kernels.get(i).map_or(0.0, |k| k.1))
+                        .fold(0.0, f64::max);
+                    format!("{w} {slowest:.3}")
+                })
+                .collect();
+            println!(
+                "{:>22}   eager step by kernel (ms, slowest GPU): {}",
+                "",
+                kernels.join(", ")
             );
             println!(
                 "{{\"bench\": \"cuda_ep\", \"case\": \"{}\", \"gpus\": {pes}, \"device\": \"{}\", \"dispatch_ms\": {d:.4}, \"combine_ms\": {c:.4}, \"step_ms\": {st:.4}, \"received_gbs\": {gbs:.1}, \"sms\": {}}}",
-                case.name, info.name, r[0].4
+                case.name, info.name, r[0].sms
             );
         }
     }

@@ -57,7 +57,7 @@ impl Step {
         Step::GatherProbs,
     ];
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Step::Publish => "ep_publish",
             Step::Push => "ep_push",

@@ -18,6 +18,7 @@
 //! the same one (two dispatches in a row), the group puts an empty phase
 //! between them.
 
+use std::cell::RefCell;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,7 +103,13 @@ pub struct EpGroup {
     sms_used: usize,
     last: Option<Part>,
     dispatched: Option<usize>,
+    /// With [`EpGroup::profile`] on (CUDA): an event after each step, the
+    /// first one before.
+    marks: RefCell<Option<Vec<Mark>>>,
 }
+
+/// A step's end: its name and an event after it.
+type Mark = (&'static str, xcall_core::cuda::Event);
 
 impl std::fmt::Debug for EpGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -227,6 +234,7 @@ impl EpGroup {
             sms_used,
             last: None,
             dispatched: None,
+            marks: RefCell::new(None),
         })
     }
 
@@ -318,10 +326,24 @@ impl EpGroup {
     /// `p`'s addresses are valid for the steps (checked by the caller).
     unsafe fn run(&self, steps: &[Step], p: &EpParams, stream: *mut c_void) -> Result<usize> {
         let mut replaced = 0;
-        for &step in steps {
+        for (i, &step) in steps.iter().enumerate() {
+            // On CUDA the kernels that read what peers wrote in a phase
+            // wait for it themselves.
+            let awaits = matches!(
+                steps.get(i + 1),
+                Some(Step::Count | Step::GatherSum | Step::ScatterGrad | Step::GatherProbs)
+            );
             match &self.kernels {
+                Some(_) if step == Step::Wait && awaits => {}
                 // SAFETY: the caller's contract.
-                Some(k) => unsafe { cuda::launch(self.device, k, step, p, stream) }?,
+                Some(k) => {
+                    if self.marks.borrow().as_ref().is_some_and(|m| m.is_empty()) {
+                        self.mark("start", stream)?;
+                    }
+                    // SAFETY: the caller's contract.
+                    unsafe { cuda::launch(self.device, k, step, p, stream) }?;
+                    self.mark(step.name(), stream)?;
+                }
                 // SAFETY: the caller's contract.
                 None => unsafe {
                     match step {
@@ -342,6 +364,40 @@ impl EpGroup {
             }
         }
         Ok(replaced)
+    }
+
+    /// Records an event after `what` on `stream` when profiling.
+    fn mark(&self, what: &'static str, stream: *mut c_void) -> Result<()> {
+        let mut marks = self.marks.borrow_mut();
+        let Some(marks) = marks.as_mut() else {
+            return Ok(());
+        };
+        let e = xcall_core::cuda::Event::new(self.device)?;
+        // SAFETY: the caller's stream, live while the call runs.
+        unsafe { e.record(stream as xcall_core::cuda::RawStream) }?;
+        marks.push((what, e));
+        Ok(())
+    }
+
+    /// Turns per-step timing on (CUDA, eager calls only: not while a
+    /// stream captures): every step kernel is followed by an event; see
+    /// [`EpGroup::take_profile`].
+    pub fn profile(&mut self, on: bool) {
+        *self.marks.get_mut() = on.then(Vec::new);
+    }
+
+    /// Each step's time in ms since the profile was turned on or last
+    /// taken, in order (synchronize the stream first); profiling stays on.
+    pub fn take_profile(&mut self) -> Result<Vec<(&'static str, f32)>> {
+        let Some(marks) = self.marks.get_mut().as_mut() else {
+            return Ok(Vec::new());
+        };
+        let taken = std::mem::take(marks);
+        let mut out = Vec::with_capacity(taken.len());
+        for w in taken.windows(2) {
+            out.push((w[1].0, w[1].1.elapsed_ms_since(&w[0].1)?));
+        }
+        Ok(out)
     }
 
     /// Puts an empty phase first when the last call's last phase published
@@ -454,17 +510,27 @@ impl EpGroup {
         // use; the rest is the caller's contract and the group's layout.
         unsafe {
             self.fence(Part::Send, stream)?;
-            let steps = [
-                Step::Publish,
-                Step::Push,
-                Step::Signal,
-                Step::Wait,
-                Step::Count,
-                Step::Scan,
-                Step::Assign,
-                Step::Copy,
-            ];
-            let replaced = self.run(&steps, &p, stream)?;
+            // One PE has no peer to push to or wait for.
+            let steps: &[Step] = match self.layout.pes {
+                1 => &[
+                    Step::Publish,
+                    Step::Count,
+                    Step::Scan,
+                    Step::Assign,
+                    Step::Copy,
+                ],
+                _ => &[
+                    Step::Publish,
+                    Step::Push,
+                    Step::Signal,
+                    Step::Wait,
+                    Step::Count,
+                    Step::Scan,
+                    Step::Assign,
+                    Step::Copy,
+                ],
+            };
+            let replaced = self.run(steps, &p, stream)?;
             self.last = Some(Part::Send);
             self.dispatched = Some(tokens);
             if replaced > 0 {
@@ -537,8 +603,12 @@ impl EpGroup {
         // SAFETY: checked above; the caller's contract.
         unsafe {
             self.fence(Part::Partial, stream)?;
-            let steps = [Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum];
-            self.run(&steps, &p, stream)?;
+            // One PE's sums are its outputs (see `host::reduce`).
+            let steps: &[Step] = match self.layout.pes {
+                1 => &[Step::Reduce],
+                _ => &[Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum],
+            };
+            self.run(steps, &p, stream)?;
         }
         self.last = Some(Part::Partial);
         Ok(())

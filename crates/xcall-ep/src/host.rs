@@ -68,6 +68,51 @@ fn store(precision: i64, row: *mut u8, i: usize, v: f32) {
     }
 }
 
+/// `acc[i] += w * row[i]` over a row of `precision`'s element type
+/// (products and sums rounded separately, as on CUDA).
+fn add_row(precision: i64, acc: &mut [f32], row: *const u8, w: f32) {
+    let n = acc.len();
+    // SAFETY: callers pass rows of `acc.len()` elements.
+    unsafe {
+        match precision {
+            0 => {
+                let r = std::slice::from_raw_parts(row as *const [u8; 4], n);
+                for (a, b) in acc.iter_mut().zip(r) {
+                    *a += w * f32::from_le_bytes(*b);
+                }
+            }
+            _ => {
+                let r = std::slice::from_raw_parts(row as *const [u8; 2], n);
+                for (a, b) in acc.iter_mut().zip(r) {
+                    *a += w * f32::from_bits((u16::from_le_bytes(*b) as u32) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// Stores `acc` rounded to `precision`'s element type into `row`.
+fn store_row(precision: i64, row: *mut u8, acc: &[f32]) {
+    let n = acc.len();
+    // SAFETY: callers pass rows of `acc.len()` elements.
+    unsafe {
+        match precision {
+            0 => {
+                let r = std::slice::from_raw_parts_mut(row as *mut [u8; 4], n);
+                for (o, a) in r.iter_mut().zip(acc) {
+                    *o = a.to_le_bytes();
+                }
+            }
+            _ => {
+                let r = std::slice::from_raw_parts_mut(row as *mut [u8; 2], n);
+                for (o, a) in r.iter_mut().zip(acc) {
+                    *o = bf16::from_f32(*a).to_bits().to_le_bytes();
+                }
+            }
+        }
+    }
+}
+
 /// The FP8 scale of a block whose largest magnitude is `amax`: it maps to
 /// the largest e4m3 value (an all-zero block scales by 1).
 pub fn fp8_scale(amax: f32) -> f32 {
@@ -489,7 +534,8 @@ pub unsafe fn copy(p: &EpParams) {
 /// of its kept routes' rows of `src` (weighted by their probs, or not),
 /// in slot order with f32 accumulation, stored into its partial row at
 /// the token's PE; a token whose routes here were all dropped gets a zero
-/// row.
+/// row. With one PE the sums go straight to the output (every token's row
+/// written, zeros for a token with no route): nothing is left to gather.
 ///
 /// # Safety
 /// See the module docs.
@@ -500,15 +546,20 @@ pub unsafe fn reduce(p: &EpParams) {
     let sent = at::<i32>(p.base, p.off_sent);
     let probs = at::<f32>(p.base, p.off_recv_probs);
     let mut acc = vec![0f32; h];
+    // One PE: the sums are the outputs (a token with no route: zeros).
+    let solo = p.pes == 1;
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) } as usize;
         for t in 0..n {
+            acc.fill(0.0);
             // SAFETY: see the module docs.
             if !unsafe { routed_here(p, s, t) } {
+                if solo {
+                    store_row(prec, (p.out as *mut u8).wrapping_add(t * h * elem), &acc);
+                }
                 continue;
             }
-            acc.fill(0.0);
             // SAFETY: see the module docs.
             let (m, rs) = unsafe { routes(p, s, t) };
             for &(j, r) in &rs[..m] {
@@ -518,18 +569,17 @@ pub unsafe fn reduce(p: &EpParams) {
                     _ => 1.0,
                 };
                 let row = (p.src as *const u8).wrapping_add(r as usize * h * elem);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a += w * load(prec, row, i);
-                }
+                add_row(prec, &mut acc, row, w);
             }
             // Into the token's PE: its partial row from this PE.
             // SAFETY: see the module docs.
             let bs = unsafe { base_of(p, s) };
-            let out =
-                at::<u8>(bs, p.off_partial).wrapping_add((p.rank as usize * t_max + t) * h * elem);
-            for (i, a) in acc.iter().enumerate() {
-                store(prec, out, i, *a);
-            }
+            let out = match solo {
+                true => (p.out as *mut u8).wrapping_add(t * h * elem),
+                false => at::<u8>(bs, p.off_partial)
+                    .wrapping_add((p.rank as usize * t_max + t) * h * elem),
+            };
+            store_row(prec, out, &acc);
         }
     }
 }
@@ -572,14 +622,10 @@ pub unsafe fn gather_sum(p: &EpParams) {
             // SAFETY: the partials hold [P, T, H]; PE q stored row (q, t)
             // before announcing this phase.
             let row = unsafe { at::<u8>(p.base, p.off_partial).add((q * t_max + t) * h * elem) };
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a += load(prec, row, i);
-            }
+            add_row(prec, &mut acc, row, 1.0);
         }
         let out = (p.out as *mut u8).wrapping_add(t * h * elem);
-        for (i, a) in acc.iter().enumerate() {
-            store(prec, out, i, *a);
-        }
+        store_row(prec, out, &acc);
     }
 }
 

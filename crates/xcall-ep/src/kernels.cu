@@ -182,7 +182,11 @@ extern "C" __global__ void ep_signal(EpParams p) {
 }
 
 // wait: one block, thread s waits for PE s.
-extern "C" __global__ void ep_wait(EpParams p) {
+// The wait of a phase, by one block (thread s waits for PE s): the kernels
+// that read what peers wrote in the phase begin with it, so no kernel of
+// its own runs between them and the announcement (`ep_wait` is the same
+// wait alone, for an empty phase).
+__device__ void ep_await(const EpParams &p) {
     const u64 epoch = ep_words(p)[EP_WORD_EPOCH];
     if (threadIdx.x < p.pes) {
         const u64 *ready = (const u64 *)(p.base + p.off_ready) + threadIdx.x;
@@ -202,8 +206,12 @@ extern "C" __global__ void ep_wait(EpParams p) {
     __threadfence_system();
 }
 
+// wait: one block.
+extern "C" __global__ void ep_wait(EpParams p) { ep_await(p); }
+
 // count: one warp per tile of one sender; lane = token of the tile.
 extern "C" __global__ void ep_count(EpParams p) {
+    ep_await(p);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, L = p.local_experts;
@@ -489,34 +497,59 @@ extern "C" __global__ void ep_reduce(EpParams p) {
         const int s = (int)(tok / T);
         const i64 t = tok % T;
         if (t >= sent[s]) continue;
+        // One PE: the sums are the outputs (a token with no route: zeros).
+        const bool solo = p.pes == 1;
+        const i64 c0 = grp * 32 * EP_UNROLL + lane;
         const bool here = __any_sync(0xffffffffu, lane < k && local[tok * k + lane] >= 0);
-        if (!here) continue;
+        if (!here) {
+            if (solo) {
+#pragma unroll
+                for (int u = 0; u < EP_UNROLL; ++u)
+                    if (c0 + 32 * u < chunks) ((uint4 *)(p.out + t * h * elem))[c0 + 32 * u] = make_uint4(0, 0, 0, 0);
+            }
+            continue;
+        }
         const int mine = ep_route(rows + tok * k, k, lane);
         const float wmine = lane < k && p.weighted ? probs[tok * k + lane] : 1.0f;
         const unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
-        const i64 c0 = grp * 32 * EP_UNROLL + lane;
         float acc[EP_UNROLL][8];
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u)
             for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-        for (unsigned m = kept; m; m &= m - 1) {
-            const int j = __ffs(m) - 1;
-            const i64 r = __shfl_sync(0xffffffffu, mine, j);
-            const float w = __shfl_sync(0xffffffffu, wmine, j);
-            const uint4 *src = (const uint4 *)(p.src + r * h * elem);
-            uint4 v[EP_UNROLL];
+        // Two routes' chunks in flight at once, added in slot order.
+        for (unsigned m = kept; m;) {
+            const int j0 = __ffs(m) - 1;
+            m &= m - 1;
+            const int j1 = m ? __ffs(m) - 1 : -1;
+            if (m) m &= m - 1;
+            const i64 r0 = __shfl_sync(0xffffffffu, mine, j0);
+            const float w0 = __shfl_sync(0xffffffffu, wmine, j0);
+            const i64 r1 = __shfl_sync(0xffffffffu, mine, j1 < 0 ? 0 : j1);
+            const float w1 = __shfl_sync(0xffffffffu, wmine, j1 < 0 ? 0 : j1);
+            const uint4 *s0 = (const uint4 *)(p.src + r0 * h * elem);
+            const uint4 *s1 = (const uint4 *)(p.src + r1 * h * elem);
+            uint4 v0[EP_UNROLL], v1[EP_UNROLL];
 #pragma unroll
-            for (int u = 0; u < EP_UNROLL; ++u)
-                if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                if (c0 + 32 * u < chunks) {
+                    v0[u] = s0[c0 + 32 * u];
+                    if (j1 >= 0) v1[u] = s1[c0 + 32 * u];
+                }
+            }
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u) {
                 float f[8];
-                ep_unpack(prec, v[u], f);
-                for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w, f[e]));
+                ep_unpack(prec, v0[u], f);
+                for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w0, f[e]));
+                if (j1 >= 0) {
+                    ep_unpack(prec, v1[u], f);
+                    for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(w1, f[e]));
+                }
             }
         }
         // Into the token's PE: its partial row from this PE.
-        uint4 *out = (uint4 *)(ep_at(p, s, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
+        uint4 *out = (uint4 *)(solo ? p.out + t * h * elem
+                                    : ep_at(p, s, p.off_partial) + ((i64)p.rank * T + t) * h * elem);
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u)
             if (c0 + 32 * u < chunks) out[c0 + 32 * u] = ep_pack(prec, acc[u]);
@@ -526,6 +559,7 @@ extern "C" __global__ void ep_reduce(EpParams p) {
 // gather_sum: per item of this PE's token, the partial chunks the PEs
 // hosting its experts stored here, added in rank order.
 extern "C" __global__ void ep_gather_sum(EpParams p) {
+    ep_await(p);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
@@ -568,6 +602,7 @@ extern "C" __global__ void ep_gather_sum(EpParams p) {
 // scatter_grad: one warp per received token; per route, the scaled row and
 // the dot product (summed per lane, then across the warp).
 extern "C" __global__ void ep_scatter_grad(EpParams p) {
+    ep_await(p);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
@@ -610,6 +645,7 @@ extern "C" __global__ void ep_scatter_grad(EpParams p) {
 
 // gather_probs: one thread per (token, slot) of this PE.
 extern "C" __global__ void ep_gather_probs(EpParams p) {
+    ep_await(p);
     const i64 T = p.tokens, k = p.topk;
     const int *ids = (const int *)(p.base + p.off_ids);
     for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.n * k; r += (i64)gridDim.x * blockDim.x) {

@@ -9,24 +9,24 @@
 //! size follows from the config ([`EpConfig::layout`], a query before
 //! anything is made), so nothing waits on the host for counts and a
 //! captured call replays for any routing:
-//! - [`EpGroup::dispatch`]: each PE publishes its tokens and routing; each
-//!   PE reads every token routed to one of its experts from its sender
-//!   once and writes it to each of its routes' rows of an
-//!   **expert-major** buffer (rows grouped by local expert, each group
+//! - [`EpGroup::dispatch`]: each PE publishes its routing and stores each
+//!   of its tokens once into every other PE hosting one of its experts;
+//!   each PE then writes every token it received to each of its routes'
+//!   rows of an **expert-major** buffer (rows grouped by local expert, each group
 //!   starting on a multiple of `align`), with `tokens_per_expert` written
 //!   on the device. FP8 dispatch quantizes on the sender (e4m3, one f32
 //!   scale per 128 elements) and the receiver gets FP8 rows with their
 //!   scales (and bf16, if asked).
 //! - [`EpGroup::combine`]: each PE sums its experts' outputs for each
-//!   token it received (weighted by the probs, f32) into one partial row;
-//!   the token's own PE adds the partial rows in PE rank order (f32), so
-//!   results are the same run after run.
+//!   token it received (weighted by the probs, f32) and stores one partial
+//!   row into the token's PE, which adds the partial rows in PE rank order
+//!   (f32), so results are the same run after run.
 //! - [`EpGroup::dispatch_backward`] and [`EpGroup::combine_backward`]: the
 //!   gradients (an unweighted combine; a dispatch of the output gradient
 //!   times the probs, and the probs' gradient).
 //!
-//! Peers' memory is read directly (the world's peer pointers), so a group
-//! needs every PE on one host. The Host path runs the same steps as the
+//! Peers' memory is reached directly (the world's peer pointers), so a
+//! group needs every PE on one host. The Host path runs the same steps as the
 //! CUDA kernels with the same arithmetic: a CUDA run equals a Host run on
 //! the same data bit for bit (the probs' gradient within rounding).
 //! See [`group`] for the phase protocol.

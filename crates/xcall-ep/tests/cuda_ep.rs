@@ -219,6 +219,15 @@ fn one_to_four_gpus_match_the_reference_and_the_host_bit_for_bit() {
         ragged.sent[0] = 1;
         same_as_host(&format!("cuda-ragged-{pes}"), ragged);
         same_as_host(
+            &format!("cuda-k1-holes-{pes}"),
+            Case::new(
+                cfg(90, 64, 1, 2 * pes, Precision::Bf16),
+                pes,
+                Routing::Holes,
+                7,
+            ),
+        );
+        same_as_host(
             &format!("cuda-onepe-{pes}"),
             Case::new(
                 cfg(100, 64, 2, 2 * pes, Precision::F32),
@@ -286,7 +295,7 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
                 .flat_map(|v| v.to_le_bytes())
                 .collect::<Vec<_>>(),
         );
-        m.write(y, &vec![0xa5; n * h * 2]);
+        m.write(y, &vec![0xff; n * h * 2]);
         // SAFETY: this PE's live stream, borrowed for the launch.
         let st =
             unsafe { xcall_core::cuda::Stream::from_raw(device, s as xcall_core::cuda::RawStream) };

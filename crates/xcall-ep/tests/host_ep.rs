@@ -153,6 +153,14 @@ fn routing_edge_cases() {
             3,
             Routing::Random,
         ),
+        // One PE, k = 1: every third token has no route (its output is
+        // zeros, written by the sums themselves).
+        (
+            "solo-holes",
+            cfg(50, 8, 1, 4, Precision::Bf16),
+            1,
+            Routing::Holes,
+        ),
     ];
     for (name, c, pes, routing) in cases {
         run(name, Case::new(c, pes, routing, 8), 1, true);

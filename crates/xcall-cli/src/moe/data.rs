@@ -35,6 +35,21 @@ pub struct Shape {
     pub fused: bool,
     /// f32 or bf16.
     pub dtype: DType,
+    /// The token-once exchange of xcall-ep (`None`: one of the per-route
+    /// exchanges above, `fused` telling which).
+    pub ep: Option<EpShape>,
+}
+
+/// How the token-once exchange runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpShape {
+    /// FP8 dispatch (bf16 tokens quantized on the way out, e4m3 with a
+    /// scale per 128 elements).
+    pub fp8: bool,
+    /// Each expert's rows start on a multiple of this many rows.
+    pub align: usize,
+    /// SMs the exchange kernels may occupy (0: as many as help).
+    pub sms: usize,
 }
 
 impl Shape {
@@ -257,6 +272,21 @@ pub fn kept_routes_into(shape: &Shape, routing: &[u8], kept: &mut [bool]) {
     }
 }
 
+/// Token rows PE `rank`'s dispatch stores into other PEs with the
+/// token-once exchange: per token, the other PEs hosting one of its
+/// experts (combine returns as many).
+pub fn link_tokens(shape: &Shape, rank: usize, routing: &[u8]) -> usize {
+    let (e, l) = (shape.experts, shape.local_experts());
+    routing
+        .chunks_exact(e.max(1))
+        .map(|row| {
+            (0..shape.pes)
+                .filter(|&q| q != rank && row[q * l..(q + 1) * l].iter().any(|&r| r != 0))
+                .count()
+        })
+        .sum()
+}
+
 /// The routes of `routing` that `kept` drops.
 pub fn dropped_routes(routing: &[u8], kept: &[bool]) -> usize {
     kept.iter()
@@ -331,6 +361,22 @@ pub fn check_with(
     ))
 }
 
+/// What the experts of an FP8 dispatch see of a bf16 token: per block of
+/// 128 values, the scale `amax / 448` (1 for an all-zero block), each
+/// value divided by it and rounded to e4m3, multiplied back, rounded to
+/// bf16 (f32 arithmetic, as the exchange does).
+pub fn fp8_round_trip(x: &mut [f64]) {
+    use xcall_core::{fp8_decode, fp8_encode, Fp8};
+    for block in x.chunks_mut(128) {
+        let amax = block.iter().fold(0f32, |m, v| m.max((*v as f32).abs()));
+        let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        for v in block.iter_mut() {
+            let q = fp8_encode(Fp8::E4M3, *v as f32 / scale);
+            *v = bf16::from_f32(fp8_decode(Fp8::E4M3, q) * scale).to_f64();
+        }
+    }
+}
+
 /// [`check`] of the tokens `range`.
 fn check_tokens(
     shape: &Shape,
@@ -341,17 +387,25 @@ fn check_tokens(
 ) -> Result<Check, AllocError> {
     let (h, e) = (shape.hidden, shape.experts);
     let row = shape.row_bytes();
-    let rtol = match shape.dtype {
-        DType::Bf16 => 1e-2,
-        _ => 1e-5,
+    // bf16: the experts' output and the result are rounded; the
+    // token-once combine also rounds each PE's partial sum.
+    let rtol = match (shape.dtype, shape.ep.is_some()) {
+        (DType::Bf16, false) => 1e-2,
+        (DType::Bf16, true) => 2e-2,
+        (_, false) => 1e-5,
+        (_, true) => 2e-5,
     };
     // One token's values, its output and its kept routes (prob, scale).
     let mut x = alloc::zeroed(|| "a token's values for the check".into(), h)?;
     let mut got = alloc::zeroed(|| "a token's output for the check".into(), h)?;
     let mut routes = alloc::with_capacity(|| "a token's routes for the check".into(), e)?;
     let mut c = Check::default();
+    let fp8 = shape.ep.is_some_and(|e| e.fp8);
     for tok in range {
         decode_into(shape.dtype, &inputs.x[tok * row..(tok + 1) * row], &mut x);
+        if fp8 {
+            fp8_round_trip(&mut x);
+        }
         decode_into(shape.dtype, &y[tok * row..(tok + 1) * row], &mut got);
         routes.clear();
         routes.extend(
@@ -395,6 +449,7 @@ mod tests {
             dropless: false,
             fused: true,
             dtype,
+            ep: None,
         }
     }
 

@@ -11,7 +11,7 @@ use xcall_shmem::launch::LaunchEnv;
 use xcall_shmem::{BootstrapKind, MAX_PES};
 use xcall_warpspec::HostExecutor;
 
-use super::data::Shape;
+use super::data::{EpShape, Shape};
 use super::pe::Pe;
 use super::verify::Verify;
 use crate::report::Failure;
@@ -32,6 +32,9 @@ pub enum DtypeArg {
     F32,
     /// bfloat16.
     Bf16,
+    /// bfloat16 tokens, dispatched in FP8 (e4m3, a scale per 128
+    /// elements; the token-once exchange only).
+    Fp8,
 }
 
 /// How a Host PE runs its experts (the warp-specialized op).
@@ -47,6 +50,11 @@ pub enum HostExecutorArg {
 /// How rows reach other PEs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ExchangeArg {
+    /// xcall-ep: each token stored once into each PE hosting one of its
+    /// experts, expanded there into expert-major rows; each PE sums its
+    /// experts' outputs of a token and stores one row back (dropless;
+    /// peers reached by pointer).
+    Token,
     /// `permute` writes each peer's rows straight into its receive slot
     /// and `unpermute` reads the results from the peers' slots (loads and
     /// stores through peer pointers): no staging copy, only routed rows
@@ -102,11 +110,19 @@ pub struct MoeArgs {
     /// experts per PE)` rows), and the experts read only the rows routed.
     #[arg(long)]
     pub(super) dropless: bool,
-    /// How rows reach other PEs [default: fused up to 32 PEs (the
-    /// segments a permute takes), else copy; copy when
+    /// How rows reach other PEs [default: token; with a capacity, fused
+    /// up to 32 PEs (the segments a permute takes), else copy; copy when
     /// `XCALL_SHMEM_TRANSPORT` forces NCCL or TCP].
     #[arg(long, value_enum)]
     pub(super) exchange: Option<ExchangeArg>,
+    /// With `--exchange token`: each expert's rows start on a multiple of
+    /// this many rows (as grouped GEMMs want) [default: 1].
+    #[arg(long)]
+    pub(super) align: Option<usize>,
+    /// With `--exchange token`: SMs its exchange kernels may occupy on
+    /// CUDA (0: as many as help) [default: 0].
+    #[arg(long)]
+    pub(super) sms: Option<usize>,
     /// The CUDA device of each PE, comma-separated and distinct (a world
     /// takes one PE per device) [default: 0, 1, ..]. Sets `--pes` when
     /// that is not given. Under a launcher, this process's devices.
@@ -367,9 +383,43 @@ pub(super) fn validate(
     if topk == 0 || topk > experts {
         return Err(format!("--topk {topk}: must be in [1, {experts}]"));
     }
+    let forced_remote = forced_remote()?;
+    // The token-once exchange unless a capacity is asked for (it is
+    // dropless) or the transport policy takes pointers away.
+    let exchange = match a.exchange {
+        Some(x) => x,
+        None if a.capacity_factor.is_some_and(|f| f != 0.0) || forced_remote => {
+            if pes <= xcall_permute::call::MAX_SEGMENTS && !forced_remote {
+                ExchangeArg::Fused
+            } else {
+                ExchangeArg::Copy
+            }
+        }
+        None => ExchangeArg::Token,
+    };
+    let token = exchange == ExchangeArg::Token;
+    if !token && (a.align.is_some() || a.sms.is_some() || a.dtype == DtypeArg::Fp8) {
+        return Err(format!(
+            "--align, --sms and --dtype fp8 are for --exchange token, not --exchange {}",
+            if exchange == ExchangeArg::Fused {
+                "fused"
+            } else {
+                "copy"
+            }
+        ));
+    }
+    if token && a.capacity_factor.is_some_and(|f| f != 0.0) {
+        return Err(
+            "--exchange token is dropless: leave --capacity-factor out, or pick --exchange fused or copy"
+                .into(),
+        );
+    }
+    if a.align == Some(0) {
+        return Err("--align must be at least 1".into());
+    }
     let f = a
         .capacity_factor
-        .unwrap_or(if a.dropless { 0.0 } else { 1.25 });
+        .unwrap_or(if a.dropless || token { 0.0 } else { 1.25 });
     if !(f.is_finite() && f >= 0.0) {
         return Err(format!(
             "--capacity-factor {f}: must be positive, or 0 for --dropless"
@@ -390,8 +440,13 @@ pub(super) fn validate(
     };
     let dtype = match a.dtype {
         DtypeArg::F32 => DType::F32,
-        DtypeArg::Bf16 => DType::Bf16,
+        DtypeArg::Bf16 | DtypeArg::Fp8 => DType::Bf16,
     };
+    if a.dtype == DtypeArg::Fp8 && hidden % 128 != 0 {
+        return Err(format!(
+            "--dtype fp8 scales blocks of 128 elements; --hidden {hidden} is not a multiple of 128"
+        ));
+    }
     // In f64: the sizes come from the command line and may be anything; the
     // bound below keeps every product the run makes later far from usize's.
     let size = dtype.size_bytes() as f64;
@@ -401,20 +456,19 @@ pub(super) fn validate(
         (experts / pes) as f64 * capacity as f64
     };
     let max = xcall_permute::call::MAX_SEGMENTS;
-    let forced_remote = forced_remote()?;
-    let fused = match a.exchange {
-        Some(ExchangeArg::Fused) if pes > max => {
-            return Err(format!(
-                "--exchange fused: at most {max} PEs (one permute segment per PE), not {pes}; use --exchange copy"
-            ))
-        }
-        Some(x) => x == ExchangeArg::Fused,
-        // A policy that forces pairs without pointers takes the copy.
-        None => pes <= max && !forced_remote,
-    };
-    let slots = if fused { pes } else { 2 * pes - 1 };
-    let bytes = slot_rows * slots as f64 * hidden as f64 * size * 2.0
-        + tokens as f64 * hidden as f64 * size * 2.0;
+    if exchange == ExchangeArg::Fused && pes > max {
+        return Err(format!(
+            "--exchange fused: at most {max} PEs (one permute segment per PE), not {pes}; use --exchange copy"
+        ));
+    }
+    let fused = exchange == ExchangeArg::Fused;
+    let slots = if fused || token { pes } else { 2 * pes - 1 };
+    // Token-once: expert-major rows in and out ([P*T*min(k, L)] each) and
+    // the group's received rows and partials ([P*T] each).
+    let bytes = match token {
+        true => 2.0 * (slot_rows + tokens as f64) * pes as f64 * hidden as f64 * size,
+        false => slot_rows * slots as f64 * hidden as f64 * size * 2.0,
+    } + tokens as f64 * hidden as f64 * size * 2.0;
     if bytes > 64.0 * (1u64 << 30) as f64 {
         return Err(format!(
             "the buffers of one PE would take {:.1} GiB; reduce --tokens or --hidden",
@@ -431,6 +485,11 @@ pub(super) fn validate(
         dropless,
         fused,
         dtype,
+        ep: token.then_some(EpShape {
+            fp8: a.dtype == DtypeArg::Fp8,
+            align: a.align.unwrap_or(1),
+            sms: a.sms.unwrap_or(0),
+        }),
     };
     let needed = Pe::heap_bytes(&shape).ok_or_else(|| {
         "the buffers of one PE would pass the address space; reduce --tokens, --hidden or --experts"

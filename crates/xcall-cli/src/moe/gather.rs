@@ -43,6 +43,8 @@ pub fn encode(log: &PeLog) -> Value {
             "took": secs(c.took),
         })).collect::<Vec<_>>(),
         "dropped": log.dropped,
+        "link_tokens": log.link_tokens,
+        "sms": log.sms,
         "draw": secs(log.draw_time),
         "queue_wait": secs(log.queue_wait),
         "input_wait": secs(log.input_wait),
@@ -120,6 +122,12 @@ pub fn decode(v: &Value) -> Option<PeLog> {
             .iter()
             .map(count)
             .collect::<Option<_>>()?,
+        link_tokens: v["link_tokens"]
+            .as_array()?
+            .iter()
+            .map(count)
+            .collect::<Option<_>>()?,
+        sms: v["sms"].as_u64().map(|n| n as usize),
         draw_time: duration(&v["draw"])?,
         queue_wait: duration(&v["queue_wait"])?,
         input_wait: duration(&v["input_wait"])?,
@@ -196,6 +204,8 @@ mod tests {
                 },
             ],
             dropped: vec![7, 0, 9],
+            link_tokens: vec![11, 12, 13],
+            sms: Some(24),
             draw_time: Duration::from_millis(30),
             queue_wait: Duration::from_millis(2),
             input_wait: Duration::from_millis(4),
@@ -217,6 +227,7 @@ mod tests {
         assert_eq!(b.checks[0].took, Duration::from_millis(12));
         assert_eq!(b.memory, (Some(1 << 30), None));
         assert_eq!(b.graphs[0].label, "process 1 cuda:0");
+        assert_eq!((b.link_tokens.clone(), b.sms), (vec![11, 12, 13], Some(24)));
 
         for (field, bad) in [
             ("steps", json!([[1.0, 99]])),
@@ -224,6 +235,7 @@ mod tests {
             ("memory", json!([1])),
             ("draw", json!(-1.0)),
             ("remote", json!("carrier pigeon")),
+            ("link_tokens", json!([-1])),
         ] {
             let mut v = encode(&log);
             v[field] = bad;

@@ -16,7 +16,7 @@ use super::verify::Checked;
 pub(super) struct PeLog {
     /// Per timed step: ms and the cache's outcome.
     pub(super) steps: Vec<(f64, Outcome)>,
-    /// Per instrumented step: each phase's ms ([`PHASES`] order).
+    /// Per instrumented step: each phase's ms (`pe::phases` order).
     pub(super) phases: Vec<Vec<f64>>,
     /// The median ms of a copy of the permuted tensor (CUDA).
     pub(super) copy_ms: Option<f64>,
@@ -24,6 +24,11 @@ pub(super) struct PeLog {
     pub(super) checks: Vec<Checked>,
     /// Per step of the run: the routes its inputs lose to the capacity.
     pub(super) dropped: Vec<usize>,
+    /// Per step of the run: the token rows its dispatch stores into other
+    /// PEs (token-once exchange; combine returns as many).
+    pub(super) link_tokens: Vec<usize>,
+    /// SMs the exchange kernels may occupy (token-once exchange on CUDA).
+    pub(super) sms: Option<usize>,
     /// Time the drawer thread spent drawing inputs.
     pub(super) draw_time: Duration,
     /// Time the PE waited for room in its checker's queue.

@@ -10,7 +10,7 @@ use xcall_graph::GraphCache;
 use super::flags::Run;
 use super::gather;
 use super::log::{graph_lines, PeLog};
-use super::pe::{Pe, Waits};
+use super::pe::{Pe, Queued, Waits};
 use super::progress::Progress;
 use super::verify::{self, check_threads, Checks, Job};
 use crate::alloc::RunError;
@@ -154,19 +154,39 @@ pub(super) fn run_steps(
     let mut log = PeLog::default();
     let mut current = None;
     let mut dropped = 0;
+    let mut link = 0;
+    log.sms = pe.sms_used();
+    // Timed steps run ahead of their times: each waits on the device for
+    // its peers (the steps' own protocol), not on the host; their times
+    // are read at the next drain.
+    let mut queued: Vec<Queued> = Vec::new();
+    let settle = |pe: &mut Pe, log: &mut PeLog, queued: &mut Vec<Queued>| -> Result<(), RunError> {
+        pe.drain()?;
+        for q in queued.drain(..) {
+            log.steps.push((q.ms()?, q.outcome));
+        }
+        Ok(())
+    };
     for n in 0..total {
         let checked = run.verify.checks(n, total);
-        if n == 0 || checked {
+        let fresh = n == 0 || checked;
+        if fresh {
             let (d, waited) = checks.inputs(n, current.take())?;
             log.draw_time += d.took;
             log.input_wait += waited;
             // The previous step may still run on the device.
-            pe.drain()?;
+            settle(pe, &mut log, &mut queued)?;
             pe.upload(&d.inputs)?;
             dropped = d.dropped;
+            link = d.link_tokens;
             current = Some(d.inputs);
         }
-        pe.barrier()?;
+        // Every PE meets on the host where inputs changed, and around
+        // the untimed steps.
+        if fresh || n > run.steps || n == 1 {
+            settle(pe, &mut log, &mut queued)?;
+            pe.barrier()?;
+        }
         if n == 0 {
             // Warm-up: compiles and autotunes outside any capture; waits on
             // the host so a failing PE times out instead of hanging.
@@ -174,12 +194,14 @@ pub(super) fn run_steps(
             pe.drain()?;
             log.memory.0 = pe.memory_in_use()?;
         } else if n <= run.steps {
-            log.steps.push(pe.timed_step(cache)?);
+            queued.push(pe.queue_step(cache)?);
         } else {
             log.phases.push(pe.phase_step()?);
         }
         log.dropped.push(dropped);
+        log.link_tokens.push(link);
         if checked {
+            settle(pe, &mut log, &mut queued)?;
             let mut y = checks.output()?;
             pe.download(&mut y)?;
             let inputs = current.clone().ok_or("a checked step without inputs")?;
@@ -191,7 +213,7 @@ pub(super) fn run_steps(
             progress.step(n, run.steps);
         }
     }
-    pe.drain()?;
+    settle(pe, &mut log, &mut queued)?;
     log.memory.1 = pe.memory_in_use()?;
     Ok(log)
 }

@@ -9,12 +9,12 @@ use xcall_core::{Device, Platform};
 use super::data::{Check, Shape};
 use super::flags::{host_executor, Run, PHASE_STEPS};
 use super::log::{GraphLine, PeLog};
-use super::pe::{Pe, PHASES};
+use super::pe::{phases, Pe};
 use super::verify::{check_threads, Verify};
 use crate::report::JsonOut;
 
 /// The bytes each phase must move through one PE's memory at the least
-/// (reads plus writes, [`PHASES`] order), with `N = P*S` permuted rows (`P`
+/// (reads plus writes, [`phases`] order). Per-route, with `N = P*S` permuted rows (`P`
 /// slots of `S` rows): the map reads the routing and writes the map;
 /// permute reads the tokens and writes every permuted row; copied,
 /// dispatch and combine read the `P - 1` slots for peers and take the
@@ -24,8 +24,30 @@ use crate::report::JsonOut;
 /// experts read and write `N` rows with a capacity, dropless only the
 /// `T*k` rows routed to them (on average); unpermute reads the map, the
 /// probs and the routed rows and writes `y`. Waits move nothing.
-pub(super) fn phase_bytes(s: &Shape) -> [f64; 8] {
+///
+/// Token-once (uniform routing on average, `R = T*P*(1 - (1 - 1/P)^k)`
+/// token rows received, `W` the wire row): dispatch reads the tokens and
+/// stores the `R - R/P` peers' rows, reads the `R` received rows and
+/// writes `T*k` expert rows; the experts read and write `T*k` rows;
+/// combine reads the `T*k` rows, stores `R` partial rows, reads them and
+/// writes `y`.
+pub(super) fn phase_bytes(s: &Shape) -> Vec<f64> {
     let (t, e, row) = (s.tokens as f64, s.experts as f64, s.row_bytes() as f64);
+    if let Some(ep) = s.ep {
+        let p = s.pes as f64;
+        let received = t * p * (1.0 - (1.0 - 1.0 / p).powi(s.topk as i32));
+        let wire = if ep.fp8 {
+            s.hidden as f64 * (1.0 + 4.0 / 128.0)
+        } else {
+            row
+        };
+        let routed = t * s.topk as f64;
+        return vec![
+            t * row + received * (1.0 - 1.0 / p) * wire + received * wire + routed * wire,
+            2.0 * routed * row,
+            routed * row + 2.0 * received * row + t * row,
+        ];
+    }
     let n = (s.pes * s.slot_rows()) as f64;
     let expert_rows = if s.dropless { t * s.topk as f64 } else { n };
     let map = t * (2.0 * e + 1.0) * 4.0;
@@ -34,7 +56,7 @@ pub(super) fn phase_bytes(s: &Shape) -> [f64; 8] {
         true => 0.0,
         false => 2.0 * n * row * (s.pes - 1) as f64 / s.pes as f64,
     };
-    [
+    vec![
         t * e + map + (2.0 * e + 1.0) * 8.0,
         t * row + n * row + map,
         peers,
@@ -95,6 +117,8 @@ pub(super) fn report(
         times.iter().copied().fold(0.0, f64::max),
     );
     let med = median(&mut times);
+    // `times` is sorted now: the 99th percentile step.
+    let p99 = times[((times.len() * 99).div_ceil(100)).clamp(1, times.len()) - 1];
     let tokens_per_s = (s.pes * s.tokens) as f64 / (med / 1e3);
     let checks: Vec<&Check> = pes
         .iter()
@@ -107,9 +131,25 @@ pub(super) fn report(
     let routes = (s.pes * s.tokens * s.topk * total) as f64;
     let fill = (routes - dropped as f64) / ((s.pes * s.pes * s.slot_rows() * total) as f64);
     // Copied, whole slots cross both ways; fused, only the routed rows
-    // (the slots' fill on average).
+    // (the slots' fill on average); token-once, each token once to each
+    // other PE hosting its experts (its FP8 scales too) and one row back.
     let slot = Pe::slot_bytes(&s) as f64 * if s.fused { fill } else { 1.0 };
-    let between = 2.0 * slot * (s.pes * (s.pes - 1)) as f64;
+    let between = match s.ep {
+        Some(ep) => {
+            let wire = match ep.fp8 {
+                true => (s.hidden + s.hidden / 128 * 4) as f64,
+                false => s.row_bytes() as f64,
+            };
+            let link: f64 = pes
+                .iter()
+                .map(|p| {
+                    p.link_tokens.iter().sum::<usize>() as f64 / p.link_tokens.len().max(1) as f64
+                })
+                .sum();
+            link * (wire + s.row_bytes() as f64)
+        }
+        None => 2.0 * slot * (s.pes * (s.pes - 1)) as f64,
+    };
     let gbps = between / (med / 1e3) / 1e9;
     let checked_steps = pes.first().map_or(0, |p| p.checks.len());
     let check_time: Duration = pes.iter().flat_map(|p| &p.checks).map(|c| c.took).sum();
@@ -136,7 +176,8 @@ pub(super) fn report(
     }
     // Each phase: the median over the instrumented steps per PE, and the
     // slowest PE's; its floor at the PEs' median copy rate (CUDA).
-    let per_pe: Vec<Vec<f64>> = (0..PHASES.len())
+    let names = phases(&s);
+    let per_pe: Vec<Vec<f64>> = (0..names.len())
         .map(|i| {
             pes.iter()
                 .map(|p| median(&mut p.phases.iter().map(|v| v[i]).collect::<Vec<_>>()))
@@ -148,7 +189,7 @@ pub(super) fn report(
         .map(|v| v.iter().copied().fold(0.0, f64::max))
         .collect();
     let mut copies: Vec<f64> = pes.iter().filter_map(|p| p.copy_ms).collect();
-    let copied = 2.0 * (s.pes * Pe::slot_bytes(&s)) as f64;
+    let copied = 2.0 * Pe::copy_bytes(&s) as f64;
     // Bytes per ms.
     let copy_rate = (!copies.is_empty()).then(|| copied / median(&mut copies));
     let bytes = phase_bytes(&s);
@@ -196,7 +237,7 @@ pub(super) fn report(
         Platform::Cuda => "device memory in use (most of any GPU)",
     };
     println!();
-    println!("  step time      median {med:.3} ms   min {min:.3} ms   max {max:.3} ms   (first timed step {first:.3} ms)");
+    println!("  step time      median {med:.3} ms   min {min:.3} ms   p99 {p99:.3} ms   max {max:.3} ms   (first timed step {first:.3} ms)");
     println!(
         "  steady state   median of the first tenth of timed steps {first_tenth:.3} ms, of the last tenth {last_tenth:.3} ms; {memory_kind} {} after the warm-up, {} at the end",
         mib(memory.0),
@@ -208,7 +249,11 @@ pub(super) fn report(
     }
     println!(
         "  exchange       {}: {:.1} MB/step between PEs (each PE's own rows stay in place), {gbps:.2} GB/s at the median",
-        if s.fused {
+        if s.ep.is_some_and(|e| e.fp8) {
+            "token-once, FP8 dispatch (each token stored once into each PE hosting its experts, one bf16 row back)"
+        } else if s.ep.is_some() {
+            "token-once (each token stored once into each PE hosting its experts, one row back)"
+        } else if s.fused {
             "fused (permute writes the peers' slots, unpermute reads them)"
         } else if remote.is_some_and(|r| r.starts_with("nccl")) {
             "copy (whole slots, one World::exchange per phase, through NCCL)"
@@ -219,6 +264,16 @@ pub(super) fn report(
         },
         between / 1e6,
     );
+    if s.ep.is_some() {
+        println!(
+            "  per PE         {:.1} MB/step stored into other PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}; not overlapped with the experts (0% hidden)",
+            between / s.pes as f64 / 1e6,
+            gbps / s.pes as f64,
+            pes.iter()
+                .find_map(|p| p.sms)
+                .map_or("the Host".to_string(), |n| format!("at most {n} SMs")),
+        );
+    }
     println!(
         "  {:<15}{:.1}% of the permuted rows used, {} route(s) dropped over all steps",
         if s.dropless {
@@ -240,7 +295,7 @@ pub(super) fn report(
         ))
     );
     let cell = |f: Option<f64>| f.map_or("-".to_string(), |f| format!("{f:.3}"));
-    for ((name, ms), floor) in PHASES.iter().zip(&phase_ms).zip(&floors) {
+    for ((name, ms), floor) in names.iter().zip(&phase_ms).zip(&floors) {
         println!("    {name:<14} {ms:>8.3} ms   floor {:>7}", cell(*floor));
     }
     println!(
@@ -284,10 +339,11 @@ pub(super) fn report(
             "platform": platform,
             "pes": s.pes, "tokens": s.tokens, "hidden": s.hidden, "experts": s.experts,
             "topk": s.topk, "dtype": s.dtype.name(), "capacity": s.capacity,
-            "dropless": s.dropless, "exchange": if s.fused { "fused" } else { "copy" },
+            "dropless": s.dropless,
+            "exchange": if s.ep.is_some() { "token" } else if s.fused { "fused" } else { "copy" },
             "slot_rows": s.slot_rows(), "heap_bytes": heap_bytes,
             "capacity_factor": run.capacity_factor, "steps": run.steps, "seed": run.seed,
-            "step_ms": {"median": med, "min": min, "max": max, "first": first,
+            "step_ms": {"median": med, "min": min, "max": max, "p99": p99, "first": first,
                 "first_tenth": first_tenth, "last_tenth": last_tenth},
             "memory_bytes": {"kind": if run.platform == Platform::Host { "host_resident" } else { "device_in_use" },
                 "after_warmup": memory.0, "at_end": memory.1},
@@ -296,7 +352,7 @@ pub(super) fn report(
             "exchange_bytes_per_step": between,
             "exchange_gb_per_s": gbps,
             "capacity_fill": fill, "dropped_routes": dropped,
-            "phases": PHASES.iter().enumerate().map(|(i, name)| json!({
+            "phases": names.iter().enumerate().map(|(i, name)| json!({
                 "name": name.replace(' ', "_"), "ms": phase_ms[i], "ms_per_pe": per_pe[i],
                 "bytes": bytes[i], "floor_ms": floors[i],
             })).collect::<Vec<_>>(),
@@ -317,6 +373,14 @@ pub(super) fn report(
         doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
         doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
         doc["host_executor"] = json!(host_executor(run));
+        doc["exchange_per_pe"] = json!({
+            "bytes_per_step": between / s.pes as f64,
+            "gb_per_s": gbps / s.pes as f64,
+            "sms": pes.iter().find_map(|p| p.sms),
+            "hidden_fraction": 0.0,
+            "fp8_dispatch": s.ep.is_some_and(|e| e.fp8),
+            "align": s.ep.map(|e| e.align),
+        });
         out.write("moe", &devices, doc)?;
     }
     Ok(bad == 0)

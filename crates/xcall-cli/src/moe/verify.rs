@@ -113,6 +113,9 @@ pub struct Drawn {
     pub inputs: Arc<Inputs>,
     /// Routes the layer's capacity drops from them.
     pub dropped: usize,
+    /// Token rows the token-once dispatch stores into other PEs (0 for
+    /// the per-route exchanges).
+    pub link_tokens: usize,
     /// The time drawing them took.
     pub took: Duration,
 }
@@ -163,10 +166,15 @@ pub fn draw_for(
     draw_into(shape, seed, step, rank, threads, &mut inputs)?;
     kept_routes_into(shape, &inputs.routing, kept);
     let dropped = dropped_routes(&inputs.routing, kept);
+    let link_tokens = match shape.ep {
+        Some(_) => super::data::link_tokens(shape, rank, &inputs.routing),
+        None => 0,
+    };
     Ok(Drawn {
         step,
         inputs: Arc::new(inputs),
         dropped,
+        link_tokens,
         took: start.elapsed(),
     })
 }
@@ -462,6 +470,7 @@ mod tests {
             dropless: false,
             fused: true,
             dtype: DType::F32,
+            ep: None,
         };
         let (inputs, draw_work) = drawer(shape, 3, 0, [0, 2, 5].into_iter(), 2);
         let (jobs, check_work) = checker(shape, 0, 2);
@@ -513,6 +522,7 @@ mod tests {
             dropless: false,
             fused: true,
             dtype: DType::F32,
+            ep: None,
         };
         let (inputs, work) = drawer(shape, 1, 0, 0..1_000_000, 1);
         drop(inputs);

@@ -71,9 +71,9 @@ pub struct Outputs {
     pub grad_probs: Vec<f32>,
 }
 
-/// Poisons `b` with 0xA5 bytes (a NaN pattern in f32 and bf16).
+/// Poisons `b` with 0xFF bytes (NaN in f32 and in bf16).
 fn poison(m: &mut dyn Mem, b: Buf) {
-    m.write(b, &vec![0xa5; b.bytes]);
+    m.write(b, &vec![0xff; b.bytes]);
 }
 
 /// The expert-major buffers of `g` in `m`.

@@ -76,6 +76,7 @@
 
 mod step;
 mod timed;
+mod token;
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -91,10 +92,11 @@ use super::data::{Inputs, Shape};
 use crate::alloc::{self, AllocError, RunError};
 use crate::layer::{Context, Layer, Res};
 
-pub use step::{Waits, PHASES};
+pub use step::{phases, Waits};
+pub use timed::Queued;
 
 /// Symmetric buffers (the same offsets on every PE).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct Buffers {
     layer: Layer,
     /// `(P-1)*L + E` i64: the counts received with the peers' slots, then
@@ -108,6 +110,13 @@ struct Buffers {
     dispatch: u64,
     combine: u64,
     scales: u64,
+}
+
+impl Buffers {
+    /// No buffers: a token-once PE has its own ([`token::TokenPe`]).
+    fn unused() -> Buffers {
+        Buffers::default()
+    }
 }
 
 struct Gpu {
@@ -140,6 +149,9 @@ pub struct Pe {
     /// numbering, staged for the upload: empty until
     /// [`Pe::reserve_upload`].
     staged: (Vec<u8>, Vec<u8>),
+    /// The group and buffers of the token-once exchange (`shape.ep`);
+    /// `b` is then unused.
+    ep: Option<token::TokenPe>,
 }
 
 impl Pe {
@@ -177,6 +189,9 @@ impl Pe {
     /// aligned), the world's signal words, and 1 MiB to spare; `None` when
     /// that passes `usize`.
     pub fn heap_bytes(shape: &Shape) -> Option<usize> {
+        if shape.ep.is_some() {
+            return token::heap_bytes(shape);
+        }
         Self::buffer_sizes(shape)?
             .iter()
             .try_fold((shape.pes + 4) * 16 + (1 << 20), |sum: usize, (b, _)| {
@@ -198,13 +213,38 @@ impl Pe {
         timeout: Duration,
     ) -> Result<Pe, RunError> {
         let p = shape.pes;
-        let sizes = Self::buffer_sizes(&shape).ok_or("the layer's buffers pass usize")?;
         let mut config = WorldConfig::in_process("", rank, p, device);
         config.bootstrap = bootstrap.clone();
         config.heap_bytes = heap;
         config.timeout = timeout;
         let mut world = World::new();
         world.init(&config).context("shmem init")?;
+        let gpu = match device.platform {
+            Platform::Host => None,
+            Platform::Cuda => {
+                let stream = OwnedStream::new(device).context("CUDA stream")?;
+                Some(Gpu { stream })
+            }
+        };
+        if shape.ep.is_some() {
+            let (tok, sizes) = token::new(&mut world, &shape)?;
+            return Ok(Pe {
+                world,
+                shape,
+                rank,
+                device,
+                b: Buffers::unused(),
+                sizes,
+                gpu,
+                ops: OpConfig::default(),
+                host: HostExecutor::default(),
+                remote: None,
+                timeout,
+                staged: (Vec::new(), Vec::new()),
+                ep: Some(tok),
+            });
+        }
+        let sizes = Self::buffer_sizes(&shape).ok_or("the layer's buffers pass usize")?;
         let mut addrs = Vec::with_capacity(sizes.len());
         for (bytes, _) in sizes {
             addrs.push(world.malloc(bytes.max(1)).context("shmem malloc")?);
@@ -226,13 +266,6 @@ impl Pe {
             combine: addrs[10],
             scales: addrs[11],
         };
-        let gpu = match device.platform {
-            Platform::Host => None,
-            Platform::Cuda => {
-                let stream = OwnedStream::new(device).context("CUDA stream")?;
-                Some(Gpu { stream })
-            }
-        };
         let mut pe = Pe {
             world,
             shape,
@@ -250,6 +283,7 @@ impl Pe {
             remote: None,
             timeout,
             staged: (Vec::new(), Vec::new()),
+            ep: None,
         };
         for q in 0..p {
             let t = pe.world.transport(q).context("shmem transport")?;
@@ -272,6 +306,17 @@ impl Pe {
     /// PE to have done the same.
     pub fn set_up_buffers(&mut self) -> Result<(), RunError> {
         let (shape, b, p, rank) = (self.shape, self.b, self.shape.pes, self.rank);
+        if let Some(tok) = &self.ep {
+            // Each local expert's scale, by its global number.
+            let l = shape.local_experts();
+            let at = tok.scales.addr;
+            let scales: Vec<u8> = (0..l)
+                .flat_map(|e| shape.scale(rank * l + e).to_le_bytes())
+                .collect();
+            self.write(at, &scales)?;
+            self.world.barrier_all().context("shmem barrier")?;
+            return Ok(());
+        }
         let pe = self;
         pe.fill(b.dispatch, (p * 8) as u64, 0)?;
         pe.fill(b.combine, (p * 8) as u64, 0)?;
@@ -340,6 +385,21 @@ impl Pe {
     /// numbering (see the module docs), and poisons `y` (NaN in both
     /// dtypes).
     pub fn upload(&mut self, inputs: &Inputs) -> Result<(), RunError> {
+        if let Some(tok) = &self.ep {
+            let (x, ids, probs, y) = (tok.x.addr, tok.ids.addr, tok.probs.addr, tok.y);
+            let mut staged = std::mem::take(&mut self.staged);
+            if staged.0.len() != tok.ids.bytes || staged.1.len() != tok.probs.bytes {
+                return Err("the upload's host buffers were not reserved for these inputs".into());
+            }
+            token::top_k(&self.shape, inputs, &mut staged.0, &mut staged.1);
+            let written = self
+                .write(x, &inputs.x)
+                .and_then(|()| self.write(ids, &staged.0))
+                .and_then(|()| self.write(probs, &staged.1));
+            self.staged = staged;
+            written?;
+            return self.fill(y.addr, y.bytes as u64, 0xff);
+        }
         let e = self.shape.experts;
         let shift = self.rank * self.shape.local_experts();
         let mut staged = std::mem::take(&mut self.staged);
@@ -374,17 +434,29 @@ impl Pe {
     /// drained) into `y` (`[T, H]`).
     pub fn download(&mut self, y: &mut [u8]) -> Res<()> {
         self.drain()?;
-        if y.len() != self.sizes[8].1 {
+        let (at, bytes) = match &self.ep {
+            Some(tok) => (tok.y.addr, tok.y.bytes),
+            None => (self.b.y, self.sizes[8].1),
+        };
+        if y.len() != bytes {
             return Err(format!(
-                "a buffer of {} bytes for the output of {} bytes",
+                "a buffer of {} bytes for the output of {bytes} bytes",
                 y.len(),
-                self.sizes[8].1
             ));
         }
         let me = self.rank;
         // SAFETY: `y` holds exactly the bytes read.
-        unsafe { self.world.get(y.as_mut_ptr() as u64, self.b.y, y.len(), me) }
+        unsafe { self.world.get(y.as_mut_ptr() as u64, at, y.len(), me) }
             .context("shmem get (download)")
+    }
+
+    /// SMs the token-once exchange kernels may occupy (`None` for the
+    /// per-route exchanges and on Host).
+    pub fn sms_used(&self) -> Option<usize> {
+        match (&self.ep, &self.gpu) {
+            (Some(t), Some(_)) => Some(t.group.sms_used()),
+            _ => None,
+        }
     }
 
     /// The transport of the peers without pointers, if any.
@@ -408,6 +480,10 @@ impl Pe {
         };
         let start = Instant::now();
         let mut polls = 0u32;
+        let checked = |pe: &Pe| match &pe.ep {
+            Some(tok) => tok.group.check().context("expert-parallel step"),
+            None => Ok(()),
+        };
         while !g.stream.is_idle().context("CUDA stream")? {
             if start.elapsed() > self.timeout {
                 return Err(format!(
@@ -424,7 +500,7 @@ impl Pe {
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
-        Ok(())
+        checked(self)
     }
 
     /// Waits for every PE before the next step.
@@ -448,6 +524,15 @@ impl Pe {
         }
     }
 
+    /// Bytes of the copy the phases' floors are measured against (see
+    /// `Pe::copy_ms`).
+    pub fn copy_bytes(shape: &Shape) -> usize {
+        match shape.ep {
+            Some(_) => token::buffer_sizes(shape).map_or(0, |(_, s)| s[8].0),
+            None => shape.pes * Self::slot_bytes(shape),
+        }
+    }
+
     /// Bytes of one slot: [`Shape::slot_rows`] rows, what one PE sends
     /// another in dispatch and in combine.
     pub fn slot_bytes(shape: &Shape) -> usize {
@@ -464,6 +549,11 @@ impl Pe {
     /// Frees the buffers and leaves the world; an error on a leak.
     pub fn finish(mut self) -> Res<()> {
         self.drain()?;
+        if let Some(tok) = self.ep.take() {
+            tok.group
+                .destroy(&mut self.world)
+                .context("expert-parallel group")?;
+        }
         for &(a, _, _) in &self.sizes {
             self.world.free(a).context("shmem free")?;
         }

@@ -31,8 +31,8 @@ pub enum Waits {
     Stream,
 }
 
-/// The phases of a step, in order (see the module docs).
-pub const PHASES: [&str; 8] = [
+/// The phases of a per-route step, in order (see the module docs).
+const PHASES: [&str; 8] = [
     "map",
     "permute",
     "dispatch",
@@ -42,6 +42,17 @@ pub const PHASES: [&str; 8] = [
     "combine wait",
     "unpermute",
 ];
+
+/// The phases of the token-once step (`pe::token`).
+const TOKEN_PHASES: [&str; 3] = ["dispatch", "experts", "combine"];
+
+/// The phases of a step of `shape`, in the order a step marks them.
+pub fn phases(shape: &Shape) -> &'static [&'static str] {
+    match shape.ep {
+        Some(_) => &TOKEN_PHASES,
+        None => &PHASES,
+    }
+}
 
 /// The end of a phase: an event on the PE's stream, or the host clock (a
 /// Host step runs synchronously).
@@ -120,12 +131,12 @@ impl Pe {
     }
 
     /// One eager step with the end of every phase marked; returns each
-    /// phase's time in ms ([`PHASES`] order). On CUDA the whole step is
+    /// phase's time in ms ([`phases`] order). On CUDA the whole step is
     /// enqueued before any mark is read, so a phase's time is device time
     /// (plus any wait for the host to enqueue it) and the waits are on the
     /// stream, as in a captured step.
     pub fn phase_step(&mut self) -> Res<Vec<f64>> {
-        let mut marks = Some(Vec::with_capacity(PHASES.len() + 1));
+        let mut marks = Some(Vec::with_capacity(phases(&self.shape).len() + 1));
         self.mark(&mut marks)?;
         let waits = match self.gpu {
             Some(_) => Waits::Stream,
@@ -165,6 +176,11 @@ impl Pe {
     }
 
     pub(super) fn step_marked(&mut self, waits: Waits, marks: &mut Option<Vec<Mark>>) -> Res<()> {
+        if self.ep.is_some() {
+            // The group's waits are on the stream (kernels that time out)
+            // on CUDA, and on the host on Host.
+            return self.token_step(marks);
+        }
         let s = self.shape;
         let (b, stream) = (self.b, self.stream());
         let target = match self.device.platform {
@@ -464,6 +480,7 @@ mod tests {
             capacity: 40,
             dropless,
             fused: false,
+            ep: None,
         }
     }
 

@@ -28,6 +28,11 @@ impl Pe {
             bytes.extend_from_slice(&(v as u64).to_le_bytes());
         }
         bytes.extend_from_slice(&[u8::from(s.dropless), u8::from(s.fused)]);
+        if let Some(ep) = s.ep {
+            for v in [u64::from(ep.fp8), ep.align as u64, ep.sms as u64] {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+        }
         bytes.extend_from_slice(format!("{:?}", s.dtype).as_bytes());
         bytes.push(0);
         for pe in 0..s.pes {
@@ -49,6 +54,35 @@ impl Pe {
                 .map(|&(a, bytes, role)| Buffer::new(a, bytes as u64, role))
                 .collect(),
         }
+    }
+
+    /// [`Pe::timed_step`] without waiting for it on CUDA: the step's
+    /// events come back with it, read once the stream drained (so that
+    /// the host runs ahead of the GPUs and its own delays stay out of the
+    /// steps' times).
+    pub fn queue_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<Queued> {
+        let key = self.key();
+        let Some(stream) = self.gpu.as_ref().map(|g| g.stream.stream()) else {
+            let (ms, outcome) = self.timed_step(cache)?;
+            return Ok(Queued {
+                outcome,
+                ms: Some(ms),
+                marks: None,
+            });
+        };
+        let a = Event::new(self.device).context("CUDA event")?;
+        let z = Event::new(self.device).context("CUDA event")?;
+        a.record_on(&stream).context("CUDA event")?;
+        let handle = CudaStreamHandle(stream.raw());
+        let outcome = cache
+            .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
+            .context("graph cache")?;
+        z.record_on(&stream).context("CUDA event")?;
+        Ok(Queued {
+            outcome,
+            ms: None,
+            marks: Some((a, z)),
+        })
     }
 
     /// Runs one step through the graph cache; returns its time in ms (CUDA
@@ -84,13 +118,27 @@ impl Pe {
 
     /// The median ms of a device-to-device copy of `P` slots (the size of
     /// the permuted tensor), the first `P` of `rows` into the first `P` of
-    /// `results`, on the PE's stream: the bandwidth the
+    /// `results` (token-once: the expert-major rows into the experts'
+    /// outputs), on the PE's stream: the bandwidth the
     /// phases' byte floors are measured against. `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
             return Ok(None);
         };
-        let bytes = self.shape.pes * Self::slot_bytes(&self.shape);
+        // The expert-major rows into the experts' outputs (token-once), or
+        // the first P slots of `rows` into those of `results`.
+        let (dst, src, bytes) = match &self.ep {
+            Some(t) => (
+                t.expert_out.addr,
+                t.out.rows.addr,
+                t.out.rows.bytes.min(t.expert_out.bytes),
+            ),
+            None => (
+                self.b.results,
+                self.b.rows,
+                self.shape.pes * Self::slot_bytes(&self.shape),
+            ),
+        };
         let stream = g.stream.stream();
         let mut ms = Vec::new();
         for _ in 0..5 {
@@ -103,7 +151,7 @@ impl Pe {
                     // allocations of this PE's heap, each holding at least
                     // P slots; neither is read or written by anyone else
                     // between steps.
-                    unsafe { s.copy_dtod(self.b.results, self.b.rows, bytes) }
+                    unsafe { s.copy_dtod(dst, src, bytes) }
                 })
                 .context("cuMemcpyDtoDAsync")?;
             z.record_on(&stream).context("CUDA event")?;
@@ -136,4 +184,24 @@ fn resident_bytes() -> Option<u64> {
     // SAFETY: sysconf reads a constant of the system.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     u64::try_from(page).ok()?.checked_mul(pages)
+}
+
+/// A step enqueued by [`Pe::queue_step`].
+pub struct Queued {
+    /// What the graph cache did.
+    pub outcome: Outcome,
+    ms: Option<f64>,
+    marks: Option<(Event, Event)>,
+}
+
+impl Queued {
+    /// The step's time in ms; on CUDA only once the PE's stream drained
+    /// past it ([`Pe::drain`]).
+    pub fn ms(&self) -> Res<f64> {
+        match (&self.ms, &self.marks) {
+            (Some(ms), _) => Ok(*ms),
+            (None, Some((a, z))) => Ok(z.elapsed_ms_since(a).context("CUDA event")? as f64),
+            (None, None) => Err("a step with neither a time nor events".into()),
+        }
+    }
 }
