@@ -17,10 +17,18 @@
  * reads the results from each destination's out slot
  * (xcall_unpermute_segmented): no send or ret buffer is touched.
  *
- * The step runs through the graph cache (on Host the record function runs
+ * Then the same layer with xcall's expert-parallel calls instead of the
+ * written-out step (dropless, no capacity):
+ *
+ *   xcall_ep_dispatch      tokens -> expert-major rows on the experts' PEs
+ *   xcall_ws_run_ragged    out = silu(rows) * scale_e, each expert's rows
+ *   xcall_ep_combine       weighted sum back on each token's PE
+ *
+ * Each step runs through the graph cache (on Host the record function runs
  * directly; on CUDA the same code would be captured once and replayed,
- * which the fixed capacity layout makes possible). Each PE checks y
- * against a reference computed here with plain loops.
+ * which the fixed capacity layout, and the expert-parallel group's sizes,
+ * make possible). Each PE checks y against a reference computed here with
+ * plain loops.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -36,7 +44,7 @@ struct pe {
   const xcall_graph_cache *cache;
   int failures;
   int fused;
-  uint32_t outcome[2];
+  uint32_t outcome[3];
   uint64_t leaked;
   xcall_shmem_world *w;
   /* Symmetric buffers: the same offsets on both PEs. */
@@ -45,6 +53,13 @@ struct pe {
   int32_t *map;
   int64_t *tpe, *offsets;
   uint64_t *dispatch, *combine;
+  /* The expert-parallel step's: its group, routing as ids, expert-major
+   * rows and their counts, the experts' outputs and scales. */
+  xcall_ep_group *group;
+  xcall_ep_sizes sizes;
+  int32_t *ids;
+  float *ep_probs, *rows, *expert_out, *scales;
+  int64_t *counts;
 };
 
 /* Returns from the record function with the failing call's status. */
@@ -141,6 +156,35 @@ static uint32_t step(void *user_data, void *stream) {
   return XCALL_STATUS_OK;
 }
 
+/* The same layer through the expert-parallel group. */
+static uint32_t ep_step(void *user_data, void *stream) {
+  struct pe *p = user_data;
+  const xcall_target target = {XCALL_PLATFORM_HOST, 0, stream};
+  const xcall_ep_sizes *s = &p->sizes;
+  xcall_ep_expert_major out = {0};
+  out.rows = p->rows;
+  out.rows_bytes = s->rows_bytes;
+  out.tokens_per_expert = p->counts;
+  out.tokens_per_expert_bytes = s->tokens_per_expert_bytes;
+  TRY(xcall_ep_dispatch(p->group, p->x, s->token_rows_bytes, p->ids, s->routing_bytes, p->ep_probs,
+                        s->routing_bytes, T, &out, stream));
+  TRY(xcall_ws_run_ragged(&target, XCALL_DTYPE_F32, NULL, p->rows, p->expert_out, 1, LOCAL,
+                          s->expert_out_bytes, H * sizeof(float), p->counts, p->scales));
+  TRY(xcall_ep_combine(p->group, p->expert_out, s->expert_out_bytes, p->y, s->token_rows_bytes, stream));
+  return XCALL_STATUS_OK;
+}
+
+static xcall_ep_config ep_config(void) {
+  xcall_ep_config c = {0};
+  c.tokens = T;
+  c.hidden = H;
+  c.topk = TOPK;
+  c.experts = E;
+  c.align = 1; /* packed: the ragged expert run reads the groups back to back */
+  c.precision = XCALL_EP_PRECISION_F32;
+  return c;
+}
+
 static void *alloc(struct pe *p, size_t bytes) {
   void *ptr = NULL;
   PE_EXPECT(xcall_shmem_malloc(p->w, bytes, &ptr) == XCALL_STATUS_OK);
@@ -157,7 +201,9 @@ static void *run_pe(void *arg) {
   c.target.ordinal = 800 + p->rank;
   c.bootstrap = XCALL_SHMEM_BOOTSTRAP_IN_PROCESS;
   c.address = "c-moe-step";
-  c.heap_bytes = 1 << 20;
+  const xcall_ep_config ep = ep_config();
+  PE_EXPECT(xcall_ep_layout(&ep, PES, &p->sizes) == XCALL_STATUS_OK);
+  c.heap_bytes = (1 << 20) + p->sizes.heap_bytes;
   c.timeout_ms = 20000;
   PE_EXPECT(xcall_shmem_init(p->w, &c) == XCALL_STATUS_OK);
   p->x = alloc(p, sizeof(float) * T * H);
@@ -173,6 +219,14 @@ static void *run_pe(void *arg) {
   p->y = alloc(p, sizeof(float) * T * H);
   p->dispatch = alloc(p, sizeof(uint64_t) * PES);
   p->combine = alloc(p, sizeof(uint64_t) * PES);
+  PE_EXPECT(xcall_ep_group_new(p->w, &ep, &p->group) == XCALL_STATUS_OK);
+  /* The caller's buffers of the expert-parallel step (host memory). */
+  p->ids = malloc(p->sizes.routing_bytes);
+  p->ep_probs = malloc(p->sizes.routing_bytes);
+  p->rows = aligned_alloc(16, p->sizes.rows_bytes);
+  p->expert_out = aligned_alloc(16, p->sizes.expert_out_bytes);
+  p->counts = malloc(p->sizes.tokens_per_expert_bytes);
+  p->scales = malloc(sizeof(float) * LOCAL);
   if (p->failures) return NULL;
 
   /* Inputs: values in [-3, 3); token t picks experts (t + rank) % E and
@@ -187,7 +241,12 @@ static void *run_pe(void *arg) {
       p->routing[t * E + e] = (uint8_t)(e == a || e == b);
       p->probs[t * E + e] = e == a ? 0.7f : e == b ? 0.3f : 0.0f;
     }
+    p->ids[t * TOPK] = a;
+    p->ids[t * TOPK + 1] = b;
+    p->ep_probs[t * TOPK] = 0.7f;
+    p->ep_probs[t * TOPK + 1] = 0.3f;
   }
+  for (int l = 0; l < LOCAL; l++) p->scales[l] = scale_of((int)p->rank * LOCAL + l);
   for (int q = 0; q < PES; q++) p->dispatch[q] = p->combine[q] = 0;
 
   xcall_buffer bufs[] = {
@@ -237,6 +296,27 @@ static void *run_pe(void *arg) {
     PE_EXPECT(xcall_shmem_barrier_all(p->w) == XCALL_STATUS_OK);
   }
 
+  /* The expert-parallel step: every route lands (dropless). */
+  for (int i = 0; i < T * H; i++) p->y[i] = NAN;
+  xcall_call call = {{XCALL_PLATFORM_HOST, 0, NULL}, 0x6d6f65, T * 1000 + H + 2, bufs, 3, 0};
+  PE_EXPECT(xcall_graph_cache_execute(p->cache, &call, ep_step, p, &p->outcome[2]) == XCALL_STATUS_OK);
+  double worst = 0;
+  for (int t = 0; t < T; t++)
+    for (int j = 0; j < H; j++) {
+      double v = p->x[t * H + j], want = 0;
+      for (int e = 0; e < E; e++) want += p->probs[t * E + e] * v / (1.0 + exp(-v)) * scale_of(e);
+      double err = fabs(p->y[t * H + j] - want) / (fabs(want) + 1e-6);
+      worst = err > worst || isnan(err) ? err : worst;
+    }
+  PE_EXPECT(!isnan(worst) && worst < 1e-5);
+  PE_EXPECT(xcall_ep_group_free(p->group, p->w) == XCALL_STATUS_OK);
+  free(p->ids);
+  free(p->ep_probs);
+  free(p->rows);
+  free(p->expert_out);
+  free(p->counts);
+  free(p->scales);
+
   void *all[] = {p->x, p->routing, p->probs, p->map, p->tpe, p->offsets, p->send,
                  p->recv, p->out, p->ret, p->y, p->dispatch, p->combine};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
@@ -262,11 +342,12 @@ int main(void) {
     CHECK(pes[r].failures == 0);
     CHECK(pes[r].outcome[0] == XCALL_GRAPH_OUTCOME_EAGER_HOST);
     CHECK(pes[r].outcome[1] == XCALL_GRAPH_OUTCOME_EAGER_HOST);
+    CHECK(pes[r].outcome[2] == XCALL_GRAPH_OUTCOME_EAGER_HOST);
     CHECK(pes[r].leaked == 0);
   }
   xcall_graph_stats stats;
   CHECK_STATUS(xcall_graph_cache_stats(cache, &(xcall_target){XCALL_PLATFORM_HOST, 0, NULL}, &stats), XCALL_STATUS_OK);
-  CHECK(stats.eager_host == 2 * PES);
+  CHECK(stats.eager_host == 3 * PES);
   xcall_graph_cache_free(cache);
   return xt_summary("test_moe_step");
 }

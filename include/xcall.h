@@ -44,6 +44,11 @@ struct XLA_FFI_CallFrame;
 struct XLA_FFI_Error;
 
 /**
+ * Elements of a row that share one FP8 scale (`XCALL_EP_PRECISION_FP8`).
+ */
+#define XCALL_EP_FP8_BLOCK 128
+
+/**
  * `xcall_call::flags`: the call's work depends on its buffers only
  * through their addresses, and every kernel it enqueues is an xcall op
  * (`xcall_permute_*`, `xcall_ws_run*`) over those buffers. The cache may
@@ -707,6 +712,58 @@ typedef uint32_t xcall_shmem_transport;
 #endif // __cplusplus
 
 /**
+ * What an expert-parallel exchange moves, and in which precision
+ * (`xcall_ep_config.precision`).
+ */
+enum xcall_ep_precision
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * f32 both ways.
+   */
+  XCALL_EP_PRECISION_F32 = 0,
+  /**
+   * bf16 both ways, f32 accumulation in combine.
+   */
+  XCALL_EP_PRECISION_BF16 = 1,
+  /**
+   * bf16 tokens quantized to FP8 e4m3 by the sender (one f32 scale per
+   * `XCALL_EP_FP8_BLOCK` elements of a row); the receiver gets FP8 rows
+   * and their scales (and, if asked, bf16 rows made from them). Combine
+   * and the backward calls are bf16. CUDA: compute capability 8.9 or
+   * newer.
+   */
+  XCALL_EP_PRECISION_FP8 = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum xcall_ep_precision xcall_ep_precision;
+#else
+typedef uint32_t xcall_ep_precision;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * One PE's handle on an expert-parallel group, made collectively by
+ * `xcall_ep_group_new` on a live `xcall_shmem_world` and freed
+ * collectively by `xcall_ep_group_free`. Owned by one PE thread (another
+ * thread's call gets `XCALL_STATUS_BUSY`).
+ *
+ * What every call taking a group may return besides its own errors:
+ * - `XCALL_STATUS_NULL_ARGUMENT` (NULL group), `XCALL_STATUS_INVALID_HANDLE`
+ *   (a group freed already, or not made by `xcall_ep_group_new`);
+ * - `XCALL_STATUS_BUSY`: another thread is inside a call on this group
+ *   at that moment; nothing was done.
+ *
+ * The group lives in its world's symmetric heap: free it before
+ * finalizing the world (a group whose world was finalized may only be
+ * freed).
+ */
+typedef struct xcall_ep_group xcall_ep_group;
+
+/**
  * A device-aware graph cache for custom calls.
  *
  * Thread safety: every function taking a cache may be called concurrently
@@ -748,6 +805,176 @@ typedef struct xcall_shmem_world xcall_shmem_world;
  * `XCALL_STATUS_INVALID_HANDLE`.
  */
 typedef struct xcall_ws_plan xcall_ws_plan;
+
+/**
+ * The shape of an expert-parallel group: the same on every PE. Every
+ * buffer size follows from it (`xcall_ep_layout`), never from the
+ * routing, so a captured call replays for any routing.
+ */
+typedef struct {
+  /**
+   * Most tokens a PE hands to one dispatch (`T`); a call may pass fewer.
+   */
+  uint64_t tokens;
+  /**
+   * Elements of a token row (`H`); a row is a whole number of 16-byte
+   * vectors, and a multiple of `XCALL_EP_FP8_BLOCK` for FP8.
+   */
+  uint64_t hidden;
+  /**
+   * Experts each token is routed to (`k`), at most 32 and at most
+   * `experts`.
+   */
+  uint64_t topk;
+  /**
+   * Experts in all (`E`), a multiple of the PE count `P`: PE `q` hosts
+   * experts `q*L .. (q+1)*L`, `L = E / P`.
+   */
+  uint64_t experts;
+  /**
+   * Each expert's group of rows in the expert-major layout starts on a
+   * multiple of `align` rows (1: packed; 128 suits grouped GEMMs).
+   */
+  uint64_t align;
+  /**
+   * 0: dropless (every route lands). Otherwise the rows each local
+   * expert may receive, taken in (sender rank, token, top-k slot)
+   * order; the rest are dropped and counted
+   * (`xcall_ep_dropped_routes`).
+   */
+  uint64_t capacity;
+  /**
+   * An `xcall_ep_precision` value.
+   */
+  xcall_ep_precision precision;
+  /**
+   * Streaming multiprocessors the exchange kernels may occupy on CUDA;
+   * 0: as many as help. Ignored on Host.
+   */
+  uint32_t num_sms;
+} xcall_ep_config;
+
+/**
+ * The sizes of a group on `P` PEs (`xcall_ep_layout`): the symmetric
+ * heap it takes and the bytes of each of the caller's buffers.
+ */
+typedef struct {
+  /**
+   * Bytes of symmetric heap the group takes on each PE (start the world
+   * with at least this much free).
+   */
+  uint64_t heap_bytes;
+  /**
+   * Experts on each PE (`L`).
+   */
+  uint64_t local_experts;
+  /**
+   * Rows of the expert-major layout (worst case when dropless, plus
+   * alignment padding).
+   */
+  uint64_t expert_rows;
+  /**
+   * `x` of dispatch, `y` of combine, `grad_x`, `grad_y`: `T * H`
+   * elements (f32 or bf16; bf16 for FP8).
+   */
+  uint64_t token_rows_bytes;
+  /**
+   * `ids` (i32) and `probs` (f32) of dispatch, `grad_probs`: `T * k * 4`.
+   */
+  uint64_t routing_bytes;
+  /**
+   * `xcall_ep_expert_major.rows`: `expert_rows * H` elements as sent
+   * (f32, bf16, or FP8 bytes).
+   */
+  uint64_t rows_bytes;
+  /**
+   * `xcall_ep_expert_major.scales` (FP8 only, else 0):
+   * `expert_rows * H / XCALL_EP_FP8_BLOCK` f32.
+   */
+  uint64_t scales_bytes;
+  /**
+   * `xcall_ep_expert_major.rows_bf16` (FP8 only, else 0):
+   * `expert_rows * H` bf16.
+   */
+  uint64_t rows_bf16_bytes;
+  /**
+   * `expert_out` of combine, `grad_rows` of dispatch_backward,
+   * `grad_expert_out` of combine_backward: `expert_rows * H` elements
+   * (f32 or bf16; bf16 for FP8).
+   */
+  uint64_t expert_out_bytes;
+  /**
+   * `tokens_per_expert` and `padded_per_expert`: `L` i64.
+   */
+  uint64_t tokens_per_expert_bytes;
+  /**
+   * `offsets`: `L + 1` i64.
+   */
+  uint64_t offsets_bytes;
+} xcall_ep_sizes;
+
+/**
+ * Where dispatch writes what this PE's experts receive: rows grouped by
+ * local expert (expert `l`'s from row `offsets[l]`, a multiple of the
+ * group's `align`), in (sender rank, token, top-k slot) order within an
+ * expert; padding rows between groups are not written. Each buffer with
+ * its size in bytes (`xcall_ep_sizes` gives what each needs); buffers
+ * marked optional may be NULL (their size is then ignored). On CUDA
+ * every buffer is device memory of this PE's device.
+ */
+typedef struct {
+  /**
+   * `[expert_rows, H]` rows as sent: f32, bf16, or FP8 e4m3 bytes.
+   */
+  void *rows;
+  /**
+   * Bytes at `rows`.
+   */
+  uint64_t rows_bytes;
+  /**
+   * FP8 only (NULL otherwise): `[expert_rows, H / 128]` f32 scales.
+   */
+  float *scales;
+  /**
+   * Bytes at `scales`.
+   */
+  uint64_t scales_bytes;
+  /**
+   * FP8 only, optional (NULL otherwise): `[expert_rows, H]` bf16 rows
+   * dequantized from `rows` and `scales`.
+   */
+  void *rows_bf16;
+  /**
+   * Bytes at `rows_bf16`.
+   */
+  uint64_t rows_bf16_bytes;
+  /**
+   * `[L]` i64: routes each local expert received (after the capacity).
+   */
+  int64_t *tokens_per_expert;
+  /**
+   * Bytes at `tokens_per_expert`.
+   */
+  uint64_t tokens_per_expert_bytes;
+  /**
+   * Optional `[L]` i64: rows each expert's group spans (its count
+   * rounded up to `align`).
+   */
+  int64_t *padded_per_expert;
+  /**
+   * Bytes at `padded_per_expert`.
+   */
+  uint64_t padded_per_expert_bytes;
+  /**
+   * Optional `[L + 1]` i64: each expert's first row, then the end of
+   * the last group.
+   */
+  int64_t *offsets;
+  /**
+   * Bytes at `offsets`.
+   */
+  uint64_t offsets_bytes;
+} xcall_ep_expert_major;
 
 /**
  * Configuration of a graph cache. Fill it with
@@ -1251,6 +1478,222 @@ const char *xcall_dtype_name(xcall_dtype dtype);
  * `XCALL_STATUS_INVALID_ARGUMENT`; `*out` is written only on success.
  */
 xcall_status xcall_digest(const void *bytes, size_t len, uint64_t seed, uint64_t *out);
+
+/* ======================================================================
+ * Expert parallelism
+ *
+ * An xcall_ep_group is one PE's, made and freed collectively on an
+ * xcall_shmem_world (every PE, same config, same order), and used by one
+ * thread (another thread's call gets XCALL_STATUS_BUSY). Its calls are
+ * collective too: every PE makes them in the same order. CUDA calls
+ * enqueue on the caller's stream and are capturable; Host calls finish
+ * before they return. Buffers stay the caller's; their sizes follow from
+ * the config alone (xcall_ep_layout).
+ * ====================================================================== */
+
+/**
+ * The sizes of a group of `config`'s shape on `pes` PEs into `*out_sizes`:
+ * what to start the world with (`heap_bytes`) and what each of the
+ * caller's buffers needs. Nothing is made. Thread-safe.
+ *
+ * Bad input: NULL `config` or `out_sizes`: `XCALL_STATUS_NULL_ARGUMENT`;
+ * an unknown precision, `pes` 0 or above 64, a zero tokens, hidden,
+ * topk, experts or align, topk above 32 or above experts, experts not a
+ * multiple of `pes`, a row that is not whole 16-byte vectors (FP8: not a
+ * multiple of `XCALL_EP_FP8_BLOCK` elements), more than 4096 experts per
+ * PE, rows or routes past 2^31 - 1, sizes past 64 bits:
+ * `XCALL_STATUS_INVALID_ARGUMENT` naming what is wrong.
+ */
+xcall_status xcall_ep_layout(const xcall_ep_config *config,
+                             uint32_t pes,
+                             xcall_ep_sizes *out_sizes);
+
+/**
+ * Makes an expert-parallel group on every PE of `world` (collective:
+ * every PE calls it with the same config, in the same order as its other
+ * collectives) into `*out_group`. Takes `xcall_ep_layout`'s `heap_bytes`
+ * of the world's symmetric heap (`XCALL_STATUS_OUT_OF_MEMORY` says so
+ * when the heap is short) and reads peers' memory directly: every peer
+ * of this process or host (a peer reached through NCCL or TCP:
+ * `XCALL_STATUS_UNSUPPORTED`, on every PE). FP8 on a GPU older than
+ * compute capability 8.9: `XCALL_STATUS_UNSUPPORTED`.
+ *
+ * Bad input: refused before the collective, nothing made (the peers then
+ * wait out the world's timeout, as for a PE that never calls): the world
+ * rules of `xcall_shmem_world`; NULL `config` or `out_group`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; a config `xcall_ep_layout` refuses for
+ * the world's size: `XCALL_STATUS_INVALID_ARGUMENT`; a world that is not
+ * live: `XCALL_STATUS_INVALID_STATE`.
+ */
+xcall_status xcall_ep_group_new(xcall_shmem_world *w,
+                                const xcall_ep_config *config,
+                                xcall_ep_group **out_group);
+
+/**
+ * Frees the group on every PE (collective, like `xcall_shmem_free`; NULL
+ * `group`: nothing done, `XCALL_STATUS_OK`). Synchronize the streams of
+ * the group's calls first: peers may read this PE's memory until every PE
+ * is here. Past the checks below the handle is released whatever the
+ * outcome (a failing barrier or free, `XCALL_STATUS_INVALID_STATE` for a
+ * world finalized already, is returned after it).
+ *
+ * Bad input: refused with the group left live: the world rules of
+ * `xcall_shmem_world`; a freed or foreign group:
+ * `XCALL_STATUS_INVALID_HANDLE`; a group in use by another thread:
+ * `XCALL_STATUS_BUSY`; a world other than the one the group was made on:
+ * `XCALL_STATUS_INVALID_ARGUMENT`.
+ */
+xcall_status xcall_ep_group_free(xcall_ep_group *g, xcall_shmem_world *w);
+
+/**
+ * Dispatch: this PE's first `tokens` rows of `x` (`[tokens, H]`, f32 or
+ * bf16; bf16 for FP8, quantized here) are sent once to each PE hosting
+ * one of their experts, with `ids` (`[tokens, k]` i32, -1: no route) and
+ * `probs` (`[tokens, k]` f32); the rows every PE sent to this PE's
+ * experts land in `out` (expert-major, with `tokens_per_expert` and the
+ * optional counts written by the call). Collective: every PE makes its
+ * group calls in the same order. On CUDA the call enqueues on `stream`
+ * (a `CUstream` of this PE's device; NULL: the legacy default stream)
+ * and returns; it is capturable, and a captured call replays for any
+ * routing (with the `tokens` it was captured with). On Host it runs before
+ * returning (it waits for the peers; `stream` is ignored). `x` may be
+ * the group's own send rows (`xcall_ep_send_rows`), saving a copy.
+ *
+ * An id outside `-1..E`, or an expert listed twice for a token, is not
+ * routed; the call still completes on every PE, and this PE reports
+ * `XCALL_STATUS_INVALID_ARGUMENT`: on Host as this call's status, on
+ * CUDA at the next `xcall_ep_check`. A peer that does not come within
+ * the world's timeout: `XCALL_STATUS_TIMEOUT` (CUDA: at `xcall_ep_check`).
+ *
+ * Bad input: refused before any work, nothing written (this PE takes no
+ * part: its peers' waits time out): the group rules of `xcall_ep_group`;
+ * NULL `out`, NULL `out->rows` or `out->tokens_per_expert`, a NULL buffer
+ * with a size above 0: `XCALL_STATUS_NULL_ARGUMENT`; `tokens` above the
+ * group's, a buffer smaller than the call needs (see `xcall_ep_sizes`),
+ * one not aligned to its element (rows: 16 bytes), `x` overlapping the
+ * group's memory but for the send rows of an f32 or bf16 group, `scales`
+ * or `rows_bf16` given to a group that is not FP8:
+ * `XCALL_STATUS_INVALID_ARGUMENT` naming the buffer.
+ */
+xcall_status xcall_ep_dispatch(xcall_ep_group *g,
+                               const void *x,
+                               uint64_t x_bytes,
+                               const int32_t *ids,
+                               uint64_t ids_bytes,
+                               const float *probs,
+                               uint64_t probs_bytes,
+                               uint64_t tokens,
+                               const xcall_ep_expert_major *out,
+                               void *stream);
+
+/**
+ * Combine: each of this PE's tokens of the last dispatch becomes the sum
+ * of its experts' output rows, each times its prob: every PE sums its
+ * experts' rows of a token (in top-k slot order, f32) and sends one row
+ * back; this PE adds those in PE rank order (f32) into `y` (`[tokens, H]`
+ * of that dispatch). `expert_out` is `[expert_rows, H]` in the
+ * expert-major layout of that dispatch (bf16 for FP8); padding rows are
+ * not read. A token with no route gets a zero row. Dropped routes add
+ * nothing. Collective, enqueued and capturable like `xcall_ep_dispatch`.
+ *
+ * Bad input: refused before any work, nothing written: the group rules
+ * of `xcall_ep_group`; NULL `expert_out`, a NULL `y` with a size above 0:
+ * `XCALL_STATUS_NULL_ARGUMENT`; no dispatch before:
+ * `XCALL_STATUS_INVALID_STATE`; a buffer smaller than the call needs or
+ * not 16-byte aligned: `XCALL_STATUS_INVALID_ARGUMENT`.
+ */
+xcall_status xcall_ep_combine(xcall_ep_group *g,
+                              const void *expert_out,
+                              uint64_t expert_out_bytes,
+                              void *y,
+                              uint64_t y_bytes,
+                              void *stream);
+
+/**
+ * The gradient of dispatch: `grad_x` (`[tokens, H]` of the last
+ * dispatch) of each token is the sum of the gradients of its routes' rows
+ * (`grad_rows`, expert-major; bf16 for FP8), unweighted; dropped routes
+ * add nothing. Collective, enqueued and capturable like
+ * `xcall_ep_dispatch`.
+ *
+ * Bad input: refused before any work, nothing written: the group rules
+ * of `xcall_ep_group`; NULL `grad_rows`, a NULL `grad_x` with a size
+ * above 0: `XCALL_STATUS_NULL_ARGUMENT`; no dispatch before:
+ * `XCALL_STATUS_INVALID_STATE`; a buffer smaller than the call needs or
+ * not 16-byte aligned: `XCALL_STATUS_INVALID_ARGUMENT`.
+ */
+xcall_status xcall_ep_dispatch_backward(xcall_ep_group *g,
+                                        const void *grad_rows,
+                                        uint64_t grad_rows_bytes,
+                                        void *grad_x,
+                                        uint64_t grad_x_bytes,
+                                        void *stream);
+
+/**
+ * The gradient of combine, given `grad_y` (`[tokens, H]` of the last
+ * dispatch): each route's row of `grad_expert_out` (expert-major) is
+ * `grad_y` of its token times the route's prob, and `grad_probs`
+ * (`[tokens, k]` f32) each route's dot product of its expert's output
+ * row (`expert_out`, as combine read it) with `grad_y`, in f32; 0 for a
+ * dropped route or an id that routes nowhere. Padding rows of
+ * `grad_expert_out` are not written. Collective, enqueued and capturable
+ * like `xcall_ep_dispatch`.
+ *
+ * Bad input: refused before any work, nothing written: the group rules
+ * of `xcall_ep_group`; NULL `expert_out` or `grad_expert_out`, a NULL
+ * `grad_y` or `grad_probs` with a size above 0:
+ * `XCALL_STATUS_NULL_ARGUMENT`; no dispatch before:
+ * `XCALL_STATUS_INVALID_STATE`; a buffer smaller than the call needs or
+ * not aligned (rows: 16 bytes, `grad_probs`: 4):
+ * `XCALL_STATUS_INVALID_ARGUMENT`.
+ */
+xcall_status xcall_ep_combine_backward(xcall_ep_group *g,
+                                       const void *grad_y,
+                                       uint64_t grad_y_bytes,
+                                       const void *expert_out,
+                                       uint64_t expert_out_bytes,
+                                       void *grad_expert_out,
+                                       uint64_t grad_expert_out_bytes,
+                                       float *grad_probs,
+                                       uint64_t grad_probs_bytes,
+                                       void *stream);
+
+/**
+ * Routes this PE's experts dropped by the capacity, summed over every
+ * dispatch so far, into `*out_dropped` (0 when dropless). Reads the
+ * group's counter now: on CUDA, synchronize the dispatches' streams
+ * first.
+ *
+ * Bad input: the group rules of `xcall_ep_group`; NULL `out_dropped`:
+ * `XCALL_STATUS_NULL_ARGUMENT`.
+ */
+xcall_status xcall_ep_dropped_routes(xcall_ep_group *g, uint64_t *out_dropped);
+
+/**
+ * The first error a CUDA kernel of this PE's group calls met since the
+ * last check, then cleared: `XCALL_STATUS_TIMEOUT` (a peer did not reach
+ * a phase within the world's timeout, named) or
+ * `XCALL_STATUS_INVALID_ARGUMENT` (routing this PE dispatched had ids
+ * that were not taken). Synchronize the calls' streams first. Always
+ * `XCALL_STATUS_OK` on Host, whose calls report their errors themselves.
+ *
+ * Bad input: the group rules of `xcall_ep_group`.
+ */
+xcall_status xcall_ep_check(xcall_ep_group *g);
+
+/**
+ * The group's send rows: `[T, H]` (f32 or bf16) of this PE's memory
+ * (device memory on CUDA) in `*out_rows` and their size in
+ * `*out_bytes`. Tokens the caller writes there (after the call that ends
+ * the previous dispatch's use, combine or a backward call, on the same
+ * stream) are sent from where they are when passed as `x` of
+ * `xcall_ep_dispatch`, saving a copy.
+ *
+ * Bad input: the group rules of `xcall_ep_group`; NULL outputs:
+ * `XCALL_STATUS_NULL_ARGUMENT`; an FP8 group (it quantizes from `x`
+ * wherever it is): `XCALL_STATUS_UNSUPPORTED`.
+ */
+xcall_status xcall_ep_send_rows(xcall_ep_group *g, void **out_rows, uint64_t *out_bytes);
 
 /* ======================================================================
  * Graph cache

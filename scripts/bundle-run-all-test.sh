@@ -18,7 +18,7 @@ bundle() { # <dir> <extra test body>
   printf '#!/bin/sh\nexit 0\n' >"$b/tests/xcall-core-passes"
   printf '#!/bin/sh\n%s\n' "$2" >"$b/tests/xcall-shmem-cuda_nccl"
   printf '#!/bin/sh\nexit 0\n' >"$b/c_tests/test_ok"
-  for e in hello shmem_exchange raii graph_cache permute_round_trip; do
+  for e in hello shmem_exchange raii graph_cache permute_round_trip ep_layer; do
     printf '#!/bin/sh\nexit 0\n' >"$b/examples/$e"
   done
   # Benches record the arguments and the grid variables they were given.

@@ -116,7 +116,7 @@ for c in "$here"/c_tests/*; do run "$(basename "$c")" "$c"; done
 run example-hello "$here/examples/hello"
 run example-shmem_exchange "$here/examples/shmem_exchange"
 run example-raii "$here/examples/raii"
-for e in graph_cache permute_round_trip; do
+for e in graph_cache permute_round_trip ep_layer; do
   run "example-$e-host" "$here/examples/$e" host
   if [ "$XCALL_REQUIRE_CUDA" = 1 ] || "$here/bin/xcall" doctor 2>/dev/null | grep -q "cuda  available"; then
     run "example-$e-cuda" "$here/examples/$e" cuda

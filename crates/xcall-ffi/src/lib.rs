@@ -16,6 +16,7 @@
 // and its contract is documented in the header.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+mod ep;
 mod graph;
 mod guard;
 mod handle;
@@ -27,6 +28,7 @@ mod target;
 mod warpspec;
 pub mod xla;
 
+pub use ep::*;
 pub use graph::*;
 pub use guard::{DTypeCode, PlatformCode};
 pub use log::*;

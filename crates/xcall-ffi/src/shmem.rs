@@ -179,7 +179,7 @@ pub struct xcall_shmem_config {
 /// The world behind a handle, held for this call: a handle another thread
 /// is using right now is `Busy` (a PE's handle is not shared; this turns
 /// the misuse into an error instead of a data race).
-fn world<'a>(w: *mut xcall_shmem_world) -> Result<MutexGuard<'a, World>, FfiError> {
+pub(crate) fn world<'a>(w: *mut xcall_shmem_world) -> Result<MutexGuard<'a, World>, FfiError> {
     let w = handle::get(w, "world")?;
     match w.inner.try_lock() {
         Ok(g) => Ok(g),

@@ -63,6 +63,11 @@ const SECTIONS: &[(&str, &str, &str)] = &[
         "An xcall_shmem_world is one PE's: one thread uses it (another thread's\n * call gets XCALL_STATUS_BUSY). Collective calls (init, finalize,\n * malloc, free, barriers) are made by every PE of the world in the same\n * order. Symmetric allocations belong to the world until\n * xcall_shmem_free or finalize.",
     ),
     (
+        "xcall_ep_layout",
+        "Expert parallelism",
+        "An xcall_ep_group is one PE's, made and freed collectively on an\n * xcall_shmem_world (every PE, same config, same order), and used by one\n * thread (another thread's call gets XCALL_STATUS_BUSY). Its calls are\n * collective too: every PE makes them in the same order. CUDA calls\n * enqueue on the caller's stream and are capturable; Host calls finish\n * before they return. Buffers stay the caller's; their sizes follow from\n * the config alone (xcall_ep_layout).",
+    ),
+    (
         "xcall_ws_plan_new",
         "Warp specialization",
         "An xcall_ws_plan is the caller's from xcall_ws_plan_new to\n * xcall_ws_plan_free and never changes in between: any thread may read\n * it. Text outputs (reports, generated source) are written into the\n * caller's buffers; xcall_ws_run's kernels are compiled once per device\n * and shared by every thread.",

@@ -13,6 +13,11 @@ pub struct Event {
     event: sys::CUevent,
 }
 
+// SAFETY: a CUevent is an opaque driver handle; the driver API accepts it
+// from any thread, and every use but the destroy makes its device's context
+// current on the calling thread first (`on`).
+unsafe impl Send for Event {}
+
 impl Event {
     /// A timing event (`cuEventCreate` with default flags) on `device`.
     pub fn new(device: Device) -> Result<Event> {
