@@ -29,8 +29,8 @@ use xcall_shmem::{ShmemError, World};
 use crate::config::{word, Capacity, EpConfig, Layout, Precision, FP8_BLOCK};
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
-use crate::host;
 use crate::params::EpParams;
+use crate::{host, host_grad};
 
 /// A caller's buffer: its address (Host memory on Host PEs, this PE's
 /// device memory on CUDA) and its size in bytes. [`Buf::NONE`] for an
@@ -92,24 +92,24 @@ enum Part {
 /// order; a PE whose call is refused (bad arguments) takes no part, and
 /// its peers' waits time out.
 pub struct EpGroup {
-    config: EpConfig,
-    layout: Layout,
-    device: Device,
-    rank: usize,
-    base: u64,
-    timeout: Duration,
-    kernels: Option<Arc<Kernels>>,
+    pub(crate) config: EpConfig,
+    pub(crate) layout: Layout,
+    pub(crate) device: Device,
+    pub(crate) rank: usize,
+    pub(crate) base: u64,
+    pub(crate) timeout: Duration,
+    pub(crate) kernels: Option<Arc<Kernels>>,
     exchange_blocks: u32,
     sms_used: usize,
     last: Option<Part>,
     dispatched: Option<usize>,
     /// With [`EpGroup::profile`] on (CUDA): an event after each step, the
     /// first one before.
-    marks: RefCell<Option<Vec<Mark>>>,
+    pub(crate) marks: RefCell<Option<Vec<Mark>>>,
 }
 
 /// A step's end: its name and an event after it.
-type Mark = (&'static str, xcall_core::cuda::Event);
+pub(crate) type Mark = (&'static str, xcall_core::cuda::Event);
 
 impl std::fmt::Debug for EpGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -357,47 +357,13 @@ impl EpGroup {
                         Step::Copy => host::copy(p),
                         Step::Reduce => host::reduce(p),
                         Step::GatherSum => host::gather_sum(p),
-                        Step::ScatterGrad => host::scatter_grad(p),
-                        Step::GatherProbs => host::gather_probs(p),
+                        Step::ScatterGrad => host_grad::scatter_grad(p),
+                        Step::GatherProbs => host_grad::gather_probs(p),
                     }
                 },
             }
         }
         Ok(replaced)
-    }
-
-    /// Records an event after `what` on `stream` when profiling.
-    fn mark(&self, what: &'static str, stream: *mut c_void) -> Result<()> {
-        let mut marks = self.marks.borrow_mut();
-        let Some(marks) = marks.as_mut() else {
-            return Ok(());
-        };
-        let e = xcall_core::cuda::Event::new(self.device)?;
-        // SAFETY: the caller's stream, live while the call runs.
-        unsafe { e.record(stream as xcall_core::cuda::RawStream) }?;
-        marks.push((what, e));
-        Ok(())
-    }
-
-    /// Turns per-step timing on (CUDA, eager calls only: not while a
-    /// stream captures): every step kernel is followed by an event; see
-    /// [`EpGroup::take_profile`].
-    pub fn profile(&mut self, on: bool) {
-        *self.marks.get_mut() = on.then(Vec::new);
-    }
-
-    /// Each step's time in ms since the profile was turned on or last
-    /// taken, in order (synchronize the stream first); profiling stays on.
-    pub fn take_profile(&mut self) -> Result<Vec<(&'static str, f32)>> {
-        let Some(marks) = self.marks.get_mut().as_mut() else {
-            return Ok(Vec::new());
-        };
-        let taken = std::mem::take(marks);
-        let mut out = Vec::with_capacity(taken.len());
-        for w in taken.windows(2) {
-            out.push((w[1].0, w[1].1.elapsed_ms_since(&w[0].1)?));
-        }
-        Ok(out)
     }
 
     /// Puts an empty phase first when the last call's last phase published
@@ -662,59 +628,6 @@ impl EpGroup {
         }
         self.last = Some(Part::GradProbs);
         Ok(())
-    }
-
-    fn words(&self) -> Result<[u64; word::COUNT]> {
-        let mut w = [0u64; word::COUNT];
-        let addr = self.base + self.layout.at.words as u64;
-        match &self.kernels {
-            // SAFETY: the group's words part.
-            Some(_) => unsafe { cuda::read_words(self.device, addr, &mut w) }?,
-            None => {
-                for (i, v) in w.iter_mut().enumerate() {
-                    // SAFETY: as above; atomics, as peers read them.
-                    *v = unsafe {
-                        std::sync::atomic::AtomicU64::from_ptr((addr as *mut u64).add(i))
-                    }
-                    .load(std::sync::atomic::Ordering::Acquire);
-                }
-            }
-        }
-        Ok(w)
-    }
-
-    /// Routes dropped by the capacity on this PE, summed over every
-    /// dispatch so far. On CUDA, synchronize the calls' streams first.
-    pub fn dropped_routes(&self) -> Result<u64> {
-        Ok(self.words()?[word::DROPPED])
-    }
-
-    /// The first error a CUDA kernel of this PE met since the last check
-    /// (a peer that did not reach a phase in time, or routing this PE
-    /// published that was not taken), then clears it. Synchronize the
-    /// calls' streams first. Host calls report their errors themselves.
-    pub fn check(&self) -> Result<()> {
-        let w = self.words()?[word::ERROR];
-        if w == 0 {
-            return Ok(());
-        }
-        let addr = self.base + (self.layout.at.words + word::ERROR * 8) as u64;
-        if self.kernels.is_some() {
-            // SAFETY: the group's error word.
-            unsafe { cuda::write_words(self.device, addr, &[0]) }?;
-        }
-        let who = (w & 0xffff_ffff).saturating_sub(1);
-        Err(match w >> 32 {
-            1 => EpError::Timeout(format!(
-                "PE {} waited {:?} for PE {who} to reach a phase",
-                self.rank, self.timeout
-            )),
-            _ => EpError::BadRouting(format!(
-                "PE {}: expert id(s) outside -1..{} or repeated within a token; \
-                 those routes were not taken",
-                self.rank, self.config.experts
-            )),
-        })
     }
 
     /// Frees the group on every PE (collective). Synchronize the calls'

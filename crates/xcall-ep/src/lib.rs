@@ -38,7 +38,9 @@ mod cuda;
 mod error;
 pub mod group;
 pub mod host;
+pub mod host_grad;
 pub mod params;
+mod status;
 
 pub use config::{Capacity, EpConfig, Layout, Offsets, Precision, FP8_BLOCK, MAX_PES, MAX_TOPK};
 pub use error::{EpError, Result};
