@@ -48,7 +48,17 @@ fn host_reports_become_charts_with_every_row() {
     let bench = report("plot-bench", &["bench", "--rounds", "2"]);
     let small = report(
         "plot-moe-small",
-        &["moe", "--tokens", "100", "--hidden", "32", "--steps", "2"],
+        &[
+            "moe",
+            "--tokens",
+            "100",
+            "--hidden",
+            "32",
+            "--steps",
+            "2",
+            "--exchange",
+            "fused",
+        ],
     );
     let large = report(
         "plot-moe-large",
