@@ -269,9 +269,14 @@ pub unsafe fn wait(p: &EpParams) -> Result<()> {
                     p.rank
                 )));
             }
+            // Spin briefly, then yield the core at every look: PEs may
+            // outnumber the cores, and a spinning PE would hold back the
+            // one it waits for. (Sleeping between looks measured slower.)
             spins += 1;
             if spins > 64 {
                 std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
             }
         }
     }
