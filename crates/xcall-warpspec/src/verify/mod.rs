@@ -36,6 +36,7 @@
 mod describe;
 mod model;
 pub mod protocol;
+mod reduce;
 mod search;
 mod states;
 
@@ -43,4 +44,4 @@ pub use protocol::{
     BarrierDecl, Budget, Protocol, RoleDecl, Step, Verdict, Violation, ViolationKind,
     DEFAULT_MEMORY_LIMIT, DEFAULT_STATE_LIMIT, DEFAULT_TIME_LIMIT,
 };
-pub use search::{verify, verify_within};
+pub use search::{verify, verify_unreduced, verify_within};
