@@ -131,12 +131,11 @@ impl Model<'_> {
             return Vec::new();
         }
         let mut touched = Objects::new(self.objects());
-        for r in 0..self.roles {
-            let len = self.program_len(r);
-            if s[r] >= len {
+        for (r, &at) in s[..self.roles].iter().enumerate() {
+            if at >= self.program_len(r) {
                 continue;
             }
-            for pc in s[r]..self.block_end(r, s[r]) {
+            for pc in at..self.block_end(r, at) {
                 let (_, stage, step) = self.locate(r, pc);
                 self.step_objects(r, stage, step, |o| touched.add(o));
             }
