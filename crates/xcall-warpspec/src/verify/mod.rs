@@ -17,7 +17,8 @@
 //! happens. The explorer also reports deadlocks, stage buffers overwritten
 //! before every reader released them, reads before a buffer's load
 //! completed, and arrivals beyond the init count. The search is breadth-first,
-//! so a violation comes with a shortest trace.
+//! so a violation comes with a shortest trace of the reduced search (below),
+//! a real interleaving.
 //!
 //! Granularity (what keeps the state space small): a role's consecutive
 //! waits are one atomic step (it proceeds when all of them pass), and so are
@@ -26,16 +27,22 @@
 //! only add reports for designs that read or overwrite without waiting, never
 //! hide a race between blocking points. Roles with identical programs that
 //! issue no copies (the compute warpgroups) are interchangeable, so states
-//! that differ only by permuting them are explored once.
+//! that differ only by permuting them are explored once. A completion that
+//! no role's current block and no other in-flight entry touches is deferred
+//! until one does (`reduce`, a persistent-set reduction that keeps every
+//! violation and deadlock; its argument is there); [`verify_unreduced`]
+//! explores without it.
 //!
 //! Modules: [`protocol`] (the declarations a search reads and the verdict
 //! it gives), `states` (the packed table of explored states), `model` (the
-//! state layout and the semantics of one step), `describe` (trace lines)
-//! and `search` (the breadth-first search within a budget).
+//! state layout and the semantics of one step), `reduce` (which completions
+//! a state explores), `describe` (trace lines) and `search` (the
+//! breadth-first search within a budget).
 
 mod describe;
 mod model;
 pub mod protocol;
+mod reduce;
 mod search;
 mod states;
 
@@ -43,4 +50,4 @@ pub use protocol::{
     BarrierDecl, Budget, Protocol, RoleDecl, Step, Verdict, Violation, ViolationKind,
     DEFAULT_MEMORY_LIMIT, DEFAULT_STATE_LIMIT, DEFAULT_TIME_LIMIT,
 };
-pub use search::{verify, verify_within};
+pub use search::{verify, verify_unreduced, verify_within};

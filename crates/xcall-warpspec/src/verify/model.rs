@@ -258,7 +258,7 @@ impl<'a> Model<'a> {
         phase: i64,
         count: u32,
         tx: i64,
-        who: &str,
+        who: &Who<'_>,
     ) -> Result<(), (ViolationKind, String)> {
         let at = self.bar(b);
         if s[at] as i64 != phase {
@@ -304,7 +304,7 @@ impl<'a> Model<'a> {
         let pc = n[role];
         let name = &self.p.roles[role].name;
         let (i, stage, step) = self.locate(role, pc);
-        let who = format!("{name} (iteration {i})");
+        let who = Who { name, iteration: i };
         n[role] += 1;
         let fail = |(k, m): (ViolationKind, String)| One::Violation(k, m);
         match step {
@@ -427,7 +427,7 @@ impl<'a> Model<'a> {
         stage: u32,
         i: u32,
         what: &str,
-        who: &str,
+        who: &Who<'_>,
     ) -> Result<usize, (ViolationKind, String)> {
         let buf = self.buffer_index[group][stage as usize];
         let at = self.buf(buf);
@@ -559,6 +559,19 @@ pub(super) struct InFlight<'a> {
     pub(super) copy: Option<(usize, i32, u64)>,
     pub(super) buffer_group: usize,
     pub(super) name: &'a str,
+}
+
+/// The role and iteration a violation names (`compute wg0 (iteration 3)`),
+/// formatted only when a violation is reported.
+pub(super) struct Who<'a> {
+    name: &'a str,
+    iteration: u32,
+}
+
+impl std::fmt::Display for Who<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (iteration {})", self.name, self.iteration)
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
