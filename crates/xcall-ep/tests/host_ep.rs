@@ -437,3 +437,153 @@ fn tokens_written_into_the_send_rows_are_sent_in_place() {
         g.destroy(&mut w).unwrap();
     });
 }
+
+/// The layer `L = sum(y * g)` of dispatch, the tests' experts (`x *
+/// scale(e)`, linear) and combine, on 2 PEs in f32: the probs' gradient
+/// from `combine_backward` and the tokens' gradient from
+/// `dispatch_backward` (after the experts' own backward, `* scale(e)`)
+/// match central finite differences of `L`.
+#[test]
+fn gradients_match_finite_differences() {
+    let _s = serial();
+    let c = cfg(24, 8, 3, 8, Precision::F32);
+    let case = Case::new(c, 2, Routing::Random, 31);
+    let heap = c.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-fd-{}", std::process::id());
+    run_threads("finite differences", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, heap);
+        let mut g = EpGroup::new(&mut w, c).unwrap();
+        let mut m = HostMem::default();
+        let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
+        let (n, h, k, l) = (24, 8, 3, 4);
+        let x = m.alloc(n * h * 4);
+        let ids = m.alloc(n * k * 4);
+        let probs = m.alloc(n * k * 4);
+        let y = m.alloc(n * h * 4);
+        let out = expert_major(&mut m, &g, false);
+        let eo = m.alloc(out.rows.bytes);
+        let gy: Vec<f32> = xcall_core::testing::random_f32(n * h, 99 + rank as u64);
+        let f32s = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
+        m.write(
+            ids,
+            &all[rank]
+                .ids
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        // One forward pass with these tokens and probs; every PE runs it
+        // (the perturbation is PE 0's alone): L on this PE, in f64.
+        let forward = |m: &mut HostMem, g: &mut EpGroup, xv: &[f32], pv: &[f32]| -> f64 {
+            m.write(x, &bytes(xv));
+            m.write(probs, &bytes(pv));
+            // SAFETY: the buffers above, alive for the test.
+            unsafe { g.dispatch(x, ids, probs, n, &out, std::ptr::null_mut()) }.unwrap();
+            let rows = f32s(&m.read(out.rows));
+            let starts: Vec<i64> = m
+                .read(out.offsets)
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let mut outv = vec![0f32; rows.len()];
+            for e in 0..l {
+                for r in starts[e] as usize..starts[e + 1] as usize {
+                    for i in 0..h {
+                        outv[r * h + i] = rows[r * h + i] * scale(rank * l + e);
+                    }
+                }
+            }
+            m.write(eo, &bytes(&outv));
+            // SAFETY: as above.
+            unsafe { g.combine(eo, y, std::ptr::null_mut()) }.unwrap();
+            f32s(&m.read(y))
+                .iter()
+                .zip(&gy)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum()
+        };
+        let (x0, p0) = (f32s(&all[rank].x), all[rank].probs.clone());
+        forward(&mut m, &mut g, &x0, &p0);
+        // The gradients: combine_backward, the experts' backward, then
+        // dispatch_backward.
+        let gyb = m.alloc(n * h * 4);
+        m.write(gyb, &bytes(&gy));
+        let geo = m.alloc(out.rows.bytes);
+        let gp = m.alloc(n * k * 4);
+        // SAFETY: as above.
+        unsafe { g.combine_backward(gyb, eo, geo, gp, std::ptr::null_mut()) }.unwrap();
+        let grad_probs = f32s(&m.read(gp));
+        let starts: Vec<i64> = m
+            .read(out.offsets)
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let mut gin = f32s(&m.read(geo));
+        for e in 0..l {
+            for r in starts[e] as usize..starts[e + 1] as usize {
+                for i in 0..h {
+                    gin[r * h + i] *= scale(rank * l + e);
+                }
+            }
+        }
+        m.write(geo, &bytes(&gin));
+        let gx = m.alloc(n * h * 4);
+        // SAFETY: as above.
+        unsafe { g.dispatch_backward(geo, gx, std::ptr::null_mut()) }.unwrap();
+        let grad_x = f32s(&m.read(gx));
+        // Central differences of the sum of L over both PEs, perturbing
+        // PE 0's inputs: every PE runs the same passes, PE 0 changes one
+        // value, each PE returns its part of L.
+        let eps = 1e-2f32;
+        let mut fd = Vec::new();
+        for (which, at) in [(0, 5usize), (0, 40), (1, 2), (1, 50)] {
+            let mut parts = [0f64; 2];
+            for (i, sign) in [1f32, -1.0].iter().enumerate() {
+                let (mut xv, mut pv) = (x0.clone(), p0.clone());
+                if rank == 0 {
+                    if which == 0 {
+                        pv[at] += sign * eps
+                    } else {
+                        xv[at] += sign * eps
+                    }
+                }
+                parts[i] = forward(&mut m, &mut g, &xv, &pv);
+            }
+            fd.push((which, at, parts));
+        }
+        g.destroy(&mut w).unwrap();
+        (grad_probs, grad_x, fd)
+    })
+    .into_iter()
+    .enumerate()
+    .fold(
+        None::<Vec<(usize, usize, f64)>>,
+        |acc, (rank, (gp, gx, fd))| {
+            // Sum each difference's L over the PEs; keep PE 0's gradients.
+            let mut acc = acc.unwrap_or_default();
+            for (i, (which, at, parts)) in fd.iter().enumerate() {
+                if rank == 0 {
+                    let analytic = if *which == 0 { gp[*at] } else { gx[*at] } as f64;
+                    acc.push((*which, *at, analytic - (parts[0] - parts[1]) / 2e-2));
+                } else {
+                    acc[i].2 -= (parts[0] - parts[1]) / 2e-2;
+                }
+            }
+            Some(acc)
+        },
+    )
+    .unwrap()
+    .iter()
+    .for_each(|(which, at, err)| {
+        assert!(
+            err.abs() < 2e-3,
+            "{} {at}: analytic minus finite difference {err}",
+            if *which == 0 { "prob" } else { "x" }
+        );
+    });
+}
