@@ -354,6 +354,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn precisions_name_their_bytes_and_the_kernels_code() {
+        let all = [Precision::F32, Precision::Bf16, Precision::Fp8Dispatch];
+        let seen: Vec<_> = all
+            .iter()
+            .map(|p| (p.name(), p.element_bytes(), p.wire_bytes(), p.code()))
+            .collect();
+        // The codes are the ones kernels.cu and host.rs branch on.
+        assert_eq!(
+            seen,
+            [("f32", 4, 4, 0), ("bf16", 2, 2, 1), ("fp8", 2, 1, 2)]
+        );
+    }
+
+    #[test]
     fn dropless_rows_are_the_worst_case_and_capacity_rows_are_padded() {
         let c = EpConfig::new(4096, 7168, 8, 256);
         let l = c.layout(4).unwrap();
