@@ -77,9 +77,13 @@ impl EpGroup {
             return Ok(());
         }
         let addr = self.base + (self.layout.at.words + word::ERROR * 8) as u64;
-        if self.kernels.is_some() {
+        match self.kernels.is_some() {
             // SAFETY: the group's error word.
-            unsafe { cuda::write_words(self.device, addr, &[0]) }?;
+            true => unsafe { cuda::write_words(self.device, addr, &[0]) }?,
+            // SAFETY: as above, host memory; atomics, as peers' steps may
+            // run.
+            false => unsafe { std::sync::atomic::AtomicU64::from_ptr(addr as *mut u64) }
+                .store(0, std::sync::atomic::Ordering::Release),
         }
         let who = (w & 0xffff_ffff).saturating_sub(1);
         Err(match w >> 32 {
@@ -93,5 +97,56 @@ impl EpGroup {
                 self.rank, self.config.experts
             )),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EpConfig;
+    use xcall_core::{Device, Platform};
+    use xcall_shmem::{World, WorldConfig};
+
+    /// The error word's two codes, as the kernels write them, read back
+    /// by `check` (naming the peer or the routing) and cleared.
+    #[test]
+    fn check_reads_the_kernels_error_codes_and_clears_them() {
+        let c = EpConfig::new(8, 8, 2, 4);
+        let mut wc = WorldConfig::in_process(
+            &format!("ep-check-{}", std::process::id()),
+            0,
+            1,
+            Device::new(Platform::Host, 0),
+        );
+        wc.heap_bytes = Some(c.layout(1).unwrap().heap_bytes + (1 << 20));
+        let mut w = World::new();
+        w.init(&wc).unwrap();
+        let g = EpGroup::new(&mut w, c).unwrap();
+        let at = (g.base + (g.layout.at.words + word::ERROR * 8) as u64) as *mut u64;
+        assert_eq!(g.check(), Ok(()));
+        // kind << 32 | (1 + rank): 1 a wait on PE 3 that timed out, 2
+        // routing this PE published that was not taken.
+        for (value, want) in [
+            ((1u64 << 32) | 4, "for PE 3"),
+            ((2 << 32) | 1, "outside -1..4"),
+        ] {
+            // SAFETY: the group's error word, host memory.
+            unsafe { at.write_volatile(value) };
+            let e = g.check().unwrap_err();
+            assert!(e.to_string().contains(want), "{e}");
+            let status = if value >> 32 == 1 {
+                xcall_core::Status::Timeout
+            } else {
+                xcall_core::Status::InvalidArgument
+            };
+            assert_eq!(e.status(), status);
+            assert_eq!(g.check(), Ok(()), "cleared");
+        }
+        // The dropped-route counter is the word after it.
+        // SAFETY: as above.
+        unsafe { at.add(1).write_volatile(17) };
+        assert_eq!(g.dropped_routes(), Ok(17));
+        g.destroy(&mut w).unwrap();
+        w.finalize().unwrap();
     }
 }

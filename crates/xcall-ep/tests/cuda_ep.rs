@@ -275,6 +275,39 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
     let out = expert_major(&mut m, &g, false);
     let y = m.alloc(n * h * 2);
     let s = m.stream();
+    // One eager call profiled: an event after every kernel, in order.
+    g.profile(true);
+    let none = Buf::new(m.alloc(n * k * 4).addr, n * k * 4);
+    m.write(none, &vec![0xff; n * k * 4]);
+    // SAFETY: the buffers above (every id -1: nothing routed).
+    unsafe { g.dispatch(x, none, probs, n, &out, s) }.unwrap();
+    m.sync();
+    let names: Vec<&str> = g
+        .take_profile()
+        .unwrap()
+        .iter()
+        .map(|(w, ms)| {
+            assert!(*ms >= 0.0, "{w}: {ms}");
+            *w
+        })
+        .collect();
+    let want: &[&str] = match case.pes {
+        1 => &["ep_publish", "ep_count", "ep_scan", "ep_assign", "ep_copy"],
+        _ => &[
+            "ep_publish",
+            "ep_push",
+            "ep_signal",
+            "ep_count",
+            "ep_scan",
+            "ep_assign",
+            "ep_copy",
+        ],
+    };
+    assert_eq!(names, want, "PE {rank}");
+    g.profile(false);
+    // SAFETY: the buffers above.
+    unsafe { g.combine(out.rows, y, s) }.unwrap();
+    m.sync();
     let exec = capture_graph(device, &m.stream.clone(), &mut || {
         // SAFETY: the buffers above, alive for the test; the combine reads
         // the dispatched rows as the experts' output (scale 1).
