@@ -432,7 +432,7 @@ impl EpGroup {
         if !zero_copy
             && tokens > 0
             && (ours.contains(&x.addr)
-                || x.addr < ours.start && x.addr + x.bytes as u64 > ours.start)
+                || x.addr < ours.start && x.addr.saturating_add(x.bytes as u64) > ours.start)
         {
             return Err(EpError::InvalidArgument(format!(
                 "x at {:#x} overlaps the group's own memory; only an f32 or bf16 group's send_rows() may be passed as x",
