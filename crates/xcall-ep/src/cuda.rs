@@ -74,6 +74,16 @@ impl Step {
         }
     }
 
+    /// Whether the kernel begins with the phase's wait (`ep_await`): it
+    /// reads what peers wrote in the phase, so the wait step before it
+    /// needs no kernel of its own.
+    pub(crate) fn awaits(self) -> bool {
+        matches!(
+            self,
+            Step::Count | Step::GatherSum | Step::ScatterGrad | Step::GatherProbs
+        )
+    }
+
     /// (blocks, threads) for the parameters `p` on a device of `sms` SMs.
     fn shape(self, p: &EpParams, sms: u32) -> (u32, u32) {
         let warps_for = |items: i64, threads: u32| {
@@ -203,6 +213,14 @@ mod tests {
         }
         for arch in ["sm_90", "sm_80"] {
             xcall_core::testing::nvrtc_compiles("xcall_ep.cu", &source(), arch, &[]);
+        }
+    }
+
+    #[test]
+    fn the_kernels_that_await_the_phase_begin_with_its_wait_and_no_other_does() {
+        for s in Step::ALL {
+            let head = format!("void {}(EpParams p) {{\n    ep_await(p);", s.name());
+            assert_eq!(SOURCE.contains(&head), s.awaits(), "{}", s.name());
         }
     }
 

@@ -329,10 +329,7 @@ impl EpGroup {
         for (i, &step) in steps.iter().enumerate() {
             // On CUDA the kernels that read what peers wrote in a phase
             // wait for it themselves.
-            let awaits = matches!(
-                steps.get(i + 1),
-                Some(Step::Count | Step::GatherSum | Step::ScatterGrad | Step::GatherProbs)
-            );
+            let awaits = steps.get(i + 1).is_some_and(|next| next.awaits());
             match &self.kernels {
                 Some(_) if step == Step::Wait && awaits => {}
                 // SAFETY: the caller's contract.
