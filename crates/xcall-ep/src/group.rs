@@ -103,6 +103,9 @@ pub struct EpGroup {
     sms_used: usize,
     last: Option<Part>,
     dispatched: Option<usize>,
+    /// A dispatch sent and not yet received: its tokens, their count, and
+    /// the ids this PE's publish replaced.
+    pending: Option<(Buf, usize, usize)>,
     /// With [`EpGroup::profile`] on (CUDA): an event after each step, the
     /// first one before.
     pub(crate) marks: RefCell<Option<Vec<Mark>>>,
@@ -234,6 +237,7 @@ impl EpGroup {
             sms_used,
             last: None,
             dispatched: None,
+            pending: None,
             marks: RefCell::new(None),
         })
     }
@@ -415,8 +419,65 @@ impl EpGroup {
         out: &ExpertMajor,
         stream: *mut c_void,
     ) -> Result<()> {
+        self.not_pending("dispatch")?;
+        self.check_out(out)?;
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            self.dispatch_send(x, ids, probs, tokens, stream)?;
+            self.dispatch_recv(out, stream)
+        }
+    }
+
+    fn check_out(&self, out: &ExpertMajor) -> Result<()> {
         let c = self.config;
         let (rows, l, h) = (self.layout.expert_rows, self.layout.local_experts, c.hidden);
+        need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
+        match c.precision {
+            Precision::Fp8Dispatch => {
+                need("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
+                optional("out.rows_bf16", out.rows_bf16, rows * h * 2, 16)?;
+            }
+            _ => {
+                if out.scales.addr != 0 || out.rows_bf16.addr != 0 {
+                    return Err(EpError::InvalidArgument(
+                        "out.scales and out.rows_bf16 are for FP8 dispatch only".into(),
+                    ));
+                }
+            }
+        }
+        need("out.tokens_per_expert", out.tokens_per_expert, l * 8, 8)?;
+        optional("out.padded_per_expert", out.padded_per_expert, l * 8, 8)?;
+        optional("out.offsets", out.offsets, (l + 1) * 8, 8)
+    }
+
+    fn not_pending(&self, call: &str) -> Result<()> {
+        match self.pending {
+            Some(_) => Err(EpError::State(format!(
+                "{call} while a dispatch_send waits for its dispatch_recv; call dispatch_recv first"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The first half of [`EpGroup::dispatch`]: this PE's routing published
+    /// and its tokens stored into the PEs hosting their experts, enqueued
+    /// on `stream`; the caller may enqueue work of its own before
+    /// [`EpGroup::dispatch_recv`], which every PE must call next (it waits
+    /// for the peers' tokens), while the stores are in flight.
+    ///
+    /// # Safety
+    /// As [`EpGroup::dispatch`]; `x`, `ids` and `probs` stay valid and
+    /// unwritten until the stream has run the `dispatch_recv` after it.
+    pub unsafe fn dispatch_send(
+        &mut self,
+        x: Buf,
+        ids: Buf,
+        probs: Buf,
+        tokens: usize,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        self.not_pending("dispatch_send")?;
+        let c = self.config;
         if tokens > c.tokens {
             return Err(EpError::InvalidArgument(format!(
                 "{tokens} tokens is more than the group's {}",
@@ -438,28 +499,47 @@ impl EpGroup {
         }
         need("ids", ids, tokens * c.topk * 4, 4)?;
         need("probs", probs, tokens * c.topk * 4, 4)?;
-        need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
-        match c.precision {
-            Precision::Fp8Dispatch => {
-                need("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
-                optional("out.rows_bf16", out.rows_bf16, rows * h * 2, 16)?;
-            }
-            _ => {
-                if out.scales.addr != 0 || out.rows_bf16.addr != 0 {
-                    return Err(EpError::InvalidArgument(
-                        "out.scales and out.rows_bf16 are for FP8 dispatch only".into(),
-                    ));
-                }
-            }
-        }
-        need("out.tokens_per_expert", out.tokens_per_expert, l * 8, 8)?;
-        optional("out.padded_per_expert", out.padded_per_expert, l * 8, 8)?;
-        optional("out.offsets", out.offsets, (l + 1) * 8, 8)?;
         let p = EpParams {
             n: tokens as i64,
             src: x.addr,
             src_ids: ids.addr,
             src_probs: probs.addr,
+            wire: 1,
+            ..self.params()
+        };
+        // SAFETY: the addresses were checked against the sizes the steps
+        // use; the rest is the caller's contract and the group's layout.
+        let replaced = unsafe {
+            self.fence(Part::Send, stream)?;
+            // One PE has no peer to push to or announce to.
+            let steps: &[Step] = match self.layout.pes {
+                1 => &[Step::Publish],
+                _ => &[Step::Publish, Step::Push, Step::Signal],
+            };
+            self.run(steps, &p, stream)?
+        };
+        self.last = Some(Part::Send);
+        self.pending = Some((x, tokens, replaced));
+        Ok(())
+    }
+
+    /// The second half of [`EpGroup::dispatch`]: waits for every PE's
+    /// tokens of the last [`EpGroup::dispatch_send`] and lays this PE's
+    /// received rows out in `out` (enqueued on `stream`). Reports
+    /// [`EpError::BadRouting`] as dispatch does.
+    ///
+    /// # Safety
+    /// As [`EpGroup::dispatch`], for `out`.
+    pub unsafe fn dispatch_recv(&mut self, out: &ExpertMajor, stream: *mut c_void) -> Result<()> {
+        let Some((x, tokens, replaced)) = self.pending else {
+            return Err(EpError::State(
+                "dispatch_recv needs a dispatch_send first".into(),
+            ));
+        };
+        self.check_out(out)?;
+        let p = EpParams {
+            n: tokens as i64,
+            src: x.addr,
             out: out.rows.addr,
             out_scales: out.scales.addr,
             out_bf16: out.rows_bf16.addr,
@@ -469,23 +549,11 @@ impl EpGroup {
             wire: 1,
             ..self.params()
         };
-        // SAFETY: the addresses were checked against the sizes the steps
-        // use; the rest is the caller's contract and the group's layout.
+        // SAFETY: as dispatch_send; `out` checked above.
         unsafe {
-            self.fence(Part::Send, stream)?;
-            // One PE has no peer to push to or wait for.
             let steps: &[Step] = match self.layout.pes {
-                1 => &[
-                    Step::Publish,
-                    Step::Count,
-                    Step::Scan,
-                    Step::Assign,
-                    Step::Copy,
-                ],
+                1 => &[Step::Count, Step::Scan, Step::Assign, Step::Copy],
                 _ => &[
-                    Step::Publish,
-                    Step::Push,
-                    Step::Signal,
                     Step::Wait,
                     Step::Count,
                     Step::Scan,
@@ -493,12 +561,12 @@ impl EpGroup {
                     Step::Copy,
                 ],
             };
-            let replaced = self.run(steps, &p, stream)?;
-            self.last = Some(Part::Send);
-            self.dispatched = Some(tokens);
-            if replaced > 0 {
-                return Err(host::routing_error(&p, replaced));
-            }
+            self.run(steps, &p, stream)?;
+        }
+        self.pending = None;
+        self.dispatched = Some(tokens);
+        if replaced > 0 {
+            return Err(host::routing_error(&p, replaced));
         }
         Ok(())
     }
@@ -542,6 +610,7 @@ impl EpGroup {
         stream: *mut c_void,
         call: &str,
     ) -> Result<()> {
+        self.not_pending(call)?;
         let n = self.dispatched(call)?;
         let rows = self.layout.expert_rows * self.row_bytes();
         need(
@@ -595,6 +664,7 @@ impl EpGroup {
         grad_probs: Buf,
         stream: *mut c_void,
     ) -> Result<()> {
+        self.not_pending("combine_backward")?;
         let n = self.dispatched("combine_backward")?;
         let rows = self.layout.expert_rows * self.row_bytes();
         need("grad_y", grad_y, n * self.row_bytes(), 16)?;

@@ -17,6 +17,9 @@
 //!   on the device. FP8 dispatch quantizes on the sender (e4m3, one f32
 //!   scale per 128 elements) and the receiver gets FP8 rows with their
 //!   scales (and bf16, if asked).
+//!   [`EpGroup::dispatch_send`] and [`EpGroup::dispatch_recv`] are its two
+//!   halves, for a caller that enqueues work of its own while the stores
+//!   are in flight.
 //! - [`EpGroup::combine`]: each PE sums its experts' outputs for each
 //!   token it received (weighted by the probs, f32) and stores one partial
 //!   row into the token's PE, which adds the partial rows in PE rank order

@@ -587,3 +587,80 @@ fn gradients_match_finite_differences() {
         );
     });
 }
+
+/// dispatch_send then dispatch_recv lay out the same rows as dispatch;
+/// calls out of that order are refused by name and change nothing.
+#[test]
+fn dispatch_in_two_halves_equals_dispatch_and_keeps_its_order() {
+    let _s = serial();
+    let case = Case::new(cfg(40, 16, 3, 8, Precision::Bf16), 2, Routing::Random, 23);
+    let heap = case.config.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-halves-{}", std::process::id());
+    run_threads("halves", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, heap);
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let mut m = HostMem::default();
+        let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
+        let x = m.alloc(all[rank].x.len());
+        m.write(x, &all[rank].x);
+        let ids = m.alloc(40 * 3 * 4);
+        m.write(
+            ids,
+            &all[rank]
+                .ids
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let probs = m.alloc(40 * 3 * 4);
+        m.write(
+            probs,
+            &all[rank]
+                .probs
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        let (a, b) = (
+            expert_major(&mut m, &g, false),
+            expert_major(&mut m, &g, false),
+        );
+        let s = std::ptr::null_mut();
+        // SAFETY: (every call below) the buffers above, alive for the test.
+        unsafe {
+            let e = g.dispatch_recv(&a, s).unwrap_err();
+            assert!(e.to_string().contains("needs a dispatch_send first"), "{e}");
+            g.dispatch(x, ids, probs, 40, &a, s).unwrap();
+            g.dispatch_send(x, ids, probs, 40, s).unwrap();
+            let e = g.dispatch_send(x, ids, probs, 40, s).unwrap_err();
+            assert!(e.to_string().contains("call dispatch_recv first"), "{e}");
+            let e = g.combine(a.rows, x, s).unwrap_err();
+            assert!(
+                e.to_string().contains("combine while a dispatch_send"),
+                "{e}"
+            );
+            g.dispatch_recv(&b, s).unwrap();
+        }
+        let want = received(&case, &all, rank);
+        for out in [a, b] {
+            let counts: Vec<i64> = m
+                .read(out.tokens_per_expert)
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(counts, want.tokens_per_expert, "PE {rank}");
+        }
+        let (ra, rb) = (m.read(a.rows), m.read(b.rows));
+        for k in &want.kept {
+            let row = 16 * 2;
+            assert_eq!(
+                ra[k.row * row..(k.row + 1) * row],
+                rb[k.row * row..(k.row + 1) * row],
+                "PE {rank}: {k:?}"
+            );
+        }
+        // The second dispatch's combine is right too.
+        round(&case, rank, &mut g, &mut m, false);
+        g.destroy(&mut w).unwrap();
+    });
+}
