@@ -26,32 +26,13 @@ use std::time::Duration;
 use xcall_core::{Device, Platform};
 use xcall_shmem::{ShmemError, World};
 
+pub use crate::args::Buf;
+use crate::args::{need, optional};
 use crate::config::{word, Capacity, EpConfig, Layout, Precision, FP8_BLOCK};
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
 use crate::{host, host_grad};
-
-/// A caller's buffer: its address (Host memory on Host PEs, this PE's
-/// device memory on CUDA) and its size in bytes. [`Buf::NONE`] for an
-/// optional buffer left out.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Buf {
-    /// Address of the first byte.
-    pub addr: u64,
-    /// Bytes the caller owns from `addr`.
-    pub bytes: usize,
-}
-
-impl Buf {
-    /// No buffer.
-    pub const NONE: Buf = Buf { addr: 0, bytes: 0 };
-
-    /// `bytes` at `addr`.
-    pub fn new(addr: u64, bytes: usize) -> Buf {
-        Buf { addr, bytes }
-    }
-}
 
 /// Where dispatch writes what a PE's experts receive: rows grouped by
 /// local expert (expert `l`'s from row `offsets[l]`, a multiple of the
@@ -122,32 +103,6 @@ impl std::fmt::Debug for EpGroup {
             .field("device", &self.device)
             .field("base", &format_args!("{:#x}", self.base))
             .finish()
-    }
-}
-
-fn need(what: &str, b: Buf, bytes: usize, align: u64) -> Result<()> {
-    if b.bytes < bytes {
-        return Err(EpError::InvalidArgument(format!(
-            "{what} holds {} bytes; this call needs {bytes}",
-            b.bytes
-        )));
-    }
-    if bytes > 0 && b.addr == 0 {
-        return Err(EpError::InvalidArgument(format!("{what} is null")));
-    }
-    if b.addr % align != 0 {
-        return Err(EpError::InvalidArgument(format!(
-            "{what} at {:#x} is not {align}-byte aligned",
-            b.addr
-        )));
-    }
-    Ok(())
-}
-
-fn optional(what: &str, b: Buf, bytes: usize, align: u64) -> Result<()> {
-    match b.addr {
-        0 => Ok(()),
-        _ => need(what, b, bytes, align),
     }
 }
 

@@ -36,6 +36,7 @@
 
 #![deny(missing_docs)]
 
+mod args;
 pub mod config;
 mod cuda;
 mod error;
