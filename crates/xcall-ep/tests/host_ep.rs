@@ -10,7 +10,7 @@ use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
-use common::run::{expert_major, round, HostMem, Mem};
+use common::run::{expert_major, inputs, round, HostMem, Mem};
 use common::*;
 
 fn world(group: &str, rank: usize, n: usize, heap: usize) -> World {
@@ -188,24 +188,7 @@ fn dispatching_twice_in_a_row_is_fenced_and_stays_right() {
         let mut m = HostMem::default();
         let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
         let d = &all[rank];
-        let x = m.alloc(d.x.len());
-        m.write(x, &d.x);
-        let ids = m.alloc(d.ids.len() * 4);
-        m.write(
-            ids,
-            &d.ids
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<_>>(),
-        );
-        let probs = m.alloc(d.probs.len() * 4);
-        m.write(
-            probs,
-            &d.probs
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<_>>(),
-        );
+        let (x, ids, probs) = inputs(&mut m, d);
         let out = expert_major(&mut m, &g, false);
         for _ in 0..3 {
             // SAFETY: the buffers above, alive for the test.
@@ -601,26 +584,7 @@ fn dispatch_in_two_halves_equals_dispatch_and_keeps_its_order() {
         let mut g = EpGroup::new(&mut w, case.config).unwrap();
         let mut m = HostMem::default();
         let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
-        let x = m.alloc(all[rank].x.len());
-        m.write(x, &all[rank].x);
-        let ids = m.alloc(40 * 3 * 4);
-        m.write(
-            ids,
-            &all[rank]
-                .ids
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<_>>(),
-        );
-        let probs = m.alloc(40 * 3 * 4);
-        m.write(
-            probs,
-            &all[rank]
-                .probs
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<_>>(),
-        );
+        let (x, ids, probs) = inputs(&mut m, &all[rank]);
         let (a, b) = (
             expert_major(&mut m, &g, false),
             expert_major(&mut m, &g, false),

@@ -61,6 +61,21 @@ fn f32s(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// PE data's tokens, ids and probs in new buffers of `m`.
+pub fn inputs(m: &mut dyn Mem, d: &PeData) -> (Buf, Buf, Buf) {
+    let le = |v: Vec<[u8; 4]>| v.concat();
+    let x = m.alloc(d.x.len());
+    m.write(x, &d.x);
+    let ids = m.alloc(d.ids.len() * 4);
+    m.write(ids, &le(d.ids.iter().map(|v| v.to_le_bytes()).collect()));
+    let probs = m.alloc(d.probs.len() * 4);
+    m.write(
+        probs,
+        &le(d.probs.iter().map(|v| v.to_le_bytes()).collect()),
+    );
+    (x, ids, probs)
+}
+
 /// What a PE's run saw, for tests that compare platforms.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Outputs {
