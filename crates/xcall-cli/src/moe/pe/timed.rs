@@ -56,17 +56,21 @@ impl Pe {
         }
     }
 
-    /// [`Pe::timed_step`] without waiting for it on CUDA: the step's
-    /// events come back with it, read once the stream drained (so that
-    /// the host runs ahead of the GPUs and its own delays stay out of the
-    /// steps' times).
+    /// Runs one step through the graph cache and returns what the cache
+    /// did with the step's time: the host clock's on Host (the step ran),
+    /// on CUDA events on the PE's stream, read once the stream drained
+    /// past them ([`Queued::ms`]), so that the host runs ahead of the
+    /// GPUs and its own delays stay out of the steps' times.
     pub fn queue_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<Queued> {
         let key = self.key();
         let Some(stream) = self.gpu.as_ref().map(|g| g.stream.stream()) else {
-            let (ms, outcome) = self.timed_step(cache)?;
+            let start = Instant::now();
+            let outcome = cache
+                .execute(&Call::new(key, None), |_| self.step(Waits::Host))
+                .context("graph cache")?;
             return Ok(Queued {
                 outcome,
-                ms: Some(ms),
+                ms: Some(start.elapsed().as_secs_f64() * 1e3),
                 marks: None,
             });
         };
@@ -83,37 +87,6 @@ impl Pe {
             ms: None,
             marks: Some((a, z)),
         })
-    }
-
-    /// Runs one step through the graph cache; returns its time in ms (CUDA
-    /// events on the PE's stream, or the host clock) and what the cache
-    /// did.
-    pub fn timed_step(&mut self, cache: &GraphCache<CudaGraphs>) -> Res<(f64, Outcome)> {
-        let key = self.key();
-        match self.gpu.as_ref().map(|g| g.stream.stream()) {
-            None => {
-                let start = Instant::now();
-                let outcome = cache
-                    .execute(&Call::new(key, None), |_| self.step(Waits::Host))
-                    .context("graph cache")?;
-                Ok((start.elapsed().as_secs_f64() * 1e3, outcome))
-            }
-            Some(stream) => {
-                let a = Event::new(self.device).context("CUDA event")?;
-                let z = Event::new(self.device).context("CUDA event")?;
-                a.record_on(&stream).context("CUDA event")?;
-                let handle = CudaStreamHandle(stream.raw());
-                let outcome = cache
-                    .execute(&Call::new(key, Some(handle)), |_| self.step(Waits::Stream))
-                    .context("graph cache")?;
-                z.record_on(&stream).context("CUDA event")?;
-                self.drain()?;
-                Ok((
-                    z.elapsed_ms_since(&a).context("CUDA event")? as f64,
-                    outcome,
-                ))
-            }
-        }
     }
 
     /// The median ms of a device-to-device copy of `P` slots (the size of
