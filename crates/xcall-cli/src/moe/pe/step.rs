@@ -411,6 +411,38 @@ impl Pe {
     /// `out = silu(recv) * scale_e` for every (sender, local expert)
     /// block of `C` rows, or dropless every ragged group of rows the
     /// counts give, in one call.
+    /// The experts' op, `silu(x) * scale_e`, on `bytes` of `inputs[0]`
+    /// into `output`, with per-block scales or ragged groups; on the
+    /// PE's device (a Host PE's on the one Host device: its own names its
+    /// slot in the world, host:rank).
+    pub(super) fn expert_call<'a>(
+        &self,
+        stream: *mut c_void,
+        inputs: &'a [u64],
+        output: u64,
+        bytes: u64,
+        (scales, ragged): (Option<GroupScales>, Option<RaggedGroups>),
+    ) -> OpCall<'a> {
+        OpCall {
+            device: match self.device.platform {
+                Platform::Host => Device::HOST,
+                Platform::Cuda => self.device,
+            },
+            stream,
+            op: ElementwiseOp::SiluScale,
+            dtype: self.shape.dtype,
+            config: self.ops,
+            variant: Variant::WarpSpecialized,
+            host: self.host,
+            inputs,
+            output,
+            bytes,
+            scale: 0.0,
+            scales,
+            ragged,
+        }
+    }
+
     pub(super) fn experts(&mut self, stream: *mut c_void) -> Res<()> {
         let s = self.shape;
         let block = (s.capacity * s.row_bytes()) as u64;
@@ -431,27 +463,9 @@ impl Pe {
             };
             (Some(scales), None)
         };
-        // A Host PE's device names its slot in the world (host:rank); the
-        // op itself runs on the one Host device.
-        let device = match self.device.platform {
-            Platform::Host => Device::HOST,
-            Platform::Cuda => self.device,
-        };
-        let call = OpCall {
-            device,
-            stream,
-            op: ElementwiseOp::SiluScale,
-            dtype: s.dtype,
-            config: self.ops,
-            variant: Variant::WarpSpecialized,
-            host: self.host,
-            inputs: &[self.b.rows],
-            output: self.b.results,
-            bytes: (s.pes * Self::slot_bytes(&s)) as u64,
-            scale: 0.0,
-            scales,
-            ragged,
-        };
+        let inputs = [self.b.rows];
+        let bytes = (s.pes * Self::slot_bytes(&s)) as u64;
+        let call = self.expert_call(stream, &inputs, self.b.results, bytes, (scales, ragged));
         // SAFETY: `rows`, `results`, `scales` and `counts` are distinct
         // buffers of this PE's heap (the first P slots of `rows` and of
         // `results` are exactly these bytes, `scales` one f32 per block,

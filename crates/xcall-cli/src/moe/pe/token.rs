@@ -12,16 +12,12 @@
 use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, ExpertMajor, Layout, Precision};
 use xcall_graph::BufferRole;
 use xcall_shmem::World;
-use xcall_warpspec::codegen::ElementwiseOp;
-use xcall_warpspec::cuda::Variant;
 use xcall_warpspec::ops::RaggedGroups;
-use xcall_warpspec::OpCall;
 
 use super::super::data::{Inputs, Shape};
 use super::Pe;
 use crate::alloc::RunError;
 use crate::layer::{Context, Res};
-use xcall_core::{Device, Platform};
 
 /// The group and the PE's buffers of the token-once step.
 pub(super) struct TokenPe {
@@ -222,25 +218,14 @@ impl Pe {
         } else {
             tok.out.rows.addr
         };
-        let device = match self.device.platform {
-            Platform::Host => Device::HOST,
-            Platform::Cuda => self.device,
-        };
-        let call = OpCall {
-            device,
+        let inputs = [input];
+        let call = self.expert_call(
             stream,
-            op: ElementwiseOp::SiluScale,
-            dtype: s.dtype,
-            config: self.ops,
-            variant: Variant::WarpSpecialized,
-            host: self.host,
-            inputs: &[input],
-            output: tok.expert_out.addr,
+            &inputs,
+            tok.expert_out.addr,
             bytes,
-            scale: 0.0,
-            scales: None,
-            ragged: Some(ragged),
-        };
+            (None, Some(ragged)),
+        );
         // SAFETY: the expert-major rows and outputs hold `bytes` each, the
         // scales L f32 and the counts L i64 (written by dispatch before,
         // on the same stream); all this PE's, written by nothing else
