@@ -642,3 +642,18 @@ pub(crate) fn routing_error(p: &EpParams, replaced: usize) -> EpError {
         p.rank, p.experts
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block's largest magnitude maps to e4m3's largest value; an
+    /// all-zero block scales by 1 (not 0, which would make its values
+    /// NaN).
+    #[test]
+    fn fp8_scales_map_the_largest_magnitude_to_448_and_zero_blocks_to_1() {
+        assert_eq!(fp8_scale(448.0), 1.0);
+        assert_eq!(fp8_scale(896.0), 2.0);
+        assert_eq!(fp8_scale(0.0), 1.0);
+    }
+}
