@@ -60,7 +60,7 @@ pub struct ExpertMajor {
 
 /// The part of the allocation a phase publishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Part {
+pub(crate) enum Part {
     Send,
     Partial,
     GradProbs,
@@ -82,11 +82,11 @@ pub struct EpGroup {
     pub(crate) kernels: Option<Arc<Kernels>>,
     exchange_blocks: u32,
     sms_used: usize,
-    last: Option<Part>,
-    dispatched: Option<usize>,
+    pub(crate) last: Option<Part>,
+    pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
     /// the ids this PE's publish replaced.
-    pending: Option<(Buf, usize, usize)>,
+    pub(crate) pending: Option<(Buf, usize, usize)>,
     /// With [`EpGroup::profile`] on (CUDA): an event after each step, the
     /// first one before.
     pub(crate) marks: RefCell<Option<Vec<Mark>>>,
@@ -237,7 +237,7 @@ impl EpGroup {
         )
     }
 
-    fn params(&self) -> EpParams {
+    pub(crate) fn params(&self) -> EpParams {
         let (c, l, at) = (&self.config, &self.layout, &self.layout.at);
         EpParams {
             base: self.base,
@@ -283,7 +283,12 @@ impl EpGroup {
     ///
     /// # Safety
     /// `p`'s addresses are valid for the steps (checked by the caller).
-    unsafe fn run(&self, steps: &[Step], p: &EpParams, stream: *mut c_void) -> Result<usize> {
+    pub(crate) unsafe fn run(
+        &self,
+        steps: &[Step],
+        p: &EpParams,
+        stream: *mut c_void,
+    ) -> Result<usize> {
         let mut replaced = 0;
         for (i, &step) in steps.iter().enumerate() {
             // On CUDA the kernels that read what peers wrote in a phase

@@ -32,7 +32,9 @@
 //! group needs every PE on one host. The Host path runs the same steps as the
 //! CUDA kernels with the same arithmetic: a CUDA run equals a Host run on
 //! the same data bit for bit (the probs' gradient within rounding).
-//! See [`group`] for the phase protocol.
+//! See [`group`] for the phase protocol. [`EpGroup::save_routing`] and
+//! [`EpGroup::restore_routing`] keep a dispatch's routing for combine and
+//! backward calls made after other dispatches.
 
 #![deny(missing_docs)]
 
@@ -44,6 +46,7 @@ pub mod group;
 pub mod host;
 pub mod host_grad;
 pub mod params;
+mod saved;
 mod status;
 
 pub use config::{Capacity, EpConfig, Layout, Offsets, Precision, FP8_BLOCK, MAX_PES, MAX_TOPK};
