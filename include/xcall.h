@@ -2813,6 +2813,166 @@ struct XLA_FFI_Error *xcall_xla_sort_chunks_by_map_host(struct XLA_FFI_CallFrame
  */
 struct XLA_FFI_Error *xcall_xla_sort_chunks_by_map_cuda(struct XLA_FFI_CallFrame *call_frame);
 
+/**
+ * XLA FFI handler of expert-parallel dispatch for "cpu" (see the module
+ * docs of groups). Operands: `x` `[T, H]` (f32 or bf16, the group's
+ * precision), `ids` `[T, k]` s32 (-1: no route), `probs` `[T, k]` f32,
+ * `rank` s32 scalar (this PE's rank; host memory). Results: `rows`
+ * `[expert_rows, H]` (the expert-major layout of `xcall_ep_dispatch`),
+ * `tokens_per_expert` `[L]` s64 (or s32 `[L, 2]` pairs), `routing` u8
+ * `[routing_bytes]` (this dispatch's routing, for the combine and
+ * backward handlers). Attributes: `group` (the id of
+ * `xcall_xla_ep_open`), `zero_unused` (0/1: zero `rows` first, so rows
+ * no route fills read as zeros). Collective over the group's PEs; begins
+ * with an empty phase.
+ *
+ * Bad input: a malformed call frame (as for `xcall_xla_permute_host`);
+ * no open group of that id; a group of the other platform; a rank
+ * outside the group; an operand or result whose dtype or dims are not
+ * the group's: an XLA error naming it, nothing written. Then the rules
+ * of `xcall_ep_dispatch` (ids outside `-1..E` or repeated: an error after
+ * the call completed on every PE).
+ */
+struct XLA_FFI_Error *xcall_xla_ep_dispatch_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_ep_dispatch_host` for "CUDA": the PE is the frame's device,
+ * looked up in the group's devices (the `rank` operand is ignored).
+ *
+ * Bad input: as `xcall_xla_ep_dispatch_host`; a device that is not one of the
+ * group's: an XLA error naming it.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_dispatch_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of expert-parallel combine for "cpu". Operands:
+ * `expert_out` `[expert_rows, H]` (expert-major, the group's precision),
+ * `routing` (a dispatch handler's result), `rank`. Result: `y` `[T, H]`:
+ * each token the sum of its experts' rows weighted by the probs given to
+ * that dispatch. Attribute `group`. Collective; puts the dispatch's
+ * routing back first, so it follows that dispatch whatever came between.
+ *
+ * Bad input: as `xcall_xla_ep_dispatch_host`; then the rules of
+ * `xcall_ep_combine`.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_combine_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_ep_combine_host` for "CUDA": the PE is the frame's device,
+ * looked up in the group's devices (the `rank` operand is ignored).
+ *
+ * Bad input: as `xcall_xla_ep_combine_host`; a device that is not one of the
+ * group's: an XLA error naming it.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_combine_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of the gradient of expert-parallel combine for "cpu".
+ * Operands: `grad_y` `[T, H]`, `expert_out` `[expert_rows, H]` (as
+ * combine read it), `routing`, `rank`. Results: `grad_expert_out`
+ * `[expert_rows, H]` (rows no route fills are zero), `grad_probs` `[T, k]`
+ * f32. Attribute `group`. Collective; puts the routing back first.
+ *
+ * Bad input: as `xcall_xla_ep_dispatch_host`; then the rules of
+ * `xcall_ep_combine_backward`.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_combine_backward_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_ep_combine_backward_host` for "CUDA": the PE is the frame's device,
+ * looked up in the group's devices (the `rank` operand is ignored).
+ *
+ * Bad input: as `xcall_xla_ep_combine_backward_host`; a device that is not one of the
+ * group's: an XLA error naming it.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_combine_backward_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * XLA FFI handler of the gradient of expert-parallel dispatch for "cpu".
+ * Operands: `grad_rows` `[expert_rows, H]`, `routing`, `rank`. Result:
+ * `grad_x` `[T, H]`: each token the sum of its routes' rows, unweighted.
+ * Attribute `group`. Collective; puts the routing back first.
+ *
+ * Bad input: as `xcall_xla_ep_dispatch_host`; then the rules of
+ * `xcall_ep_dispatch_backward`.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_dispatch_backward_host(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * `xcall_xla_ep_dispatch_backward_host` for "CUDA": the PE is the frame's device,
+ * looked up in the group's devices (the `rank` operand is ignored).
+ *
+ * Bad input: as `xcall_xla_ep_dispatch_backward_host`; a device that is not one of the
+ * group's: an XLA error naming it.
+ */
+struct XLA_FFI_Error *xcall_xla_ep_dispatch_backward_cuda(struct XLA_FFI_CallFrame *call_frame);
+
+/**
+ * Makes an expert-parallel group of `config`'s shape on `count` PEs, one
+ * per device of `ordinals` (rank = index), all in this process, into
+ * `*out_id`, with the bytes of a dispatch's saved routing (the `routing`
+ * result of the `xcall_ep_dispatch` handler) in `*out_routing_bytes`.
+ * `platform` is an `xcall_platform`: CUDA (`ordinals` are device
+ * ordinals) or Host (`ordinals` may be NULL: Host PEs take slots of
+ * their own). Each PE's world and group are made on a thread of their
+ * own, all at once, with `timeout_ms` for every wait on peers (0: 60 s);
+ * the call returns when all are made. On CUDA a device may be in one live
+ * group at a time. Thread-safe.
+ *
+ * Bad input: NULL `config`, `out_id` or `out_routing_bytes`, NULL
+ * `ordinals` on CUDA: `XCALL_STATUS_NULL_ARGUMENT`; an unknown platform
+ * or precision, `count` 0 or above 64, a config `xcall_ep_layout` refuses
+ * for `count` PEs, a CUDA ordinal listed twice:
+ * `XCALL_STATUS_INVALID_ARGUMENT`; a CUDA device already in a live group
+ * or world: `XCALL_STATUS_INVALID_STATE`; nothing is made. A failure on
+ * one PE (out of memory, a missing device): its status, naming the PE,
+ * and nothing is left made.
+ */
+xcall_status xcall_xla_ep_open(uint32_t platform,
+                               const uint32_t *ordinals,
+                               uint64_t count,
+                               const xcall_ep_config *config,
+                               uint64_t timeout_ms,
+                               uint64_t *out_id,
+                               uint64_t *out_routing_bytes);
+
+/**
+ * Frees the group `id` of `xcall_xla_ep_open` on every PE (its worlds
+ * finalized, one thread per PE at once). Every call of its handlers must
+ * have completed on its device first (synchronize the runtime's
+ * streams): peers may read a PE's memory until every PE is here.
+ * Thread-safe.
+ *
+ * Bad input: an id not open (closed already, never opened):
+ * `XCALL_STATUS_INVALID_HANDLE`; a handler of the group running now:
+ * `XCALL_STATUS_BUSY`, the group left open.
+ */
+xcall_status xcall_xla_ep_close(uint64_t id);
+
+/**
+ * The first error a CUDA kernel of group `id` met on any PE since the
+ * last check, then cleared (`xcall_ep_check` on each PE, in rank order):
+ * a peer that did not reach a phase in time, or routing with ids that
+ * were not taken. Synchronize the handlers' streams first. Always OK on
+ * Host, whose handlers report their errors themselves.
+ *
+ * Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; a handler
+ * of the group running now: `XCALL_STATUS_BUSY`.
+ */
+xcall_status xcall_xla_ep_check(uint64_t id);
+
+/**
+ * Routes dropped by the capacity on PE `rank` of group `id`, summed over
+ * every dispatch so far, into `*out_dropped`. On CUDA, synchronize the
+ * handlers' streams first.
+ *
+ * Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; `rank` not a
+ * PE of the group: `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_dropped`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; a handler of that PE running now:
+ * `XCALL_STATUS_BUSY`.
+ */
+xcall_status xcall_xla_ep_dropped_routes(uint64_t id, uint64_t rank, uint64_t *out_dropped);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -211,7 +211,7 @@ fn usize_arg(v: u64, what: &str) -> Result<usize, FfiError> {
 
 /// The config behind `config`, decoded (the shape is checked by the
 /// group's layout).
-fn config_arg(config: *const xcall_ep_config) -> Result<EpConfig, FfiError> {
+pub(crate) fn config_arg(config: *const xcall_ep_config) -> Result<EpConfig, FfiError> {
     // SAFETY: NULL or a readable config, per the documentation.
     let c = unsafe { config.as_ref() }
         .ok_or_else(|| FfiError::new(Status::NullArgument, "config is NULL"))?;

@@ -32,6 +32,7 @@
 ///
 /// cbindgen:ignore
 pub mod abi;
+mod ep;
 mod frame;
 mod specs;
 
@@ -50,6 +51,7 @@ use crate::graph::xcall_graph_cache;
 use crate::guard::FfiError;
 use crate::op_args::{self, Source};
 use abi::*;
+pub use ep::*;
 use frame::*;
 use specs::*;
 
@@ -508,4 +510,122 @@ pub extern "C" fn xcall_xla_sort_chunks_by_map_cuda(
     call_frame: *mut XLA_FFI_CallFrame,
 ) -> *mut XLA_FFI_Error {
     handle(&SORT_CHUNKS_BY_MAP, Side::Cuda, call_frame)
+}
+
+/// XLA FFI handler of expert-parallel dispatch for "cpu" (see the module
+/// docs of groups). Operands: `x` `[T, H]` (f32 or bf16, the group's
+/// precision), `ids` `[T, k]` s32 (-1: no route), `probs` `[T, k]` f32,
+/// `rank` s32 scalar (this PE's rank; host memory). Results: `rows`
+/// `[expert_rows, H]` (the expert-major layout of `xcall_ep_dispatch`),
+/// `tokens_per_expert` `[L]` s64 (or s32 `[L, 2]` pairs), `routing` u8
+/// `[routing_bytes]` (this dispatch's routing, for the combine and
+/// backward handlers). Attributes: `group` (the id of
+/// `xcall_xla_ep_open`), `zero_unused` (0/1: zero `rows` first, so rows
+/// no route fills read as zeros). Collective over the group's PEs; begins
+/// with an empty phase.
+///
+/// Bad input: a malformed call frame (as for `xcall_xla_permute_host`);
+/// no open group of that id; a group of the other platform; a rank
+/// outside the group; an operand or result whose dtype or dims are not
+/// the group's: an XLA error naming it, nothing written. Then the rules
+/// of `xcall_ep_dispatch` (ids outside `-1..E` or repeated: an error after
+/// the call completed on every PE).
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_dispatch_host(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_DISPATCH, Side::Host, call_frame)
+}
+
+/// `xcall_xla_ep_dispatch_host` for "CUDA": the PE is the frame's device,
+/// looked up in the group's devices (the `rank` operand is ignored).
+///
+/// Bad input: as `xcall_xla_ep_dispatch_host`; a device that is not one of the
+/// group's: an XLA error naming it.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_dispatch_cuda(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_DISPATCH, Side::Cuda, call_frame)
+}
+
+/// XLA FFI handler of expert-parallel combine for "cpu". Operands:
+/// `expert_out` `[expert_rows, H]` (expert-major, the group's precision),
+/// `routing` (a dispatch handler's result), `rank`. Result: `y` `[T, H]`:
+/// each token the sum of its experts' rows weighted by the probs given to
+/// that dispatch. Attribute `group`. Collective; puts the dispatch's
+/// routing back first, so it follows that dispatch whatever came between.
+///
+/// Bad input: as `xcall_xla_ep_dispatch_host`; then the rules of
+/// `xcall_ep_combine`.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_combine_host(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_COMBINE, Side::Host, call_frame)
+}
+
+/// `xcall_xla_ep_combine_host` for "CUDA": the PE is the frame's device,
+/// looked up in the group's devices (the `rank` operand is ignored).
+///
+/// Bad input: as `xcall_xla_ep_combine_host`; a device that is not one of the
+/// group's: an XLA error naming it.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_combine_cuda(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_COMBINE, Side::Cuda, call_frame)
+}
+
+/// XLA FFI handler of the gradient of expert-parallel combine for "cpu".
+/// Operands: `grad_y` `[T, H]`, `expert_out` `[expert_rows, H]` (as
+/// combine read it), `routing`, `rank`. Results: `grad_expert_out`
+/// `[expert_rows, H]` (rows no route fills are zero), `grad_probs` `[T, k]`
+/// f32. Attribute `group`. Collective; puts the routing back first.
+///
+/// Bad input: as `xcall_xla_ep_dispatch_host`; then the rules of
+/// `xcall_ep_combine_backward`.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_combine_backward_host(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_COMBINE_BACKWARD, Side::Host, call_frame)
+}
+
+/// `xcall_xla_ep_combine_backward_host` for "CUDA": the PE is the frame's device,
+/// looked up in the group's devices (the `rank` operand is ignored).
+///
+/// Bad input: as `xcall_xla_ep_combine_backward_host`; a device that is not one of the
+/// group's: an XLA error naming it.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_combine_backward_cuda(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_COMBINE_BACKWARD, Side::Cuda, call_frame)
+}
+
+/// XLA FFI handler of the gradient of expert-parallel dispatch for "cpu".
+/// Operands: `grad_rows` `[expert_rows, H]`, `routing`, `rank`. Result:
+/// `grad_x` `[T, H]`: each token the sum of its routes' rows, unweighted.
+/// Attribute `group`. Collective; puts the routing back first.
+///
+/// Bad input: as `xcall_xla_ep_dispatch_host`; then the rules of
+/// `xcall_ep_dispatch_backward`.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_dispatch_backward_host(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_DISPATCH_BACKWARD, Side::Host, call_frame)
+}
+
+/// `xcall_xla_ep_dispatch_backward_host` for "CUDA": the PE is the frame's device,
+/// looked up in the group's devices (the `rank` operand is ignored).
+///
+/// Bad input: as `xcall_xla_ep_dispatch_backward_host`; a device that is not one of the
+/// group's: an XLA error naming it.
+#[no_mangle]
+pub extern "C" fn xcall_xla_ep_dispatch_backward_cuda(
+    call_frame: *mut XLA_FFI_CallFrame,
+) -> *mut XLA_FFI_Error {
+    handle(&ep::EP_DISPATCH_BACKWARD, Side::Cuda, call_frame)
 }

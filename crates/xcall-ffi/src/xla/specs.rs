@@ -32,7 +32,7 @@ pub(super) const fn with(name: &'static str, flag: &'static str) -> Slot {
 pub(super) const COMMON_ATTRS: [&str; 1] = ["graph_cache"];
 
 /// Attributes that are 0 or 1 (besides the `has_*` flags).
-pub(super) const BOOL_ATTRS: [&str; 2] = ["graph_cache", "backward"];
+pub(super) const BOOL_ATTRS: [&str; 3] = ["graph_cache", "backward", "zero_unused"];
 
 /// An op's handler: its signature and how it runs.
 pub(super) struct Spec {
