@@ -435,11 +435,9 @@ class EpDispatch:
         g = self.group
         tpe = self.tokens_per_expert.astype(jnp.int32)
         align = g.config["align"]
-        if g.config["capacity"]:
-            cap = -(-g.config["capacity"] // align) * align
-            span = jnp.full_like(tpe, cap)
-        else:
-            span = (tpe + align - 1) // align * align
+        # Each expert's rows follow the previous one's, from a multiple
+        # of align (with a capacity too: the kept routes, padded).
+        span = (tpe + align - 1) // align * align
         ends = jnp.cumsum(span)
         starts = ends - span
         r = jnp.arange(g.expert_rows, dtype=jnp.int32)
