@@ -38,9 +38,14 @@ pub use shmem::*;
 pub use target::xcall_target;
 pub use warpspec::*;
 pub use xla::{
-    xcall_xla_graph_cache, xcall_xla_make_chunk_sort_map_cuda, xcall_xla_make_chunk_sort_map_host,
-    xcall_xla_make_row_id_map_cuda, xcall_xla_make_row_id_map_host, xcall_xla_permute_cuda,
-    xcall_xla_permute_host, xcall_xla_sort_chunks_by_map_cuda, xcall_xla_sort_chunks_by_map_host,
+    xcall_xla_ep_check, xcall_xla_ep_close, xcall_xla_ep_combine_backward_cuda,
+    xcall_xla_ep_combine_backward_host, xcall_xla_ep_combine_cuda, xcall_xla_ep_combine_host,
+    xcall_xla_ep_dispatch_backward_cuda, xcall_xla_ep_dispatch_backward_host,
+    xcall_xla_ep_dispatch_cuda, xcall_xla_ep_dispatch_host, xcall_xla_ep_dropped_routes,
+    xcall_xla_ep_open, xcall_xla_graph_cache, xcall_xla_make_chunk_sort_map_cuda,
+    xcall_xla_make_chunk_sort_map_host, xcall_xla_make_row_id_map_cuda,
+    xcall_xla_make_row_id_map_host, xcall_xla_permute_cuda, xcall_xla_permute_host,
+    xcall_xla_sort_chunks_by_map_cuda, xcall_xla_sort_chunks_by_map_host,
     xcall_xla_unpermute_backward_cuda, xcall_xla_unpermute_backward_host, xcall_xla_unpermute_cuda,
     xcall_xla_unpermute_host, xcall_xla_unreportable_error,
 };

@@ -119,6 +119,10 @@ fn mirrored_abi_matches_the_installed_jaxlib_header() {
         "unpermute_backward",
         "make_chunk_sort_map",
         "sort_chunks_by_map",
+        "ep_dispatch",
+        "ep_combine",
+        "ep_combine_backward",
+        "ep_dispatch_backward",
     ] {
         for side in ["host", "cuda"] {
             source.push_str(&format!(

@@ -145,9 +145,11 @@ pub const NAMES: &[&str] = &[
     "capacity",
     "capacityy",
     "graph_cache",
+    "group",
     "has_probs",
     "has_scales",
     "num_out_tokens",
+    "zero_unused",
 ];
 
 /// Attribute value types the frames carry.

@@ -1,0 +1,301 @@
+//! The expert-parallel XLA handlers on Host, driven like XLA drives them:
+//! one group opened for every PE at once, then each PE's calls from a
+//! thread of its own, with fake call frames; and the refusals of
+//! `xcall_xla_ep_open` / `_close` and of frames that do not fit the group.
+
+// The fake frames keep each buffer boxed: XLA holds pointers to them.
+#![allow(clippy::vec_box)]
+
+mod xla_fake;
+
+use xcall::xla::abi::*;
+use xcall::*;
+use xcall_core::testing::{run_threads, watchdog};
+use xcall_core::Status;
+use xla_fake::*;
+
+const T: usize = 6;
+const H: usize = 4;
+const K: usize = 2;
+const E: usize = 4;
+
+fn config() -> xcall_ep_config {
+    xcall_ep_config {
+        tokens: T as u64,
+        hidden: H as u64,
+        topk: K as u64,
+        experts: E as u64,
+        align: 1,
+        capacity: 0,
+        precision: EpPrecisionCode(EpPrecision::F32 as u32),
+        num_sms: 0,
+    }
+}
+
+fn open(pes: u64, c: &xcall_ep_config) -> Result<(u64, u64), Status> {
+    let (mut id, mut bytes) = (0, 0);
+    match xcall_xla_ep_open(0, std::ptr::null(), pes, c, 20_000, &mut id, &mut bytes) {
+        Status::Ok => Ok((id, bytes)),
+        s => Err(s),
+    }
+}
+
+#[test]
+fn open_and_close_refuse_bad_input_and_make_nothing() {
+    let c = config();
+    let (mut id, mut bytes) = (7, 7);
+    let null = std::ptr::null();
+    assert_eq!(
+        xcall_xla_ep_open(0, null, 2, std::ptr::null(), 0, &mut id, &mut bytes),
+        Status::NullArgument
+    );
+    let no = std::ptr::null_mut();
+    assert_eq!(
+        xcall_xla_ep_open(0, null, 2, &c, 0, no, &mut bytes),
+        Status::NullArgument
+    );
+    assert_eq!(open(0, &c), Err(Status::InvalidArgument));
+    assert_eq!(open(65, &c), Err(Status::InvalidArgument));
+    assert_eq!(
+        open(3, &c),
+        Err(Status::InvalidArgument),
+        "4 experts over 3 PEs"
+    );
+    let wide = xcall_ep_config { topk: 5, ..c };
+    assert_eq!(open(2, &wide), Err(Status::InvalidArgument), "k > E");
+    assert!(
+        last_error().contains("topk 5 is more than the 4 experts"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(
+        xcall_xla_ep_open(9, null, 2, &c, 0, &mut id, &mut bytes),
+        Status::InvalidArgument
+    );
+    // CUDA needs its ordinals, each once.
+    assert_eq!(
+        xcall_xla_ep_open(1, null, 2, &c, 0, &mut id, &mut bytes),
+        Status::NullArgument
+    );
+    let twice = [0u32, 0];
+    assert_eq!(
+        xcall_xla_ep_open(1, twice.as_ptr(), 2, &c, 0, &mut id, &mut bytes),
+        Status::InvalidArgument
+    );
+    assert_eq!((id, bytes), (7, 7), "outputs untouched");
+    assert_eq!(xcall_xla_ep_close(u64::MAX), Status::InvalidHandle);
+
+    let (id, bytes) = open(2, &c).unwrap();
+    // ids [T, k] i32, sent [P] i32, then 3 * [P, T, k] 4-byte values.
+    assert!(bytes as usize >= (T * K + 2 + 3 * 2 * T * K) * 4, "{bytes}");
+    assert_eq!(xcall_xla_ep_check(id), Status::Ok);
+    let mut dropped = 9;
+    assert_eq!(xcall_xla_ep_dropped_routes(id, 1, &mut dropped), Status::Ok);
+    assert_eq!(dropped, 0);
+    assert_eq!(
+        xcall_xla_ep_dropped_routes(id, 2, &mut dropped),
+        Status::InvalidArgument
+    );
+    assert_eq!(xcall_xla_ep_close(id), Status::Ok);
+    assert_eq!(xcall_xla_ep_close(id), Status::InvalidHandle, "closed once");
+    assert_eq!(xcall_xla_ep_check(id), Status::InvalidHandle);
+}
+
+fn last_error() -> String {
+    // SAFETY: the thread's last message, NUL-terminated.
+    unsafe { std::ffi::CStr::from_ptr(xcall_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// One PE's inputs: token t of PE r is all (r * 10 + t), routed to
+/// experts (t % E) and ((t + 1 + r) % E) with probs 0.75 and 0.25.
+fn inputs(rank: usize) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
+    let x = (0..T * H).map(|i| (rank * 10 + i / H) as f32).collect();
+    let mut ids = Vec::new();
+    for t in 0..T {
+        let a = t % E;
+        let mut b = (t + 1 + rank) % E;
+        if b == a {
+            b = (b + 1) % E;
+        }
+        ids.extend([a as i32, b as i32]);
+    }
+    (x, ids, [0.75f32, 0.25].repeat(T))
+}
+
+fn scalar(rank: &mut i32) -> Box<xla_fake::Buf> {
+    buf(dtype::S32, (rank as *mut i32).cast(), &[])
+}
+
+/// Every PE dispatches, doubles its rows, combines, and takes the
+/// gradients; then a frame that does not fit the group is refused on
+/// every PE with nothing written.
+#[test]
+fn host_handlers_dispatch_combine_and_backward_on_two_pes() {
+    let c = config();
+    let (id, bytes) = open(2, &c).unwrap();
+    let rows = 2 * T * K; // dropless: P * T * min(k, L) with L = 2
+    run_threads("xla ep", 2, watchdog(), move |rank| {
+        let api = || fake_api(API_SIZE_DEVICE_ORDINAL_GET);
+        let attrs = [
+            ("group", Attr::I64(id as i64)),
+            ("zero_unused", Attr::Pred(true)),
+        ];
+        let (mut x, mut ids, mut probs) = inputs(rank);
+        let mut r = rank as i32;
+        let mut out = vec![f32::NAN; rows * H];
+        let mut tpe = vec![-1i64; E / 2];
+        let mut routing = vec![0u8; bytes as usize];
+        let mut f = frame(
+            api(),
+            vec![
+                buf(dtype::F32, ptr(&mut x), &[T as i64, H as i64]),
+                buf(dtype::S32, ptr(&mut ids), &[T as i64, K as i64]),
+                buf(dtype::F32, ptr(&mut probs), &[T as i64, K as i64]),
+                scalar(&mut r),
+            ],
+            vec![
+                buf(dtype::F32, ptr(&mut out), &[rows as i64, H as i64]),
+                buf(dtype::S64, ptr(&mut tpe), &[(E / 2) as i64]),
+                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+            ],
+            &attrs,
+        );
+        call(xcall_xla_ep_dispatch_host, &mut f).unwrap();
+        // Expert l of this PE gets every route of both PEs to it.
+        for (l, n) in tpe.iter().enumerate() {
+            let e = (rank * E / 2 + l) as i32;
+            let want = (0..2)
+                .map(|q| inputs(q).1.iter().filter(|i| **i == e).count())
+                .sum::<usize>();
+            assert_eq!(*n as usize, want, "expert {e}");
+        }
+        let used = tpe.iter().sum::<i64>() as usize;
+        assert!(
+            out[used * H..].iter().all(|v| *v == 0.0),
+            "unused rows zeroed"
+        );
+
+        // Combine of doubled rows: each token comes back as 2 x (probs sum to 1).
+        let mut doubled: Vec<f32> = out.iter().map(|v| 2.0 * v).collect();
+        let mut y = vec![f32::NAN; T * H];
+        let group = [("group", Attr::I64(id as i64))];
+        let mut f = frame(
+            api(),
+            vec![
+                buf(dtype::F32, ptr(&mut doubled), &[rows as i64, H as i64]),
+                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+                scalar(&mut r),
+            ],
+            vec![buf(dtype::F32, ptr(&mut y), &[T as i64, H as i64])],
+            &group,
+        );
+        call(xcall_xla_ep_combine_host, &mut f).unwrap();
+        let want: Vec<f32> = x.iter().map(|v| 2.0 * v).collect();
+        assert_eq!(y, want);
+
+        // The gradients: dispatch_backward sums a token's k rows.
+        let mut gx = vec![f32::NAN; T * H];
+        let mut f = frame(
+            api(),
+            vec![
+                buf(dtype::F32, ptr(&mut out), &[rows as i64, H as i64]),
+                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+                scalar(&mut r),
+            ],
+            vec![buf(dtype::F32, ptr(&mut gx), &[T as i64, H as i64])],
+            &group,
+        );
+        call(xcall_xla_ep_dispatch_backward_host, &mut f).unwrap();
+        assert_eq!(gx, x.iter().map(|v| 2.0 * v).collect::<Vec<_>>());
+        // combine_backward: rows get grad_y times the prob, the probs
+        // their rows' dot products; unused rows are zero.
+        let mut gy = vec![1.0f32; T * H];
+        let mut geo = vec![f32::NAN; rows * H];
+        let mut gp = vec![f32::NAN; T * K];
+        let mut f = frame(
+            api(),
+            vec![
+                buf(dtype::F32, ptr(&mut gy), &[T as i64, H as i64]),
+                buf(dtype::F32, ptr(&mut doubled), &[rows as i64, H as i64]),
+                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+                scalar(&mut r),
+            ],
+            vec![
+                buf(dtype::F32, ptr(&mut geo), &[rows as i64, H as i64]),
+                buf(dtype::F32, ptr(&mut gp), &[T as i64, K as i64]),
+            ],
+            &group,
+        );
+        call(xcall_xla_ep_combine_backward_host, &mut f).unwrap();
+        for t in 0..T {
+            let dot = 2.0 * H as f32 * x[t * H];
+            assert_eq!(&gp[t * K..t * K + K], &[dot, dot], "token {t}");
+        }
+        assert!(geo[..used * H].iter().all(|v| *v == 0.75 || *v == 0.25));
+        assert!(geo[used * H..].iter().all(|v| *v == 0.0));
+
+        // A frame that does not fit the group: refused, nothing written
+        // (the rows keep their NaN even with zero_unused).
+        let mut short = vec![0i32; (T - 1) * K];
+        let mut rows_out = vec![f32::NAN; rows * H];
+        let mut f = frame(
+            api(),
+            vec![
+                buf(dtype::F32, ptr(&mut x), &[T as i64, H as i64]),
+                buf(dtype::S32, ptr(&mut short), &[(T - 1) as i64, K as i64]),
+                buf(dtype::F32, ptr(&mut probs), &[T as i64, K as i64]),
+                scalar(&mut r),
+            ],
+            vec![
+                buf(dtype::F32, ptr(&mut rows_out), &[rows as i64, H as i64]),
+                buf(dtype::S64, ptr(&mut tpe), &[(E / 2) as i64]),
+                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+            ],
+            &attrs,
+        );
+        let (code, message) = call(xcall_xla_ep_dispatch_host, &mut f).unwrap_err();
+        assert_eq!(code, 3, "INVALID_ARGUMENT");
+        assert!(
+            message.starts_with("xcall_ep_dispatch: ids is I32 [5, 2]"),
+            "{message}"
+        );
+        assert!(rows_out.iter().all(|v| v.is_nan()), "nothing written");
+        // A rank outside the group.
+        let mut bad = 2;
+        let mut f = frame(
+            api(),
+            vec![
+                buf(dtype::F32, ptr(&mut doubled), &[rows as i64, H as i64]),
+                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+                scalar(&mut bad),
+            ],
+            vec![buf(dtype::F32, ptr(&mut y), &[T as i64, H as i64])],
+            &group,
+        );
+        let (_, message) = call(xcall_xla_ep_combine_host, &mut f).unwrap_err();
+        assert!(message.contains("operand rank is 2; group"), "{message}");
+    });
+    assert_eq!(xcall_xla_ep_close(id), Status::Ok);
+    // A closed group's handlers say so.
+    let mut r = 0;
+    let mut y = vec![0f32; T * H];
+    let mut eo = vec![0f32; 2 * T * K * H];
+    let mut routing = vec![0u8; bytes as usize];
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![
+            buf(dtype::F32, ptr(&mut eo), &[(2 * T * K) as i64, H as i64]),
+            buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+            scalar(&mut r),
+        ],
+        vec![buf(dtype::F32, ptr(&mut y), &[T as i64, H as i64])],
+        &[("group", Attr::I64(id as i64))],
+    );
+    let (_, message) = call(xcall_xla_ep_combine_host, &mut f).unwrap_err();
+    assert!(
+        message.contains("no open expert-parallel group"),
+        "{message}"
+    );
+}
