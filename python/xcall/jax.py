@@ -21,6 +21,10 @@ mesh: its group dim and its hidden dim may be sharded, and each shard then
 runs its own call with no collective; a sharded token or row dim is
 gathered first, as the op's result depends on every token. Every xcall
 error reaches Python as an exception carrying xcall's message.
+
+Expert parallelism across this process's devices (``ep_dispatch``,
+``ep_combine``, ``ep_group``) lives in :mod:`xcall.jax_ep` and is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ __all__ = [
     "graph_stats",
     "clear_graphs",
     "alias_table",
+    "EpDispatch",
+    "EpGroup",
+    "ep_group",
+    "ep_dispatch",
+    "ep_combine",
+    "ep_close_all",
 ]
 
 # ------------------------------------------------------------------ the ops
@@ -1000,3 +1010,15 @@ def clear_graphs(device_ordinal: int) -> int:
         "graph cache clear",
     )
     return evicted.value
+
+
+# Expert parallelism across this process's devices (xcall.jax_ep), here
+# too: imported last, as it builds on this module's loader.
+from xcall.jax_ep import (  # noqa: E402
+    EpDispatch,
+    EpGroup,
+    ep_close_all,
+    ep_combine,
+    ep_dispatch,
+    ep_group,
+)

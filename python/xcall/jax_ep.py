@@ -60,7 +60,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xcall import jax as _xj
 
 __all__ = [
     "EpGroup",
@@ -117,6 +116,9 @@ def _load() -> ctypes.CDLL:
     global _lib
     if _lib is not None:
         return _lib
+    # Imported here: xcall.jax re-exports this module's API.
+    from xcall import jax as _xj
+
     lib = _xj.load()
     u64 = ctypes.c_uint64
     lib.xcall_ep_layout.argtypes = [ctypes.POINTER(_Config), ctypes.c_uint32, ctypes.POINTER(_Sizes)]
