@@ -19,8 +19,18 @@ import xcall.jax_ep as xe
 AXIS = "ep"
 
 
+@pytest.fixture(autouse=True)
+def on_cpu():
+    """Every computation here on CPU devices (the plain-JAX references
+    too), whatever JAX's default backend; groups of other tests closed
+    first (on GPUs a device is in one group at a time)."""
+    xe.ep_close_all()
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def mesh_of(n, devices=None):
-    devices = devices if devices is not None else jax.devices()
+    devices = devices if devices is not None else jax.devices("cpu")
     if len(devices) < n:
         pytest.skip(f"needs {n} devices, JAX has {len(devices)}")
     return Mesh(np.array(devices[:n]), (AXIS,))
@@ -353,7 +363,7 @@ class _FakeMesh:
 
 def test_a_mesh_with_another_process_device_is_refused():
     before = dict(xe._groups)
-    mesh = _FakeMesh([jax.devices()[0], _Foreign()])
+    mesh = _FakeMesh([jax.devices("cpu")[0], _Foreign()])
     with pytest.raises(ValueError, match="must all be this process's"):
         xe.ep_group(mesh, tokens=8, hidden=8, topk=2, experts=4)
     with pytest.raises(ValueError, match="no axis 'tp'"):

@@ -215,7 +215,7 @@ pub extern "C" fn xcall_xla_ep_open(
             let device = Device::new(platform, ordinals[rank]);
             let mut wc = WorldConfig::in_process(&name, rank, n, device);
             // The group's part, plus the world's internal region.
-            wc.heap_bytes = Some(layout.heap_bytes.saturating_add(1 << 20));
+            wc.heap_bytes = Some(layout.heap_bytes.saturating_add(4 << 20));
             wc.timeout = timeout;
             let mut world = World::new();
             world.init(&wc)?;
