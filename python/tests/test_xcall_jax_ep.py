@@ -384,3 +384,26 @@ def test_handlers_check_every_operand_against_the_group():
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     with pytest.raises(Exception, match=r"xcall_ep_combine: routing is U8"):
         f(jnp.zeros((2 * g.expert_rows, 8), jnp.float32)).block_until_ready()
+
+
+@pytest.mark.parametrize("pes", [2, 4])
+def test_two_dispatches_before_their_combines(pes):
+    """Two independent dispatches, then both combines: each combine puts
+    its own dispatch's routing back."""
+    mesh = mesh_of(pes)
+    t, h, k, e = 8, 8, 2, 2 * pes
+    rng = np.random.default_rng(pes)
+    a = (rng.standard_normal((pes * t, h)).astype(np.float32),) + routing(rng, pes, t, k, e)
+    b = (rng.standard_normal((pes * t, h)).astype(np.float32),) + routing(rng, pes, t, k, e)
+
+    def body(x1, i1, p1, x2, i2, p2):
+        d1 = xe.ep_dispatch(x1, i1, p1, mesh=mesh, num_experts=e)
+        d2 = xe.ep_dispatch(x2, i2, p2, mesh=mesh, num_experts=e)
+        return xe.ep_combine(d1.rows, d1), xe.ep_combine(2 * d2.rows, d2)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 6, out_specs=(P(AXIS),) * 2))
+    y1, y2 = f(*a, *b)
+    ones = np.ones(e)
+    np.testing.assert_allclose(y1, ref_layer(a[0], a[1], a[2], ones, pes, e), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y2, ref_layer(b[0], b[1], b[2], 2 * ones, pes, e), rtol=1e-5,
+                               atol=1e-5)

@@ -292,7 +292,8 @@ def ep_group(mesh, *, tokens: int, hidden: int, topk: int, experts: int, dtype=j
 
 def ep_close_all() -> None:
     """Frees every open group, after waiting for their devices' work
-    (run at exit). Groups open again on next use."""
+    (run at exit), and clears JAX's caches: programs compiled with a
+    closed group are traced again, opening a new one."""
     if _lib is None:
         return
     with _lock:
@@ -302,6 +303,8 @@ def ep_close_all() -> None:
         _sync(g.devices)
         g.closed = True
         _check(_lib, _lib.xcall_xla_ep_close(g.id), "closing an expert-parallel group")
+    if groups:
+        jax.clear_caches()
 
 
 atexit.register(ep_close_all)
