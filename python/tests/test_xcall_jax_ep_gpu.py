@@ -1,11 +1,10 @@
 """Expert-parallel dispatch and combine (xcall.jax_ep) on the GPUs of this
-process: 2 of them and all of them (1 where that is all), under jax.jit and shard_map, with XLA
-command buffers off or on (XCALL_XLA_COMMAND_BUFFERS, set by the device
-bundle with XLA_FLAGS): values against numpy loops, one compiled step
-replayed with new routing, gradients through MoE layers against plain
-JAX, and bad routing reported by the group's check. Skips without two
-GPU unless XCALL_REQUIRE_CUDA=1.
-"""
+process: 2 of them and all of them (1 where that is all), under jax.jit
+and shard_map, with XLA command buffers off or on
+(XCALL_XLA_COMMAND_BUFFERS, set by the device bundle with XLA_FLAGS):
+values against numpy loops, one compiled step replayed with new routing,
+gradients through MoE layers against plain JAX, and bad routing reported
+by the group's check. Skips without a GPU unless XCALL_REQUIRE_CUDA=1."""
 
 import os
 
