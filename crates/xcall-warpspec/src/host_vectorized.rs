@@ -70,21 +70,25 @@ pub(crate) fn silu_run(table: Option<&[f32]>, x: &[f32], out: &mut [f32], scale:
 /// 65536 results for the scale (bits to bits), then looks each one up.
 const SCALED_TABLE_FROM: usize = 1 << 17;
 
+/// `silu(x) * scale` of every bf16 value as bf16 bytes, by its bits.
+fn silu_bf16_scaled(scale: f32) -> Vec<[u8; 2]> {
+    silu_bf16_table()
+        .iter()
+        .map(|v| bf16_bits(v * scale).to_le_bytes())
+        .collect()
+}
+
 /// `out = silu(x) * scale` over bf16 bytes: each input's bits look up
-/// [`silu_bf16_table`], the product rounds as [`bf16_bits`] does (for a
-/// long range, through a table of those results for `scale`).
-fn silu_bf16_range(x: &[u8], out: &mut [u8], scale: f32) {
-    let table = silu_bf16_table();
-    if out.len() / 2 >= SCALED_TABLE_FROM {
-        let scaled: Vec<[u8; 2]> = table
-            .iter()
-            .map(|v| bf16_bits(v * scale).to_le_bytes())
-            .collect();
+/// [`silu_bf16_table`], the product rounds as [`bf16_bits`] does, or
+/// look up `scaled`, those results for `scale` tabulated.
+fn silu_bf16_range(x: &[u8], out: &mut [u8], scale: f32, scaled: Option<&[[u8; 2]]>) {
+    if let Some(scaled) = scaled {
         for (o, i) in out.chunks_exact_mut(2).zip(x.chunks_exact(2)) {
             o.copy_from_slice(&scaled[u16::from_le_bytes([i[0], i[1]]) as usize]);
         }
         return;
     }
+    let table = silu_bf16_table();
     for (o, i) in out.chunks_exact_mut(2).zip(x.chunks_exact(2)) {
         let h = u16::from_le_bytes([i[0], i[1]]);
         o.copy_from_slice(&bf16_bits(table[h as usize] * scale).to_le_bytes());
@@ -145,8 +149,14 @@ pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], bl
     use rayon::prelude::*;
     let size = codec.dtype().size_bytes();
     let elements = out.len() / size;
+    // A long bf16 silu looks its results up in a table for its scale,
+    // made once for every range.
+    let scaled = match block {
+        Block::SiluBf16(scale) if elements >= SCALED_TABLE_FROM => Some(silu_bf16_scaled(scale)),
+        _ => None,
+    };
     let range = |first: usize, ins: &[&[u8]], range: &mut [u8]| match block {
-        Block::SiluBf16(scale) => silu_bf16_range(ins[0], range, scale),
+        Block::SiluBf16(scale) => silu_bf16_range(ins[0], range, scale, scaled.as_deref()),
         Block::F32(f) => vectorized_range(codec, ins, range, first, f),
     };
     if elements < 2 * PER_THREAD || rayon::current_num_threads() < 2 {
@@ -203,8 +213,8 @@ mod tests {
 
     /// `silu(x) * scale` straight on bf16 bits writes what decoding,
     /// looking up, scaling and rounding writes, for every bf16 value, in
-    /// a short range (looked up per element) and a long one (through the
-    /// table for the scale).
+    /// a short buffer (looked up per element) and a long one (through the
+    /// table for the scale, on the pool).
     #[test]
     fn silu_on_bits_is_the_decoded_path() {
         let codec = FloatCodec::new(DType::Bf16).unwrap();
@@ -218,7 +228,7 @@ mod tests {
             .collect();
         for (x, scale) in [(&every[..4000], 0.75f32), (&long[..], -3.5)] {
             let mut out = vec![0xa5u8; x.len()];
-            silu_bf16_range(x, &mut out, scale);
+            vectorized(codec, &[x], &mut out, Block::SiluBf16(scale));
             let mut want = vec![0u8; x.len()];
             for (i, b) in x.chunks_exact(2).enumerate() {
                 let h = u16::from_le_bytes([b[0], b[1]]);
