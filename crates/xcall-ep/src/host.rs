@@ -21,6 +21,24 @@ use crate::config::{word, FP8_BLOCK, FP8_MAX, TILE_TOKENS};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
 
+/// Tokens per task of [`par_tokens`].
+const TOKENS_PER_TASK: usize = 32;
+
+/// Runs `f` over the tokens `0..n` in ranges on the process's worker pool.
+/// Host PEs are threads that often outnumber the cores and reach a phase
+/// at different times: the pool keeps every core busy with whichever PEs'
+/// tokens are left, one thread per core. Each token's work is the same as
+/// in a plain loop, so results do not depend on the split.
+fn par_tokens(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    use rayon::prelude::*;
+    if n <= TOKENS_PER_TASK || rayon::current_num_threads() < 2 {
+        return f(0..n);
+    }
+    (0..n.div_ceil(TOKENS_PER_TASK))
+        .into_par_iter()
+        .for_each(|c| f(c * TOKENS_PER_TASK..((c + 1) * TOKENS_PER_TASK).min(n)));
+}
+
 pub(crate) fn at<T>(base: u64, offset: i64) -> *mut T {
     (base + offset as u64) as *mut T
 }
@@ -248,33 +266,36 @@ pub unsafe fn push(p: &EpParams) {
     let blocks = h / FP8_BLOCK;
     let me = p.rank as usize;
     let src = if fp8 {
-        at::<u8>(p.base, p.off_send)
+        at::<u8>(p.base, p.off_send) as usize
     } else {
-        p.src as *mut u8
+        p.src as usize
     };
-    for t in 0..p.n as usize {
-        // SAFETY: see the module docs.
-        let mask = unsafe { destinations(p, t) } & !(1u64 << me);
-        for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
-            // SAFETY: `src` holds n rows; PE q's receive rows [P, T] (and
-            // scales), of which row (me, t) only this PE writes.
-            unsafe {
-                let bq = base_of(p, q);
-                std::ptr::copy_nonoverlapping(
-                    src.add(t * wire_row),
-                    at::<u8>(bq, p.off_recv).add((me * t_max + t) * wire_row),
-                    wire_row,
-                );
-                if fp8 {
+    par_tokens(p.n as usize, |tokens| {
+        for t in tokens {
+            // SAFETY: see the module docs.
+            let mask = unsafe { destinations(p, t) } & !(1u64 << me);
+            for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
+                // SAFETY: `src` holds n rows; PE q's receive rows [P, T]
+                // (and scales), of which row (me, t) only this PE writes,
+                // this token's task alone.
+                unsafe {
+                    let bq = base_of(p, q);
                     std::ptr::copy_nonoverlapping(
-                        at::<f32>(p.base, p.off_send_scales).add(t * blocks),
-                        at::<f32>(bq, p.off_recv_scales).add((me * t_max + t) * blocks),
-                        blocks,
+                        (src as *const u8).add(t * wire_row),
+                        at::<u8>(bq, p.off_recv).add((me * t_max + t) * wire_row),
+                        wire_row,
                     );
+                    if fp8 {
+                        std::ptr::copy_nonoverlapping(
+                            at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                            at::<f32>(bq, p.off_recv_scales).add((me * t_max + t) * blocks),
+                            blocks,
+                        );
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 /// Announces a new phase to every PE (after everything this PE wrote
@@ -530,58 +551,60 @@ pub unsafe fn copy(p: &EpParams) {
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) as usize };
-        for t in 0..n {
-            // SAFETY: see the module docs.
-            let (m, rs) = unsafe { routes(p, s, t) };
-            for &(_, r) in &rs[..m] {
-                let r = r as usize;
-                // SAFETY: the sender's send rows (and scales) hold T rows;
-                // the caller's expert-major buffers hold expert_rows.
-                unsafe {
-                    // Peers' rows were pushed into the receive rows; this
-                    // PE's own are in the caller's buffer (FP8: send).
-                    let own = s == me;
-                    let tok = s * t_max + t;
-                    if fp8 {
-                        let blocks = h / FP8_BLOCK;
-                        let (src, scales) = match own {
-                            true => (
-                                at::<u8>(p.base, p.off_send).add(t * h),
-                                at::<f32>(p.base, p.off_send_scales).add(t * blocks),
-                            ),
-                            false => (
-                                at::<u8>(p.base, p.off_recv).add(tok * h),
-                                at::<f32>(p.base, p.off_recv_scales).add(tok * blocks),
-                            ),
-                        };
-                        std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
-                        std::ptr::copy_nonoverlapping(
-                            scales,
-                            (p.out_scales as *mut f32).add(r * blocks),
-                            blocks,
-                        );
-                        if p.out_bf16 != 0 {
-                            let dst = (p.out_bf16 as *mut u8).add(r * h * 2);
-                            for e in 0..h {
-                                let v =
-                                    fp8_decode(Fp8::E4M3, *src.add(e)) * *scales.add(e / FP8_BLOCK);
-                                store(1, dst, e, v);
+        par_tokens(n, |tokens| {
+            for t in tokens {
+                // SAFETY: see the module docs.
+                let (m, rs) = unsafe { routes(p, s, t) };
+                for &(_, r) in &rs[..m] {
+                    let r = r as usize;
+                    // SAFETY: the sender's send rows (and scales) hold T rows;
+                    // the caller's expert-major buffers hold expert_rows.
+                    unsafe {
+                        // Peers' rows were pushed into the receive rows; this
+                        // PE's own are in the caller's buffer (FP8: send).
+                        let own = s == me;
+                        let tok = s * t_max + t;
+                        if fp8 {
+                            let blocks = h / FP8_BLOCK;
+                            let (src, scales) = match own {
+                                true => (
+                                    at::<u8>(p.base, p.off_send).add(t * h),
+                                    at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                                ),
+                                false => (
+                                    at::<u8>(p.base, p.off_recv).add(tok * h),
+                                    at::<f32>(p.base, p.off_recv_scales).add(tok * blocks),
+                                ),
+                            };
+                            std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
+                            std::ptr::copy_nonoverlapping(
+                                scales,
+                                (p.out_scales as *mut f32).add(r * blocks),
+                                blocks,
+                            );
+                            if p.out_bf16 != 0 {
+                                let dst = (p.out_bf16 as *mut u8).add(r * h * 2);
+                                for e in 0..h {
+                                    let v = fp8_decode(Fp8::E4M3, *src.add(e))
+                                        * *scales.add(e / FP8_BLOCK);
+                                    store(1, dst, e, v);
+                                }
                             }
+                        } else {
+                            let src = match own {
+                                true => (p.src as *const u8).add(t * h * elem),
+                                false => at::<u8>(p.base, p.off_recv).add(tok * h * elem),
+                            };
+                            std::ptr::copy_nonoverlapping(
+                                src,
+                                (p.out as *mut u8).add(r * h * elem),
+                                h * elem,
+                            );
                         }
-                    } else {
-                        let src = match own {
-                            true => (p.src as *const u8).add(t * h * elem),
-                            false => at::<u8>(p.base, p.off_recv).add(tok * h * elem),
-                        };
-                        std::ptr::copy_nonoverlapping(
-                            src,
-                            (p.out as *mut u8).add(r * h * elem),
-                            h * elem,
-                        );
                     }
                 }
             }
-        }
+        });
     }
 }
 
@@ -599,44 +622,46 @@ pub unsafe fn reduce(p: &EpParams) {
     let prec = if p.precision == 0 { 0 } else { 1 };
     let elem = if prec == 0 { 4 } else { 2 };
     let sent = at::<i32>(p.base, p.off_sent);
-    let probs = at::<f32>(p.base, p.off_recv_probs);
-    let mut acc = vec![0f32; h];
-    let mut rows = Vec::with_capacity(k);
     // One PE: the sums are the outputs (a token with no route: zeros).
     let solo = p.pes == 1;
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) } as usize;
-        for t in 0..n {
-            rows.clear();
-            // SAFETY: see the module docs.
-            if !unsafe { routed_here(p, s, t) } {
-                if solo {
-                    let out = (p.out as *mut u8).wrapping_add(t * h * elem);
-                    sum_rows(prec, &mut acc, &rows, out);
+        par_tokens(n, |tokens| {
+            let probs = at::<f32>(p.base, p.off_recv_probs);
+            let mut acc = vec![0f32; h];
+            let mut rows = Vec::with_capacity(k);
+            for t in tokens {
+                rows.clear();
+                // SAFETY: see the module docs.
+                if !unsafe { routed_here(p, s, t) } {
+                    if solo {
+                        let out = (p.out as *mut u8).wrapping_add(t * h * elem);
+                        sum_rows(prec, &mut acc, &rows, out);
+                    }
+                    continue;
                 }
-                continue;
-            }
-            // SAFETY: see the module docs.
-            let (m, rs) = unsafe { routes(p, s, t) };
-            for &(j, r) in &rs[..m] {
-                let w = match p.weighted {
-                    // SAFETY: recv_probs holds [P, T, k].
-                    1 => unsafe { *probs.add((s * t_max + t) * k + j) },
-                    _ => 1.0,
+                // SAFETY: see the module docs.
+                let (m, rs) = unsafe { routes(p, s, t) };
+                for &(j, r) in &rs[..m] {
+                    let w = match p.weighted {
+                        // SAFETY: recv_probs holds [P, T, k].
+                        1 => unsafe { *probs.add((s * t_max + t) * k + j) },
+                        _ => 1.0,
+                    };
+                    rows.push(((p.src as *const u8).wrapping_add(r as usize * h * elem), w));
+                }
+                // Into the token's PE: its partial row from this PE.
+                // SAFETY: see the module docs.
+                let bs = unsafe { base_of(p, s) };
+                let out = match solo {
+                    true => (p.out as *mut u8).wrapping_add(t * h * elem),
+                    false => at::<u8>(bs, p.off_partial)
+                        .wrapping_add((p.rank as usize * t_max + t) * h * elem),
                 };
-                rows.push(((p.src as *const u8).wrapping_add(r as usize * h * elem), w));
+                sum_rows(prec, &mut acc, &rows, out);
             }
-            // Into the token's PE: its partial row from this PE.
-            // SAFETY: see the module docs.
-            let bs = unsafe { base_of(p, s) };
-            let out = match solo {
-                true => (p.out as *mut u8).wrapping_add(t * h * elem),
-                false => at::<u8>(bs, p.off_partial)
-                    .wrapping_add((p.rank as usize * t_max + t) * h * elem),
-            };
-            sum_rows(prec, &mut acc, &rows, out);
-        }
+        });
     }
 }
 
@@ -669,21 +694,24 @@ pub unsafe fn gather_sum(p: &EpParams) {
     let (t_max, h) = (p.tokens as usize, p.hidden as usize);
     let prec = if p.precision == 0 { 0 } else { 1 };
     let elem = if prec == 0 { 4 } else { 2 };
-    let mut acc = vec![0f32; h];
-    let mut rows = Vec::with_capacity(p.pes as usize);
-    for t in 0..p.n as usize {
-        rows.clear();
-        // SAFETY: see the module docs.
-        let mask = unsafe { destinations(p, t) };
-        for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
-            // SAFETY: the partials hold [P, T, H]; PE q stored row (q, t)
-            // before announcing this phase.
-            let row = unsafe { at::<u8>(p.base, p.off_partial).add((q * t_max + t) * h * elem) };
-            rows.push((row as *const u8, 1.0));
+    par_tokens(p.n as usize, |tokens| {
+        let mut acc = vec![0f32; h];
+        let mut rows = Vec::with_capacity(p.pes as usize);
+        for t in tokens {
+            rows.clear();
+            // SAFETY: see the module docs.
+            let mask = unsafe { destinations(p, t) };
+            for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
+                // SAFETY: the partials hold [P, T, H]; PE q stored row
+                // (q, t) before announcing this phase.
+                let row =
+                    unsafe { at::<u8>(p.base, p.off_partial).add((q * t_max + t) * h * elem) };
+                rows.push((row as *const u8, 1.0));
+            }
+            let out = (p.out as *mut u8).wrapping_add(t * h * elem);
+            sum_rows(prec, &mut acc, &rows, out);
         }
-        let out = (p.out as *mut u8).wrapping_add(t * h * elem);
-        sum_rows(prec, &mut acc, &rows, out);
-    }
+    });
 }
 
 /// The error word's code for routing this PE replaced.

@@ -77,7 +77,7 @@ mod tests {
     /// A PE asleep on a word for a long nap wakes when the word is stored
     /// and woken, long before the nap ends (a watchdog fails the test
     /// instead of waiting the nap out); a word that already changed does
-    /// not put it to sleep.
+    /// not put it to sleep, one that did not keeps it asleep.
     #[test]
     fn a_store_and_a_wake_end_the_sleep() {
         let word = Arc::new(AtomicU64::new(7));
@@ -86,6 +86,14 @@ mod tests {
         assert!(
             started.elapsed() < Duration::from_secs(10),
             "slept on a changed word"
+        );
+        // Unchanged and not woken: it sleeps (about) its nap.
+        let started = Instant::now();
+        sleep_while(&word, 7, Duration::from_millis(200));
+        assert!(
+            started.elapsed() >= Duration::from_millis(100),
+            "returned after {:?} from a 200 ms nap on an unchanged word",
+            started.elapsed()
         );
         let (tx, rx) = std::sync::mpsc::channel();
         let sleeper = {
