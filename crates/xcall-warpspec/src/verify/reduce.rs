@@ -43,8 +43,9 @@
 //! The objects of `T` are those of each entry in `T`, of the current block
 //! of each role in `T` that can step, and, for a role in `T` that is
 //! blocked, those of its block's waits up to the first one that blocks
-//! (nothing else can unblock it). Blocked roles join first, enabled ones
-//! one at a time, so that a role frozen by a later member stays out. The
+//! (nothing else can unblock it). Blocked roles join first, then enabled
+//! ones one at a time, first the one after which the fewest others still
+//! touch the set (a role frozen by a later member stays out). The
 //! explored events are the enabled events of `T` (a violation counts as
 //! enabled); of every seed's closure the search takes one with the fewest.
 //! With no enabled event the state is final. A violation of any event of a
@@ -409,10 +410,31 @@ impl Model<'_> {
                 })
                 .collect();
             let blocked: Vec<usize> = meets.iter().copied().filter(|&q| !enabled[q]).collect();
-            match (blocked.is_empty(), meets.first()) {
-                (false, _) => blocked.into_iter().for_each(|q| t.roles[q] = true),
-                (true, Some(&q)) => t.roles[q] = true,
-                (true, None) => return Some(t),
+            if !blocked.is_empty() {
+                blocked.into_iter().for_each(|q| t.roles[q] = true);
+                continue;
+            }
+            // Of the enabled ones, the one after which the fewest others
+            // still meet the set (it may freeze them).
+            let mut pick = None;
+            for &q in &meets {
+                t.roles[q] = true;
+                let mut with_q = touched.clone();
+                if let Some(o) = &here.blocks[q] {
+                    with_q.add_all(o);
+                }
+                let still = meets
+                    .iter()
+                    .filter(|&&o| o != q && self.reaches(s, o, &t, here, &with_q))
+                    .count();
+                t.roles[q] = false;
+                if pick.is_none_or(|(_, n)| still < n) {
+                    pick = Some((q, still));
+                }
+            }
+            match pick {
+                Some((q, _)) => t.roles[q] = true,
+                None => return Some(t),
             }
         }
     }
