@@ -415,25 +415,27 @@ impl Model<'_> {
                 continue;
             }
             // Of the enabled ones, the one after which the fewest others
-            // still meet the set (it may freeze them).
-            let mut pick = None;
-            for &q in &meets {
+            // still meet the set (it may freeze them); among many, the first.
+            let mut still_meeting = |q: usize| {
                 t.roles[q] = true;
                 let mut with_q = touched.clone();
                 if let Some(o) = &here.blocks[q] {
                     with_q.add_all(o);
                 }
-                let still = meets
+                let n = meets
                     .iter()
                     .filter(|&&o| o != q && self.reaches(s, o, &t, here, &with_q))
                     .count();
                 t.roles[q] = false;
-                if pick.is_none_or(|(_, n)| still < n) {
-                    pick = Some((q, still));
-                }
-            }
+                n
+            };
+            let pick = if meets.len() == 1 || meets.len() > 8 {
+                meets.first().copied()
+            } else {
+                meets.iter().copied().min_by_key(|&q| still_meeting(q))
+            };
             match pick {
-                Some((q, _)) => t.roles[q] = true,
+                Some(q) => t.roles[q] = true,
                 None => return Some(t),
             }
         }
