@@ -21,6 +21,24 @@ use crate::config::{word, FP8_BLOCK, FP8_MAX, TILE_TOKENS};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
 
+/// Tokens per task of [`par_tokens`].
+const TOKENS_PER_TASK: usize = 32;
+
+/// Runs `f` over the tokens `0..n` in ranges on the process's worker pool.
+/// Host PEs are threads that often outnumber the cores and reach a phase
+/// at different times: the pool keeps every core busy with whichever PEs'
+/// tokens are left, one thread per core. Each token's work is the same as
+/// in a plain loop, so results do not depend on the split.
+fn par_tokens(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    use rayon::prelude::*;
+    if n <= TOKENS_PER_TASK || rayon::current_num_threads() < 2 {
+        return f(0..n);
+    }
+    (0..n.div_ceil(TOKENS_PER_TASK))
+        .into_par_iter()
+        .for_each(|c| f(c * TOKENS_PER_TASK..((c + 1) * TOKENS_PER_TASK).min(n)));
+}
+
 pub(crate) fn at<T>(base: u64, offset: i64) -> *mut T {
     (base + offset as u64) as *mut T
 }
@@ -68,46 +86,91 @@ pub(crate) fn store(precision: i64, row: *mut u8, i: usize, v: f32) {
     }
 }
 
-/// `acc[i] += w * row[i]` over a row of `precision`'s element type
-/// (products and sums rounded separately, as on CUDA).
-fn add_row(precision: i64, acc: &mut [f32], row: *const u8, w: f32) {
-    let n = acc.len();
-    // SAFETY: callers pass rows of `acc.len()` elements.
+/// Element `i` of a row of `precision`'s element type (0: f32, else
+/// bf16), as f32.
+#[inline(always)]
+fn elem_at(precision: i64, row: *const u8, i: usize) -> f32 {
+    // SAFETY: callers pass rows of more than `i` elements.
     unsafe {
         match precision {
-            0 => {
-                let r = std::slice::from_raw_parts(row as *const [u8; 4], n);
-                for (a, b) in acc.iter_mut().zip(r) {
-                    *a += w * f32::from_le_bytes(*b);
-                }
-            }
-            _ => {
-                let r = std::slice::from_raw_parts(row as *const [u8; 2], n);
-                for (a, b) in acc.iter_mut().zip(r) {
-                    *a += w * f32::from_bits((u16::from_le_bytes(*b) as u32) << 16);
-                }
-            }
+            0 => (row as *const f32).add(i).read_unaligned(),
+            _ => f32::from_bits(u32::from((row as *const u16).add(i).read_unaligned()) << 16),
         }
     }
 }
 
-/// Stores `acc` rounded to `precision`'s element type into `row`.
-fn store_row(precision: i64, row: *mut u8, acc: &[f32]) {
-    let n = acc.len();
-    // SAFETY: callers pass rows of `acc.len()` elements.
+/// `v` as bf16 bits, rounded to nearest even, a NaN quieted: what
+/// `bf16::from_f32` gives, without branches (so that loops vectorize).
+#[inline(always)]
+fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
+}
+
+/// Stores `v` as element `i` of `out` of `precision`'s element type.
+#[inline(always)]
+fn put(precision: i64, out: *mut u8, i: usize, v: f32) {
+    // SAFETY: callers pass rows of more than `i` elements.
     unsafe {
         match precision {
-            0 => {
-                let r = std::slice::from_raw_parts_mut(row as *mut [u8; 4], n);
-                for (o, a) in r.iter_mut().zip(acc) {
-                    *o = a.to_le_bytes();
+            0 => (out as *mut f32).add(i).write_unaligned(v),
+            _ => (out as *mut u16).add(i).write_unaligned(bf16_bits(v)),
+        }
+    }
+}
+
+/// `out = sum of w * row` over `rows` in their order, per element from
+/// 0.0 with f32 products and sums rounded separately (as on CUDA), stored
+/// rounded to `precision`'s type; zeros for no rows. `acc` (h elements)
+/// holds the partial sums of three rows or more; one and two rows take a
+/// single pass.
+fn sum_rows(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: this CPU has AVX2 (just checked); the body is the same
+        // (no fused multiply-add: products and sums still round apart).
+        return unsafe { sum_rows_avx2(precision, acc, rows, out) };
+    }
+    sum_rows_any(precision, acc, rows, out)
+}
+
+/// [`sum_rows`] compiled for AVX2 (eight lanes where SSE2 has four).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_rows_avx2(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
+    sum_rows_any(precision, acc, rows, out)
+}
+
+/// The body of [`sum_rows`], for any CPU.
+#[inline(always)]
+fn sum_rows_any(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
+    let h = acc.len();
+    match rows {
+        [] => (0..h).for_each(|i| put(precision, out, i, 0.0)),
+        [(r0, w0)] => {
+            (0..h).for_each(|i| put(precision, out, i, 0.0 + w0 * elem_at(precision, *r0, i)))
+        }
+        [(r0, w0), (r1, w1)] => (0..h).for_each(|i| {
+            let v = (0.0 + w0 * elem_at(precision, *r0, i)) + w1 * elem_at(precision, *r1, i);
+            put(precision, out, i, v)
+        }),
+        [(r0, w0), middle @ .., (rl, wl)] => {
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = 0.0 + w0 * elem_at(precision, *r0, i);
+            }
+            for (r, w) in middle {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a += w * elem_at(precision, *r, i);
                 }
             }
-            _ => {
-                let r = std::slice::from_raw_parts_mut(row as *mut [u8; 2], n);
-                for (o, a) in r.iter_mut().zip(acc) {
-                    *o = bf16::from_f32(*a).to_bits().to_le_bytes();
-                }
+            for (i, a) in acc.iter().enumerate() {
+                put(precision, out, i, a + wl * elem_at(precision, *rl, i));
             }
         }
     }
@@ -203,33 +266,36 @@ pub unsafe fn push(p: &EpParams) {
     let blocks = h / FP8_BLOCK;
     let me = p.rank as usize;
     let src = if fp8 {
-        at::<u8>(p.base, p.off_send)
+        at::<u8>(p.base, p.off_send) as usize
     } else {
-        p.src as *mut u8
+        p.src as usize
     };
-    for t in 0..p.n as usize {
-        // SAFETY: see the module docs.
-        let mask = unsafe { destinations(p, t) } & !(1u64 << me);
-        for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
-            // SAFETY: `src` holds n rows; PE q's receive rows [P, T] (and
-            // scales), of which row (me, t) only this PE writes.
-            unsafe {
-                let bq = base_of(p, q);
-                std::ptr::copy_nonoverlapping(
-                    src.add(t * wire_row),
-                    at::<u8>(bq, p.off_recv).add((me * t_max + t) * wire_row),
-                    wire_row,
-                );
-                if fp8 {
+    par_tokens(p.n as usize, |tokens| {
+        for t in tokens {
+            // SAFETY: see the module docs.
+            let mask = unsafe { destinations(p, t) } & !(1u64 << me);
+            for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
+                // SAFETY: `src` holds n rows; PE q's receive rows [P, T]
+                // (and scales), of which row (me, t) only this PE writes,
+                // this token's task alone.
+                unsafe {
+                    let bq = base_of(p, q);
                     std::ptr::copy_nonoverlapping(
-                        at::<f32>(p.base, p.off_send_scales).add(t * blocks),
-                        at::<f32>(bq, p.off_recv_scales).add((me * t_max + t) * blocks),
-                        blocks,
+                        (src as *const u8).add(t * wire_row),
+                        at::<u8>(bq, p.off_recv).add((me * t_max + t) * wire_row),
+                        wire_row,
                     );
+                    if fp8 {
+                        std::ptr::copy_nonoverlapping(
+                            at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                            at::<f32>(bq, p.off_recv_scales).add((me * t_max + t) * blocks),
+                            blocks,
+                        );
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 /// Announces a new phase to every PE (after everything this PE wrote
@@ -246,6 +312,7 @@ pub unsafe fn signal(p: &EpParams) {
             AtomicU64::from_ptr(at::<u64>(base_of(p, q), p.off_ready).add(p.rank as usize))
         };
         ready.store(epoch, Ordering::Release);
+        crate::sleep::wake(ready);
     }
 }
 
@@ -262,19 +329,23 @@ pub unsafe fn wait(p: &EpParams) -> Result<()> {
         // SAFETY: this PE's ready words.
         let ready = unsafe { AtomicU64::from_ptr(at::<u64>(p.base, p.off_ready).add(s)) };
         let mut spins = 0u32;
-        while ready.load(Ordering::Acquire) < epoch {
+        loop {
+            let seen = ready.load(Ordering::Acquire);
+            if seen >= epoch {
+                break;
+            }
             if started.elapsed() > timeout {
                 return Err(EpError::Timeout(format!(
                     "PE {} waited {timeout:?} for PE {s} to reach phase {epoch}",
                     p.rank
                 )));
             }
-            // Spin briefly, then yield the core at every look: PEs may
-            // outnumber the cores, and a spinning PE would hold back the
-            // one it waits for. (Sleeping between looks measured slower.)
+            // Spin briefly, then sleep until PE s announces: PEs may
+            // outnumber the cores, and a PE spinning or yielding would
+            // take turns from the one it waits for.
             spins += 1;
             if spins > 64 {
-                std::thread::yield_now();
+                crate::sleep::sleep_while(ready, seen, crate::sleep::NAP);
             } else {
                 std::hint::spin_loop();
             }
@@ -480,58 +551,60 @@ pub unsafe fn copy(p: &EpParams) {
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) as usize };
-        for t in 0..n {
-            // SAFETY: see the module docs.
-            let (m, rs) = unsafe { routes(p, s, t) };
-            for &(_, r) in &rs[..m] {
-                let r = r as usize;
-                // SAFETY: the sender's send rows (and scales) hold T rows;
-                // the caller's expert-major buffers hold expert_rows.
-                unsafe {
-                    // Peers' rows were pushed into the receive rows; this
-                    // PE's own are in the caller's buffer (FP8: send).
-                    let own = s == me;
-                    let tok = s * t_max + t;
-                    if fp8 {
-                        let blocks = h / FP8_BLOCK;
-                        let (src, scales) = match own {
-                            true => (
-                                at::<u8>(p.base, p.off_send).add(t * h),
-                                at::<f32>(p.base, p.off_send_scales).add(t * blocks),
-                            ),
-                            false => (
-                                at::<u8>(p.base, p.off_recv).add(tok * h),
-                                at::<f32>(p.base, p.off_recv_scales).add(tok * blocks),
-                            ),
-                        };
-                        std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
-                        std::ptr::copy_nonoverlapping(
-                            scales,
-                            (p.out_scales as *mut f32).add(r * blocks),
-                            blocks,
-                        );
-                        if p.out_bf16 != 0 {
-                            let dst = (p.out_bf16 as *mut u8).add(r * h * 2);
-                            for e in 0..h {
-                                let v =
-                                    fp8_decode(Fp8::E4M3, *src.add(e)) * *scales.add(e / FP8_BLOCK);
-                                store(1, dst, e, v);
+        par_tokens(n, |tokens| {
+            for t in tokens {
+                // SAFETY: see the module docs.
+                let (m, rs) = unsafe { routes(p, s, t) };
+                for &(_, r) in &rs[..m] {
+                    let r = r as usize;
+                    // SAFETY: the sender's send rows (and scales) hold T rows;
+                    // the caller's expert-major buffers hold expert_rows.
+                    unsafe {
+                        // Peers' rows were pushed into the receive rows; this
+                        // PE's own are in the caller's buffer (FP8: send).
+                        let own = s == me;
+                        let tok = s * t_max + t;
+                        if fp8 {
+                            let blocks = h / FP8_BLOCK;
+                            let (src, scales) = match own {
+                                true => (
+                                    at::<u8>(p.base, p.off_send).add(t * h),
+                                    at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                                ),
+                                false => (
+                                    at::<u8>(p.base, p.off_recv).add(tok * h),
+                                    at::<f32>(p.base, p.off_recv_scales).add(tok * blocks),
+                                ),
+                            };
+                            std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
+                            std::ptr::copy_nonoverlapping(
+                                scales,
+                                (p.out_scales as *mut f32).add(r * blocks),
+                                blocks,
+                            );
+                            if p.out_bf16 != 0 {
+                                let dst = (p.out_bf16 as *mut u8).add(r * h * 2);
+                                for e in 0..h {
+                                    let v = fp8_decode(Fp8::E4M3, *src.add(e))
+                                        * *scales.add(e / FP8_BLOCK);
+                                    store(1, dst, e, v);
+                                }
                             }
+                        } else {
+                            let src = match own {
+                                true => (p.src as *const u8).add(t * h * elem),
+                                false => at::<u8>(p.base, p.off_recv).add(tok * h * elem),
+                            };
+                            std::ptr::copy_nonoverlapping(
+                                src,
+                                (p.out as *mut u8).add(r * h * elem),
+                                h * elem,
+                            );
                         }
-                    } else {
-                        let src = match own {
-                            true => (p.src as *const u8).add(t * h * elem),
-                            false => at::<u8>(p.base, p.off_recv).add(tok * h * elem),
-                        };
-                        std::ptr::copy_nonoverlapping(
-                            src,
-                            (p.out as *mut u8).add(r * h * elem),
-                            h * elem,
-                        );
                     }
                 }
             }
-        }
+        });
     }
 }
 
@@ -549,43 +622,46 @@ pub unsafe fn reduce(p: &EpParams) {
     let prec = if p.precision == 0 { 0 } else { 1 };
     let elem = if prec == 0 { 4 } else { 2 };
     let sent = at::<i32>(p.base, p.off_sent);
-    let probs = at::<f32>(p.base, p.off_recv_probs);
-    let mut acc = vec![0f32; h];
     // One PE: the sums are the outputs (a token with no route: zeros).
     let solo = p.pes == 1;
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) } as usize;
-        for t in 0..n {
-            acc.fill(0.0);
-            // SAFETY: see the module docs.
-            if !unsafe { routed_here(p, s, t) } {
-                if solo {
-                    store_row(prec, (p.out as *mut u8).wrapping_add(t * h * elem), &acc);
+        par_tokens(n, |tokens| {
+            let probs = at::<f32>(p.base, p.off_recv_probs);
+            let mut acc = vec![0f32; h];
+            let mut rows = Vec::with_capacity(k);
+            for t in tokens {
+                rows.clear();
+                // SAFETY: see the module docs.
+                if !unsafe { routed_here(p, s, t) } {
+                    if solo {
+                        let out = (p.out as *mut u8).wrapping_add(t * h * elem);
+                        sum_rows(prec, &mut acc, &rows, out);
+                    }
+                    continue;
                 }
-                continue;
-            }
-            // SAFETY: see the module docs.
-            let (m, rs) = unsafe { routes(p, s, t) };
-            for &(j, r) in &rs[..m] {
-                let w = match p.weighted {
-                    // SAFETY: recv_probs holds [P, T, k].
-                    1 => unsafe { *probs.add((s * t_max + t) * k + j) },
-                    _ => 1.0,
+                // SAFETY: see the module docs.
+                let (m, rs) = unsafe { routes(p, s, t) };
+                for &(j, r) in &rs[..m] {
+                    let w = match p.weighted {
+                        // SAFETY: recv_probs holds [P, T, k].
+                        1 => unsafe { *probs.add((s * t_max + t) * k + j) },
+                        _ => 1.0,
+                    };
+                    rows.push(((p.src as *const u8).wrapping_add(r as usize * h * elem), w));
+                }
+                // Into the token's PE: its partial row from this PE.
+                // SAFETY: see the module docs.
+                let bs = unsafe { base_of(p, s) };
+                let out = match solo {
+                    true => (p.out as *mut u8).wrapping_add(t * h * elem),
+                    false => at::<u8>(bs, p.off_partial)
+                        .wrapping_add((p.rank as usize * t_max + t) * h * elem),
                 };
-                let row = (p.src as *const u8).wrapping_add(r as usize * h * elem);
-                add_row(prec, &mut acc, row, w);
+                sum_rows(prec, &mut acc, &rows, out);
             }
-            // Into the token's PE: its partial row from this PE.
-            // SAFETY: see the module docs.
-            let bs = unsafe { base_of(p, s) };
-            let out = match solo {
-                true => (p.out as *mut u8).wrapping_add(t * h * elem),
-                false => at::<u8>(bs, p.off_partial)
-                    .wrapping_add((p.rank as usize * t_max + t) * h * elem),
-            };
-            store_row(prec, out, &acc);
-        }
+        });
     }
 }
 
@@ -618,20 +694,24 @@ pub unsafe fn gather_sum(p: &EpParams) {
     let (t_max, h) = (p.tokens as usize, p.hidden as usize);
     let prec = if p.precision == 0 { 0 } else { 1 };
     let elem = if prec == 0 { 4 } else { 2 };
-    let mut acc = vec![0f32; h];
-    for t in 0..p.n as usize {
-        acc.fill(0.0);
-        // SAFETY: see the module docs.
-        let mask = unsafe { destinations(p, t) };
-        for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
-            // SAFETY: the partials hold [P, T, H]; PE q stored row (q, t)
-            // before announcing this phase.
-            let row = unsafe { at::<u8>(p.base, p.off_partial).add((q * t_max + t) * h * elem) };
-            add_row(prec, &mut acc, row, 1.0);
+    par_tokens(p.n as usize, |tokens| {
+        let mut acc = vec![0f32; h];
+        let mut rows = Vec::with_capacity(p.pes as usize);
+        for t in tokens {
+            rows.clear();
+            // SAFETY: see the module docs.
+            let mask = unsafe { destinations(p, t) };
+            for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
+                // SAFETY: the partials hold [P, T, H]; PE q stored row
+                // (q, t) before announcing this phase.
+                let row =
+                    unsafe { at::<u8>(p.base, p.off_partial).add((q * t_max + t) * h * elem) };
+                rows.push((row as *const u8, 1.0));
+            }
+            let out = (p.out as *mut u8).wrapping_add(t * h * elem);
+            sum_rows(prec, &mut acc, &rows, out);
         }
-        let out = (p.out as *mut u8).wrapping_add(t * h * elem);
-        store_row(prec, out, &acc);
-    }
+    });
 }
 
 /// The error word's code for routing this PE replaced.

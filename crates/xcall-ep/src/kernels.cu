@@ -476,6 +476,15 @@ __device__ __forceinline__ uint4 ep_pack(int prec, const float *f) {
                       f32_to_bf16x2(f[6], f[7]));
 }
 
+// The received token (sender s, token t) of a PE's n-th turn: the PEs'
+// tokens in turns, each PE's turns starting with the next rank up, so
+// that at every moment the PEs' stores into (or loads from) their token's
+// PE spread over all PEs instead of all going to the same one.
+__device__ __forceinline__ void ep_turn(const EpParams &p, i64 n, int &s, i64 &t) {
+    s = (int)((n % p.pes + p.rank + 1) % p.pes);
+    t = n / p.pes;
+}
+
 // reduce: per item of a received token routed here, its kept routes'
 // chunks summed in slot order (weighted or not), stored into its partial
 // row at the token's PE.
@@ -493,9 +502,11 @@ extern "C" __global__ void ep_reduce(EpParams p) {
     const int *sent = (const int *)(p.base + p.off_sent);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
          item += warps) {
-        const i64 tok = item / groups, grp = item % groups;
-        const int s = (int)(tok / T);
-        const i64 t = tok % T;
+        const i64 grp = item % groups;
+        int s;
+        i64 t;
+        ep_turn(p, item / groups, s, t);
+        const i64 tok = (i64)s * T + t;
         if (t >= sent[s]) continue;
         // One PE: the sums are the outputs (a token with no route: zeros).
         const bool solo = p.pes == 1;
@@ -613,9 +624,11 @@ extern "C" __global__ void ep_scatter_grad(EpParams p) {
     const float *probs = (const float *)(p.base + p.off_recv_probs);
     const int *sent = (const int *)(p.base + p.off_sent);
     float *gp = (float *)(p.base + p.off_grad_probs);
-    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T; item += warps) {
-        const int s = (int)(item / T);
-        const i64 t = item % T;
+    for (i64 slot = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; slot < p.pes * T; slot += warps) {
+        int s;
+        i64 t;
+        ep_turn(p, slot, s, t);
+        const i64 item = (i64)s * T + t;
         if (t >= sent[s]) continue;
         const uint4 *g = (const uint4 *)(ep_at(p, s, p.off_send) + t * h * elem);
         for (i64 j = 0; j < k; ++j) {

@@ -47,6 +47,7 @@ pub mod host;
 pub mod host_grad;
 pub mod params;
 mod saved;
+mod sleep;
 mod status;
 
 pub use config::{Capacity, EpConfig, Layout, Offsets, Precision, FP8_BLOCK, MAX_PES, MAX_TOPK};

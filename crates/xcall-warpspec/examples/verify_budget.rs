@@ -1,5 +1,6 @@
-//! Verifies the plan of a pipeline given on the command line and prints the
-//! states explored, states per second and bytes per state:
+//! Verifies the plan of a pipeline given on the command line (within the
+//! default budget) and prints the states explored, the time, states per
+//! second and the bytes of the search's tables:
 //! `cargo run --release -p xcall-warpspec --example verify_budget -- STAGES WARPS BYTES COMPUTE_WARPGROUPS [ITERATIONS]`.
 
 use xcall_warpspec::verify::{verify_within, Budget};
@@ -19,9 +20,10 @@ fn main() {
         Ok(v) => {
             let secs = t0.elapsed().as_secs_f64();
             println!(
-                "{stages} stages, {warps} async warps x {bytes} B, {compute} compute warpgroup(s), {iterations} iterations: {} states in {secs:.2} s ({:.0} states/s, {} bytes/state), clean: {}",
+                "{stages} stages, {warps} async warps x {bytes} B, {compute} compute warpgroup(s), {iterations} iterations: {} states in {secs:.3} s ({:.0} states/s, {} bytes of tables, {} bytes/state), clean: {}",
                 v.states,
                 v.states as f64 / secs,
+                v.bytes,
                 v.bytes / v.states.max(1),
                 v.is_clean()
             );

@@ -12,13 +12,24 @@ use xcall_core::{DType, FloatCodec};
 /// Elements per block of the vectorized path (decoded, computed, encoded).
 const BLOCK: usize = 2048;
 
-/// Elements below which the vectorized path stays on the calling thread.
+/// Elements of one range of the vectorized path run on the worker pool (a
+/// multiple of [`BLOCK`]); a buffer of fewer than two stays on the
+/// calling thread.
 const PER_THREAD: usize = 1 << 18;
 
 /// What the vectorized path computes over one block: `out[j]` from the
 /// inputs' `[j]` for the elements `first..first + out.len()` (`first`
 /// counted from the buffer's start).
 pub(crate) type BlockFn<'a> = &'a (dyn Fn(usize, &[&[f32]], &mut [f32]) + Sync);
+
+/// What the vectorized path runs: a [`BlockFn`] over decoded elements, or
+/// `silu(x) * scale` of one bf16 input straight from its bits to the
+/// output's (the same f32 operations and rounding, no decoded block).
+#[derive(Clone, Copy)]
+pub(crate) enum Block<'a> {
+    F32(BlockFn<'a>),
+    SiluBf16(f32),
+}
 
 /// `silu(x)` in f32, as [`silu_scale_f32`](crate::ops::silu_scale_f32)
 /// computes it before its scale.
@@ -52,6 +63,35 @@ pub(crate) fn silu_run(table: Option<&[f32]>, x: &[f32], out: &mut [f32], scale:
                 *o = silu_f32(v) * scale;
             }
         }
+    }
+}
+
+/// Elements from which `silu(x) * scale` over bf16 first tabulates its
+/// 65536 results for the scale (bits to bits), then looks each one up.
+const SCALED_TABLE_FROM: usize = 1 << 17;
+
+/// `silu(x) * scale` of every bf16 value as bf16 bytes, by its bits.
+fn silu_bf16_scaled(scale: f32) -> Vec<[u8; 2]> {
+    silu_bf16_table()
+        .iter()
+        .map(|v| bf16_bits(v * scale).to_le_bytes())
+        .collect()
+}
+
+/// `out = silu(x) * scale` over bf16 bytes: each input's bits look up
+/// [`silu_bf16_table`], the product rounds as [`bf16_bits`] does, or
+/// look up `scaled`, those results for `scale` tabulated.
+fn silu_bf16_range(x: &[u8], out: &mut [u8], scale: f32, scaled: Option<&[[u8; 2]]>) {
+    if let Some(scaled) = scaled {
+        for (o, i) in out.chunks_exact_mut(2).zip(x.chunks_exact(2)) {
+            o.copy_from_slice(&scaled[u16::from_le_bytes([i[0], i[1]]) as usize]);
+        }
+        return;
+    }
+    let table = silu_bf16_table();
+    for (o, i) in out.chunks_exact_mut(2).zip(x.chunks_exact(2)) {
+        let h = u16::from_le_bytes([i[0], i[1]]);
+        o.copy_from_slice(&bf16_bits(table[h as usize] * scale).to_le_bytes());
     }
 }
 
@@ -101,44 +141,38 @@ fn vectorized_range(
     }
 }
 
-/// The vectorized path: `out` cut into one range per core (for large
-/// buffers), each range on its own scoped thread; a range whose thread
-/// cannot be started runs on the calling thread.
-pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], f: BlockFn<'_>) {
+/// The vectorized path: `out` cut into ranges of [`PER_THREAD`] elements
+/// (for large buffers), run on the process's worker pool. PEs run as
+/// threads and may call at once: one shared pool keeps one busy thread per
+/// core, where threads of their own per call would oversubscribe them.
+pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], block: Block<'_>) {
+    use rayon::prelude::*;
     let size = codec.dtype().size_bytes();
     let elements = out.len() / size;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(elements / PER_THREAD).max(1);
-    if threads == 1 {
-        return vectorized_range(codec, inputs, out, 0, f);
+    // A long bf16 silu looks its results up in a table for its scale,
+    // made once for every range.
+    let scaled = match block {
+        Block::SiluBf16(scale) if elements >= SCALED_TABLE_FROM => Some(silu_bf16_scaled(scale)),
+        _ => None,
+    };
+    let range = |first: usize, ins: &[&[u8]], range: &mut [u8]| match block {
+        Block::SiluBf16(scale) => silu_bf16_range(ins[0], range, scale, scaled.as_deref()),
+        Block::F32(f) => vectorized_range(codec, ins, range, first, f),
+    };
+    if elements < 2 * PER_THREAD || rayon::current_num_threads() < 2 {
+        return range(0, inputs, out);
     }
-    let per = elements.div_ceil(threads).next_multiple_of(BLOCK);
-    std::thread::scope(|scope| {
-        for (t, range) in out.chunks_mut(per * size).enumerate() {
-            let (first, len) = (t * per, range.len());
+    out.par_chunks_mut(PER_THREAD * size)
+        .enumerate()
+        .for_each(|(t, out)| {
+            let (first, len) = (t * PER_THREAD, out.len());
             // Each range reads the same elements of every input.
-            let ins = || -> Vec<&[u8]> {
-                inputs
-                    .iter()
-                    .map(|i| &i[first * size..first * size + len])
-                    .collect()
-            };
-            let (theirs, (tx, rx)) = (ins(), std::sync::mpsc::channel::<&mut [u8]>());
-            let started = std::thread::Builder::new().spawn_scoped(scope, move || {
-                if let Ok(range) = rx.recv() {
-                    vectorized_range(codec, &theirs, range, first, f);
-                }
-            });
-            // The range goes to a thread that started, else runs here.
-            let here = match started {
-                Ok(_) => tx.send(range).err().map(|e| e.0),
-                Err(_) => Some(range),
-            };
-            if let Some(range) = here {
-                vectorized_range(codec, &ins(), range, first, f);
-            }
-        }
-    });
+            let ins: Vec<&[u8]> = inputs
+                .iter()
+                .map(|i| &i[first * size..first * size + len])
+                .collect();
+            range(first, &ins, out);
+        });
 }
 
 #[cfg(test)]
@@ -174,6 +208,59 @@ mod tests {
                 want,
                 "{bits:#010x}"
             );
+        }
+    }
+
+    /// `silu(x) * scale` straight on bf16 bits writes what decoding,
+    /// looking up, scaling and rounding writes, for every bf16 value, in
+    /// a short buffer (looked up per element) and a long one (through the
+    /// table for the scale, on the pool).
+    #[test]
+    fn silu_on_bits_is_the_decoded_path() {
+        let codec = FloatCodec::new(DType::Bf16).unwrap();
+        let table = silu_bf16_table();
+        let every: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+        let long: Vec<u8> = every
+            .iter()
+            .copied()
+            .cycle()
+            .take(2 * SCALED_TABLE_FROM * 2 + 6)
+            .collect();
+        for (x, scale) in [(&every[..4000], 0.75f32), (&long[..], -3.5)] {
+            let mut out = vec![0xa5u8; x.len()];
+            vectorized(codec, &[x], &mut out, Block::SiluBf16(scale));
+            let mut want = vec![0u8; x.len()];
+            for (i, b) in x.chunks_exact(2).enumerate() {
+                let h = u16::from_le_bytes([b[0], b[1]]);
+                codec.store(&mut want, i, table[h as usize] * scale);
+            }
+            assert!(out == want, "{} elements: the paths differ", x.len() / 2);
+        }
+    }
+
+    /// A buffer cut into ranges on the pool: every element computed once,
+    /// with its own index and its own inputs' elements.
+    #[test]
+    fn ranges_on_the_pool_cover_the_buffer_in_place() {
+        let codec = FloatCodec::new(DType::F32).unwrap();
+        let n = 2 * PER_THREAD + 3 * BLOCK + 17;
+        let a: Vec<u8> = (0..n)
+            .flat_map(|i| (i as f32 * 0.5).to_le_bytes())
+            .collect();
+        let mut out = vec![0xa5u8; n * 4];
+        vectorized(
+            codec,
+            &[&a],
+            &mut out,
+            Block::F32(&|first, v, out| {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = v[0][j] + (first + j) as f32;
+                }
+            }),
+        );
+        for (i, b) in out.chunks_exact(4).enumerate() {
+            let got = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            assert_eq!(got, i as f32 * 1.5, "element {i}");
         }
     }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use xcall_core::{DType, FloatCodec};
 
 use crate::host::{self, HostError};
-use crate::host_vectorized::{silu_bf16_table, silu_f32, silu_run, vectorized, BlockFn};
+use crate::host_vectorized::{silu_bf16_table, silu_f32, silu_run, vectorized, Block};
 use crate::plan::PipelinePlan;
 use crate::spec::{PipelineSpec, RegisterSplit};
 use crate::PlanError;
@@ -379,7 +379,7 @@ fn run_elementwise(
     config: &OpConfig,
     exec: HostExecutor,
     f: impl Fn(usize, &[f32]) -> f32 + Sync,
-    block: BlockFn<'_>,
+    block: Block<'_>,
 ) -> Result<(), OpError> {
     let (codec, plan) = check_config(dtype, config, inputs.len())?;
     let size = dtype.size_bytes();
@@ -438,11 +438,11 @@ pub fn mul_host(
         config,
         exec,
         |_, v| v[0] * v[1],
-        &|_, v, out| {
+        Block::F32(&|_, v, out| {
             for ((o, a), b) in out.iter_mut().zip(v[0]).zip(v[1]) {
                 *o = a * b;
             }
-        },
+        }),
     )
 }
 
@@ -486,6 +486,7 @@ pub fn silu_scale_pieces_host(
                 )))
             }
         };
+        let plain = |_: usize, v: &[&[f32]], out: &mut [f32]| silu_run(None, v[0], out, *scale);
         run_elementwise(
             dtype,
             &[x],
@@ -493,7 +494,10 @@ pub fn silu_scale_pieces_host(
             config,
             exec,
             |_, v| silu_scale_f32(v[0], *scale),
-            &|_, v, out| silu_run(table, v[0], out, *scale),
+            match table {
+                Some(_) => Block::SiluBf16(*scale),
+                None => Block::F32(&plain),
+            },
         )?;
     }
     Ok(())
@@ -511,15 +515,21 @@ pub fn silu_scale_host(
 ) -> Result<(), OpError> {
     let table = silu_table(dtype, exec);
     match scale {
-        Scale::One(s) => run_elementwise(
-            dtype,
-            &[x],
-            out,
-            config,
-            exec,
-            |_, v| silu_scale_f32(v[0], s),
-            &|_, v, out| silu_run(table, v[0], out, s),
-        ),
+        Scale::One(s) => {
+            let plain = |_: usize, v: &[&[f32]], out: &mut [f32]| silu_run(None, v[0], out, s);
+            run_elementwise(
+                dtype,
+                &[x],
+                out,
+                config,
+                exec,
+                |_, v| silu_scale_f32(v[0], s),
+                match table {
+                    Some(_) => Block::SiluBf16(s),
+                    None => Block::F32(&plain),
+                },
+            )
+        }
         Scale::PerGroup {
             scales,
             group_bytes,
@@ -541,7 +551,7 @@ pub fn silu_scale_host(
                 exec,
                 |i, v| silu_scale_f32(v[0], scales[i / per_group]),
                 // Runs of one group's elements at a time.
-                &|first, v, out| {
+                Block::F32(&|first, v, out| {
                     let mut j = 0;
                     while j < out.len() {
                         let g = (first + j) / per_group;
@@ -549,7 +559,7 @@ pub fn silu_scale_host(
                         silu_run(table, &v[0][j..end], &mut out[j..end], scales[g]);
                         j = end;
                     }
-                },
+                }),
             )
         }
     }

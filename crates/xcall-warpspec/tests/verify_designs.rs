@@ -2,7 +2,9 @@
 //! planner's own tables.
 
 use xcall_warpspec::designs::{prologue_empty_arrive, shared_full_barrier};
-use xcall_warpspec::verify::{verify, verify_within, Budget, DEFAULT_STATE_LIMIT};
+use xcall_warpspec::verify::{
+    verify, verify_unreduced, verify_within, Budget, DEFAULT_STATE_LIMIT,
+};
 use xcall_warpspec::{
     Action, BarrierKind, PipelinePlan, PipelineSpec, PipelineState, RoleKind, ViolationKind,
 };
@@ -150,7 +152,8 @@ fn malformed_protocols_are_refused() {
     let p = plan.protocol(0);
     assert!(verify(&p, DEFAULT_STATE_LIMIT).is_err());
     // The state limit turns a too-large search into an error, not a hang.
-    let big = PipelinePlan::new(&PipelineSpec::new(4, &[1024, 1024, 1024], 2)).unwrap();
+    // (Three compute warpgroups: a search of about 15,000 states and 2 MB.)
+    let big = PipelinePlan::new(&PipelineSpec::new(4, &[1024, 1024, 1024], 3)).unwrap();
     let err = verify(&big.protocol(9), 1000).unwrap_err();
     assert!(
         err.to_string()
@@ -334,15 +337,16 @@ fn the_memory_budget_is_checked_all_through_the_search() {
 #[test]
 fn the_memory_budget_is_enforced_before_it_is_passed() {
     // A plan the planner accepts (8 stages, 4 async warps x 4 KiB, one
-    // compute warpgroup) whose search needs far more than these budgets:
-    // each stops it with LIMIT while the tables hold no more than it.
+    // compute warpgroup) whose search without the reduction needs far more
+    // than these budgets (with it, 239 states): each stops it with LIMIT
+    // while the tables hold no more than it.
     let plan = PipelinePlan::new(&PipelineSpec::new(8, &[4096; 4], 1)).unwrap();
     for bytes in [1 << 20, 8 << 20] {
         let budget = Budget {
             bytes,
             ..Budget::default()
         };
-        let err = verify_within(&plan.protocol(17), &budget).unwrap_err();
+        let err = verify_unreduced(&plan.protocol(17), &budget).unwrap_err();
         assert_eq!(err.status(), xcall_core::Status::Limit, "{err}");
         assert!(err.to_string().contains("memory budget reached"), "{err}");
         let reached = bytes_reached(&err);

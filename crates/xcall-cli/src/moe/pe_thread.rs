@@ -157,8 +157,9 @@ pub(super) fn run_steps(
     let mut link = 0;
     log.sms = pe.sms_used();
     // Timed steps run ahead of their times: each waits on the device for
-    // its peers (the steps' own protocol), not on the host; their times
-    // are read at the next drain.
+    // its peers (the steps' own protocol and, before its clock starts, a
+    // barrier of the PEs' streams), not on the host; their times are read
+    // at the next drain.
     let mut queued: Vec<Queued> = Vec::new();
     let settle = |pe: &mut Pe, log: &mut PeLog, queued: &mut Vec<Queued>| -> Result<(), RunError> {
         pe.drain()?;

@@ -18,7 +18,7 @@
 //! before every reader released them, reads before a buffer's load
 //! completed, and arrivals beyond the init count. The search is breadth-first,
 //! so a violation comes with a shortest trace of the reduced search (below),
-//! a real interleaving.
+//! replayed as a real interleaving.
 //!
 //! Granularity (what keeps the state space small): a role's consecutive
 //! waits are one atomic step (it proceeds when all of them pass), and so are
@@ -27,16 +27,18 @@
 //! only add reports for designs that read or overwrite without waiting, never
 //! hide a race between blocking points. Roles with identical programs that
 //! issue no copies (the compute warpgroups) are interchangeable, so states
-//! that differ only by permuting them are explored once. A completion that
-//! no role's current block and no other in-flight entry touches is deferred
-//! until one does (`reduce`, a persistent-set reduction that keeps every
-//! violation and deadlock; its argument is there); [`verify_unreduced`]
-//! explores without it.
+//! that differ only by permuting them are explored once. In each state only
+//! a persistent set of events is explored (`reduce`, a partial-order
+//! reduction that keeps every violation and deadlock; its argument is
+//! there): a role steps, and a copy completes, only where something that
+//! must happen there could be disturbed by it, so producers do not fill
+//! later stages in every order while the compute role is elsewhere;
+//! [`verify_unreduced`] explores every event.
 //!
 //! Modules: [`protocol`] (the declarations a search reads and the verdict
 //! it gives), `states` (the packed table of explored states), `model` (the
-//! state layout and the semantics of one step), `reduce` (which completions
-//! a state explores), `describe` (trace lines) and `search` (the
+//! state layout and the semantics of one step), `reduce` (which events a
+//! state explores), `describe` (trace lines) and `search` (the
 //! breadth-first search within a budget).
 
 mod describe;

@@ -226,6 +226,19 @@ impl<'a> Model<'a> {
         s
     }
 
+    /// The event of the state `real` that `e` is in `canonical`, its
+    /// canonical form: a step of a role that is interchangeable with others
+    /// is the step of one of them at the same program counter (entries name
+    /// no interchangeable role, so they are the same in both).
+    pub(super) fn real_event(&self, canonical: &[u32], real: &[u32], e: Event) -> Event {
+        let Event::Step(r) = e else { return e };
+        self.symmetric
+            .iter()
+            .find(|g| g.contains(&(r as usize)))
+            .and_then(|g| g.iter().find(|&&q| real[q] == canonical[r as usize]))
+            .map_or(e, |&q| Event::Step(q as u16))
+    }
+
     pub(super) fn phase_of(&self, iteration: u32, offset: i32) -> i64 {
         (iteration / self.p.stages) as i64 + offset as i64
     }

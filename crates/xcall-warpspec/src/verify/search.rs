@@ -44,9 +44,10 @@ pub fn verify_within(protocol: &Protocol, budget: &Budget) -> Result<Verdict, Pl
     search(protocol, budget, true)
 }
 
-/// [`verify_within`] without the partial-order reduction (every completion
-/// of an in-flight copy or read explored at every point): the same
-/// verdicts, over many more states. For measuring what the reduction saves.
+/// [`verify_within`] without the partial-order reduction (every step of
+/// every role and every completion of an in-flight copy or read explored in
+/// every state): the same verdicts, over many more states. For measuring
+/// what the reduction saves, and for checking it.
 pub fn verify_unreduced(protocol: &Protocol, budget: &Budget) -> Result<Verdict, PlanError> {
     search(protocol, budget, false)
 }
@@ -54,6 +55,7 @@ pub fn verify_unreduced(protocol: &Protocol, budget: &Budget) -> Result<Verdict,
 fn search(protocol: &Protocol, budget: &Budget, reduce: bool) -> Result<Verdict, PlanError> {
     let started = Instant::now();
     let model = Model::new(protocol)?;
+    let reduction = model.reduction();
     let init = model.canonical(model.initial());
     let mut states = StateSet::new(model.initial(), budget.bytes);
     let limit = |what: &str, states: &StateSet| {
@@ -85,16 +87,26 @@ fn search(protocol: &Protocol, budget: &Budget, reduce: bool) -> Result<Verdict,
         events.reverse();
         events
     };
-    let replay = |events: &[Event]| -> (Vec<String>, Vec<u32>) {
-        let mut s = init.clone();
-        let mut lines = Vec::new();
+    // The recorded events lead through canonical states; the trace follows
+    // them in a real execution, naming the interchangeable role that moved
+    // there, and ends in that execution's state.
+    // A violation's message is the one of that execution's last event.
+    let replay = |events: &[Event]| -> (Vec<String>, Vec<u32>, Option<String>) {
+        let (mut s, mut real) = (init.clone(), init.clone());
+        let (mut lines, mut message) = (Vec::new(), None);
         for &e in events {
-            lines.push(model.describe_event(&s, e));
+            let moved = model.real_event(&s, &real, e);
+            lines.push(model.describe_event(&real, moved));
+            match model.apply(&real, moved) {
+                Outcome::Next(n) => real = n,
+                Outcome::Violation(_, m) => message = Some(m),
+                Outcome::Blocked => {}
+            }
             if let Outcome::Next(n) = model.apply(&s, e) {
                 s = model.canonical(n);
             }
         }
-        (lines, s)
+        (lines, real, message)
     };
     // Ids are in breadth-first order: the queue is the ids not yet expanded.
     let mut next = 0u32;
@@ -102,36 +114,34 @@ fn search(protocol: &Protocol, budget: &Budget, reduce: bool) -> Result<Verdict,
     while (next as usize) < states.len() {
         let id = next;
         next += 1;
-        if id % 4096 == 0 && started.elapsed() > budget.time {
+        // A state can cost up to a millisecond with many roles: look often.
+        if id % 64 == 0 && started.elapsed() > budget.time {
             return Err(limit("time budget reached", &states));
         }
         states.get(id, &mut s);
         let mut moved = false;
-        let mut events = model.events(&s);
-        if reduce {
-            // Role steps first, then the completions the reduction keeps
-            // (all of them when no role can move and none is relevant).
-            let relevant = model.relevant_entries(&s);
-            let steps = events
+        let events = model.events(&s);
+        let mut outcomes: Vec<Option<Outcome>> =
+            events.iter().map(|&e| Some(model.apply(&s, e))).collect();
+        // A violation of any event of this state is real: report it even
+        // when the reduction would not explore its event here.
+        let violation = outcomes
+            .iter()
+            .position(|o| matches!(o, Some(Outcome::Violation(..))));
+        let explored: Vec<usize> = if let Some(i) = violation {
+            vec![i]
+        } else if reduce {
+            let enabled: Vec<bool> = outcomes
                 .iter()
-                .filter(|e| matches!(e, Event::Step(_)))
-                .count();
-            let kept: Vec<Event> = events[steps..]
-                .iter()
-                .copied()
-                .filter(|e| matches!(e, Event::Land(k) if relevant[*k as usize]))
+                .map(|o| !matches!(o, Some(Outcome::Blocked)))
                 .collect();
-            if !kept.is_empty()
-                || events[..steps]
-                    .iter()
-                    .any(|&e| !matches!(model.apply(&s, e), Outcome::Blocked))
-            {
-                events.truncate(steps);
-                events.extend(kept);
-            }
-        }
-        for e in events {
-            match model.apply(&s, e) {
+            model.persistent(&reduction, &s, &events, &enabled)
+        } else {
+            (0..events.len()).collect()
+        };
+        for i in explored {
+            let e = events[i];
+            match outcomes[i].take().expect("each event is explored once") {
                 Outcome::Blocked => {}
                 Outcome::Next(n) => {
                     moved = true;
@@ -149,11 +159,11 @@ fn search(protocol: &Protocol, budget: &Budget, reduce: bool) -> Result<Verdict,
                 Outcome::Violation(kind, message) => {
                     let mut events = trace_to(id, &states);
                     events.push(e);
-                    let (trace, _) = replay(&events);
+                    let (trace, _, real) = replay(&events);
                     return Ok(Verdict {
                         violation: Some(Violation {
                             kind,
-                            message,
+                            message: real.unwrap_or(message),
                             trace,
                         }),
                         states: states.len() as u64,
@@ -166,7 +176,7 @@ fn search(protocol: &Protocol, budget: &Budget, reduce: bool) -> Result<Verdict,
         let finished = (0..model.roles).all(|r| s[r] >= model.program_len(r));
         if !moved && !finished {
             let events = trace_to(id, &states);
-            let (trace, end) = replay(&events);
+            let (trace, end, _) = replay(&events);
             let waits: Vec<String> = (0..model.roles)
                 .filter(|&r| end[r] < model.program_len(r))
                 .map(|r| {

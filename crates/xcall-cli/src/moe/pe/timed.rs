@@ -76,6 +76,20 @@ impl Pe {
         };
         let a = Event::new(self.device).context("CUDA event")?;
         let z = Event::new(self.device).context("CUDA event")?;
+        // The step's clock starts once every PE's stream reached it (an
+        // untimed barrier on the streams): a PE whose host enqueued late
+        // would otherwise add its delay to its peers' steps, which wait
+        // for it on the device. Worlds with NCCL pairs have no such
+        // barrier; there the delay stays in.
+        if self.shape.pes > 1 {
+            match self
+                .world
+                .barrier_on_stream(stream.raw() as *mut std::ffi::c_void)
+            {
+                Err(e) if e.status() == xcall_core::Status::Unsupported => {}
+                r => r.context("shmem barrier on the stream")?,
+            }
+        }
         a.record_on(&stream).context("CUDA event")?;
         let handle = CudaStreamHandle(stream.raw());
         let outcome = cache

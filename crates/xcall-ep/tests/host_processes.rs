@@ -1,0 +1,226 @@
+//! Expert-parallel groups of Host processes: the test binary spawns itself
+//! as each PE (environment XCALL_EP_TEST_PE = "socket,rank,size,mode"),
+//! the PEs meet at a Unix socket and reach each other's heaps in POSIX
+//! shared memory. Every output is compared with the plain-loop reference
+//! of `common`, as for PEs that are threads; and a PE killed in the middle
+//! of a step makes every other PE fail within the world's timeout, naming
+//! it, instead of waiting for it.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use xcall_core::{Device, Platform};
+use xcall_ep::{EpConfig, EpError, EpGroup, Precision};
+use xcall_shmem::{World, WorldConfig};
+
+mod common;
+use common::run::{expert_major, inputs, round, HostMem, Mem};
+use common::*;
+
+const PE_ENV: &str = "XCALL_EP_TEST_PE";
+/// The world's timeout in the killed-peer test: the survivors must fail
+/// after about this long, not hang.
+const PEER_TIMEOUT: Duration = Duration::from_millis(1500);
+
+fn world(socket: &str, rank: usize, n: usize, heap: usize, timeout: Duration) -> World {
+    let mut c = WorldConfig::unix_socket(socket, rank, n, Device::new(Platform::Host, rank as u32));
+    c.heap_bytes = Some(heap + (1 << 20));
+    c.timeout = timeout;
+    let mut w = World::new();
+    w.init(&c).unwrap();
+    w
+}
+
+/// The cases every process count runs: f32 with alignment, bf16, and FP8
+/// dispatch, each for two rounds with their backward halves.
+fn cases(pes: usize) -> Vec<Case> {
+    let cfg = |tokens, hidden, topk, experts, precision| EpConfig {
+        precision,
+        ..EpConfig::new(tokens, hidden, topk, experts)
+    };
+    vec![
+        Case::new(
+            EpConfig {
+                align: 8,
+                ..cfg(90, 16, 3, 4 * pes, Precision::F32)
+            },
+            pes,
+            Routing::Random,
+            21,
+        ),
+        Case::new(
+            cfg(60, 32, 2, 2 * pes, Precision::Bf16),
+            pes,
+            Routing::Random,
+            22,
+        ),
+        Case::new(
+            cfg(40, 256, 2, 2 * pes, Precision::Fp8Dispatch),
+            pes,
+            Routing::Random,
+            23,
+        ),
+    ]
+}
+
+/// One PE process of the reference test: every case, checked by `round`.
+fn reference_pe(socket: &str, rank: usize, n: usize) {
+    for case in cases(n) {
+        let heap = case.config.layout(n).unwrap().heap_bytes;
+        let mut w = world(socket, rank, n, heap, Duration::from_secs(20));
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let mut m = HostMem::default();
+        for r in 0..2 {
+            let c = Case {
+                seed: case.seed + r,
+                ..case.clone()
+            };
+            round(&c, rank, &mut g, &mut m, true);
+        }
+        g.destroy(&mut w).unwrap();
+        assert!(w.finalize().unwrap().leaked.is_empty());
+    }
+}
+
+/// One PE process of the killed-peer test: a dispatch on every PE, then
+/// the last PE kills itself (SIGKILL: no unwinding, no goodbye) and the
+/// others combine. Their combine must fail with the timeout naming the
+/// killed PE, within about the world's timeout.
+fn killed_pe(socket: &str, rank: usize, n: usize) {
+    let case = Case::new(EpConfig::new(64, 32, 2, 2 * n), n, Routing::Random, 31);
+    let c = case.config;
+    let heap = c.layout(n).unwrap().heap_bytes;
+    let mut w = world(socket, rank, n, heap, PEER_TIMEOUT);
+    let mut g = EpGroup::new(&mut w, c).unwrap();
+    let mut m = HostMem::default();
+    let d = data(&case, rank);
+    let (x, ids, probs) = inputs(&mut m, &d);
+    let out = expert_major(&mut m, &g, false);
+    let tokens = case.sent[rank];
+    // SAFETY: this PE's buffers, of the sizes the group asked for.
+    unsafe { g.dispatch(x, ids, probs, tokens, &out, m.stream()) }.unwrap();
+    if rank == n - 1 {
+        // SAFETY: kill(2) on this process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        unreachable!("SIGKILL returned");
+    }
+    let rows = c.layout(n).unwrap().expert_rows;
+    let expert_out = m.alloc(rows * c.hidden * case.elem());
+    let y = m.alloc(c.tokens * c.hidden * case.elem());
+    let started = Instant::now();
+    // SAFETY: this PE's buffers, of the sizes the group asked for.
+    let e = unsafe { g.combine(expert_out, y, m.stream()) }.unwrap_err();
+    let took = started.elapsed();
+    let dead = format!("PE {}", n - 1);
+    assert!(
+        matches!(&e, EpError::Timeout(msg) if msg.contains(&dead)),
+        "PE {rank}: combine with a killed peer: {e}"
+    );
+    assert!(
+        took >= PEER_TIMEOUT && took < PEER_TIMEOUT * 4,
+        "PE {rank}: combine failed after {took:?} with a {PEER_TIMEOUT:?} timeout"
+    );
+    // The group and world cannot be left collectively with a PE gone: the
+    // process ends here, as a caller's would.
+    std::process::exit(0);
+}
+
+fn spawn(socket: &str, rank: usize, n: usize, mode: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "pe_process", "--nocapture", "--test-threads=1"])
+        .env(PE_ENV, format!("{socket},{rank},{n},{mode}"))
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for every child; kills the rest and fails after `limit`, naming
+/// them. Returns whether each exited successfully.
+fn wait_children(what: &str, mut children: Vec<Child>, limit: Duration) -> Vec<bool> {
+    let deadline = Instant::now() + limit;
+    let mut done = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r].is_none() {
+                done[r] = c.try_wait().unwrap();
+            }
+        }
+        if Instant::now() >= deadline {
+            let stuck: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
+            for &r in &stuck {
+                let _ = children[r].kill();
+                let _ = children[r].wait();
+            }
+            panic!("watchdog: {what}: rank(s) {stuck:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done.into_iter().map(|s| s.unwrap().success()).collect()
+}
+
+fn socket(name: &str) -> String {
+    let dir = std::env::temp_dir();
+    dir.join(format!("xcall-ep-{name}-{}.sock", std::process::id()))
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The entry of a spawned PE (does nothing when run by the harness).
+#[test]
+fn pe_process() {
+    let Ok(spec) = std::env::var(PE_ENV) else {
+        return;
+    };
+    let parts: Vec<&str> = spec.split(',').collect();
+    let (socket, rank, n, mode) = (
+        parts[0],
+        parts[1].parse().unwrap(),
+        parts[2].parse().unwrap(),
+        parts[3],
+    );
+    match mode {
+        "reference" => reference_pe(socket, rank, n),
+        "killed" => killed_pe(socket, rank, n),
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+#[test]
+fn processes_match_the_reference() {
+    if std::env::var(PE_ENV).is_ok() {
+        return;
+    }
+    let _s = serial();
+    for n in [2, 3, 4] {
+        let s = socket(&format!("ref{n}"));
+        let children = (0..n).map(|r| spawn(&s, r, n, "reference")).collect();
+        let ok = wait_children(
+            &format!("{n} PE processes"),
+            children,
+            Duration::from_secs(120),
+        );
+        assert!(ok.iter().all(|&o| o), "{n} PE processes: exits {ok:?}");
+    }
+}
+
+#[test]
+fn a_killed_peer_makes_the_others_fail_within_the_timeout() {
+    if std::env::var(PE_ENV).is_ok() {
+        return;
+    }
+    let _s = serial();
+    let n = 3;
+    let s = socket("killed");
+    let started = Instant::now();
+    let children = (0..n).map(|r| spawn(&s, r, n, "killed")).collect();
+    let ok = wait_children("a killed PE's peers", children, Duration::from_secs(60));
+    assert_eq!(
+        ok,
+        [true, true, false],
+        "the survivors pass their checks, the killed PE dies"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the survivors took {:?}",
+        started.elapsed()
+    );
+}
