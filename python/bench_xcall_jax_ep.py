@@ -55,11 +55,12 @@ def experts(rows, expert, scale):
     return (jax.nn.silu(rows.astype(jnp.float32)) * scale[expert][:, None]).astype(rows.dtype)
 
 
-def xcall_layer(mesh, e, pes):
+def xcall_layer(mesh, e, pes, capacity=0):
     local = e // pes
 
     def body(x, ids, probs, scale):
-        d = xj.ep_dispatch(x, ids, probs, mesh=mesh, num_experts=e, zero_unused=False)
+        d = xj.ep_dispatch(x, ids, probs, mesh=mesh, num_experts=e, capacity=capacity,
+                           zero_unused=False)
         ex = d.row_experts()
         glob = jax.lax.axis_index(AXIS) * local + jnp.maximum(ex, 0)
         # Rows past the counts are never read by combine.
@@ -140,6 +141,9 @@ def main():
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--xcall-capacity-factor", type=float, default=0.0,
+                    help="0: dropless (the experts' op runs over the worst-case rows); "
+                    "else a capacity per expert of this times the mean routes")
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args()
     devices = jax.devices(a.platform)
@@ -160,15 +164,18 @@ def main():
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(),),
                                      out_specs=P(AXIS)))
 
+    xcap = int(np.ceil(pes * t * k / e * a.xcall_capacity_factor))
+    xname = "xcall ep_dispatch/ep_combine" + (f", capacity {xcap}" if xcap else "")
     layers = [
-        ("xcall ep_dispatch/ep_combine", jit(xcall_layer(mesh, e, pes))),
+        (xname, jit(xcall_layer(mesh, e, pes, xcap))),
         ("jax ragged_all_to_all", jit(ragged_layer(mesh, e, pes))),
         (f"jax all_to_all, capacity {cap}", jit(capacity_layer(mesh, e, pes, cap))),
     ]
     if a.check:
         every = jit(capacity_layer(mesh, e, pes, t * k))   # no route dropped
         want = np.asarray(every(x, ids_d, probs_d, scale), np.float32)
-        for name, f in layers[:2]:
+        dropless = [("xcall ep_dispatch/ep_combine", jit(xcall_layer(mesh, e, pes)))]
+        for name, f in dropless + layers[1:2]:
             try:
                 got = np.asarray(f(x, ids_d, probs_d, scale), np.float32)
             except jax.errors.JaxRuntimeError as err:

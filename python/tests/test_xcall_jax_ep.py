@@ -440,3 +440,12 @@ def test_grad_through_layers_under_scan_matches_plain_jax():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, wg in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(g), np.asarray(wg), rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_outside_shard_map_says_where_it_runs():
+    mesh = mesh_of(2)
+    x = np.zeros((8, 8), np.float32)
+    ids = np.zeros((8, 2), np.int32) + np.array([0, 1], np.int32)
+    with pytest.raises(ValueError, match="inside shard_map"):
+        jax.jit(lambda x: xe.ep_dispatch(x, ids, np.ones((8, 2), np.float32), mesh=mesh,
+                                         num_experts=4).rows)(x)

@@ -318,7 +318,13 @@ def _attrs(g):
 
 
 def _rank(g):
-    return jax.lax.axis_index(g.axis_name).astype(jnp.int32)
+    try:
+        return jax.lax.axis_index(g.axis_name).astype(jnp.int32)
+    except NameError as e:
+        raise ValueError(
+            f"xcall.jax: expert-parallel calls run inside shard_map over the mesh's axis "
+            f"{g.axis_name!r} ({e})"
+        ) from None
 
 
 def _call(name, g, results, *operands, **attrs):
