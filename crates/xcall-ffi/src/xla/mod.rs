@@ -1,5 +1,7 @@
 //! XLA FFI handlers of the permutation ops: an XLA-like runtime (JAX's
 //! `jax.ffi`, XLA's custom-call registry) registers them as they are.
+//! The expert-parallel handlers (dispatch, combine and their gradients
+//! across the devices of one process) and their groups are in `ep`.
 //!
 //! Every op has two handlers, one per platform, because the runtime's
 //! metadata query carries no platform: `xcall_xla_<op>_host` for "cpu"
