@@ -110,7 +110,7 @@ fn a_restored_routing_makes_combine_and_backward_follow_its_dispatch() {
         let e = unsafe { g.save_routing(saved, null) }.unwrap_err();
         assert_eq!(e.status(), Status::InvalidState, "{e}");
 
-        let dispatch = |seed: u64, g: &mut EpGroup| {
+        let dispatch = |seed: u64, n: usize, g: &mut EpGroup| {
             let (x, ids, probs) = inputs(seed, rank);
             let (mut xb, mut ib, mut pb) = (
                 f32s(&x),
@@ -127,7 +127,7 @@ fn a_restored_routing_makes_combine_and_backward_follow_its_dispatch() {
                 ..ExpertMajor::default()
             };
             // SAFETY: host buffers of the sizes given, alive for the call.
-            unsafe { g.dispatch(buf(&mut xb), buf(&mut ib), buf(&mut pb), T, &out, null) }.unwrap();
+            unsafe { g.dispatch(buf(&mut xb), buf(&mut ib), buf(&mut pb), n, &out, null) }.unwrap();
             let tpe: Vec<i64> = tpe
                 .chunks(8)
                 .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
@@ -135,19 +135,20 @@ fn a_restored_routing_makes_combine_and_backward_follow_its_dispatch() {
             (x, ids, probs, rows, tpe)
         };
 
-        let (xa, ida, pa, rows_a, tpe_a) = dispatch(1, &mut g);
+        let (xa, ida, pa, rows_a, tpe_a) = dispatch(1, T, &mut g);
         // SAFETY: as above.
         unsafe { g.save_routing(saved, null) }.unwrap();
-        let (xb, idb, pb, rows_b, tpe_b) = dispatch(2, &mut g);
+        let (xb, idb, pb, rows_b, tpe_b) = dispatch(2, T - 5, &mut g);
         assert_ne!(ida, idb, "the two routings differ");
 
         let mut y = vec![0u8; T * H * 4];
         let mut out_b = experts(&rows_b, &tpe_b, rank);
         // SAFETY: as above.
         unsafe { g.combine(buf(&mut out_b), buf(&mut y), null) }.unwrap();
+        // It sent T - 5 tokens: the first T - 5 rows are its.
         close(
-            &floats(&y),
-            &reference(&xb, &idb, &pb),
+            &floats(&y)[..(T - 5) * H],
+            &reference(&xb, &idb, &pb)[..(T - 5) * H],
             "y of the second dispatch",
         );
 
@@ -197,6 +198,33 @@ fn a_restored_routing_makes_combine_and_backward_follow_its_dispatch() {
                 );
             }
         }
+
+        // While a dispatch_send waits for its dispatch_recv, nothing is
+        // saved, put back or fenced.
+        let (x, ids, probs) = inputs(3, rank);
+        let (mut xb, mut pb) = (f32s(&x), f32s(&probs));
+        let mut ib: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // SAFETY: host buffers of the sizes given, alive until dispatch_recv.
+        unsafe { g.dispatch_send(buf(&mut xb), buf(&mut ib), buf(&mut pb), T, null) }.unwrap();
+        // SAFETY: each is refused before touching memory.
+        let refused = unsafe {
+            [
+                g.save_routing(saved, null),
+                g.restore_routing(saved, T, null),
+                g.phase_barrier(null),
+            ]
+        };
+        for e in refused {
+            assert_eq!(e.unwrap_err().status(), Status::InvalidState);
+        }
+        let (mut rows, mut tpe) = (vec![0u8; rows_bytes], vec![0u8; layout.local_experts * 8]);
+        let out = ExpertMajor {
+            rows: buf(&mut rows),
+            tokens_per_expert: buf(&mut tpe),
+            ..ExpertMajor::default()
+        };
+        // SAFETY: as above.
+        unsafe { g.dispatch_recv(&out, null) }.unwrap();
 
         // A buffer too small is refused before the barrier.
         let small = Buf::new(saved.addr, saved.bytes - 1);
