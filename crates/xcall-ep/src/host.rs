@@ -19,25 +19,8 @@ use xcall_core::{fp8_decode, fp8_encode, Fp8};
 
 use crate::config::{word, FP8_BLOCK, FP8_MAX, TILE_TOKENS};
 use crate::error::{EpError, Result};
+use crate::host_sum::{par_tokens, sum_rows};
 use crate::params::EpParams;
-
-/// Tokens per task of [`par_tokens`].
-const TOKENS_PER_TASK: usize = 32;
-
-/// Runs `f` over the tokens `0..n` in ranges on the process's worker pool.
-/// Host PEs are threads that often outnumber the cores and reach a phase
-/// at different times: the pool keeps every core busy with whichever PEs'
-/// tokens are left, one thread per core. Each token's work is the same as
-/// in a plain loop, so results do not depend on the split.
-fn par_tokens(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
-    use rayon::prelude::*;
-    if n <= TOKENS_PER_TASK || rayon::current_num_threads() < 2 {
-        return f(0..n);
-    }
-    (0..n.div_ceil(TOKENS_PER_TASK))
-        .into_par_iter()
-        .for_each(|c| f(c * TOKENS_PER_TASK..((c + 1) * TOKENS_PER_TASK).min(n)));
-}
 
 pub(crate) fn at<T>(base: u64, offset: i64) -> *mut T {
     (base + offset as u64) as *mut T
@@ -82,96 +65,6 @@ pub(crate) fn store(precision: i64, row: *mut u8, i: usize, v: f32) {
             _ => (row as *mut u16)
                 .add(i)
                 .write_unaligned(bf16::from_f32(v).to_bits()),
-        }
-    }
-}
-
-/// Element `i` of a row of `precision`'s element type (0: f32, else
-/// bf16), as f32.
-#[inline(always)]
-fn elem_at(precision: i64, row: *const u8, i: usize) -> f32 {
-    // SAFETY: callers pass rows of more than `i` elements.
-    unsafe {
-        match precision {
-            0 => (row as *const f32).add(i).read_unaligned(),
-            _ => f32::from_bits(u32::from((row as *const u16).add(i).read_unaligned()) << 16),
-        }
-    }
-}
-
-/// `v` as bf16 bits, rounded to nearest even, a NaN quieted: what
-/// `bf16::from_f32` gives, without branches (so that loops vectorize).
-#[inline(always)]
-fn bf16_bits(v: f32) -> u16 {
-    let x = v.to_bits();
-    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-    let nan = (x >> 16) | 0x40;
-    (if x & 0x7fff_ffff > 0x7f80_0000 {
-        nan
-    } else {
-        rounded
-    }) as u16
-}
-
-/// Stores `v` as element `i` of `out` of `precision`'s element type.
-#[inline(always)]
-fn put(precision: i64, out: *mut u8, i: usize, v: f32) {
-    // SAFETY: callers pass rows of more than `i` elements.
-    unsafe {
-        match precision {
-            0 => (out as *mut f32).add(i).write_unaligned(v),
-            _ => (out as *mut u16).add(i).write_unaligned(bf16_bits(v)),
-        }
-    }
-}
-
-/// `out = sum of w * row` over `rows` in their order, per element from
-/// 0.0 with f32 products and sums rounded separately (as on CUDA), stored
-/// rounded to `precision`'s type; zeros for no rows. `acc` (h elements)
-/// holds the partial sums of three rows or more; one and two rows take a
-/// single pass.
-fn sum_rows(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: this CPU has AVX2 (just checked); the body is the same
-        // (no fused multiply-add: products and sums still round apart).
-        return unsafe { sum_rows_avx2(precision, acc, rows, out) };
-    }
-    sum_rows_any(precision, acc, rows, out)
-}
-
-/// [`sum_rows`] compiled for AVX2 (eight lanes where SSE2 has four).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn sum_rows_avx2(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
-    sum_rows_any(precision, acc, rows, out)
-}
-
-/// The body of [`sum_rows`], for any CPU.
-#[inline(always)]
-fn sum_rows_any(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
-    let h = acc.len();
-    match rows {
-        [] => (0..h).for_each(|i| put(precision, out, i, 0.0)),
-        [(r0, w0)] => {
-            (0..h).for_each(|i| put(precision, out, i, 0.0 + w0 * elem_at(precision, *r0, i)))
-        }
-        [(r0, w0), (r1, w1)] => (0..h).for_each(|i| {
-            let v = (0.0 + w0 * elem_at(precision, *r0, i)) + w1 * elem_at(precision, *r1, i);
-            put(precision, out, i, v)
-        }),
-        [(r0, w0), middle @ .., (rl, wl)] => {
-            for (i, a) in acc.iter_mut().enumerate() {
-                *a = 0.0 + w0 * elem_at(precision, *r0, i);
-            }
-            for (r, w) in middle {
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a += w * elem_at(precision, *r, i);
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                put(precision, out, i, a + wl * elem_at(precision, *rl, i));
-            }
         }
     }
 }

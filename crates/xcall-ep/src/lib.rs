@@ -45,6 +45,7 @@ mod error;
 pub mod group;
 pub mod host;
 pub mod host_grad;
+mod host_sum;
 pub mod params;
 mod saved;
 mod sleep;
