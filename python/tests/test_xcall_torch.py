@@ -6,6 +6,7 @@ under torchrun. Without torch the module skips, saying so on stderr."""
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -135,6 +136,16 @@ def test_readme_quickstart_runs_under_torchrun(tmp_path):
     env = env_for()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WATCHDOG_S)
+    # torchrun and its workers in a session of their own: the watchdog
+    # kills them all.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the quickstart: killed by the watchdog after {WATCHDOG_S} s\n{stdout}{stderr}")
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("quickstart: y right") == 2, out.stdout + out.stderr

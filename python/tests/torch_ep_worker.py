@@ -173,7 +173,7 @@ def scenario_compile(device):
     from an initialized process group."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=RANK, world_size=SIZE)
+    dist.init_process_group("gloo", rank=RANK, world_size=SIZE)
     try:
         layer_case(device, torch.float32, tokens=8, hidden=16, topk=2, experts=2 * SIZE,
                    calls=2, compiled=True, seed=3)
