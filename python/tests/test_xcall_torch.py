@@ -108,6 +108,13 @@ def test_bad_input_raises_before_any_work():
     assert all(f"OK bad_input rank {r}" in o for r, o in enumerate(outs))
 
 
+def test_groups_left_open_close_at_exit():
+    outs = run_ranks([str(WORKER), "at_exit"], 2)
+    for r, o in enumerate(outs):
+        assert f"OK at_exit rank {r}" in o and "at exit" not in o, o
+        assert "at-exit: 0 groups and worlds left open" in o, o
+
+
 def test_no_launcher_no_group():
     code = (
         "import xcall.torch as xt, torch\n"

@@ -14,10 +14,20 @@ plain torch (every rank's tokens, every expert) under autograd. Prints
 import os
 import sys
 
+import atexit
+
 import numpy as np
 import torch
 
-import xcall.torch as xt
+
+@atexit.register
+def _report_left_open():
+    # Registered before xcall.torch is imported: runs after its close_all.
+    left = len(xt._groups) + len(xt._worlds)
+    print(f"at-exit: {left} groups and worlds left open", flush=True)
+
+
+import xcall.torch as xt  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 SIZE = int(os.environ["WORLD_SIZE"])
@@ -157,7 +167,32 @@ def layer_case(device, dtype, tokens, hidden, topk, experts, align=1, capacity=N
             assert SIZE == 1 or dropped_total >= 0
 
 
+def unused_rows_case(device, dtype, tokens, hidden, topk, experts, align):
+    """Rows no route fills are zero in the rows and in their gradient,
+    whatever the memory held before (NaN here)."""
+    with xt.EpGroup(tokens, hidden, topk, experts, dtype=dtype, align=align, device=device,
+                    timeout_s=30) as g:
+        x, ids, probs = (a.to(device) for a in inputs(11, RANK, tokens, hidden, topk, experts, dtype, 1))
+        for _ in range(2):
+            junk = [torch.full((g.expert_rows, hidden), float("nan"), dtype=dtype, device=device)
+                    for _ in range(4)]
+            del junk
+            d = xt.ep_dispatch(g, x, ids, probs)
+            unused = d.row_experts() < 0
+            assert unused.any() and (~unused).any()
+            assert (d.rows[unused] == 0).all(), "unused rows are not zero"
+            out = d.rows.clone().requires_grad_()
+            junk = [torch.full_like(out, float("nan")) for _ in range(4)]
+            del junk
+            y = xt.ep_combine(g, out, probs)
+            (y.float() * 2).sum().backward()
+            assert (out.grad[unused] == 0).all(), "the gradient of unused rows is not zero"
+            assert (out.grad[~unused] != 0).any()
+            assert torch.isfinite(out.grad).all()
+
+
 def scenario_values(device):
+    unused_rows_case(device, torch.float32, tokens=16, hidden=32, topk=2, experts=2 * SIZE, align=4)
     layer_case(device, torch.float32, tokens=16, hidden=32, topk=2, experts=2 * SIZE, calls=2)
     layer_case(device, torch.bfloat16, tokens=24, hidden=64, topk=3, experts=4 * SIZE, align=4,
                tokens_used=17, no_route=1, seed=5)
@@ -265,7 +300,29 @@ def scenario_cuda_graph(device):
         del graph
 
 
+def scenario_at_exit(device):
+    """Two groups (two layers) in one world, sized by group_heap_bytes,
+    each used; left open, they and the world are closed at exit, last
+    made first (each a collective: a rank closing them in another order
+    would hang its peers until the world's timeout)."""
+    T, H, K, E = 8, 16, 2, 2 * SIZE
+    heap = 2 * xt.group_heap_bytes(SIZE, T, H, K, E, dtype=torch.float32)
+    world = xt.EpWorld(heap, device=device, timeout_s=20)
+    groups = [xt.EpGroup(T, H, K, E, dtype=torch.float32, world=world) for _ in range(2)]
+    w = expert_weights(6, E, H, torch.float32)
+    w_local = w[RANK * 2:(RANK + 1) * 2].to(device)
+    world_inputs = [inputs(6, r, T, H, K, E, torch.float32) for r in range(SIZE)]
+    x, ids, probs = (a.to(device) for a in world_inputs[RANK])
+    y1, d1 = xcall_layer(groups[0], x, ids, probs, w_local)
+    y2, d2 = xcall_layer(groups[1], y1.detach(), ids, probs, w_local)
+    y1_want, _ = numpy_layer(*zip(*world_inputs), w)
+    close(y1.cpu(), y1_want[RANK], 1e-5, "layer 1")
+    assert d1.rows.shape == d2.rows.shape
+    assert not world.closed and not any(g.closed for g in groups)
+
+
 SCENARIOS = {
+    "at_exit": scenario_at_exit,
     "values": scenario_values,
     "capacity": scenario_capacity,
     "compile": scenario_compile,

@@ -23,18 +23,21 @@ the host (a CUDA graph captures them). CPU tensors run on Host: each call
 finishes before it returns.
 
 **Groups.** :class:`EpGroup` is collective: every rank makes it with the
-same arguments, in the same order. It starts an xcall shmem world of the
-ranks (one host: Unix-socket bootstrap, then CUDA IPC between the
-processes' GPUs, or shared memory on Host) from the process group's
-ranks, or from the launcher's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
-(the socket's name from ``MASTER_ADDR``, ``MASTER_PORT`` and the run's
-id). ``close()`` (collective) frees it; groups still open at exit are
-closed then, last made first.
+same arguments, in the same order. It lives in an xcall shmem world of
+the ranks (:class:`EpWorld`; one host: Unix-socket bootstrap, then CUDA
+IPC between the processes' GPUs, or shared memory on Host) made from the
+process group's ranks, or from the launcher's ``RANK``, ``WORLD_SIZE``
+and ``LOCAL_RANK`` (the socket's name from ``MASTER_ADDR``,
+``MASTER_PORT`` and the run's id). ``close()`` (collective) frees it;
+groups and worlds still open at exit are closed then, last made first.
 
 **One group per layer.** Combine and the backward calls act on the
 group's last dispatch: each MoE layer of a model has its own group
 (a second dispatch on a group before the first one's backward makes that
-backward wrong).
+backward wrong). A device takes part in one world at a time, so several
+groups share one: ``w = EpWorld(heap_bytes)`` with the sum of their
+:func:`group_heap_bytes`, then ``EpGroup(..., world=w)``. A group made
+without a world starts its own, for itself alone.
 
 **Rows.** ``d.rows`` has the worst-case rows of the group
 (``group.expert_rows``). Rows no route fills are zero (``zero_unused=True``,
@@ -63,7 +66,9 @@ import torch
 from . import load_library
 
 __all__ = [
+    "EpWorld",
     "EpGroup",
+    "group_heap_bytes",
     "EpDispatch",
     "XcallError",
     "ep_dispatch",
@@ -221,6 +226,7 @@ def _check(status: int, what: str) -> None:
 # Live groups by id: the ops name their group by this integer (a custom
 # op's arguments are tensors and scalars).
 _groups = {}
+_worlds = {}
 _group_ids = itertools.count(1)
 _groups_lock = threading.Lock()
 # Groups made from the launcher's variables in this process, in order:
@@ -231,6 +237,121 @@ _env_groups = itertools.count()
 def _socket_path(key: str, n: int) -> str:
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"xcall-ep-{digest}-{n}.sock")
+
+
+class EpWorld:
+    """The ranks' shmem world on this rank's device, which the groups live
+    in (collective: every rank makes it with the same arguments). A device
+    takes part in one world at a time: make one, sized for every group
+    (one per MoE layer) with :func:`group_heap_bytes`, before the groups
+    (``EpGroup(..., world=w)``). Without one, a group starts a world of its
+    own, closed with it.
+
+    ``heap_bytes``: the symmetric heap of each rank (0: xcall's default,
+    ``XCALL_SHMEM_HEAP_BYTES`` else 64 MiB on Host and 1 GiB on a GPU).
+    The ranks: ``process_group`` (a ``torch.distributed`` group of ranks of
+    this host), else the default process group when one is initialized,
+    else ``RANK`` and ``WORLD_SIZE``. ``device``: the rank's device
+    (default: ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``).
+    ``address``: the Unix socket the ranks meet at (default: agreed through
+    the process group, or named from ``MASTER_ADDR``, ``MASTER_PORT`` and
+    the launcher's run id). ``timeout_s``: how long any wait on a peer may
+    take before it fails naming the peer (0: xcall's 60 s).
+    """
+
+    def __init__(self, heap_bytes: int = 0, *, device=None, process_group=None,
+                 address: Optional[str] = None, timeout_s: float = 0):
+        self._world = None
+        self._groups: List["EpGroup"] = []
+        if not isinstance(heap_bytes, int) or heap_bytes < 0:
+            raise ValueError(f"xcall.torch.EpWorld: heap_bytes must be an int >= 0, got {heap_bytes!r}")
+        if timeout_s < 0:
+            raise ValueError(f"xcall.torch.EpWorld: timeout_s must be >= 0, got {timeout_s}")
+        self.rank, self.size, key = _ranks(process_group)
+        self.device = _device(device)
+        if address is None:
+            address = _agree_address(process_group, key, self.rank)
+        self.address = address
+        cuda = self.device.type == "cuda"
+        wc = _WorldConfig()
+        wc.rank, wc.size = self.rank, self.size
+        wc.target = _Target(_PLATFORM_CUDA if cuda else _PLATFORM_HOST,
+                            self.device.index if cuda else self.rank, None)
+        wc.bootstrap = _BOOTSTRAP_UNIX_SOCKET
+        wc.address = address.encode()
+        wc.heap_bytes = heap_bytes
+        wc.timeout_ms = int(timeout_s * 1000)
+        lib = _library()
+        world = ctypes.c_void_p()
+        _check(lib.xcall_shmem_world_new(ctypes.byref(world)), "making the world")
+        try:
+            _check(lib.xcall_shmem_init(world, ctypes.byref(wc)),
+                   f"starting the world of {self.size} ranks at {address} (rank {self.rank})")
+        except BaseException:
+            lib.xcall_shmem_world_free(world)
+            raise
+        self._world = world
+        with _groups_lock:
+            self.id = next(_group_ids)
+            _worlds[self.id] = self
+
+    def __repr__(self) -> str:
+        return f"EpWorld(rank {self.rank} of {self.size}, {self.device}{'' if self._world else ', closed'})"
+
+    @property
+    def closed(self) -> bool:
+        return self._world is None
+
+    def close(self) -> None:
+        """Closes the world's open groups (last made first), then the world
+        (collective). Closing twice does nothing."""
+        if self._world is None:
+            return
+        for g in reversed(list(self._groups)):
+            g.close()
+        with _groups_lock:
+            _worlds.pop(self.id, None)
+        lib = _library()
+        world, self._world = self._world, None
+        try:
+            _check(lib.xcall_shmem_finalize(world, None), "finalizing the world")
+        finally:
+            lib.xcall_shmem_world_free(world)
+
+    def __enter__(self) -> "EpWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _config(tokens, hidden, topk, experts, dtype, align, capacity, num_sms) -> _Config:
+    if dtype not in _PRECISION:
+        raise TypeError(f"xcall.torch.EpGroup: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
+        raise ValueError(f"xcall.torch.EpGroup: capacity must be None (dropless) or an int above 0, got {capacity!r}")
+    for name, value in (("tokens", tokens), ("hidden", hidden), ("topk", topk),
+                        ("experts", experts), ("align", align), ("num_sms", num_sms)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"xcall.torch.EpGroup: {name} must be an int >= 0, got {value!r}")
+    return _Config(tokens, hidden, topk, experts, align, capacity or 0, _PRECISION[dtype], num_sms)
+
+
+def _layout(config: _Config, ranks: int) -> _Sizes:
+    sizes = _Sizes()
+    _check(_library().xcall_ep_layout(ctypes.byref(config), ranks, ctypes.byref(sizes)),
+           f"the group's config on {ranks} ranks")
+    return sizes
+
+
+def group_heap_bytes(ranks: int, tokens: int, hidden: int, topk: int, experts: int,
+                     dtype: torch.dtype = torch.bfloat16, align: int = 1,
+                     capacity: Optional[int] = None) -> int:
+    """Bytes of symmetric heap a group of this shape on ``ranks`` ranks
+    takes on each rank, with the world's own share: size an
+    :class:`EpWorld` with the sum over its groups. Nothing is made."""
+    sizes = _layout(_config(tokens, hidden, topk, experts, dtype, align, capacity, 0), ranks)
+    return sizes.heap_bytes + _WORLD_SLACK_BYTES
 
 
 class EpGroup:
@@ -248,14 +369,11 @@ class EpGroup:
     :meth:`dropped_routes`); ``num_sms``: SMs the exchange kernels may
     occupy on a GPU (0: as many as help).
 
-    The ranks: ``process_group`` (a ``torch.distributed`` group of ranks of
-    this host), else the default process group when one is initialized,
-    else ``RANK`` and ``WORLD_SIZE``. ``device``: the rank's device
-    (default: ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``).
-    ``address``: the Unix socket the ranks meet at (default: agreed through
-    the process group, or named from ``MASTER_ADDR``, ``MASTER_PORT`` and
-    the launcher's run id). ``timeout_s``: how long any wait on a peer may
-    take before it fails naming the peer (0: xcall's 60 s).
+    ``world``: the :class:`EpWorld` it lives in (one per device; needed
+    for several groups at once). Without it the group starts a world of
+    its own, with the keyword arguments of :class:`EpWorld` (``device``,
+    ``process_group``, ``address``, ``timeout_s``) and the heap it needs,
+    and closes it with the group.
     """
 
     def __init__(
@@ -269,70 +387,44 @@ class EpGroup:
         capacity: Optional[int] = None,
         num_sms: int = 0,
         *,
-        device=None,
-        process_group=None,
-        address: Optional[str] = None,
-        timeout_s: float = 0,
+        world: Optional[EpWorld] = None,
+        **world_args,
     ):
         self._group = None
-        self._world = None
-        if dtype not in _PRECISION:
-            raise TypeError(
-                f"xcall.torch.EpGroup: dtype must be torch.float32 or torch.bfloat16, got {dtype}"
-            )
-        if capacity is not None and capacity <= 0:
-            raise ValueError(f"xcall.torch.EpGroup: capacity must be None (dropless) or above 0, got {capacity}")
-        for name, value in (("tokens", tokens), ("hidden", hidden), ("topk", topk),
-                            ("experts", experts), ("align", align), ("num_sms", num_sms)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"xcall.torch.EpGroup: {name} must be an int >= 0, got {value!r}")
-        if timeout_s < 0:
-            raise ValueError(f"xcall.torch.EpGroup: timeout_s must be >= 0, got {timeout_s}")
-        self.rank, self.size, key = _ranks(process_group)
-        self.device = _device(device)
+        self._own_world = None
+        self._config = _config(tokens, hidden, topk, experts, dtype, align, capacity, num_sms)
+        if world is not None:
+            if world_args:
+                raise ValueError(f"xcall.torch.EpGroup: {sorted(world_args)} belong to the world given")
+            if world.closed:
+                raise ValueError(f"xcall.torch.EpGroup: {world!r} is closed")
+            sizes = _layout(self._config, world.size)
+        else:
+            unknown = set(world_args) - {"device", "process_group", "address", "timeout_s"}
+            if unknown:
+                raise TypeError(f"xcall.torch.EpGroup: unknown arguments {sorted(unknown)}")
+            # The config is checked before any rank waits for another.
+            size = _ranks(world_args.get("process_group"))[1]
+            sizes = _layout(self._config, size)
+            world = self._own_world = EpWorld(sizes.heap_bytes + _WORLD_SLACK_BYTES, **world_args)
+        self.world = world
+        self.rank, self.size, self.device = world.rank, world.size, world.device
         self.dtype = dtype
         self.tokens, self.hidden, self.topk, self.experts = tokens, hidden, topk, experts
         self.align, self.capacity, self.num_sms = align, capacity, num_sms
-
-        lib = _library()
-        self._config = _Config(tokens, hidden, topk, experts, align, capacity or 0,
-                               _PRECISION[dtype], num_sms)
-        sizes = _Sizes()
-        _check(lib.xcall_ep_layout(ctypes.byref(self._config), self.size, ctypes.byref(sizes)),
-               f"the group's config on {self.size} ranks")
         self._sizes = sizes
         self.local_experts = sizes.local_experts
         self.expert_rows = sizes.expert_rows
-
-        if address is None:
-            address = _agree_address(process_group, key, self.rank)
-        self.address = address
-        cuda = self.device.type == "cuda"
-        wc = _WorldConfig()
-        wc.rank, wc.size = self.rank, self.size
-        wc.target = _Target(_PLATFORM_CUDA if cuda else _PLATFORM_HOST,
-                            self.device.index if cuda else self.rank, None)
-        wc.bootstrap = _BOOTSTRAP_UNIX_SOCKET
-        wc.address = address.encode()
-        wc.heap_bytes = sizes.heap_bytes + _WORLD_SLACK_BYTES
-        wc.timeout_ms = int(timeout_s * 1000)
-        world = ctypes.c_void_p()
-        _check(lib.xcall_shmem_world_new(ctypes.byref(world)), "making the world")
-        try:
-            _check(lib.xcall_shmem_init(world, ctypes.byref(wc)),
-                   f"starting the world of {self.size} ranks at {address} (rank {self.rank})")
-        except BaseException:
-            lib.xcall_shmem_world_free(world)
-            raise
         group = ctypes.c_void_p()
         try:
-            _check(lib.xcall_ep_group_new(world, ctypes.byref(self._config), ctypes.byref(group)),
+            _check(_library().xcall_ep_group_new(world._world, ctypes.byref(self._config), ctypes.byref(group)),
                    "making the expert-parallel group")
         except BaseException:
-            lib.xcall_shmem_finalize(world, None)
-            lib.xcall_shmem_world_free(world)
+            if self._own_world is not None:
+                self._own_world.close()
             raise
-        self._world, self._group = world, group
+        self._group = group
+        world._groups.append(self)
         with _groups_lock:
             self.id = next(_group_ids)
             _groups[self.id] = self
@@ -379,21 +471,21 @@ class EpGroup:
         return out.value
 
     def close(self) -> None:
-        """Frees the group and its world (collective: every rank closes its
-        groups in the same order). Closing twice does nothing."""
+        """Frees the group, and the world it started (collective: every
+        rank closes its groups in the same order). Closing twice does
+        nothing."""
         if self._group is None:
             return
         with _groups_lock:
             _groups.pop(self.id, None)
-        lib = _library()
-        group, world = self._group, self._world
-        self._group = self._world = None
+        group, self._group = self._group, None
+        self.world._groups.remove(self)
         try:
             self._sync()
-            _check(lib.xcall_ep_group_free(group, world), "freeing the group")
-            _check(lib.xcall_shmem_finalize(world, None), "finalizing the world")
+            _check(_library().xcall_ep_group_free(group, self.world._world), "freeing the group")
         finally:
-            lib.xcall_shmem_world_free(world)
+            if self._own_world is not None:
+                self._own_world.close()
 
     def __enter__(self) -> "EpGroup":
         return self
@@ -402,11 +494,12 @@ class EpGroup:
         self.close()
 
 
+
 def close_all() -> None:
-    """Closes every open group of this process, last made first (run at
-    exit; collective like :meth:`EpGroup.close`)."""
+    """Closes every open group and world of this process, last made first
+    (run at exit; collective like :meth:`EpGroup.close`)."""
     with _groups_lock:
-        live = sorted(_groups.values(), key=lambda g: -g.id)
+        live = sorted(list(_groups.values()) + list(_worlds.values()), key=lambda g: -g.id)
     for g in live:
         try:
             g.close()
