@@ -191,7 +191,25 @@ def unused_rows_case(device, dtype, tokens, hidden, topk, experts, align):
             assert torch.isfinite(out.grad).all()
 
 
+def opcheck_case(device):
+    """torch.library.opcheck on the four ops: schema, fake and autograd
+    registrations agree with what the ops do (every rank runs the same
+    checks in the same order: each op call is collective)."""
+    T, H, K, E = 8, 16, 2, 2 * SIZE
+    with xt.EpGroup(T, H, K, E, dtype=torch.float32, device=device, timeout_s=30) as g:
+        x, ids, probs = (a.to(device) for a in inputs(8, RANK, T, H, K, E, torch.float32))
+        x.requires_grad_()
+        ops = torch.ops.xcall
+        torch.library.opcheck(ops.ep_dispatch.default, (g.id, x, ids, probs, True))
+        d = xt.ep_dispatch(g, x.detach(), ids, probs)
+        out = d.rows.clone().requires_grad_()
+        torch.library.opcheck(ops.ep_combine.default, (g.id, out, probs.clone().requires_grad_()))
+        torch.library.opcheck(ops.ep_combine_backward.default, (g.id, torch.ones(T, H, device=device), out.detach()))
+        torch.library.opcheck(ops.ep_dispatch_backward.default, (g.id, out.detach(), T))
+
+
 def scenario_values(device):
+    opcheck_case(device)
     unused_rows_case(device, torch.float32, tokens=16, hidden=32, topk=2, experts=2 * SIZE, align=4)
     layer_case(device, torch.float32, tokens=16, hidden=32, topk=2, experts=2 * SIZE, calls=2)
     layer_case(device, torch.bfloat16, tokens=24, hidden=64, topk=3, experts=4 * SIZE, align=4,
