@@ -16,7 +16,9 @@ import pytest
 try:
     import torch  # noqa: F401
 except ImportError:
-    print("SKIP xcall.torch tests: torch is not installed (pip install '.[torch]')", file=sys.stderr)
+    print(
+        "SKIP xcall.torch tests: torch is not installed (pip install '.[torch]')", file=sys.stderr
+    )
     pytest.skip("torch is not installed (pip install '.[torch]')", allow_module_level=True)
 
 import xcall
@@ -33,7 +35,9 @@ def env_for(rank=None, size=None, port=None):
     and the launcher's variables when given."""
     env = dict(os.environ)
     package_root = str(pathlib.Path(xcall.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("OMP_NUM_THREADS", "1")
     if rank is not None:
@@ -66,8 +70,14 @@ def run_ranks(args, size, cwd=None):
         env = env_for(rank, size, port)
         env["TORCHELASTIC_RUN_ID"] = run_id
         procs.append(
-            subprocess.Popen([sys.executable, *args], env=env, cwd=cwd,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                [sys.executable, *args],
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         )
     outs, failed = [], []
     for rank, p in enumerate(procs):
@@ -126,33 +136,54 @@ def test_no_launcher_no_group():
     env = env_for()
     for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(v, None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=WATCHDOG_S)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WATCHDOG_S,
+    )
     assert "refused:" in out.stdout and "torchrun" in out.stdout, out.stdout + out.stderr
 
 
 def test_readme_quickstart_runs_under_torchrun(tmp_path):
     """The PyTorch block of python/README.md, as written, under torchrun
     with 2 processes on CPU."""
-    blocks = re.findall(r"```python torch\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```python torch\n(.*?)```", README.read_text(), re.DOTALL)
     assert len(blocks) == 1, "python/README.md lost its PyTorch quickstart"
     lines = blocks[0].strip().splitlines()
     assert len(lines) <= 30, f"the PyTorch quickstart has {len(lines)} lines"
     script = tmp_path / "quickstart.py"
     script.write_text(blocks[0])
     env = env_for()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
     # torchrun and its workers in a session of their own: the watchdog
     # kills them all.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"the quickstart: killed by the watchdog after {WATCHDOG_S} s\n{stdout}{stderr}")
+        pytest.fail(
+            f"the quickstart: killed by the watchdog after {WATCHDOG_S} s\n{stdout}{stderr}"
+        )
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("quickstart: y right") == 2, out.stdout + out.stderr

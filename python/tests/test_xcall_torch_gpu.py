@@ -19,7 +19,10 @@ import pytest
 try:
     import torch
 except ImportError:
-    print("SKIP xcall.torch GPU tests: torch is not installed (pip install '.[torch]')", file=sys.stderr)
+    print(
+        "SKIP xcall.torch GPU tests: torch is not installed (pip install '.[torch]')",
+        file=sys.stderr,
+    )
     pytest.skip("torch is not installed (pip install '.[torch]')", allow_module_level=True)
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -39,22 +42,40 @@ WATCHDOG_S = 300
 def test_torchrun_one_process_per_gpu(gpus, scenario):
     env = dict(os.environ)
     package_root = str(pathlib.Path(xcall.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={gpus}", str(WORKER), scenario, "cuda"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        str(WORKER),
+        scenario,
+        "cuda",
+    ]
     # torchrun and its workers in a session of their own: the watchdog
     # kills them all.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{scenario} on {gpus} GPUs: killed by the watchdog after {WATCHDOG_S} s\n"
-                    f"{stdout}{stderr}")
+        pytest.fail(
+            f"{scenario} on {gpus} GPUs: killed by the watchdog after {WATCHDOG_S} s\n"
+            f"{stdout}{stderr}"
+        )
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log

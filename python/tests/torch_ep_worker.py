@@ -11,10 +11,9 @@ plain torch (every rank's tokens, every expert) under autograd. Prints
 "OK <scenario> rank <r>" and exits 0, or raises (exit 1).
 """
 
+import atexit
 import os
 import sys
-
-import atexit
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ def _report_left_open():
     print(f"at-exit: {left} groups and worlds left open", flush=True)
 
 
-import xcall.torch as xt  # noqa: E402
+import xcall.torch as xt
 
 RANK = int(os.environ["RANK"])
 SIZE = int(os.environ["WORLD_SIZE"])
@@ -41,7 +40,7 @@ def inputs(seed, rank, tokens, hidden, topk, experts, dtype, no_route=0):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).int()
     if no_route:
-        ids[::3, topk - no_route:] = -1
+        ids[::3, topk - no_route :] = -1
     probs = torch.rand(tokens, topk, generator=gen) + 0.1
     return x, ids, probs
 
@@ -81,7 +80,7 @@ def torch_layer(xs, idss, probss, w):
     ys = []
     for x, ids, probs in zip(xs, idss, probss):
         routed = (ids >= 0).unsqueeze(-1)
-        rows = x.float().unsqueeze(1) * w.float()[ids.long().clamp(min=0)]   # [T, k, H]
+        rows = x.float().unsqueeze(1) * w.float()[ids.long().clamp(min=0)]  # [T, k, H]
         ys.append((rows * probs.unsqueeze(-1) * routed).sum(1))
     return ys
 
@@ -97,27 +96,54 @@ def close(a, b, tol, what):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     err = np.max(np.abs(a - b) / (1 + np.abs(b))) if a.size else 0.0
-    assert a.shape == b.shape and err <= tol, f"rank {RANK}: {what}: max error {err:.3g} > {tol} (shapes {a.shape} {b.shape})"
+    assert a.shape == b.shape and err <= tol, (
+        f"rank {RANK}: {what}: max error {err:.3g} > {tol} (shapes {a.shape} {b.shape})"
+    )
 
 
-def layer_case(device, dtype, tokens, hidden, topk, experts, align=1, capacity=None, calls=1,
-               tokens_used=None, no_route=0, compiled=False, seed=1):
+def layer_case(
+    device,
+    dtype,
+    tokens,
+    hidden,
+    topk,
+    experts,
+    align=1,
+    capacity=None,
+    calls=1,
+    tokens_used=None,
+    no_route=0,
+    compiled=False,
+    seed=1,
+):
     """A whole layer, forward and backward, `calls` times (new routing each
     time), against the references."""
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     local = experts // SIZE
     n = tokens_used or tokens
-    with xt.EpGroup(tokens, hidden, topk, experts, dtype=dtype, align=align, capacity=capacity,
-                    device=device, timeout_s=30) as group:
+    with xt.EpGroup(
+        tokens,
+        hidden,
+        topk,
+        experts,
+        dtype=dtype,
+        align=align,
+        capacity=capacity,
+        device=device,
+        timeout_s=30,
+    ) as group:
         assert group.local_experts == local
         w = expert_weights(seed, experts, hidden, dtype)
-        w_local = w[RANK * local:(RANK + 1) * local].clone().to(device).requires_grad_()
+        w_local = w[RANK * local : (RANK + 1) * local].clone().to(device).requires_grad_()
         layer = xcall_layer
         if compiled:
             layer = torch.compile(xcall_layer, fullgraph=True)
         dropped_total = 0
         for call in range(calls):
-            world = [inputs(seed + call, r, n, hidden, topk, experts, dtype, no_route) for r in range(SIZE)]
+            world = [
+                inputs(seed + call, r, n, hidden, topk, experts, dtype, no_route)
+                for r in range(SIZE)
+            ]
             xs, idss, probss = zip(*world)
             x = xs[RANK].clone().to(device).requires_grad_()
             ids = idss[RANK].to(device)
@@ -136,15 +162,15 @@ def layer_case(device, dtype, tokens, hidden, topk, experts, align=1, capacity=N
                         counts[e] += 1
             if capacity is not None:
                 counts = np.minimum(counts, capacity)
-            mine = counts[RANK * local:(RANK + 1) * local]
+            mine = counts[RANK * local : (RANK + 1) * local]
             assert d.tokens_per_expert.cpu().tolist() == mine.tolist(), (d.tokens_per_expert, mine)
             offs = d.offsets.cpu().numpy()
             assert all(o % align == 0 for o in offs[:-1]), offs
             row_e = d.row_experts().cpu().numpy()
             assert (row_e >= 0).sum() == mine.sum()
             for l in range(local):
-                assert (row_e[offs[l]:offs[l] + mine[l]] == l).all()
-            dropped_total += int(dropped[RANK * local:(RANK + 1) * local].sum())
+                assert (row_e[offs[l] : offs[l] + mine[l]] == l).all()
+            dropped_total += int(dropped[RANK * local : (RANK + 1) * local].sum())
 
             # Gradients against plain torch over the whole world.
             gen = torch.Generator().manual_seed(seed * 31 + call)
@@ -158,8 +184,12 @@ def layer_case(device, dtype, tokens, hidden, topk, experts, align=1, capacity=N
                 sum((yr * g.float()).sum() for yr, g in zip(ref, gys)).backward()
                 close(x.grad.float().cpu(), rx[RANK].grad, tol, f"grad x (call {call})")
                 close(probs.grad.cpu(), rp[RANK].grad, tol * 4, f"grad probs (call {call})")
-                close(w_local.grad.float().cpu(), rw.grad[RANK * local:(RANK + 1) * local],
-                      tol * 4, f"grad w (call {call})")
+                close(
+                    w_local.grad.float().cpu(),
+                    rw.grad[RANK * local : (RANK + 1) * local],
+                    tol * 4,
+                    f"grad w (call {call})",
+                )
             else:
                 assert torch.isfinite(x.grad.float()).all() and torch.isfinite(probs.grad).all()
         assert group.dropped_routes() == dropped_total, (group.dropped_routes(), dropped_total)
@@ -170,12 +200,17 @@ def layer_case(device, dtype, tokens, hidden, topk, experts, align=1, capacity=N
 def unused_rows_case(device, dtype, tokens, hidden, topk, experts, align):
     """Rows no route fills are zero in the rows and in their gradient,
     whatever the memory held before (NaN here)."""
-    with xt.EpGroup(tokens, hidden, topk, experts, dtype=dtype, align=align, device=device,
-                    timeout_s=30) as g:
-        x, ids, probs = (a.to(device) for a in inputs(11, RANK, tokens, hidden, topk, experts, dtype, 1))
+    with xt.EpGroup(
+        tokens, hidden, topk, experts, dtype=dtype, align=align, device=device, timeout_s=30
+    ) as g:
+        x, ids, probs = (
+            a.to(device) for a in inputs(11, RANK, tokens, hidden, topk, experts, dtype, 1)
+        )
         for _ in range(2):
-            junk = [torch.full((g.expert_rows, hidden), float("nan"), dtype=dtype, device=device)
-                    for _ in range(4)]
+            junk = [
+                torch.full((g.expert_rows, hidden), float("nan"), dtype=dtype, device=device)
+                for _ in range(4)
+            ]
             del junk
             d = xt.ep_dispatch(g, x, ids, probs)
             unused = d.row_experts() < 0
@@ -204,7 +239,9 @@ def opcheck_case(device):
         d = xt.ep_dispatch(g, x.detach(), ids, probs)
         out = d.rows.clone().requires_grad_()
         torch.library.opcheck(ops.ep_combine.default, (g.id, out, probs.clone().requires_grad_()))
-        torch.library.opcheck(ops.ep_combine_backward.default, (g.id, torch.ones(T, H, device=device), out.detach()))
+        torch.library.opcheck(
+            ops.ep_combine_backward.default, (g.id, torch.ones(T, H, device=device), out.detach())
+        )
         torch.library.opcheck(ops.ep_dispatch_backward.default, (g.id, out.detach(), T))
 
 
@@ -212,13 +249,32 @@ def scenario_values(device):
     opcheck_case(device)
     unused_rows_case(device, torch.float32, tokens=16, hidden=32, topk=2, experts=2 * SIZE, align=4)
     layer_case(device, torch.float32, tokens=16, hidden=32, topk=2, experts=2 * SIZE, calls=2)
-    layer_case(device, torch.bfloat16, tokens=24, hidden=64, topk=3, experts=4 * SIZE, align=4,
-               tokens_used=17, no_route=1, seed=5)
+    layer_case(
+        device,
+        torch.bfloat16,
+        tokens=24,
+        hidden=64,
+        topk=3,
+        experts=4 * SIZE,
+        align=4,
+        tokens_used=17,
+        no_route=1,
+        seed=5,
+    )
 
 
 def scenario_capacity(device):
-    layer_case(device, torch.float32, tokens=16, hidden=16, topk=2, experts=SIZE * 2, capacity=5,
-               calls=2, seed=9)
+    layer_case(
+        device,
+        torch.float32,
+        tokens=16,
+        hidden=16,
+        topk=2,
+        experts=SIZE * 2,
+        capacity=5,
+        calls=2,
+        seed=9,
+    )
 
 
 def scenario_compile(device):
@@ -228,8 +284,17 @@ def scenario_compile(device):
 
     dist.init_process_group("gloo", rank=RANK, world_size=SIZE)
     try:
-        layer_case(device, torch.float32, tokens=8, hidden=16, topk=2, experts=2 * SIZE,
-                   calls=2, compiled=True, seed=3)
+        layer_case(
+            device,
+            torch.float32,
+            tokens=8,
+            hidden=16,
+            topk=2,
+            experts=2 * SIZE,
+            calls=2,
+            compiled=True,
+            seed=3,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -246,28 +311,58 @@ def raises(kind, text, fn):
 def scenario_bad_input(device):
     T, H, K, E = 8, 16, 2, 2 * SIZE
     # A config xcall refuses: xcall's own message, before any rank waits.
-    e = raises(xt.XcallError, "topk", lambda: xt.EpGroup(T, H, E + 1, E, dtype=torch.float32, device=device))
+    e = raises(
+        xt.XcallError,
+        "topk",
+        lambda: xt.EpGroup(T, H, E + 1, E, dtype=torch.float32, device=device),
+    )
     assert e.status == "XCALL_STATUS_INVALID_ARGUMENT", e.status
-    raises(TypeError, "float32 or torch.bfloat16", lambda: xt.EpGroup(T, H, K, E, dtype=torch.float16, device=device))
+    raises(
+        TypeError,
+        "float32 or torch.bfloat16",
+        lambda: xt.EpGroup(T, H, K, E, dtype=torch.float16, device=device),
+    )
     with xt.EpGroup(T, H, K, E, dtype=torch.float32, device=device, timeout_s=30) as g:
         x, ids, probs = (a.to(device) for a in inputs(2, RANK, T, H, K, E, torch.float32))
-        raises(TypeError, "x must be torch.float32", lambda: xt.ep_dispatch(g, x.bfloat16(), ids, probs))
-        raises(TypeError, "probs must be torch.float32", lambda: xt.ep_dispatch(g, x, ids, probs.double()))
-        raises(TypeError, "ids must be torch.int32", lambda: xt.ep_dispatch(g, x, ids.short(), probs))
-        raises(ValueError, "x must be [", lambda: xt.ep_dispatch(g, x[:, :8].contiguous(), ids, probs))
+        raises(
+            TypeError,
+            "x must be torch.float32",
+            lambda: xt.ep_dispatch(g, x.bfloat16(), ids, probs),
+        )
+        raises(
+            TypeError,
+            "probs must be torch.float32",
+            lambda: xt.ep_dispatch(g, x, ids, probs.double()),
+        )
+        raises(
+            TypeError, "ids must be torch.int32", lambda: xt.ep_dispatch(g, x, ids.short(), probs)
+        )
+        raises(
+            ValueError, "x must be [", lambda: xt.ep_dispatch(g, x[:, :8].contiguous(), ids, probs)
+        )
         raises(ValueError, "at most 8", lambda: xt.ep_dispatch(g, torch.cat([x, x]), ids, probs))
-        raises(ValueError, "ids must be [", lambda: xt.ep_dispatch(g, x, ids[:, :1].contiguous(), probs))
-        raises(ValueError, "contiguous", lambda: xt.ep_dispatch(g, x.t().contiguous().t(), ids, probs))
+        raises(
+            ValueError,
+            "ids must be [",
+            lambda: xt.ep_dispatch(g, x, ids[:, :1].contiguous(), probs),
+        )
+        raises(
+            ValueError, "contiguous", lambda: xt.ep_dispatch(g, x.t().contiguous().t(), ids, probs)
+        )
         raises(ValueError, "probs must be [", lambda: xt.ep_dispatch(g, x, ids, probs[:4]))
         other = "cpu" if device != "cpu" else "meta"
         raises(ValueError, "the group on", lambda: xt.ep_dispatch(g, x.to(other), ids, probs))
         raises(TypeError, "EpGroup", lambda: xt.ep_dispatch(object(), x, ids, probs))
         # Nothing ran: the group still serves a layer, right.
         w = expert_weights(2, E, H, torch.float32)
-        w_local = w[RANK * 2:(RANK + 1) * 2].to(device)
+        w_local = w[RANK * 2 : (RANK + 1) * 2].to(device)
         d = xt.ep_dispatch(g, x, ids, probs)
         raises(ValueError, "expert_out must be [", lambda: xt.ep_combine(g, d.rows[:-1], probs))
-        raises(TypeError, "expert_out must be torch.float32", lambda: xt.ep_combine(g, d.rows.bfloat16(), probs))
+        raises(
+            TypeError,
+            "expert_out must be torch.float32",
+            lambda: xt.ep_combine(g, d.rows.bfloat16(), probs),
+        )
         y = xt.ep_combine(g, d.rows * w_local[d.row_experts().clamp(min=0)], probs)
         world = [inputs(2, r, T, H, K, E, torch.float32) for r in range(SIZE)]
         want, _ = numpy_layer(*zip(*world), w)
@@ -277,9 +372,11 @@ def scenario_bad_input(device):
         bad = ids.clone()
         if RANK == 0:
             bad[0, 0] = E + 3
+
         def dispatch_bad():
             xt.ep_dispatch(g, x, bad, probs)
             g.check()
+
         if RANK == 0:
             e = raises(xt.XcallError, "XCALL_STATUS_INVALID_ARGUMENT", dispatch_bad)
             assert e.message, "xcall's message is empty"
@@ -295,7 +392,7 @@ def scenario_cuda_graph(device):
     local = 2
     with xt.EpGroup(T, H, K, E, dtype=torch.bfloat16, device=device, timeout_s=30) as g:
         w = expert_weights(4, E, H, torch.bfloat16)
-        w_local = w[RANK * local:(RANK + 1) * local].to(device)
+        w_local = w[RANK * local : (RANK + 1) * local].to(device)
         x, ids, probs = (a.to(device) for a in inputs(4, RANK, T, H, K, E, torch.bfloat16))
         s = torch.cuda.Stream(device)
         s.wait_stream(torch.cuda.current_stream(device))
@@ -328,11 +425,11 @@ def scenario_at_exit(device):
     world = xt.EpWorld(heap, device=device, timeout_s=20)
     groups = [xt.EpGroup(T, H, K, E, dtype=torch.float32, world=world) for _ in range(2)]
     w = expert_weights(6, E, H, torch.float32)
-    w_local = w[RANK * 2:(RANK + 1) * 2].to(device)
+    w_local = w[RANK * 2 : (RANK + 1) * 2].to(device)
     world_inputs = [inputs(6, r, T, H, K, E, torch.float32) for r in range(SIZE)]
     x, ids, probs = (a.to(device) for a in world_inputs[RANK])
     y1, d1 = xcall_layer(groups[0], x, ids, probs, w_local)
-    y2, d2 = xcall_layer(groups[1], y1.detach(), ids, probs, w_local)
+    _, d2 = xcall_layer(groups[1], y1.detach(), ids, probs, w_local)
     y1_want, _ = numpy_layer(*zip(*world_inputs), w)
     close(y1.cpu(), y1_want[RANK], 1e-5, "layer 1")
     assert d1.rows.shape == d2.rows.shape

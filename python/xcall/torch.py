@@ -59,21 +59,21 @@ import os
 import sys
 import tempfile
 import threading
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import torch
 
 from . import load_library
 
 __all__ = [
-    "EpWorld",
-    "EpGroup",
-    "group_heap_bytes",
     "EpDispatch",
+    "EpGroup",
+    "EpWorld",
     "XcallError",
-    "ep_dispatch",
-    "ep_combine",
     "close_all",
+    "ep_combine",
+    "ep_dispatch",
+    "group_heap_bytes",
 ]
 
 _PLATFORM_HOST, _PLATFORM_CUDA = 0, 1
@@ -173,7 +173,7 @@ class _WorldConfig(ctypes.Structure):
     ]
 
 
-_lib: Optional[ctypes.CDLL] = None
+_lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 
 
@@ -259,12 +259,21 @@ class EpWorld:
     take before it fails naming the peer (0: xcall's 60 s).
     """
 
-    def __init__(self, heap_bytes: int = 0, *, device=None, process_group=None,
-                 address: Optional[str] = None, timeout_s: float = 0):
+    def __init__(
+        self,
+        heap_bytes: int = 0,
+        *,
+        device=None,
+        process_group=None,
+        address: str | None = None,
+        timeout_s: float = 0,
+    ):
         self._world = None
-        self._groups: List["EpGroup"] = []
+        self._groups: list[EpGroup] = []
         if not isinstance(heap_bytes, int) or heap_bytes < 0:
-            raise ValueError(f"xcall.torch.EpWorld: heap_bytes must be an int >= 0, got {heap_bytes!r}")
+            raise ValueError(
+                f"xcall.torch.EpWorld: heap_bytes must be an int >= 0, got {heap_bytes!r}"
+            )
         if timeout_s < 0:
             raise ValueError(f"xcall.torch.EpWorld: timeout_s must be >= 0, got {timeout_s}")
         self.rank, self.size, key = _ranks(process_group)
@@ -275,8 +284,11 @@ class EpWorld:
         cuda = self.device.type == "cuda"
         wc = _WorldConfig()
         wc.rank, wc.size = self.rank, self.size
-        wc.target = _Target(_PLATFORM_CUDA if cuda else _PLATFORM_HOST,
-                            self.device.index if cuda else self.rank, None)
+        wc.target = _Target(
+            _PLATFORM_CUDA if cuda else _PLATFORM_HOST,
+            self.device.index if cuda else self.rank,
+            None,
+        )
         wc.bootstrap = _BOOTSTRAP_UNIX_SOCKET
         wc.address = address.encode()
         wc.heap_bytes = heap_bytes
@@ -285,8 +297,10 @@ class EpWorld:
         world = ctypes.c_void_p()
         _check(lib.xcall_shmem_world_new(ctypes.byref(world)), "making the world")
         try:
-            _check(lib.xcall_shmem_init(world, ctypes.byref(wc)),
-                   f"starting the world of {self.size} ranks at {address} (rank {self.rank})")
+            _check(
+                lib.xcall_shmem_init(world, ctypes.byref(wc)),
+                f"starting the world of {self.size} ranks at {address} (rank {self.rank})",
+            )
         except BaseException:
             lib.xcall_shmem_world_free(world)
             raise
@@ -327,11 +341,21 @@ class EpWorld:
 
 def _config(tokens, hidden, topk, experts, dtype, align, capacity, num_sms) -> _Config:
     if dtype not in _PRECISION:
-        raise TypeError(f"xcall.torch.EpGroup: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        raise TypeError(
+            f"xcall.torch.EpGroup: dtype must be torch.float32 or torch.bfloat16, got {dtype}"
+        )
     if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
-        raise ValueError(f"xcall.torch.EpGroup: capacity must be None (dropless) or an int above 0, got {capacity!r}")
-    for name, value in (("tokens", tokens), ("hidden", hidden), ("topk", topk),
-                        ("experts", experts), ("align", align), ("num_sms", num_sms)):
+        raise ValueError(
+            f"xcall.torch.EpGroup: capacity must be None (dropless) or an int above 0, got {capacity!r}"
+        )
+    for name, value in (
+        ("tokens", tokens),
+        ("hidden", hidden),
+        ("topk", topk),
+        ("experts", experts),
+        ("align", align),
+        ("num_sms", num_sms),
+    ):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"xcall.torch.EpGroup: {name} must be an int >= 0, got {value!r}")
     return _Config(tokens, hidden, topk, experts, align, capacity or 0, _PRECISION[dtype], num_sms)
@@ -339,14 +363,23 @@ def _config(tokens, hidden, topk, experts, dtype, align, capacity, num_sms) -> _
 
 def _layout(config: _Config, ranks: int) -> _Sizes:
     sizes = _Sizes()
-    _check(_library().xcall_ep_layout(ctypes.byref(config), ranks, ctypes.byref(sizes)),
-           f"the group's config on {ranks} ranks")
+    _check(
+        _library().xcall_ep_layout(ctypes.byref(config), ranks, ctypes.byref(sizes)),
+        f"the group's config on {ranks} ranks",
+    )
     return sizes
 
 
-def group_heap_bytes(ranks: int, tokens: int, hidden: int, topk: int, experts: int,
-                     dtype: torch.dtype = torch.bfloat16, align: int = 1,
-                     capacity: Optional[int] = None) -> int:
+def group_heap_bytes(
+    ranks: int,
+    tokens: int,
+    hidden: int,
+    topk: int,
+    experts: int,
+    dtype: torch.dtype = torch.bfloat16,
+    align: int = 1,
+    capacity: int | None = None,
+) -> int:
     """Bytes of symmetric heap a group of this shape on ``ranks`` ranks
     takes on each rank, with the world's own share: size an
     :class:`EpWorld` with the sum over its groups. Nothing is made."""
@@ -384,10 +417,10 @@ class EpGroup:
         experts: int,
         dtype: torch.dtype = torch.bfloat16,
         align: int = 1,
-        capacity: Optional[int] = None,
+        capacity: int | None = None,
         num_sms: int = 0,
         *,
-        world: Optional[EpWorld] = None,
+        world: EpWorld | None = None,
         **world_args,
     ):
         self._group = None
@@ -395,7 +428,9 @@ class EpGroup:
         self._config = _config(tokens, hidden, topk, experts, dtype, align, capacity, num_sms)
         if world is not None:
             if world_args:
-                raise ValueError(f"xcall.torch.EpGroup: {sorted(world_args)} belong to the world given")
+                raise ValueError(
+                    f"xcall.torch.EpGroup: {sorted(world_args)} belong to the world given"
+                )
             if world.closed:
                 raise ValueError(f"xcall.torch.EpGroup: {world!r} is closed")
             sizes = _layout(self._config, world.size)
@@ -417,8 +452,12 @@ class EpGroup:
         self.expert_rows = sizes.expert_rows
         group = ctypes.c_void_p()
         try:
-            _check(_library().xcall_ep_group_new(world._world, ctypes.byref(self._config), ctypes.byref(group)),
-                   "making the expert-parallel group")
+            _check(
+                _library().xcall_ep_group_new(
+                    world._world, ctypes.byref(self._config), ctypes.byref(group)
+                ),
+                "making the expert-parallel group",
+            )
         except BaseException:
             if self._own_world is not None:
                 self._own_world.close()
@@ -430,9 +469,11 @@ class EpGroup:
             _groups[self.id] = self
 
     def __repr__(self) -> str:
-        return (f"EpGroup(rank {self.rank} of {self.size}, T={self.tokens}, H={self.hidden}, "
-                f"k={self.topk}, E={self.experts}, {self.dtype}, align={self.align}, "
-                f"capacity={self.capacity}, {self.device}{'' if self._group else ', closed'})")
+        return (
+            f"EpGroup(rank {self.rank} of {self.size}, T={self.tokens}, H={self.hidden}, "
+            f"k={self.topk}, E={self.experts}, {self.dtype}, align={self.align}, "
+            f"capacity={self.capacity}, {self.device}{'' if self._group else ', closed'})"
+        )
 
     @property
     def closed(self) -> bool:
@@ -443,7 +484,7 @@ class EpGroup:
             raise ValueError(f"xcall.torch: {self!r} is closed")
         return self._group
 
-    def _stream(self) -> Optional[int]:
+    def _stream(self) -> int | None:
         if self.device.type == "cuda":
             return torch.cuda.current_stream(self.device).cuda_stream
         return None
@@ -494,7 +535,6 @@ class EpGroup:
         self.close()
 
 
-
 def close_all() -> None:
     """Closes every open group and world of this process, last made first
     (run at exit; collective like :meth:`EpGroup.close`)."""
@@ -510,7 +550,7 @@ def close_all() -> None:
 atexit.register(close_all)
 
 
-def _ranks(process_group) -> Tuple[int, int, str]:
+def _ranks(process_group) -> tuple[int, int, str]:
     """(rank, size, key naming the launch) from the process group, or the
     launcher's variables."""
     import torch.distributed as dist
@@ -518,7 +558,9 @@ def _ranks(process_group) -> Tuple[int, int, str]:
     if process_group is not None or (dist.is_available() and dist.is_initialized()):
         pg = process_group
         return dist.get_rank(pg), dist.get_world_size(pg), ""
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    missing = [
+        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
+    ]
     if missing:
         raise ValueError(
             "xcall.torch.EpGroup: no process group and no launcher variables "
@@ -528,8 +570,13 @@ def _ranks(process_group) -> Tuple[int, int, str]:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     key = "|".join(
         os.environ.get(v, "")
-        for v in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE")
+        for v in (
+            "TORCHELASTIC_RUN_ID",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT",
+            "WORLD_SIZE",
+        )
     )
     return rank, size, key
 
@@ -538,7 +585,9 @@ def _device(device) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
             index = os.environ.get("LOCAL_RANK")
-            return torch.device("cuda", int(index) if index is not None else torch.cuda.current_device())
+            return torch.device(
+                "cuda", int(index) if index is not None else torch.cuda.current_device()
+            )
         return torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -555,7 +604,7 @@ def _agree_address(process_group, key: str, rank: int) -> str:
         return _socket_path(key, next(_env_groups))
     import torch.distributed as dist
 
-    box: List[Optional[str]] = [None]
+    box: list[str | None] = [None]
     if rank == 0:
         box[0] = _socket_path(os.urandom(16).hex(), 0)
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
@@ -570,15 +619,18 @@ def _group(group_id: int) -> EpGroup:
     return g
 
 
-def _need(op: str, name: str, t: torch.Tensor, g: EpGroup, dtype: torch.dtype,
-          shape: Tuple[int, ...]) -> None:
+def _need(
+    op: str, name: str, t: torch.Tensor, g: EpGroup, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
     """Raises before any work when ``t`` is not what the op takes."""
     if t.dtype != dtype:
         raise TypeError(f"xcall.torch.{op}: {name} must be {dtype}, got {t.dtype}")
     if t.device != g.device:
         raise ValueError(f"xcall.torch.{op}: {name} is on {t.device}, the group on {g.device}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"xcall.torch.{op}: {name} must be {list(shape)} for {g!r}, got {list(t.shape)}")
+        raise ValueError(
+            f"xcall.torch.{op}: {name} must be {list(shape)} for {g!r}, got {list(t.shape)}"
+        )
     if not t.is_contiguous():
         raise ValueError(f"xcall.torch.{op}: {name} must be contiguous (strides {t.stride()})")
 
@@ -622,7 +674,7 @@ def _dispatch_outputs(g: EpGroup, like: torch.Tensor, zero_unused: bool):
 @torch.library.custom_op("xcall::ep_dispatch", mutates_args=())
 def _dispatch_op(
     group: int, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, zero_unused: bool
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = _group(group)
     tokens = _check_dispatch(g, x, ids, probs)
     rows, tpe, offsets = _dispatch_outputs(g, x, zero_unused)
@@ -632,8 +684,16 @@ def _dispatch_op(
     out.offsets, out.offsets_bytes = offsets.data_ptr(), _bytes(offsets)
     _check(
         _library().xcall_ep_dispatch(
-            g._handle(), _ptr(x), _bytes(x), _ptr(ids), _bytes(ids), _ptr(probs), _bytes(probs),
-            tokens, ctypes.byref(out), g._stream(),
+            g._handle(),
+            _ptr(x),
+            _bytes(x),
+            _ptr(ids),
+            _bytes(ids),
+            _ptr(probs),
+            _bytes(probs),
+            tokens,
+            ctypes.byref(out),
+            g._stream(),
         ),
         f"dispatch (rank {g.rank})",
     )
@@ -649,10 +709,14 @@ def _(group, x, ids, probs, zero_unused):
 
 def _check_combine(g: EpGroup, expert_out, probs) -> int:
     if probs.dim() != 2:
-        raise ValueError(f"xcall.torch.ep_combine: probs must be [tokens, {g.topk}], got {list(probs.shape)}")
+        raise ValueError(
+            f"xcall.torch.ep_combine: probs must be [tokens, {g.topk}], got {list(probs.shape)}"
+        )
     tokens = probs.shape[0]
     if tokens > g.tokens:
-        raise ValueError(f"xcall.torch.ep_combine: {tokens} tokens, the group takes at most {g.tokens}")
+        raise ValueError(
+            f"xcall.torch.ep_combine: {tokens} tokens, the group takes at most {g.tokens}"
+        )
     _need("ep_combine", "probs", probs, g, torch.float32, (tokens, g.topk))
     _need("ep_combine", "expert_out", expert_out, g, g.dtype, (g.expert_rows, g.hidden))
     return tokens
@@ -686,7 +750,11 @@ def _dispatch_backward_op(group: int, grad_rows: torch.Tensor, tokens: int) -> t
     grad_x = grad_rows.new_empty((tokens, g.hidden))
     _check(
         _library().xcall_ep_dispatch_backward(
-            g._handle(), _ptr(grad_rows), _bytes(grad_rows), _ptr(grad_x), _bytes(grad_x),
+            g._handle(),
+            _ptr(grad_rows),
+            _bytes(grad_rows),
+            _ptr(grad_x),
+            _bytes(grad_x),
             g._stream(),
         ),
         f"dispatch backward (rank {g.rank})",
@@ -703,7 +771,7 @@ def _(group, grad_rows, tokens):
 @torch.library.custom_op("xcall::ep_combine_backward", mutates_args=())
 def _combine_backward_op(
     group: int, grad_y: torch.Tensor, expert_out: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = _group(group)
     tokens = grad_y.shape[0]
     _need("ep_combine_backward", "grad_y", grad_y, g, g.dtype, (tokens, g.hidden))
@@ -714,8 +782,16 @@ def _combine_backward_op(
     grad_probs = grad_y.new_empty((tokens, g.topk), dtype=torch.float32)
     _check(
         _library().xcall_ep_combine_backward(
-            g._handle(), _ptr(grad_y), _bytes(grad_y), _ptr(expert_out), _bytes(expert_out),
-            _ptr(grad_out), _bytes(grad_out), _ptr(grad_probs), _bytes(grad_probs), g._stream(),
+            g._handle(),
+            _ptr(grad_y),
+            _bytes(grad_y),
+            _ptr(expert_out),
+            _bytes(expert_out),
+            _ptr(grad_out),
+            _bytes(grad_out),
+            _ptr(grad_probs),
+            _bytes(grad_probs),
+            g._stream(),
         ),
         f"combine backward (rank {g.rank})",
     )
@@ -725,7 +801,9 @@ def _combine_backward_op(
 @_combine_backward_op.register_fake
 def _(group, grad_y, expert_out):
     g = _group(group)
-    return torch.empty_like(expert_out), grad_y.new_empty((grad_y.shape[0], g.topk), dtype=torch.float32)
+    return torch.empty_like(expert_out), grad_y.new_empty(
+        (grad_y.shape[0], g.topk), dtype=torch.float32
+    )
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -786,13 +864,20 @@ class EpDispatch(NamedTuple):
         device from the counts, with no wait on the host."""
         rows = torch.arange(self.rows.shape[0], device=self.offsets.device)
         local = self.tokens_per_expert.shape[0]
-        expert = torch.searchsorted(self.offsets[1:].contiguous(), rows, right=True).clamp(max=local - 1)
+        expert = torch.searchsorted(self.offsets[1:].contiguous(), rows, right=True).clamp(
+            max=local - 1
+        )
         filled = rows < self.offsets[expert] + self.tokens_per_expert[expert]
         return torch.where(filled, expert, torch.full_like(expert, -1))
 
 
-def ep_dispatch(group: EpGroup, x: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
-                zero_unused: bool = True) -> EpDispatch:
+def ep_dispatch(
+    group: EpGroup,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    zero_unused: bool = True,
+) -> EpDispatch:
     """Sends this rank's tokens ``x`` (``[tokens, H]``, the group's dtype,
     ``tokens <= group.tokens``) to the ranks hosting their experts ``ids``
     (``[tokens, k]`` int32, or int64 as ``torch.topk`` gives, -1: no
@@ -800,7 +885,9 @@ def ep_dispatch(group: EpGroup, x: torch.Tensor, ids: torch.Tensor, probs: torch
     follows (pass the same tensor to :func:`ep_combine`, which gives its
     gradient). Collective: every rank calls it. Differentiable in ``x``."""
     if not isinstance(group, EpGroup):
-        raise TypeError(f"xcall.torch.ep_dispatch: group must be an EpGroup, got {type(group).__name__}")
+        raise TypeError(
+            f"xcall.torch.ep_dispatch: group must be an EpGroup, got {type(group).__name__}"
+        )
     if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64:
         ids = ids.to(torch.int32)
     rows, tpe, offsets = _dispatch_op(group.id, x, ids, probs.detach(), bool(zero_unused))
@@ -815,5 +902,7 @@ def ep_combine(group: EpGroup, expert_out: torch.Tensor, probs: torch.Tensor) ->
     dispatch sent; it carries their gradient. Collective. Differentiable
     in ``expert_out`` and ``probs``."""
     if not isinstance(group, EpGroup):
-        raise TypeError(f"xcall.torch.ep_combine: group must be an EpGroup, got {type(group).__name__}")
+        raise TypeError(
+            f"xcall.torch.ep_combine: group must be an EpGroup, got {type(group).__name__}"
+        )
     return _combine_op(group.id, expert_out, probs)
