@@ -103,6 +103,11 @@ def test_layer_values_and_gradients(size):
     assert all(f"OK values rank {r}" in o for r, o in enumerate(outs))
 
 
+def test_two_layers_in_one_world_values_and_gradients():
+    outs = run_ranks([str(WORKER), "layers"], 2)
+    assert all(f"OK layers rank {r}" in o for r, o in enumerate(outs))
+
+
 def test_three_ranks_capacity_drops_routes_like_the_loop():
     outs = run_ranks([str(WORKER), "capacity"], 3)
     assert all(f"OK capacity rank {r}" in o for r, o in enumerate(outs))

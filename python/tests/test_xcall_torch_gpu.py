@@ -1,11 +1,15 @@
 """xcall.torch on GPUs: one process per GPU under torchrun (CUDA IPC
 between the processes), on 2 GPUs, 4 and all of them (as many as this
 machine has): every scenario of torch_ep_worker.py (values and gradients
-against references, capacity, torch.compile with a process group, bad
-input, a CUDA graph of the layer replayed with new routing). Skips, saying
-so on stderr, without torch or with fewer than 2 GPUs.
+against references, two layers in one world, capacity, torch.compile with
+a process group, bad input, a CUDA graph of the layer replayed with new
+routing, groups closed at exit). Skips, saying so on stderr, without
+torch or with fewer than 2 GPUs.
 
     python -m pytest -q -rs python/tests/test_xcall_torch_gpu.py
+
+One scenario by hand: torchrun --nproc-per-node 4
+python/tests/torch_ep_worker.py values cuda (with PYTHONPATH=python).
 """
 
 import os
@@ -33,7 +37,7 @@ if GPUS < 2:
 import xcall
 
 WORKER = pathlib.Path(__file__).resolve().parent / "torch_ep_worker.py"
-SCENARIOS = ["values", "capacity", "compile", "bad_input", "cuda_graph"]
+SCENARIOS = ["values", "layers", "capacity", "compile", "bad_input", "cuda_graph", "at_exit"]
 WATCHDOG_S = 300
 
 

@@ -436,7 +436,49 @@ def scenario_at_exit(device):
     assert not world.closed and not any(g.closed for g in groups)
 
 
+def scenario_layers(device):
+    """Two MoE layers stacked, each with its own group in one world; the
+    backward runs layer 2's calls, then layer 1's, each on its own
+    group's dispatch. Values and every gradient against plain torch."""
+    T, H, K, E = 12, 32, 2, 2 * SIZE
+    local = E // SIZE
+    heap = 2 * xt.group_heap_bytes(SIZE, T, H, K, E, dtype=torch.float32)
+    with xt.EpWorld(heap, device=device, timeout_s=30) as world:
+        groups = [xt.EpGroup(T, H, K, E, dtype=torch.float32, world=world) for _ in range(2)]
+        layers = [
+            [inputs(20 + i, r, T, H, K, E, torch.float32) for r in range(SIZE)] for i in range(2)
+        ]
+        ws = [expert_weights(20 + i, E, H, torch.float32) for i in range(2)]
+        x = layers[0][RANK][0].clone().to(device).requires_grad_()
+        h, probs, w_locals = x, [], []
+        for i in range(2):
+            ids = layers[i][RANK][1].to(device)
+            p = layers[i][RANK][2].clone().to(device).requires_grad_()
+            w_local = ws[i][RANK * local : (RANK + 1) * local].clone().to(device).requires_grad_()
+            h, _ = xcall_layer(groups[i], h, ids, p, w_local)
+            probs.append(p)
+            w_locals.append(w_local)
+        gen = torch.Generator().manual_seed(77)
+        gys = [torch.randn(T, H, generator=gen) for _ in range(SIZE)]
+        (h * gys[RANK].to(device)).sum().backward()
+
+        rx = [layers[0][r][0].clone().requires_grad_() for r in range(SIZE)]
+        rp = [[layers[i][r][2].clone().requires_grad_() for r in range(SIZE)] for i in range(2)]
+        rw = [w.clone().requires_grad_() for w in ws]
+        hs = rx
+        for i in range(2):
+            hs = torch_layer(hs, [layers[i][r][1] for r in range(SIZE)], rp[i], rw[i])
+        close(h.detach().cpu(), hs[RANK].detach(), 1e-5, "y of layer 2")
+        sum((a * g).sum() for a, g in zip(hs, gys)).backward()
+        close(x.grad.cpu(), rx[RANK].grad, 1e-5, "grad x")
+        for i in range(2):
+            close(probs[i].grad.cpu(), rp[i][RANK].grad, 4e-5, f"grad probs of layer {i + 1}")
+            want = rw[i].grad[RANK * local : (RANK + 1) * local]
+            close(w_locals[i].grad.cpu(), want, 4e-5, f"grad w of layer {i + 1}")
+
+
 SCENARIOS = {
+    "layers": scenario_layers,
     "at_exit": scenario_at_exit,
     "values": scenario_values,
     "capacity": scenario_capacity,
