@@ -556,8 +556,10 @@ def _ranks(process_group) -> tuple[int, int, str]:
     import torch.distributed as dist
 
     if process_group is not None or (dist.is_available() and dist.is_initialized()):
-        pg = process_group
-        return dist.get_rank(pg), dist.get_world_size(pg), ""
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise ValueError("xcall.torch.EpWorld: this process is not a rank of process_group")
+        return rank, dist.get_world_size(process_group), ""
     missing = [
         v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
     ]
