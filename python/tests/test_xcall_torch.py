@@ -118,6 +118,11 @@ def test_compile_fullgraph_with_a_process_group():
     assert all(f"OK compile rank {r}" in o for r, o in enumerate(outs))
 
 
+def test_groups_of_a_given_process_group():
+    outs = run_ranks([str(WORKER), "subgroups"], 4)
+    assert all(f"OK subgroups rank {r}" in o for r, o in enumerate(outs))
+
+
 def test_bad_input_raises_before_any_work():
     outs = run_ranks([str(WORKER), "bad_input"], 2)
     assert all(f"OK bad_input rank {r}" in o for r, o in enumerate(outs))

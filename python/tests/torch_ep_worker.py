@@ -115,6 +115,7 @@ def layer_case(
     no_route=0,
     compiled=False,
     seed=1,
+    **group_args,
 ):
     """A whole layer, forward and backward, `calls` times (new routing each
     time), against the references."""
@@ -131,6 +132,7 @@ def layer_case(
         capacity=capacity,
         device=device,
         timeout_s=30,
+        **group_args,
     ) as group:
         assert group.local_experts == local
         w = expert_weights(seed, experts, hidden, dtype)
@@ -295,6 +297,36 @@ def scenario_compile(device):
             compiled=True,
             seed=3,
         )
+    finally:
+        dist.destroy_process_group()
+
+
+def scenario_subgroups(device):
+    """Four ranks in two process groups of two ({0, 1} and {2, 3}): each
+    pair is an expert-parallel group of its own (ranks, size and socket
+    from its process group), next to the other."""
+    import torch.distributed as dist
+
+    global RANK, SIZE
+    dist.init_process_group("gloo", rank=RANK, world_size=SIZE)
+    try:
+        assert SIZE == 4
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        pg = pairs[RANK // 2]
+        RANK, SIZE = dist.get_rank(pg), dist.get_world_size(pg)
+        layer_case(
+            device,
+            torch.float32,
+            tokens=8,
+            hidden=16,
+            topk=2,
+            experts=4,
+            calls=2,
+            seed=13,
+            process_group=pg,
+        )
+        RANK, SIZE = dist.get_rank(), dist.get_world_size()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -478,6 +510,7 @@ def scenario_layers(device):
 
 
 SCENARIOS = {
+    "subgroups": scenario_subgroups,
     "layers": scenario_layers,
     "at_exit": scenario_at_exit,
     "values": scenario_values,
