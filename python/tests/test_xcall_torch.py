@@ -26,6 +26,7 @@ import xcall
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "torch_ep_worker.py"
 README = HERE.parent / "README.md"
+BENCH = HERE.parent / "bench_xcall_torch.py"
 # A whole run of one scenario on every rank; past it every rank is killed.
 WATCHDOG_S = 240
 
@@ -197,3 +198,48 @@ def test_readme_quickstart_runs_under_torchrun(tmp_path):
     out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("quickstart: y right") == 2, out.stdout + out.stderr
+
+
+def test_bench_runs_on_cpu_ranks():
+    """python/bench_xcall_torch.py, small, under torchrun with 2 CPU ranks."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(BENCH),
+        "--device",
+        "cpu",
+        "--tokens",
+        "32",
+        "--hidden",
+        "64",
+        "--experts",
+        "4",
+        "--topk",
+        "2",
+        "--rounds",
+        "3",
+        "--warmup",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env_for(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the bench: killed by the watchdog after {WATCHDOG_S} s\n{stdout}{stderr}")
+    assert proc.returncode == 0, stdout + stderr
+    assert "xcall.torch on 2 CPU ranks" in stdout, stdout + stderr
+    for name in ("step", "dispatch", "combine"):
+        assert re.search(rf"^  {name} +median +[0-9.]+ ms", stdout, re.M), stdout
