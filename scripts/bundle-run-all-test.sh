@@ -2,7 +2,8 @@
 # Tests the device bundle's run-all.sh (scripts/bundle-run-all.sh) on a
 # bundle of stand-in programs in a temporary folder: how skip lines count
 # with and without XCALL_REQUIRE_CUDA and XCALL_REQUIRE_NCCL_ONE_SIDED,
-# what --quick leaves out, and the run's own time. Run by .ci/run.
+# with and without torch, what --quick leaves out, and the run's own
+# time. Run by .ci/run.
 set -euo pipefail
 script="$(cd "$(dirname "$0")" && pwd)/bundle-run-all.sh"
 tmp=$(mktemp -d)
@@ -95,6 +96,8 @@ b="$tmp/quick"
 bundle "$b" "exit 0"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --quick
 expect "--quick passes" test "$rc" = 0
+expect "  runs the PyTorch suite on CPU" has "PASS torch-cpu"
+expect "  and on GPUs" has "PASS torch-gpu"
 expect "  runs no Host bench" test ! -e "$b/ran-bench-core"
 expect "  and says so" has "SKIP bench-core: a Host bench (--quick)"
 expect "  runs no permute bound analysis" test ! -e "$b/ran-bench-cuda_permute_bound"
@@ -102,6 +105,16 @@ expect "  runs the GPU benches, the permute grid's quick half" grep -q -- "grid_
 expect "  its time line says --quick" has "(--quick)"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow
 expect "an unknown argument is a usage error" test "$rc" = 2
+
+
+b="$tmp/no-torch"
+bundle "$b" "exit 0"
+# An interpreter that has jax but not torch.
+printf '#!/bin/sh\ncase "$*" in *"import torch"*) exit 1 ;; esac\nexit 0\n' >"$b/python3"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "without torch the PyTorch suite is a skip" test "$rc" = 0
+expect "  counted, with its reason" has "SKIP torch-suite: $b/python3 cannot import torch and pytest"
+expect "  " has "1 skipped, 0 failed"
 
 b="$tmp/failing"
 bundle "$b" 'echo "assertion failed"; exit 101'

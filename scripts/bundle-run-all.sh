@@ -32,6 +32,12 @@
 #   (custom calls recorded into XLA's command buffers). With
 #   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
 #   go to <logs>/jax-report.jsonl.
+#   The PyTorch suite (python/tests/test_xcall_torch*.py; the JAX suite
+#   leaves it out) runs when $XCALL_PYTHON imports torch and pytest, against
+#   the wheel installed into <logs>/python-site-torch: on CPU (processes of
+#   Host PEs), then on GPUs (torchrun, one process per GPU, on 2, 4 and all
+#   the machine's GPUs; fewer than 2 is a skip, so a failure with
+#   XCALL_REQUIRE_CUDA=1). Without torch it is a skip.
 set -u
 start=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
@@ -138,7 +144,8 @@ jax_suite() { # <on|off>
   [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
   XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \
     XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
-    env -u XCALL_LIB "$py" -m pytest -q -rs -p no:cacheprovider "$here/python/tests"
+    env -u XCALL_LIB "$py" -m pytest -q -rs -p no:cacheprovider \
+    --ignore-glob='*test_xcall_torch*' "$here/python/tests"
   local rc=$?
   [ $rc -eq 5 ] && echo "pytest collected no tests"
   return $rc
@@ -158,6 +165,24 @@ elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
 else
   skipped=$((skipped + 1))
   echo "SKIP jax-suite: $py cannot import jax and pytest"
+fi
+torch_suite() { # <test file>
+  PYTHONPATH="$tsite" XCALL_TEST_INSTALLED=1 env -u XCALL_LIB "$py" -m pytest -q -rs \
+    -p no:cacheprovider "$here/python/tests/$1"
+  local rc=$?
+  [ $rc -eq 5 ] && echo "pytest collected no tests"
+  return $rc
+}
+tsite="$logs/python-site-torch"
+if "$py" -c "import torch, pytest" 2>/dev/null; then
+  rm -rf "$tsite"
+  run install-wheel-torch "$py" -m pip install --quiet --disable-pip-version-check --no-deps \
+    --no-index --target "$tsite" "$here"/python/xcall-*.whl
+  run torch-cpu torch_suite test_xcall_torch.py
+  run torch-gpu torch_suite test_xcall_torch_gpu.py
+else
+  skipped=$((skipped + 1))
+  echo "SKIP torch-suite: $py cannot import torch and pytest"
 fi
 for b in "$here"/benches/*; do
   case "$(basename "$b")" in

@@ -1,0 +1,136 @@
+"""Times xcall.torch's expert-parallel calls, one process per GPU:
+
+    torchrun --nproc-per-node 4 python/bench_xcall_torch.py            # DeepSeek-V3-like
+    torchrun --nproc-per-node 2 python/bench_xcall_torch.py --device cpu --tokens 64 \\
+        --hidden 256 --experts 8 --topk 2                              # a smoke run on CPU
+
+Each rank holds --tokens tokens routed top-k (random, distinct experts)
+over --experts experts. Timed, each alone and as one layer step:
+dispatch, the experts (silu(rows) * scale_e, row by row), combine. Every
+round starts with the ranks in step (a barrier, then each GPU idle); a
+round's time is the slowest rank's (CUDA events on GPUs). Prints the
+median and the best round of each, in ms, on rank 0. --graph replays
+the step from a CUDA graph.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import xcall.torch as xt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    ap.add_argument("--align", type=int, default=1)
+    ap.add_argument("--num-sms", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--graph", action="store_true", help="replay the step from a CUDA graph")
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cuda = a.device == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    T, H, E, K = a.tokens, a.hidden, a.experts, a.topk
+    g = xt.EpGroup(T, H, K, E, dtype=dtype, align=a.align, num_sms=a.num_sms, device=device)
+    torch.manual_seed(rank)
+    x = torch.randn(T, H, device=device).to(dtype)
+    ids = torch.rand(T, E, device=device).argsort(1)[:, :K].int().contiguous()
+    probs = torch.rand(T, K, device=device)
+    scale = torch.rand(g.local_experts, device=device).to(dtype) + 0.5
+    state = {}
+
+    def dispatch():
+        state["d"] = xt.ep_dispatch(g, x, ids, probs, zero_unused=False)
+
+    def experts():
+        d = state["d"]
+        state["h"] = torch.nn.functional.silu(d.rows) * scale[d.row_experts().clamp(min=0)][:, None]
+
+    def combine():
+        state["y"] = xt.ep_combine(g, state["h"], probs)
+
+    def step():
+        dispatch()
+        experts()
+        combine()
+
+    if a.graph:
+        if not cuda:
+            raise SystemExit("--graph needs --device cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        timed = {"step (graph)": graph.replay}
+    else:
+        timed = {"step": step}
+    results = {}
+    with torch.no_grad():
+        for name, fn in timed.items():
+            results[name] = rounds(a, cuda, None, fn, None)
+        # Alone, each within a whole step: every rank makes the same calls
+        # in the same order, and combine needs the dispatch before it.
+        results["dispatch"] = rounds(a, cuda, None, dispatch, lambda: (experts(), combine()))
+        results["combine"] = rounds(a, cuda, lambda: (dispatch(), experts()), combine, None)
+    if cuda:
+        torch.cuda.synchronize()
+    g.check()
+    if rank == 0:
+        shape = f"T={T} H={H} E={E} k={K} {a.dtype} align={a.align} num_sms={a.num_sms}"
+        print(f"xcall.torch on {size} {'GPUs' if cuda else 'CPU ranks'}, {shape}:")
+        for name, times in results.items():
+            print(
+                f"  {name:14s} median {statistics.median(times):8.3f} ms  best {min(times):8.3f} ms"
+            )
+    g.close()
+    dist.destroy_process_group()
+
+
+def rounds(a, cuda, before, fn, after):
+    """The slowest rank's time of `fn` in each round, in ms."""
+    times = []
+    for i in range(a.warmup + a.rounds):
+        if before:
+            before()
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if after:
+            after()
+        slowest = torch.tensor([ms])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= a.warmup:
+            times.append(slowest.item())
+    return times
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""xcall.torch on GPUs: one process per GPU under torchrun (CUDA IPC
+between the processes), on 2 GPUs, 4 and all of them (as many as this
+machine has): every scenario of torch_ep_worker.py (values and gradients
+against references, two layers in one world, capacity, torch.compile with
+a process group, bad input, a CUDA graph of the layer replayed with new
+routing, groups closed at exit). Skips, saying so on stderr, without
+torch or with fewer than 2 GPUs.
+
+    python -m pytest -q -rs python/tests/test_xcall_torch_gpu.py
+
+One scenario by hand: torchrun --nproc-per-node 4
+python/tests/torch_ep_worker.py values cuda (with PYTHONPATH=python).
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import torch
+except ImportError:
+    print(
+        "SKIP xcall.torch GPU tests: torch is not installed (pip install '.[torch]')",
+        file=sys.stderr,
+    )
+    pytest.skip("torch is not installed (pip install '.[torch]')", allow_module_level=True)
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if GPUS < 2:
+    print(f"SKIP xcall.torch GPU tests: {GPUS} CUDA device(s), 2 needed", file=sys.stderr)
+    pytest.skip(f"{GPUS} CUDA device(s), 2 needed", allow_module_level=True)
+
+import xcall
+
+WORKER = pathlib.Path(__file__).resolve().parent / "torch_ep_worker.py"
+SCENARIOS = ["values", "layers", "capacity", "compile", "bad_input", "cuda_graph", "at_exit"]
+WATCHDOG_S = 300
+
+
+@pytest.mark.parametrize("gpus", sorted({n for n in (2, 4, GPUS) if n <= GPUS}))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_torchrun_one_process_per_gpu(gpus, scenario):
+    env = dict(os.environ)
+    package_root = str(pathlib.Path(xcall.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        str(WORKER),
+        scenario,
+        "cuda",
+    ]
+    # torchrun and its workers in a session of their own: the watchdog
+    # kills them all.
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"{scenario} on {gpus} GPUs: killed by the watchdog after {WATCHDOG_S} s\n"
+            f"{stdout}{stderr}"
+        )
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    for rank in range(gpus):
+        assert f"OK {scenario} rank {rank}" in out.stdout, log
