@@ -71,6 +71,7 @@ expect "  counted as skipped" has "1 skipped, 0 failed"
 expect "  with its reason" has "SKIP shmem nccl one-sided: NCCL 2.28.3"
 expect "  the run's own time" has "run-all.sh took "
 expect "  the Host bench runs without --quick" test -e "$b/ran-bench-core"
+expect "  the PyTorch suite on CPU too" has "PASS torch-cpu"
 expect "  the default bench settings" grep -q -- "--warm-up-time 0.5 --measurement-time 1" "$b/ran-bench-core"
 expect "  the whole permute grid, its JSON among the logs" \
   grep -q -- "grid_quick= grid_json=$b/logs/permute-grid.json" "$b/ran-bench-cuda_permute_grid"
@@ -96,8 +97,8 @@ b="$tmp/quick"
 bundle "$b" "exit 0"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --quick
 expect "--quick passes" test "$rc" = 0
-expect "  runs the PyTorch suite on CPU" has "PASS torch-cpu"
-expect "  and on GPUs" has "PASS torch-gpu"
+expect "  runs no PyTorch suite on CPU, and says so" has "SKIP torch-cpu: the PyTorch suite on CPU processes (--quick)"
+expect "  but runs it on GPUs" has "PASS torch-gpu"
 expect "  runs no Host bench" test ! -e "$b/ran-bench-core"
 expect "  and says so" has "SKIP bench-core: a Host bench (--quick)"
 expect "  runs no permute bound analysis" test ! -e "$b/ran-bench-cuda_permute_bound"

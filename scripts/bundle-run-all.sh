@@ -3,7 +3,7 @@
 # failed", then the run's own time. A run whose log has a skip line (a
 # test's "SKIP <test>: <why>" on stderr, pytest's "SKIPPED [n] ...") counts
 # as skipped, not passed. Each line gives the run's seconds.
-#   --quick: no Host benches (the criterion benches, bench-* not named
+#   --quick: no PyTorch suite on CPU processes, no Host benches (the criterion benches, bench-* not named
 #     bench-cuda_*; CI runs them), no permute bound analysis
 #     (bench-cuda_permute_bound) and the permute grid's quick half
 #     (XCALL_GRID_QUICK=1: T = 4096 only), for a run of about 6 minutes
@@ -178,7 +178,12 @@ if "$py" -c "import torch, pytest" 2>/dev/null; then
   rm -rf "$tsite"
   run install-wheel-torch "$py" -m pip install --quiet --disable-pip-version-check --no-deps \
     --no-index --target "$tsite" "$here"/python/xcall-*.whl
-  run torch-cpu torch_suite test_xcall_torch.py
+  if [ "$quick" = 1 ]; then
+    skipped=$((skipped + 1))
+    echo "SKIP torch-cpu: the PyTorch suite on CPU processes (--quick)"
+  else
+    run torch-cpu torch_suite test_xcall_torch.py
+  fi
   run torch-gpu torch_suite test_xcall_torch_gpu.py
 else
   skipped=$((skipped + 1))

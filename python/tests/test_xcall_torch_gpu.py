@@ -37,7 +37,17 @@ if GPUS < 2:
 import xcall
 
 WORKER = pathlib.Path(__file__).resolve().parent / "torch_ep_worker.py"
-SCENARIOS = ["values", "layers", "capacity", "compile", "bad_input", "cuda_graph", "at_exit"]
+# torch.compile of the layer gives wrong values on CUDA (2 H200, torch
+# 2.11, 2026-11-28: y off by up to 0.55, the same layer right eagerly and
+# compiled on CPU): an open bug, kept here as an expected failure that
+# fails the suite once it passes.
+COMPILE_ON_CUDA = pytest.param(
+    "compile",
+    marks=pytest.mark.xfail(
+        strict=True, reason="torch.compile of the layer gives wrong values on CUDA (open)"
+    ),
+)
+SCENARIOS = ["values", "layers", "capacity", COMPILE_ON_CUDA, "bad_input", "cuda_graph", "at_exit"]
 WATCHDOG_S = 300
 
 

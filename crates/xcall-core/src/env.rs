@@ -344,6 +344,20 @@ pub const VARIABLES: &[Variable] = &[
         "tests (internal)",
         "Set by the peer-failure shmem tests on the processes they start.",
     ),
+    var(
+        "XCALL_EP_TEST_PE",
+        Kind::Text,
+        "unset",
+        "tests (internal)",
+        "Set by the expert-parallel Host process tests on the PE processes they start.",
+    ),
+    var(
+        "XCALL_VERIFY_RANDOM_CASES",
+        Kind::Text,
+        "600",
+        "tests",
+        "Random plans the model checker's reduction test compares with the full search (more for a longer check).",
+    ),
 ];
 
 /// A variable set to a value its kind does not accept.
