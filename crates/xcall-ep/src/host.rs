@@ -402,6 +402,7 @@ pub unsafe fn assign(p: &EpParams) {
 ///
 /// # Safety
 /// See the module docs.
+#[inline(always)]
 unsafe fn routes(p: &EpParams, s: usize, t: usize) -> (usize, [(usize, i32); 32]) {
     let k = p.topk as usize;
     let rows = at::<i32>(p.base, p.off_route_row);
@@ -423,6 +424,7 @@ unsafe fn routes(p: &EpParams, s: usize, t: usize) -> (usize, [(usize, i32); 32]
 ///
 /// # Safety
 /// See the module docs.
+#[inline(always)]
 unsafe fn routed_here(p: &EpParams, s: usize, t: usize) -> bool {
     let k = p.topk as usize;
     let local = at::<i32>(p.base, p.off_local);
@@ -563,6 +565,7 @@ pub unsafe fn reduce(p: &EpParams) {
 ///
 /// # Safety
 /// See the module docs.
+#[inline(always)]
 unsafe fn destinations(p: &EpParams, t: usize) -> u64 {
     let k = p.topk as usize;
     let ids = at::<i32>(p.base, p.off_ids);
