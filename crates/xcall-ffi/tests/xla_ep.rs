@@ -299,3 +299,70 @@ fn host_handlers_dispatch_combine_and_backward_on_two_pes() {
         "{message}"
     );
 }
+
+/// One PE's dispatch through the Host handler (its own inputs).
+fn dispatch_pe(id: u64, bytes: u64, rank: usize) -> Result<(), (u32, String)> {
+    let rows = 2 * T * K;
+    let (mut x, mut ids, mut probs) = inputs(rank);
+    let mut r = rank as i32;
+    let mut out = vec![0f32; rows * H];
+    let mut tpe = vec![0i64; E / 2];
+    let mut routing = vec![0u8; bytes as usize];
+    let mut f = frame(
+        fake_api(API_SIZE_DEVICE_ORDINAL_GET),
+        vec![
+            buf(dtype::F32, ptr(&mut x), &[T as i64, H as i64]),
+            buf(dtype::S32, ptr(&mut ids), &[T as i64, K as i64]),
+            buf(dtype::F32, ptr(&mut probs), &[T as i64, K as i64]),
+            scalar(&mut r),
+        ],
+        vec![
+            buf(dtype::F32, ptr(&mut out), &[rows as i64, H as i64]),
+            buf(dtype::S64, ptr(&mut tpe), &[(E / 2) as i64]),
+            buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+        ],
+        &[
+            ("group", Attr::I64(id as i64)),
+            ("zero_unused", Attr::Pred(true)),
+        ],
+    );
+    call(xcall_xla_ep_dispatch_host, &mut f).map(|_| ())
+}
+
+/// While a PE's call waits for its peer, nothing waits for that PE: a
+/// check of the group and a close say Busy at once (the close leaves the
+/// group open); once the peer calls, both calls finish, and the group
+/// closes.
+#[test]
+fn a_pe_in_a_call_makes_others_busy_not_wait() {
+    let c = config();
+    let (id, bytes) = open(2, &c).unwrap();
+    let first = std::thread::spawn(move || dispatch_pe(id, bytes, 0));
+    // PE 0 is in its call once a check finds it busy.
+    let started = std::time::Instant::now();
+    loop {
+        match xcall_xla_ep_check(id) {
+            Status::Busy => break,
+            Status::Ok => {}
+            s => panic!("check: {s:?}"),
+        }
+        assert!(
+            started.elapsed() < watchdog(),
+            "PE 0 never seen in its call"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let asked = std::time::Instant::now();
+    assert_eq!(xcall_xla_ep_close(id), Status::Busy, "{}", last_error());
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(5),
+        "close waited {:?} for a PE in a call",
+        asked.elapsed()
+    );
+    let second = run_threads("the peer's dispatch", 1, watchdog(), move |_| {
+        dispatch_pe(id, bytes, 1)
+    });
+    assert_eq!(second[0], Ok(()));
+    assert_eq!(first.join().unwrap(), Ok(()));
+    assert_eq!(xcall_xla_ep_close(id), Status::Ok, "{}", last_error());
+}

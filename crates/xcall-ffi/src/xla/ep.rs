@@ -28,7 +28,7 @@
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use xcall_core::{DType, Device, Platform, Status};
@@ -54,11 +54,17 @@ struct MeshGroup {
     ordinals: Vec<u32>,
     config: EpConfig,
     routing_bytes: usize,
-    /// Taken with `try_lock` only: a handler that finds its PE in use
-    /// gets `Busy`, so no thread waits for it while its holder waits on
-    /// peers.
-    pes: Vec<Mutex<Pe>>,
+    /// Each PE's slot. A call takes its PE out of the slot (the lock is
+    /// held only for the taking and the putting back, never across the
+    /// call's collective) and puts it back when done; a call that finds
+    /// the slot empty gets `Busy`, so no thread waits for a PE that waits
+    /// on its peers.
+    pes: Vec<Mutex<Option<Pe>>>,
 }
+
+/// How long closing a group waits for a call that found it just before it
+/// was closed.
+const CLOSE_WAIT: Duration = Duration::from_secs(60);
 
 fn open_groups() -> MutexGuard<'static, Vec<Arc<MeshGroup>>> {
     static GROUPS: Mutex<Vec<Arc<MeshGroup>>> = Mutex::new(Vec::new());
@@ -237,7 +243,7 @@ pub extern "C" fn xcall_xla_ep_open(
             ordinals,
             config,
             routing_bytes,
-            pes: pes.into_iter().map(Mutex::new).collect(),
+            pes: pes.into_iter().map(|pe| Mutex::new(Some(pe))).collect(),
         }));
         *id_out = id;
         *bytes_out = routing_bytes as u64;
@@ -265,9 +271,7 @@ pub extern "C" fn xcall_xla_ep_close(id: u64) -> Status {
                     format!("no open expert-parallel group {id}"),
                 )
             })?;
-            if let Some(r) =
-                (0..groups[at].pes.len()).find(|&r| groups[at].pes[r].try_lock().is_err())
-            {
+            if let Some(r) = (0..groups[at].pes.len()).find(|&r| slot(&groups[at], r).is_none()) {
                 return Err(FfiError::new(
                     Status::Busy,
                     format!("PE {r} of expert-parallel group {id} is in a call; close it after"),
@@ -276,8 +280,25 @@ pub extern "C" fn xcall_xla_ep_close(id: u64) -> Status {
             groups.remove(at)
         };
         let done = on_every_pe(g.pes.len(), |rank| -> Result<(), FfiError> {
-            let mut pe = g.pes[rank].lock().unwrap_or_else(|p| p.into_inner());
-            let pe = &mut *pe;
+            // Removed from the open groups while every PE was in its slot:
+            // no new call finds it; one that found it just before finishes
+            // first (its PE back in the slot), waited for without a lock.
+            let waited = std::time::Instant::now();
+            let mut pe = loop {
+                if let Some(pe) = slot(&g, rank).take() {
+                    break pe;
+                }
+                if waited.elapsed() > CLOSE_WAIT {
+                    return Err(FfiError::new(
+                        Status::Busy,
+                        format!(
+                            "PE {rank} of expert-parallel group {id} stayed in a call for \
+                             {CLOSE_WAIT:?}; not freed"
+                        ),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            };
             if let Some(group) = pe.group.take() {
                 group.destroy(&mut pe.world)?;
             }
@@ -338,11 +359,44 @@ pub extern "C" fn xcall_xla_ep_dropped_routes(id: u64, rank: u64, out_dropped: *
     })
 }
 
-fn lock(g: &MeshGroup, rank: usize) -> Result<MutexGuard<'_, Pe>, FfiError> {
-    match g.pes[rank].try_lock() {
-        Ok(pe) => Ok(pe),
-        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-        Err(TryLockError::WouldBlock) => Err(FfiError::new(
+/// PE `rank`'s slot, locked for a moment (a panic while it was held
+/// leaves the slot as it was: nothing is half-written in it).
+fn slot(g: &MeshGroup, rank: usize) -> MutexGuard<'_, Option<Pe>> {
+    g.pes[rank].lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A PE taken out of its slot for one call, put back when dropped.
+struct Taken<'a> {
+    slot: &'a Mutex<Option<Pe>>,
+    pe: Option<Pe>,
+}
+
+impl std::ops::Deref for Taken<'_> {
+    type Target = Pe;
+    fn deref(&self) -> &Pe {
+        self.pe.as_ref().expect("a taken PE stays until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Taken<'_> {
+    fn deref_mut(&mut self) -> &mut Pe {
+        self.pe.as_mut().expect("a taken PE stays until dropped")
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = self.pe.take();
+    }
+}
+
+fn lock(g: &MeshGroup, rank: usize) -> Result<Taken<'_>, FfiError> {
+    match slot(g, rank).take() {
+        Some(pe) => Ok(Taken {
+            slot: &g.pes[rank],
+            pe: Some(pe),
+        }),
+        None => Err(FfiError::new(
             Status::Busy,
             format!(
                 "PE {rank} of expert-parallel group {} is in another call: a PE's calls run one \
@@ -461,7 +515,7 @@ unsafe fn zero(t: &Target, b: Buf) -> Result<(), FfiError> {
 }
 
 /// The PE's group, held for the call.
-fn held(g: &MeshGroup, rank: usize) -> Result<MutexGuard<'_, Pe>, FfiError> {
+fn held(g: &MeshGroup, rank: usize) -> Result<Taken<'_>, FfiError> {
     let pe = lock(g, rank)?;
     if pe.group.is_none() {
         return Err(FfiError::new(Status::InvalidState, "the group was freed"));
