@@ -122,7 +122,11 @@ mod tests {
         let mut acc = vec![0f32; h];
         for (row, w) in rows {
             for (i, a) in acc.iter_mut().enumerate() {
-                *a += w * elem_at(precision, row.as_ptr(), i);
+                let v = match precision {
+                    0 => f32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()),
+                    _ => bf16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32(),
+                };
+                *a += w * v;
             }
         }
         acc.iter()
