@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import xcall as _xcall
+
 
 __all__ = [
     "EpGroup",
@@ -116,10 +118,10 @@ def _load() -> ctypes.CDLL:
     global _lib
     if _lib is not None:
         return _lib
-    # Imported here: xcall.jax re-exports this module's API.
-    from xcall import jax as _xj
-
-    lib = _xj.load()
+    # The library xcall.load_library loaded (the one xcall.jax.load picked,
+    # if it was called first); this module registers only its own handlers.
+    lib = _xcall.load_library()
+    lib.xcall_last_error_message.restype = ctypes.c_char_p
     u64 = ctypes.c_uint64
     lib.xcall_ep_layout.argtypes = [ctypes.POINTER(_Config), ctypes.c_uint32, ctypes.POINTER(_Sizes)]
     lib.xcall_xla_ep_open.argtypes = [
