@@ -24,7 +24,7 @@ pub mod testing;
 
 pub use c_enum::CEnum;
 pub use device_map::DeviceMap;
-pub use dtype::{fp8_decode, fp8_encode, DType, FloatCodec, Fp8};
+pub use dtype::{bf16_bits, fp8_decode, fp8_encode, DType, FloatCodec, Fp8};
 pub use error::{Error, Result};
 pub use kernel_cache::{KernelCache, KernelSource};
 pub use log::LogLevel;

@@ -3,6 +3,8 @@
 //! in their order) and the tokens of a step run on the process's worker
 //! pool.
 
+use xcall_core::bf16_bits;
+
 /// Tokens per task of [`par_tokens`].
 const TOKENS_PER_TASK: usize = 32;
 
@@ -32,20 +34,6 @@ fn elem_at(precision: i64, row: *const u8, i: usize) -> f32 {
             _ => f32::from_bits(u32::from((row as *const u16).add(i).read_unaligned()) << 16),
         }
     }
-}
-
-/// `v` as bf16 bits, rounded to nearest even, a NaN quieted: what
-/// `bf16::from_f32` gives, without branches (so that loops vectorize).
-#[inline(always)]
-fn bf16_bits(v: f32) -> u16 {
-    let x = v.to_bits();
-    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-    let nan = (x >> 16) | 0x40;
-    (if x & 0x7fff_ffff > 0x7f80_0000 {
-        nan
-    } else {
-        rounded
-    }) as u16
 }
 
 /// Stores `v` as element `i` of `out` of `precision`'s element type.

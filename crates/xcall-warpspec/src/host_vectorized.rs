@@ -7,7 +7,7 @@
 
 use std::sync::OnceLock;
 
-use xcall_core::{DType, FloatCodec};
+use xcall_core::{bf16_bits, DType, FloatCodec};
 
 /// Elements per block of the vectorized path (decoded, computed, encoded).
 const BLOCK: usize = 2048;
@@ -95,20 +95,6 @@ fn silu_bf16_range(x: &[u8], out: &mut [u8], scale: f32, scaled: Option<&[[u8; 2
     }
 }
 
-/// `v` as bf16 bits, rounded to nearest even, a NaN quieted with the upper
-/// half of its payload: the codec's rounding, bit for bit, without
-/// branches (so that the loop around it vectorizes).
-fn bf16_bits(v: f32) -> u16 {
-    let x = v.to_bits();
-    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-    let nan = (x >> 16) | 0x40;
-    (if x & 0x7fff_ffff > 0x7f80_0000 {
-        nan
-    } else {
-        rounded
-    }) as u16
-}
-
 /// `f` over the elements of `out` and `inputs` from element `first`, in
 /// blocks, on the calling thread.
 fn vectorized_range(
@@ -178,38 +164,6 @@ pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], bl
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The vectorized path's bf16 rounding is the codec's, bit for bit:
-    /// every 2^32 / 4099-th f32 pattern, and the edges (ties either way,
-    /// the largest finite values, infinities, NaN payloads).
-    #[test]
-    fn bf16_bits_rounds_like_the_codec() {
-        let codec = FloatCodec::new(DType::Bf16).unwrap();
-        let edges = [
-            0x3f80_8000u32,
-            0x3f81_8000,
-            0x3f80_8001,
-            0x3f80_7fff,
-            0x7f7f_ffff,
-            0xff7f_ffff,
-            0x7f80_0000,
-            0xff80_0000,
-            0x7f80_0001,
-            0xffff_ffff,
-            0x7fc0_1234,
-            0x8000_0000,
-            0,
-        ];
-        for bits in (0..=u32::MAX).step_by(4099).chain(edges) {
-            let mut want = [0u8; 2];
-            codec.store(&mut want, 0, f32::from_bits(bits));
-            assert_eq!(
-                bf16_bits(f32::from_bits(bits)).to_le_bytes(),
-                want,
-                "{bits:#010x}"
-            );
-        }
-    }
 
     /// `silu(x) * scale` straight on bf16 bits writes what decoding,
     /// looking up, scaling and rounding writes, for every bf16 value, in
