@@ -74,6 +74,34 @@ pub fn within<T: Send + 'static>(
     .expect("one result")
 }
 
+/// Waits for every child process (PEs a test started); kills the rest and
+/// fails after `limit`, naming them. Returns whether each exited successfully.
+pub fn wait_children(
+    what: &str,
+    mut children: Vec<std::process::Child>,
+    limit: Duration,
+) -> Vec<bool> {
+    let deadline = Instant::now() + limit;
+    let mut done = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r].is_none() {
+                done[r] = c.try_wait().unwrap();
+            }
+        }
+        if Instant::now() >= deadline {
+            let stuck: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
+            for &r in &stuck {
+                let _ = children[r].kill();
+                let _ = children[r].wait();
+            }
+            panic!("watchdog: {what}: rank(s) {stuck:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done.into_iter().map(|s| s.unwrap().success()).collect()
+}
+
 /// Environment variable that turns "no GPU" from a skip into a failure.
 pub const REQUIRE_ENV: &str = "XCALL_REQUIRE_CUDA";
 

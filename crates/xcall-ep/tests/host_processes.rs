@@ -9,6 +9,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use xcall_core::testing::wait_children;
 use xcall_core::{Device, Platform};
 use xcall_ep::{EpConfig, EpError, EpGroup, Precision};
 use xcall_shmem::{World, WorldConfig};
@@ -131,30 +132,6 @@ fn spawn(socket: &str, rank: usize, n: usize, mode: &str) -> Child {
         .env(PE_ENV, format!("{socket},{rank},{n},{mode}"))
         .spawn()
         .unwrap()
-}
-
-/// Waits for every child; kills the rest and fails after `limit`, naming
-/// them. Returns whether each exited successfully.
-fn wait_children(what: &str, mut children: Vec<Child>, limit: Duration) -> Vec<bool> {
-    let deadline = Instant::now() + limit;
-    let mut done = vec![None; children.len()];
-    while done.iter().any(Option::is_none) {
-        for (r, c) in children.iter_mut().enumerate() {
-            if done[r].is_none() {
-                done[r] = c.try_wait().unwrap();
-            }
-        }
-        if Instant::now() >= deadline {
-            let stuck: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
-            for &r in &stuck {
-                let _ = children[r].kill();
-                let _ = children[r].wait();
-            }
-            panic!("watchdog: {what}: rank(s) {stuck:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done.into_iter().map(|s| s.unwrap().success()).collect()
 }
 
 fn socket(name: &str) -> String {

@@ -535,7 +535,7 @@ fn spawn(test: &str, role: &str, rank: usize, size: usize, address: &str) -> Chi
 
 /// Waits for the children under the watchdog; returns their success.
 fn wait_all(what: &str, children: Vec<Child>) -> Vec<bool> {
-    common::wait_children(what, children, watchdog())
+    xcall_core::testing::wait_children(what, children, watchdog())
 }
 
 fn free_address() -> String {

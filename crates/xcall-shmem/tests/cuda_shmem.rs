@@ -244,7 +244,7 @@ fn two_gpus_two_processes() {
     exchange(&mut w, 0, 2);
     assert!(w.finalize().unwrap().leaked.is_empty());
     assert_eq!(
-        common::wait_children("rank 1 (child process)", vec![child], watchdog()),
+        xcall_core::testing::wait_children("rank 1 (child process)", vec![child], watchdog()),
         [true],
         "rank 1 (child process) failed"
     );
@@ -501,7 +501,7 @@ fn an_exchange_on_the_stream_fails_the_world_when_a_sender_never_comes() {
         std::panic::resume_unwind(p);
     }
     assert_eq!(
-        common::wait_children("rank 1 (child process)", vec![child], watchdog()),
+        xcall_core::testing::wait_children("rank 1 (child process)", vec![child], watchdog()),
         [true],
         "rank 1 (child process) failed"
     );

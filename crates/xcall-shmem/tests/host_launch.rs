@@ -95,7 +95,7 @@ fn spawn(launcher: &str, r: usize, n: usize, port: u16, role: &str) -> Child {
 
 /// Waits for every child under the watchdog; each must succeed.
 fn wait_all(what: &str, children: Vec<Child>, limit: Duration) {
-    for (r, ok) in common::wait_children(what, children, limit)
+    for (r, ok) in xcall_core::testing::wait_children(what, children, limit)
         .into_iter()
         .enumerate()
     {

@@ -130,7 +130,7 @@ fn multi_process_worlds() {
                 disagreeing_pe(&socket0, 0, mode)
             })
         });
-        let ok = common::wait_children(mode, vec![child], watchdog());
+        let ok = xcall_core::testing::wait_children(mode, vec![child], watchdog());
         if let Err(p) = rank0 {
             std::panic::resume_unwind(p);
         }

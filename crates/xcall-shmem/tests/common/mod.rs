@@ -1,8 +1,7 @@
 #![allow(dead_code)] // each test binary uses a part of it
 //! What the multi-process Host tests share.
 
-use std::process::Child;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use xcall_core::testing::XorShift;
 use xcall_shmem::{Cmp, SignalOp, World};
@@ -145,30 +144,6 @@ pub fn all_to_all(w: &mut World, rank: usize, n: usize, seed: u64, rounds: usize
     for b in bufs {
         w.free(b).unwrap();
     }
-}
-
-/// Waits for every child; kills the rest and fails after `limit`, naming
-/// them. Returns whether each exited successfully.
-pub fn wait_children(what: &str, mut children: Vec<Child>, limit: Duration) -> Vec<bool> {
-    let deadline = Instant::now() + limit;
-    let mut done = vec![None; children.len()];
-    while done.iter().any(Option::is_none) {
-        for (r, c) in children.iter_mut().enumerate() {
-            if done[r].is_none() {
-                done[r] = c.try_wait().unwrap();
-            }
-        }
-        if Instant::now() >= deadline {
-            let stuck: Vec<usize> = (0..done.len()).filter(|&r| done[r].is_none()).collect();
-            for &r in &stuck {
-                let _ = children[r].kill();
-                let _ = children[r].wait();
-            }
-            panic!("watchdog: {what}: rank(s) {stuck:?} still running after {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done.into_iter().map(|s| s.unwrap().success()).collect()
 }
 
 /// What one PE of [`disagreeing_pe`] saw: the disagreeing exchange's
