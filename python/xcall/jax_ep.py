@@ -61,6 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import xcall as _xcall
+from xcall._ep_abi import EpConfig as _Config
+from xcall._ep_abi import EpSizes as _Sizes
 
 
 __all__ = [
@@ -75,36 +77,6 @@ __all__ = [
 _PLATFORM_HOST, _PLATFORM_CUDA = 0, 1
 _PRECISION = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1}
 _STATUS_INVALID_ARGUMENT = 2
-
-
-class _Config(ctypes.Structure):
-    """``xcall_ep_config``."""
-
-    _fields_ = [
-        (n, ctypes.c_uint64)
-        for n in ("tokens", "hidden", "topk", "experts", "align", "capacity")
-    ] + [("precision", ctypes.c_uint32), ("num_sms", ctypes.c_uint32)]
-
-
-class _Sizes(ctypes.Structure):
-    """``xcall_ep_sizes``."""
-
-    _fields_ = [
-        (n, ctypes.c_uint64)
-        for n in (
-            "heap_bytes",
-            "local_experts",
-            "expert_rows",
-            "token_rows_bytes",
-            "routing_bytes",
-            "rows_bytes",
-            "scales_bytes",
-            "rows_bf16_bytes",
-            "expert_out_bytes",
-            "tokens_per_expert_bytes",
-            "offsets_bytes",
-        )
-    ]
 
 
 _OPS = ("ep_dispatch", "ep_combine", "ep_combine_backward", "ep_dispatch_backward")

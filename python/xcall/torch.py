@@ -64,6 +64,8 @@ from typing import NamedTuple
 import torch
 
 from . import load_library
+from ._ep_abi import EpConfig as _Config
+from ._ep_abi import EpSizes as _Sizes
 
 __all__ = [
     "EpDispatch",
@@ -91,42 +93,6 @@ class XcallError(RuntimeError):
         super().__init__(f"xcall.torch: {what}: {status}: {message}")
         self.status = status
         self.message = message
-
-
-class _Config(ctypes.Structure):
-    """``xcall_ep_config``."""
-
-    _fields_ = [
-        ("tokens", ctypes.c_uint64),
-        ("hidden", ctypes.c_uint64),
-        ("topk", ctypes.c_uint64),
-        ("experts", ctypes.c_uint64),
-        ("align", ctypes.c_uint64),
-        ("capacity", ctypes.c_uint64),
-        ("precision", ctypes.c_uint32),
-        ("num_sms", ctypes.c_uint32),
-    ]
-
-
-class _Sizes(ctypes.Structure):
-    """``xcall_ep_sizes``."""
-
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "heap_bytes",
-            "local_experts",
-            "expert_rows",
-            "token_rows_bytes",
-            "routing_bytes",
-            "rows_bytes",
-            "scales_bytes",
-            "rows_bf16_bytes",
-            "expert_out_bytes",
-            "tokens_per_expert_bytes",
-            "offsets_bytes",
-        )
-    ]
 
 
 class _ExpertMajor(ctypes.Structure):
