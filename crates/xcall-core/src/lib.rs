@@ -16,6 +16,7 @@ mod device_map;
 mod dtype;
 pub mod env;
 mod error;
+pub mod host_pool;
 pub mod kernel_cache;
 pub mod log;
 mod platform;

@@ -9,13 +9,15 @@ use xcall_core::bf16_bits;
 const TOKENS_PER_TASK: usize = 32;
 
 /// Runs `f` over the tokens `0..n` in ranges on the process's worker pool.
-/// Host PEs are threads that often outnumber the cores and reach a phase
-/// at different times: the pool keeps every core busy with whichever PEs'
-/// tokens are left, one thread per core. Each token's work is the same as
+/// Host PEs reach a phase at different times: the pool keeps every core
+/// busy with whichever PEs' tokens are left, one thread per core. Where
+/// this process's Host PEs outnumber the pool's threads, each PE runs its
+/// tokens on its own thread ([`split_over_pool`](xcall_core::host_pool::split_over_pool)). Each token's work is the same as
 /// in a plain loop, so results do not depend on the split.
 pub(crate) fn par_tokens(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     use rayon::prelude::*;
-    if n <= TOKENS_PER_TASK || rayon::current_num_threads() < 2 {
+    if n <= TOKENS_PER_TASK || !xcall_core::host_pool::split_over_pool(rayon::current_num_threads())
+    {
         return f(0..n);
     }
     (0..n.div_ceil(TOKENS_PER_TASK))
@@ -23,77 +25,91 @@ pub(crate) fn par_tokens(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
         .for_each(|c| f(c * TOKENS_PER_TASK..((c + 1) * TOKENS_PER_TASK).min(n)));
 }
 
-/// Element `i` of a row of `precision`'s element type (0: f32, else
-/// bf16), as f32.
+/// Element `i` of a row of f32 (`BF16` false) or bf16 (`BF16` true), as
+/// f32.
 #[inline(always)]
-fn elem_at(precision: i64, row: *const u8, i: usize) -> f32 {
+fn elem_at<const BF16: bool>(row: *const u8, i: usize) -> f32 {
     // SAFETY: callers pass rows of more than `i` elements.
     unsafe {
-        match precision {
-            0 => (row as *const f32).add(i).read_unaligned(),
-            _ => f32::from_bits(u32::from((row as *const u16).add(i).read_unaligned()) << 16),
+        if BF16 {
+            f32::from_bits(u32::from((row as *const u16).add(i).read_unaligned()) << 16)
+        } else {
+            (row as *const f32).add(i).read_unaligned()
         }
     }
 }
 
-/// Stores `v` as element `i` of `out` of `precision`'s element type.
+/// Stores `v` as element `i` of `out` (f32, or bf16 when `BF16`).
 #[inline(always)]
-fn put(precision: i64, out: *mut u8, i: usize, v: f32) {
+fn put<const BF16: bool>(out: *mut u8, i: usize, v: f32) {
     // SAFETY: callers pass rows of more than `i` elements.
     unsafe {
-        match precision {
-            0 => (out as *mut f32).add(i).write_unaligned(v),
-            _ => (out as *mut u16).add(i).write_unaligned(bf16_bits(v)),
+        if BF16 {
+            (out as *mut u16).add(i).write_unaligned(bf16_bits(v))
+        } else {
+            (out as *mut f32).add(i).write_unaligned(v)
         }
     }
 }
 
 /// `out = sum of w * row` over `rows` in their order, per element from
 /// 0.0 with f32 products and sums rounded separately (as on CUDA), stored
-/// rounded to `precision`'s type; zeros for no rows. `acc` (h elements)
-/// holds the partial sums of three rows or more; one and two rows take a
-/// single pass.
+/// rounded to `precision`'s type (0: f32, else bf16); zeros for no rows.
+/// `acc` (h elements) holds the partial sums of three rows or more; one
+/// and two rows take a single pass.
 pub(crate) fn sum_rows(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: this CPU has AVX2 (just checked); the body is the same
         // (no fused multiply-add: products and sums still round apart).
-        return unsafe { sum_rows_avx2(precision, acc, rows, out) };
+        return unsafe {
+            match precision {
+                0 => sum_rows_avx2::<false>(acc, rows, out),
+                _ => sum_rows_avx2::<true>(acc, rows, out),
+            }
+        };
     }
-    sum_rows_any(precision, acc, rows, out)
+    match precision {
+        0 => sum_rows_any::<false>(acc, rows, out),
+        _ => sum_rows_any::<true>(acc, rows, out),
+    }
 }
 
 /// [`sum_rows`] compiled for AVX2 (eight lanes where SSE2 has four).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn sum_rows_avx2(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
-    sum_rows_any(precision, acc, rows, out)
+unsafe fn sum_rows_avx2<const BF16: bool>(
+    acc: &mut [f32],
+    rows: &[(*const u8, f32)],
+    out: *mut u8,
+) {
+    sum_rows_any::<BF16>(acc, rows, out)
 }
 
-/// The body of [`sum_rows`], for any CPU.
+/// The body of [`sum_rows`] for one element type, for any CPU: the type
+/// fixed at compile time, so that every loop is a plain vector loop.
 #[inline(always)]
-fn sum_rows_any(precision: i64, acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
+fn sum_rows_any<const BF16: bool>(acc: &mut [f32], rows: &[(*const u8, f32)], out: *mut u8) {
     let h = acc.len();
+    let at = elem_at::<BF16>;
     match rows {
-        [] => (0..h).for_each(|i| put(precision, out, i, 0.0)),
-        [(r0, w0)] => {
-            (0..h).for_each(|i| put(precision, out, i, 0.0 + w0 * elem_at(precision, *r0, i)))
-        }
+        [] => (0..h).for_each(|i| put::<BF16>(out, i, 0.0)),
+        [(r0, w0)] => (0..h).for_each(|i| put::<BF16>(out, i, 0.0 + w0 * at(*r0, i))),
         [(r0, w0), (r1, w1)] => (0..h).for_each(|i| {
-            let v = (0.0 + w0 * elem_at(precision, *r0, i)) + w1 * elem_at(precision, *r1, i);
-            put(precision, out, i, v)
+            let v = (0.0 + w0 * at(*r0, i)) + w1 * at(*r1, i);
+            put::<BF16>(out, i, v)
         }),
         [(r0, w0), middle @ .., (rl, wl)] => {
             for (i, a) in acc.iter_mut().enumerate() {
-                *a = 0.0 + w0 * elem_at(precision, *r0, i);
+                *a = 0.0 + w0 * at(*r0, i);
             }
             for (r, w) in middle {
                 for (i, a) in acc.iter_mut().enumerate() {
-                    *a += w * elem_at(precision, *r, i);
+                    *a += w * at(*r, i);
                 }
             }
             for (i, a) in acc.iter().enumerate() {
-                put(precision, out, i, a + wl * elem_at(precision, *rl, i));
+                put::<BF16>(out, i, a + wl * at(*rl, i));
             }
         }
     }

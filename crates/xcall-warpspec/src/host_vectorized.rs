@@ -70,21 +70,38 @@ pub(crate) fn silu_run(table: Option<&[f32]>, x: &[f32], out: &mut [f32], scale:
 /// 65536 results for the scale (bits to bits), then looks each one up.
 const SCALED_TABLE_FROM: usize = 1 << 17;
 
-/// `silu(x) * scale` of every bf16 value as bf16 bytes, by its bits.
-fn silu_bf16_scaled(scale: f32) -> Vec<[u8; 2]> {
-    silu_bf16_table()
-        .iter()
-        .map(|v| bf16_bits(v * scale).to_le_bytes())
-        .collect()
+/// `silu(x) * scale` of every bf16 value as bf16 bits, by its bits.
+type ScaledTable = [u16; 1 << 16];
+
+/// [`ScaledTable`] for `scale`.
+fn silu_bf16_scaled(scale: f32) -> Box<ScaledTable> {
+    let mut t = Box::new([0u16; 1 << 16]);
+    for (o, v) in t.iter_mut().zip(silu_bf16_table()) {
+        *o = bf16_bits(v * scale);
+    }
+    t
 }
 
 /// `out = silu(x) * scale` over bf16 bytes: each input's bits look up
 /// [`silu_bf16_table`], the product rounds as [`bf16_bits`] does, or
 /// look up `scaled`, those results for `scale` tabulated.
-fn silu_bf16_range(x: &[u8], out: &mut [u8], scale: f32, scaled: Option<&[[u8; 2]]>) {
+fn silu_bf16_range(x: &[u8], out: &mut [u8], scale: f32, scaled: Option<&ScaledTable>) {
     if let Some(scaled) = scaled {
+        // SAFETY: any two bytes are a u16; `align_to` splits off what is
+        // not aligned.
+        let ((xh, xs, xt), (oh, os, ot)) =
+            unsafe { (x.align_to::<u16>(), out.align_to_mut::<u16>()) };
+        if xh.is_empty() && oh.is_empty() && xt.is_empty() && ot.is_empty() {
+            // The common case, both aligned: a table indexed by a u16 has
+            // no bounds to check.
+            for (o, &i) in os.iter_mut().zip(xs) {
+                *o = scaled[usize::from(u16::from_le(i))].to_le();
+            }
+            return;
+        }
         for (o, i) in out.chunks_exact_mut(2).zip(x.chunks_exact(2)) {
-            o.copy_from_slice(&scaled[u16::from_le_bytes([i[0], i[1]]) as usize]);
+            let h = u16::from_le_bytes([i[0], i[1]]);
+            o.copy_from_slice(&scaled[usize::from(h)].to_le_bytes());
         }
         return;
     }
@@ -130,7 +147,9 @@ fn vectorized_range(
 /// The vectorized path: `out` cut into ranges of [`PER_THREAD`] elements
 /// (for large buffers), run on the process's worker pool. PEs run as
 /// threads and may call at once: one shared pool keeps one busy thread per
-/// core, where threads of their own per call would oversubscribe them.
+/// core, where threads of their own per call would oversubscribe them;
+/// where this process's Host PEs outnumber the pool's threads, each runs
+/// on its own thread ([`split_over_pool`](xcall_core::host_pool::split_over_pool)).
 pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], block: Block<'_>) {
     use rayon::prelude::*;
     let size = codec.dtype().size_bytes();
@@ -145,7 +164,9 @@ pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], bl
         Block::SiluBf16(scale) => silu_bf16_range(ins[0], range, scale, scaled.as_deref()),
         Block::F32(f) => vectorized_range(codec, ins, range, first, f),
     };
-    if elements < 2 * PER_THREAD || rayon::current_num_threads() < 2 {
+    if elements < 2 * PER_THREAD
+        || !xcall_core::host_pool::split_over_pool(rayon::current_num_threads())
+    {
         return range(0, inputs, out);
     }
     out.par_chunks_mut(PER_THREAD * size)

@@ -40,6 +40,14 @@ fn map(fd: i32, len: usize) -> Result<u64> {
     if addr == libc::MAP_FAILED {
         return Err(last_os_error(format!("mmap of {len} bytes")));
     }
+    if fd < 0 {
+        // Transparent huge pages where the system offers them on request:
+        // a step's rows are scattered over the heap, and with 4 KiB pages
+        // most row accesses miss the TLB. Only advice: refused or
+        // unsupported, the heap works as before.
+        // SAFETY: the range is the mapping just made.
+        unsafe { libc::madvise(addr, len, libc::MADV_HUGEPAGE) };
+    }
     Ok(addr as u64)
 }
 

@@ -256,6 +256,10 @@ impl Live {
             stream,
             memory,
             _binding: binding,
+            // A Host PE is counted while it lives: the Host loops of this
+            // process then know whether splitting over the pool pays.
+            _host_pe: (c.device.platform == Platform::Host)
+                .then(xcall_core::host_pool::HostPe::enter),
         };
         let zeroed = live.init_internal();
         agree(live.boot.as_mut(), zeroed)?;

@@ -69,6 +69,8 @@ pub(super) struct Live {
     // Dropped last, in this order (fields drop in declaration order).
     pub(super) memory: Arc<Memory>,
     pub(super) _binding: Binding,
+    /// A Host PE counted among the process's live ones.
+    pub(super) _host_pe: Option<xcall_core::host_pool::HostPe>,
 }
 
 /// Refuses a signal word that is not 8-byte aligned.
