@@ -29,7 +29,8 @@
 #   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
 #   imports jax and pytest, against the bundle's xcall wheel installed
 #   into <logs>/python-site, twice: XLA command buffers off, then on
-#   (custom calls recorded into XLA's command buffers). With
+#   (custom calls recorded into XLA's command buffers; with a GPU required,
+#   the second pass runs only the GPU cases). With
 #   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
 #   go to <logs>/jax-report.jsonl.
 #   The PyTorch suite (python/tests/test_xcall_torch*.py; the JAX suite
@@ -138,14 +139,24 @@ for tool in ${XCALL_SANITIZERS:-}; do
   done
 done
 jax_suite() { # <on|off>
-  local flags="--xla_gpu_enable_command_buffer="
-  [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+  local flags="--xla_gpu_enable_command_buffer=" only_gpu=()
   local platforms=cpu
   [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
+  if [ "$1" = on ]; then
+    flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+    # Command buffers are a GPU setting: with a GPU required, this pass
+    # runs the GPU cases alone (the CPU ones ran in the first pass, and
+    # these flags change nothing for them).
+    if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
+      platforms=gpu
+      only_gpu=(--ignore-glob='*test_layer.py' --ignore-glob='*test_readme.py'
+        --ignore-glob='*test_xcall_jax_ep.py')
+    fi
+  fi
   XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \
     XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
     env -u XCALL_LIB "$py" -m pytest -q -rs -p no:cacheprovider \
-    --ignore-glob='*test_xcall_torch*' "$here/python/tests"
+    --ignore-glob='*test_xcall_torch*' "${only_gpu[@]}" "$here/python/tests"
   local rc=$?
   [ $rc -eq 5 ] && echo "pytest collected no tests"
   return $rc

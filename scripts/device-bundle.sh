@@ -106,7 +106,7 @@ if ! "$wheel_py" -c "import build, auditwheel" 2>/dev/null; then
   exit 1
 fi
 scripts/python-wheel.sh "$wheel_py" "$out/python" >/dev/null
-cp python/bench_xcall_jax.py python/bench_xcall_torch.py python/README.md "$out/python/"
+cp python/bench_*.py python/README.md "$out/python/"
 cp python/tests/*.py "$out/python/tests/"
 echo "  $out/python/ ($(basename "$out"/python/xcall-*.whl))"
 

@@ -2,18 +2,21 @@
 test_xcall_torch.py (several processes on CPU) and
 test_xcall_torch_gpu.py (under torchrun, one process per GPU).
 
-    python torch_ep_worker.py SCENARIO [cpu|cuda]
+    python torch_ep_worker.py SCENARIO[,SCENARIO...] [cpu|cuda]
 
 Every rank makes every rank's inputs from the same seeds, so each checks
 its own results against references over the whole world: values against
 a numpy loop in float64, gradients against the same layer written in
-plain torch (every rank's tokens, every expert) under autograd. Prints
-"OK <scenario> rank <r>" and exits 0, or raises (exit 1).
+plain torch (every rank's tokens, every expert) under autograd. Runs the
+scenarios in order in one process, printing "OK <scenario> rank <r>" or
+"FAIL <scenario> rank <r>" (after its traceback) for each; exits 1 if any
+failed.
 """
 
 import atexit
 import os
 import sys
+import traceback
 
 import numpy as np
 import torch
@@ -522,14 +525,29 @@ SCENARIOS = {
 
 
 def main():
-    name = sys.argv[1]
+    names = sys.argv[1].split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {unknown}: {sorted(SCENARIOS)}")
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', RANK))}"
         torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    SCENARIOS[name](device)
-    print(f"OK {name} rank {RANK}", flush=True)
+    failed = []
+    for name in names:
+        torch.manual_seed(0)
+        try:
+            SCENARIOS[name](device)
+        except Exception:
+            # The next scenarios still run (every rank fails the same
+            # collective with a timeout at worst); the exit status says.
+            traceback.print_exc()
+            print(f"FAIL {name} rank {RANK}", flush=True)
+            failed.append(name)
+            continue
+        print(f"OK {name} rank {RANK}", flush=True)
+    if failed:
+        raise SystemExit(f"rank {RANK}: failed {failed}")
 
 
 if __name__ == "__main__":

@@ -832,9 +832,11 @@ class EpDispatch(NamedTuple):
         device from the counts, with no wait on the host."""
         rows = torch.arange(self.rows.shape[0], device=self.offsets.device)
         local = self.tokens_per_expert.shape[0]
-        expert = torch.searchsorted(self.offsets[1:].contiguous(), rows, right=True).clamp(
-            max=local - 1
-        )
+        # The last expert whose first row is at or before the row: the
+        # offsets searched whole (offsets[0] is 0), not a slice of them,
+        # which torch.compile's CUDA code searched from the slice's base
+        # (torch 2.11: every row of expert 0 given expert 1).
+        expert = (torch.searchsorted(self.offsets, rows, right=True) - 1).clamp(0, local - 1)
         filled = rows < self.offsets[expert] + self.tokens_per_expert[expert]
         return torch.where(filled, expert, torch.full_like(expert, -1))
 
