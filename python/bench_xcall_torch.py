@@ -6,7 +6,8 @@
 
 Each rank holds --tokens tokens routed top-k (random, distinct experts)
 over --experts experts. Timed, each alone and as one layer step:
-dispatch, the experts (silu(rows) * scale_e, row by row), combine. Every
+dispatch, the experts (silu(rows) * scale_e: on CUDA one Triton kernel
+over the rows dispatch filled, else torch ops over every row), combine. Every
 round starts with the ranks in step (a barrier, then each GPU idle); a
 round's time is the slowest rank's (CUDA events on GPUs). Prints the
 median and the best round of each, in ms, on rank 0. --graph replays
@@ -35,6 +36,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--graph", action="store_true", help="replay the step from a CUDA graph")
+    ap.add_argument(
+        "--torch-experts",
+        action="store_true",
+        help="the experts in torch ops over every row (default on CUDA: one Triton kernel "
+        "over the rows dispatch filled)",
+    )
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -55,9 +62,17 @@ def main():
     def dispatch():
         state["d"] = xt.ep_dispatch(g, x, ids, probs, zero_unused=False)
 
+    silu_rows = triton_silu_scale() if cuda and not a.torch_experts else None
+
     def experts():
         d = state["d"]
-        state["h"] = torch.nn.functional.silu(d.rows) * scale[d.row_experts().clamp(min=0)][:, None]
+        if silu_rows is not None:
+            # Only the rows dispatch filled (counted on the device): the
+            # others are never read by combine.
+            state["h"] = silu_rows(d, scale)
+        else:
+            e = d.row_experts().clamp(min=0)
+            state["h"] = torch.nn.functional.silu(d.rows) * scale[e][:, None]
 
     def combine():
         state["y"] = xt.ep_combine(g, state["h"], probs)
@@ -66,6 +81,20 @@ def main():
         dispatch()
         experts()
         combine()
+
+    if silu_rows is not None:
+        # The Triton experts against torch's ops on one step's filled rows.
+        with torch.no_grad():
+            dispatch()
+            d = state["d"]
+            e = d.row_experts()
+            want = torch.nn.functional.silu(d.rows.float()) * scale.float()[e.clamp(min=0)][:, None]
+            state["h"] = silu_rows(d, scale)
+            filled = e >= 0
+            torch.testing.assert_close(
+                state["h"][filled].float(), want[filled], rtol=2e-2, atol=2e-2
+            )
+            combine()
 
     if a.graph:
         if not cuda:
@@ -101,6 +130,38 @@ def main():
             )
     g.close()
     dist.destroy_process_group()
+
+
+def triton_silu_scale():
+    """`silu(rows) * scale[expert]` as one Triton kernel over the rows
+    dispatch filled (their count read on the device: no wait on the host,
+    CUDA-graph safe); None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(rows, out, row_expert, scale, hidden, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        e = tl.load(row_expert + r)
+        if e >= 0:
+            s = tl.load(scale + e).to(tl.float32)
+            for c in range(0, hidden, BLOCK):
+                i = c + tl.arange(0, BLOCK)
+                m = i < hidden
+                x = tl.load(rows + r.to(tl.int64) * hidden + i, mask=m).to(tl.float32)
+                y = x / (1.0 + tl.exp(-x)) * s
+                tl.store(out + r.to(tl.int64) * hidden + i, y.to(out.dtype.element_ty), mask=m)
+
+    def run(d, scale):
+        out = torch.empty_like(d.rows)
+        n, hidden = d.rows.shape
+        kernel[(n,)](d.rows, out, d.row_experts(), scale, hidden, BLOCK=1024)
+        return out
+
+    return run
 
 
 def rounds(a, cuda, before, fn, after):
