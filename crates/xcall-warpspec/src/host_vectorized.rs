@@ -201,15 +201,34 @@ mod tests {
             .cycle()
             .take(2 * SCALED_TABLE_FROM * 2 + 6)
             .collect();
-        for (x, scale) in [(&every[..4000], 0.75f32), (&long[..], -3.5)] {
-            let mut out = vec![0xa5u8; x.len()];
-            vectorized(codec, &[x], &mut out, Block::SiluBf16(scale));
+        // Also from an odd byte: the rows' bytes need not be aligned for
+        // a u16.
+        let padded: Vec<u8> = std::iter::once(0x5a).chain(long.iter().copied()).collect();
+        let odd = &padded[(padded.as_ptr() as usize + 1) % 2..][..long.len()];
+        assert_eq!(odd.as_ptr() as usize % 2, 1);
+        let cases = [
+            (&every[..4000], 0.75f32, 0),
+            (&long[..], -3.5, 0),
+            (odd, 1.25, 0),
+            (odd, 1.25, 1),
+            (&long[..], 2.0, 1),
+        ];
+        for (x, scale, odd_out) in cases {
+            // The output starts at an even byte, or an odd one.
+            let mut buf = vec![0xa5u8; x.len() + 2];
+            let at = (buf.as_ptr() as usize + odd_out) % 2;
+            let out = &mut buf[at..at + x.len()];
+            vectorized(codec, &[x], out, Block::SiluBf16(scale));
             let mut want = vec![0u8; x.len()];
             for (i, b) in x.chunks_exact(2).enumerate() {
                 let h = u16::from_le_bytes([b[0], b[1]]);
                 codec.store(&mut want, i, table[h as usize] * scale);
             }
-            assert!(out == want, "{} elements: the paths differ", x.len() / 2);
+            assert!(
+                *out == want[..],
+                "{} elements (output odd: {odd_out}): the paths differ",
+                x.len() / 2
+            );
         }
     }
 
