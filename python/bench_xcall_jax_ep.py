@@ -55,14 +55,49 @@ def experts(rows, expert, scale):
     return (jax.nn.silu(rows.astype(jnp.float32)) * scale[expert][:, None]).astype(rows.dtype)
 
 
-def xcall_layer(mesh, e, pes, capacity=0):
+def pallas_experts(rows, local_expert, scale, interpret=False):
+    """silu(rows) * scale[expert] as one Pallas kernel that writes only the
+    rows dispatch filled (local_expert >= 0, read on the device); the
+    others are left unwritten (combine never reads them)."""
+    from jax.experimental import pallas as pl
+
+    n, h = rows.shape
+    width = next(b for b in (1024, 512, 256, 128, h) if h % b == 0)
+
+    def kernel(e_ref, s_ref, x_ref, o_ref):
+        e = e_ref[0]
+
+        @pl.when(e >= 0)
+        def _():
+            x = x_ref[...].astype(jnp.float32)
+            o_ref[...] = (x / (1.0 + jnp.exp(-x)) * s_ref[e]).astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(n, h // width),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec(scale.shape, lambda i, j: (0,)),
+            pl.BlockSpec((1, width), lambda i, j: (i, j)),
+        ],
+        out_specs=pl.BlockSpec((1, width), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+        interpret=interpret,
+    )(local_expert, scale, rows)
+
+
+def xcall_layer(mesh, e, pes, capacity=0, pallas=False, interpret=False):
     local = e // pes
 
     def body(x, ids, probs, scale):
         d = xj.ep_dispatch(x, ids, probs, mesh=mesh, num_experts=e, capacity=capacity,
                            zero_unused=False)
         ex = d.row_experts()
-        glob = jax.lax.axis_index(AXIS) * local + jnp.maximum(ex, 0)
+        first = jax.lax.axis_index(AXIS) * local
+        if pallas:
+            mine = jax.lax.dynamic_slice_in_dim(scale, first, local)
+            return xj.ep_combine(pallas_experts(d.rows, ex, mine, interpret), d)
+        glob = first + jnp.maximum(ex, 0)
         # Rows past the counts are never read by combine.
         return xj.ep_combine(experts(d.rows, glob, scale), d)
 
@@ -145,6 +180,9 @@ def main():
                     help="0: dropless (the experts' op runs over the worst-case rows); "
                     "else a capacity per expert of this times the mean routes")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--pallas-experts", action="store_true",
+                    help="also time the xcall layer with its experts as one Pallas kernel over "
+                    "the filled rows (interpreted on CPU)")
     a = ap.parse_args()
     devices = jax.devices(a.platform)
     pes = len(devices)
@@ -160,14 +198,19 @@ def main():
     scale = jax.device_put(scale, jax.sharding.NamedSharding(mesh, P()))
     cap = int(np.ceil(t * k / e * a.capacity_factor))
 
-    def jit(body):
+    def jit(body, check_vma=True):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(),),
-                                     out_specs=P(AXIS)))
+                                     out_specs=P(AXIS), check_vma=check_vma))
 
     xcap = int(np.ceil(pes * t * k / e * a.xcall_capacity_factor))
     xname = "xcall ep_dispatch/ep_combine" + (f", capacity {xcap}" if xcap else "")
+    interpret = a.platform == "cpu"
+    pallas = [(xname + ", Pallas experts",
+               jit(xcall_layer(mesh, e, pes, xcap, pallas=True, interpret=interpret),
+                   check_vma=False))]
     layers = [
         (xname, jit(xcall_layer(mesh, e, pes, xcap))),
+        *(pallas if a.pallas_experts else []),
         ("jax ragged_all_to_all", jit(ragged_layer(mesh, e, pes))),
         (f"jax all_to_all, capacity {cap}", jit(capacity_layer(mesh, e, pes, cap))),
     ]
@@ -175,7 +218,11 @@ def main():
         every = jit(capacity_layer(mesh, e, pes, t * k))   # no route dropped
         want = np.asarray(every(x, ids_d, probs_d, scale), np.float32)
         dropless = [("xcall ep_dispatch/ep_combine", jit(xcall_layer(mesh, e, pes)))]
-        for name, f in dropless + layers[1:2]:
+        if a.pallas_experts:
+            dropless.append(("xcall, Pallas experts", jit(xcall_layer(
+                mesh, e, pes, pallas=True, interpret=interpret), check_vma=False)))
+        ragged = [layer for layer in layers if layer[0] == "jax ragged_all_to_all"]
+        for name, f in dropless + ragged:
             try:
                 got = np.asarray(f(x, ids_d, probs_d, scale), np.float32)
             except jax.errors.JaxRuntimeError as err:
