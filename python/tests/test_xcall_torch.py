@@ -6,7 +6,6 @@ under torchrun. Without torch the module skips, saying so on stderr."""
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import uuid
@@ -22,6 +21,7 @@ except ImportError:
     pytest.skip("torch is not installed (pip install '.[torch]')", allow_module_level=True)
 
 import xcall
+from torchrun import torchrun
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "torch_ep_worker.py"
@@ -167,79 +167,18 @@ def test_readme_quickstart_runs_under_torchrun(tmp_path):
     assert len(lines) <= 30, f"the PyTorch quickstart has {len(lines)} lines"
     script = tmp_path / "quickstart.py"
     script.write_text(blocks[0])
-    env = env_for()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-    ]
-    # torchrun and its workers in a session of their own: the watchdog
-    # kills them all.
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(
-            f"the quickstart: killed by the watchdog after {WATCHDOG_S} s\n{stdout}{stderr}"
-        )
-    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    out = torchrun(2, [script], env_for(), WATCHDOG_S, "the quickstart")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("quickstart: y right") == 2, out.stdout + out.stderr
 
 
 def test_bench_runs_on_cpu_ranks():
     """python/bench_xcall_torch.py, small, under torchrun with 2 CPU ranks."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(BENCH),
-        "--device",
-        "cpu",
-        "--tokens",
-        "32",
-        "--hidden",
-        "64",
-        "--experts",
-        "4",
-        "--topk",
-        "2",
-        "--rounds",
-        "3",
-        "--warmup",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env=env_for(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the bench: killed by the watchdog after {WATCHDOG_S} s\n{stdout}{stderr}")
-    assert proc.returncode == 0, stdout + stderr
+    args = [BENCH, "--device", "cpu", "--tokens", "32", "--hidden", "64", "--experts", "4"]
+    args += ["--topk", "2", "--rounds", "3", "--warmup", "1"]
+    out = torchrun(2, args, env_for(), WATCHDOG_S, "the bench")
+    stdout, stderr = out.stdout, out.stderr
+    assert out.returncode == 0, stdout + stderr
     assert "xcall.torch on 2 CPU ranks" in stdout, stdout + stderr
     for name in ("step", "dispatch", "combine"):
         assert re.search(rf"^  {name} +median +[0-9.]+ ms", stdout, re.M), stdout

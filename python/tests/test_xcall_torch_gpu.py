@@ -14,8 +14,6 @@ python/tests/torch_ep_worker.py values cuda (with PYTHONPATH=python).
 
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -35,6 +33,7 @@ if GPUS < 2:
     pytest.skip(f"{GPUS} CUDA device(s), 2 needed", allow_module_level=True)
 
 import xcall
+from torchrun import torchrun
 
 WORKER = pathlib.Path(__file__).resolve().parent / "torch_ep_worker.py"
 # Every scenario in one torchrun per GPU count (torch imported once per
@@ -52,36 +51,8 @@ def test_torchrun_one_process_per_gpu(gpus):
     )
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={gpus}",
-        str(WORKER),
-        ",".join(SCENARIOS),
-        "cuda",
-    ]
-    # torchrun and its workers in a session of their own: the watchdog
-    # kills them all.
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=WATCHDOG_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(
-            f"{gpus} GPUs: killed by the watchdog after {WATCHDOG_S} s\n"
-            f"{stdout}{stderr}"
-        )
-    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    args = [WORKER, ",".join(SCENARIOS), "cuda"]
+    out = torchrun(gpus, args, env, WATCHDOG_S, f"{gpus} GPUs")
     log = out.stdout + out.stderr
     assert out.returncode == 0, log
     for scenario in SCENARIOS:
