@@ -3,7 +3,7 @@
 //! processes of their own; while a process's live Host PEs already
 //! outnumber the pool's threads, every core is busy with some PE's work,
 //! and a split only adds hand-offs between threads and wake-ups (measured
-//! on two cores: four PE threads stepped about 1.4x slower through the
+//! on two cores: four PE threads stepped about 1.3x slower through the
 //! pool than each on its own thread, two about 1.25x faster through it).
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -12,8 +12,10 @@ const TOKENS_PER_TASK: usize = 32;
 /// Host PEs reach a phase at different times: the pool keeps every core
 /// busy with whichever PEs' tokens are left, one thread per core. Where
 /// this process's Host PEs outnumber the pool's threads, each PE runs its
-/// tokens on its own thread ([`split_over_pool`](xcall_core::host_pool::split_over_pool)). Each token's work is the same as
-/// in a plain loop, so results do not depend on the split.
+/// tokens on its own thread
+/// ([`split_over_pool`](xcall_core::host_pool::split_over_pool)). Each
+/// token's work is the same as in a plain loop, so results do not depend
+/// on the split.
 pub(crate) fn par_tokens(n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     use rayon::prelude::*;
     if n <= TOKENS_PER_TASK || !xcall_core::host_pool::split_over_pool(rayon::current_num_threads())
