@@ -5,7 +5,7 @@
 //! Every element takes the f32 operations and the rounding of the pipeline
 //! model, so both write the same bytes.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use xcall_core::{bf16_bits, DType, FloatCodec};
 
@@ -82,6 +82,36 @@ fn silu_bf16_scaled(scale: f32) -> Box<ScaledTable> {
     t
 }
 
+/// Scaled tables kept for reuse, at most (128 KiB each): an MoE layer
+/// calls silu with each local expert's scale at every step.
+const SCALED_KEPT: usize = 16;
+
+/// [`silu_bf16_scaled`] of `scale`, made once and kept among the last
+/// [`SCALED_KEPT`] scales' (the lock is held only to look up or insert;
+/// a table is made outside it).
+fn silu_bf16_scaled_kept(scale: f32) -> Arc<ScaledTable> {
+    static KEPT: Mutex<Vec<(u32, Arc<ScaledTable>)>> = Mutex::new(Vec::new());
+    let key = scale.to_bits();
+    let found = KEPT
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, t)| Arc::clone(t));
+    if let Some(t) = found {
+        return t;
+    }
+    let made: Arc<ScaledTable> = Arc::from(silu_bf16_scaled(scale));
+    let mut kept = KEPT.lock().unwrap_or_else(PoisonError::into_inner);
+    if !kept.iter().any(|(k, _)| *k == key) {
+        if kept.len() >= SCALED_KEPT {
+            kept.remove(0);
+        }
+        kept.push((key, Arc::clone(&made)));
+    }
+    made
+}
+
 /// `out = silu(x) * scale` over bf16 bytes: each input's bits look up
 /// [`silu_bf16_table`], the product rounds as [`bf16_bits`] does, or
 /// look up `scaled`, those results for `scale` tabulated.
@@ -155,9 +185,11 @@ pub(crate) fn vectorized(codec: FloatCodec, inputs: &[&[u8]], out: &mut [u8], bl
     let size = codec.dtype().size_bytes();
     let elements = out.len() / size;
     // A long bf16 silu looks its results up in a table for its scale,
-    // made once for every range.
+    // one for every range, kept for the next calls with that scale.
     let scaled = match block {
-        Block::SiluBf16(scale) if elements >= SCALED_TABLE_FROM => Some(silu_bf16_scaled(scale)),
+        Block::SiluBf16(scale) if elements >= SCALED_TABLE_FROM => {
+            Some(silu_bf16_scaled_kept(scale))
+        }
         _ => None,
     };
     let range = |first: usize, ins: &[&[u8]], range: &mut [u8]| match block {
@@ -230,6 +262,27 @@ mod tests {
                 x.len() / 2
             );
         }
+    }
+
+    /// A scale's table is made once and kept for the next calls (the same
+    /// table, the same bytes as a fresh one) until [`SCALED_KEPT`] other
+    /// scales came after it.
+    #[test]
+    fn scaled_tables_are_kept_for_the_last_scales() {
+        // Scales no other test uses.
+        let first = silu_bf16_scaled_kept(1001.5);
+        assert!(Arc::ptr_eq(&first, &silu_bf16_scaled_kept(1001.5)));
+        assert!(first[..] == silu_bf16_scaled(1001.5)[..]);
+        for i in 0..SCALED_KEPT {
+            let other = silu_bf16_scaled_kept(2000.0 + i as f32);
+            assert!(!Arc::ptr_eq(&first, &other));
+        }
+        let again = silu_bf16_scaled_kept(1001.5);
+        assert!(
+            !Arc::ptr_eq(&first, &again),
+            "kept past {SCALED_KEPT} other scales"
+        );
+        assert!(again[..] == first[..]);
     }
 
     /// A buffer cut into ranges on the pool: every element computed once,
