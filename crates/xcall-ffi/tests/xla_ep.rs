@@ -142,27 +142,12 @@ fn host_handlers_dispatch_combine_and_backward_on_two_pes() {
             ("group", Attr::I64(id as i64)),
             ("zero_unused", Attr::Pred(true)),
         ];
-        let (mut x, mut ids, mut probs) = inputs(rank);
+        let (mut x, _, mut probs) = inputs(rank);
         let mut r = rank as i32;
         let mut out = vec![f32::NAN; rows * H];
         let mut tpe = vec![-1i64; E / 2];
         let mut routing = vec![0u8; bytes as usize];
-        let mut f = frame(
-            api(),
-            vec![
-                buf(dtype::F32, ptr(&mut x), &[T as i64, H as i64]),
-                buf(dtype::S32, ptr(&mut ids), &[T as i64, K as i64]),
-                buf(dtype::F32, ptr(&mut probs), &[T as i64, K as i64]),
-                scalar(&mut r),
-            ],
-            vec![
-                buf(dtype::F32, ptr(&mut out), &[rows as i64, H as i64]),
-                buf(dtype::S64, ptr(&mut tpe), &[(E / 2) as i64]),
-                buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
-            ],
-            &attrs,
-        );
-        call(xcall_xla_ep_dispatch_host, &mut f).unwrap();
+        dispatch_into(id, rank, &mut out, &mut tpe, &mut routing).unwrap();
         // Expert l of this PE gets every route of both PEs to it.
         for (l, n) in tpe.iter().enumerate() {
             let e = (rank * E / 2 + l) as i32;
@@ -302,12 +287,23 @@ fn host_handlers_dispatch_combine_and_backward_on_two_pes() {
 
 /// One PE's dispatch through the Host handler (its own inputs).
 fn dispatch_pe(id: u64, bytes: u64, rank: usize) -> Result<(), (u32, String)> {
-    let rows = 2 * T * K;
-    let (mut x, mut ids, mut probs) = inputs(rank);
-    let mut r = rank as i32;
-    let mut out = vec![0f32; rows * H];
+    let mut out = vec![0f32; 2 * T * K * H];
     let mut tpe = vec![0i64; E / 2];
     let mut routing = vec![0u8; bytes as usize];
+    dispatch_into(id, rank, &mut out, &mut tpe, &mut routing)
+}
+
+/// PE `rank`'s dispatch of its own inputs through the Host handler into
+/// `out` (`[2 T K, H]`, the dropless rows), `tpe` and `routing`.
+fn dispatch_into(
+    id: u64,
+    rank: usize,
+    out: &mut [f32],
+    tpe: &mut [i64],
+    routing: &mut [u8],
+) -> Result<(), (u32, String)> {
+    let (mut x, mut ids, mut probs) = inputs(rank);
+    let mut r = rank as i32;
     let mut f = frame(
         fake_api(API_SIZE_DEVICE_ORDINAL_GET),
         vec![
@@ -317,9 +313,9 @@ fn dispatch_pe(id: u64, bytes: u64, rank: usize) -> Result<(), (u32, String)> {
             scalar(&mut r),
         ],
         vec![
-            buf(dtype::F32, ptr(&mut out), &[rows as i64, H as i64]),
-            buf(dtype::S64, ptr(&mut tpe), &[(E / 2) as i64]),
-            buf(dtype::U8, ptr(&mut routing), &[bytes as i64]),
+            buf(dtype::F32, ptr(out), &[(out.len() / H) as i64, H as i64]),
+            buf(dtype::S64, ptr(tpe), &[tpe.len() as i64]),
+            buf(dtype::U8, ptr(routing), &[routing.len() as i64]),
         ],
         &[
             ("group", Attr::I64(id as i64)),
