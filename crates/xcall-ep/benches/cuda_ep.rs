@@ -3,7 +3,8 @@
 //! tokens per GPU, H = 7168, E = 256, top-8; bf16 and FP8 dispatch; all
 //! SMs and a 24-SM budget), the decode shape (T = 128) and the default
 //! shape of `xcall moe` (T = 8192, H = 4096, E = 8, top-2), uniform random
-//! routing, fresh random data.
+//! routing, fresh random data. The decode cases run the low-latency
+//! kernels (the default at T <= 256) and, beside them, the steps.
 //!
 //! Per case: eager dispatch and combine, each timed with CUDA events on
 //! every GPU (median of 100 after 20 warm-up rounds; bf16 tokens are
@@ -26,7 +27,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use xcall_core::cuda::{Event, RawStream, Stream};
 use xcall_core::testing::{capture_graph, cuda_devices_or_skip, run_threads, XorShift};
 use xcall_core::Device;
-use xcall_ep::{Buf, EpConfig, EpGroup, ExpertMajor, Precision};
+use xcall_ep::{Buf, EpConfig, EpGroup, EpKernels, ExpertMajor, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 const WARMUP: usize = 20;
@@ -69,6 +70,31 @@ fn cases() -> Vec<Case> {
         Case {
             name: "decode T=128 bf16",
             config: EpConfig::new(128, 7168, 8, 256),
+        },
+        Case {
+            name: "decode T=128 bf16 steps",
+            config: EpConfig {
+                kernels: EpKernels::Steps,
+                ..EpConfig::new(128, 7168, 8, 256)
+            },
+        },
+        Case {
+            name: "decode T=128 fp8",
+            config: EpConfig {
+                precision: Precision::Fp8Dispatch,
+                ..EpConfig::new(128, 7168, 8, 256)
+            },
+        },
+        Case {
+            name: "decode T=16 bf16",
+            config: EpConfig::new(16, 7168, 8, 256),
+        },
+        Case {
+            name: "decode T=16 bf16 steps",
+            config: EpConfig {
+                kernels: EpKernels::Steps,
+                ..EpConfig::new(16, 7168, 8, 256)
+            },
         },
         Case {
             name: "default shape bf16",

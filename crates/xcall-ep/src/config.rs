@@ -17,6 +17,15 @@ pub const MAX_TOPK: usize = 32;
 pub const FP8_BLOCK: usize = 128;
 /// Largest finite e4m3 magnitude: a block's largest magnitude maps to it.
 pub const FP8_MAX: f32 = 448.0;
+/// The most tokens per PE of a group that may run the low-latency
+/// kernels ([`EpKernels::LowLatency`]).
+pub const LL_MAX_TOKENS: usize = 1024;
+/// The most tokens per PE for which [`EpKernels::Auto`] picks the
+/// low-latency kernels (decode).
+pub const LL_AUTO_TOKENS: usize = 256;
+/// The most experts of a group that may run the low-latency kernels (each
+/// block keeps a table of them in shared memory).
+pub const LL_MAX_EXPERTS: usize = 2048;
 /// Tokens per tile of the layout pass (rows of one sender that one warp
 /// of the counting and assigning kernels walks in order).
 pub const TILE_TOKENS: usize = 16;
@@ -83,6 +92,41 @@ pub enum Capacity {
     PerExpert(usize),
 }
 
+/// Which CUDA kernels carry a dispatch and a combine. Every choice writes
+/// the same bytes; on Host, and on one PE, the steps run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EpKernels {
+    /// The low-latency kernels for groups of at most [`LL_AUTO_TOKENS`]
+    /// tokens per PE and [`LL_MAX_EXPERTS`] experts on two PEs or more,
+    /// the steps otherwise.
+    #[default]
+    Auto,
+    /// A kernel per step (publish, push, signal, count, scan, assign,
+    /// copy; reduce, signal, gather): dispatch can be split
+    /// ([`crate::EpGroup::dispatch_send`]) and the steps profiled one by
+    /// one.
+    Steps,
+    /// One kernel for a whole dispatch and one for a whole combine, one
+    /// block per SM of the budget, meeting at grid-wide barriers (every
+    /// block resident at once: a device shared with kernels that hold
+    /// SMs for long delays them, and an SM limit below the budget times
+    /// them out). For at most [`LL_MAX_TOKENS`] tokens per PE and
+    /// [`LL_MAX_EXPERTS`] experts. `dispatch_send` and `dispatch_recv`
+    /// still run the steps.
+    LowLatency,
+}
+
+impl EpKernels {
+    /// The name flags and reports use: `auto`, `steps`, `low-latency`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EpKernels::Auto => "auto",
+            EpKernels::Steps => "steps",
+            EpKernels::LowLatency => "low-latency",
+        }
+    }
+}
+
 /// The shape of an expert-parallel group; the same on every PE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EpConfig {
@@ -106,6 +150,8 @@ pub struct EpConfig {
     /// Streaming multiprocessors the exchange kernels (the ones that read
     /// peers' memory) may occupy on CUDA; 0: as many as help.
     pub num_sms: usize,
+    /// Which CUDA kernels run the calls.
+    pub kernels: EpKernels,
 }
 
 impl EpConfig {
@@ -120,7 +166,19 @@ impl EpConfig {
             align: 1,
             capacity: Capacity::Dropless,
             num_sms: 0,
+            kernels: EpKernels::Auto,
         }
+    }
+
+    /// Whether the low-latency kernels may run this group: the chosen
+    /// kernels and the group's size (the PE count aside).
+    pub fn low_latency_fits(&self) -> bool {
+        let limit = match self.kernels {
+            EpKernels::Steps => return false,
+            EpKernels::Auto => LL_AUTO_TOKENS,
+            EpKernels::LowLatency => LL_MAX_TOKENS,
+        };
+        self.tokens <= limit && self.experts <= LL_MAX_EXPERTS
     }
 
     /// The buffers of this group on `pes` PEs, after checking the shape.
@@ -197,6 +255,10 @@ pub struct Offsets {
     pub expert_start: usize,
     /// `[P]` i32: the tokens each sender published this dispatch.
     pub sent: usize,
+    /// `[P, T, k]` i32, groups the low-latency kernels may run (else
+    /// empty): each received route's rank among its sender's routes to
+    /// its expert (token order), stored here by the sender.
+    pub ll_rank: usize,
 }
 
 /// Index of each u64 in [`Offsets::words`].
@@ -209,8 +271,12 @@ pub(crate) mod word {
     pub const ERROR: usize = 2;
     /// Routes dropped by the capacity, summed over calls.
     pub const DROPPED: usize = 3;
+    /// Arrivals at the low-latency kernels' grid-wide barriers (only
+    /// `kernels.cu` touches it).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub const BAR: usize = 4;
     /// Words in all.
-    pub const COUNT: usize = 4;
+    pub const COUNT: usize = 5;
 }
 
 fn too_big(what: &str) -> EpError {
@@ -263,6 +329,15 @@ impl Layout {
             return bad(format!(
                 "FP8 dispatch scales blocks of {FP8_BLOCK} elements; hidden {} is not a multiple",
                 c.hidden
+            ));
+        }
+        if c.kernels == EpKernels::LowLatency
+            && (c.tokens > LL_MAX_TOKENS || c.experts > LL_MAX_EXPERTS)
+        {
+            return bad(format!(
+                "the low-latency kernels take at most {LL_MAX_TOKENS} tokens per PE and \
+                 {LL_MAX_EXPERTS} experts (got {} and {})",
+                c.tokens, c.experts
             ));
         }
         let l = c.experts / pes;
@@ -337,6 +412,7 @@ impl Layout {
         at.tile_counts = place(mul(tiles, l * 4, "tile counts")?)?;
         at.expert_start = place(l * 8)?;
         at.sent = place(pes * 4)?;
+        at.ll_rank = place(if c.low_latency_fits() { routes * 4 } else { 0 })?;
         let heap_bytes = place(0)?;
         Ok(Layout {
             pes,
@@ -412,6 +488,7 @@ mod tests {
             a.tile_counts,
             a.expert_start,
             a.sent,
+            a.ll_rank,
             l.heap_bytes,
         ];
         assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
@@ -425,6 +502,45 @@ mod tests {
         assert!(a.grad_probs - a.recv_scales >= 3 * 100 * 2 * 4);
         assert!(a.tile_counts < a.expert_start);
         assert_eq!(l.tiles, 3 * 100usize.div_ceil(TILE_TOKENS));
+    }
+
+    /// Auto takes the low-latency kernels up to 256 tokens per PE, a
+    /// forced choice up to 1024, neither past 2048 experts; a forced one
+    /// past its limits is refused by name; only groups that may run them
+    /// carry the ranks' part.
+    #[test]
+    fn the_low_latency_kernels_fit_decode_sized_groups() {
+        let at = |tokens, experts, kernels| EpConfig {
+            kernels,
+            ..EpConfig::new(tokens, 16, 2, experts)
+        };
+        for (tokens, experts, kernels, fits) in [
+            (256, 2048, EpKernels::Auto, true),
+            (257, 8, EpKernels::Auto, false),
+            (8, 2050, EpKernels::Auto, false),
+            (1024, 2048, EpKernels::LowLatency, true),
+            (8, 8, EpKernels::Steps, false),
+        ] {
+            let c = at(tokens, experts, kernels);
+            assert_eq!(c.low_latency_fits(), fits, "{c:?}");
+            let l = c.layout(2).unwrap();
+            let ranks = l.heap_bytes - l.at.ll_rank;
+            assert_eq!(ranks, if fits { 2 * tokens * 2 * 4 } else { 0 }, "{c:?}");
+        }
+        for (tokens, experts) in [(1025, 8), (8, 2050)] {
+            let e = at(tokens, experts, EpKernels::LowLatency)
+                .layout(2)
+                .unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("low-latency kernels take at most 1024"),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            [EpKernels::Auto, EpKernels::Steps, EpKernels::LowLatency].map(EpKernels::name),
+            ["auto", "steps", "low-latency"]
+        );
     }
 
     #[test]

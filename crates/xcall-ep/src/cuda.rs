@@ -39,10 +39,14 @@ pub(crate) enum Step {
     GatherSum,
     ScatterGrad,
     GatherProbs,
+    /// A whole dispatch (the low-latency kernels).
+    LlDispatch,
+    /// A whole combine (the low-latency kernels).
+    LlCombine,
 }
 
 impl Step {
-    const ALL: [Step; 12] = [
+    const ALL: [Step; 14] = [
         Step::Publish,
         Step::Push,
         Step::Signal,
@@ -55,6 +59,8 @@ impl Step {
         Step::GatherSum,
         Step::ScatterGrad,
         Step::GatherProbs,
+        Step::LlDispatch,
+        Step::LlCombine,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -71,6 +77,8 @@ impl Step {
             Step::GatherSum => "ep_gather_sum",
             Step::ScatterGrad => "ep_scatter_grad",
             Step::GatherProbs => "ep_gather_probs",
+            Step::LlDispatch => "ep_ll_dispatch",
+            Step::LlCombine => "ep_ll_combine",
         }
     }
 
@@ -82,6 +90,13 @@ impl Step {
             self,
             Step::Count | Step::GatherSum | Step::ScatterGrad | Step::GatherProbs
         )
+    }
+
+    /// Whether the kernel runs one block per SM, every block resident at
+    /// once (it meets at grid-wide barriers).
+    #[cfg(test)]
+    fn one_block_per_sm(self) -> bool {
+        matches!(self, Step::LlDispatch | Step::LlCombine)
     }
 
     /// (blocks, threads) for the parameters `p` on a device of `sms` SMs.
@@ -102,6 +117,12 @@ impl Step {
                 ((p.n * p.topk + 255) / 256).clamp(1, 4 * sms as i64) as u32,
                 256,
             ),
+            // One block per SM of the budget (exchange_blocks is two per
+            // SM), each alone on its SM (`__launch_bounds__(512, 1)`), so
+            // every block is resident at once for the grid-wide barriers.
+            Step::LlDispatch | Step::LlCombine => {
+                ((p.exchange_blocks / 2).clamp(1, sms as i64) as u32, 512)
+            }
         }
     }
 }
@@ -224,12 +245,33 @@ mod tests {
         }
     }
 
+    /// The words' indices in `kernels.cu` are [`crate::config::word`]'s.
+    #[test]
+    fn the_kernels_name_the_words_where_the_group_keeps_them() {
+        use crate::config::word;
+        for (name, at) in [
+            ("TOKENS", word::TOKENS),
+            ("EPOCH", word::EPOCH),
+            ("ERROR", word::ERROR),
+            ("DROPPED", word::DROPPED),
+            ("BAR", word::BAR),
+        ] {
+            assert!(
+                SOURCE.contains(&format!("#define EP_WORD_{name} {at}\n")),
+                "EP_WORD_{name}"
+            );
+        }
+        assert_eq!(word::COUNT, 5);
+    }
+
     #[test]
     fn each_kernel_takes_the_record_and_reads_only_its_fields() {
         assert_eq!(EpParams::check_reads(SOURCE), Ok(()));
         for s in Step::ALL {
+            let bounded = format!("void __launch_bounds__(512, 1) {}(EpParams p)", s.name());
             assert!(
-                SOURCE.contains(&format!("void {}(EpParams p)", s.name())),
+                SOURCE.contains(&format!("void {}(EpParams p)", s.name()))
+                    || (s.one_block_per_sm() && SOURCE.contains(&bounded)),
                 "{}",
                 s.name()
             );

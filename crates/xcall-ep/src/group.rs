@@ -82,6 +82,8 @@ pub struct EpGroup {
     pub(crate) kernels: Option<Arc<Kernels>>,
     exchange_blocks: u32,
     sms_used: usize,
+    /// Whether dispatch and combine run the low-latency kernels.
+    low_latency: bool,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
@@ -188,6 +190,7 @@ impl EpGroup {
             base,
             timeout: world.timeout()?,
             exchange_blocks: (2 * sms_used).max(1) as u32,
+            low_latency: kernels.is_some() && pes > 1 && config.low_latency_fits(),
             kernels,
             sms_used,
             last: None,
@@ -216,6 +219,14 @@ impl EpGroup {
     /// Host).
     pub fn sms_used(&self) -> usize {
         self.sms_used
+    }
+
+    /// Whether [`EpGroup::dispatch`] and [`EpGroup::combine`] (and
+    /// `dispatch_backward`) run the low-latency kernels: CUDA, two PEs or
+    /// more, and a size [`EpConfig::kernels`] lets them run (see
+    /// [`crate::EpKernels`]).
+    pub fn low_latency(&self) -> bool {
+        self.low_latency
     }
 
     /// Bytes of the caller's expert-major rows buffer
@@ -273,6 +284,7 @@ impl EpGroup {
             off_tile_counts: at.tile_counts as i64,
             off_expert_start: at.expert_start as i64,
             off_sent: at.sent as i64,
+            off_ll_rank: at.ll_rank as i64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             exchange_blocks: self.exchange_blocks as i64,
             ..EpParams::default()
@@ -320,6 +332,14 @@ impl EpGroup {
                         Step::GatherSum => host::gather_sum(p),
                         Step::ScatterGrad => host_grad::scatter_grad(p),
                         Step::GatherProbs => host_grad::gather_probs(p),
+                        // Host groups run the steps (`low_latency` is
+                        // false there).
+                        Step::LlDispatch | Step::LlCombine => {
+                            return Err(EpError::State(format!(
+                                "{} is a CUDA kernel; a Host group runs the steps",
+                                step.name()
+                            )))
+                        }
                     }
                 },
             }
@@ -381,11 +401,31 @@ impl EpGroup {
     ) -> Result<()> {
         self.not_pending("dispatch")?;
         self.check_out(out)?;
-        // SAFETY: the caller's contract, passed on.
-        unsafe {
-            self.dispatch_send(x, ids, probs, tokens, stream)?;
-            self.dispatch_recv(out, stream)
+        if !self.low_latency {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe {
+                self.dispatch_send(x, ids, probs, tokens, stream)?;
+                self.dispatch_recv(out, stream)
+            };
         }
+        let p = EpParams {
+            out: out.rows.addr,
+            out_scales: out.scales.addr,
+            out_bf16: out.rows_bf16.addr,
+            tokens_per_expert: out.tokens_per_expert.addr,
+            padded_per_expert: out.padded_per_expert.addr,
+            expert_offsets: out.offsets.addr,
+            ..self.send_params(x, ids, probs, tokens)?
+        };
+        // SAFETY: as dispatch_send and dispatch_recv: the addresses were
+        // checked against the sizes the kernel uses.
+        unsafe {
+            self.fence(Part::Send, stream)?;
+            self.run(&[Step::LlDispatch], &p, stream)?;
+        }
+        self.last = Some(Part::Send);
+        self.dispatched = Some(tokens);
+        Ok(())
     }
 
     fn check_out(&self, out: &ExpertMajor) -> Result<()> {
@@ -437,6 +477,25 @@ impl EpGroup {
         stream: *mut c_void,
     ) -> Result<()> {
         self.not_pending("dispatch_send")?;
+        let p = self.send_params(x, ids, probs, tokens)?;
+        // SAFETY: the addresses were checked against the sizes the steps
+        // use; the rest is the caller's contract and the group's layout.
+        let replaced = unsafe {
+            self.fence(Part::Send, stream)?;
+            // One PE has no peer to push to or announce to.
+            let steps: &[Step] = match self.layout.pes {
+                1 => &[Step::Publish],
+                _ => &[Step::Publish, Step::Push, Step::Signal],
+            };
+            self.run(steps, &p, stream)?
+        };
+        self.last = Some(Part::Send);
+        self.pending = Some((x, tokens, replaced));
+        Ok(())
+    }
+
+    /// The parameters of a dispatch's sending half, its buffers checked.
+    fn send_params(&self, x: Buf, ids: Buf, probs: Buf, tokens: usize) -> Result<EpParams> {
         let c = self.config;
         if tokens > c.tokens {
             return Err(EpError::InvalidArgument(format!(
@@ -459,28 +518,14 @@ impl EpGroup {
         }
         need("ids", ids, tokens * c.topk * 4, 4)?;
         need("probs", probs, tokens * c.topk * 4, 4)?;
-        let p = EpParams {
+        Ok(EpParams {
             n: tokens as i64,
             src: x.addr,
             src_ids: ids.addr,
             src_probs: probs.addr,
             wire: 1,
             ..self.params()
-        };
-        // SAFETY: the addresses were checked against the sizes the steps
-        // use; the rest is the caller's contract and the group's layout.
-        let replaced = unsafe {
-            self.fence(Part::Send, stream)?;
-            // One PE has no peer to push to or announce to.
-            let steps: &[Step] = match self.layout.pes {
-                1 => &[Step::Publish],
-                _ => &[Step::Publish, Step::Push, Step::Signal],
-            };
-            self.run(steps, &p, stream)?
-        };
-        self.last = Some(Part::Send);
-        self.pending = Some((x, tokens, replaced));
-        Ok(())
+        })
     }
 
     /// The second half of [`EpGroup::dispatch`]: waits for every PE's
@@ -596,8 +641,9 @@ impl EpGroup {
         unsafe {
             self.fence(Part::Partial, stream)?;
             // One PE's sums are its outputs (see `host::reduce`).
-            let steps: &[Step] = match self.layout.pes {
-                1 => &[Step::Reduce],
+            let steps: &[Step] = match (self.layout.pes, self.low_latency) {
+                (1, _) => &[Step::Reduce],
+                (_, true) => &[Step::LlCombine],
                 _ => &[Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum],
             };
             self.run(steps, &p, stream)?;

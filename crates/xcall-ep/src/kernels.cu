@@ -17,6 +17,7 @@
 #define EP_WORD_EPOCH 1
 #define EP_WORD_ERROR 2
 #define EP_WORD_DROPPED 3
+#define EP_WORD_BAR 4
 // The exchange kernels work on items of one token's 32 * EP_UNROLL
 // 16-byte chunks: a warp per item, EP_UNROLL chunks per lane in flight.
 #define EP_UNROLL 4
@@ -64,11 +65,13 @@ __device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) 
     atomicCAS(ep_words(p) + EP_WORD_ERROR, 0ull, (kind << 32) | (u64)(rank + 1));
 }
 
+__device__ void ep_publish_routing(const EpParams &p);
+
 // publish: the rows peers read from the send buffer (FP8: quantized
 // there, one block per row; combine_backward: the output gradient, which
 // peers pull), then the routing, one warp per token (lane j: slot j).
-extern "C" __global__ void ep_publish(EpParams p) {
-    const i64 h = p.hidden, n = p.n, k = p.topk;
+__device__ void ep_publish_body(const EpParams &p) {
+    const i64 h = p.hidden, n = p.n;
     const bool fp8 = p.wire && p.precision == 2;
     const int elem = p.precision == 0 ? 4 : 2;
     unsigned char *send = p.base + p.off_send;
@@ -103,7 +106,15 @@ extern "C" __global__ void ep_publish(EpParams p) {
             for (i64 c = threadIdx.x; c < h * elem / 16; c += blockDim.x) d[c] = s[c];
         }
     }
-    if (p.src_ids == 0) return;
+    if (p.src_ids != 0) ep_publish_routing(p);
+}
+extern "C" __global__ void ep_publish(EpParams p) { ep_publish_body(p); }
+
+// The routing part of publish: one warp per token (lane j: slot j); ids
+// outside -1..E or repeated within a token become -1 (and an error); then
+// the count peers read.
+__device__ void ep_publish_routing(const EpParams &p) {
+    const i64 n = p.n, k = p.topk;
     int *ids = (int *)(p.base + p.off_ids);
     float *probs = (float *)(p.base + p.off_probs);
     const int lane = threadIdx.x % 32;
@@ -123,51 +134,61 @@ extern "C" __global__ void ep_publish(EpParams p) {
     if (blockIdx.x == 0 && threadIdx.x == 0) ep_words(p)[EP_WORD_TOKENS] = (u64)n;
 }
 
-// push: per item of one of this PE's tokens (a 32 * EP_UNROLL-chunk
-// slice), the rows (FP8: and scales) stored once into the receive rows of
-// each other PE hosting one of its experts.
-extern "C" __global__ void ep_push(EpParams p) {
-    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+// One item of push: slice `grp` of this PE's token t (its rows, FP8: and
+// scales) stored once into the receive rows of each other PE hosting one
+// of its experts.
+__device__ __forceinline__ void ep_push_item(const EpParams &p, i64 t, i64 grp) {
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
     const bool fp8 = p.precision == 2;
     const int elem = p.precision == 0 ? 4 : 2;
     const i64 wire_row = fp8 ? h : h * elem;
     const i64 chunks = wire_row / 16;
-    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
     const int *ids = (const int *)(p.base + p.off_ids);
     const unsigned char *src = fp8 ? p.base + p.off_send : p.src;
-    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps) {
-        const i64 t = item / groups, grp = item % groups;
-        const int id = lane < k ? ids[t * k + lane] : -1;
-        u64 mask = id >= 0 && id < p.experts ? 1ull << (id / p.local_experts) : 0ull;
-        for (int o = 16; o > 0; o /= 2) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
-        mask &= ~(1ull << p.rank);
-        if (mask == 0) continue;
-        const i64 c0 = grp * 32 * EP_UNROLL + lane;
-        const uint4 *row = (const uint4 *)(src + t * wire_row);
-        uint4 v[EP_UNROLL];
+    const int id = lane < k ? ids[t * k + lane] : -1;
+    u64 mask = id >= 0 && id < p.experts ? 1ull << (id / p.local_experts) : 0ull;
+    for (int o = 16; o > 0; o /= 2) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
+    mask &= ~(1ull << p.rank);
+    if (mask == 0) return;
+    const i64 c0 = grp * 32 * EP_UNROLL + lane;
+    const uint4 *row = (const uint4 *)(src + t * wire_row);
+    uint4 v[EP_UNROLL];
+#pragma unroll
+    for (int u = 0; u < EP_UNROLL; ++u)
+        if (c0 + 32 * u < chunks) v[u] = row[c0 + 32 * u];
+    const i64 blocks = h / EP_FP8_BLOCK;
+    // Each PE starts with the next rank up, so the PEs' stores spread
+    // over the destinations.
+    const u64 rot = ((p.rank + 1 < 64 ? mask >> (p.rank + 1) : 0ull) | (mask << (p.pes - p.rank - 1))) & (p.pes == 64 ? ~0ull : (1ull << p.pes) - 1);
+    for (u64 m = rot; m; m &= m - 1) {
+        const int q = (int)((__ffsll((long long)m) - 1 + p.rank + 1) % p.pes);
+        uint4 *d = (uint4 *)(ep_at(p, q, p.off_recv) + ((i64)p.rank * T + t) * wire_row);
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u)
-            if (c0 + 32 * u < chunks) v[u] = row[c0 + 32 * u];
-        const i64 blocks = h / EP_FP8_BLOCK;
-        // Each PE starts with the next rank up, so the PEs' stores spread
-        // over the destinations.
-        const u64 rot = ((p.rank + 1 < 64 ? mask >> (p.rank + 1) : 0ull) | (mask << (p.pes - p.rank - 1))) & (p.pes == 64 ? ~0ull : (1ull << p.pes) - 1);
-        for (u64 m = rot; m; m &= m - 1) {
-            const int q = (int)((__ffsll((long long)m) - 1 + p.rank + 1) % p.pes);
-            uint4 *d = (uint4 *)(ep_at(p, q, p.off_recv) + ((i64)p.rank * T + t) * wire_row);
-#pragma unroll
-            for (int u = 0; u < EP_UNROLL; ++u)
-                if (c0 + 32 * u < chunks) d[c0 + 32 * u] = v[u];
-            if (fp8) {
-                const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
-                const float *sc = (const float *)(p.base + p.off_send_scales) + t * blocks;
-                float *ds = (float *)(ep_at(p, q, p.off_recv_scales)) + ((i64)p.rank * T + t) * blocks;
-                for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) ds[b] = sc[b];
-            }
+            if (c0 + 32 * u < chunks) d[c0 + 32 * u] = v[u];
+        if (fp8) {
+            const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
+            const float *sc = (const float *)(p.base + p.off_send_scales) + t * blocks;
+            float *ds = (float *)(ep_at(p, q, p.off_recv_scales)) + ((i64)p.rank * T + t) * blocks;
+            for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) ds[b] = sc[b];
         }
     }
+}
+
+// Items of one token's rows: a warp moves 32 * EP_UNROLL 16-byte chunks.
+__device__ __forceinline__ i64 ep_groups(const EpParams &p) {
+    const i64 wire_row = p.precision == 2 ? p.hidden : p.hidden * (p.precision == 0 ? 4 : 2);
+    return (wire_row / 16 + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+}
+
+// push: per item of one of this PE's tokens (a 32 * EP_UNROLL-chunk
+// slice), ep_push_item.
+extern "C" __global__ void ep_push(EpParams p) {
+    const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
+    const i64 groups = ep_groups(p);
+    for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps)
+        ep_push_item(p, item / groups, item % groups);
 }
 
 // signal: one block, thread q announces to PE q.
@@ -186,8 +207,7 @@ extern "C" __global__ void ep_signal(EpParams p) {
 // that read what peers wrote in the phase begin with it, so no kernel of
 // its own runs between them and the announcement (`ep_wait` is the same
 // wait alone, for an empty phase).
-__device__ void ep_await(const EpParams &p) {
-    const u64 epoch = ep_words(p)[EP_WORD_EPOCH];
+__device__ void ep_await_epoch(const EpParams &p, u64 epoch) {
     if (threadIdx.x < p.pes) {
         const u64 *ready = (const u64 *)(p.base + p.off_ready) + threadIdx.x;
         u64 started_ns;
@@ -205,6 +225,7 @@ __device__ void ep_await(const EpParams &p) {
     __syncthreads();
     __threadfence_system();
 }
+__device__ void ep_await(const EpParams &p) { ep_await_epoch(p, ep_words(p)[EP_WORD_EPOCH]); }
 
 // wait: one block.
 extern "C" __global__ void ep_wait(EpParams p) { ep_await(p); }
@@ -301,13 +322,13 @@ extern "C" __global__ void ep_scan(EpParams p) {
 // to `align` (each thread a run of consecutive experts). Block 0 also
 // writes the caller's padded counts and offsets.
 #define EP_MAX_LOCAL 4096
-__device__ void ep_starts(const EpParams &p, i64 *start) {
-    __shared__ i64 sums[256];
+template <class Kept> __device__ void ep_starts_of(const EpParams &p, Kept kept, i64 *start) {
+    __shared__ i64 sums[512];
     const i64 L = p.local_experts;
     const i64 per = (L + blockDim.x - 1) / blockDim.x;
     const i64 e0 = threadIdx.x * per, e1 = e0 + per < L ? e0 + per : L;
     i64 mine = 0;
-    for (i64 e = e0; e < e1; ++e) mine += (p.tokens_per_expert[e] + p.align - 1) / p.align * p.align;
+    for (i64 e = e0; e < e1; ++e) mine += (kept(e) + p.align - 1) / p.align * p.align;
     sums[threadIdx.x] = mine;
     __syncthreads();
     for (int o = 1; o < blockDim.x; o *= 2) {
@@ -318,7 +339,7 @@ __device__ void ep_starts(const EpParams &p, i64 *start) {
     }
     i64 next = sums[threadIdx.x] - mine;
     for (i64 e = e0; e < e1; ++e) {
-        const i64 padded = (p.tokens_per_expert[e] + p.align - 1) / p.align * p.align;
+        const i64 padded = (kept(e) + p.align - 1) / p.align * p.align;
         start[e] = next;
         if (blockIdx.x == 0) {
             ((i64 *)(p.base + p.off_expert_start))[e] = next;
@@ -329,6 +350,9 @@ __device__ void ep_starts(const EpParams &p, i64 *start) {
     }
     if (blockIdx.x == 0 && threadIdx.x == blockDim.x - 1 && p.expert_offsets) p.expert_offsets[L] = sums[threadIdx.x];
     __syncthreads();
+}
+__device__ void ep_starts(const EpParams &p, i64 *start) {
+    ep_starts_of(p, [&](i64 e) { return p.tokens_per_expert[e]; }, start);
 }
 
 // assign: one warp per tile; 32 route slots at a time, in order.
@@ -376,6 +400,79 @@ __device__ __forceinline__ int ep_route(const int *slots, i64 k, int lane) {
     return lane < k ? slots[lane] : -1;
 }
 
+// One item of copy: slice `grp` of received token `tok` (sender tok / T)
+// written to each kept route's row (lane j: route j's row, or -1), in
+// slot order.
+__device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp, int mine) {
+    const int lane = threadIdx.x % 32;
+    const i64 T = p.tokens, h = p.hidden;
+    const int elem = p.precision == 0 ? 4 : 2;
+    const bool fp8 = p.precision == 2;
+    const i64 chunks = fp8 ? h / 16 : h * elem / 16;
+    const int s = (int)(tok / T);
+    const i64 t = tok % T;
+    unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
+    if (kept == 0) return;
+    // Peers pushed their rows into the receive rows; this PE's own
+    // are in the caller's buffer (FP8: the send rows).
+    const bool own = s == p.rank;
+    const i64 c0 = grp * 32 * EP_UNROLL + lane;
+    if (fp8) {
+#if EP_FP8
+        const i64 blocks = h / EP_FP8_BLOCK;
+        const uint4 *src = (const uint4 *)(own ? p.base + p.off_send + t * h
+                                               : p.base + p.off_recv + tok * h);
+        const float *sc = own ? (const float *)(p.base + p.off_send_scales) + t * blocks
+                              : (const float *)(p.base + p.off_recv_scales) + tok * blocks;
+        uint4 v[EP_UNROLL];
+        float scale[EP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u) {
+            const i64 c = c0 + 32 * u;
+            if (c < chunks) {
+                v[u] = src[c];
+                scale[u] = sc[c * 16 / EP_FP8_BLOCK];
+            }
+        }
+        // This item's scale blocks: 16 fp8 per chunk, 8 chunks a block.
+        const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
+        for (unsigned m = kept; m; m &= m - 1) {
+            const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                const i64 c = c0 + 32 * u;
+                if (c >= chunks) break;
+                ((uint4 *)(p.out + r * h))[c] = v[u];
+                if (p.out_bf16) {
+                    const unsigned char *b = (const unsigned char *)&v[u];
+                    unsigned int w[8];
+                    for (int e = 0; e < 8; ++e)
+                        w[e] = f32_to_bf16x2(__fmul_rn(fp8e4m3_to_f32(b[2 * e]), scale[u]),
+                                             __fmul_rn(fp8e4m3_to_f32(b[2 * e + 1]), scale[u]));
+                    uint4 *d = (uint4 *)(p.out_bf16 + r * h) + 2 * c;
+                    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+                    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+                }
+            }
+            for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];
+        }
+#endif
+    } else {
+        const uint4 *src = (const uint4 *)(own ? p.src + t * h * elem : p.base + p.off_recv + tok * h * elem);
+        uint4 v[EP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EP_UNROLL; ++u)
+            if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
+        for (unsigned m = kept; m; m &= m - 1) {
+            const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
+            uint4 *d = (uint4 *)(p.out + r * h * elem);
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u)
+                if (c0 + 32 * u < chunks) d[c0 + 32 * u] = v[u];
+        }
+    }
+}
+
 // copy: per item of a received token, its chunks read once and written
 // to each kept route's row (in slot order).
 extern "C" __global__ void ep_copy(EpParams p) {
@@ -383,78 +480,15 @@ extern "C" __global__ void ep_copy(EpParams p) {
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
     const int elem = p.precision == 0 ? 4 : 2;
-    const bool fp8 = p.precision == 2;
-    const i64 chunks = fp8 ? h / 16 : h * elem / 16;
+    const i64 chunks = p.precision == 2 ? h / 16 : h * elem / 16;
     const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
     const int *rows = (const int *)(p.base + p.off_route_row);
     const int *sent = (const int *)(p.base + p.off_sent);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
          item += warps) {
-        const i64 tok = item / groups, grp = item % groups;
-        const int s = (int)(tok / T);
-        const i64 t = tok % T;
-        if (t >= sent[s]) continue;
-        const int mine = ep_route(rows + tok * k, k, lane);
-        unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
-        if (kept == 0) continue;
-        // Peers pushed their rows into the receive rows; this PE's own
-        // are in the caller's buffer (FP8: the send rows).
-        const bool own = s == p.rank;
-        const i64 c0 = grp * 32 * EP_UNROLL + lane;
-        if (fp8) {
-#if EP_FP8
-            const i64 blocks = h / EP_FP8_BLOCK;
-            const uint4 *src = (const uint4 *)(own ? p.base + p.off_send + t * h
-                                                   : p.base + p.off_recv + tok * h);
-            const float *sc = own ? (const float *)(p.base + p.off_send_scales) + t * blocks
-                                  : (const float *)(p.base + p.off_recv_scales) + tok * blocks;
-            uint4 v[EP_UNROLL];
-            float scale[EP_UNROLL];
-#pragma unroll
-            for (int u = 0; u < EP_UNROLL; ++u) {
-                const i64 c = c0 + 32 * u;
-                if (c < chunks) {
-                    v[u] = src[c];
-                    scale[u] = sc[c * 16 / EP_FP8_BLOCK];
-                }
-            }
-            // This item's scale blocks: 16 fp8 per chunk, 8 chunks a block.
-            const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
-            for (unsigned m = kept; m; m &= m - 1) {
-                const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
-#pragma unroll
-                for (int u = 0; u < EP_UNROLL; ++u) {
-                    const i64 c = c0 + 32 * u;
-                    if (c >= chunks) break;
-                    ((uint4 *)(p.out + r * h))[c] = v[u];
-                    if (p.out_bf16) {
-                        const unsigned char *b = (const unsigned char *)&v[u];
-                        unsigned int w[8];
-                        for (int e = 0; e < 8; ++e)
-                            w[e] = f32_to_bf16x2(__fmul_rn(fp8e4m3_to_f32(b[2 * e]), scale[u]),
-                                                 __fmul_rn(fp8e4m3_to_f32(b[2 * e + 1]), scale[u]));
-                        uint4 *d = (uint4 *)(p.out_bf16 + r * h) + 2 * c;
-                        d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-                        d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-                    }
-                }
-                for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];
-            }
-#endif
-        } else {
-            const uint4 *src = (const uint4 *)(own ? p.src + t * h * elem : p.base + p.off_recv + tok * h * elem);
-            uint4 v[EP_UNROLL];
-#pragma unroll
-            for (int u = 0; u < EP_UNROLL; ++u)
-                if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
-            for (unsigned m = kept; m; m &= m - 1) {
-                const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
-                uint4 *d = (uint4 *)(p.out + r * h * elem);
-#pragma unroll
-                for (int u = 0; u < EP_UNROLL; ++u)
-                    if (c0 + 32 * u < chunks) d[c0 + 32 * u] = v[u];
-            }
-        }
+        const i64 tok = item / groups;
+        if (tok % T >= sent[tok / T]) continue;
+        ep_copy_item(p, tok, item % groups, ep_route(rows + tok * k, k, lane));
     }
 }
 
@@ -488,7 +522,7 @@ __device__ __forceinline__ void ep_turn(const EpParams &p, i64 n, int &s, i64 &t
 // reduce: per item of a received token routed here, its kept routes'
 // chunks summed in slot order (weighted or not), stored into its partial
 // row at the token's PE.
-extern "C" __global__ void ep_reduce(EpParams p) {
+__device__ void ep_reduce_body(const EpParams &p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
@@ -567,10 +601,11 @@ extern "C" __global__ void ep_reduce(EpParams p) {
     }
 }
 
+extern "C" __global__ void ep_reduce(EpParams p) { ep_reduce_body(p); }
+
 // gather_sum: per item of this PE's token, the partial chunks the PEs
 // hosting its experts stored here, added in rank order.
-extern "C" __global__ void ep_gather_sum(EpParams p) {
-    ep_await(p);
+__device__ void ep_gather_sum_body(const EpParams &p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk, h = p.hidden;
@@ -608,6 +643,11 @@ extern "C" __global__ void ep_gather_sum(EpParams p) {
         for (int u = 0; u < EP_UNROLL; ++u)
             if (c0 + 32 * u < chunks) out[c0 + 32 * u] = ep_pack(prec, acc[u]);
     }
+}
+
+extern "C" __global__ void ep_gather_sum(EpParams p) {
+    ep_await(p);
+    ep_gather_sum_body(p);
 }
 
 // scatter_grad: one warp per received token; per route, the scaled row and
@@ -671,4 +711,183 @@ extern "C" __global__ void ep_gather_probs(EpParams p) {
         }
         p.grad_probs_out[r] = v;
     }
+}
+
+// ---- Low-latency mode: a whole dispatch in one kernel and a whole
+// combine in another, for decode-sized groups. Their blocks (one per SM of
+// the budget, never more than the device's SMs, so all are resident at
+// once) meet at grid-wide barriers on the PE's barrier word, and the last
+// block to finish a phase announces it to every PE. The results are the
+// steps' results, byte for byte.
+
+#define EP_LL_MAX_EXPERTS 2048
+
+__device__ __forceinline__ u64 ep_load_acquire_gpu(const u64 *a) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+    return v;
+}
+
+// Every block of the kernel waits here until all have arrived. The word
+// only grows, by gridDim.x per barrier (every low-latency kernel of a
+// group runs the same number of blocks). A block that waits past the
+// timeout records error 3 (blocks not all resident) and goes on.
+__device__ void ep_grid_sync(const EpParams &p) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 *bar = ep_words(p) + EP_WORD_BAR;
+        __threadfence();
+        const u64 old = atomicAdd((unsigned long long *)bar, 1ull);
+        const u64 target = (old / gridDim.x + 1) * gridDim.x;
+        u64 started_ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(started_ns));
+        while (ep_load_acquire_gpu(bar) < target) {
+            u64 now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - started_ns > p.timeout_ns) {
+                ep_error(p, 3, p.rank);
+                break;
+            }
+            __nanosleep(32);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The last block of the kernel to get here announces phase `epoch` to
+// every PE (as ep_signal does); each block fences its stores, the peers'
+// included, before it arrives.
+__device__ void ep_announce_last(const EpParams &p, u64 epoch) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const u64 old = atomicAdd((unsigned long long *)(ep_words(p) + EP_WORD_BAR), 1ull);
+        last = (old + 1) % gridDim.x == 0;
+        __threadfence_system();
+    }
+    __syncthreads();
+    if (last) {
+        if (threadIdx.x < p.pes) ep_store_release((u64 *)(ep_at(p, threadIdx.x, p.off_ready)) + p.rank, epoch);
+        if (threadIdx.x == 0) ep_words(p)[EP_WORD_EPOCH] = epoch;
+    }
+}
+
+// ll_dispatch: publish; then each block sends its own tokens: every PE
+// gets each token's routing (its local expert, prob, and the route's rank
+// among this PE's routes to that expert, token order), the PEs hosting
+// its experts its row, and the last block every PE's counts per local
+// expert; the phase is announced; then each block lays the received rows
+// out itself (a sender's routes to an expert follow the senders before
+// it: the layout of count, scan and assign) and copies its share.
+extern "C" __global__ void __launch_bounds__(512, 1) ep_ll_dispatch(EpParams p) {
+    // Send: routes per expert so far; receive: rows of each (sender, local
+    // expert) before that sender's.
+    __shared__ int table[EP_LL_MAX_EXPERTS];
+    __shared__ i64 start[EP_LL_MAX_EXPERTS];
+    const u64 epoch = ep_words(p)[EP_WORD_EPOCH] + 1;
+    const i64 T = p.tokens, k = p.topk, L = p.local_experts, n = p.n;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    const i64 groups = ep_groups(p);
+    ep_publish_body(p);
+    ep_grid_sync(p);
+    const i64 per = (n + gridDim.x - 1) / gridDim.x;
+    const i64 t0 = (i64)blockIdx.x * per < n ? (i64)blockIdx.x * per : n;
+    const i64 t1 = t0 + per < n ? t0 + per : n;
+    for (i64 e = threadIdx.x; e < p.experts; e += blockDim.x) table[e] = 0;
+    __syncthreads();
+    const int *ids = (const int *)(p.base + p.off_ids);
+    const float *probs = (const float *)(p.base + p.off_probs);
+    for (i64 r = threadIdx.x; r < t0 * k; r += blockDim.x) {
+        const int id = ids[r];
+        if (id >= 0) atomicAdd(table + id, 1);
+    }
+    __syncthreads();
+    // Token by token (a token's ids are distinct: its lanes take their
+    // ranks at once), its routing to every PE: -1 where it does not land.
+    if (warp == 0) {
+        for (i64 t = t0; t < t1; ++t) {
+            const int id = lane < k ? ids[t * k + lane] : -1;
+            const float pr = lane < k ? probs[t * k + lane] : 0.0f;
+            int rank = 0;
+            if (id >= 0) {
+                rank = table[id];
+                table[id] = rank + 1;
+            }
+            if (lane < k) {
+                const i64 slot = ((i64)p.rank * T + t) * k + lane;
+                for (int q = 0; q < p.pes; ++q) {
+                    unsigned char *b = ep_at(p, q, 0);
+                    ((int *)(b + p.off_local))[slot] = id >= 0 && id / L == q ? (int)(id % L) : -1;
+                    ((float *)(b + p.off_recv_probs))[slot] = pr;
+                    ((int *)(b + p.off_ll_rank))[slot] = rank;
+                }
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    // The last block's range ends at n: its table holds every count.
+    if (blockIdx.x == gridDim.x - 1) {
+        for (i64 e = threadIdx.x; e < p.experts; e += blockDim.x)
+            ((int *)(ep_at(p, (int)(e / L), p.off_tile_counts)))[(i64)p.rank * L + e % L] = table[e];
+        if (threadIdx.x < p.pes) ((int *)(ep_at(p, threadIdx.x, p.off_sent)))[p.rank] = (int)n;
+    }
+    for (i64 item = warp; item < (t1 - t0) * groups; item += nwarps) ep_push_item(p, t0 + item / groups, item % groups);
+    ep_announce_last(p, epoch);
+    ep_await_epoch(p, epoch);
+
+    const int *counts = (const int *)(p.base + p.off_tile_counts);
+    for (i64 l = threadIdx.x; l < L; l += blockDim.x) {
+        int run = 0;
+        for (int s = 0; s < p.pes; ++s) {
+            table[s * L + l] = run;
+            run += counts[s * L + l];
+        }
+        start[l] = run;
+    }
+    __syncthreads();
+    // start holds each expert's routes until ep_starts_of turns it into
+    // first rows (each thread reads an expert's count before writing it).
+    auto kept = [&](i64 e) -> i64 { return p.capacity > 0 && start[e] > p.capacity ? p.capacity : start[e]; };
+    if (blockIdx.x == 0) {
+        for (i64 l = threadIdx.x; l < L; l += blockDim.x) {
+            const i64 total = start[l], kk = kept(l);
+            p.tokens_per_expert[l] = kk;
+            if (total > kk) atomicAdd(ep_words(p) + EP_WORD_DROPPED, (u64)(total - kk));
+        }
+    }
+    __syncthreads();
+    ep_starts_of(p, kept, start);
+    const int *local = (const int *)(p.base + p.off_local);
+    const int *ranks = (const int *)(p.base + p.off_ll_rank);
+    int *rows = (int *)(p.base + p.off_route_row);
+    const int *sent = (const int *)(p.base + p.off_sent);
+    const i64 warps = (i64)gridDim.x * nwarps;
+    for (i64 item = (i64)blockIdx.x * nwarps + warp; item < p.pes * T * groups; item += warps) {
+        const i64 tok = item / groups, grp = item % groups;
+        const int s = (int)(tok / T);
+        if (tok % T >= sent[s]) continue;
+        const int loc = lane < k ? local[tok * k + lane] : -1;
+        int row = -1;
+        if (loc >= 0) {
+            const i64 g = (i64)table[s * L + loc] + ranks[tok * k + lane];
+            if (p.capacity == 0 || g < p.capacity) {
+                const i64 at = start[loc] + g;
+                row = at < p.expert_rows ? (int)at : -1;
+            }
+        }
+        if (grp == 0 && lane < k) rows[tok * k + lane] = row;
+        ep_copy_item(p, tok, grp, row);
+    }
+}
+
+// ll_combine: reduce, the last block announces, then gather_sum.
+extern "C" __global__ void __launch_bounds__(512, 1) ep_ll_combine(EpParams p) {
+    const u64 epoch = ep_words(p)[EP_WORD_EPOCH] + 1;
+    ep_reduce_body(p);
+    ep_announce_last(p, epoch);
+    ep_await_epoch(p, epoch);
+    ep_gather_sum_body(p);
 }

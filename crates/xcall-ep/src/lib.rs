@@ -51,6 +51,9 @@ mod saved;
 mod sleep;
 mod status;
 
-pub use config::{Capacity, EpConfig, Layout, Offsets, Precision, FP8_BLOCK, MAX_PES, MAX_TOPK};
+pub use config::{
+    Capacity, EpConfig, EpKernels, Layout, Offsets, Precision, FP8_BLOCK, LL_AUTO_TOKENS,
+    LL_MAX_EXPERTS, LL_MAX_TOKENS, MAX_PES, MAX_TOPK,
+};
 pub use error::{EpError, Result};
 pub use group::{Buf, EpGroup, ExpertMajor};

@@ -66,6 +66,8 @@ xcall_core::kernel_params! {
         off_expert_start: i64 => "long long",
         /// Offset of [`crate::config::Offsets::sent`].
         off_sent: i64 => "long long",
+        /// Offset of [`crate::config::Offsets::ll_rank`].
+        off_ll_rank: i64 => "long long",
         /// Tokens of this call on this PE (at most `tokens`).
         n: i64 => "long long",
         /// Rows read: the tokens (dispatch), the output gradient

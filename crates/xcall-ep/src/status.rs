@@ -91,6 +91,12 @@ impl EpGroup {
                 "PE {} waited {:?} for PE {who} to reach a phase",
                 self.rank, self.timeout
             )),
+            3 => EpError::Timeout(format!(
+                "PE {}: the low-latency kernel's blocks waited {:?} for each other at a \
+                 grid-wide barrier (not all resident: SMs held by other work, or an SM \
+                 limit below the group's budget); the group's state is lost, make it again",
+                self.rank, self.timeout
+            )),
             _ => EpError::BadRouting(format!(
                 "PE {}: expert id(s) outside -1..{} or repeated within a token; \
                  those routes were not taken",
@@ -129,12 +135,13 @@ mod tests {
         for (value, want) in [
             ((1u64 << 32) | 4, "for PE 3"),
             ((2 << 32) | 1, "outside -1..4"),
+            ((3 << 32) | 1, "grid-wide barrier"),
         ] {
             // SAFETY: the group's error word, host memory.
             unsafe { at.write_volatile(value) };
             let e = g.check().unwrap_err();
             assert!(e.to_string().contains(want), "{e}");
-            let status = if value >> 32 == 1 {
+            let status = if value >> 32 != 2 {
                 xcall_core::Status::Timeout
             } else {
                 xcall_core::Status::InvalidArgument

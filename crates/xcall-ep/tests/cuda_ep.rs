@@ -14,7 +14,7 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaStream};
 use xcall_core::testing::{capture_graph, cuda_devices_or_skip, run_threads, skip, watchdog};
 use xcall_core::{Device, Platform, Status};
-use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, Precision};
+use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, EpKernels, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
@@ -153,10 +153,24 @@ fn run(name: &str, case: &Case, cuda: bool) -> Vec<Outputs> {
     })
 }
 
+/// `case` on GPUs with each kernel choice (the steps, and the low-latency
+/// kernels where the size allows them), each equal to the Host run.
 fn same_as_host(name: &str, case: Case) {
-    let gpu = run(name, &case, true);
     let host = run(name, &case, false);
-    for (rank, (g, h)) in gpu.iter().zip(&host).enumerate() {
+    for kernels in [EpKernels::Steps, EpKernels::LowLatency] {
+        let mut on = case.clone();
+        on.config.kernels = kernels;
+        if on.config.layout(on.pes).is_err() {
+            continue;
+        }
+        let name = format!("{name}-{}", kernels.name());
+        let gpu = run(&name, &on, true);
+        same_outputs(&name, &case, &gpu, &host);
+    }
+}
+
+fn same_outputs(name: &str, case: &Case, gpu: &[Outputs], host: &[Outputs]) {
+    for (rank, (g, h)) in gpu.iter().zip(host).enumerate() {
         let what = |s: &str| format!("{name}: PE {rank}: {s} differs from the Host run");
         assert!(
             g.expert_rows == h.expert_rows || rows_equal_where_written(&case, rank, g, h),
@@ -291,8 +305,14 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
             *w
         })
         .collect();
-    let want: &[&str] = match case.pes {
-        1 => &["ep_publish", "ep_count", "ep_scan", "ep_assign", "ep_copy"],
+    // Two PEs or more run one kernel where asked to.
+    assert_eq!(
+        g.low_latency(),
+        case.pes > 1 && c.kernels == EpKernels::LowLatency
+    );
+    let want: &[&str] = match (case.pes, g.low_latency()) {
+        (1, _) => &["ep_publish", "ep_count", "ep_scan", "ep_assign", "ep_copy"],
+        (_, true) => &["ep_ll_dispatch"],
         _ => &[
             "ep_publish",
             "ep_push",
@@ -377,15 +397,20 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
 fn a_captured_step_replays_on_new_routing() {
     let _s = serial();
     for pes in pe_counts("cuda ep graph", &[1, 2, 4]) {
-        let case = Case::new(
-            cfg(256, 128, 4, 8 * pes, Precision::Bf16),
-            pes,
-            Routing::Random,
-            90,
-        );
-        run_threads("graph", pes, watchdog(), move |rank| {
-            graph_pe(&case, rank, 4)
-        });
+        for kernels in [EpKernels::Steps, EpKernels::LowLatency] {
+            let case = Case::new(
+                EpConfig {
+                    kernels,
+                    ..cfg(256, 128, 4, 8 * pes, Precision::Bf16)
+                },
+                pes,
+                Routing::Random,
+                90,
+            );
+            run_threads("graph", pes, watchdog(), move |rank| {
+                graph_pe(&case, rank, 4)
+            });
+        }
     }
 }
 
@@ -395,9 +420,17 @@ fn a_peer_that_never_calls_times_out_on_the_stream_and_check_says_so() {
     if !gpus("cuda ep timeout", 2) {
         return;
     }
-    let c = cfg(64, 64, 2, 4, Precision::Bf16);
+    for kernels in [EpKernels::Steps, EpKernels::LowLatency] {
+        peer_never_calls(EpConfig {
+            kernels,
+            ..cfg(64, 64, 2, 4, Precision::Bf16)
+        });
+    }
+}
+
+fn peer_never_calls(c: EpConfig) {
     let heap = c.layout(2).unwrap().heap_bytes;
-    let group = format!("ep-timeout-{}", std::process::id());
+    let group = format!("ep-timeout-{}-{}", c.kernels.name(), std::process::id());
     let r = run_threads("cuda timeout", 2, watchdog(), move |rank| {
         let device = Device::cuda(rank as u32);
         let mut w = world(&group, rank, 2, device, heap, Duration::from_millis(500));
@@ -425,6 +458,6 @@ fn a_peer_that_never_calls_times_out_on_the_stream_and_check_says_so() {
     });
     let (status, msg, took) = r[0].clone().unwrap();
     assert_eq!(status, Status::Timeout, "{msg}");
-    assert!(msg.contains("for PE 1"), "{msg}");
+    assert!(msg.contains("for PE 1"), "{:?}: {msg}", c.kernels);
     assert!(took < Duration::from_secs(10), "{took:?}");
 }

@@ -6,7 +6,9 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use static_assertions::{assert_eq_align, assert_eq_size};
 use xcall_core::Status;
-use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, ExpertMajor, Precision, FP8_BLOCK};
+use xcall_ep::{
+    Buf, Capacity, EpConfig, EpError, EpGroup, EpKernels, ExpertMajor, Precision, FP8_BLOCK,
+};
 
 use crate::guard::{c_code, code_arg, ffi_call, out_ptr, FfiError};
 use crate::handle::{self, Handle};
@@ -54,6 +56,13 @@ const _: () = assert!(XCALL_EP_FP8_BLOCK == FP8_BLOCK as u64);
 /// The shape of an expert-parallel group: the same on every PE. Every
 /// buffer size follows from it (`xcall_ep_layout`), never from the
 /// routing, so a captured call replays for any routing.
+///
+/// On CUDA, a group of two PEs or more with at most 256 tokens per PE and
+/// 2048 experts (decode) runs `xcall_ep_dispatch` and `xcall_ep_combine`
+/// as one kernel each (the low-latency kernels: one block per SM of the
+/// budget, all resident at once); larger groups, and the split
+/// `xcall_ep_dispatch_send` / `xcall_ep_dispatch_recv`, run a kernel per
+/// step. Both write the same bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct xcall_ep_config {
@@ -232,6 +241,7 @@ pub(crate) fn config_arg(config: *const xcall_ep_config) -> Result<EpConfig, Ffi
             n => Capacity::PerExpert(n),
         },
         num_sms: c.num_sms as usize,
+        kernels: EpKernels::Auto,
     })
 }
 

@@ -50,6 +50,8 @@ pub struct EpShape {
     pub align: usize,
     /// SMs the exchange kernels may occupy (0: as many as help).
     pub sms: usize,
+    /// Which CUDA kernels run it.
+    pub kernels: xcall_ep::EpKernels,
 }
 
 impl Shape {

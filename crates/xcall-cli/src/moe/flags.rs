@@ -66,6 +66,19 @@ pub enum ExchangeArg {
     Copy,
 }
 
+/// Which kernels run the token-once exchange on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EpKernelsArg {
+    /// The low-latency kernels up to 256 tokens per PE (decode), a kernel
+    /// per step above.
+    Auto,
+    /// A kernel per step.
+    Steps,
+    /// One kernel for a whole dispatch and one for a whole combine (up to
+    /// 1024 tokens per PE and 2048 experts).
+    LowLatency,
+}
+
 /// Flags of `xcall moe`.
 #[derive(Args, Debug, Clone)]
 pub struct MoeArgs {
@@ -123,6 +136,10 @@ pub struct MoeArgs {
     /// CUDA (0: as many as help) [default: 0].
     #[arg(long)]
     pub(super) sms: Option<usize>,
+    /// With `--exchange token`: which CUDA kernels run it; every choice
+    /// writes the same bytes [default: auto].
+    #[arg(long, value_enum)]
+    pub(super) ep_kernels: Option<EpKernelsArg>,
     /// The CUDA device of each PE, comma-separated and distinct (a world
     /// takes one PE per device) [default: 0, 1, ..]. Sets `--pes` when
     /// that is not given. Under a launcher, this process's devices.
@@ -398,9 +415,14 @@ pub(super) fn validate(
         None => ExchangeArg::Token,
     };
     let token = exchange == ExchangeArg::Token;
-    if !token && (a.align.is_some() || a.sms.is_some() || a.dtype == DtypeArg::Fp8) {
+    if !token
+        && (a.align.is_some()
+            || a.sms.is_some()
+            || a.ep_kernels.is_some()
+            || a.dtype == DtypeArg::Fp8)
+    {
         return Err(format!(
-            "--align, --sms and --dtype fp8 are for --exchange token, not --exchange {}",
+            "--align, --sms, --ep-kernels and --dtype fp8 are for --exchange token, not --exchange {}",
             if exchange == ExchangeArg::Fused {
                 "fused"
             } else {
@@ -489,6 +511,11 @@ pub(super) fn validate(
             fp8: a.dtype == DtypeArg::Fp8,
             align: a.align.unwrap_or(1),
             sms: a.sms.unwrap_or(0),
+            kernels: match a.ep_kernels.unwrap_or(EpKernelsArg::Auto) {
+                EpKernelsArg::Auto => xcall_ep::EpKernels::Auto,
+                EpKernelsArg::Steps => xcall_ep::EpKernels::Steps,
+                EpKernelsArg::LowLatency => xcall_ep::EpKernels::LowLatency,
+            },
         }),
     };
     let needed = Pe::heap_bytes(&shape).ok_or_else(|| {

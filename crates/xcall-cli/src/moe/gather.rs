@@ -45,6 +45,7 @@ pub fn encode(log: &PeLog) -> Value {
         "dropped": log.dropped,
         "link_tokens": log.link_tokens,
         "sms": log.sms,
+        "low_latency": log.low_latency,
         "draw": secs(log.draw_time),
         "queue_wait": secs(log.queue_wait),
         "input_wait": secs(log.input_wait),
@@ -128,6 +129,7 @@ pub fn decode(v: &Value) -> Option<PeLog> {
             .map(count)
             .collect::<Option<_>>()?,
         sms: v["sms"].as_u64().map(|n| n as usize),
+        low_latency: v["low_latency"].as_bool(),
         draw_time: duration(&v["draw"])?,
         queue_wait: duration(&v["queue_wait"])?,
         input_wait: duration(&v["input_wait"])?,
@@ -206,6 +208,7 @@ mod tests {
             dropped: vec![7, 0, 9],
             link_tokens: vec![11, 12, 13],
             sms: Some(24),
+            low_latency: Some(true),
             draw_time: Duration::from_millis(30),
             queue_wait: Duration::from_millis(2),
             input_wait: Duration::from_millis(4),
@@ -227,7 +230,10 @@ mod tests {
         assert_eq!(b.checks[0].took, Duration::from_millis(12));
         assert_eq!(b.memory, (Some(1 << 30), None));
         assert_eq!(b.graphs[0].label, "process 1 cuda:0");
-        assert_eq!((b.link_tokens.clone(), b.sms), (vec![11, 12, 13], Some(24)));
+        assert_eq!(
+            (b.link_tokens.clone(), b.sms, b.low_latency),
+            (vec![11, 12, 13], Some(24), Some(true))
+        );
 
         for (field, bad) in [
             ("steps", json!([[1.0, 99]])),

@@ -266,12 +266,17 @@ pub(super) fn report(
     );
     if s.ep.is_some() {
         println!(
-            "  per PE         {:.1} MB/step stored into other PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}; not overlapped with the experts (0% hidden)",
+            "  per PE         {:.1} MB/step stored into other PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}{}; not overlapped with the experts (0% hidden)",
             between / s.pes as f64 / 1e6,
             gbps / s.pes as f64,
             pes.iter()
                 .find_map(|p| p.sms)
                 .map_or("the Host".to_string(), |n| format!("at most {n} SMs")),
+            match pes.iter().find_map(|p| p.low_latency) {
+                Some(true) => " (the low-latency kernels: one per call)",
+                Some(false) => " (a kernel per step)",
+                None => "",
+            },
         );
     }
     println!(
@@ -377,6 +382,7 @@ pub(super) fn report(
             "bytes_per_step": between / s.pes as f64,
             "gb_per_s": gbps / s.pes as f64,
             "sms": pes.iter().find_map(|p| p.sms),
+            "kernels": pes.iter().find_map(|p| p.low_latency).map(|l| if l { "low-latency" } else { "steps" }),
             "hidden_fraction": 0.0,
             "fp8_dispatch": s.ep.is_some_and(|e| e.fp8),
             "align": s.ep.map(|e| e.align),

@@ -459,6 +459,15 @@ impl Pe {
         }
     }
 
+    /// Whether the token-once exchange runs the low-latency kernels
+    /// (`None` for the per-route exchanges and on Host).
+    pub fn low_latency(&self) -> Option<bool> {
+        match (&self.ep, &self.gpu) {
+            (Some(t), Some(_)) => Some(t.group.low_latency()),
+            _ => None,
+        }
+    }
+
     /// The transport of the peers without pointers, if any.
     pub fn remote(&self) -> Option<Transport> {
         self.remote

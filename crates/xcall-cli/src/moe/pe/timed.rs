@@ -29,7 +29,12 @@ impl Pe {
         }
         bytes.extend_from_slice(&[u8::from(s.dropless), u8::from(s.fused)]);
         if let Some(ep) = s.ep {
-            for v in [u64::from(ep.fp8), ep.align as u64, ep.sms as u64] {
+            for v in [
+                u64::from(ep.fp8),
+                ep.align as u64,
+                ep.sms as u64,
+                ep.kernels as u64,
+            ] {
                 bytes.extend_from_slice(&v.to_le_bytes());
             }
         }

@@ -38,6 +38,7 @@ pub(super) fn config(shape: &Shape) -> EpConfig {
         fp8: false,
         align: 1,
         sms: 0,
+        kernels: xcall_ep::EpKernels::Auto,
     });
     EpConfig {
         tokens: shape.tokens,
@@ -52,6 +53,7 @@ pub(super) fn config(shape: &Shape) -> EpConfig {
         align: ep.align,
         capacity: Capacity::Dropless,
         num_sms: ep.sms,
+        kernels: ep.kernels,
     }
 }
 
