@@ -173,7 +173,7 @@ fn same_outputs(name: &str, case: &Case, gpu: &[Outputs], host: &[Outputs]) {
     for (rank, (g, h)) in gpu.iter().zip(host).enumerate() {
         let what = |s: &str| format!("{name}: PE {rank}: {s} differs from the Host run");
         assert!(
-            g.expert_rows == h.expert_rows || rows_equal_where_written(&case, rank, g, h),
+            g.expert_rows == h.expert_rows || rows_equal_where_written(case, rank, g, h),
             "{}",
             what("expert rows")
         );
