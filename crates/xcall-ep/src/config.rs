@@ -93,12 +93,11 @@ pub enum Capacity {
 }
 
 /// Which CUDA kernels carry a dispatch and a combine. Every choice writes
-/// the same bytes; on Host, and on one PE, the steps run.
+/// the same bytes; on Host the steps run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum EpKernels {
     /// The low-latency kernels for groups of at most [`LL_AUTO_TOKENS`]
-    /// tokens per PE and [`LL_MAX_EXPERTS`] experts on two PEs or more,
-    /// the steps otherwise.
+    /// tokens per PE and [`LL_MAX_EXPERTS`] experts, the steps otherwise.
     #[default]
     Auto,
     /// A kernel per step (publish, push, signal, count, scan, assign,

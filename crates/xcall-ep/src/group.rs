@@ -190,7 +190,7 @@ impl EpGroup {
             base,
             timeout: world.timeout()?,
             exchange_blocks: (2 * sms_used).max(1) as u32,
-            low_latency: kernels.is_some() && pes > 1 && config.low_latency_fits(),
+            low_latency: kernels.is_some() && config.low_latency_fits(),
             kernels,
             sms_used,
             last: None,
@@ -222,9 +222,9 @@ impl EpGroup {
     }
 
     /// Whether [`EpGroup::dispatch`] and [`EpGroup::combine`] (and
-    /// `dispatch_backward`) run the low-latency kernels: CUDA, two PEs or
-    /// more, and a size [`EpConfig::kernels`] lets them run (see
-    /// [`crate::EpKernels`]).
+    /// `dispatch_backward`) run the low-latency kernels: CUDA and a size
+    /// [`EpConfig::kernels`] lets them run (see [`crate::EpKernels`]). One
+    /// PE's combine is one kernel either way (its sums are its outputs).
     pub fn low_latency(&self) -> bool {
         self.low_latency
     }

@@ -756,8 +756,10 @@ __device__ void ep_grid_sync(const EpParams &p) {
 }
 
 // The last block of the kernel to get here announces phase `epoch` to
-// every PE (as ep_signal does); each block fences its stores, the peers'
-// included, before it arrives.
+// every PE (as ep_signal does). Each block fences its stores, the peers'
+// included, at system scope before it arrives; the last block's fence
+// after its arrival (the blocks are on one GPU) orders them before its
+// release stores, which carry them to the peers.
 __device__ void ep_announce_last(const EpParams &p, u64 epoch) {
     __shared__ int last;
     __syncthreads();
@@ -765,7 +767,7 @@ __device__ void ep_announce_last(const EpParams &p, u64 epoch) {
         __threadfence_system();
         const u64 old = atomicAdd((unsigned long long *)(ep_words(p) + EP_WORD_BAR), 1ull);
         last = (old + 1) % gridDim.x == 0;
-        __threadfence_system();
+        if (last) __threadfence();
     }
     __syncthreads();
     if (last) {
