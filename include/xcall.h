@@ -810,6 +810,12 @@ typedef struct xcall_ws_plan xcall_ws_plan;
  * The shape of an expert-parallel group: the same on every PE. Every
  * buffer size follows from it (`xcall_ep_layout`), never from the
  * routing, so a captured call replays for any routing.
+ *
+ * On CUDA, a group of at most 256 tokens per PE (and two per SM of its
+ * budget) and 2048 experts (decode) runs `xcall_ep_dispatch` and `xcall_ep_combine`
+ * as one kernel each (the low-latency kernels: one block per SM of the
+ * budget, all resident at once); larger groups run a kernel per step.
+ * Both write the same bytes.
  */
 typedef struct {
   /**

@@ -827,6 +827,14 @@ fn token_once_flags_are_refused_elsewhere() {
             "are for --exchange token",
         ),
         (
+            vec!["--ep-kernels", "steps", "--exchange", "fused"],
+            "are for --exchange token",
+        ),
+        (
+            vec!["--ep-kernels", "low-latency", "--tokens", "2000"],
+            "low-latency kernels take at most 1024",
+        ),
+        (
             vec!["--exchange", "token", "--capacity-factor", "1.5"],
             "--exchange token is dropless",
         ),

@@ -97,7 +97,8 @@ pub enum Capacity {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum EpKernels {
     /// The low-latency kernels for groups of at most [`LL_AUTO_TOKENS`]
-    /// tokens per PE and [`LL_MAX_EXPERTS`] experts, the steps otherwise.
+    /// tokens per PE, two per SM of the budget, and [`LL_MAX_EXPERTS`]
+    /// experts; the steps otherwise.
     #[default]
     Auto,
     /// A kernel per step (publish, push, signal, count, scan, assign,

@@ -28,7 +28,7 @@ use xcall_shmem::{ShmemError, World};
 
 pub use crate::args::Buf;
 use crate::args::{need, optional};
-use crate::config::{word, Capacity, EpConfig, Layout, Precision, FP8_BLOCK};
+use crate::config::{word, Capacity, EpConfig, EpKernels, Layout, Precision, FP8_BLOCK};
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
@@ -190,7 +190,12 @@ impl EpGroup {
             base,
             timeout: world.timeout()?,
             exchange_blocks: (2 * sms_used).max(1) as u32,
-            low_latency: kernels.is_some() && config.low_latency_fits(),
+            // Auto: each block of the low-latency kernels sends its
+            // tokens in turn, so they pay off only while a block has few
+            // (two at most: on two H200 at T=128, 66 SMs or more).
+            low_latency: kernels.is_some()
+                && config.low_latency_fits()
+                && (config.kernels == EpKernels::LowLatency || config.tokens <= 2 * sms_used),
             kernels,
             sms_used,
             last: None,

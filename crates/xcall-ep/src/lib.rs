@@ -28,6 +28,14 @@
 //!   gradients (an unweighted combine; a dispatch of the output gradient
 //!   times the probs, and the probs' gradient).
 //!
+//! On CUDA, decode-sized groups (at most 256 tokens per PE, two per SM
+//! of the budget, and 2048 experts: [`EpKernels::Auto`]) run a whole dispatch as one kernel and a
+//! whole combine as another (the low-latency kernels: one block per SM
+//! of the budget, meeting at grid-wide barriers, each block laying the
+//! received rows out itself from the senders' counts); larger groups run
+//! a kernel per step. Both write the same bytes ([`EpConfig::kernels`]
+//! picks).
+//!
 //! Peers' memory is reached directly (the world's peer pointers), so a
 //! group needs every PE on one host. The Host path runs the same steps as the
 //! CUDA kernels with the same arithmetic: a CUDA run equals a Host run on

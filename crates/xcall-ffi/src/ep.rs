@@ -57,8 +57,8 @@ const _: () = assert!(XCALL_EP_FP8_BLOCK == FP8_BLOCK as u64);
 /// buffer size follows from it (`xcall_ep_layout`), never from the
 /// routing, so a captured call replays for any routing.
 ///
-/// On CUDA, a group of at most 256 tokens per PE and 2048 experts
-/// (decode) runs `xcall_ep_dispatch` and `xcall_ep_combine`
+/// On CUDA, a group of at most 256 tokens per PE (and two per SM of its
+/// budget) and 2048 experts (decode) runs `xcall_ep_dispatch` and `xcall_ep_combine`
 /// as one kernel each (the low-latency kernels: one block per SM of the
 /// budget, all resident at once); larger groups run a kernel per step.
 /// Both write the same bytes.

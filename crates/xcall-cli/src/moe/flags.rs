@@ -69,8 +69,8 @@ pub enum ExchangeArg {
 /// Which kernels run the token-once exchange on CUDA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum EpKernelsArg {
-    /// The low-latency kernels up to 256 tokens per PE (decode), a kernel
-    /// per step above.
+    /// The low-latency kernels up to 256 tokens per PE and two per SM of
+    /// the budget (decode), a kernel per step above.
     Auto,
     /// A kernel per step.
     Steps,
@@ -467,6 +467,15 @@ pub(super) fn validate(
     if a.dtype == DtypeArg::Fp8 && hidden % 128 != 0 {
         return Err(format!(
             "--dtype fp8 scales blocks of 128 elements; --hidden {hidden} is not a multiple of 128"
+        ));
+    }
+    if a.ep_kernels == Some(EpKernelsArg::LowLatency)
+        && (tokens > xcall_ep::LL_MAX_TOKENS || experts > xcall_ep::LL_MAX_EXPERTS)
+    {
+        return Err(format!(
+            "--ep-kernels low-latency: the low-latency kernels take at most {} tokens per PE and {} experts (got --tokens {tokens}, --experts {experts})",
+            xcall_ep::LL_MAX_TOKENS,
+            xcall_ep::LL_MAX_EXPERTS
         ));
     }
     // In f64: the sizes come from the command line and may be anything; the
