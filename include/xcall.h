@@ -2914,6 +2914,44 @@ struct XLA_FFI_Error *xcall_xla_ep_dispatch_backward_host(struct XLA_FFI_CallFra
 struct XLA_FFI_Error *xcall_xla_ep_dispatch_backward_cuda(struct XLA_FFI_CallFrame *call_frame);
 
 /**
+ * Frees the group `id` of `xcall_xla_ep_open` on every PE (its worlds
+ * finalized, one thread per PE at once). Every call of its handlers must
+ * have completed on its device first (synchronize the runtime's
+ * streams): peers may read a PE's memory until every PE is here.
+ * Thread-safe.
+ *
+ * Bad input: an id not open (closed already, never opened):
+ * `XCALL_STATUS_INVALID_HANDLE`; a handler of the group running now:
+ * `XCALL_STATUS_BUSY`, the group left open.
+ */
+xcall_status xcall_xla_ep_close(uint64_t id);
+
+/**
+ * The first error a CUDA kernel of group `id` met on any of this
+ * process's PEs since the last check, then cleared (`xcall_ep_check` on
+ * each, in rank order):
+ * a peer that did not reach a phase in time, or routing with ids that
+ * were not taken. Synchronize the handlers' streams first. Always OK on
+ * Host, whose handlers report their errors themselves.
+ *
+ * Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; a handler
+ * of the group running now: `XCALL_STATUS_BUSY`.
+ */
+xcall_status xcall_xla_ep_check(uint64_t id);
+
+/**
+ * Routes dropped by the capacity on PE `rank` of group `id` (one of this
+ * process's), summed over every dispatch so far, into `*out_dropped`. On
+ * CUDA, synchronize the handlers' streams first.
+ *
+ * Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; `rank` not a
+ * PE of the group in this process: `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_dropped`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; a handler of that PE running now:
+ * `XCALL_STATUS_BUSY`.
+ */
+xcall_status xcall_xla_ep_dropped_routes(uint64_t id, uint64_t rank, uint64_t *out_dropped);
+
+/**
  * Makes an expert-parallel group of `config`'s shape on `count` PEs, one
  * per device of `ordinals` (rank = index), all in this process, into
  * `*out_id`, with the bytes of a dispatch's saved routing (the `routing`
@@ -2943,41 +2981,35 @@ xcall_status xcall_xla_ep_open(uint32_t platform,
                                uint64_t *out_routing_bytes);
 
 /**
- * Frees the group `id` of `xcall_xla_ep_open` on every PE (its worlds
- * finalized, one thread per PE at once). Every call of its handlers must
- * have completed on its device first (synchronize the runtime's
- * streams): peers may read a PE's memory until every PE is here.
- * Thread-safe.
+ * Makes this process's `count` PEs of an expert-parallel group of `size`
+ * PEs over several processes of one host, as `xcall_xla_ep_open` does for
+ * one process: PE `i` here has rank `ranks[i]` and device `ordinals[i]`
+ * (Host: `ordinals` may be NULL). Every process of the group calls it at
+ * about the same time with the same `size`, `socket`, config and
+ * timeout, together naming each rank once; the processes meet at the
+ * Unix socket path `socket` (the process holding rank 0 listens there and
+ * removes it once all have met), peers reached by CUDA IPC (CUDA) or
+ * shared memory (Host). The call returns when every PE of the group has
+ * made its part, or fails after `timeout_ms` (0: 60 s) naming what it
+ * waited for. `xcall_xla_ep_close` frees this process's PEs (collective
+ * over the processes). Thread-safe.
  *
- * Bad input: an id not open (closed already, never opened):
- * `XCALL_STATUS_INVALID_HANDLE`; a handler of the group running now:
- * `XCALL_STATUS_BUSY`, the group left open.
+ * Bad input: as `xcall_xla_ep_open`, and NULL `ranks` or `socket`:
+ * `XCALL_STATUS_NULL_ARGUMENT`; `size` 0 or above 64, `count` 0 or above
+ * `size`, a rank listed twice or not below `size`, a `socket` that is
+ * not UTF-8, empty, or longer than 107 bytes: `XCALL_STATUS_INVALID_ARGUMENT`;
+ * nothing is made.
  */
-xcall_status xcall_xla_ep_close(uint64_t id);
-
-/**
- * The first error a CUDA kernel of group `id` met on any PE since the
- * last check, then cleared (`xcall_ep_check` on each PE, in rank order):
- * a peer that did not reach a phase in time, or routing with ids that
- * were not taken. Synchronize the handlers' streams first. Always OK on
- * Host, whose handlers report their errors themselves.
- *
- * Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; a handler
- * of the group running now: `XCALL_STATUS_BUSY`.
- */
-xcall_status xcall_xla_ep_check(uint64_t id);
-
-/**
- * Routes dropped by the capacity on PE `rank` of group `id`, summed over
- * every dispatch so far, into `*out_dropped`. On CUDA, synchronize the
- * handlers' streams first.
- *
- * Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; `rank` not a
- * PE of the group: `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_dropped`:
- * `XCALL_STATUS_NULL_ARGUMENT`; a handler of that PE running now:
- * `XCALL_STATUS_BUSY`.
- */
-xcall_status xcall_xla_ep_dropped_routes(uint64_t id, uint64_t rank, uint64_t *out_dropped);
+xcall_status xcall_xla_ep_open_ranks(uint32_t platform,
+                                     const uint32_t *ordinals,
+                                     const uint64_t *ranks,
+                                     uint64_t count,
+                                     uint64_t size,
+                                     const char *socket,
+                                     const xcall_ep_config *config,
+                                     uint64_t timeout_ms,
+                                     uint64_t *out_id,
+                                     uint64_t *out_routing_bytes);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -4,7 +4,8 @@ and shard_map, with XLA command buffers off or on
 (XCALL_XLA_COMMAND_BUFFERS, set by the device bundle with XLA_FLAGS):
 values against numpy loops, one compiled step replayed with new routing,
 gradients through MoE layers against plain JAX, and bad routing reported
-by the group's check. Skips without a GPU unless XCALL_REQUIRE_CUDA=1."""
+by the group's check; and two processes of a GPU each under
+jax.distributed. Skips without a GPU unless XCALL_REQUIRE_CUDA=1."""
 
 import os
 
@@ -112,3 +113,25 @@ def test_bad_routing_is_reported_by_check():
     with pytest.raises(ValueError, match="not taken"):
         g.check()
     g.check()  # cleared
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_a_process_per_gpu_under_jax_distributed(capacity):
+    """Two processes, a GPU each (jax.distributed, CUDA IPC between them):
+    the layer's values against numpy, its gradients against the same
+    program on this process's CPU devices."""
+    if len(GPUS) < 2:
+        pytest.skip(f"needs 2 GPUs, JAX sees {len(GPUS)}")
+    from test_xcall_jax_ep_processes import in_one_process, launch, worker
+
+    got = launch(2, 1, "cuda", capacity)
+    x, ids, probs, _, e = worker.inputs(2)
+    np.testing.assert_allclose(got["y"], ref_layer(x, ids, probs, np.arange(1, e + 1), 2, e,
+                                                   capacity), rtol=1e-5, atol=1e-5)
+    cpus = jax.devices("cpu")
+    with jax.default_device(cpus[0]):
+        want = in_one_process(2, capacity, cpus)
+    xe.ep_close_all()
+    for name in ("gx", "gp"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(got["dropped"], want["dropped"])

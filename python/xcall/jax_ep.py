@@ -1,8 +1,9 @@
 """Expert parallelism in JAX: xcall's dispatch and combine across every
-device of one process, under ``jax.jit`` and ``shard_map``.
+device of one process, or of the processes of one host under
+``jax.distributed``, under ``jax.jit`` and ``shard_map``.
 
-Inside ``shard_map`` over a mesh of this process's devices (one axis, the
-experts' axis), each device holds ``T`` tokens ``[T, H]`` routed top-k over
+Inside ``shard_map`` over a mesh (one axis, the experts' axis), each
+device holds ``T`` tokens ``[T, H]`` routed top-k over
 ``E`` experts, ``E / P`` of them on each device (device ``q`` of the axis
 hosts experts ``q*L .. (q+1)*L``)::
 
@@ -18,7 +19,13 @@ xcall's backward calls (``jax.grad`` through a whole MoE layer works).
 shmem world and expert-parallel group for every device of the mesh at
 once, one thread per device, while the program is traced (never inside a
 device's computation, so nothing waits for a peer that XLA has not
-started); later calls reuse it. :func:`ep_group` opens one up front;
+started); later calls reuse it. Under ``jax.distributed`` a mesh may hold
+devices of several processes of one host (a process per GPU, or several
+GPUs each): each process opens its own devices' part, and the processes
+meet at a Unix socket that the process holding the axis's first device
+names through jax.distributed's key-value store (peers reached by CUDA
+IPC, or shared memory on CPU); every process then makes the same calls
+in the same order, as one SPMD program does. :func:`ep_group` opens one up front;
 :func:`ep_close_all` (run at exit) frees them. On GPUs a device takes part
 in one group at a time.
 
@@ -44,16 +51,21 @@ The gradient of the rows has zeros there always.
 
 Every size is checked while tracing: a wrong dtype, shapes that disagree,
 ``k > E``, experts that do not split over the devices, a mesh with devices
-of another process raise an exception with xcall's message, and nothing
-runs.
+of another process outside ``jax.distributed`` raise an exception with
+xcall's message, and nothing runs.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import functools
+import hashlib
+import os
+import tempfile
 import threading
+import uuid
 from typing import Optional
 
 import jax
@@ -63,7 +75,6 @@ import numpy as np
 import xcall as _xcall
 from xcall._ep_abi import EpConfig as _Config
 from xcall._ep_abi import EpSizes as _Sizes
-
 
 __all__ = [
     "EpGroup",
@@ -105,6 +116,18 @@ def _load() -> ctypes.CDLL:
         ctypes.POINTER(u64),
         ctypes.POINTER(u64),
     ]
+    lib.xcall_xla_ep_open_ranks.argtypes = [
+        ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_uint32),
+        ctypes.POINTER(u64),
+        u64,
+        u64,
+        ctypes.c_char_p,
+        ctypes.POINTER(_Config),
+        u64,
+        ctypes.POINTER(u64),
+        ctypes.POINTER(u64),
+    ]
     lib.xcall_xla_ep_close.argtypes = [u64]
     lib.xcall_xla_ep_check.argtypes = [u64]
     lib.xcall_xla_ep_dropped_routes.argtypes = [u64, u64, ctypes.POINTER(u64)]
@@ -125,7 +148,8 @@ def _check(lib, status: int, what: str) -> None:
 
 def _devices(mesh, axis_name):
     """The mesh's devices in axis order, checked: one axis of size > 1
-    (``axis_name``), every device this process's, one platform."""
+    (``axis_name``), one platform; devices of other processes only under
+    ``jax.distributed`` (and at least one of this process's)."""
     if axis_name not in mesh.axis_names:
         raise ValueError(f"xcall.jax: the mesh has no axis {axis_name!r} (axes {mesh.axis_names})")
     devices = list(np.asarray(mesh.devices).reshape(-1))
@@ -136,10 +160,16 @@ def _devices(mesh, axis_name):
         )
     here = jax.process_index()
     foreign = [d for d in devices if d.process_index != here]
-    if foreign:
+    if foreign and jax.process_count() == 1:
         raise ValueError(
-            f"xcall.jax: the mesh's devices must all be this process's (process {here}); "
-            f"{foreign[0]} is process {foreign[0].process_index}'s"
+            f"xcall.jax: the mesh's devices must all be this process's (process {here}), "
+            f"unless the processes run under jax.distributed; {foreign[0]} is process "
+            f"{foreign[0].process_index}'s"
+        )
+    if len(foreign) == len(devices):
+        raise ValueError(
+            f"xcall.jax: none of the mesh's devices is this process's (process {here}): "
+            "a process calls expert-parallel ops only over meshes holding its devices"
         )
     platforms = {d.platform for d in devices}
     if len(platforms) != 1 or not platforms <= {"cpu", "gpu", "cuda"}:
@@ -156,6 +186,10 @@ class EpGroup:
     def __init__(self, key, devices, axis_name, config, sizes, gid, routing_bytes):
         self.key = key
         self.devices = devices
+        here = jax.process_index()
+        #: The ranks (mesh axis positions) of this process's devices.
+        self.local_ranks = [r for r, d in enumerate(devices) if d.process_index == here]
+        self.local_devices = [devices[r] for r in self.local_ranks]
         self.axis_name = axis_name
         self.config = config
         self.pes = len(devices)
@@ -185,16 +219,17 @@ class EpGroup:
         """Raises the first error a GPU call of the group met (a peer that
         never came, ids that were not taken), after waiting for the
         devices. Nothing to report on CPU."""
-        _sync(self.devices)
+        _sync(self.local_devices)
         _check(_load(), _load().xcall_xla_ep_check(self.id), "expert-parallel check")
 
     def dropped_routes(self) -> list:
-        """Routes each device's experts dropped by the capacity, summed
+        """Routes each of this process's devices' experts dropped by the
+        capacity (in mesh order: every device's in one process), summed
         over every dispatch so far."""
-        _sync(self.devices)
+        _sync(self.local_devices)
         lib = _load()
         out = []
-        for rank in range(self.pes):
+        for rank in self.local_ranks:
             n = ctypes.c_uint64(0)
             _check(lib, lib.xcall_xla_ep_dropped_routes(self.id, rank, ctypes.byref(n)), "dropped routes")
             out.append(n.value)
@@ -248,20 +283,54 @@ def ep_group(mesh, *, tokens: int, hidden: int, topk: int, experts: int, dtype=j
         _check(lib, lib.xcall_ep_layout(ctypes.byref(c), len(devices), ctypes.byref(sizes)),
                "expert-parallel group")
         cuda = devices[0].platform != "cpu"
-        ordinals = (ctypes.c_uint32 * len(devices))(
-            *[(d.local_hardware_id if d.local_hardware_id is not None else d.id) for d in devices]
+        here = jax.process_index()
+        local = [(r, d) for r, d in enumerate(devices) if d.process_index == here]
+        ordinals = (ctypes.c_uint32 * len(local))(
+            *[(d.local_hardware_id if d.local_hardware_id is not None else d.id) for _, d in local]
         )
+        platform = _PLATFORM_CUDA if cuda else _PLATFORM_HOST
         gid, routing = ctypes.c_uint64(0), ctypes.c_uint64(0)
-        _check(
-            lib,
-            lib.xcall_xla_ep_open(_PLATFORM_CUDA if cuda else _PLATFORM_HOST, ordinals,
-                                  len(devices), ctypes.byref(c), int(timeout_ms),
-                                  ctypes.byref(gid), ctypes.byref(routing)),
-            "expert-parallel group",
-        )
+        if len(local) == len(devices):
+            status = lib.xcall_xla_ep_open(platform, ordinals, len(devices), ctypes.byref(c),
+                                           int(timeout_ms), ctypes.byref(gid),
+                                           ctypes.byref(routing))
+        else:
+            socket = _agree_socket(key, devices, local, int(timeout_ms))
+            ranks = (ctypes.c_uint64 * len(local))(*[r for r, _ in local])
+            status = lib.xcall_xla_ep_open_ranks(platform, ordinals, ranks, len(local),
+                                                 len(devices), socket.encode(), ctypes.byref(c),
+                                                 int(timeout_ms), ctypes.byref(gid),
+                                                 ctypes.byref(routing))
+        _check(lib, status, "expert-parallel group")
         g = EpGroup(key, devices, axis_name, config, sizes, gid.value, routing.value)
         _groups[key] = g
         return g
+
+
+_opened = collections.Counter()
+
+
+def _agree_socket(key, devices, local, timeout_ms) -> str:
+    """The Unix socket where the processes of a group meet: made up by the
+    process holding rank 0 and handed to the others through
+    jax.distributed's key-value store, under a name every process derives
+    alike (the group's devices and shape, and how many times this process
+    opened that group: the processes open groups in the same order)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "xcall.jax: a mesh over several processes needs jax.distributed.initialize() first"
+        )
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    _opened[digest] += 1
+    name = f"xcall/jax_ep/{digest}/{_opened[digest]}"
+    if local[0][0] == 0:
+        path = os.path.join(tempfile.gettempdir(), f"xcall-ep-{uuid.uuid4().hex[:20]}.sock")
+        client.key_value_set(name, path)
+        return path
+    return client.blocking_key_value_get(name, timeout_ms or 60000)
 
 
 def ep_close_all() -> None:
@@ -274,7 +343,7 @@ def ep_close_all() -> None:
         groups = list(_groups.values())
         _groups.clear()
     for g in groups:
-        _sync(g.devices)
+        _sync(g.local_devices)
         g.closed = True
         _check(_lib, _lib.xcall_xla_ep_close(g.id), "closing an expert-parallel group")
     if groups:

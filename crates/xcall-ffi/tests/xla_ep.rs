@@ -362,3 +362,153 @@ fn a_pe_in_a_call_makes_others_busy_not_wait() {
     assert_eq!(first.join().unwrap(), Ok(()));
     assert_eq!(xcall_xla_ep_close(id), Status::Ok, "{}", last_error());
 }
+
+fn socket_path(what: &str) -> std::ffi::CString {
+    let p = std::env::temp_dir().join(format!("xcall-xla-ep-{what}-{}.sock", std::process::id()));
+    std::ffi::CString::new(p.to_str().unwrap()).unwrap()
+}
+
+/// `ranks` of a group of `size` opened here, meeting at `socket`.
+fn open_ranks(
+    ranks: &[u64],
+    size: u64,
+    socket: *const std::ffi::c_char,
+    c: &xcall_ep_config,
+) -> Result<(u64, u64), Status> {
+    let (mut id, mut bytes) = (0, 0);
+    let n = ranks.len() as u64;
+    match xcall_xla_ep_open_ranks(
+        0,
+        std::ptr::null(),
+        ranks.as_ptr(),
+        n,
+        size,
+        socket,
+        c,
+        20_000,
+        &mut id,
+        &mut bytes,
+    ) {
+        Status::Ok => Ok((id, bytes)),
+        s => Err(s),
+    }
+}
+
+#[test]
+fn open_ranks_refuses_bad_input_and_makes_nothing() {
+    let c = config();
+    let s = socket_path("bad");
+    let (mut id, mut bytes) = (7, 7);
+    let null_ranks = xcall_xla_ep_open_ranks(
+        0,
+        std::ptr::null(),
+        std::ptr::null(),
+        1,
+        2,
+        s.as_ptr(),
+        &c,
+        0,
+        &mut id,
+        &mut bytes,
+    );
+    assert_eq!(null_ranks, Status::NullArgument);
+    assert_eq!(
+        open_ranks(&[0], 2, std::ptr::null(), &c),
+        Err(Status::NullArgument)
+    );
+    for (ranks, size, want) in [
+        (&[0u64][..], 0, "size must be in 1..=64"),
+        (&[0], 65, "size must be in 1..=64"),
+        (&[0, 1, 2], 2, "count must be in 1..=2"),
+        (&[], 2, "count must be in 1..=2"),
+        (&[0, 0], 2, "rank 0 is listed twice"),
+        (&[2], 2, "ranks[0] is 2; the group's ranks are 0..2"),
+    ] {
+        assert_eq!(
+            open_ranks(ranks, size, s.as_ptr(), &c),
+            Err(Status::InvalidArgument),
+            "{ranks:?} of {size}"
+        );
+        assert!(last_error().contains(want), "{}", last_error());
+    }
+    let long = std::ffi::CString::new("/tmp/".to_string() + &"x".repeat(103)).unwrap();
+    let empty = std::ffi::CString::new("").unwrap();
+    let latin = std::ffi::CString::new(vec![b'/', 0xff]).unwrap();
+    for (path, want) in [
+        (&long, "1..=107 bytes, not 108"),
+        (&empty, "not 0 bytes"),
+        (&latin, "not UTF-8"),
+    ] {
+        assert_eq!(
+            open_ranks(&[0], 2, path.as_ptr(), &c),
+            Err(Status::InvalidArgument)
+        );
+        assert!(last_error().contains(want), "{}", last_error());
+    }
+    let wide = xcall_ep_config { topk: 5, ..c };
+    assert_eq!(
+        open_ranks(&[0], 2, s.as_ptr(), &wide),
+        Err(Status::InvalidArgument),
+        "k > E"
+    );
+    assert_eq!((id, bytes), (7, 7), "outputs untouched");
+}
+
+/// A group of two PEs opened in two parts (one rank each, as two processes
+/// do) meeting at a Unix socket: each part's dispatch writes what the
+/// group opened at once writes, and each part knows only its own rank.
+#[test]
+fn a_group_opened_rank_by_rank_dispatches_as_one_opened_at_once() {
+    let c = config();
+    let rows = 2 * T * K;
+    let (whole, bytes) = open(2, &c).unwrap();
+    let want = run_threads("whole group", 2, watchdog(), move |rank| {
+        let mut out = vec![f32::NAN; rows * H];
+        let mut tpe = vec![-1i64; E / 2];
+        let mut routing = vec![0u8; bytes as usize];
+        dispatch_into(whole, rank, &mut out, &mut tpe, &mut routing).unwrap();
+        (out, tpe)
+    });
+    assert_eq!(xcall_xla_ep_close(whole), Status::Ok);
+    let s = socket_path("parts");
+    let path = s.to_str().unwrap().to_string();
+    let got = run_threads("group in parts", 2, watchdog(), move |rank| {
+        let s = std::ffi::CString::new(path.clone()).unwrap();
+        let (id, part_bytes) = open_ranks(&[rank as u64], 2, s.as_ptr(), &c).unwrap();
+        assert_eq!(part_bytes, bytes);
+        let mut out = vec![f32::NAN; rows * H];
+        let mut tpe = vec![-1i64; E / 2];
+        let mut routing = vec![0u8; bytes as usize];
+        dispatch_into(id, rank, &mut out, &mut tpe, &mut routing).unwrap();
+        // The other rank is not this part's.
+        let mut dropped = 0;
+        assert_eq!(
+            xcall_xla_ep_dropped_routes(id, 1 - rank as u64, &mut dropped),
+            Status::InvalidArgument
+        );
+        assert!(
+            last_error().contains("not a PE of group"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            xcall_xla_ep_dropped_routes(id, rank as u64, &mut dropped),
+            Status::Ok
+        );
+        let other = dispatch_into(
+            id,
+            1 - rank,
+            &mut out.clone(),
+            &mut tpe.clone(),
+            &mut routing,
+        );
+        let (_, message) = other.unwrap_err();
+        assert!(
+            message.contains(&format!("of them [{rank}] in this process")),
+            "{message}"
+        );
+        assert_eq!(xcall_xla_ep_close(id), Status::Ok, "{}", last_error());
+        (out, tpe)
+    });
+    assert_eq!(got, want);
+}

@@ -8,8 +8,10 @@
 //! it for a list of devices (rank = index in the list), one thread per PE,
 //! all at once, and returns once every PE's part is made: the group
 //! exists before any handler runs, so handlers that XLA runs one after
-//! another, or at once, never wait for a creation. Handlers name the group
-//! by the id it gets (attribute `group`). `xcall_xla_ep_close` frees it.
+//! another, or at once, never wait for a creation. A group may span
+//! processes of one host: `xcall_xla_ep_open_ranks` makes this process's
+//! PEs of it (see `ep_open`). Handlers name the group by the id it gets
+//! (attribute `group`). `xcall_xla_ep_close` frees this process's PEs.
 //!
 //! # Which PE a handler is
 //! On CUDA, the device of the call frame, looked up in the group's list
@@ -27,46 +29,50 @@
 //! gets, whatever was dispatched in between.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use xcall_core::{DType, Device, Platform, Status};
+use xcall_core::{DType, Platform, Status};
 use xcall_ep::{Buf, EpConfig, EpGroup, ExpertMajor, Precision};
 use xcall_permute::call::{Target, Tensor};
-use xcall_shmem::{World, WorldConfig};
+use xcall_shmem::World;
 
 use super::specs::{always, Decoded, Spec, CBC};
-use crate::ep::{config_arg, xcall_ep_config};
 use crate::guard::{ffi_call, out_ptr, FfiError};
 
 /// One PE of an open group: its world and its group (None once freed).
-struct Pe {
-    world: World,
-    group: Option<EpGroup>,
+pub(super) struct Pe {
+    pub(super) world: World,
+    pub(super) group: Option<EpGroup>,
 }
 
-/// A group over a list of devices.
-struct MeshGroup {
-    id: u64,
-    platform: Platform,
-    /// CUDA: the devices' ordinals, rank order. Host: the world's slots.
-    ordinals: Vec<u32>,
-    config: EpConfig,
-    routing_bytes: usize,
+/// A group over a list of devices, this process's PEs of it.
+pub(super) struct MeshGroup {
+    pub(super) id: u64,
+    pub(super) platform: Platform,
+    /// This process's PEs: CUDA, their devices' ordinals; Host, their
+    /// worlds' slots.
+    pub(super) ordinals: Vec<u32>,
+    /// Each of this process's PEs' rank in the group (in-process groups:
+    /// 0, 1, ..).
+    pub(super) ranks: Vec<usize>,
+    /// PEs of the group over every process.
+    pub(super) size: usize,
+    pub(super) config: EpConfig,
+    pub(super) routing_bytes: usize,
     /// Each PE's slot. A call takes its PE out of the slot (the lock is
     /// held only for the taking and the putting back, never across the
     /// call's collective) and puts it back when done; a call that finds
     /// the slot empty gets `Busy`, so no thread waits for a PE that waits
     /// on its peers.
-    pes: Vec<Mutex<Option<Pe>>>,
+    pub(super) pes: Vec<Mutex<Option<Pe>>>,
 }
 
 /// How long closing a group waits for a call that found it just before it
 /// was closed.
 const CLOSE_WAIT: Duration = Duration::from_secs(60);
 
-fn open_groups() -> MutexGuard<'static, Vec<Arc<MeshGroup>>> {
+pub(super) fn open_groups() -> MutexGuard<'static, Vec<Arc<MeshGroup>>> {
     static GROUPS: Mutex<Vec<Arc<MeshGroup>>> = Mutex::new(Vec::new());
     // Only pushes, removals and clones of Arcs happen under it.
     GROUPS.lock().unwrap_or_else(|p| p.into_inner())
@@ -92,7 +98,10 @@ fn find(id: u64) -> Result<Arc<MeshGroup>, FfiError> {
 /// Runs `f(rank)` on one thread per PE at once and collects the results
 /// in rank order. Every PE's work ends by itself (its waits have the
 /// world's timeout), so joining cannot hang.
-fn on_every_pe<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<std::thread::Result<T>> {
+pub(super) fn on_every_pe<T: Send>(
+    n: usize,
+    f: impl Fn(usize) -> T + Sync,
+) -> Vec<std::thread::Result<T>> {
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = (0..n).map(|r| s.spawn(move || f(r))).collect();
@@ -100,12 +109,15 @@ fn on_every_pe<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<std::thr
     })
 }
 
-fn first_error<T>(
+/// The results in order, or the first error, naming its PE by `ranks`.
+pub(super) fn first_error<T>(
     results: Vec<std::thread::Result<Result<T, FfiError>>>,
+    ranks: &[usize],
 ) -> Result<Vec<T>, FfiError> {
     let mut out = Vec::with_capacity(results.len());
     let mut err = None;
-    for (rank, r) in results.into_iter().enumerate() {
+    for (r, ranks_r) in results.into_iter().zip(ranks) {
+        let rank = *ranks_r;
         match r {
             Ok(Ok(v)) => out.push(v),
             Ok(Err(e)) => {
@@ -126,129 +138,6 @@ fn first_error<T>(
         Some(e) => Err(e),
         None => Ok(out),
     }
-}
-
-/// Host worlds take slots of their own, so groups of the same host
-/// "devices" may live side by side.
-fn host_slots(n: usize) -> Vec<u32> {
-    static NEXT: AtomicU32 = AtomicU32::new(1024);
-    let first = NEXT.fetch_add(n as u32, Ordering::Relaxed);
-    (0..n as u32).map(|r| first + r).collect()
-}
-
-/// Makes an expert-parallel group of `config`'s shape on `count` PEs, one
-/// per device of `ordinals` (rank = index), all in this process, into
-/// `*out_id`, with the bytes of a dispatch's saved routing (the `routing`
-/// result of the `xcall_ep_dispatch` handler) in `*out_routing_bytes`.
-/// `platform` is an `xcall_platform`: CUDA (`ordinals` are device
-/// ordinals) or Host (`ordinals` may be NULL: Host PEs take slots of
-/// their own). Each PE's world and group are made on a thread of their
-/// own, all at once, with `timeout_ms` for every wait on peers (0: 60 s);
-/// the call returns when all are made. On CUDA a device may be in one live
-/// group at a time. Thread-safe.
-///
-/// Bad input: NULL `config`, `out_id` or `out_routing_bytes`, NULL
-/// `ordinals` on CUDA: `XCALL_STATUS_NULL_ARGUMENT`; an unknown platform
-/// or precision, `count` 0 or above 64, a config `xcall_ep_layout` refuses
-/// for `count` PEs, a CUDA ordinal listed twice:
-/// `XCALL_STATUS_INVALID_ARGUMENT`; a CUDA device already in a live group
-/// or world: `XCALL_STATUS_INVALID_STATE`; nothing is made. A failure on
-/// one PE (out of memory, a missing device): its status, naming the PE,
-/// and nothing is left made.
-#[no_mangle]
-pub extern "C" fn xcall_xla_ep_open(
-    platform: u32,
-    ordinals: *const u32,
-    count: u64,
-    config: *const xcall_ep_config,
-    timeout_ms: u64,
-    out_id: *mut u64,
-    out_routing_bytes: *mut u64,
-) -> Status {
-    ffi_call!({
-        let config = config_arg(config)?;
-        let id_out = out_ptr(out_id, "out_id")?;
-        let bytes_out = out_ptr(out_routing_bytes, "out_routing_bytes")?;
-        let platform = crate::guard::code_arg::<Platform>(platform)?;
-        let n = usize::try_from(count).unwrap_or(usize::MAX);
-        if n == 0 || n > xcall_ep::MAX_PES {
-            return Err(invalid(format!(
-                "count must be in 1..={}, not {count}",
-                xcall_ep::MAX_PES
-            )));
-        }
-        let layout = config.layout(n)?;
-        let ordinals = match platform {
-            Platform::Host => host_slots(n),
-            Platform::Cuda => {
-                if ordinals.is_null() {
-                    return Err(FfiError::new(Status::NullArgument, "ordinals is NULL"));
-                }
-                // SAFETY: `count` readable u32s, per the documentation.
-                let o = unsafe { std::slice::from_raw_parts(ordinals, n) }.to_vec();
-                if let Some(d) = o.iter().enumerate().find(|(i, d)| o[..*i].contains(d)) {
-                    return Err(invalid(format!("CUDA device {} is listed twice", d.1)));
-                }
-                let taken = open_groups().iter().find_map(|g| {
-                    (g.platform == Platform::Cuda)
-                        .then(|| {
-                            o.iter()
-                                .find(|d| g.ordinals.contains(d))
-                                .map(|d| (*d, g.id))
-                        })
-                        .flatten()
-                });
-                if let Some((d, id)) = taken {
-                    return Err(FfiError::new(
-                        Status::InvalidState,
-                        format!(
-                            "CUDA device {d} is in open expert-parallel group {id}: a device \
-                             takes part in one group at a time; close that group first"
-                        ),
-                    ));
-                }
-                o
-            }
-        };
-        let timeout = Duration::from_millis(if timeout_ms == 0 { 60_000 } else { timeout_ms });
-        static WORLDS: AtomicU64 = AtomicU64::new(0);
-        let name = format!(
-            "xla-ep-{}-{}",
-            std::process::id(),
-            WORLDS.fetch_add(1, Ordering::Relaxed)
-        );
-        let made = on_every_pe(n, |rank| -> Result<Pe, FfiError> {
-            let device = Device::new(platform, ordinals[rank]);
-            let mut wc = WorldConfig::in_process(&name, rank, n, device);
-            // The group's part, plus the world's internal region.
-            wc.heap_bytes = Some(layout.heap_bytes.saturating_add(4 << 20));
-            wc.timeout = timeout;
-            let mut world = World::new();
-            world.init(&wc)?;
-            let group = EpGroup::new(&mut world, config)?;
-            Ok(Pe {
-                world,
-                group: Some(group),
-            })
-        });
-        // On a failure every PE's world is dropped (it leaves, and the
-        // memory goes with the last PE), whatever was made.
-        let pes = first_error(made)?;
-        let routing_bytes = pes[0].group.as_ref().map_or(0, |g| g.routing_bytes());
-        static IDS: AtomicU64 = AtomicU64::new(1);
-        let id = IDS.fetch_add(1, Ordering::Relaxed);
-        open_groups().push(Arc::new(MeshGroup {
-            id,
-            platform,
-            ordinals,
-            config,
-            routing_bytes,
-            pes: pes.into_iter().map(|pe| Mutex::new(Some(pe))).collect(),
-        }));
-        *id_out = id;
-        *bytes_out = routing_bytes as u64;
-        Ok(())
-    })
 }
 
 /// Frees the group `id` of `xcall_xla_ep_open` on every PE (its worlds
@@ -274,18 +163,22 @@ pub extern "C" fn xcall_xla_ep_close(id: u64) -> Status {
             if let Some(r) = (0..groups[at].pes.len()).find(|&r| slot(&groups[at], r).is_none()) {
                 return Err(FfiError::new(
                     Status::Busy,
-                    format!("PE {r} of expert-parallel group {id} is in a call; close it after"),
+                    format!(
+                        "PE {} of expert-parallel group {id} is in a call; close it after",
+                        groups[at].ranks[r]
+                    ),
                 ));
             }
             groups.remove(at)
         };
-        let done = on_every_pe(g.pes.len(), |rank| -> Result<(), FfiError> {
+        let done = on_every_pe(g.pes.len(), |local| -> Result<(), FfiError> {
+            let rank = g.ranks[local];
             // Removed from the open groups while every PE was in its slot:
             // no new call finds it; one that found it just before finishes
             // first (its PE back in the slot), waited for without a lock.
             let waited = std::time::Instant::now();
             let mut pe = loop {
-                if let Some(pe) = slot(&g, rank).take() {
+                if let Some(pe) = slot(&g, local).take() {
                     break pe;
                 }
                 if waited.elapsed() > CLOSE_WAIT {
@@ -305,12 +198,13 @@ pub extern "C" fn xcall_xla_ep_close(id: u64) -> Status {
             pe.world.finalize()?;
             Ok(())
         });
-        first_error(done).map(|_| ())
+        first_error(done, &g.ranks).map(|_| ())
     })
 }
 
-/// The first error a CUDA kernel of group `id` met on any PE since the
-/// last check, then cleared (`xcall_ep_check` on each PE, in rank order):
+/// The first error a CUDA kernel of group `id` met on any of this
+/// process's PEs since the last check, then cleared (`xcall_ep_check` on
+/// each, in rank order):
 /// a peer that did not reach a phase in time, or routing with ids that
 /// were not taken. Synchronize the handlers' streams first. Always OK on
 /// Host, whose handlers report their errors themselves.
@@ -321,8 +215,8 @@ pub extern "C" fn xcall_xla_ep_close(id: u64) -> Status {
 pub extern "C" fn xcall_xla_ep_check(id: u64) -> Status {
     ffi_call!({
         let g = find(id)?;
-        for rank in 0..g.pes.len() {
-            let pe = lock(&g, rank)?;
+        for (local, rank) in g.ranks.iter().enumerate() {
+            let pe = lock(&g, local)?;
             if let Some(group) = &pe.group {
                 group
                     .check()
@@ -333,12 +227,12 @@ pub extern "C" fn xcall_xla_ep_check(id: u64) -> Status {
     })
 }
 
-/// Routes dropped by the capacity on PE `rank` of group `id`, summed over
-/// every dispatch so far, into `*out_dropped`. On CUDA, synchronize the
-/// handlers' streams first.
+/// Routes dropped by the capacity on PE `rank` of group `id` (one of this
+/// process's), summed over every dispatch so far, into `*out_dropped`. On
+/// CUDA, synchronize the handlers' streams first.
 ///
 /// Bad input: an id not open: `XCALL_STATUS_INVALID_HANDLE`; `rank` not a
-/// PE of the group: `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_dropped`:
+/// PE of the group in this process: `XCALL_STATUS_INVALID_ARGUMENT`; NULL `out_dropped`:
 /// `XCALL_STATUS_NULL_ARGUMENT`; a handler of that PE running now:
 /// `XCALL_STATUS_BUSY`.
 #[no_mangle]
@@ -347,13 +241,13 @@ pub extern "C" fn xcall_xla_ep_dropped_routes(id: u64, rank: u64, out_dropped: *
         let out = out_ptr(out_dropped, "out_dropped")?;
         let g = find(id)?;
         let rank = usize::try_from(rank).unwrap_or(usize::MAX);
-        if rank >= g.pes.len() {
-            return Err(invalid(format!(
-                "rank {rank} is not a PE of group {id} ({} PEs)",
-                g.pes.len()
-            )));
-        }
-        let pe = lock(&g, rank)?;
+        let local = g.ranks.iter().position(|&r| r == rank).ok_or_else(|| {
+            invalid(format!(
+                "rank {rank} is not a PE of group {id} in this process (its PEs here: {:?} of {})",
+                g.ranks, g.size
+            ))
+        })?;
+        let pe = lock(&g, local)?;
         *out = pe.group.as_ref().map_or(Ok(0), |g| g.dropped_routes())?;
         Ok(())
     })
@@ -399,9 +293,9 @@ fn lock(g: &MeshGroup, rank: usize) -> Result<Taken<'_>, FfiError> {
         None => Err(FfiError::new(
             Status::Busy,
             format!(
-                "PE {rank} of expert-parallel group {} is in another call: a PE's calls run one \
+                "PE {} of expert-parallel group {} is in another call: a PE's calls run one \
                  at a time, in the same order on every PE",
-                g.id
+                g.ranks[rank], g.id
             ),
         )),
     }
@@ -409,7 +303,8 @@ fn lock(g: &MeshGroup, rank: usize) -> Result<Taken<'_>, FfiError> {
 
 // ------------------------------------------------------------ handlers
 
-/// The group of a call (attribute `group`) and the call's PE.
+/// The group of a call (attribute `group`) and the call's PE: its index
+/// among this process's PEs of the group.
 fn group_and_rank(t: &Target, d: &Decoded) -> Result<(Arc<MeshGroup>, usize), FfiError> {
     let id = d.attr("group", 0);
     if id <= 0 {
@@ -442,11 +337,11 @@ fn group_and_rank(t: &Target, d: &Decoded) -> Result<(Arc<MeshGroup>, usize), Ff
             let v = unsafe { (r.address as *const i32).read_unaligned() };
             usize::try_from(v)
                 .ok()
-                .filter(|&v| v < g.pes.len())
+                .and_then(|v| g.ranks.iter().position(|&r| r == v))
                 .ok_or_else(|| {
                     invalid(format!(
-                        "operand rank is {v}; group {id} has PEs 0..{}",
-                        g.pes.len()
+                        "operand rank is {v}; group {id} has PEs 0..{}, of them {:?} in this process",
+                        g.size, g.ranks
                     ))
                 })?
         }
@@ -538,7 +433,7 @@ fn stream(t: &Target) -> *mut c_void {
 pub(super) unsafe fn run_dispatch(t: &Target, d: &Decoded) -> Result<(), FfiError> {
     let (g, rank) = group_and_rank(t, d)?;
     let c = g.config;
-    let layout = c.layout(g.pes.len())?;
+    let layout = c.layout(g.size)?;
     let elem = row_dtype(&c)?;
     let (tk, h, k) = (c.tokens, c.hidden, c.topk);
     let x = checked(d, "x", elem, &[tk, h])?;
@@ -575,7 +470,7 @@ pub(super) unsafe fn run_dispatch(t: &Target, d: &Decoded) -> Result<(), FfiErro
 pub(super) unsafe fn run_combine(t: &Target, d: &Decoded) -> Result<(), FfiError> {
     let (g, rank) = group_and_rank(t, d)?;
     let c = g.config;
-    let layout = c.layout(g.pes.len())?;
+    let layout = c.layout(g.size)?;
     let elem = row_dtype(&c)?;
     let expert_out = checked(d, "expert_out", elem, &[layout.expert_rows, c.hidden])?;
     let routing = checked(d, "routing", DType::U8, &[g.routing_bytes])?;
@@ -595,7 +490,7 @@ pub(super) unsafe fn run_combine(t: &Target, d: &Decoded) -> Result<(), FfiError
 pub(super) unsafe fn run_combine_backward(t: &Target, d: &Decoded) -> Result<(), FfiError> {
     let (g, rank) = group_and_rank(t, d)?;
     let c = g.config;
-    let layout = c.layout(g.pes.len())?;
+    let layout = c.layout(g.size)?;
     let elem = row_dtype(&c)?;
     let rows = [layout.expert_rows, c.hidden];
     let grad_y = checked(d, "grad_y", elem, &[c.tokens, c.hidden])?;
@@ -621,7 +516,7 @@ pub(super) unsafe fn run_combine_backward(t: &Target, d: &Decoded) -> Result<(),
 pub(super) unsafe fn run_dispatch_backward(t: &Target, d: &Decoded) -> Result<(), FfiError> {
     let (g, rank) = group_and_rank(t, d)?;
     let c = g.config;
-    let layout = c.layout(g.pes.len())?;
+    let layout = c.layout(g.size)?;
     let elem = row_dtype(&c)?;
     let grad_rows = checked(d, "grad_rows", elem, &[layout.expert_rows, c.hidden])?;
     let routing = checked(d, "routing", DType::U8, &[g.routing_bytes])?;

@@ -35,6 +35,7 @@
 /// cbindgen:ignore
 pub mod abi;
 mod ep;
+mod ep_open;
 mod frame;
 mod specs;
 
@@ -54,6 +55,7 @@ use crate::guard::FfiError;
 use crate::op_args::{self, Source};
 use abi::*;
 pub use ep::*;
+pub use ep_open::*;
 use frame::*;
 use specs::*;
 
