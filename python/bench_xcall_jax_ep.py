@@ -15,11 +15,17 @@ block_until_ready (wall clock per step). --check first runs the three
 layers on the same data and compares them (the capacity layer with no
 route dropped); it also runs on CPU devices (--platform cpu, with
 XLA_FLAGS=--xla_force_host_platform_device_count=N and small sizes).
+
+--processes N runs the xcall layers alone over N processes of this host
+under jax.distributed, process i on GPU i (process 0 prints): the way a
+program with a process per GPU runs them.
 """
 
 import argparse
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -183,7 +189,17 @@ def main():
     ap.add_argument("--pallas-experts", action="store_true",
                     help="also time the xcall layer with its experts as one Pallas kernel over "
                     "the filled rows (interpreted on CPU)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run the xcall layers over this many processes (jax.distributed)")
+    ap.add_argument("--process-id", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.processes > 1 and a.process_id < 0:
+        return spawn(a.processes)
+    if a.process_id >= 0:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}",
+                                   num_processes=a.processes, process_id=a.process_id,
+                                   local_device_ids=[a.process_id])
     devices = jax.devices(a.platform)
     pes = len(devices)
     mesh = Mesh(np.array(devices), (AXIS,))
@@ -191,11 +207,16 @@ def main():
     rng = np.random.default_rng(0)
     ids = np.argsort(rng.random((pes * t, e)), axis=1)[:, :k].astype(np.int32)
     probs = rng.uniform(0.0, 1.0, (pes * t, k)).astype(np.float32)
-    x = jnp.asarray(rng.standard_normal((pes * t, h)), jnp.bfloat16)
-    scale = jnp.asarray(np.linspace(0.5, 1.5, e), jnp.float32)
-    sharded = jax.sharding.NamedSharding(mesh, P(AXIS))
-    x, ids_d, probs_d = (jax.device_put(v, sharded) for v in (x, ids, probs))
-    scale = jax.device_put(scale, jax.sharding.NamedSharding(mesh, P()))
+    x = np.asarray(jnp.asarray(rng.standard_normal((pes * t, h)), jnp.bfloat16))
+    scale = np.linspace(0.5, 1.5, e).astype(np.float32)
+
+    def put(v, spec):
+        # Each process builds its own devices' shards (all of them in one).
+        return jax.make_array_from_callback(v.shape, jax.sharding.NamedSharding(mesh, spec),
+                                            lambda i: v[i])
+
+    x, ids_d, probs_d = (put(v, P(AXIS)) for v in (x, ids, probs))
+    scale = put(scale, P())
     cap = int(np.ceil(t * k / e * a.capacity_factor))
 
     def jit(body, check_vma=True):
@@ -214,6 +235,8 @@ def main():
         ("jax ragged_all_to_all", jit(ragged_layer(mesh, e, pes))),
         (f"jax all_to_all, capacity {cap}", jit(capacity_layer(mesh, e, pes, cap))),
     ]
+    if a.process_id >= 0:
+        layers = [layer for layer in layers if layer[0].startswith("xcall")]
     if a.check:
         every = jit(capacity_layer(mesh, e, pes, t * k))   # no route dropped
         want = np.asarray(every(x, ids_d, probs_d, scale), np.float32)
@@ -231,7 +254,11 @@ def main():
             np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2, err_msg=name)
             print(f"check: {name} agrees with the capacity layer (nothing dropped)")
     bytes_moved = t * k * h * 2 * 2  # each route's row out and back, bf16
-    print(f"{pes} x {devices[0].device_kind}, T={t} per device, H={h}, E={e}, top-{k}, bf16")
+    quiet = a.process_id > 0
+    where = f", {a.processes} processes (jax.distributed)" if a.process_id >= 0 else ""
+    if not quiet:
+        print(f"{pes} x {devices[0].device_kind}{where}, T={t} per device, H={h}, E={e}, "
+              f"top-{k}, bf16")
     base = None
     for name, f in layers:
         try:
@@ -240,8 +267,23 @@ def main():
             print(f"{name:36s} does not run here: {str(err).splitlines()[0]}")
             continue
         base = base or s
-        print(f"{name:36s} {s * 1e3:9.3f} ms  {bytes_moved / s / 2**30:8.1f} GiB/s per device"
-              f"  {s / base:6.2f}x xcall")
+        if not quiet:
+            print(f"{name:36s} {s * 1e3:9.3f} ms  {bytes_moved / s / 2**30:8.1f} GiB/s per "
+                  f"device  {s / base:6.2f}x xcall", flush=True)
+
+
+def spawn(processes):
+    """Runs this bench in `processes` processes (the same arguments, each
+    told its id) and waits for them; process 0 prints."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    procs = [subprocess.Popen([sys.executable, *sys.argv, "--process-id", str(i), "--port",
+                               str(port)], env=env) for i in range(processes)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        sys.exit(f"bench processes exited {codes}")
 
 
 if __name__ == "__main__":
