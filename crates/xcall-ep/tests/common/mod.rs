@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+pub mod cuda;
 pub mod run;
 
 use half::bf16;
