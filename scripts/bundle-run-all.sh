@@ -150,7 +150,7 @@ jax_suite() { # <on|off>
     if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
       platforms=gpu
       only_gpu=(--ignore-glob='*test_layer.py' --ignore-glob='*test_readme.py'
-        --ignore-glob='*test_xcall_jax_ep.py')
+        --ignore-glob='*test_xcall_jax_ep.py' --ignore-glob='*test_xcall_jax_ep_processes.py')
     fi
   fi
   XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \

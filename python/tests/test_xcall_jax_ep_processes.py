@@ -1,10 +1,10 @@
 """Expert parallelism over several processes under jax.distributed (each
 process opening its own devices' part of one group): two processes of
-one and of two CPU devices each run an MoE layer and its gradient
-(jax_ep_worker.py), under a watchdog; their shards equal, bit for bit,
-the same program run here in one process over as many devices, and the
-layer's values match the numpy loop. The GPU suite runs the same with a
-GPU per process."""
+one CPU device each (dropless) and of two each (with a capacity) run an
+MoE layer and its gradient (jax_ep_worker.py), under a watchdog; their
+shards equal, bit for bit, the same program run here in one process over
+as many devices, and the layer's values match the numpy loop. The GPU
+suite runs the same with a GPU per process."""
 
 import os
 import signal
@@ -88,8 +88,7 @@ def in_one_process(pes, capacity, devices):
     return {"y": y, "gx": gx, "gp": gp, "dropped": np.array(group.dropped_routes())}
 
 
-@pytest.mark.parametrize("processes,per", [(2, 1), (2, 2)])
-@pytest.mark.parametrize("capacity", [0, 2])
+@pytest.mark.parametrize("processes,per,capacity", [(2, 1, 0), (2, 2, 2)])
 def test_processes_equal_one_process_bit_for_bit(processes, per, capacity):
     pes = processes * per
     cpus = jax.devices("cpu")
