@@ -62,34 +62,36 @@ def experts(rows, expert, scale):
 
 
 def pallas_experts(rows, local_expert, scale, interpret=False):
-    """silu(rows) * scale[expert] as one Pallas kernel that writes only the
-    rows dispatch filled (local_expert >= 0, read on the device); the
-    others are left unwritten (combine never reads them)."""
+    """silu(rows) * scale[expert] as one Pallas kernel over blocks of rows,
+    skipping the blocks no route filled (local_expert >= 0, read on the
+    device: dispatch packs the filled rows first within each expert's
+    group, so the unused tail is whole blocks); rows left unfilled inside a
+    block get values combine never reads."""
     from jax.experimental import pallas as pl
 
     n, h = rows.shape
     width = next(b for b in (1024, 512, 256, 128, h) if h % b == 0)
+    block = next(r for r in (16, 8, 4, 2, 1) if n % r == 0)
+    row_scale = scale[jnp.maximum(local_expert, 0)]
 
     def kernel(e_ref, s_ref, x_ref, o_ref):
-        e = e_ref[0]
-
-        @pl.when(e >= 0)
+        @pl.when(jnp.max(e_ref[...]) >= 0)
         def _():
             x = x_ref[...].astype(jnp.float32)
-            o_ref[...] = (x / (1.0 + jnp.exp(-x)) * s_ref[e]).astype(o_ref.dtype)
+            o_ref[...] = (x / (1.0 + jnp.exp(-x)) * s_ref[...][:, None]).astype(o_ref.dtype)
 
     return pl.pallas_call(
         kernel,
-        grid=(n, h // width),
+        grid=(n // block, h // width),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec(scale.shape, lambda i, j: (0,)),
-            pl.BlockSpec((1, width), lambda i, j: (i, j)),
+            pl.BlockSpec((block,), lambda i, j: (i,)),
+            pl.BlockSpec((block,), lambda i, j: (i,)),
+            pl.BlockSpec((block, width), lambda i, j: (i, j)),
         ],
-        out_specs=pl.BlockSpec((1, width), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((block, width), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
         interpret=interpret,
-    )(local_expert, scale, rows)
+    )(local_expert, row_scale, rows)
 
 
 def xcall_layer(mesh, e, pes, capacity=0, pallas=False, interpret=False):

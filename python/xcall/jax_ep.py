@@ -495,7 +495,10 @@ class EpDispatch:
         ends = jnp.cumsum(span)
         starts = ends - span
         r = jnp.arange(g.expert_rows, dtype=jnp.int32)
-        e = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+        # Unrolled: a loop on the device would wait on the host for each
+        # of its log2(L) steps (an XLA while loop); unrolled, the steps
+        # fuse into one kernel.
+        e = jnp.searchsorted(ends, r, side="right", method="scan_unrolled").astype(jnp.int32)
         safe = jnp.minimum(e, g.local_experts - 1)
         valid = (e < g.local_experts) & (r - starts[safe] < tpe[safe])
         return jnp.where(valid, e, -1)

@@ -54,8 +54,14 @@ fn open_and_close_refuse_bad_input_and_make_nothing() {
         xcall_xla_ep_open(0, null, 2, &c, 0, no, &mut bytes),
         Status::NullArgument
     );
-    assert_eq!(open(0, &c), Err(Status::InvalidArgument));
-    assert_eq!(open(65, &c), Err(Status::InvalidArgument));
+    for n in [0, 65] {
+        assert_eq!(open(n, &c), Err(Status::InvalidArgument));
+        assert!(
+            last_error().contains(&format!("count must be in 1..=64, not {n}")),
+            "{}",
+            last_error()
+        );
+    }
     assert_eq!(
         open(3, &c),
         Err(Status::InvalidArgument),

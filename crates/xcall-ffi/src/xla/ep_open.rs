@@ -71,7 +71,13 @@ pub extern "C" fn xcall_xla_ep_open(
 ) -> Status {
     ffi_call!({
         let n = usize::try_from(count).unwrap_or(usize::MAX);
-        let ranks: Vec<usize> = (0..n.min(xcall_ep::MAX_PES + 1)).collect();
+        if n == 0 || n > xcall_ep::MAX_PES {
+            return Err(invalid(format!(
+                "count must be in 1..={}, not {count}",
+                xcall_ep::MAX_PES
+            )));
+        }
+        let ranks: Vec<usize> = (0..n).collect();
         open(
             platform,
             ordinals,
@@ -177,8 +183,8 @@ pub extern "C" fn xcall_xla_ep_open_ranks(
     })
 }
 
-/// The two opens' shared part: `ranks` are this process's PEs, `size`
-/// the group's.
+/// The two opens' shared part: `ranks` are this process's PEs (1 to
+/// `size`), `size` the group's (1 to 64), both checked by the caller.
 #[allow(clippy::too_many_arguments)]
 fn open(
     platform: u32,
@@ -196,12 +202,6 @@ fn open(
     let bytes_out = out_ptr(out_routing_bytes, "out_routing_bytes")?;
     let platform = crate::guard::code_arg::<Platform>(platform)?;
     let size = usize::try_from(size).unwrap_or(usize::MAX);
-    if size == 0 || size > xcall_ep::MAX_PES {
-        return Err(invalid(format!(
-            "count must be in 1..={}, not {size}",
-            xcall_ep::MAX_PES
-        )));
-    }
     let n = ranks.len();
     let layout = config.layout(size)?;
     let ordinals = match platform {
