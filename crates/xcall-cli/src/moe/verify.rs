@@ -241,27 +241,12 @@ pub fn checker(
 ) {
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let work = move || {
-        behind_the_steps();
         let mut kept = kept_buffer(&shape, rank)?;
         rx.into_iter()
             .map(|job| check_job(&shape, &job, threads, &mut kept))
             .collect()
     };
     (tx, work)
-}
-
-/// Lowers the calling thread's scheduling priority (nice 10; on Linux a
-/// thread's own, inherited by the threads it starts), so that checks run
-/// on the cores the steps leave idle instead of taking time from them:
-/// Host PEs and their checks share the same cores. Best effort: a
-/// refusal leaves the priority as it was.
-fn behind_the_steps() {
-    #[cfg(target_os = "linux")]
-    // SAFETY: setpriority(2) on the calling thread (who 0): no memory is
-    // passed or touched.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, 0, 10);
-    }
 }
 
 /// The host buffers of a PE that draws and checks on its own thread,
