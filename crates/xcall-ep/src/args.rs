@@ -1,6 +1,9 @@
-//! A caller's buffer ([`Buf`]) and its checks: size, null, alignment.
+//! The caller's buffers: one ([`Buf`]) and its checks (size, null,
+//! alignment), and the expert-major buffers dispatch writes
+//! ([`ExpertMajor`]).
 
 use crate::error::{EpError, Result};
+use crate::params::EpParams;
 
 /// A caller's buffer: its address (Host memory on Host PEs, this PE's
 /// device memory on CUDA) and its size in bytes. [`Buf::NONE`] for an
@@ -48,5 +51,44 @@ pub(crate) fn optional(what: &str, b: Buf, bytes: usize, align: u64) -> Result<(
     match b.addr {
         0 => Ok(()),
         _ => need(what, b, bytes, align),
+    }
+}
+
+/// Where dispatch writes what a PE's experts receive: rows grouped by
+/// local expert (expert `l`'s from row `offsets[l]`, a multiple of the
+/// group's `align`), in (sender rank, token, top-k slot) order within an
+/// expert. Rows between one expert's last and the next one's first
+/// (alignment padding) are not written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertMajor {
+    /// `[expert_rows, H]`: f32 or bf16 rows, or FP8 e4m3 bytes.
+    pub rows: Buf,
+    /// FP8 only: `[expert_rows, H / 128]` f32 scales of `rows`.
+    pub scales: Buf,
+    /// FP8 only, optional: `[expert_rows, H]` bf16 rows dequantized from
+    /// `rows` and `scales`.
+    pub rows_bf16: Buf,
+    /// `[L]` i64: routes each local expert received (after the capacity).
+    pub tokens_per_expert: Buf,
+    /// Optional `[L]` i64: rows each expert's group spans (its count
+    /// rounded up to `align`).
+    pub padded_per_expert: Buf,
+    /// Optional `[L + 1]` i64: each expert's first row, then the end of
+    /// the last group.
+    pub offsets: Buf,
+}
+
+impl ExpertMajor {
+    /// `p` writing into these buffers.
+    pub(crate) fn writing(&self, p: EpParams) -> EpParams {
+        EpParams {
+            out: self.rows.addr,
+            out_scales: self.scales.addr,
+            out_bf16: self.rows_bf16.addr,
+            tokens_per_expert: self.tokens_per_expert.addr,
+            padded_per_expert: self.padded_per_expert.addr,
+            expert_offsets: self.offsets.addr,
+            ..p
+        }
     }
 }

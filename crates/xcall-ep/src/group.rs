@@ -26,37 +26,13 @@ use std::time::Duration;
 use xcall_core::{Device, Platform};
 use xcall_shmem::{ShmemError, World};
 
-pub use crate::args::Buf;
 use crate::args::{need, optional};
+pub use crate::args::{Buf, ExpertMajor};
 use crate::config::{word, Capacity, EpConfig, EpKernels, Layout, Precision, FP8_BLOCK};
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
 use crate::{host, host_grad};
-
-/// Where dispatch writes what a PE's experts receive: rows grouped by
-/// local expert (expert `l`'s from row `offsets[l]`, a multiple of the
-/// group's `align`), in (sender rank, token, top-k slot) order within an
-/// expert. Rows between one expert's last and the next one's first
-/// (alignment padding) are not written.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ExpertMajor {
-    /// `[expert_rows, H]`: f32 or bf16 rows, or FP8 e4m3 bytes.
-    pub rows: Buf,
-    /// FP8 only: `[expert_rows, H / 128]` f32 scales of `rows`.
-    pub scales: Buf,
-    /// FP8 only, optional: `[expert_rows, H]` bf16 rows dequantized from
-    /// `rows` and `scales`.
-    pub rows_bf16: Buf,
-    /// `[L]` i64: routes each local expert received (after the capacity).
-    pub tokens_per_expert: Buf,
-    /// Optional `[L]` i64: rows each expert's group spans (its count
-    /// rounded up to `align`).
-    pub padded_per_expert: Buf,
-    /// Optional `[L + 1]` i64: each expert's first row, then the end of
-    /// the last group.
-    pub offsets: Buf,
-}
 
 /// The part of the allocation a phase publishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -413,15 +389,7 @@ impl EpGroup {
                 self.dispatch_recv(out, stream)
             };
         }
-        let p = EpParams {
-            out: out.rows.addr,
-            out_scales: out.scales.addr,
-            out_bf16: out.rows_bf16.addr,
-            tokens_per_expert: out.tokens_per_expert.addr,
-            padded_per_expert: out.padded_per_expert.addr,
-            expert_offsets: out.offsets.addr,
-            ..self.send_params(x, ids, probs, tokens)?
-        };
+        let p = out.writing(self.send_params(x, ids, probs, tokens)?);
         // SAFETY: as dispatch_send and dispatch_recv: the addresses were
         // checked against the sizes the kernel uses.
         unsafe {
@@ -547,18 +515,12 @@ impl EpGroup {
             ));
         };
         self.check_out(out)?;
-        let p = EpParams {
+        let p = out.writing(EpParams {
             n: tokens as i64,
             src: x.addr,
-            out: out.rows.addr,
-            out_scales: out.scales.addr,
-            out_bf16: out.rows_bf16.addr,
-            tokens_per_expert: out.tokens_per_expert.addr,
-            padded_per_expert: out.padded_per_expert.addr,
-            expert_offsets: out.offsets.addr,
             wire: 1,
             ..self.params()
-        };
+        });
         // SAFETY: as dispatch_send; `out` checked above.
         unsafe {
             let steps: &[Step] = match self.layout.pes {

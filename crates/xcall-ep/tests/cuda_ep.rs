@@ -9,26 +9,15 @@
 
 use std::time::Duration;
 
-use xcall_core::testing::{capture_graph, cuda_devices_or_skip, run_threads, skip, watchdog};
+use xcall_core::testing::{capture_graph, cuda_devices_or_skip, run_threads, watchdog};
 use xcall_core::{Device, Platform, Status};
 use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, EpKernels, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
-use common::cuda::CudaMem;
+use common::cuda::{gpus, CudaMem};
 use common::run::{expert_major, round, HostMem, Mem, Outputs};
 use common::*;
-
-fn gpus(test: &str, need: usize) -> bool {
-    match cuda_devices_or_skip(test) {
-        Some(n) if n >= need => true,
-        Some(n) => {
-            skip(test, &format!("needs {need} GPU(s), this machine has {n}"));
-            false
-        }
-        None => false,
-    }
-}
 
 /// The PE counts of `counts` this machine's GPUs can run (none without
 /// CUDA: a skip line); a count past them is left out with a note, not a

@@ -7,16 +7,16 @@
 //! the world's timeout, naming it, instead of waiting for it. Skips
 //! without two GPUs unless XCALL_REQUIRE_CUDA=1.
 
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
-use xcall_core::testing::{cuda_devices_or_skip, skip, wait_children};
+use xcall_core::testing::wait_children;
 use xcall_core::{Device, Status};
 use xcall_ep::{EpConfig, EpGroup, EpKernels, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
-use common::cuda::CudaMem;
+use common::cuda::{gpus, CudaMem};
 use common::run::{expert_major, inputs, round, Mem};
 use common::*;
 
@@ -130,30 +130,11 @@ fn killed_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
 }
 
 fn spawn(socket: &str, rank: usize, n: usize, mode: &str, kernels: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "pe_process", "--nocapture", "--test-threads=1"])
-        .env(PE_ENV, format!("{socket},{rank},{n},{mode},{kernels}"))
-        .spawn()
-        .unwrap()
+    spawn_pe(PE_ENV, format!("{socket},{rank},{n},{mode},{kernels}"))
 }
 
 fn socket(name: &str) -> String {
-    let dir = std::env::temp_dir();
-    dir.join(format!("xcall-ep-cuda-{name}-{}.sock", std::process::id()))
-        .to_string_lossy()
-        .into_owned()
-}
-
-/// Two GPUs here (a SKIP line otherwise).
-fn two_gpus(test: &str) -> bool {
-    match cuda_devices_or_skip(test) {
-        Some(n) if n >= 2 => true,
-        Some(n) => {
-            skip(test, &format!("needs 2 GPUs, this machine has {n}"));
-            false
-        }
-        None => false,
-    }
+    socket_path(&format!("cuda-{name}"))
 }
 
 /// The entry of a spawned PE (does nothing when run by the harness).
@@ -179,7 +160,7 @@ fn pe_process() {
 
 #[test]
 fn processes_of_a_gpu_each_match_the_reference() {
-    if std::env::var(PE_ENV).is_ok() || !two_gpus("cuda ep processes") {
+    if std::env::var(PE_ENV).is_ok() || !gpus("cuda ep processes", 2) {
         return;
     }
     for kernels in ["steps", "low-latency"] {
@@ -198,7 +179,7 @@ fn processes_of_a_gpu_each_match_the_reference() {
 
 #[test]
 fn a_killed_gpu_peer_makes_the_other_fail_within_the_timeout() {
-    if std::env::var(PE_ENV).is_ok() || !two_gpus("cuda ep killed peer") {
+    if std::env::var(PE_ENV).is_ok() || !gpus("cuda ep killed peer", 2) {
         return;
     }
     for kernels in ["steps", "low-latency"] {

@@ -6,7 +6,7 @@
 //! of a step makes every other PE fail within the world's timeout, naming
 //! it, instead of waiting for it.
 
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use xcall_core::testing::wait_children;
@@ -127,18 +127,11 @@ fn killed_pe(socket: &str, rank: usize, n: usize) {
 }
 
 fn spawn(socket: &str, rank: usize, n: usize, mode: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "pe_process", "--nocapture", "--test-threads=1"])
-        .env(PE_ENV, format!("{socket},{rank},{n},{mode}"))
-        .spawn()
-        .unwrap()
+    spawn_pe(PE_ENV, format!("{socket},{rank},{n},{mode}"))
 }
 
 fn socket(name: &str) -> String {
-    let dir = std::env::temp_dir();
-    dir.join(format!("xcall-ep-{name}-{}.sock", std::process::id()))
-        .to_string_lossy()
-        .into_owned()
+    socket_path(name)
 }
 
 /// The entry of a spawned PE (does nothing when run by the harness).

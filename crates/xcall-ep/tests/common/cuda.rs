@@ -66,3 +66,16 @@ impl Mem for CudaMem {
         self.stream.synchronize().unwrap();
     }
 }
+
+/// Whether this machine has `need` GPUs (a SKIP line otherwise, a
+/// failure with XCALL_REQUIRE_CUDA=1 and no CUDA).
+pub fn gpus(test: &str, need: usize) -> bool {
+    match xcall_core::testing::cuda_devices_or_skip(test) {
+        Some(n) if n >= need => true,
+        Some(n) => {
+            xcall_core::testing::skip(test, &format!("needs {need} GPU(s), this machine has {n}"));
+            false
+        }
+        None => false,
+    }
+}

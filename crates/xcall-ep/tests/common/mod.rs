@@ -307,3 +307,21 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// The test binary run again as one PE: only its `pe_process` test, with
+/// `env` set to `spec`.
+pub fn spawn_pe(env: &str, spec: String) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "pe_process", "--nocapture", "--test-threads=1"])
+        .env(env, spec)
+        .spawn()
+        .unwrap()
+}
+
+/// A Unix socket path named `name`, unique to this process.
+pub fn socket_path(name: &str) -> String {
+    std::env::temp_dir()
+        .join(format!("xcall-ep-{name}-{}.sock", std::process::id()))
+        .to_string_lossy()
+        .into_owned()
+}
