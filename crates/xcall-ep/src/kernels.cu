@@ -1,3 +1,4 @@
+// Over 700 lines: one NVRTC program, whose steps and the two low-latency kernels share the phase, push, copy and reduce device functions.
 // The expert-parallel steps on CUDA; each mirrors the function of the
 // same name in host.rs (same order, same arithmetic: products and sums
 // rounded separately, never fused, so a Host run matches bit for bit).
