@@ -7,7 +7,6 @@
 //! the world's timeout, naming it, instead of waiting for it. Skips
 //! without two GPUs unless XCALL_REQUIRE_CUDA=1.
 
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use xcall_core::testing::wait_children;
@@ -17,7 +16,7 @@ use xcall_shmem::{World, WorldConfig};
 
 mod common;
 use common::cuda::{gpus, CudaMem};
-use common::run::{expert_major, inputs, round, Mem};
+use common::run::{expert_major, inputs, rounds, Mem};
 use common::*;
 
 const PE_ENV: &str = "XCALL_EP_TEST_PE";
@@ -60,16 +59,13 @@ fn reference_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
         let mut w = world(socket, rank, n, heap, Duration::from_secs(30));
         let mut g = EpGroup::new(&mut w, case.config).unwrap();
         assert_eq!(g.low_latency(), k == EpKernels::LowLatency);
-        {
-            let mut m = CudaMem::new(Device::cuda(rank as u32));
-            for r in 0..2 {
-                let c = Case {
-                    seed: case.seed + r,
-                    ..case.clone()
-                };
-                round(&c, rank, &mut g, &mut m, true);
-            }
-        }
+        rounds(
+            &case,
+            rank,
+            &mut g,
+            &mut CudaMem::new(Device::cuda(rank as u32)),
+            2,
+        );
         g.destroy(&mut w).unwrap();
         assert!(w.finalize().unwrap().leaked.is_empty());
     }
@@ -129,12 +125,18 @@ fn killed_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
     std::process::exit(0);
 }
 
-fn spawn(socket: &str, rank: usize, n: usize, mode: &str, kernels: &str) -> Child {
-    spawn_pe(PE_ENV, format!("{socket},{rank},{n},{mode},{kernels}"))
-}
-
-fn socket(name: &str) -> String {
-    socket_path(&format!("cuda-{name}"))
+/// Two PE processes of `mode` on `kernels`, waited for at most `limit`:
+/// whether each exited with success.
+fn two_processes(mode: &str, kernels: &str, limit: Duration) -> Vec<bool> {
+    let s = socket_path(&format!("cuda-{mode}-{kernels}"));
+    let children = (0..2)
+        .map(|r| spawn_pe(PE_ENV, format!("{s},{r},2,{mode},{kernels}")))
+        .collect();
+    wait_children(
+        &format!("2 GPU processes, {mode}, {kernels}"),
+        children,
+        limit,
+    )
 }
 
 /// The entry of a spawned PE (does nothing when run by the harness).
@@ -164,15 +166,7 @@ fn processes_of_a_gpu_each_match_the_reference() {
         return;
     }
     for kernels in ["steps", "low-latency"] {
-        let s = socket(&format!("ref-{kernels}"));
-        let children = (0..2)
-            .map(|r| spawn(&s, r, 2, "reference", kernels))
-            .collect();
-        let ok = wait_children(
-            &format!("2 GPU processes, {kernels}"),
-            children,
-            Duration::from_secs(120),
-        );
+        let ok = two_processes("reference", kernels, Duration::from_secs(120));
         assert_eq!(ok, [true, true], "{kernels}");
     }
 }
@@ -183,14 +177,8 @@ fn a_killed_gpu_peer_makes_the_other_fail_within_the_timeout() {
         return;
     }
     for kernels in ["steps", "low-latency"] {
-        let s = socket(&format!("killed-{kernels}"));
         let started = Instant::now();
-        let children = (0..2).map(|r| spawn(&s, r, 2, "killed", kernels)).collect();
-        let ok = wait_children(
-            &format!("a killed GPU PE's peer, {kernels}"),
-            children,
-            Duration::from_secs(60),
-        );
+        let ok = two_processes("killed", kernels, Duration::from_secs(60));
         assert_eq!(
             ok,
             [true, false],

@@ -15,7 +15,7 @@ use xcall_ep::{EpConfig, EpError, EpGroup, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
-use common::run::{expert_major, inputs, round, HostMem, Mem};
+use common::run::{expert_major, inputs, rounds, HostMem, Mem};
 use common::*;
 
 const PE_ENV: &str = "XCALL_EP_TEST_PE";
@@ -70,14 +70,7 @@ fn reference_pe(socket: &str, rank: usize, n: usize) {
         let heap = case.config.layout(n).unwrap().heap_bytes;
         let mut w = world(socket, rank, n, heap, Duration::from_secs(20));
         let mut g = EpGroup::new(&mut w, case.config).unwrap();
-        let mut m = HostMem::default();
-        for r in 0..2 {
-            let c = Case {
-                seed: case.seed + r,
-                ..case.clone()
-            };
-            round(&c, rank, &mut g, &mut m, true);
-        }
+        rounds(&case, rank, &mut g, &mut HostMem::default(), 2);
         g.destroy(&mut w).unwrap();
         assert!(w.finalize().unwrap().leaked.is_empty());
     }

@@ -353,3 +353,15 @@ pub fn round(
 pub fn expert_out_row(case: &Case, all: &[PeData], kept: &Kept, q: usize) -> Vec<f32> {
     expert_out(case, all, kept, q)
 }
+
+/// `times` rounds of `case` on PE `rank` (with their backward halves),
+/// each with the next seed, every one checked by [`round`].
+pub fn rounds(case: &Case, rank: usize, g: &mut EpGroup, m: &mut dyn Mem, times: u64) {
+    for r in 0..times {
+        let c = Case {
+            seed: case.seed + r,
+            ..case.clone()
+        };
+        round(&c, rank, g, m, true);
+    }
+}

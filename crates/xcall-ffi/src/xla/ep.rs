@@ -37,6 +37,7 @@ use xcall_ep::{Buf, EpConfig, EpGroup, ExpertMajor, Precision};
 use xcall_permute::call::{Target, Tensor};
 use xcall_shmem::World;
 
+use super::frame::invalid;
 use super::specs::{always, Decoded, Spec, CBC};
 use crate::guard::{ffi_call, out_ptr, FfiError};
 
@@ -76,10 +77,6 @@ pub(super) fn open_groups() -> MutexGuard<'static, Vec<Arc<MeshGroup>>> {
     static GROUPS: Mutex<Vec<Arc<MeshGroup>>> = Mutex::new(Vec::new());
     // Only pushes, removals and clones of Arcs happen under it.
     GROUPS.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn invalid(message: String) -> FfiError {
-    FfiError::new(Status::InvalidArgument, message)
 }
 
 fn find(id: u64) -> Result<Arc<MeshGroup>, FfiError> {

@@ -14,14 +14,24 @@ use xcall_ep::{EpConfig, EpGroup};
 use xcall_shmem::{World, WorldConfig};
 
 use super::ep::{first_error, on_every_pe, open_groups, MeshGroup, Pe};
+use super::frame::invalid;
 use crate::ep::{config_arg, xcall_ep_config};
 use crate::guard::{ffi_call, out_ptr, FfiError};
 
 /// The longest Unix socket path (`sun_path` holds 108 bytes with its NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
-fn invalid(message: String) -> FfiError {
-    FfiError::new(Status::InvalidArgument, message)
+/// A PE count from the caller (`what`: its name), in 1..=64.
+fn pes_arg(v: u64, what: &str) -> Result<usize, FfiError> {
+    usize::try_from(v)
+        .ok()
+        .filter(|n| (1..=xcall_ep::MAX_PES).contains(n))
+        .ok_or_else(|| {
+            invalid(format!(
+                "{what} must be in 1..={}, not {v}",
+                xcall_ep::MAX_PES
+            ))
+        })
 }
 
 /// Host worlds take slots of their own, so groups of the same host
@@ -70,14 +80,7 @@ pub extern "C" fn xcall_xla_ep_open(
     out_routing_bytes: *mut u64,
 ) -> Status {
     ffi_call!({
-        let n = usize::try_from(count).unwrap_or(usize::MAX);
-        if n == 0 || n > xcall_ep::MAX_PES {
-            return Err(invalid(format!(
-                "count must be in 1..={}, not {count}",
-                xcall_ep::MAX_PES
-            )));
-        }
-        let ranks: Vec<usize> = (0..n).collect();
+        let ranks: Vec<usize> = (0..pes_arg(count, "count")?).collect();
         open(
             platform,
             ordinals,
@@ -131,13 +134,7 @@ pub extern "C" fn xcall_xla_ep_open_ranks(
         if socket.is_null() {
             return Err(FfiError::new(Status::NullArgument, "socket is NULL"));
         }
-        let size = usize::try_from(size).unwrap_or(usize::MAX);
-        if size == 0 || size > xcall_ep::MAX_PES {
-            return Err(invalid(format!(
-                "size must be in 1..={}, not {size}",
-                xcall_ep::MAX_PES
-            )));
-        }
+        let size = pes_arg(size, "size")?;
         let n = usize::try_from(count).unwrap_or(usize::MAX);
         if n == 0 || n > size {
             return Err(invalid(format!(
