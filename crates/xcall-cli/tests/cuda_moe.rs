@@ -105,6 +105,70 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
     }
 }
 
+/// Micro-batches fork the token-once step onto a stream each: the
+/// captured fork/join replays and matches the reference on every step,
+/// and the report times the forked step beside its parts in turn.
+#[test]
+fn cuda_micro_batches_fork_the_step_and_match_the_reference() {
+    let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe") else {
+        return;
+    };
+    for (n, dtype) in [("2", "bf16"), ("3", "fp8")] {
+        let path = json_path(&format!("cuda-moe-micro-{n}"));
+        let steps = 5;
+        let (out, stdout) = run(&[
+            "moe",
+            "--platform",
+            "cuda",
+            "--tokens",
+            "2047",
+            "--hidden",
+            "1024",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--dtype",
+            dtype,
+            "--microbatches",
+            n,
+            "--steps",
+            &steps.to_string(),
+            "--verify",
+            "every",
+            "--progress-every",
+            "0s",
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("{stdout}");
+        let j = read_json(&path);
+        assert_eq!(j["verification"]["verdict"], "PASS", "{n}");
+        assert_eq!(j["verification"]["checked_steps"], 9, "{n}");
+        assert_eq!(j["outcomes"]["captured"], gpus as u64, "{}", j["outcomes"]);
+        assert_eq!(
+            j["outcomes"]["replayed"],
+            (gpus * (steps - 1)) as u64,
+            "{}",
+            j["outcomes"]
+        );
+        let ex = &j["exchange_per_pe"];
+        assert_eq!(ex["microbatches"], n.parse::<u64>().unwrap());
+        let (forked, in_turn) = (
+            ex["forked_step_ms"].as_f64().unwrap(),
+            ex["in_turn_step_ms"].as_f64().unwrap(),
+        );
+        assert!(forked > 0.0 && in_turn > 0.0, "{ex}");
+        let hidden = ex["hidden_fraction"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hidden), "{ex}");
+    }
+}
+
 /// The fused exchange (the permute's stores into the peers' slots, the
 /// unpermute's loads from them) and the copy, with a capacity and
 /// dropless, on every visible GPU: each matches the reference, each PE's

@@ -843,6 +843,22 @@ fn token_once_flags_are_refused_elsewhere() {
             "not a multiple of 128",
         ),
         (vec!["--align", "0"], "--align must be at least 1"),
+        (
+            vec!["--microbatches", "2", "--exchange", "copy"],
+            "are for --exchange token",
+        ),
+        (
+            vec!["--microbatches", "0"],
+            "--microbatches 0: must be 1 to 8",
+        ),
+        (
+            vec!["--microbatches", "9"],
+            "--microbatches 9: must be 1 to 8",
+        ),
+        (
+            vec!["--microbatches", "3", "--tokens", "2"],
+            "at most --tokens (2)",
+        ),
     ] {
         let mut full = vec!["moe", "--steps", "1"];
         full.extend(&args);
@@ -868,4 +884,60 @@ fn token_once_flags_are_refused_elsewhere() {
     ]);
     assert!(out.status.success());
     assert_eq!(read_json(&path)["exchange"], "fused");
+}
+
+/// Micro-batches split a PE's tokens into runs, each through its own
+/// group: every split (uneven ones, FP8, aligned groups) matches the
+/// reference with the very same largest error as the unsplit step (a
+/// token's rows are summed in the same order), and the report says how
+/// many ran and that a Host step does not fork.
+#[test]
+fn micro_batches_match_the_unsplit_step() {
+    for extra in [
+        &["--dtype", "bf16", "--hidden", "64"][..],
+        &["--dtype", "fp8", "--hidden", "128", "--align", "4"][..],
+    ] {
+        let mut errors = Vec::new();
+        for n in ["1", "2", "3"] {
+            let path = json_path(&format!("moe-micro-{n}-{}", extra[1]));
+            let mut args = vec![
+                "moe",
+                "--pes",
+                "3",
+                "--tokens",
+                "301",
+                "--experts",
+                "6",
+                "--topk",
+                "3",
+                "--steps",
+                "2",
+                "--microbatches",
+                n,
+                "--json",
+            ];
+            args.push(path.to_str().unwrap());
+            args.extend_from_slice(extra);
+            let (out, stdout) = run(&args);
+            let what = format!("{n} micro-batches {extra:?}");
+            assert!(
+                out.status.success(),
+                "{what}: {stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let j = read_json(&path);
+            assert_eq!(j["verification"]["verdict"], "PASS", "{what}");
+            assert_eq!(j["verification"]["checked_steps"], 6, "{what}");
+            let ex = &j["exchange_per_pe"];
+            assert_eq!(ex["microbatches"], n.parse::<u64>().unwrap(), "{what}");
+            assert_eq!(ex["hidden_fraction"], 0.0, "{what}");
+            assert!(ex["forked_step_ms"].is_null(), "{what}");
+            errors.push(j["verification"]["max_relative_error"].as_f64().unwrap());
+        }
+        assert!(errors[0] > 0.0, "{errors:?}");
+        assert!(
+            errors.iter().all(|&e| e == errors[0]),
+            "{extra:?}: {errors:?}"
+        );
+    }
 }

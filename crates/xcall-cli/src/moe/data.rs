@@ -52,6 +52,9 @@ pub struct EpShape {
     pub sms: usize,
     /// Which CUDA kernels run it.
     pub kernels: xcall_ep::EpKernels,
+    /// Micro-batches a PE's tokens are split into, each with its own
+    /// group; on CUDA one's experts run beside the next one's exchange.
+    pub microbatches: usize,
 }
 
 impl Shape {

@@ -14,6 +14,10 @@ use xcall_warpspec::HostExecutor;
 use super::data::{EpShape, Shape};
 use super::pe::Pe;
 use super::verify::Verify;
+
+/// The most micro-batches `--microbatches` takes (each is a group with its
+/// own buffers, and on CUDA a stream).
+const MAX_MICROBATCHES: usize = 8;
 use crate::report::Failure;
 
 /// Where the PEs run.
@@ -140,6 +144,14 @@ pub struct MoeArgs {
     /// writes the same bytes [default: auto].
     #[arg(long, value_enum)]
     pub(super) ep_kernels: Option<EpKernelsArg>,
+    /// With `--exchange token`: splits each PE's tokens into this many
+    /// micro-batches (at most 8), each with its own expert-parallel group.
+    /// On CUDA the step forks: the exchanges still run one after another
+    /// (every dispatch, then every combine), while a micro-batch's experts
+    /// run beside the next micro-batch's dispatch or the one before's
+    /// combine; on Host the micro-batches run in turn [default: 1].
+    #[arg(long)]
+    pub(super) microbatches: Option<usize>,
     /// The CUDA device of each PE, comma-separated and distinct (a world
     /// takes one PE per device) [default: 0, 1, ..]. Sets `--pes` when
     /// that is not given. Under a launcher, this process's devices.
@@ -419,10 +431,11 @@ pub(super) fn validate(
         && (a.align.is_some()
             || a.sms.is_some()
             || a.ep_kernels.is_some()
+            || a.microbatches.is_some()
             || a.dtype == DtypeArg::Fp8)
     {
         return Err(format!(
-            "--align, --sms, --ep-kernels and --dtype fp8 are for --exchange token, not --exchange {}",
+            "--align, --sms, --ep-kernels, --microbatches and --dtype fp8 are for --exchange token, not --exchange {}",
             if exchange == ExchangeArg::Fused {
                 "fused"
             } else {
@@ -438,6 +451,12 @@ pub(super) fn validate(
     }
     if a.align == Some(0) {
         return Err("--align must be at least 1".into());
+    }
+    let microbatches = a.microbatches.unwrap_or(1);
+    if !(1..=MAX_MICROBATCHES).contains(&microbatches) || microbatches > tokens {
+        return Err(format!(
+            "--microbatches {microbatches}: must be 1 to {MAX_MICROBATCHES} and at most --tokens ({tokens}): each micro-batch takes at least one token"
+        ));
     }
     let f = a
         .capacity_factor
@@ -525,6 +544,7 @@ pub(super) fn validate(
                 EpKernelsArg::Steps => xcall_ep::EpKernels::Steps,
                 EpKernelsArg::LowLatency => xcall_ep::EpKernels::LowLatency,
             },
+            microbatches,
         }),
     };
     let needed = Pe::heap_bytes(&shape).ok_or_else(|| {

@@ -199,6 +199,9 @@ pub(super) fn run_steps(
             queued.push(pe.queue_step(cache)?);
         } else {
             log.phases.push(pe.phase_step()?);
+            if let Some(ms) = pe.forked_ms()? {
+                log.forked.push(ms);
+            }
         }
         log.dropped.push(dropped);
         log.link_tokens.push(link);

@@ -68,6 +68,64 @@ pub(super) fn phase_bytes(s: &Shape) -> Vec<f64> {
     ]
 }
 
+/// How much of the exchange a forked step hid behind the experts: the
+/// slowest PE's median eager forked step, against the sum of the phases
+/// of the same step run in turn (`in_turn`, each phase the slowest PE's)
+/// and the exchange's share of them (dispatch and combine).
+struct Overlap {
+    forked: Option<f64>,
+    in_turn: f64,
+    exchange: f64,
+}
+
+fn overlap(s: &Shape, phase_ms: &[f64], pes: &[PeLog]) -> Overlap {
+    let forked: Vec<f64> = pes
+        .iter()
+        .filter(|p| !p.forked.is_empty())
+        .map(|p| median(&mut p.forked.clone()))
+        .collect();
+    let exchange = match s.ep {
+        // The token-once phases: dispatch, experts, combine.
+        Some(_) if phase_ms.len() == 3 => phase_ms[0] + phase_ms[2],
+        _ => 0.0,
+    };
+    Overlap {
+        forked: (!forked.is_empty()).then(|| forked.iter().copied().fold(0.0, f64::max)),
+        in_turn: phase_ms.iter().sum(),
+        exchange,
+    }
+}
+
+impl Overlap {
+    /// The ms the fork saved, at least 0.
+    fn hidden_ms(&self) -> f64 {
+        self.forked.map_or(0.0, |f| (self.in_turn - f).max(0.0))
+    }
+
+    /// The share of the exchange's time hidden, 0 to 1.
+    fn fraction(&self) -> f64 {
+        match self.exchange > 0.0 {
+            true => (self.hidden_ms() / self.exchange).clamp(0.0, 1.0),
+            false => 0.0,
+        }
+    }
+
+    fn line(&self, s: &Shape) -> String {
+        let n = s.ep.map_or(1, |e| e.microbatches);
+        match self.forked {
+            Some(f) => format!(
+                "{n} micro-batches forked: {:.3} of the exchange's {:.3} ms hidden behind the experts ({:.0}%; an eager forked step {f:.3} ms, its parts in turn {:.3} ms)",
+                self.hidden_ms(),
+                self.exchange,
+                100.0 * self.fraction(),
+                self.in_turn
+            ),
+            None if n > 1 => format!("{n} micro-batches in turn, not overlapped with the experts (0% hidden)"),
+            None => "not overlapped with the experts (0% hidden)".to_string(),
+        }
+    }
+}
+
 pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -188,6 +246,7 @@ pub(super) fn report(
         .iter()
         .map(|v| v.iter().copied().fold(0.0, f64::max))
         .collect();
+    let overlap = overlap(&s, &phase_ms, pes);
     let mut copies: Vec<f64> = pes.iter().filter_map(|p| p.copy_ms).collect();
     let copied = 2.0 * Pe::copy_bytes(&s) as f64;
     // Bytes per ms.
@@ -266,7 +325,7 @@ pub(super) fn report(
     );
     if s.ep.is_some() {
         println!(
-            "  per PE         {:.1} MB/step stored into other PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}{}; not overlapped with the experts (0% hidden)",
+            "  per PE         {:.1} MB/step stored into other PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}{}; {}",
             between / s.pes as f64 / 1e6,
             gbps / s.pes as f64,
             pes.iter()
@@ -277,6 +336,7 @@ pub(super) fn report(
                 Some(false) => " (a kernel per step)",
                 None => "",
             },
+            overlap.line(&s),
         );
     }
     println!(
@@ -383,7 +443,10 @@ pub(super) fn report(
             "gb_per_s": gbps / s.pes as f64,
             "sms": pes.iter().find_map(|p| p.sms),
             "kernels": pes.iter().find_map(|p| p.low_latency).map(|l| if l { "low-latency" } else { "steps" }),
-            "hidden_fraction": 0.0,
+            "hidden_fraction": overlap.fraction(),
+            "microbatches": s.ep.map(|e| e.microbatches),
+            "forked_step_ms": overlap.forked,
+            "in_turn_step_ms": overlap.forked.map(|_| overlap.in_turn),
             "fp8_dispatch": s.ep.is_some_and(|e| e.fp8),
             "align": s.ep.map(|e| e.align),
         });

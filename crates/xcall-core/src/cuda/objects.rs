@@ -29,6 +29,24 @@ impl Event {
         Ok(Event { device, event })
     }
 
+    /// An event for ordering streams only (`CU_EVENT_DISABLE_TIMING`:
+    /// cheaper to record and wait on; [`Event::elapsed_ms_since`] refuses
+    /// it).
+    pub fn ordering(device: Device) -> Result<Event> {
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: writes one event handle through a valid pointer.
+        on(device, "cuEventCreate", || unsafe {
+            sys::cuEventCreate(&mut event, flags)
+        })?;
+        Ok(Event { device, event })
+    }
+
+    /// The raw handle, for the stream calls of this crate.
+    pub(crate) fn raw(&self) -> sys::CUevent {
+        self.event
+    }
+
     /// Records the event on `stream`.
     ///
     /// # Safety

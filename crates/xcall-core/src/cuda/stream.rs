@@ -414,6 +414,17 @@ impl Stream {
         Ok(true)
     }
 
+    /// Makes the stream's later work wait for the work `event` was last
+    /// recorded after (`cuStreamWaitEvent`); during a capture this forks
+    /// the capture onto the stream, or joins it back. `event` must be of
+    /// this stream's device.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        // SAFETY: a live event (owned by `event`) and a live stream.
+        self.call("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(self.raw, event.raw(), 0)
+        })
+    }
+
     /// Launches `exec` on the stream (`cuGraphLaunch`).
     pub fn launch_graph(&self, exec: &GraphExec) -> Result<()> {
         // SAFETY: a live executable (owned by `exec`) and a live stream;

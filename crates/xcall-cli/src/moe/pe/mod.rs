@@ -227,7 +227,7 @@ impl Pe {
             }
         };
         if shape.ep.is_some() {
-            let (tok, sizes) = token::new(&mut world, &shape)?;
+            let (tok, sizes) = token::new(&mut world, &shape, device)?;
             return Ok(Pe {
                 world,
                 shape,
@@ -454,7 +454,7 @@ impl Pe {
     /// per-route exchanges and on Host).
     pub fn sms_used(&self) -> Option<usize> {
         match (&self.ep, &self.gpu) {
-            (Some(t), Some(_)) => Some(t.group.sms_used()),
+            (Some(t), Some(_)) => t.micro.first().map(|m| m.group.sms_used()),
             _ => None,
         }
     }
@@ -463,7 +463,7 @@ impl Pe {
     /// (`None` for the per-route exchanges and on Host).
     pub fn low_latency(&self) -> Option<bool> {
         match (&self.ep, &self.gpu) {
-            (Some(t), Some(_)) => Some(t.group.low_latency()),
+            (Some(t), Some(_)) => t.micro.first().map(|m| m.group.low_latency()),
             _ => None,
         }
     }
@@ -490,7 +490,10 @@ impl Pe {
         let start = Instant::now();
         let mut polls = 0u32;
         let checked = |pe: &Pe| match &pe.ep {
-            Some(tok) => tok.group.check().context("expert-parallel step"),
+            Some(tok) => tok
+                .micro
+                .iter()
+                .try_for_each(|m| m.group.check().context("expert-parallel step")),
             None => Ok(()),
         };
         while !g.stream.is_idle().context("CUDA stream")? {
@@ -537,7 +540,7 @@ impl Pe {
     /// `Pe::copy_ms`).
     pub fn copy_bytes(shape: &Shape) -> usize {
         match shape.ep {
-            Some(_) => token::buffer_sizes(shape).map_or(0, |(_, s)| s[8].0),
+            Some(_) => token::buffer_sizes(shape).map_or(0, |(_, _, each)| each[5].0),
             None => shape.pes * Self::slot_bytes(shape),
         }
     }
@@ -559,9 +562,13 @@ impl Pe {
     pub fn finish(mut self) -> Res<()> {
         self.drain()?;
         if let Some(tok) = self.ep.take() {
-            tok.group
-                .destroy(&mut self.world)
-                .context("expert-parallel group")?;
+            // The fork's streams end first (they may still hold work).
+            drop(tok.fork);
+            for m in tok.micro {
+                m.group
+                    .destroy(&mut self.world)
+                    .context("expert-parallel group")?;
+            }
         }
         for &(a, _, _) in &self.sizes {
             self.world.free(a).context("shmem free")?;

@@ -34,6 +34,7 @@ impl Pe {
                 ep.align as u64,
                 ep.sms as u64,
                 ep.kernels as u64,
+                ep.microbatches as u64,
             ] {
                 bytes.extend_from_slice(&v.to_le_bytes());
             }
@@ -87,13 +88,7 @@ impl Pe {
         // for it on the device. Worlds with NCCL pairs have no such
         // barrier; there the delay stays in.
         if self.shape.pes > 1 {
-            match self
-                .world
-                .barrier_on_stream(stream.raw() as *mut std::ffi::c_void)
-            {
-                Err(e) if e.status() == xcall_core::Status::Unsupported => {}
-                r => r.context("shmem barrier on the stream")?,
-            }
+            self.stream_barrier(stream)?;
         }
         a.record_on(&stream).context("CUDA event")?;
         let handle = CudaStreamHandle(stream.raw());
@@ -108,6 +103,41 @@ impl Pe {
         })
     }
 
+    /// A barrier of every PE's stream, enqueued on `stream`; nothing in
+    /// worlds with NCCL pairs, which have none.
+    fn stream_barrier(&mut self, stream: xcall_core::cuda::Stream) -> Res<()> {
+        match self
+            .world
+            .barrier_on_stream(stream.raw() as *mut std::ffi::c_void)
+        {
+            Err(e) if e.status() == xcall_core::Status::Unsupported => Ok(()),
+            r => r.context("shmem barrier on the stream"),
+        }
+    }
+
+    /// One eager forked step (token-once exchange with micro-batches on
+    /// CUDA), timed with events on the PE's stream after a barrier of the
+    /// PEs' streams; `None` where steps do not fork. Beside the phases of
+    /// the same step run in turn, it tells how much of the exchange the
+    /// experts hid.
+    pub fn forked_ms(&mut self) -> Res<Option<f64>> {
+        let (Some(g), Some(tok)) = (&self.gpu, &self.ep) else {
+            return Ok(None);
+        };
+        if tok.fork.is_none() {
+            return Ok(None);
+        }
+        let stream = g.stream.stream();
+        let a = Event::new(self.device).context("CUDA event")?;
+        let z = Event::new(self.device).context("CUDA event")?;
+        self.stream_barrier(stream)?;
+        a.record_on(&stream).context("CUDA event")?;
+        self.step(Waits::Stream)?;
+        z.record_on(&stream).context("CUDA event")?;
+        self.drain()?;
+        Ok(Some(z.elapsed_ms_since(&a).context("CUDA event")? as f64))
+    }
+
     /// The median ms of a device-to-device copy of `P` slots (the size of
     /// the permuted tensor), the first `P` of `rows` into the first `P` of
     /// `results` (token-once: the expert-major rows into the experts'
@@ -120,11 +150,14 @@ impl Pe {
         // The expert-major rows into the experts' outputs (token-once), or
         // the first P slots of `rows` into those of `results`.
         let (dst, src, bytes) = match &self.ep {
-            Some(t) => (
-                t.expert_out.addr,
-                t.out.rows.addr,
-                t.out.rows.bytes.min(t.expert_out.bytes),
-            ),
+            Some(t) => {
+                let m = t.micro.first().ok_or("no micro-batch")?;
+                (
+                    m.expert_out.addr,
+                    m.out.rows.addr,
+                    m.out.rows.bytes.min(m.expert_out.bytes),
+                )
+            }
             None => (
                 self.b.results,
                 self.b.rows,

@@ -8,7 +8,19 @@
 //! combine sums each token's outputs on each PE and stores one row back,
 //! where the token's PE adds the rows in rank order into `y`. Experts are
 //! numbered as given (PE `q` hosts `q*L .. (q+1)*L`): no rotation.
+//!
+//! With `--microbatches N` a PE's tokens are split into `N` runs of
+//! consecutive tokens, each with its own group and expert-major buffers.
+//! On CUDA the step forks onto a stream per micro-batch: micro-batch `i`
+//! dispatches after micro-batch `i - 1` dispatched, runs its experts, and
+//! combines after every dispatch (the first) or after micro-batch `i - 1`
+//! combined; the first stream joins the last combine. So on every PE the
+//! exchanges run in one order (no two at once, none waiting on a peer
+//! that waits on it), and each micro-batch's experts run beside the next
+//! one's dispatch or the previous one's combine. A token's output does not
+//! depend on the split: its rows are summed in the same order.
 
+use xcall_core::cuda::{Event, OwnedStream, Stream};
 use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, ExpertMajor, Layout, Precision};
 use xcall_graph::BufferRole;
 use xcall_shmem::World;
@@ -19,29 +31,70 @@ use super::Pe;
 use crate::alloc::RunError;
 use crate::layer::{Context, Res};
 
-/// The group and the PE's buffers of the token-once step.
-pub(super) struct TokenPe {
+/// One micro-batch: its group, its expert-major rows and their outputs,
+/// and its tokens of the PE's `[T, ..]` buffers.
+pub(super) struct Micro {
     pub(super) group: EpGroup,
+    pub(super) out: ExpertMajor,
+    pub(super) expert_out: Buf,
+    /// The micro-batch's first token and its number of tokens.
+    pub(super) first: usize,
+    pub(super) tokens: usize,
+}
+
+/// The streams and events of a forked step (CUDA, more than one
+/// micro-batch).
+pub(super) struct Fork {
+    /// A stream per micro-batch after the first (which runs on the PE's).
+    streams: Vec<OwnedStream>,
+    /// Per micro-batch: recorded after its dispatch, and after its combine.
+    dispatched: Vec<Event>,
+    combined: Vec<Event>,
+}
+
+/// The groups and the PE's buffers of the token-once step.
+pub(super) struct TokenPe {
+    pub(super) micro: Vec<Micro>,
     pub(super) x: Buf,
     pub(super) ids: Buf,
     pub(super) probs: Buf,
-    pub(super) out: ExpertMajor,
-    pub(super) expert_out: Buf,
     pub(super) y: Buf,
     /// `[L]` f32: each local expert's scale.
     pub(super) scales: Buf,
+    pub(super) fork: Option<Fork>,
 }
 
-/// The group's config for `shape`.
+/// Micro-batches of `shape` (1 without `--microbatches`).
+pub(super) fn microbatches(shape: &Shape) -> usize {
+    shape.ep.map_or(1, |e| e.microbatches.max(1))
+}
+
+/// The first token and the tokens of each micro-batch: `T` split into
+/// `N` runs whose sizes differ by at most one (the larger first).
+pub(super) fn split(tokens: usize, n: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (tokens / n, tokens % n);
+    let mut first = 0;
+    (0..n)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            first += len;
+            (first - len, len)
+        })
+        .collect()
+}
+
+/// The config of each micro-batch's group for `shape` (its tokens: the
+/// largest micro-batch's).
 pub(super) fn config(shape: &Shape) -> EpConfig {
     let ep = shape.ep.unwrap_or(super::super::data::EpShape {
         fp8: false,
         align: 1,
         sms: 0,
         kernels: xcall_ep::EpKernels::Auto,
+        microbatches: 1,
     });
     EpConfig {
-        tokens: shape.tokens,
+        tokens: shape.tokens.div_ceil(microbatches(shape)),
         hidden: shape.hidden,
         topk: shape.topk,
         experts: shape.experts,
@@ -57,11 +110,15 @@ pub(super) fn config(shape: &Shape) -> EpConfig {
     }
 }
 
-/// The buffers besides the group's own, in order: x, ids, probs, the
-/// expert-major rows, their FP8 scales and bf16 rows (FP8 only; 1 byte
-/// otherwise), tokens_per_expert, padded counts, the experts' outputs,
-/// y, the experts' scales. `None` when a size passes `usize`.
-pub(super) fn buffer_sizes(shape: &Shape) -> Option<(Layout, [(usize, BufferRole); 11])> {
+/// The PE's buffers besides the groups' own, in order: x, ids, probs, y,
+/// the experts' scales; then each micro-batch's: the expert-major rows,
+/// their FP8 scales and bf16 rows (FP8 only; 1 byte otherwise),
+/// tokens_per_expert, padded counts, the experts' outputs. `None` when a
+/// size passes `usize`.
+#[allow(clippy::type_complexity)]
+pub(super) fn buffer_sizes(
+    shape: &Shape,
+) -> Option<(Layout, [(usize, BufferRole); 5], [(usize, BufferRole); 6])> {
     let c = config(shape);
     let layout = c.layout(shape.pes).ok()?;
     let (t, h, k, l) = (shape.tokens, shape.hidden, shape.topk, layout.local_experts);
@@ -76,6 +133,10 @@ pub(super) fn buffer_sizes(shape: &Shape) -> Option<(Layout, [(usize, BufferRole
             (t.checked_mul(row)?, BufferRole::In),
             (t.checked_mul(k)?.checked_mul(4)?, BufferRole::In),
             (t.checked_mul(k)?.checked_mul(4)?, BufferRole::In),
+            (t.checked_mul(row)?, BufferRole::Out),
+            (l * 4, BufferRole::In),
+        ],
+        [
             (wire, BufferRole::InOut),
             (
                 if fp8 {
@@ -89,52 +150,99 @@ pub(super) fn buffer_sizes(shape: &Shape) -> Option<(Layout, [(usize, BufferRole
             (l * 8, BufferRole::InOut),
             (l * 8, BufferRole::InOut),
             (expert_rows, BufferRole::InOut),
-            (t.checked_mul(row)?, BufferRole::Out),
-            (l * 4, BufferRole::In),
         ],
     ))
 }
 
-/// The symmetric heap a token-once PE needs: the group, the buffers
-/// (256-byte aligned) and 1 MiB to spare.
+/// The symmetric heap a token-once PE needs: the groups, the buffers
+/// (256-byte aligned) and 1 MiB per micro-batch and 1 MiB to spare.
 pub(super) fn heap_bytes(shape: &Shape) -> Option<usize> {
-    let (layout, sizes) = buffer_sizes(shape)?;
-    sizes.iter().try_fold(
-        layout.heap_bytes + (shape.pes + 4) * 16 + (2 << 20),
-        |sum: usize, (b, _)| sum.checked_add(b.checked_next_multiple_of(256)?),
-    )
+    let (layout, full, each) = buffer_sizes(shape)?;
+    let n = microbatches(shape);
+    let aligned = |sizes: &[(usize, BufferRole)]| {
+        sizes.iter().try_fold(0usize, |sum, (b, _)| {
+            sum.checked_add(b.checked_next_multiple_of(256)?)
+        })
+    };
+    let per_micro = aligned(&each)?
+        .checked_add(layout.heap_bytes)?
+        .checked_add(1 << 20)?;
+    per_micro
+        .checked_mul(n)?
+        .checked_add(aligned(&full)?)?
+        .checked_add((shape.pes + 4) * 16 + (1 << 20))
 }
 
 /// A buffer of the heap: address, bytes, role in the step.
 pub(super) type Held = (u64, usize, BufferRole);
 
-/// Allocates the buffers in `world` and makes the group (collective).
-pub(super) fn new(world: &mut World, shape: &Shape) -> Result<(TokenPe, Vec<Held>), RunError> {
-    let (_, sizes) = buffer_sizes(shape).ok_or("the layer's buffers pass usize")?;
-    let group = EpGroup::new(world, config(shape)).context("expert-parallel group")?;
-    let mut held = Vec::with_capacity(sizes.len());
-    for (bytes, role) in sizes {
+/// Allocates the buffers in `world` and makes the groups (collective),
+/// and on CUDA with micro-batches the fork's streams and events.
+pub(super) fn new(
+    world: &mut World,
+    shape: &Shape,
+    device: xcall_core::Device,
+) -> Result<(TokenPe, Vec<Held>), RunError> {
+    let (_, full, each) = buffer_sizes(shape).ok_or("the layer's buffers pass usize")?;
+    let fp8 = shape.ep.is_some_and(|e| e.fp8);
+    let mut held = Vec::with_capacity(full.len() + each.len() * microbatches(shape));
+    let mut alloc = |world: &mut World, (bytes, role): (usize, BufferRole)| {
         let a = world.malloc(bytes.max(1)).context("shmem malloc")?;
         held.push((a, bytes, role));
+        Ok::<_, RunError>(Buf::new(a, bytes))
+    };
+    let [x, ids, probs, y, scales] = full;
+    let (x, ids, probs) = (alloc(world, x)?, alloc(world, ids)?, alloc(world, probs)?);
+    let (y, scales) = (alloc(world, y)?, alloc(world, scales)?);
+    let mut micro = Vec::new();
+    for (first, tokens) in split(shape.tokens, microbatches(shape)) {
+        let group = EpGroup::new(world, config(shape)).context("expert-parallel group")?;
+        let mut bufs = [Buf::NONE; 6];
+        for (b, size) in bufs.iter_mut().zip(each) {
+            *b = alloc(world, size)?;
+        }
+        let [rows, fp8_scales, bf16, tpe, padded, expert_out] = bufs;
+        micro.push(Micro {
+            group,
+            out: ExpertMajor {
+                rows,
+                scales: if fp8 { fp8_scales } else { Buf::NONE },
+                rows_bf16: if fp8 { bf16 } else { Buf::NONE },
+                tokens_per_expert: tpe,
+                padded_per_expert: padded,
+                offsets: Buf::NONE,
+            },
+            expert_out,
+            first,
+            tokens,
+        });
     }
-    let buf = |i: usize| Buf::new(held[i].0, held[i].1);
-    let fp8 = shape.ep.is_some_and(|e| e.fp8);
+    let fork = match (device.platform, micro.len()) {
+        (xcall_core::Platform::Cuda, n) if n > 1 => {
+            let events = || {
+                (0..n)
+                    .map(|_| Event::ordering(device))
+                    .collect::<xcall_core::Result<Vec<_>>>()
+            };
+            Some(Fork {
+                streams: (1..n)
+                    .map(|_| OwnedStream::new(device))
+                    .collect::<xcall_core::Result<_>>()
+                    .context("CUDA stream")?,
+                dispatched: events().context("CUDA event")?,
+                combined: events().context("CUDA event")?,
+            })
+        }
+        _ => None,
+    };
     let tok = TokenPe {
-        group,
-        x: buf(0),
-        ids: buf(1),
-        probs: buf(2),
-        out: ExpertMajor {
-            rows: buf(3),
-            scales: if fp8 { buf(4) } else { Buf::NONE },
-            rows_bf16: if fp8 { buf(5) } else { Buf::NONE },
-            tokens_per_expert: buf(6),
-            padded_per_expert: buf(7),
-            offsets: Buf::NONE,
-        },
-        expert_out: buf(8),
-        y: buf(9),
-        scales: buf(10),
+        micro,
+        x,
+        ids,
+        probs,
+        y,
+        scales,
+        fork,
     };
     Ok((tok, held))
 }
@@ -163,6 +271,14 @@ pub(super) fn top_k(shape: &Shape, inputs: &Inputs, ids: &mut [u8], probs: &mut 
     }
 }
 
+/// Which part of a micro-batch's step to enqueue.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Dispatch,
+    Experts,
+    Combine,
+}
+
 impl Pe {
     pub(super) fn token(&self) -> Res<&TokenPe> {
         self.ep
@@ -170,45 +286,148 @@ impl Pe {
             .ok_or_else(|| "not a token-once PE".to_string())
     }
 
-    /// The token-once step: dispatch, experts, combine, with each end
-    /// marked.
-    pub(super) fn token_step(&mut self, marks: &mut Option<Vec<super::step::Mark>>) -> Res<()> {
-        let stream = self.stream();
-        let tok = self.ep.as_mut().ok_or("not a token-once PE")?;
-        let t = self.shape.tokens;
-        // SAFETY: every buffer is this PE's heap allocation of the size the
-        // group checks, alive as long as the world, used by nothing else
-        // while the stream runs the step.
-        unsafe {
-            tok.group
-                .dispatch(tok.x, tok.ids, tok.probs, t, &tok.out, stream)
-                .context("dispatch")?
-        };
-        self.mark(marks)?;
-        self.token_experts(stream)?;
-        self.mark(marks)?;
-        let tok = self.ep.as_mut().ok_or("not a token-once PE")?;
-        // SAFETY: as above.
-        unsafe { tok.group.combine(tok.expert_out, tok.y, stream) }.context("combine")?;
-        self.mark(marks)
+    fn token_mut(&mut self) -> Res<&mut TokenPe> {
+        self.ep
+            .as_mut()
+            .ok_or_else(|| "not a token-once PE".to_string())
     }
 
-    /// `silu(x) * scale_e` on the expert-major rows: one ragged group per
-    /// local expert, its rows counted on the device (padded counts when
-    /// the groups are aligned; padding rows are computed and ignored).
-    fn token_experts(&mut self, stream: *mut std::ffi::c_void) -> Res<()> {
+    /// The token-once step: dispatch, experts, combine of every
+    /// micro-batch. With `marks` (or on Host, or with one micro-batch) the
+    /// parts run in turn on the PE's stream, every micro-batch's dispatch,
+    /// then their experts, then their combines, each part's end marked;
+    /// else forked (see the module docs).
+    pub(super) fn token_step(&mut self, marks: &mut Option<Vec<super::step::Mark>>) -> Res<()> {
+        let stream = self.stream();
+        let n = self.token()?.micro.len();
+        if marks.is_some() || self.token()?.fork.is_none() {
+            for part in [Part::Dispatch, Part::Experts, Part::Combine] {
+                for i in 0..n {
+                    self.micro_part(i, part, stream)?;
+                }
+                self.mark(marks)?;
+            }
+            return Ok(());
+        }
+        self.forked_step()
+    }
+
+    /// The forked step (see the module docs): micro-batch 0 on the PE's
+    /// stream, micro-batch `i` on the fork's stream `i - 1`.
+    fn forked_step(&mut self) -> Res<()> {
+        let main = self
+            .gpu
+            .as_ref()
+            .ok_or("a forked step off CUDA")?
+            .stream
+            .stream();
+        let tok = self.token()?;
+        let fork = tok.fork.as_ref().ok_or("a forked step without streams")?;
+        let n = tok.micro.len();
+        let streams: Vec<Stream> = std::iter::once(main)
+            .chain(fork.streams.iter().map(|s| s.stream()))
+            .collect();
+        let raw = |i: usize| streams[i].raw() as *mut std::ffi::c_void;
+        let order =
+            |stream: &Stream, event: &Event| stream.wait_event(event).context("CUDA stream");
+        let record = |stream: &Stream, event: &Event| event.record_on(stream).context("CUDA event");
+        // Dispatches in turn, each micro-batch's experts after its own.
+        for i in 0..n {
+            let fork = self
+                .token()?
+                .fork
+                .as_ref()
+                .ok_or("a forked step without streams")?;
+            if i > 0 {
+                order(&streams[i], &fork.dispatched[i - 1])?;
+            }
+            self.micro_part(i, Part::Dispatch, raw(i))?;
+            let fork = self
+                .token()?
+                .fork
+                .as_ref()
+                .ok_or("a forked step without streams")?;
+            record(&streams[i], &fork.dispatched[i])?;
+            self.micro_part(i, Part::Experts, raw(i))?;
+        }
+        // Combines in turn, the first after the last dispatch.
+        for i in 0..n {
+            let fork = self
+                .token()?
+                .fork
+                .as_ref()
+                .ok_or("a forked step without streams")?;
+            match i {
+                0 => order(&streams[0], &fork.dispatched[n - 1])?,
+                _ => order(&streams[i], &fork.combined[i - 1])?,
+            }
+            self.micro_part(i, Part::Combine, raw(i))?;
+            let fork = self
+                .token()?
+                .fork
+                .as_ref()
+                .ok_or("a forked step without streams")?;
+            record(&streams[i], &fork.combined[i])?;
+        }
+        // The PE's stream joins the last combine (which came after every
+        // micro-batch's experts and combine).
+        let fork = self
+            .token()?
+            .fork
+            .as_ref()
+            .ok_or("a forked step without streams")?;
+        order(&streams[0], &fork.combined[n - 1])
+    }
+
+    /// Enqueues one part of micro-batch `i`'s step on `stream`.
+    fn micro_part(&mut self, i: usize, part: Part, stream: *mut std::ffi::c_void) -> Res<()> {
+        if part == Part::Experts {
+            return self.token_experts(i, stream);
+        }
+        let (h, k) = (self.shape.row_bytes(), self.shape.topk);
+        let tok = self.token_mut()?;
+        let (x, ids, probs, y) = (tok.x, tok.ids, tok.probs, tok.y);
+        let m = tok.micro.get_mut(i).ok_or("no such micro-batch")?;
+        let (first, tokens) = (m.first, m.tokens);
+        let rows = |b: Buf, row: usize| Buf::new(b.addr + (first * row) as u64, tokens * row);
+        match part {
+            // SAFETY: every buffer is this PE's heap allocation of the
+            // size the group checks (this micro-batch's tokens of the
+            // PE's), alive as long as the world, used by nothing else
+            // while the stream runs the step.
+            Part::Dispatch => unsafe {
+                let (x, ids, probs) = (rows(x, h), rows(ids, 4 * k), rows(probs, 4 * k));
+                m.group
+                    .dispatch(x, ids, probs, tokens, &m.out, stream)
+                    .context("dispatch")
+            },
+            Part::Experts => Ok(()),
+            // SAFETY: as above.
+            Part::Combine => unsafe {
+                let y = rows(y, h);
+                m.group.combine(m.expert_out, y, stream).context("combine")
+            },
+        }
+    }
+
+    /// `silu(x) * scale_e` on micro-batch `i`'s expert-major rows: one
+    /// ragged group per local expert, its rows counted on the device
+    /// (padded counts when the groups are aligned; padding rows are
+    /// computed and ignored).
+    fn token_experts(&mut self, i: usize, stream: *mut std::ffi::c_void) -> Res<()> {
         let s = self.shape;
         let tok = self.token()?;
-        let layout = *tok.group.layout();
+        let m = tok.micro.get(i).ok_or("no such micro-batch")?;
+        let layout = *m.group.layout();
         let row = s.hidden * s.dtype.size_bytes();
         let bytes = (layout.expert_rows * row) as u64;
         let aligned = s.ep.is_some_and(|e| e.align > 1);
         let ragged = RaggedGroups {
             scales: tok.scales.addr,
             rows: if aligned {
-                tok.out.padded_per_expert.addr
+                m.out.padded_per_expert.addr
             } else {
-                tok.out.tokens_per_expert.addr
+                m.out.tokens_per_expert.addr
             },
             segments: 1,
             groups: layout.local_experts as u64,
@@ -216,15 +435,15 @@ impl Pe {
             row_bytes: row as u64,
         };
         let input = if s.ep.is_some_and(|e| e.fp8) {
-            tok.out.rows_bf16.addr
+            m.out.rows_bf16.addr
         } else {
-            tok.out.rows.addr
+            m.out.rows.addr
         };
         let inputs = [input];
         let call = self.expert_call(
             stream,
             &inputs,
-            tok.expert_out.addr,
+            m.expert_out.addr,
             bytes,
             (None, Some(ragged)),
         );
@@ -233,5 +452,28 @@ impl Pe {
         // on the same stream); all this PE's, written by nothing else
         // meanwhile.
         unsafe { xcall_warpspec::run(&call) }.context("experts")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    /// Runs of consecutive tokens, covering every token once, sizes
+    /// within one of each other, the larger first.
+    #[test]
+    fn split_covers_every_token_once_larger_runs_first() {
+        assert_eq!(split(10, 3), [(0, 4), (4, 3), (7, 3)]);
+        assert_eq!(split(9, 3), [(0, 3), (3, 3), (6, 3)]);
+        assert_eq!(split(5, 1), [(0, 5)]);
+        assert_eq!(split(3, 3), [(0, 1), (1, 1), (2, 1)]);
+        for (t, n) in [(301, 2), (4096, 8), (17, 5)] {
+            let runs = split(t, n);
+            assert_eq!(runs.len(), n);
+            assert_eq!(runs.iter().map(|r| r.1).sum::<usize>(), t);
+            assert!(runs
+                .windows(2)
+                .all(|w| w[0].0 + w[0].1 == w[1].0 && w[0].1 >= w[1].1));
+        }
     }
 }
