@@ -527,6 +527,7 @@ unsafe fn run(
         .map(|&p| p as u64)
         .collect();
     let call = OpCall {
+        sms: 0,
         device,
         stream,
         op,

@@ -47,6 +47,7 @@ fn main() {
     let kernels = WsKernels::new();
     let inputs = [pa, pb];
     let bufs = DeviceBuffers {
+        sms: 0,
         inputs: &inputs,
         output: po,
         bytes: BYTES,
@@ -179,6 +180,7 @@ fn silu_tables(
             let (px, py) = (x.device_ptr(stream).0, y.device_ptr(stream).0);
             let inputs = [px];
             let bufs = DeviceBuffers {
+                sms: 0,
                 inputs: &inputs,
                 output: py,
                 bytes,

@@ -34,6 +34,9 @@ pub struct DeviceBuffers<'a> {
     /// `SiluScale`'s ragged groups (counts and scales in device memory)
     /// instead.
     pub ragged: Option<RaggedGroups>,
+    /// SMs the kernel may occupy (one block each): 0 for every SM; fewer
+    /// leave the others to work on other streams.
+    pub sms: u32,
 }
 
 /// Which kernel to run.
@@ -221,6 +224,12 @@ impl WsKernels {
         let (tile, blocks) = match variant {
             Variant::WarpSpecialized => (config.tile_bytes as u64, p.multiprocessors as u64),
             Variant::Plain => (PLAIN_TILE_BYTES, p.multiprocessors as u64 * 8),
+        };
+        // A budget of SMs caps the grid (the plain kernel's blocks per SM
+        // alike).
+        let blocks = match buffers.sms {
+            0 => blocks,
+            n => blocks.min(n as u64 * (blocks / p.multiprocessors.max(1) as u64)),
         };
         // Ragged groups: at most one partial tile per group beyond the
         // buffer's whole tiles.

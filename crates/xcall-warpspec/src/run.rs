@@ -53,6 +53,8 @@ pub struct OpCall<'a> {
     /// `SiluScale`'s ragged groups instead of `scale` or `scales`: only
     /// the groups' rows are read and written.
     pub ragged: Option<RaggedGroups>,
+    /// SMs the CUDA kernel may occupy: 0 for every SM (ignored on Host).
+    pub sms: u32,
 }
 
 /// The process's prepared CUDA kernels of the built-in ops (per device).
@@ -171,6 +173,7 @@ pub unsafe fn run(call: &OpCall<'_>) -> Result<(), OpError> {
         }
         Platform::Cuda => {
             let buffers = DeviceBuffers {
+                sms: call.sms,
                 inputs: call.inputs,
                 output: call.output,
                 bytes: call.bytes,

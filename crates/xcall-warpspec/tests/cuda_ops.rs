@@ -90,6 +90,7 @@ fn generated_kernels_equal_the_host_executor() {
                         ElementwiseOp::SiluScale => vec![da.device_ptr(&stream).0],
                     };
                     let bufs = DeviceBuffers {
+                        sms: 0,
                         inputs: &inputs,
                         output: out.device_ptr(&stream).0,
                         bytes: a.len() as u64,
@@ -248,6 +249,7 @@ fn grouped_scales_equal_the_host() {
             let out = stream.clone_htod(&vec![0xa5u8; x.len()]).unwrap(); // poisoned
             let inputs = [dx.device_ptr(&stream).0];
             let bufs = DeviceBuffers {
+                sms: 0,
                 inputs: &inputs,
                 output: out.device_ptr(&stream).0,
                 bytes: x.len() as u64,
@@ -357,6 +359,7 @@ fn ragged_groups_equal_the_host_executor() {
                 let out = stream.clone_htod(&vec![0xa5u8; bytes]).unwrap(); // poisoned
                 let inputs = [dx.device_ptr(&stream).0];
                 let bufs = DeviceBuffers {
+                    sms: 0,
                     inputs: &inputs,
                     output: out.device_ptr(&stream).0,
                     bytes: bytes as u64,
@@ -396,6 +399,7 @@ fn bad_buffers_are_refused() {
     let c = OpConfig::default();
     let run = |inputs: &[u64], output: u64, bytes: u64, dtype: DType| {
         let b = DeviceBuffers {
+            sms: 0,
             inputs,
             output,
             bytes,

@@ -473,6 +473,7 @@ fn ragged_groups_match_a_loop_over_rows_and_leave_the_rest() {
         };
         let inputs = [x.as_ptr() as u64];
         let call = OpCall {
+            sms: 0,
             device: Device::HOST,
             stream: std::ptr::null_mut(),
             op: ElementwiseOp::SiluScale,
@@ -680,6 +681,7 @@ fn a_bad_config_is_refused_by_run_at_every_size() {
             row_bytes: 16,
         };
         let call = OpCall {
+            sms: 0,
             device: Device::HOST,
             stream: std::ptr::null_mut(),
             op: ElementwiseOp::SiluScale,

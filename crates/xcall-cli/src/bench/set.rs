@@ -141,6 +141,7 @@ impl Set {
 
     fn silu(&self, variant: Variant) -> Res<()> {
         let call = OpCall {
+            sms: 0,
             device: Device::new(self.platform, 0),
             stream: self.stream(),
             op: ElementwiseOp::SiluScale,

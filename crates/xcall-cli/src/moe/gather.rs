@@ -113,7 +113,11 @@ pub fn decode(v: &Value) -> Option<PeLog> {
             .iter()
             .map(floats)
             .collect::<Option<_>>()?,
-        forked: floats(&v["forked"])?,
+        forked: v["forked"]
+            .as_array()?
+            .iter()
+            .map(|p| floats(p)?.try_into().ok())
+            .collect::<Option<_>>()?,
         copy_ms: v["copy_ms"].as_f64(),
         checks: v["checks"]
             .as_array()?
@@ -184,7 +188,7 @@ mod tests {
         let log = PeLog {
             steps: vec![(1.25, Outcome::Replayed), (0.5, Outcome::Patched)],
             phases: vec![vec![0.1, 0.2], vec![0.3, 0.4]],
-            forked: vec![0.9, 0.8],
+            forked: vec![[0.9, 1.1], [0.8, 1.0]],
             copy_ms: Some(0.75),
             checks: vec![
                 Checked {
@@ -232,7 +236,7 @@ mod tests {
         assert_eq!(b.checks[0].check.first, Some((4, 5, 1.5, -2.5)));
         assert_eq!(b.checks[0].took, Duration::from_millis(12));
         assert_eq!(b.memory, (Some(1 << 30), None));
-        assert_eq!(b.forked, [0.9, 0.8]);
+        assert_eq!(b.forked, [[0.9, 1.1], [0.8, 1.0]]);
         assert_eq!(b.graphs[0].label, "process 1 cuda:0");
         assert_eq!(
             (b.link_tokens.clone(), b.sms, b.low_latency),
@@ -246,7 +250,7 @@ mod tests {
             ("draw", json!(-1.0)),
             ("remote", json!("carrier pigeon")),
             ("link_tokens", json!([-1])),
-            ("forked", json!(["soon"])),
+            ("forked", json!([[1.0]])),
         ] {
             let mut v = encode(&log);
             v[field] = bad;

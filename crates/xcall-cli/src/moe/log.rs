@@ -18,9 +18,9 @@ pub(super) struct PeLog {
     pub(super) steps: Vec<(f64, Outcome)>,
     /// Per instrumented step: each phase's ms (`pe::phases` order).
     pub(super) phases: Vec<Vec<f64>>,
-    /// Per instrumented step with micro-batches on CUDA: the ms of the
-    /// same step forked (the instrumented one runs its parts in turn).
-    pub(super) forked: Vec<f64>,
+    /// Per instrumented step with micro-batches on CUDA: the median ms of
+    /// graph replays of the step forked and of the same step in turn.
+    pub(super) forked: Vec<[f64; 2]>,
     /// The median ms of a copy of the permuted tensor (CUDA).
     pub(super) copy_ms: Option<f64>,
     /// The checked steps' checks, in step order.

@@ -22,6 +22,10 @@ pub(super) struct PeEnd {
     pub(super) world: Option<Vec<PeLog>>,
 }
 
+/// Graph replays of the forked step and of the same step in turn per
+/// instrumented step (micro-batches on CUDA).
+const FORK_ROUNDS: usize = 5;
+
 /// The thread of this process's PE `local`: joins the world, runs, and
 /// leaves it.
 pub(super) fn pe_thread(
@@ -199,8 +203,8 @@ pub(super) fn run_steps(
             queued.push(pe.queue_step(cache)?);
         } else {
             log.phases.push(pe.phase_step()?);
-            if let Some(ms) = pe.forked_ms()? {
-                log.forked.push(ms);
+            if let Some((forked, in_turn)) = pe.fork_against_in_turn(cache, FORK_ROUNDS)? {
+                log.forked.push([forked, in_turn]);
             }
         }
         log.dropped.push(dropped);

@@ -68,10 +68,10 @@ pub(super) fn phase_bytes(s: &Shape) -> Vec<f64> {
     ]
 }
 
-/// How much of the exchange a forked step hid behind the experts: the
-/// slowest PE's median eager forked step, against the sum of the phases
-/// of the same step run in turn (`in_turn`, each phase the slowest PE's)
-/// and the exchange's share of them (dispatch and combine).
+/// How much of the exchange a forked step hid behind the experts: graph
+/// replays of the forked step against the same step in turn, alternated
+/// in one run (each the slowest PE's median), and the exchange's share of
+/// the step in turn (all but the experts' phase).
 struct Overlap {
     forked: Option<f64>,
     in_turn: f64,
@@ -79,20 +79,22 @@ struct Overlap {
 }
 
 fn overlap(s: &Shape, phase_ms: &[f64], pes: &[PeLog]) -> Overlap {
-    let forked: Vec<f64> = pes
-        .iter()
-        .filter(|p| !p.forked.is_empty())
-        .map(|p| median(&mut p.forked.clone()))
-        .collect();
-    let exchange = match s.ep {
-        // The token-once phases: dispatch, experts, combine.
-        Some(_) if phase_ms.len() == 3 => phase_ms[0] + phase_ms[2],
+    let slowest = |i: usize| {
+        pes.iter()
+            .filter(|p| !p.forked.is_empty())
+            .map(|p| median(&mut p.forked.iter().map(|f| f[i]).collect::<Vec<_>>()))
+            .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+    };
+    let in_turn = slowest(1).unwrap_or(0.0);
+    // The token-once phases: dispatch, experts, combine.
+    let experts = match s.ep {
+        Some(_) if phase_ms.len() == 3 => phase_ms[1],
         _ => 0.0,
     };
     Overlap {
-        forked: (!forked.is_empty()).then(|| forked.iter().copied().fold(0.0, f64::max)),
-        in_turn: phase_ms.iter().sum(),
-        exchange,
+        forked: slowest(0),
+        in_turn,
+        exchange: (in_turn - experts).max(0.0),
     }
 }
 
@@ -114,7 +116,7 @@ impl Overlap {
         let n = s.ep.map_or(1, |e| e.microbatches);
         match self.forked {
             Some(f) => format!(
-                "{n} micro-batches forked: {:.3} of the exchange's {:.3} ms hidden behind the experts ({:.0}%; an eager forked step {f:.3} ms, its parts in turn {:.3} ms)",
+                "{n} micro-batches forked: {:.3} of the exchange's {:.3} ms hidden behind the experts ({:.0}%; graph replays: forked {f:.3} ms, the same step in turn {:.3} ms)",
                 self.hidden_ms(),
                 self.exchange,
                 100.0 * self.fraction(),

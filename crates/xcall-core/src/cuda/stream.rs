@@ -467,6 +467,27 @@ impl OwnedStream {
         })
     }
 
+    /// A new stream of `device` like [`OwnedStream::new`], at the
+    /// device's greatest priority: where its work and other streams'
+    /// wait for the same SMs, the GPU starts its blocks first
+    /// (`cuStreamCreateWithPriority`).
+    pub fn greatest_priority(device: Device) -> Result<OwnedStream> {
+        let (mut least, mut greatest) = (0i32, 0i32);
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: writes two integers, then one stream handle.
+        on(device, "cuCtxGetStreamPriorityRange", || unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+        })?;
+        // SAFETY: as above.
+        on(device, "cuStreamCreateWithPriority", || unsafe {
+            sys::cuStreamCreateWithPriority(&mut raw, flags, greatest)
+        })?;
+        Ok(OwnedStream {
+            stream: Stream { device, raw },
+        })
+    }
+
     /// The stream, to pass on (valid while `self` lives).
     pub fn stream(&self) -> Stream {
         self.stream

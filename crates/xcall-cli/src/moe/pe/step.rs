@@ -424,6 +424,7 @@ impl Pe {
         (scales, ragged): (Option<GroupScales>, Option<RaggedGroups>),
     ) -> OpCall<'a> {
         OpCall {
+            sms: 0,
             device: match self.device.platform {
                 Platform::Host => Device::HOST,
                 Platform::Cuda => self.device,

@@ -35,6 +35,7 @@ impl Pe {
                 ep.sms as u64,
                 ep.kernels as u64,
                 ep.microbatches as u64,
+                u64::from(self.ep.as_ref().is_some_and(|t| t.in_turn)),
             ] {
                 bytes.extend_from_slice(&v.to_le_bytes());
             }
@@ -115,27 +116,43 @@ impl Pe {
         }
     }
 
-    /// One eager forked step (token-once exchange with micro-batches on
-    /// CUDA), timed with events on the PE's stream after a barrier of the
-    /// PEs' streams; `None` where steps do not fork. Beside the phases of
-    /// the same step run in turn, it tells how much of the exchange the
-    /// experts hid.
-    pub fn forked_ms(&mut self) -> Res<Option<f64>> {
-        let (Some(g), Some(tok)) = (&self.gpu, &self.ep) else {
-            return Ok(None);
-        };
-        if tok.fork.is_none() {
+    /// With micro-batches on CUDA: the forked step and the same step in
+    /// turn (micro-batch after micro-batch, one stream), each replayed
+    /// from its graph `rounds` times, alternated, after one untimed round;
+    /// the medians (forked, in turn). Each replay starts after a barrier
+    /// of the PEs' streams and drains before the next. `None` where steps
+    /// do not fork.
+    pub fn fork_against_in_turn(
+        &mut self,
+        cache: &GraphCache<CudaGraphs>,
+        rounds: usize,
+    ) -> Res<Option<(f64, f64)>> {
+        if self.ep.as_ref().is_none_or(|t| t.fork.is_none()) || self.gpu.is_none() {
             return Ok(None);
         }
-        let stream = g.stream.stream();
-        let a = Event::new(self.device).context("CUDA event")?;
-        let z = Event::new(self.device).context("CUDA event")?;
-        self.stream_barrier(stream)?;
-        a.record_on(&stream).context("CUDA event")?;
-        self.step(Waits::Stream)?;
-        z.record_on(&stream).context("CUDA event")?;
-        self.drain()?;
-        Ok(Some(z.elapsed_ms_since(&a).context("CUDA event")? as f64))
+        let (mut forked, mut in_turn) = (Vec::new(), Vec::new());
+        for round in 0..=rounds {
+            for turn in [false, true] {
+                self.token_mut()?.in_turn = turn;
+                let step = self.queue_step(cache);
+                self.token_mut()?.in_turn = false;
+                let step = step?;
+                self.drain()?;
+                if round > 0 {
+                    let ms = step.ms()?;
+                    if turn {
+                        in_turn.push(ms)
+                    } else {
+                        forked.push(ms)
+                    }
+                }
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Ok(Some((median(&mut forked), median(&mut in_turn))))
     }
 
     /// The median ms of a device-to-device copy of `P` slots (the size of

@@ -11,14 +11,16 @@
 //!
 //! With `--microbatches N` a PE's tokens are split into `N` runs of
 //! consecutive tokens, each with its own group and expert-major buffers.
-//! On CUDA the step forks onto a stream per micro-batch: micro-batch `i`
-//! dispatches after micro-batch `i - 1` dispatched, runs its experts, and
-//! combines after every dispatch (the first) or after micro-batch `i - 1`
-//! combined; the first stream joins the last combine. So on every PE the
-//! exchanges run in one order (no two at once, none waiting on a peer
-//! that waits on it), and each micro-batch's experts run beside the next
-//! one's dispatch or the previous one's combine. A token's output does not
-//! depend on the split: its rows are summed in the same order.
+//! On CUDA the step forks off the PE's stream onto two: the exchange
+//! stream (the device's greatest priority) runs every micro-batch's
+//! dispatch in turn, then every combine in turn, micro-batch `i`'s combine
+//! after its experts; the experts stream runs micro-batch `i`'s experts
+//! after its dispatch, on the SMs the exchange's budget (`--sms`) leaves.
+//! The PE's stream joins the last combine. So on every PE the exchanges
+//! run in one order on one stream (none waits on a peer that waits on
+//! it), while micro-batch `i`'s experts run beside dispatch `i + 1` or
+//! combine `i - 1`. A token's output does not depend on the split: its
+//! rows are summed in the same order.
 
 use xcall_core::cuda::{Event, OwnedStream, Stream};
 use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, ExpertMajor, Layout, Precision};
@@ -43,13 +45,22 @@ pub(super) struct Micro {
 }
 
 /// The streams and events of a forked step (CUDA, more than one
-/// micro-batch).
+/// micro-batch; see the module docs).
 pub(super) struct Fork {
-    /// A stream per micro-batch after the first (which runs on the PE's).
-    streams: Vec<OwnedStream>,
-    /// Per micro-batch: recorded after its dispatch, and after its combine.
+    /// Every micro-batch's dispatch and combine, at the greatest priority.
+    exchange: OwnedStream,
+    /// Every micro-batch's experts.
+    experts: OwnedStream,
+    /// Recorded on the PE's stream where the step starts.
+    start: Event,
+    /// Per micro-batch: recorded after its dispatch, after its experts.
     dispatched: Vec<Event>,
-    combined: Vec<Event>,
+    computed: Vec<Event>,
+    /// Recorded after the last combine.
+    done: Event,
+    /// SMs the experts may occupy in a forked step: those the exchange's
+    /// budget leaves (0: every SM, where the exchange may take them all).
+    expert_sms: u32,
 }
 
 /// The groups and the PE's buffers of the token-once step.
@@ -62,6 +73,9 @@ pub(super) struct TokenPe {
     /// `[L]` f32: each local expert's scale.
     pub(super) scales: Buf,
     pub(super) fork: Option<Fork>,
+    /// Run the next steps in turn even where they could fork (to time
+    /// both).
+    pub(super) in_turn: bool,
 }
 
 /// Micro-batches of `shape` (1 without `--microbatches`).
@@ -219,18 +233,20 @@ pub(super) fn new(
     }
     let fork = match (device.platform, micro.len()) {
         (xcall_core::Platform::Cuda, n) if n > 1 => {
-            let events = || {
-                (0..n)
-                    .map(|_| Event::ordering(device))
-                    .collect::<xcall_core::Result<Vec<_>>>()
-            };
+            let event = || Event::ordering(device).context("CUDA event");
+            let sms = xcall_core::cuda::device_info(device)
+                .context("CUDA device")?
+                .multiprocessors
+                .max(0) as usize;
+            let exchange_sms = micro[0].group.sms_used();
             Some(Fork {
-                streams: (1..n)
-                    .map(|_| OwnedStream::new(device))
-                    .collect::<xcall_core::Result<_>>()
-                    .context("CUDA stream")?,
-                dispatched: events().context("CUDA event")?,
-                combined: events().context("CUDA event")?,
+                exchange: OwnedStream::greatest_priority(device).context("CUDA stream")?,
+                experts: OwnedStream::new(device).context("CUDA stream")?,
+                start: event()?,
+                dispatched: (0..n).map(|_| event()).collect::<Result<_, _>>()?,
+                computed: (0..n).map(|_| event()).collect::<Result<_, _>>()?,
+                done: event()?,
+                expert_sms: sms.saturating_sub(exchange_sms) as u32,
             })
         }
         _ => None,
@@ -243,6 +259,7 @@ pub(super) fn new(
         y,
         scales,
         fork,
+        in_turn: false,
     };
     Ok((tok, held))
 }
@@ -286,7 +303,7 @@ impl Pe {
             .ok_or_else(|| "not a token-once PE".to_string())
     }
 
-    fn token_mut(&mut self) -> Res<&mut TokenPe> {
+    pub(super) fn token_mut(&mut self) -> Res<&mut TokenPe> {
         self.ep
             .as_mut()
             .ok_or_else(|| "not a token-once PE".to_string())
@@ -300,7 +317,8 @@ impl Pe {
     pub(super) fn token_step(&mut self, marks: &mut Option<Vec<super::step::Mark>>) -> Res<()> {
         let stream = self.stream();
         let n = self.token()?.micro.len();
-        if marks.is_some() || self.token()?.fork.is_none() {
+        let tok = self.token()?;
+        if marks.is_some() || tok.fork.is_none() || tok.in_turn {
             for part in [Part::Dispatch, Part::Experts, Part::Combine] {
                 for i in 0..n {
                     self.micro_part(i, part, stream)?;
@@ -312,8 +330,7 @@ impl Pe {
         self.forked_step()
     }
 
-    /// The forked step (see the module docs): micro-batch 0 on the PE's
-    /// stream, micro-batch `i` on the fork's stream `i - 1`.
+    /// The forked step (see the module docs).
     fn forked_step(&mut self) -> Res<()> {
         let main = self
             .gpu
@@ -321,68 +338,43 @@ impl Pe {
             .ok_or("a forked step off CUDA")?
             .stream
             .stream();
-        let tok = self.token()?;
-        let fork = tok.fork.as_ref().ok_or("a forked step without streams")?;
-        let n = tok.micro.len();
-        let streams: Vec<Stream> = std::iter::once(main)
-            .chain(fork.streams.iter().map(|s| s.stream()))
-            .collect();
-        let raw = |i: usize| streams[i].raw() as *mut std::ffi::c_void;
-        let order =
-            |stream: &Stream, event: &Event| stream.wait_event(event).context("CUDA stream");
-        let record = |stream: &Stream, event: &Event| event.record_on(stream).context("CUDA event");
-        // Dispatches in turn, each micro-batch's experts after its own.
+        let fork = self.fork()?;
+        let (n, sms) = (self.token()?.micro.len(), fork.expert_sms);
+        let (x, e) = (fork.exchange.stream(), fork.experts.stream());
+        let raw = |s: Stream| s.raw() as *mut std::ffi::c_void;
+        let order = |s: Stream, event: &Event| s.wait_event(event).context("CUDA stream");
+        let record = |s: Stream, event: &Event| event.record_on(&s).context("CUDA event");
+        record(main, &self.fork()?.start)?;
+        order(x, &self.fork()?.start)?;
         for i in 0..n {
-            let fork = self
-                .token()?
-                .fork
-                .as_ref()
-                .ok_or("a forked step without streams")?;
-            if i > 0 {
-                order(&streams[i], &fork.dispatched[i - 1])?;
-            }
-            self.micro_part(i, Part::Dispatch, raw(i))?;
-            let fork = self
-                .token()?
-                .fork
-                .as_ref()
-                .ok_or("a forked step without streams")?;
-            record(&streams[i], &fork.dispatched[i])?;
-            self.micro_part(i, Part::Experts, raw(i))?;
+            self.micro_part(i, Part::Dispatch, raw(x))?;
+            record(x, &self.fork()?.dispatched[i])?;
         }
-        // Combines in turn, the first after the last dispatch.
         for i in 0..n {
-            let fork = self
-                .token()?
-                .fork
-                .as_ref()
-                .ok_or("a forked step without streams")?;
-            match i {
-                0 => order(&streams[0], &fork.dispatched[n - 1])?,
-                _ => order(&streams[i], &fork.combined[i - 1])?,
-            }
-            self.micro_part(i, Part::Combine, raw(i))?;
-            let fork = self
-                .token()?
-                .fork
-                .as_ref()
-                .ok_or("a forked step without streams")?;
-            record(&streams[i], &fork.combined[i])?;
+            order(e, &self.fork()?.dispatched[i])?;
+            self.token_experts(i, raw(e), sms)?;
+            record(e, &self.fork()?.computed[i])?;
         }
-        // The PE's stream joins the last combine (which came after every
-        // micro-batch's experts and combine).
-        let fork = self
-            .token()?
+        for i in 0..n {
+            order(x, &self.fork()?.computed[i])?;
+            self.micro_part(i, Part::Combine, raw(x))?;
+        }
+        record(x, &self.fork()?.done)?;
+        order(main, &self.fork()?.done)
+    }
+
+    /// The forked step's streams and events.
+    fn fork(&self) -> Res<&Fork> {
+        self.token()?
             .fork
             .as_ref()
-            .ok_or("a forked step without streams")?;
-        order(&streams[0], &fork.combined[n - 1])
+            .ok_or_else(|| "a forked step without streams".to_string())
     }
 
     /// Enqueues one part of micro-batch `i`'s step on `stream`.
     fn micro_part(&mut self, i: usize, part: Part, stream: *mut std::ffi::c_void) -> Res<()> {
         if part == Part::Experts {
-            return self.token_experts(i, stream);
+            return self.token_experts(i, stream, 0);
         }
         let (h, k) = (self.shape.row_bytes(), self.shape.topk);
         let tok = self.token_mut()?;
@@ -413,8 +405,8 @@ impl Pe {
     /// `silu(x) * scale_e` on micro-batch `i`'s expert-major rows: one
     /// ragged group per local expert, its rows counted on the device
     /// (padded counts when the groups are aligned; padding rows are
-    /// computed and ignored).
-    fn token_experts(&mut self, i: usize, stream: *mut std::ffi::c_void) -> Res<()> {
+    /// computed and ignored), on at most `sms` SMs (0: every SM).
+    fn token_experts(&mut self, i: usize, stream: *mut std::ffi::c_void, sms: u32) -> Res<()> {
         let s = self.shape;
         let tok = self.token()?;
         let m = tok.micro.get(i).ok_or("no such micro-batch")?;
@@ -440,13 +432,14 @@ impl Pe {
             m.out.rows.addr
         };
         let inputs = [input];
-        let call = self.expert_call(
+        let mut call = self.expert_call(
             stream,
             &inputs,
             m.expert_out.addr,
             bytes,
             (None, Some(ragged)),
         );
+        call.sms = sms;
         // SAFETY: the expert-major rows and outputs hold `bytes` each, the
         // scales L f32 and the counts L i64 (written by dispatch before,
         // on the same stream); all this PE's, written by nothing else
