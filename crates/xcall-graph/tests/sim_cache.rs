@@ -599,7 +599,6 @@ fn forced_digest_collisions_never_replay_another_attributes_graph() {
             for (i, attributes) in sets.iter().enumerate() {
                 let value = 1 + 10 * i as i64;
                 let call = OpCall {
-                    sms: 0,
                     device: Device::cuda(0),
                     op: op_id("xcall_permute"),
                     attributes: attributes.clone(),

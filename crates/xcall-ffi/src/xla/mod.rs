@@ -96,7 +96,6 @@ fn run_cached(spec: &Spec, target: &Target, d: &Decoded) -> Result<(), FfiError>
         .map(|(t, role)| Buffer::new(t.address, t.bytes(), role))
         .collect();
     let call = OpCall {
-        sms: 0,
         device: target.device,
         op: op_id(spec.name),
         attributes: Attributes::named_ints(&d.attrs),
