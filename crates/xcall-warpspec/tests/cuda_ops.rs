@@ -282,6 +282,7 @@ fn grouped_scales_equal_the_host() {
 /// data (the Host with the counts the kernel takes: negative as 0, cut at
 /// the segment's end), poisoned outputs; rows past the groups keep the
 /// poison. The MoE layout: one segment per sender, one group per expert.
+/// Grids capped at a few SMs write the same.
 #[test]
 fn ragged_groups_equal_the_host_executor() {
     use xcall_warpspec::ops::{ragged_pieces, silu_scale_pieces_host, RaggedGroups};
@@ -355,11 +356,16 @@ fn ragged_groups_equal_the_host_executor() {
                 HostExecutor::Vectorized,
             )
             .unwrap();
-            for variant in [Variant::WarpSpecialized, Variant::Plain] {
+            // Every SM, and grids capped at 1 and 7 SMs (the persistent
+            // blocks take more tiles each).
+            let runs = [Variant::WarpSpecialized, Variant::Plain]
+                .into_iter()
+                .flat_map(|v| [0u32, 1, 7].map(|sms| (v, sms)));
+            for (variant, sms) in runs {
                 let out = stream.clone_htod(&vec![0xa5u8; bytes]).unwrap(); // poisoned
                 let inputs = [dx.device_ptr(&stream).0];
                 let bufs = DeviceBuffers {
-                    sms: 0,
+                    sms,
                     inputs: &inputs,
                     output: out.device_ptr(&stream).0,
                     bytes: bytes as u64,
@@ -381,7 +387,7 @@ fn ragged_groups_equal_the_host_executor() {
                 // SAFETY: allocations of `bytes` bytes and of every count
                 // and scale.
                 let got = unsafe { launch.run(&bufs, 99.0, &out) };
-                let what = format!("{dtype} {variant:?} {config:?} {segments} x {groups} groups of {row}-element rows");
+                let what = format!("{dtype} {variant:?} on {sms} SMs {config:?} {segments} x {groups} groups of {row}-element rows");
                 assert_silu_close(dtype, &got, &want, &what);
             }
         }
