@@ -24,6 +24,7 @@ mod pe;
 mod pe_thread;
 mod progress;
 mod summary;
+mod values;
 mod verify;
 
 use std::sync::Mutex;

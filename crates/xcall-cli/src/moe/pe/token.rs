@@ -450,7 +450,44 @@ impl Pe {
 
 #[cfg(test)]
 mod tests {
-    use super::split;
+    use super::super::super::data::{EpShape, Shape};
+    use super::{config, heap_bytes, split};
+
+    fn shape(microbatches: usize) -> Shape {
+        Shape {
+            pes: 3,
+            tokens: 301,
+            hidden: 64,
+            experts: 6,
+            topk: 3,
+            capacity: 301,
+            dropless: true,
+            fused: false,
+            dtype: xcall_core::DType::Bf16,
+            ep: Some(EpShape {
+                fp8: false,
+                align: 1,
+                sms: 0,
+                kernels: xcall_ep::EpKernels::Auto,
+                microbatches,
+            }),
+        }
+    }
+
+    /// Each micro-batch's group takes the largest micro-batch's tokens,
+    /// and the heap holds a group and its buffers per micro-batch.
+    #[test]
+    fn each_group_is_sized_for_the_largest_micro_batch() {
+        assert_eq!(config(&shape(1)).tokens, 301);
+        assert_eq!(config(&shape(3)).tokens, 101);
+        assert_eq!(config(&shape(8)).tokens, 38);
+        let (one, three) = (
+            heap_bytes(&shape(1)).unwrap(),
+            heap_bytes(&shape(3)).unwrap(),
+        );
+        // Three groups of a third of the tokens, each with its spare MiB.
+        assert!(three > one + (1 << 20), "{one} {three}");
+    }
 
     /// Runs of consecutive tokens, covering every token once, sizes
     /// within one of each other, the larger first.
