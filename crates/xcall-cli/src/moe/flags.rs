@@ -20,7 +20,7 @@ use crate::report::Failure;
 pub use super::values::{DtypeArg, EpKernelsArg, ExchangeArg, HostExecutorArg, PlatformArg};
 
 /// The most micro-batches `--microbatches` takes (each is a group with its
-/// own buffers, and on CUDA a stream).
+/// own buffers).
 const MAX_MICROBATCHES: usize = 8;
 
 /// Flags of `xcall moe`.
@@ -89,7 +89,9 @@ pub struct MoeArgs {
     /// On CUDA the step forks: the exchanges still run one after another
     /// (every dispatch, then every combine), while a micro-batch's experts
     /// run beside the next micro-batch's dispatch or the one before's
-    /// combine; on Host the micro-batches run in turn [default: 1].
+    /// combine, on the SMs `--sms` leaves (with `--sms 0` the experts take
+    /// every SM and little overlaps); on Host the micro-batches run in
+    /// turn [default: 1].
     #[arg(long)]
     pub(super) microbatches: Option<usize>,
     /// The CUDA device of each PE, comma-separated and distinct (a world

@@ -562,13 +562,18 @@ impl Pe {
     pub fn finish(mut self) -> Res<()> {
         self.drain()?;
         if let Some(tok) = self.ep.take() {
-            // The fork's streams end first (they may still hold work).
+            // The fork's streams end first (idle: the PE's stream joined
+            // them). Every group is destroyed (a collective) before an
+            // error returns.
             drop(tok.fork);
+            let mut first = Ok(());
             for m in tok.micro {
-                m.group
-                    .destroy(&mut self.world)
-                    .context("expert-parallel group")?;
+                let r = m.group.destroy(&mut self.world);
+                if first.is_ok() {
+                    first = r;
+                }
             }
+            first.context("expert-parallel group")?;
         }
         for &(a, _, _) in &self.sizes {
             self.world.free(a).context("shmem free")?;

@@ -117,7 +117,8 @@ impl Pe {
     }
 
     /// With micro-batches on CUDA: the forked step and the same step in
-    /// turn (micro-batch after micro-batch, one stream), each replayed
+    /// turn (every dispatch, then every micro-batch's experts on every SM,
+    /// then every combine, one stream), each replayed
     /// from its graph `rounds` times, alternated, after one untimed round;
     /// the medians (forked, in turn). Each replay starts after a barrier
     /// of the PEs' streams and drains before the next. `None` where steps
@@ -127,7 +128,7 @@ impl Pe {
         cache: &GraphCache<CudaGraphs>,
         rounds: usize,
     ) -> Res<Option<(f64, f64)>> {
-        if self.ep.as_ref().is_none_or(|t| t.fork.is_none()) || self.gpu.is_none() {
+        if rounds == 0 || self.ep.as_ref().is_none_or(|t| t.fork.is_none()) || self.gpu.is_none() {
             return Ok(None);
         }
         let (mut forked, mut in_turn) = (Vec::new(), Vec::new());

@@ -12,7 +12,9 @@
 //! With `--microbatches N` a PE's tokens are split into `N` runs of
 //! consecutive tokens, each with its own group and expert-major buffers.
 //! On CUDA the step forks off the PE's stream onto two: the exchange
-//! stream (the device's greatest priority) runs every micro-batch's
+//! stream (created at the device's greatest priority, which eager steps
+//! keep; the graph cache's replays run every node at the launching
+//! stream's priority) runs every micro-batch's
 //! dispatch in turn, then every combine in turn, micro-batch `i`'s combine
 //! after its experts; the experts stream runs micro-batch `i`'s experts
 //! after its dispatch, on the SMs the exchange's budget (`--sms`) leaves.
@@ -441,9 +443,10 @@ impl Pe {
         );
         call.sms = sms;
         // SAFETY: the expert-major rows and outputs hold `bytes` each, the
-        // scales L f32 and the counts L i64 (written by dispatch before,
-        // on the same stream); all this PE's, written by nothing else
-        // meanwhile.
+        // scales L f32 and the counts L i64 (written by dispatch before:
+        // on the same stream, or forked, on the exchange stream before the
+        // `dispatched` event this stream waited for); all this PE's,
+        // written by nothing else meanwhile.
         unsafe { xcall_warpspec::run(&call) }.context("experts")
     }
 }
