@@ -318,12 +318,15 @@ impl Pe {
     /// else forked (see the module docs).
     pub(super) fn token_step(&mut self, marks: &mut Option<Vec<super::step::Mark>>) -> Res<()> {
         let stream = self.stream();
-        let n = self.token()?.micro.len();
         let tok = self.token()?;
+        let n = tok.micro.len();
         if marks.is_some() || tok.fork.is_none() || tok.in_turn {
             for part in [Part::Dispatch, Part::Experts, Part::Combine] {
                 for i in 0..n {
-                    self.micro_part(i, part, stream)?;
+                    match part {
+                        Part::Experts => self.token_experts(i, stream, 0)?,
+                        _ => self.micro_part(i, part, stream)?,
+                    }
                 }
                 self.mark(marks)?;
             }
@@ -373,11 +376,9 @@ impl Pe {
             .ok_or_else(|| "a forked step without streams".to_string())
     }
 
-    /// Enqueues one part of micro-batch `i`'s step on `stream`.
+    /// Enqueues micro-batch `i`'s dispatch or combine on `stream` (its
+    /// experts: [`Pe::token_experts`]).
     fn micro_part(&mut self, i: usize, part: Part, stream: *mut std::ffi::c_void) -> Res<()> {
-        if part == Part::Experts {
-            return self.token_experts(i, stream, 0);
-        }
         let (h, k) = (self.shape.row_bytes(), self.shape.topk);
         let tok = self.token_mut()?;
         let (x, ids, probs, y) = (tok.x, tok.ids, tok.probs, tok.y);
@@ -395,12 +396,12 @@ impl Pe {
                     .dispatch(x, ids, probs, tokens, &m.out, stream)
                     .context("dispatch")
             },
-            Part::Experts => Ok(()),
             // SAFETY: as above.
             Part::Combine => unsafe {
                 let y = rows(y, h);
                 m.group.combine(m.expert_out, y, stream).context("combine")
             },
+            Part::Experts => Err("the experts are not an exchange part".into()),
         }
     }
 
