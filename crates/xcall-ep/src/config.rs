@@ -210,7 +210,9 @@ pub struct Layout {
 /// Byte offsets into a group's symmetric allocation. Peers read `send`,
 /// `send_scales`, `ids`, `probs`, `grad_probs` and the words, and write
 /// `partial`, `recv`, `recv_scales` and the ready words; the rest only
-/// its owner touches.
+/// its owner touches, except on Host PEs of one process, where peers also
+/// read `recv_probs` and `route_row` (and leave `partial` and `recv`
+/// alone: see [`crate::host_pull`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Offsets {
     /// `[T, H]` rows as sent (the precision's wire type), published by
@@ -275,8 +277,13 @@ pub(crate) mod word {
     /// `kernels.cu` touches it).
     #[cfg_attr(not(test), allow(dead_code))]
     pub const BAR: usize = 4;
+    /// Host groups of one process (see `crate::host_pull`): the address of
+    /// the rows this PE offers peers to read in the current call (its `x`
+    /// in dispatch, its experts' outputs in combine). The kernels leave it
+    /// alone.
+    pub const PULL: usize = 5;
     /// Words in all.
-    pub const COUNT: usize = 5;
+    pub const COUNT: usize = 6;
 }
 
 fn too_big(what: &str) -> EpError {

@@ -261,7 +261,9 @@ mod tests {
                 "EP_WORD_{name}"
             );
         }
-        assert_eq!(word::COUNT, 5);
+        // PULL (Host only) is the last word: the kernels' words come first.
+        assert_eq!((word::PULL, word::COUNT), (5, 6));
+        assert!(!SOURCE.contains("EP_WORD_PULL"));
     }
 
     #[test]

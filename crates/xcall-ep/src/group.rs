@@ -32,7 +32,7 @@ use crate::config::{word, Capacity, EpConfig, EpKernels, Layout, Precision, FP8_
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
-use crate::{host, host_grad};
+use crate::{host, host_grad, host_pull};
 
 /// The part of the allocation a phase publishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +60,9 @@ pub struct EpGroup {
     sms_used: usize,
     /// Whether dispatch and combine run the low-latency kernels.
     low_latency: bool,
+    /// Host, every PE of this process: dispatch and combine read peers'
+    /// rows where they are (see [`crate::host_pull`]).
+    pull: bool,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
@@ -153,6 +156,10 @@ impl EpGroup {
         }
         // Nobody announces a phase before every PE cleared its ready words.
         world.barrier_all()?;
+        let mut same_process = true;
+        for q in 0..pes {
+            same_process &= world.transport(q)? == xcall_shmem::Transport::SameProcess;
+        }
         let sms = kernels.as_ref().map_or(1, |k| k.sms as usize);
         let sms_used = match config.num_sms {
             0 => sms,
@@ -172,6 +179,7 @@ impl EpGroup {
             low_latency: kernels.is_some()
                 && config.low_latency_fits()
                 && (config.kernels == EpKernels::LowLatency || config.tokens <= 2 * sms_used),
+            pull: kernels.is_none() && same_process && pes > 1,
             kernels,
             sms_used,
             last: None,
@@ -208,6 +216,13 @@ impl EpGroup {
     /// PE's combine is one kernel either way (its sums are its outputs).
     pub fn low_latency(&self) -> bool {
         self.low_latency
+    }
+
+    /// Whether this PE reads its peers' rows where they are (Host, every PE
+    /// of this process: see [`crate::host_pull`]) instead of storing its
+    /// own into them.
+    pub fn pulls(&self) -> bool {
+        self.pull
     }
 
     /// Bytes of the caller's expert-major rows buffer
@@ -301,15 +316,21 @@ impl EpGroup {
                 // SAFETY: the caller's contract.
                 None => unsafe {
                     match step {
-                        Step::Publish => replaced += host::publish(p, p.wire == 1),
+                        Step::Publish => {
+                            if self.pull {
+                                host_pull::offer(p);
+                            }
+                            replaced += host::publish(p, p.wire == 1)
+                        }
                         Step::Push => host::push(p),
                         Step::Signal => host::signal(p),
                         Step::Wait => host::wait(p)?,
                         Step::Count => host::count(p),
                         Step::Scan => host::scan(p),
                         Step::Assign => host::assign(p),
-                        Step::Copy => host::copy(p),
+                        Step::Copy => host::copy(p, self.pull),
                         Step::Reduce => host::reduce(p),
+                        Step::GatherSum if self.pull => host_pull::gather(p),
                         Step::GatherSum => host::gather_sum(p),
                         Step::ScatterGrad => host_grad::scatter_grad(p),
                         Step::GatherProbs => host_grad::gather_probs(p),
@@ -455,9 +476,11 @@ impl EpGroup {
         // use; the rest is the caller's contract and the group's layout.
         let replaced = unsafe {
             self.fence(Part::Send, stream)?;
-            // One PE has no peer to push to or announce to.
-            let steps: &[Step] = match self.layout.pes {
-                1 => &[Step::Publish],
+            // One PE has no peer to push to or announce to; PEs of one
+            // Host process pull instead of pushing.
+            let steps: &[Step] = match (self.layout.pes, self.pull) {
+                (1, _) => &[Step::Publish],
+                (_, true) => &[Step::Publish, Step::Signal],
                 _ => &[Step::Publish, Step::Push, Step::Signal],
             };
             self.run(steps, &p, stream)?
@@ -523,8 +546,19 @@ impl EpGroup {
         });
         // SAFETY: as dispatch_send; `out` checked above.
         unsafe {
-            let steps: &[Step] = match self.layout.pes {
-                1 => &[Step::Count, Step::Scan, Step::Assign, Step::Copy],
+            let steps: &[Step] = match (self.layout.pes, self.pull) {
+                (1, _) => &[Step::Count, Step::Scan, Step::Assign, Step::Copy],
+                // Pulled: no PE returns (and lets its caller write `x`)
+                // while a peer may still copy from it.
+                (_, true) => &[
+                    Step::Wait,
+                    Step::Count,
+                    Step::Scan,
+                    Step::Assign,
+                    Step::Copy,
+                    Step::Signal,
+                    Step::Wait,
+                ],
                 _ => &[
                     Step::Wait,
                     Step::Count,
@@ -608,11 +642,24 @@ impl EpGroup {
         unsafe {
             self.fence(Part::Partial, stream)?;
             // One PE's sums are its outputs (see `host::reduce`).
-            let steps: &[Step] = match (self.layout.pes, self.low_latency) {
-                (1, _) => &[Step::Reduce],
-                (_, true) => &[Step::LlCombine],
+            let steps: &[Step] = match (self.layout.pes, self.low_latency, self.pull) {
+                (1, ..) => &[Step::Reduce],
+                (_, true, _) => &[Step::LlCombine],
+                // Pulled: every PE offers its outputs and announces them;
+                // each sums its own tokens from them, and no PE returns
+                // (and lets its caller write them) before all did.
+                (.., true) => &[
+                    Step::Signal,
+                    Step::Wait,
+                    Step::GatherSum,
+                    Step::Signal,
+                    Step::Wait,
+                ],
                 _ => &[Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum],
             };
+            if self.pull {
+                host_pull::offer(&p);
+            }
             self.run(steps, &p, stream)?;
         }
         self.last = Some(Part::Partial);

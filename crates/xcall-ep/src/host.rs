@@ -3,7 +3,9 @@
 //! Host run is the reference a CUDA run is compared with bit for bit
 //! (the probs' gradient, a dot product summed in another order there,
 //! aside). Peers' memory is read through the group's base table, as on
-//! CUDA; announcements are release stores and waits acquire loads.
+//! CUDA; announcements are release stores and waits acquire loads. PEs
+//! of one process pull some of these steps' rows instead
+//! ([`crate::host_pull`]).
 //!
 //! Every function takes the call's [`EpParams`]; its safety contract is
 //! the group's: the allocation at `base` (and each peer's at `bases[q]`)
@@ -30,7 +32,7 @@ pub(crate) fn at<T>(base: u64, offset: i64) -> *mut T {
 ///
 /// # Safety
 /// `base` is a group allocation of `p`'s layout.
-unsafe fn word_of<'a>(p: &EpParams, base: u64, w: usize) -> &'a AtomicU64 {
+pub(crate) unsafe fn word_of<'a>(p: &EpParams, base: u64, w: usize) -> &'a AtomicU64 {
     // SAFETY: the words part holds word::COUNT aligned u64s at every PE's
     // allocation; atomics because peers read them concurrently.
     unsafe { AtomicU64::from_ptr(at::<u64>(base, p.off_words).add(w)) }
@@ -397,26 +399,19 @@ pub unsafe fn assign(p: &EpParams) {
     }
 }
 
-/// The rows of route slot `r`'s kept routes (and their slots), for token
-/// `t` of sender `s`.
+/// Token `t` of sender `s`'s kept routes here: (slot, row), in slot
+/// order.
 ///
 /// # Safety
 /// See the module docs.
 #[inline(always)]
-unsafe fn routes(p: &EpParams, s: usize, t: usize) -> (usize, [(usize, i32); 32]) {
+unsafe fn routes(p: &EpParams, s: usize, t: usize) -> impl Iterator<Item = (usize, i32)> + '_ {
     let k = p.topk as usize;
-    let rows = at::<i32>(p.base, p.off_route_row);
-    let mut out = [(0usize, -1i32); 32];
-    let mut m = 0;
-    for j in 0..k {
-        // SAFETY: route_row holds [P, T, k].
-        let r = unsafe { *rows.add((s * p.tokens as usize + t) * k + j) };
-        if r >= 0 {
-            out[m] = (j, r);
-            m += 1;
-        }
-    }
-    (m, out)
+    let rows = at::<i32>(p.base, p.off_route_row).wrapping_add((s * p.tokens as usize + t) * k);
+    // SAFETY: route_row holds [P, T, k].
+    (0..k)
+        .map(move |j| (j, unsafe { *rows.add(j) }))
+        .filter(|&(_, r)| r >= 0)
 }
 
 /// Whether token `t` of sender `s` has a route to one of this PE's
@@ -434,10 +429,15 @@ unsafe fn routed_here(p: &EpParams, s: usize, t: usize) -> bool {
 
 /// Dispatch's expansion: each received token's row (pushed here, or this
 /// PE's own) read once and written to each of its kept routes' rows.
+/// With `pull` (PEs of one process, see [`crate::host_pull`]) peers'
+/// rows are read where their senders published them instead: their `x`,
+/// or (FP8) their send rows and scales.
 ///
 /// # Safety
-/// See the module docs.
-pub unsafe fn copy(p: &EpParams) {
+/// See the module docs; with `pull`, every PE offered its rows
+/// ([`crate::host_pull::offer`]) before announcing this phase, and keeps
+/// them until the phase after it.
+pub unsafe fn copy(p: &EpParams, pull: bool) {
     let h = p.hidden as usize;
     let elem = if p.precision == 0 { 4 } else { 2 };
     let fp8 = p.precision == 2;
@@ -446,25 +446,34 @@ pub unsafe fn copy(p: &EpParams) {
     for s in 0..p.pes as usize {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) as usize };
+        // Where sender s's rows are read (this PE's own: in place).
+        let (base_s, src_s) = match pull && s != me {
+            // SAFETY: see the module docs.
+            true => unsafe {
+                let b = base_of(p, s);
+                (b, word_of(p, b, word::PULL).load(Ordering::Relaxed))
+            },
+            false => (p.base, p.src),
+        };
+        let own = s == me || pull;
         par_tokens(n, |tokens| {
             for t in tokens {
                 // SAFETY: see the module docs.
-                let (m, rs) = unsafe { routes(p, s, t) };
-                for &(_, r) in &rs[..m] {
+                for (_, r) in unsafe { routes(p, s, t) } {
                     let r = r as usize;
                     // SAFETY: the sender's send rows (and scales) hold T rows;
                     // the caller's expert-major buffers hold expert_rows.
                     unsafe {
-                        // Peers' rows were pushed into the receive rows; this
-                        // PE's own are in the caller's buffer (FP8: send).
-                        let own = s == me;
+                        // Pushed peers' rows are in the receive rows; this
+                        // PE's own, and pulled ones, are in their sender's
+                        // buffer (FP8: send).
                         let tok = s * t_max + t;
                         if fp8 {
                             let blocks = h / FP8_BLOCK;
                             let (src, scales) = match own {
                                 true => (
-                                    at::<u8>(p.base, p.off_send).add(t * h),
-                                    at::<f32>(p.base, p.off_send_scales).add(t * blocks),
+                                    at::<u8>(base_s, p.off_send).add(t * h),
+                                    at::<f32>(base_s, p.off_send_scales).add(t * blocks),
                                 ),
                                 false => (
                                     at::<u8>(p.base, p.off_recv).add(tok * h),
@@ -487,7 +496,7 @@ pub unsafe fn copy(p: &EpParams) {
                             }
                         } else {
                             let src = match own {
-                                true => (p.src as *const u8).add(t * h * elem),
+                                true => (src_s as *const u8).add(t * h * elem),
                                 false => at::<u8>(p.base, p.off_recv).add(tok * h * elem),
                             };
                             std::ptr::copy_nonoverlapping(
@@ -537,8 +546,7 @@ pub unsafe fn reduce(p: &EpParams) {
                     continue;
                 }
                 // SAFETY: see the module docs.
-                let (m, rs) = unsafe { routes(p, s, t) };
-                for &(j, r) in &rs[..m] {
+                for (j, r) in unsafe { routes(p, s, t) } {
                     let w = match p.weighted {
                         // SAFETY: recv_probs holds [P, T, k].
                         1 => unsafe { *probs.add((s * t_max + t) * k + j) },
@@ -566,7 +574,7 @@ pub unsafe fn reduce(p: &EpParams) {
 /// # Safety
 /// See the module docs.
 #[inline(always)]
-unsafe fn destinations(p: &EpParams, t: usize) -> u64 {
+pub(crate) unsafe fn destinations(p: &EpParams, t: usize) -> u64 {
     let k = p.topk as usize;
     let ids = at::<i32>(p.base, p.off_ids);
     let mut mask = 0u64;

@@ -39,7 +39,10 @@
 //! Peers' memory is reached directly (the world's peer pointers), so a
 //! group needs every PE on one host. The Host path runs the same steps as the
 //! CUDA kernels with the same arithmetic: a CUDA run equals a Host run on
-//! the same data bit for bit (the probs' gradient within rounding).
+//! the same data bit for bit (the probs' gradient within rounding). Host
+//! PEs of one process read their peers' rows where they are instead of
+//! storing them into each other ([`host_pull`]), with the same bytes as
+//! a result.
 //! See [`group`] for the phase protocol. [`EpGroup::save_routing`] and
 //! [`EpGroup::restore_routing`] keep a dispatch's routing for combine and
 //! backward calls made after other dispatches.
@@ -53,6 +56,7 @@ mod error;
 pub mod group;
 pub mod host;
 pub mod host_grad;
+pub mod host_pull;
 mod host_sum;
 pub mod params;
 mod saved;

@@ -8,9 +8,11 @@
 //! What combine, `dispatch_backward` and `combine_backward` read of a
 //! dispatch is this PE's own: its published ids (`[T, k]`), the tokens
 //! each sender published (`[P]`), and per received route its local
-//! expert, prob and row (`[P, T, k]` each). Peers read only the ids of
-//! it, and only while counting a dispatch, so after an empty phase a PE
-//! may put them back with no peer in the middle of reading them.
+//! expert, prob and row (`[P, T, k]` each). Peers read the ids of it
+//! while counting a dispatch, and (Host PEs of one process) the probs
+//! and rows while summing a combine or `dispatch_backward` (which ends
+//! with an empty phase), so after an empty phase a PE may put them back
+//! with no peer in the middle of reading them.
 
 use std::ffi::c_void;
 

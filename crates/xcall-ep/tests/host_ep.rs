@@ -628,3 +628,95 @@ fn dispatch_in_two_halves_equals_dispatch_and_keeps_its_order() {
         g.destroy(&mut w).unwrap();
     });
 }
+
+/// PEs of one process read each other's `x` and experts' outputs where
+/// they are: no PE returns from dispatch or combine while a peer may still
+/// read them. PE 1 sends every token to PE 0's experts and writes NaN over
+/// its `x` as soon as its dispatch returns, while PE 0 takes its time
+/// between the two halves of its dispatch; PE 0 comes late to combine and
+/// writes NaN over its experts' outputs (from the last row back) as soon
+/// as its combine returns, while PE 1 sums all its tokens from them. Both
+/// still get the reference's rows.
+#[test]
+fn no_pe_returns_while_a_peer_still_reads_its_buffers() {
+    let _s = serial();
+    let mut case = Case::new(
+        cfg(2048, 1024, 1, 2, Precision::Bf16),
+        2,
+        Routing::AllToFirst,
+        41,
+    );
+    case.sent = vec![1, 2048];
+    let heap = case.config.layout(2).unwrap().heap_bytes;
+    let group = format!("ep-late-reader-{}", std::process::id());
+    run_threads("late reader", 2, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 2, heap);
+        let mut g = EpGroup::new(&mut w, case.config).unwrap();
+        let mut m = HostMem::default();
+        let all: Vec<PeData> = (0..2).map(|r| data(&case, r)).collect();
+        let (x, ids, probs) = inputs(&mut m, &all[rank]);
+        let out = expert_major(&mut m, &g, false);
+        let (h, n) = (case.config.hidden, case.sent[rank]);
+        let row = h * 2;
+        let nan = |m: &mut HostMem, b: Buf, rows: usize| {
+            for r in (0..rows).rev() {
+                m.write(Buf::new(b.addr + (r * row) as u64, row), &vec![0xff; row]);
+            }
+        };
+        let s = std::ptr::null_mut();
+        // SAFETY: (every call below) the buffers above, alive for the test.
+        unsafe {
+            if rank == 0 {
+                g.dispatch_send(x, ids, probs, n, s).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                g.dispatch_recv(&out, s).unwrap();
+            } else {
+                g.dispatch(x, ids, probs, n, &out, s).unwrap();
+                nan(&mut m, x, n);
+            }
+        }
+        let want = received(&case, &all, rank);
+        let rows = m.read(out.rows);
+        for k in &want.kept {
+            let src = &all[k.s].x[k.t * row..(k.t + 1) * row];
+            assert_eq!(
+                &rows[k.row * row..(k.row + 1) * row],
+                src,
+                "PE {rank}: {k:?}"
+            );
+        }
+        // The experts: x * scale(e) on every kept row.
+        let expert_rows = g.layout().expert_rows;
+        let eo = m.alloc(expert_rows * row);
+        let mut bytes = vec![0u8; expert_rows * row];
+        for k in &want.kept {
+            let v = common::run::expert_out_row(&case, &all, k, rank);
+            bytes[k.row * row..(k.row + 1) * row].copy_from_slice(&from_f32(Precision::Bf16, &v));
+        }
+        m.write(eo, &bytes);
+        let y = m.alloc(n * row);
+        // SAFETY: as above.
+        unsafe {
+            // PE 1 waits in combine for PE 0, which then sums its one
+            // token at once, returns and overwrites its outputs while PE 1
+            // wakes up to sum its 2048 tokens from them.
+            if rank == 0 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            g.combine(eo, y, s).unwrap();
+            if rank == 0 {
+                nan(&mut m, eo, expert_rows);
+            }
+        }
+        let (ry, mag) = combined(&case, &all, rank);
+        close(
+            &format!("PE {rank}: combine"),
+            &to_f32(Precision::Bf16, &m.read(y)),
+            &ry,
+            &mag,
+            Precision::Bf16,
+            3.0,
+        );
+        g.destroy(&mut w).unwrap();
+    });
+}

@@ -9,13 +9,13 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use xcall_core::testing::wait_children;
+use xcall_core::testing::{run_threads, wait_children, watchdog};
 use xcall_core::{Device, Platform};
 use xcall_ep::{EpConfig, EpError, EpGroup, Precision};
-use xcall_shmem::{World, WorldConfig};
+use xcall_shmem::{Transport, World, WorldConfig};
 
 mod common;
-use common::run::{expert_major, inputs, rounds, HostMem, Mem};
+use common::run::{expert_major, inputs, round, HostMem, Mem, Outputs};
 use common::*;
 
 const PE_ENV: &str = "XCALL_EP_TEST_PE";
@@ -64,16 +64,53 @@ fn cases(pes: usize) -> Vec<Case> {
     ]
 }
 
-/// One PE process of the reference test: every case, checked by `round`.
-fn reference_pe(socket: &str, rank: usize, n: usize) {
+/// Rounds of each case (with their backward halves).
+const ROUNDS: u64 = 2;
+
+/// A round's outputs as bytes, each part after its length.
+fn encode(o: &Outputs) -> Vec<u8> {
+    let probs: Vec<u8> = o.grad_probs.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut b = Vec::new();
+    for part in [&o.expert_rows, &o.y, &o.grad_x, &o.grad_expert_out, &probs] {
+        b.extend((part.len() as u64).to_le_bytes());
+        b.extend(part);
+    }
+    b
+}
+
+/// One PE's rounds of every case on its world (`world(case)`), each
+/// checked by `round`, their outputs encoded in (case, round) order.
+fn run_cases(n: usize, rank: usize, world: impl Fn(&Case) -> World) -> Vec<Vec<u8>> {
+    let mut outputs = Vec::new();
     for case in cases(n) {
-        let heap = case.config.layout(n).unwrap().heap_bytes;
-        let mut w = world(socket, rank, n, heap, Duration::from_secs(20));
+        let mut w = world(&case);
         let mut g = EpGroup::new(&mut w, case.config).unwrap();
-        rounds(&case, rank, &mut g, &mut HostMem::default(), 2);
+        // Threads pull, processes push.
+        let peer = if rank == 0 { 1 } else { 0 };
+        let threads = w.transport(peer).unwrap() == Transport::SameProcess;
+        assert_eq!(g.pulls(), threads, "PE {rank}");
+        let mut m = HostMem::default();
+        for r in 0..ROUNDS {
+            let c = Case {
+                seed: case.seed + r,
+                ..case.clone()
+            };
+            outputs.push(encode(&round(&c, rank, &mut g, &mut m, true)));
+        }
         g.destroy(&mut w).unwrap();
         assert!(w.finalize().unwrap().leaked.is_empty());
     }
+    outputs
+}
+
+/// One PE process of the reference test: every case, checked by `round`,
+/// its outputs written to `dir` for the threads to compare.
+fn reference_pe(socket: &str, rank: usize, n: usize, dir: &str) {
+    let outputs = run_cases(n, rank, |case| {
+        let heap = case.config.layout(n).unwrap().heap_bytes;
+        world(socket, rank, n, heap, Duration::from_secs(20))
+    });
+    std::fs::write(format!("{dir}/{rank}"), outputs.concat()).unwrap();
 }
 
 /// One PE process of the killed-peer test: a dispatch on every PE, then
@@ -141,27 +178,57 @@ fn pe_process() {
         parts[3],
     );
     match mode {
-        "reference" => reference_pe(socket, rank, n),
+        "reference" => reference_pe(socket, rank, n, parts[4]),
         "killed" => killed_pe(socket, rank, n),
         other => panic!("unknown mode {other}"),
     }
 }
 
+/// PE processes (which store each token into its peers) match the
+/// reference, and PEs of one process (threads, which read their peers'
+/// rows where they are: `xcall_ep::host_pull`) write the very same bytes
+/// as the processes, every output of every round.
 #[test]
-fn processes_match_the_reference() {
+fn processes_match_the_reference_and_threads_byte_for_byte() {
     if std::env::var(PE_ENV).is_ok() {
         return;
     }
     let _s = serial();
     for n in [2, 3, 4] {
         let s = socket(&format!("ref{n}"));
-        let children = (0..n).map(|r| spawn(&s, r, n, "reference")).collect();
+        let dir = std::env::temp_dir().join(format!("xcall-ep-ref{n}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = dir.to_str().unwrap().to_string();
+        let children = (0..n)
+            .map(|r| spawn(&s, r, n, &format!("reference,{d}")))
+            .collect();
         let ok = wait_children(
             &format!("{n} PE processes"),
             children,
             Duration::from_secs(120),
         );
         assert!(ok.iter().all(|&o| o), "{n} PE processes: exits {ok:?}");
+        let group = format!("ep-threads{n}-{}", std::process::id());
+        let threads = run_threads("PEs as threads", n, watchdog(), move |rank| {
+            run_cases(n, rank, |case| {
+                let heap = case.config.layout(n).unwrap().heap_bytes;
+                let device = Device::new(Platform::Host, rank as u32);
+                let mut c = WorldConfig::in_process(&group, rank, n, device);
+                c.heap_bytes = Some(heap + (1 << 20));
+                c.timeout = Duration::from_secs(20);
+                let mut w = World::new();
+                w.init(&c).unwrap();
+                w
+            })
+        });
+        for (rank, outputs) in threads.iter().enumerate() {
+            let processes = std::fs::read(dir.join(rank.to_string())).unwrap();
+            assert!(
+                processes == outputs.concat(),
+                "{n} PEs: PE {rank}'s outputs differ between processes and threads"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 
