@@ -32,7 +32,7 @@ use crate::config::{word, Capacity, EpConfig, EpKernels, Layout, Precision, FP8_
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
-use crate::{host, host_grad, host_pull};
+use crate::{host, host_grad, host_pull, steps};
 
 /// The part of the allocation a phase publishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -476,13 +476,7 @@ impl EpGroup {
         // use; the rest is the caller's contract and the group's layout.
         let replaced = unsafe {
             self.fence(Part::Send, stream)?;
-            // One PE has no peer to push to or announce to; PEs of one
-            // Host process pull instead of pushing.
-            let steps: &[Step] = match (self.layout.pes, self.pull) {
-                (1, _) => &[Step::Publish],
-                (_, true) => &[Step::Publish, Step::Signal],
-                _ => &[Step::Publish, Step::Push, Step::Signal],
-            };
+            let steps = steps::send(self.layout.pes, self.pull);
             self.run(steps, &p, stream)?
         };
         self.last = Some(Part::Send);
@@ -546,27 +540,7 @@ impl EpGroup {
         });
         // SAFETY: as dispatch_send; `out` checked above.
         unsafe {
-            let steps: &[Step] = match (self.layout.pes, self.pull) {
-                (1, _) => &[Step::Count, Step::Scan, Step::Assign, Step::Copy],
-                // Pulled: no PE returns (and lets its caller write `x`)
-                // while a peer may still copy from it.
-                (_, true) => &[
-                    Step::Wait,
-                    Step::Count,
-                    Step::Scan,
-                    Step::Assign,
-                    Step::Copy,
-                    Step::Signal,
-                    Step::Wait,
-                ],
-                _ => &[
-                    Step::Wait,
-                    Step::Count,
-                    Step::Scan,
-                    Step::Assign,
-                    Step::Copy,
-                ],
-            };
+            let steps = steps::recv(self.layout.pes, self.pull);
             self.run(steps, &p, stream)?;
         }
         self.pending = None;
@@ -641,22 +615,7 @@ impl EpGroup {
         // SAFETY: checked above; the caller's contract.
         unsafe {
             self.fence(Part::Partial, stream)?;
-            // One PE's sums are its outputs (see `host::reduce`).
-            let steps: &[Step] = match (self.layout.pes, self.low_latency, self.pull) {
-                (1, ..) => &[Step::Reduce],
-                (_, true, _) => &[Step::LlCombine],
-                // Pulled: every PE offers its outputs and announces them;
-                // each sums its own tokens from them, and no PE returns
-                // (and lets its caller write them) before all did.
-                (.., true) => &[
-                    Step::Signal,
-                    Step::Wait,
-                    Step::GatherSum,
-                    Step::Signal,
-                    Step::Wait,
-                ],
-                _ => &[Step::Reduce, Step::Signal, Step::Wait, Step::GatherSum],
-            };
+            let steps = steps::combine(self.layout.pes, self.low_latency, self.pull);
             if self.pull {
                 host_pull::offer(&p);
             }
@@ -702,16 +661,7 @@ impl EpGroup {
         // SAFETY: checked above; the caller's contract.
         unsafe {
             self.fence(Part::Send, stream)?;
-            let steps = [
-                Step::Publish,
-                Step::Signal,
-                Step::Wait,
-                Step::ScatterGrad,
-                Step::Signal,
-                Step::Wait,
-                Step::GatherProbs,
-            ];
-            self.run(&steps, &p, stream)?;
+            self.run(&steps::COMBINE_BACKWARD, &p, stream)?;
         }
         self.last = Some(Part::GradProbs);
         Ok(())

@@ -62,6 +62,7 @@ pub mod params;
 mod saved;
 mod sleep;
 mod status;
+mod steps;
 
 pub use config::{
     Capacity, EpConfig, EpKernels, Layout, Offsets, Precision, FP8_BLOCK, LL_AUTO_TOKENS,
