@@ -28,8 +28,10 @@ bundle() { # <dir> <extra test body>
   cp "$b/benches/bench-cuda_permute_grid" "$b/benches/bench-core"
   cp "$b/benches/bench-cuda_permute_grid" "$b/benches/bench-cuda_permute_bound"
   touch "$b/python/xcall-0-py3-none-any.whl"
-  # An interpreter with jax and pytest whose suites pass.
-  printf '#!/bin/sh\nexit 0\n' >"$b/python3"
+  # An interpreter with jax and pytest whose suites pass; each JAX pass
+  # (pytest leaving the PyTorch files out) records the platforms it
+  # asked for.
+  printf '#!/bin/sh\ncase "$*" in *"-m pytest"*--ignore-glob*) echo "platforms=$XCALL_JAX_PLATFORMS" >>"$(dirname "$0")/ran-pytest" ;; esac\nexit 0\n' >"$b/python3"
   chmod +x "$b"/run-all.sh "$b"/bin/* "$b"/tests/* "$b"/c_tests/* "$b"/examples/* "$b"/benches/* "$b/python3"
 }
 
@@ -104,6 +106,14 @@ expect "  and says so" has "SKIP bench-core: a Host bench (--quick)"
 expect "  runs no permute bound analysis" test ! -e "$b/ran-bench-cuda_permute_bound"
 expect "  runs the GPU benches, the permute grid's quick half" grep -q -- "grid_quick=1" "$b/ran-bench-cuda_permute_grid"
 expect "  its time line says --quick" has "(--quick)"
+expect "  runs the JAX suite's GPU cases alone in both passes (CI runs the CPU ones)" \
+  test "$(grep -c '^platforms=gpu$' "$b/ran-pytest")" = 2
+b="$tmp/full"
+bundle "$b" "exit 0"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "without --quick the JAX suite's first pass runs its CPU and GPU cases" \
+  test "$(sed -n 1p "$b/ran-pytest")" = "platforms=cpu,gpu"
+expect "  and its second the GPU cases" test "$(sed -n 2p "$b/ran-pytest")" = "platforms=gpu"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow
 expect "an unknown argument is a usage error" test "$rc" = 2
 

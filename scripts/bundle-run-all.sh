@@ -5,9 +5,11 @@
 # as skipped, not passed. Each line gives the run's seconds.
 #   --quick: no PyTorch suite on CPU processes, no Host benches (the criterion benches, bench-* not named
 #     bench-cuda_*; CI runs them), no permute bound analysis
-#     (bench-cuda_permute_bound) and the permute grid's quick half
-#     (XCALL_GRID_QUICK=1: T = 4096 only), for a run of about 6 minutes
-#     on one GPU host.
+#     (bench-cuda_permute_bound), the permute grid's quick half
+#     (XCALL_GRID_QUICK=1: T = 4096 only) and, with a GPU required, the
+#     JAX suite's GPU cases alone in both passes (CI runs its CPU cases
+#     against the pinned and the newest JAX), for a run of about 5
+#     minutes on one GPU host.
 #   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
 #     and any skipped run counts as failed, except the one-sided NCCL
 #     tests' skip where the machine's NCCL runs no one-sided operations
@@ -142,16 +144,14 @@ jax_suite() { # <on|off>
   local flags="--xla_gpu_enable_command_buffer=" only_gpu=()
   local platforms=cpu
   [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
-  if [ "$1" = on ]; then
-    flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-    # Command buffers are a GPU setting: with a GPU required, this pass
-    # runs the GPU cases alone (the CPU ones ran in the first pass, and
-    # these flags change nothing for them).
-    if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
-      platforms=gpu
-      only_gpu=(--ignore-glob='*test_layer.py' --ignore-glob='*test_readme.py'
-        --ignore-glob='*test_xcall_jax_ep.py' --ignore-glob='*test_xcall_jax_ep_processes.py')
-    fi
+  [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+  # Command buffers are a GPU setting: with a GPU required, the second
+  # pass runs the GPU cases alone (the CPU ones ran in the first pass, and
+  # these flags change nothing for them); so does the first with --quick.
+  if [ "$XCALL_REQUIRE_CUDA" = 1 ] && { [ "$1" = on ] || [ "$quick" = 1 ]; }; then
+    platforms=gpu
+    only_gpu=(--ignore-glob='*test_layer.py' --ignore-glob='*test_readme.py'
+      --ignore-glob='*test_xcall_jax_ep.py' --ignore-glob='*test_xcall_jax_ep_processes.py')
   fi
   XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \
     XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
