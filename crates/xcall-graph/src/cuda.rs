@@ -2,7 +2,8 @@
 //! through the driver API.
 
 use xcall_core::cuda::{
-    self, CaptureMode, ContextGuard, Graph, GraphExec, RawStream, RecordedLaunch, Stream,
+    self, CaptureMode, ContextGuard, Graph, GraphExec, InstantiateFlags, RawStream, RecordedLaunch,
+    Stream,
 };
 use xcall_core::{Device, Error, Result};
 
@@ -126,7 +127,14 @@ impl GraphBackend for CudaGraphs {
     }
 
     fn instantiate(&self, device: Device, graph: &CudaGraph) -> Result<CudaExec> {
-        graph.instantiate(device)
+        // A replay launches each kernel at its captured stream's priority,
+        // as the eager calls it recorded ran (work forked onto a stream of
+        // greater priority keeps it).
+        let flags = InstantiateFlags {
+            use_node_priority: true,
+            ..InstantiateFlags::default()
+        };
+        graph.instantiate_with(device, flags)
     }
 
     fn update(&self, device: Device, exec: &mut CudaExec, graph: &CudaGraph) -> Result<bool> {

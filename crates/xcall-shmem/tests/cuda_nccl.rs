@@ -375,6 +375,7 @@ fn capture_exchange(
         .end_capture(
             InstantiateFlags {
                 auto_free_on_launch: true,
+                ..InstantiateFlags::default()
             }
             .driver(),
         )

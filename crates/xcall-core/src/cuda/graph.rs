@@ -122,6 +122,10 @@ pub struct InstantiateFlags {
     /// Free the graph's stream-ordered allocations that are still live
     /// when it is launched again (`AUTO_FREE_ON_LAUNCH`).
     pub auto_free_on_launch: bool,
+    /// Launch each kernel node at the priority it was captured with (its
+    /// stream's) instead of the priority of the stream the graph is
+    /// launched on (`USE_NODE_PRIORITY`).
+    pub use_node_priority: bool,
 }
 
 impl InstantiateFlags {
@@ -136,6 +140,11 @@ impl InstantiateFlags {
         if self.auto_free_on_launch {
             bits |= u64::from(
                 sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0,
+            );
+        }
+        if self.use_node_priority {
+            bits |= u64::from(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0,
             );
         }
         bits
@@ -191,12 +200,19 @@ mod tests {
         assert_eq!(InstantiateFlags::default().bits(), 0);
         let auto = InstantiateFlags {
             auto_free_on_launch: true,
+            ..InstantiateFlags::default()
         };
-        assert_eq!(
-            auto.bits(),
-            u64::from(
-                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0
-            )
-        );
+        // The driver's values (cuda.h): 1 and 8.
+        assert_eq!(auto.bits(), 1);
+        let priority = InstantiateFlags {
+            use_node_priority: true,
+            ..InstantiateFlags::default()
+        };
+        assert_eq!(priority.bits(), 8);
+        let both = InstantiateFlags {
+            auto_free_on_launch: true,
+            use_node_priority: true,
+        };
+        assert_eq!(both.bits(), 9);
     }
 }
