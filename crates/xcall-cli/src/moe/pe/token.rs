@@ -12,9 +12,9 @@
 //! With `--microbatches N` a PE's tokens are split into `N` runs of
 //! consecutive tokens, each with its own group and expert-major buffers.
 //! On CUDA the step forks off the PE's stream onto two: the exchange
-//! stream (created at the device's greatest priority, which eager steps
-//! keep; the graph cache's replays run every node at the launching
-//! stream's priority) runs every micro-batch's
+//! stream (created at the device's greatest priority, which the graph
+//! cache's replays keep: each kernel node runs at its captured stream's
+//! priority) runs every micro-batch's
 //! dispatch in turn, then every combine in turn, micro-batch `i`'s combine
 //! after its experts; the experts stream runs micro-batch `i`'s experts
 //! after its dispatch, on the SMs the exchange's budget (`--sms`) leaves.
