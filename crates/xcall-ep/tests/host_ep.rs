@@ -720,3 +720,51 @@ fn no_pe_returns_while_a_peer_still_reads_its_buffers() {
         g.destroy(&mut w).unwrap();
     });
 }
+
+/// PEs of one process read each other's rows where they are: a dispatch
+/// and a combine leave every PE's receive rows (FP8: and scales) and
+/// partial rows as they were, and still match the reference.
+#[test]
+fn pes_of_one_process_store_no_rows_into_each_other() {
+    let _s = serial();
+    for precision in [Precision::Bf16, Precision::Fp8Dispatch] {
+        let case = Case::new(cfg(48, 256, 3, 9, precision), 3, Routing::Random, 51);
+        let heap = case.config.layout(3).unwrap().heap_bytes;
+        let group = format!("ep-no-stores-{}-{}", precision.name(), std::process::id());
+        run_threads("no stores", 3, watchdog(), move |rank| {
+            let mut w = world(&group, rank, 3, heap);
+            let mut g = EpGroup::new(&mut w, case.config).unwrap();
+            assert!(g.pulls(), "PE {rank}: threads of one process pull");
+            let (c, at) = (case.config, g.layout().at);
+            let base = g.send_rows().addr - at.send as u64;
+            let (rows, h) = (3 * c.tokens, c.hidden);
+            let parts = [
+                (at.recv, rows * h * c.precision.wire_bytes()),
+                (at.partial, rows * h * 2),
+                (
+                    at.recv_scales,
+                    rows * (h / 128) * 4 * usize::from(precision == Precision::Fp8Dispatch),
+                ),
+            ];
+            for &(off, bytes) in &parts {
+                // SAFETY: the part lies in this PE's group allocation, which
+                // no peer writes before the barrier below.
+                unsafe { std::ptr::write_bytes((base + off as u64) as *mut u8, 0x5a, bytes) };
+            }
+            w.barrier_all().unwrap();
+            round(&case, rank, &mut g, &mut HostMem::default(), false);
+            w.barrier_all().unwrap();
+            for (i, &(off, bytes)) in parts.iter().enumerate() {
+                // SAFETY: as above; every PE's calls are done.
+                let part =
+                    unsafe { std::slice::from_raw_parts((base + off as u64) as *const u8, bytes) };
+                assert!(
+                    part.iter().all(|&b| b == 0x5a),
+                    "PE {rank}: part {i} of the group's memory was written ({})",
+                    precision.name()
+                );
+            }
+            g.destroy(&mut w).unwrap();
+        });
+    }
+}
