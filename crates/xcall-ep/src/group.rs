@@ -316,12 +316,7 @@ impl EpGroup {
                 // SAFETY: the caller's contract.
                 None => unsafe {
                     match step {
-                        Step::Publish => {
-                            if self.pull {
-                                host_pull::offer(p);
-                            }
-                            replaced += host::publish(p, p.wire == 1)
-                        }
+                        Step::Publish => replaced += host::publish(p, p.wire == 1),
                         Step::Push => host::push(p),
                         Step::Signal => host::signal(p),
                         Step::Wait => host::wait(p)?,
@@ -476,8 +471,10 @@ impl EpGroup {
         // use; the rest is the caller's contract and the group's layout.
         let replaced = unsafe {
             self.fence(Part::Send, stream)?;
-            let steps = steps::send(self.layout.pes, self.pull);
-            self.run(steps, &p, stream)?
+            if self.pull {
+                host_pull::offer(&p);
+            }
+            self.run(steps::send(self.layout.pes, self.pull), &p, stream)?
         };
         self.last = Some(Part::Send);
         self.pending = Some((x, tokens, replaced));
