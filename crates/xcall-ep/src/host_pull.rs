@@ -66,7 +66,10 @@ pub unsafe fn gather(p: &EpParams) {
     let most = (p.pes as usize).min(k);
     par_tokens(p.n as usize, |tokens| {
         let mut acc = vec![0f32; h];
-        let mut parts = vec![0u8; most * h * elem];
+        let mut scratch = vec![0u8; most * h * elem];
+        // One pointer for every partial row (no reborrow of the buffer
+        // between them).
+        let parts = scratch.as_mut_ptr();
         let mut rows = Vec::with_capacity(k);
         let mut partials = Vec::with_capacity(most);
         for t in tokens {
@@ -91,8 +94,13 @@ pub unsafe fn gather(p: &EpParams) {
                         }
                     }
                 }
-                // A token's ids are distinct experts, so at most k PEs.
-                let part = parts[partials.len() * h * elem..].as_mut_ptr();
+                // A token's ids are distinct experts (publish replaced
+                // repeats), so at most `most` PEs: each partial has a row.
+                assert!(
+                    partials.len() < most,
+                    "token {t} reaches more PEs than it has routes"
+                );
+                let part = parts.wrapping_add(partials.len() * h * elem);
                 sum_rows(prec, &mut acc, &rows, part);
                 partials.push((part as *const u8, 1.0));
             }
