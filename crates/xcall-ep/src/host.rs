@@ -414,6 +414,43 @@ unsafe fn routes(p: &EpParams, s: usize, t: usize) -> impl Iterator<Item = (usiz
         .filter(|&(_, r)| r >= 0)
 }
 
+/// Pushes onto `rows` token `t` of sender `s`'s kept routes in the layout
+/// of the PE whose allocation is `base`: each route's row of `src` (that
+/// PE's expert-major rows) and its weight (its prob, or 1 unless
+/// `p.weighted`), in slot order.
+///
+/// # Safety
+/// `base` is a group allocation of `p`'s layout whose route rows and
+/// probs are stable, and `src` holds its `expert_rows` rows.
+#[inline(always)]
+pub(crate) unsafe fn weighted_rows(
+    p: &EpParams,
+    (base, src): (u64, u64),
+    (s, t): (usize, usize),
+    rows: &mut Vec<(*const u8, f32)>,
+) {
+    let k = p.topk as usize;
+    let row_bytes = p.hidden as usize * if p.precision == 0 { 4 } else { 2 };
+    let first = (s * p.tokens as usize + t) * k;
+    let (route_row, probs) = (
+        at::<i32>(base, p.off_route_row),
+        at::<f32>(base, p.off_recv_probs),
+    );
+    for j in 0..k {
+        // SAFETY: route_row and recv_probs hold [P, T, k].
+        unsafe {
+            let r = *route_row.add(first + j);
+            if r >= 0 {
+                let w = match p.weighted {
+                    1 => *probs.add(first + j),
+                    _ => 1.0,
+                };
+                rows.push(((src as *const u8).wrapping_add(r as usize * row_bytes), w));
+            }
+        }
+    }
+}
+
 /// Whether token `t` of sender `s` has a route to one of this PE's
 /// experts (kept or dropped).
 ///
@@ -532,7 +569,6 @@ pub unsafe fn reduce(p: &EpParams) {
         // SAFETY: see the module docs.
         let n = unsafe { *sent.add(s) } as usize;
         par_tokens(n, |tokens| {
-            let probs = at::<f32>(p.base, p.off_recv_probs);
             let mut acc = vec![0f32; h];
             let mut rows = Vec::with_capacity(k);
             for t in tokens {
@@ -546,14 +582,7 @@ pub unsafe fn reduce(p: &EpParams) {
                     continue;
                 }
                 // SAFETY: see the module docs.
-                for (j, r) in unsafe { routes(p, s, t) } {
-                    let w = match p.weighted {
-                        // SAFETY: recv_probs holds [P, T, k].
-                        1 => unsafe { *probs.add((s * t_max + t) * k + j) },
-                        _ => 1.0,
-                    };
-                    rows.push(((p.src as *const u8).wrapping_add(r as usize * h * elem), w));
-                }
+                unsafe { weighted_rows(p, (p.base, p.src), (s, t), &mut rows) };
                 // Into the token's PE: its partial row from this PE.
                 // SAFETY: see the module docs.
                 let bs = unsafe { base_of(p, s) };

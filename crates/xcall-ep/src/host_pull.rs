@@ -21,7 +21,7 @@
 use std::sync::atomic::Ordering;
 
 use crate::config::word;
-use crate::host::{at, base_of, destinations, word_of};
+use crate::host::{base_of, destinations, weighted_rows, word_of};
 use crate::host_sum::{par_tokens, sum_rows};
 use crate::params::EpParams;
 
@@ -48,7 +48,7 @@ pub unsafe fn offer(p: &EpParams) {
 /// the phase this PE waited for, and keeps its outputs and layout until
 /// the phase after it.
 pub unsafe fn gather(p: &EpParams) {
-    let (t_max, k, h) = (p.tokens as usize, p.topk as usize, p.hidden as usize);
+    let (k, h) = (p.topk as usize, p.hidden as usize);
     let prec = if p.precision == 0 { 0 } else { 1 };
     let elem = if prec == 0 { 4 } else { 2 };
     let me = p.rank as usize;
@@ -77,23 +77,9 @@ pub unsafe fn gather(p: &EpParams) {
             // SAFETY: see the function's contract.
             let mask = unsafe { destinations(p, t) };
             for q in (0..p.pes as usize).filter(|q| mask >> q & 1 == 1) {
-                let (bq, src_q) = peers[q];
                 rows.clear();
-                for j in 0..k {
-                    let r = (me * t_max + t) * k + j;
-                    // SAFETY: PE q's route rows and probs hold [P, T, k];
-                    // its offered outputs hold its expert_rows rows.
-                    unsafe {
-                        let row = *at::<i32>(bq, p.off_route_row).add(r);
-                        if row >= 0 {
-                            let w = match p.weighted {
-                                1 => *at::<f32>(bq, p.off_recv_probs).add(r),
-                                _ => 1.0,
-                            };
-                            rows.push(((src_q as *const u8).add(row as usize * h * elem), w));
-                        }
-                    }
-                }
+                // SAFETY: see the function's contract.
+                unsafe { weighted_rows(p, peers[q], (me, t), &mut rows) };
                 // A token's ids are distinct experts (publish replaced
                 // repeats), so at most `most` PEs: each partial has a row.
                 assert!(
