@@ -114,6 +114,18 @@ run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
 expect "without --quick the JAX suite's first pass runs its CPU and GPU cases" \
   test "$(sed -n 1p "$b/ran-pytest")" = "platforms=cpu,gpu"
 expect "  and its second the GPU cases" test "$(sed -n 2p "$b/ran-pytest")" = "platforms=gpu"
+rm "$b/ran-pytest"
+run_bundle "$b" XCALL_REQUIRE_CUDA=0 --
+expect "a GPU that is seen but not required runs the same passes" \
+  test "$(tr '\n' ' ' <"$b/ran-pytest")" = "platforms=cpu,gpu platforms=gpu "
+b="$tmp/no-gpu"
+bundle "$b" "exit 0"
+printf '#!/bin/sh\necho "cuda  unavailable: no driver"\n' >"$b/bin/xcall"
+run_bundle "$b" XCALL_REQUIRE_CUDA=0 --
+expect "without a GPU the JAX suite's first pass runs its CPU cases" \
+  test "$(cat "$b/ran-pytest")" = "platforms=cpu"
+expect "  the second (command buffers, a GPU setting) is a skip, with its reason" \
+  has "SKIP jax-command-buffers-on: command buffers are a GPU setting, and no GPU is here"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow
 expect "an unknown argument is a usage error" test "$rc" = 2
 

@@ -31,8 +31,8 @@
 #   The JAX suite (python/tests) runs when $XCALL_PYTHON (default python3)
 #   imports jax and pytest, against the bundle's xcall wheel installed
 #   into <logs>/python-site, twice: XLA command buffers off, then on
-#   (custom calls recorded into XLA's command buffers; with a GPU required,
-#   the second pass runs only the GPU cases). With
+#   (custom calls recorded into XLA's command buffers: the second pass
+#   runs only the GPU cases, and without a GPU it is a skip). With
 #   XCALL_REQUIRE_CUDA=1 it must see a GPU; the counters the GPU tests saw
 #   go to <logs>/jax-report.jsonl.
 #   The PyTorch suite (python/tests/test_xcall_torch*.py; the JAX suite
@@ -120,6 +120,11 @@ doctor() {
   fi
 }
 run doctor doctor
+# Whether this run has a GPU: required, or seen by `xcall doctor`.
+gpu=0
+if [ "$XCALL_REQUIRE_CUDA" = 1 ] || "$here/bin/xcall" doctor 2>/dev/null | grep -q "cuda  available"; then
+  gpu=1
+fi
 for t in "$here"/tests/*; do run "$(basename "$t")" "$t"; done
 for c in "$here"/c_tests/*; do run "$(basename "$c")" "$c"; done
 run example-hello "$here/examples/hello"
@@ -127,7 +132,7 @@ run example-shmem_exchange "$here/examples/shmem_exchange"
 run example-raii "$here/examples/raii"
 for e in graph_cache permute_round_trip ep_layer; do
   run "example-$e-host" "$here/examples/$e" host
-  if [ "$XCALL_REQUIRE_CUDA" = 1 ] || "$here/bin/xcall" doctor 2>/dev/null | grep -q "cuda  available"; then
+  if [ "$gpu" = 1 ]; then
     run "example-$e-cuda" "$here/examples/$e" cuda
   else
     skipped=$((skipped + 1))
@@ -143,12 +148,12 @@ done
 jax_suite() { # <on|off>
   local flags="--xla_gpu_enable_command_buffer=" only_gpu=()
   local platforms=cpu
-  [ "$XCALL_REQUIRE_CUDA" = 1 ] && platforms=cpu,gpu
+  [ "$gpu" = 1 ] && platforms=cpu,gpu
   [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-  # Command buffers are a GPU setting: with a GPU required, the second
-  # pass runs the GPU cases alone (the CPU ones ran in the first pass, and
-  # these flags change nothing for them); so does the first with --quick.
-  if [ "$XCALL_REQUIRE_CUDA" = 1 ] && { [ "$1" = on ] || [ "$quick" = 1 ]; }; then
+  # Command buffers are a GPU setting: the second pass runs the GPU cases
+  # alone (the CPU ones ran in the first pass, and these flags change
+  # nothing for them); so does the first with --quick and a GPU required.
+  if [ "$1" = on ] || { [ "$XCALL_REQUIRE_CUDA" = 1 ] && [ "$quick" = 1 ]; }; then
     platforms=gpu
     only_gpu=(--ignore-glob='*test_layer.py' --ignore-glob='*test_readme.py'
       --ignore-glob='*test_xcall_jax_ep.py' --ignore-glob='*test_xcall_jax_ep_processes.py')
@@ -170,7 +175,12 @@ if "$py" -c "import jax, pytest" 2>/dev/null; then
   run install-wheel "$py" -m pip install --quiet --disable-pip-version-check --no-deps \
     --no-index --target "$site" "$here"/python/xcall-*.whl
   run jax-command-buffers-off jax_suite off
-  run jax-command-buffers-on jax_suite on
+  if [ "$gpu" = 1 ]; then
+    run jax-command-buffers-on jax_suite on
+  else
+    skipped=$((skipped + 1))
+    echo "SKIP jax-command-buffers-on: command buffers are a GPU setting, and no GPU is here"
+  fi
 elif [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
   run jax-suite sh -c "echo '$py cannot import jax and pytest'; exit 1"
 else
