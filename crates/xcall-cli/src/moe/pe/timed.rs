@@ -167,20 +167,20 @@ impl Pe {
         };
         // The expert-major rows into the experts' outputs (token-once), or
         // the first P slots of `rows` into those of `results`.
-        let (dst, src, bytes) = match &self.ep {
+        // The summary divides these bytes by the time (`Pe::copy_bytes`).
+        let bytes = Self::copy_bytes(&self.shape);
+        let (dst, src) = match &self.ep {
             Some(t) => {
                 let m = t.micro.first().ok_or("no micro-batch")?;
-                (
-                    m.expert_out.addr,
-                    m.out.rows.addr,
-                    m.out.rows.bytes.min(m.expert_out.bytes),
-                )
+                if bytes > m.out.rows.bytes.min(m.expert_out.bytes) {
+                    return Err(format!(
+                        "the copy's {bytes} bytes exceed micro-batch 0's rows ({} bytes) or outputs ({} bytes)",
+                        m.out.rows.bytes, m.expert_out.bytes
+                    ));
+                }
+                (m.expert_out.addr, m.out.rows.addr)
             }
-            None => (
-                self.b.results,
-                self.b.rows,
-                self.shape.pes * Self::slot_bytes(&self.shape),
-            ),
+            None => (self.b.results, self.b.rows),
         };
         let stream = g.stream.stream();
         let mut ms = Vec::new();

@@ -493,6 +493,23 @@ mod tests {
         assert!(three > one + (1 << 20), "{one} {three}");
     }
 
+    /// The copy the phases' floors divide by moves micro-batch 0's
+    /// received rows: 2-byte rows in bf16, 1-byte rows with FP8 dispatch
+    /// (the rate once read FP8's copy as moving 2-byte rows, 2x high).
+    #[test]
+    fn the_floors_copy_counts_the_bytes_of_the_rows_it_moves() {
+        for microbatches in [1, 3] {
+            let bf16 = shape(microbatches);
+            let rows = config(&bf16).layout(3).unwrap().expert_rows;
+            assert_eq!(super::super::Pe::copy_bytes(&bf16), rows * 64 * 2);
+            let mut fp8 = bf16;
+            fp8.hidden = 128;
+            fp8.ep.as_mut().unwrap().fp8 = true;
+            let rows = config(&fp8).layout(3).unwrap().expert_rows;
+            assert_eq!(super::super::Pe::copy_bytes(&fp8), rows * 128);
+        }
+    }
+
     /// Runs of consecutive tokens, covering every token once, sizes
     /// within one of each other, the larger first.
     #[test]
