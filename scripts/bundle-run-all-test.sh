@@ -10,12 +10,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failures=0
 
-# A bundle whose programs pass; `extra` is a test program's body.
-bundle() { # <dir> <extra test body>
+# A bundle whose programs pass, on a machine of `gpus` GPUs (default 2);
+# `extra` is a test program's body.
+bundle() { # <dir> <extra test body> [gpus]
   local b=$1
   mkdir -p "$b"/{tests,c_tests,examples,benches,bin,python}
   cp "$script" "$b/run-all.sh"
-  printf '#!/bin/sh\necho "cuda  available"\n' >"$b/bin/xcall"
+  printf '#!/bin/sh\necho "  cuda  available, %s device(s), driver supports CUDA 13.0"\n' "${3:-2}" >"$b/bin/xcall"
   printf '#!/bin/sh\nexit 0\n' >"$b/tests/xcall-core-passes"
   printf '#!/bin/sh\n%s\n' "$2" >"$b/tests/xcall-shmem-cuda_nccl"
   printf '#!/bin/sh\nexit 0\n' >"$b/c_tests/test_ok"
@@ -94,6 +95,27 @@ expect "  named" has "FAIL xcall-shmem-cuda_nccl (skipped with XCALL_REQUIRE_CUD
 run_bundle "$b" XCALL_REQUIRE_CUDA=0 --
 expect "and is a skip without it" test "$rc" = 0
 expect "  counted" has "1 skipped, 0 failed"
+
+needs_two='echo "SKIP cuda ep processes: needs 2 GPU(s), this machine has 1" >&2'
+b="$tmp/one-gpu"
+bundle "$b" "$needs_two" 1
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "a test that needs more GPUs than the machine has is a skip under XCALL_REQUIRE_CUDA=1" test "$rc" = 0
+expect "  counted, with its reason" has "SKIP xcall-shmem-cuda_nccl ("
+expect "  " has "    SKIP cuda ep processes: needs 2 GPU(s), this machine has 1"
+expect "  the machine's GPUs are named" has "this machine: 1 GPU(s)"
+expect "  the PyTorch GPU suite is a skip too, with its reason" has "SKIP torch-gpu: needs 2 GPUs, this machine has 1"
+expect "  " has "0 failed"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 XCALL_REQUIRE_GPUS=2 --
+expect "XCALL_REQUIRE_GPUS=2 on a machine of 1 GPU fails" test "$rc" = 1
+expect "  saying why" has "XCALL_REQUIRE_GPUS=2 but this machine has 1 GPU(s)"
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 XCALL_REQUIRE_GPUS=two --
+expect "a malformed XCALL_REQUIRE_GPUS is a usage error" test "$rc" = 2
+b="$tmp/two-gpus-skipped"
+bundle "$b" "$needs_two" 2
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "the same skip on a machine that has the GPUs fails" test "$rc" = 1
+expect "  named" has "FAIL xcall-shmem-cuda_nccl (skipped with XCALL_REQUIRE_CUDA=1"
 
 b="$tmp/quick"
 bundle "$b" "exit 0"

@@ -11,10 +11,16 @@
 #     against the pinned and the newest JAX), for a run of about 5
 #     minutes on one GPU host.
 #   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
-#     and any skipped run counts as failed, except the one-sided NCCL
+#     and any skipped run counts as failed, except two skips that count as
+#     skips, with their reasons: a test that needs more GPUs than this
+#     machine has ("needs N GPU..." with N above the count `xcall doctor`
+#     reports; with N within it the skip fails), and the one-sided NCCL
 #     tests' skip where the machine's NCCL runs no one-sided operations
-#     (older than 2.29): that counts as a skip, with its reason, unless
-#     XCALL_REQUIRE_NCCL_ONE_SIDED=1 (the test then fails itself).
+#     (older than 2.29) unless XCALL_REQUIRE_NCCL_ONE_SIDED=1 (the test
+#     then fails itself).
+#   XCALL_REQUIRE_GPUS (default 1 with XCALL_REQUIRE_CUDA=1, else 0): the
+#     run fails at once on a machine with fewer GPUs (set it to the
+#     machine's count where the multi-GPU tests must run).
 #   XCALL_SOURCE_ROOT (default <bundle>/source): the source files tests
 #     compare against.
 #   XCALL_BUNDLE_LOGS (default <bundle>/logs): one log per binary.
@@ -39,8 +45,8 @@
 #   leaves it out) runs when $XCALL_PYTHON imports torch and pytest, against
 #   the wheel installed into <logs>/python-site-torch: on CPU (processes of
 #   Host PEs), then on GPUs (torchrun, one process per GPU, on 2, 4 and all
-#   the machine's GPUs; fewer than 2 is a skip, so a failure with
-#   XCALL_REQUIRE_CUDA=1). Without torch it is a skip.
+#   the machine's GPUs; fewer than 2 is a skip). Without torch it is a
+#   skip.
 set -u
 start=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)
@@ -72,6 +78,13 @@ flag() { # <name> <value>
 XCALL_REQUIRE_CUDA=$(flag XCALL_REQUIRE_CUDA "${XCALL_REQUIRE_CUDA:-1}") || exit 2
 export XCALL_REQUIRE_CUDA
 require_one_sided=$(flag XCALL_REQUIRE_NCCL_ONE_SIDED "${XCALL_REQUIRE_NCCL_ONE_SIDED:-}") || exit 2
+require_gpus=${XCALL_REQUIRE_GPUS:-$XCALL_REQUIRE_CUDA}
+case "$require_gpus" in
+  '' | *[!0-9]*)
+    echo "XCALL_REQUIRE_GPUS=$require_gpus is not a count of GPUs" >&2
+    exit 2
+    ;;
+esac
 export NCCL_NVLS_ENABLE=0
 export XCALL_BIN="$here/bin/xcall"
 export XCALL_SOURCE_ROOT=${XCALL_SOURCE_ROOT:-$here/source}
@@ -94,7 +107,7 @@ run() { # <name> <command...>
   if "$@" >"$logs/$name.log" 2>&1; then
     skips=$(grep -E '^(SKIP |SKIPPED \[)' "$logs/$name.log")
     if [ -n "$skips" ]; then
-      required=$(printf '%s\n' "$skips" | grep -Ev "$optional_skip")
+      required=$(printf '%s\n' "$skips" | grep -Ev "$optional_skip" | wants_more_gpus)
       if [ "$XCALL_REQUIRE_CUDA" = 1 ] && [ -n "$required" ]; then
         failed=$((failed + 1))
         echo "FAIL $name (skipped with XCALL_REQUIRE_CUDA=1, $((SECONDS - t0)) s)"
@@ -113,18 +126,35 @@ run() { # <name> <command...>
     tail -n 30 "$logs/$name.log" | sed 's/^/    /'
   fi
 }
+# The GPUs `xcall doctor` sees ("cuda  available, N device(s)"), 0 without.
+gpus=$("$here/bin/xcall" doctor 2>/dev/null | sed -n 's/^ *cuda  available, \([0-9][0-9]*\) device.*/\1/p')
+gpus=${gpus:-0}
+# Whether this run has a GPU: required, or seen.
+gpu=0
+if [ "$XCALL_REQUIRE_CUDA" = 1 ] || [ "$gpus" -gt 0 ]; then
+  gpu=1
+fi
+# Drops the skip lines of tests that need more GPUs than this machine has.
+wants_more_gpus() {
+  local line n
+  while IFS= read -r line; do
+    n=$(printf '%s\n' "$line" | sed -n 's/.*needs \([0-9][0-9]*\) GPU.*/\1/p')
+    [ -n "$n" ] && [ "$n" -gt "$gpus" ] && continue
+    printf '%s\n' "$line"
+  done
+}
 doctor() {
   "$here/bin/xcall" doctor || return 1
   if [ "$XCALL_REQUIRE_CUDA" = 1 ]; then
     "$here/bin/xcall" doctor | grep -q "cuda  available" || { echo "CUDA required but not available"; return 1; }
   fi
+  if [ "$gpus" -lt "$require_gpus" ]; then
+    echo "XCALL_REQUIRE_GPUS=$require_gpus but this machine has $gpus GPU(s)"
+    return 1
+  fi
 }
 run doctor doctor
-# Whether this run has a GPU: required, or seen by `xcall doctor`.
-gpu=0
-if [ "$XCALL_REQUIRE_CUDA" = 1 ] || "$here/bin/xcall" doctor 2>/dev/null | grep -q "cuda  available"; then
-  gpu=1
-fi
+echo "this machine: $gpus GPU(s)"
 for t in "$here"/tests/*; do run "$(basename "$t")" "$t"; done
 for c in "$here"/c_tests/*; do run "$(basename "$c")" "$c"; done
 run example-hello "$here/examples/hello"
@@ -205,7 +235,13 @@ if "$py" -c "import torch, pytest" 2>/dev/null; then
   else
     run torch-cpu torch_suite test_xcall_torch.py
   fi
-  run torch-gpu torch_suite test_xcall_torch_gpu.py
+  if [ "$gpus" -lt 2 ]; then
+    # The suite skips as a whole (pytest then collects no test).
+    skipped=$((skipped + 1))
+    echo "SKIP torch-gpu: needs 2 GPUs, this machine has $gpus"
+  else
+    run torch-gpu torch_suite test_xcall_torch_gpu.py
+  fi
 else
   skipped=$((skipped + 1))
   echo "SKIP torch-suite: $py cannot import torch and pytest"

@@ -29,8 +29,8 @@ except ImportError:
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 if GPUS < 2:
-    print(f"SKIP xcall.torch GPU tests: {GPUS} CUDA device(s), 2 needed", file=sys.stderr)
-    pytest.skip(f"{GPUS} CUDA device(s), 2 needed", allow_module_level=True)
+    print(f"SKIP xcall.torch GPU tests: needs 2 GPUs, this machine has {GPUS}", file=sys.stderr)
+    pytest.skip(f"needs 2 GPUs, this machine has {GPUS}", allow_module_level=True)
 
 import xcall
 from torchrun import torchrun

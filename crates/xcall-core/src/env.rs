@@ -149,6 +149,13 @@ pub const VARIABLES: &[Variable] = &[
         "A GPU test without a GPU fails instead of printing a SKIP line.",
     ),
     var(
+        "XCALL_REQUIRE_GPUS",
+        Kind::Text,
+        "1 with `XCALL_REQUIRE_CUDA`, else 0",
+        "device bundle",
+        "A whole number: the device bundle's `run-all.sh` fails at once on a machine with fewer GPUs (the count `xcall doctor` reports). Under `XCALL_REQUIRE_CUDA=1` a test's skip for want of GPUs (\"needs N GPUs\" with N above the machine's count) counts as a skip, with its reason; set this to the machine's count where the multi-GPU tests must run.",
+    ),
+    var(
         "XCALL_REQUIRE_JAX",
         Kind::Flag,
         "off",
