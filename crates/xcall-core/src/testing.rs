@@ -182,10 +182,17 @@ pub fn nvrtc_compiles(name: &str, code: &str, arch: &str, options: &[&str]) {
 }
 
 /// Prints `SKIP <test>: <reason>` on stderr. It writes to the stream
-/// directly, so the line shows even when the test harness captures output.
+/// directly, so the line shows even when the test harness captures output,
+/// and in one write: stderr is unbuffered, and a line written piece by
+/// piece can be split by the harness's own lines from other threads (where
+/// stdout and stderr go to one file, `run-all.sh` then cannot read it).
 pub fn skip(test: &str, reason: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIP {test}: {reason}");
+    let _ = write_skip(&mut std::io::stderr(), test, reason);
+}
+
+/// [`skip`]'s line into `w`, in one `write_all`.
+fn write_skip(w: &mut dyn std::io::Write, test: &str, reason: &str) -> std::io::Result<()> {
+    w.write_all(format!("SKIP {test}: {reason}\n").as_bytes())
 }
 
 /// Deterministic pseudo-random numbers for tests and benchmarks
@@ -316,6 +323,37 @@ pub fn interleaved_medians(
 
 #[cfg(test)]
 mod tests {
+    /// A writer that keeps each write apart.
+    struct Writes(Vec<Vec<u8>>);
+
+    impl std::io::Write for Writes {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.push(buf.to_vec());
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// The skip line goes out in one write: stderr is unbuffered, and
+    /// piece by piece the harness's lines from other threads split it
+    /// (seen in a device bundle log, where run-all.sh then misread it).
+    #[test]
+    fn a_skip_line_is_one_write() {
+        let mut w = Writes(Vec::new());
+        super::write_skip(
+            &mut w,
+            "cuda ep timeout",
+            "needs 2 GPU(s), this machine has 1",
+        )
+        .unwrap();
+        assert_eq!(
+            w.0,
+            [b"SKIP cuda ep timeout: needs 2 GPU(s), this machine has 1\n".to_vec()]
+        );
+    }
+
     /// `nvrtc_or_skip` answers NVRTC's version where it opens and `None`
     /// where it does not (this test runs only where that is allowed).
     #[test]

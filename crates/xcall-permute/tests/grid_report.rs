@@ -21,7 +21,7 @@ fn python() -> Option<String> {
     match Command::new(&py).arg("--version").output() {
         Ok(o) if o.status.success() => Some(py),
         _ => {
-            eprintln!("SKIP permute grid report: no {py}");
+            xcall_core::testing::skip("permute grid report", &format!("no {py}"));
             assert!(
                 !xcall_core::testing::required("XCALL_REQUIRE_PYTHON"),
                 "XCALL_REQUIRE_PYTHON=1 but {py} does not run"
