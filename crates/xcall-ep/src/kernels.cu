@@ -87,11 +87,13 @@ __device__ void ep_publish_body(const EpParams &p) {
             // One warp per block of 128 elements: 4 per lane.
             const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
             for (i64 b = warp; b < h / EP_FP8_BLOCK; b += blockDim.x / 32) {
+                // 8 bytes a lane in one load (x is 16-byte aligned, H a
+                // multiple of 128).
+                const uint2 raw = ((const uint2 *)(row + (b * EP_FP8_BLOCK + lane * 4) * 2))[0];
                 float v[4], amax = 0.0f;
-                for (int i = 0; i < 4; ++i) {
-                    v[i] = bf16_to_f32(((const unsigned short *)row)[b * EP_FP8_BLOCK + lane * 4 + i]);
-                    amax = fmaxf(amax, fabsf(v[i]));
-                }
+                bf16x2_to_f32(raw.x, v[0], v[1]);
+                bf16x2_to_f32(raw.y, v[2], v[3]);
+                for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
                 for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
                 const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
                 if (lane == 0) scales[t * (h / EP_FP8_BLOCK) + b] = scale;
@@ -435,6 +437,25 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
                 scale[u] = sc[c * 16 / EP_FP8_BLOCK];
             }
         }
+        // The bf16 rows, dequantized once per chunk (not once per route):
+        // 32 bytes of bf16 for each 16-byte chunk of fp8.
+        uint4 lo[EP_UNROLL], hi[EP_UNROLL];
+        if (p.out_bf16) {
+#pragma unroll
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                if (c0 + 32 * u >= chunks) break;
+                const unsigned short *b = (const unsigned short *)&v[u];
+                unsigned int w[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    float x0, x1;
+                    fp8e4m3x2_to_f32(b[e], x0, x1);
+                    w[e] = f32_to_bf16x2(__fmul_rn(x0, scale[u]), __fmul_rn(x1, scale[u]));
+                }
+                lo[u] = make_uint4(w[0], w[1], w[2], w[3]);
+                hi[u] = make_uint4(w[4], w[5], w[6], w[7]);
+            }
+        }
         // This item's scale blocks: 16 fp8 per chunk, 8 chunks a block.
         const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
         for (unsigned m = kept; m; m &= m - 1) {
@@ -445,14 +466,9 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
                 if (c >= chunks) break;
                 ((uint4 *)(p.out + r * h))[c] = v[u];
                 if (p.out_bf16) {
-                    const unsigned char *b = (const unsigned char *)&v[u];
-                    unsigned int w[8];
-                    for (int e = 0; e < 8; ++e)
-                        w[e] = f32_to_bf16x2(__fmul_rn(fp8e4m3_to_f32(b[2 * e]), scale[u]),
-                                             __fmul_rn(fp8e4m3_to_f32(b[2 * e + 1]), scale[u]));
                     uint4 *d = (uint4 *)(p.out_bf16 + r * h) + 2 * c;
-                    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-                    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+                    d[0] = lo[u];
+                    d[1] = hi[u];
                 }
             }
             for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];

@@ -48,6 +48,14 @@ __device__ __forceinline__ float fp8e4m3_to_f32(unsigned char b) {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
     return xcall_f16_bits_to_f32((unsigned short)(h2 & 0xffffu));
 }
+// Two fp8 e4m3 (the lower address in the lower byte) -> two f32 (exact,
+// through f16x2: one conversion for the pair).
+__device__ __forceinline__ void fp8e4m3x2_to_f32(unsigned short two, float &lo, float &hi) {
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+    lo = xcall_f16_bits_to_f32((unsigned short)(h2 & 0xffffu));
+    hi = xcall_f16_bits_to_f32((unsigned short)(h2 >> 16));
+}
 // f32 -> fp8 e4m3, round to nearest even, saturating to +-448 (a NaN stays
 // a NaN).
 __device__ __forceinline__ unsigned char f32_to_fp8e4m3(float x) {
