@@ -930,7 +930,9 @@ typedef struct {
  */
 typedef struct {
   /**
-   * `[expert_rows, H]` rows as sent: f32, bf16, or FP8 e4m3 bytes.
+   * `[expert_rows, H]` rows as sent: f32, bf16, or FP8 e4m3 bytes. FP8
+   * groups may leave `rows` and `scales` NULL and take `rows_bf16`
+   * alone (experts that read bf16; the FP8 rows are then not written).
    */
   void *rows;
   /**
@@ -938,7 +940,8 @@ typedef struct {
    */
   uint64_t rows_bytes;
   /**
-   * FP8 only (NULL otherwise): `[expert_rows, H / 128]` f32 scales.
+   * FP8 only, with `rows` (NULL otherwise): `[expert_rows, H / 128]`
+   * f32 scales.
    */
   float *scales;
   /**
@@ -947,7 +950,7 @@ typedef struct {
   uint64_t scales_bytes;
   /**
    * FP8 only, optional (NULL otherwise): `[expert_rows, H]` bf16 rows
-   * dequantized from `rows` and `scales`.
+   * dequantized from the FP8 rows and their scales.
    */
   void *rows_bf16;
   /**
@@ -1573,12 +1576,14 @@ xcall_status xcall_ep_group_free(xcall_ep_group *g, xcall_shmem_world *w);
  *
  * Bad input: refused before any work, nothing written (this PE takes no
  * part: its peers' waits time out): the group rules of `xcall_ep_group`;
- * NULL `out`, NULL `out->rows` or `out->tokens_per_expert`, a NULL buffer
- * with a size above 0: `XCALL_STATUS_NULL_ARGUMENT`; `tokens` above the
- * group's, a buffer smaller than the call needs (see `xcall_ep_sizes`),
- * one not aligned to its element (rows: 16 bytes), `x` overlapping the
- * group's memory but for the send rows of an f32 or bf16 group, `scales`
- * or `rows_bf16` given to a group that is not FP8:
+ * NULL `out`, NULL `out->rows` (f32 and bf16 groups) or
+ * `out->tokens_per_expert`, a NULL buffer with a size above 0:
+ * `XCALL_STATUS_NULL_ARGUMENT`; `tokens` above the group's, a buffer
+ * smaller than the call needs (see `xcall_ep_sizes`), one not aligned to
+ * its element (rows: 16 bytes), `x` overlapping the group's memory but
+ * for the send rows of an f32 or bf16 group, `scales` or `rows_bf16`
+ * given to a group that is not FP8, an FP8 group given `rows` without
+ * `scales` (or the reverse) or neither `rows` nor `rows_bf16`:
  * `XCALL_STATUS_INVALID_ARGUMENT` naming the buffer.
  */
 xcall_status xcall_ep_dispatch(xcall_ep_group *g,

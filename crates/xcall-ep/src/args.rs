@@ -61,12 +61,15 @@ pub(crate) fn optional(what: &str, b: Buf, bytes: usize, align: u64) -> Result<(
 /// (alignment padding) are not written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExpertMajor {
-    /// `[expert_rows, H]`: f32 or bf16 rows, or FP8 e4m3 bytes.
+    /// `[expert_rows, H]`: f32 or bf16 rows, or FP8 e4m3 bytes. FP8
+    /// dispatch writes these with `scales`, `rows_bf16`, or all three:
+    /// leave `rows` and `scales` out ([`Buf::NONE`]) where the experts
+    /// read bf16 (nothing then writes the FP8 rows).
     pub rows: Buf,
-    /// FP8 only: `[expert_rows, H / 128]` f32 scales of `rows`.
+    /// FP8 only, with `rows`: `[expert_rows, H / 128]` f32 scales of `rows`.
     pub scales: Buf,
     /// FP8 only, optional: `[expert_rows, H]` bf16 rows dequantized from
-    /// `rows` and `scales`.
+    /// the FP8 rows and their scales.
     pub rows_bf16: Buf,
     /// `[L]` i64: routes each local expert received (after the capacity).
     pub tokens_per_expert: Buf,

@@ -420,13 +420,33 @@ impl EpGroup {
     fn check_out(&self, out: &ExpertMajor) -> Result<()> {
         let c = self.config;
         let (rows, l, h) = (self.layout.expert_rows, self.layout.local_experts, c.hidden);
-        need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
         match c.precision {
+            // The FP8 rows with their scales, the bf16 rows, or both.
             Precision::Fp8Dispatch => {
-                need("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
+                match (out.rows.addr, out.scales.addr, out.rows_bf16.addr) {
+                    (0, 0, 0) => {
+                        return Err(EpError::InvalidArgument(
+                            "out.rows and out.rows_bf16 are both null: FP8 dispatch writes the FP8 rows with their scales, the bf16 rows, or both".into(),
+                        ))
+                    }
+                    (0, s, _) if s != 0 => {
+                        return Err(EpError::InvalidArgument(
+                            "out.scales given without out.rows: the scales go with the FP8 rows".into(),
+                        ))
+                    }
+                    (r, 0, _) if r != 0 => {
+                        return Err(EpError::InvalidArgument(
+                            "out.rows given without out.scales: FP8 rows need their scales".into(),
+                        ))
+                    }
+                    _ => {}
+                }
+                optional("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
+                optional("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
                 optional("out.rows_bf16", out.rows_bf16, rows * h * 2, 16)?;
             }
             _ => {
+                need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
                 if out.scales.addr != 0 || out.rows_bf16.addr != 0 {
                     return Err(EpError::InvalidArgument(
                         "out.scales and out.rows_bf16 are for FP8 dispatch only".into(),

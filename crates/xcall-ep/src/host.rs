@@ -517,12 +517,18 @@ pub unsafe fn copy(p: &EpParams, pull: bool) {
                                     at::<f32>(p.base, p.off_recv_scales).add(tok * blocks),
                                 ),
                             };
-                            std::ptr::copy_nonoverlapping(src, (p.out as *mut u8).add(r * h), h);
-                            std::ptr::copy_nonoverlapping(
-                                scales,
-                                (p.out_scales as *mut f32).add(r * blocks),
-                                blocks,
-                            );
+                            if p.out != 0 {
+                                std::ptr::copy_nonoverlapping(
+                                    src,
+                                    (p.out as *mut u8).add(r * h),
+                                    h,
+                                );
+                                std::ptr::copy_nonoverlapping(
+                                    scales,
+                                    (p.out_scales as *mut f32).add(r * blocks),
+                                    blocks,
+                                );
+                            }
                             if p.out_bf16 != 0 {
                                 let dst = (p.out_bf16 as *mut u8).add(r * h * 2);
                                 for e in 0..h {

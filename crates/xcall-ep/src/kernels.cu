@@ -464,14 +464,15 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
             for (int u = 0; u < EP_UNROLL; ++u) {
                 const i64 c = c0 + 32 * u;
                 if (c >= chunks) break;
-                ((uint4 *)(p.out + r * h))[c] = v[u];
+                if (p.out) ((uint4 *)(p.out + r * h))[c] = v[u];
                 if (p.out_bf16) {
                     uint4 *d = (uint4 *)(p.out_bf16 + r * h) + 2 * c;
                     d[0] = lo[u];
                     d[1] = hi[u];
                 }
             }
-            for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];
+            if (p.out)
+                for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];
         }
 #endif
     } else {

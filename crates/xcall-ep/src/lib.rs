@@ -16,7 +16,9 @@
 //!   starting on a multiple of `align`), with `tokens_per_expert` written
 //!   on the device. FP8 dispatch quantizes on the sender (e4m3, one f32
 //!   scale per 128 elements) and the receiver gets FP8 rows with their
-//!   scales (and bf16, if asked).
+//!   scales, bf16 rows dequantized from them, or both (experts that read
+//!   bf16 leave the FP8 rows out, and nothing writes them; each received
+//!   chunk is dequantized once, whatever its routes).
 //!   [`EpGroup::dispatch_send`] and [`EpGroup::dispatch_recv`] are its two
 //!   halves, for a caller that enqueues work of its own while the stores
 //!   are in flight.

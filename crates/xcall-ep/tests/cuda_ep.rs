@@ -156,6 +156,18 @@ fn one_to_four_gpus_match_the_reference_and_the_host_bit_for_bit() {
                 Case::new(c, pes, Routing::Random, 40 + pes as u64),
             );
         }
+        // FP8 dispatch writing the bf16 rows alone.
+        let fp8 = EpConfig {
+            align: 8,
+            ..cfg(300, 256, 4, 8 * pes, Precision::Fp8Dispatch)
+        };
+        same_as_host(
+            &format!("cuda-{pes}-fp8-bf16-alone"),
+            Case {
+                bf16_only: true,
+                ..Case::new(fp8, pes, Routing::Random, 50 + pes as u64)
+            },
+        );
         let capped = EpConfig {
             capacity: Capacity::PerExpert(20),
             ..cfg(200, 64, 3, 4 * pes, Precision::Bf16)

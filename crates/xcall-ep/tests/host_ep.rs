@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use xcall_core::testing::{run_threads, watchdog};
 use xcall_core::{Device, Platform, Status};
-use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, Precision};
+use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, ExpertMajor, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
@@ -95,6 +95,47 @@ fn fp8_dispatch_quantizes_once_and_the_receiver_gets_rows_scales_and_bf16() {
             2,
             true,
         );
+    }
+}
+
+/// Experts that read bf16 take the bf16 rows alone: the same bf16 rows
+/// (checked against the quantize-dequantize reference), and the same
+/// outputs byte for byte as with the FP8 rows and scales written too.
+#[test]
+fn fp8_dispatch_writes_the_bf16_rows_alone_when_asked() {
+    let _s = serial();
+    for pes in [1, 3] {
+        let c = EpConfig {
+            align: 4,
+            ..cfg(40, 256, 2, 6, Precision::Fp8Dispatch)
+        };
+        let both = Case::new(c, pes, Routing::Random, 23);
+        let alone = Case {
+            bf16_only: true,
+            ..both.clone()
+        };
+        let outputs = |name: String, case: Case| {
+            let heap = case.config.layout(case.pes).unwrap().heap_bytes;
+            let group = format!("ep-{name}-{}", std::process::id());
+            run_threads(&name, case.pes, watchdog(), move |rank| {
+                let mut w = world(&group, rank, case.pes, heap);
+                let mut g = EpGroup::new(&mut w, case.config).unwrap();
+                let mut m = HostMem::default();
+                let o = round(&case, rank, &mut g, &mut m, true);
+                g.destroy(&mut w).unwrap();
+                assert!(w.finalize().unwrap().leaked.is_empty());
+                o
+            })
+        };
+        let with_fp8 = outputs(format!("fp8-both-{pes}"), both);
+        let bf16_alone = outputs(format!("fp8-bf16-{pes}"), alone);
+        assert_eq!(with_fp8.len(), pes);
+        for (a, b) in with_fp8.iter().zip(&bf16_alone) {
+            assert_eq!(
+                (&a.y, &a.grad_x, &a.grad_probs),
+                (&b.y, &b.grad_x, &b.grad_probs)
+            );
+        }
     }
 }
 
@@ -310,6 +351,92 @@ fn bad_arguments_get_a_specific_error_and_write_nothing() {
         // SAFETY: the buffers above, alive for the test.
         let e = unsafe { g.combine(out.rows, Buf::new(y.addr, 100), s) }.unwrap_err();
         assert!(e.to_string().contains("y holds 100 bytes"), "{e}");
+        g.destroy(&mut w).unwrap();
+    });
+}
+
+/// FP8 dispatch writes the FP8 rows with their scales, the bf16 rows, or
+/// both: any other mix is refused with its reason and writes nothing; f32
+/// and bf16 groups need their rows.
+#[test]
+fn fp8_rows_scales_and_bf16_rows_that_do_not_go_together_are_refused() {
+    let _s = serial();
+    let c = cfg(16, 128, 2, 4, Precision::Fp8Dispatch);
+    let heap = c.layout(1).unwrap().heap_bytes;
+    let group = format!("ep-fp8-args-{}", std::process::id());
+    run_threads("fp8 arguments", 1, watchdog(), move |rank| {
+        let mut w = world(&group, rank, 1, heap);
+        let mut g = EpGroup::new(&mut w, c).unwrap();
+        let mut m = HostMem::default();
+        let x = m.alloc(16 * 128 * 2);
+        let ids = m.alloc(16 * 2 * 4);
+        let probs = m.alloc(16 * 2 * 4);
+        let out = expert_major(&mut m, &g, true);
+        m.write(out.tokens_per_expert, &[0x5a; 32]);
+        m.write(out.rows_bf16, &vec![0x5a; out.rows_bf16.bytes]);
+        let s = std::ptr::null_mut();
+        let mut refused = |o: ExpertMajor, want: &str| {
+            // SAFETY: the buffers above, alive for the test; refused before
+            // anything runs.
+            let e = unsafe { g.dispatch(x, ids, probs, 16, &o, s) }.unwrap_err();
+            assert_eq!(e.status(), Status::InvalidArgument, "{e}");
+            assert!(e.to_string().contains(want), "{want}: {e}");
+        };
+        let none = ExpertMajor {
+            rows: Buf::NONE,
+            scales: Buf::NONE,
+            rows_bf16: Buf::NONE,
+            ..out
+        };
+        refused(none, "out.rows and out.rows_bf16 are both null");
+        refused(
+            ExpertMajor {
+                rows: Buf::NONE,
+                ..out
+            },
+            "out.scales given without out.rows",
+        );
+        refused(
+            ExpertMajor {
+                scales: Buf::NONE,
+                ..out
+            },
+            "out.rows given without out.scales",
+        );
+        let short = Buf::new(out.rows_bf16.addr, out.rows_bf16.bytes - 2);
+        refused(
+            ExpertMajor {
+                rows: Buf::NONE,
+                scales: Buf::NONE,
+                rows_bf16: short,
+                ..out
+            },
+            "out.rows_bf16 holds",
+        );
+        assert_eq!(m.read(out.tokens_per_expert), vec![0x5a; 32]);
+        assert_eq!(m.read(out.rows_bf16), vec![0x5a; out.rows_bf16.bytes]);
+        g.destroy(&mut w).unwrap();
+        // An f32 group needs its rows.
+        let f = cfg(16, 8, 2, 4, Precision::F32);
+        let mut g = EpGroup::new(&mut w, f).unwrap();
+        let out = expert_major(&mut m, &g, false);
+        let x = m.alloc(16 * 8 * 4);
+        // SAFETY: as above.
+        let e = unsafe {
+            g.dispatch(
+                x,
+                ids,
+                probs,
+                16,
+                &ExpertMajor {
+                    rows: Buf::NONE,
+                    ..out
+                },
+                s,
+            )
+        }
+        .unwrap_err();
+        assert!(e.to_string().contains("out.rows holds 0 bytes"), "{e}");
         g.destroy(&mut w).unwrap();
     });
 }

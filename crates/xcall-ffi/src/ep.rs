@@ -138,16 +138,19 @@ pub struct xcall_ep_sizes {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct xcall_ep_expert_major {
-    /// `[expert_rows, H]` rows as sent: f32, bf16, or FP8 e4m3 bytes.
+    /// `[expert_rows, H]` rows as sent: f32, bf16, or FP8 e4m3 bytes. FP8
+    /// groups may leave `rows` and `scales` NULL and take `rows_bf16`
+    /// alone (experts that read bf16; the FP8 rows are then not written).
     pub rows: *mut c_void,
     /// Bytes at `rows`.
     pub rows_bytes: u64,
-    /// FP8 only (NULL otherwise): `[expert_rows, H / 128]` f32 scales.
+    /// FP8 only, with `rows` (NULL otherwise): `[expert_rows, H / 128]`
+    /// f32 scales.
     pub scales: *mut f32,
     /// Bytes at `scales`.
     pub scales_bytes: u64,
     /// FP8 only, optional (NULL otherwise): `[expert_rows, H]` bf16 rows
-    /// dequantized from `rows` and `scales`.
+    /// dequantized from the FP8 rows and their scales.
     pub rows_bf16: *mut c_void,
     /// Bytes at `rows_bf16`.
     pub rows_bf16_bytes: u64,
@@ -416,12 +419,14 @@ pub extern "C" fn xcall_ep_group_free(g: *mut xcall_ep_group, w: *mut xcall_shme
 ///
 /// Bad input: refused before any work, nothing written (this PE takes no
 /// part: its peers' waits time out): the group rules of `xcall_ep_group`;
-/// NULL `out`, NULL `out->rows` or `out->tokens_per_expert`, a NULL buffer
-/// with a size above 0: `XCALL_STATUS_NULL_ARGUMENT`; `tokens` above the
-/// group's, a buffer smaller than the call needs (see `xcall_ep_sizes`),
-/// one not aligned to its element (rows: 16 bytes), `x` overlapping the
-/// group's memory but for the send rows of an f32 or bf16 group, `scales`
-/// or `rows_bf16` given to a group that is not FP8:
+/// NULL `out`, NULL `out->rows` (f32 and bf16 groups) or
+/// `out->tokens_per_expert`, a NULL buffer with a size above 0:
+/// `XCALL_STATUS_NULL_ARGUMENT`; `tokens` above the group's, a buffer
+/// smaller than the call needs (see `xcall_ep_sizes`), one not aligned to
+/// its element (rows: 16 bytes), `x` overlapping the group's memory but
+/// for the send rows of an f32 or bf16 group, `scales` or `rows_bf16`
+/// given to a group that is not FP8, an FP8 group given `rows` without
+/// `scales` (or the reverse) or neither `rows` nor `rows_bf16`:
 /// `XCALL_STATUS_INVALID_ARGUMENT` naming the buffer.
 #[no_mangle]
 pub extern "C" fn xcall_ep_dispatch(
@@ -441,8 +446,12 @@ pub extern "C" fn xcall_ep_dispatch(
         // SAFETY: NULL or a readable struct, per the documentation.
         let o = unsafe { out.as_ref() }
             .ok_or_else(|| FfiError::new(Status::NullArgument, "out is NULL"))?;
+        let rows = match group.config().precision {
+            Precision::Fp8Dispatch => buf(o.rows, o.rows_bytes, "out->rows")?,
+            _ => required(o.rows, o.rows_bytes, "out->rows")?,
+        };
         let out = ExpertMajor {
-            rows: required(o.rows, o.rows_bytes, "out->rows")?,
+            rows,
             scales: buf(o.scales, o.scales_bytes, "out->scales")?,
             rows_bf16: buf(o.rows_bf16, o.rows_bf16_bytes, "out->rows_bf16")?,
             tokens_per_expert: required(

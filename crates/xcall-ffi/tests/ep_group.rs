@@ -120,3 +120,105 @@ fn a_call_on_a_group_inside_a_dispatch_is_busy_and_waits_for_nothing() {
         xcall_shmem_world_free(w);
     });
 }
+
+/// `out->rows` may be NULL for an FP8 group that takes the bf16 rows
+/// alone; an f32 group's NULL rows stay `XCALL_STATUS_NULL_ARGUMENT`, and
+/// an FP8 group given neither rows is refused naming both.
+#[test]
+fn fp8_groups_may_take_the_bf16_rows_alone() {
+    let address = CString::new(format!("ffi-ep-bf16-{}", std::process::id())).unwrap();
+    run_threads("ep bf16 rows alone", 1, watchdog(), move |_| {
+        let mut w = std::ptr::null_mut();
+        assert_eq!(xcall_shmem_world_new(&mut w), Status::Ok);
+        let fp8 = xcall_ep_config {
+            hidden: 128,
+            precision: EpPrecisionCode(EpPrecision::Fp8 as u32),
+            ..config()
+        };
+        let mut sizes = xcall_ep_sizes::default();
+        assert_eq!(xcall_ep_layout(&fp8, 1, &mut sizes), Status::Ok);
+        let wc = xcall_shmem_config {
+            rank: 0,
+            size: 1,
+            target: xcall_target {
+                platform: PlatformCode(0),
+                ordinal: 700,
+                stream: std::ptr::null_mut(),
+            },
+            bootstrap: BootstrapCode(0),
+            address: address.as_ptr(),
+            heap_bytes: sizes.heap_bytes * 2 + (1 << 16),
+            timeout_ms: 20_000,
+            pairs: PairPolicyCode(0),
+        };
+        assert_eq!(xcall_shmem_init(w, &wc), Status::Ok);
+        let mut g = std::ptr::null_mut();
+        assert_eq!(xcall_ep_group_new(w, &fp8, &mut g), Status::Ok);
+        // bf16 bits of a small whole number (exact: the f32's upper half).
+        let bits = |v: f32| (v.to_bits() >> 16) as u16;
+        // Token t's elements are t + 1: each row's scale (t + 1) / 448
+        // quantizes them to 448 exactly, and dequantizes back exactly.
+        let x: Vec<u16> = (0..4 * 128).map(|i| bits((i / 128 + 1) as f32)).collect();
+        let ids = [0i32, 1, 0, 1];
+        let probs = [1f32; 4];
+        let mut bf16 = vec![0xffffu16; sizes.rows_bf16_bytes as usize / 2];
+        let mut counts = [0i64; 2];
+        let mut out = xcall_ep_expert_major {
+            rows: std::ptr::null_mut(),
+            rows_bytes: 0,
+            scales: std::ptr::null_mut(),
+            scales_bytes: 0,
+            rows_bf16: bf16.as_mut_ptr().cast(),
+            rows_bf16_bytes: sizes.rows_bf16_bytes,
+            tokens_per_expert: counts.as_mut_ptr(),
+            tokens_per_expert_bytes: 16,
+            padded_per_expert: std::ptr::null_mut(),
+            padded_per_expert_bytes: 0,
+            offsets: std::ptr::null_mut(),
+            offsets_bytes: 0,
+        };
+        let dispatch = |g: *mut xcall_ep_group, out: &xcall_ep_expert_major| {
+            xcall_ep_dispatch(
+                g,
+                x.as_ptr().cast(),
+                (x.len() * 2) as u64,
+                ids.as_ptr(),
+                16,
+                probs.as_ptr(),
+                16,
+                4,
+                out,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(dispatch(g, &out), Status::Ok);
+        assert_eq!(xcall_ep_check(g), Status::Ok);
+        // Expert 0 got tokens 0 and 2 (rows 0 and 1), expert 1 tokens 1
+        // and 3.
+        assert_eq!(counts, [2, 2]);
+        let row = |r: usize| bf16[r * 128..(r + 1) * 128].to_vec();
+        let of = |v: f32| vec![bits(v); 128];
+        assert_eq!(
+            [row(0), row(1), row(2), row(3)],
+            [of(1.0), of(3.0), of(2.0), of(4.0)]
+        );
+        out.rows_bf16 = std::ptr::null_mut();
+        out.rows_bf16_bytes = 0;
+        assert_eq!(dispatch(g, &out), Status::InvalidArgument);
+        // SAFETY: the message is a NUL-terminated string of this thread,
+        // valid until its next xcall call.
+        let msg = unsafe { std::ffi::CStr::from_ptr(xcall_last_error_message()) };
+        assert!(
+            msg.to_string_lossy()
+                .contains("out.rows and out.rows_bf16 are both null"),
+            "{msg:?}"
+        );
+        assert_eq!(xcall_ep_group_free(g, w), Status::Ok);
+        // An f32 group's rows are required.
+        assert_eq!(xcall_ep_group_new(w, &config(), &mut g), Status::Ok);
+        assert_eq!(dispatch(g, &out), Status::NullArgument);
+        assert_eq!(xcall_ep_group_free(g, w), Status::Ok);
+        assert_eq!(xcall_shmem_finalize(w, std::ptr::null_mut()), Status::Ok);
+        xcall_shmem_world_free(w);
+    });
+}

@@ -35,6 +35,9 @@ pub struct Case {
     pub sent: Vec<usize>,
     pub routing: Routing,
     pub seed: u64,
+    /// FP8 groups: dispatch writes the bf16 rows alone (no FP8 rows, no
+    /// scales).
+    pub bf16_only: bool,
 }
 
 impl Case {
@@ -45,6 +48,7 @@ impl Case {
             sent: vec![config.tokens; pes],
             routing,
             seed,
+            bf16_only: false,
         }
     }
 

@@ -537,13 +537,18 @@ impl Pe {
     }
 
     /// Bytes of the copy the phases' floors are measured against (see
-    /// `Pe::copy_ms`): token-once, micro-batch 0's received rows (FP8 rows
-    /// with `--dtype fp8`) into its experts' outputs, as many bytes as
-    /// the smaller buffer holds.
+    /// `Pe::copy_ms`): token-once, micro-batch 0's received rows (the
+    /// bf16 rows with `--dtype fp8`) into its experts' outputs, as many
+    /// bytes as the smaller buffer holds.
     pub fn copy_bytes(shape: &Shape) -> usize {
+        let rows = if shape.ep.is_some_and(|e| e.fp8) {
+            2
+        } else {
+            0
+        };
         match shape.ep {
             Some(_) => {
-                token::buffer_sizes(shape).map_or(0, |(_, _, each)| each[0].0.min(each[5].0))
+                token::buffer_sizes(shape).map_or(0, |(_, _, each)| each[rows].0.min(each[5].0))
             }
             None => shape.pes * Self::slot_bytes(shape),
         }

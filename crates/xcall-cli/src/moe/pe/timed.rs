@@ -172,13 +172,19 @@ impl Pe {
         let (dst, src) = match &self.ep {
             Some(t) => {
                 let m = t.micro.first().ok_or("no micro-batch")?;
-                if bytes > m.out.rows.bytes.min(m.expert_out.bytes) {
+                // FP8 dispatch writes the bf16 rows alone.
+                let rows = if self.shape.ep.is_some_and(|e| e.fp8) {
+                    m.out.rows_bf16
+                } else {
+                    m.out.rows
+                };
+                if bytes > rows.bytes.min(m.expert_out.bytes) {
                     return Err(format!(
                         "the copy's {bytes} bytes exceed micro-batch 0's rows ({} bytes) or outputs ({} bytes)",
-                        m.out.rows.bytes, m.expert_out.bytes
+                        rows.bytes, m.expert_out.bytes
                     ));
                 }
-                (m.expert_out.addr, m.out.rows.addr)
+                (m.expert_out.addr, rows.addr)
             }
             None => (self.b.results, self.b.rows),
         };

@@ -127,10 +127,11 @@ pub(super) fn config(shape: &Shape) -> EpConfig {
 }
 
 /// The PE's buffers besides the groups' own, in order: x, ids, probs, y,
-/// the experts' scales; then each micro-batch's: the expert-major rows,
-/// their FP8 scales and bf16 rows (FP8 only; 1 byte otherwise),
-/// tokens_per_expert, padded counts, the experts' outputs. `None` when a
-/// size passes `usize`.
+/// the experts' scales; then each micro-batch's: the expert-major rows
+/// (f32 and bf16; 1 byte with FP8), a byte (no FP8 scales are asked
+/// for), the bf16 rows (FP8 only; 1 byte otherwise), tokens_per_expert,
+/// padded counts, the experts' outputs. `None` when a size passes
+/// `usize`.
 #[allow(clippy::type_complexity)]
 pub(super) fn buffer_sizes(
     shape: &Shape,
@@ -152,16 +153,11 @@ pub(super) fn buffer_sizes(
             (t.checked_mul(row)?, BufferRole::Out),
             (l * 4, BufferRole::In),
         ],
+        // FP8: the bf16 rows alone (the experts read bf16; no FP8 rows,
+        // no scales).
         [
-            (wire, BufferRole::InOut),
-            (
-                if fp8 {
-                    rows.checked_mul(h / 128 * 4)?
-                } else {
-                    1
-                },
-                BufferRole::InOut,
-            ),
+            (if fp8 { 1 } else { wire }, BufferRole::InOut),
+            (1, BufferRole::InOut),
             (if fp8 { expert_rows } else { 1 }, BufferRole::InOut),
             (l * 8, BufferRole::InOut),
             (l * 8, BufferRole::InOut),
@@ -217,12 +213,13 @@ pub(super) fn new(
         for (b, size) in bufs.iter_mut().zip(each) {
             *b = alloc(world, size)?;
         }
-        let [rows, fp8_scales, bf16, tpe, padded, expert_out] = bufs;
+        let [rows, _, bf16, tpe, padded, expert_out] = bufs;
         micro.push(Micro {
             group,
+            // FP8 dispatch writes the bf16 rows the experts read, alone.
             out: ExpertMajor {
-                rows,
-                scales: if fp8 { fp8_scales } else { Buf::NONE },
+                rows: if fp8 { Buf::NONE } else { rows },
+                scales: Buf::NONE,
                 rows_bf16: if fp8 { bf16 } else { Buf::NONE },
                 tokens_per_expert: tpe,
                 padded_per_expert: padded,
@@ -455,7 +452,7 @@ impl Pe {
 #[cfg(test)]
 mod tests {
     use super::super::super::data::{EpShape, Shape};
-    use super::{config, heap_bytes, split};
+    use super::{buffer_sizes, config, heap_bytes, split};
 
     fn shape(microbatches: usize) -> Shape {
         Shape {
@@ -494,8 +491,9 @@ mod tests {
     }
 
     /// The copy the phases' floors divide by moves micro-batch 0's
-    /// received rows: 2-byte rows in bf16, 1-byte rows with FP8 dispatch
-    /// (the rate once read FP8's copy as moving 2-byte rows, 2x high).
+    /// received rows: the bf16 rows, with FP8 dispatch too (the only
+    /// rows it writes here); the rate once read a copy of 1-byte FP8 rows
+    /// as moving 2-byte rows, 2x high.
     #[test]
     fn the_floors_copy_counts_the_bytes_of_the_rows_it_moves() {
         for microbatches in [1, 3] {
@@ -506,7 +504,10 @@ mod tests {
             fp8.hidden = 128;
             fp8.ep.as_mut().unwrap().fp8 = true;
             let rows = config(&fp8).layout(3).unwrap().expert_rows;
-            assert_eq!(super::super::Pe::copy_bytes(&fp8), rows * 128);
+            assert_eq!(super::super::Pe::copy_bytes(&fp8), rows * 128 * 2);
+            // No FP8 rows and no scales are allocated for it.
+            let (_, _, each) = buffer_sizes(&fp8).unwrap();
+            assert_eq!((each[0].0, each[1].0, each[2].0), (1, 1, rows * 128 * 2));
         }
     }
 
