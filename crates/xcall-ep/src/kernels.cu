@@ -22,6 +22,8 @@
 // The exchange kernels work on items of one token's 32 * EP_UNROLL
 // 16-byte chunks: a warp per item, EP_UNROLL chunks per lane in flight.
 #define EP_UNROLL 4
+// FP8 publish: blocks of 128 elements a warp has in flight.
+#define EP_PUB_UNROLL 4
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -69,42 +71,55 @@ __device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) 
 __device__ void ep_publish_routing(const EpParams &p);
 
 // publish: the rows peers read from the send buffer (FP8: quantized
-// there, one block per row; combine_backward: the output gradient, which
-// peers pull), then the routing, one warp per token (lane j: slot j).
+// there, a scale per 128 elements; combine_backward: the output gradient,
+// which peers pull), then the routing, one warp per token (lane j: slot j).
 __device__ void ep_publish_body(const EpParams &p) {
     const i64 h = p.hidden, n = p.n;
     const bool fp8 = p.wire && p.precision == 2;
     const int elem = p.precision == 0 ? 4 : 2;
     unsigned char *send = p.base + p.off_send;
-    // Dispatch pushes f32 and bf16 rows from the caller's buffer: no copy;
-    // nor for rows the caller wrote into the send buffer itself.
-    const bool rows = fp8 || (!p.wire && p.src != send);
-    for (i64 t = rows ? blockIdx.x : n; t < n; t += gridDim.x) {
-        const unsigned char *row = p.src + t * h * elem;
-        if (fp8) {
+    if (fp8) {
 #if EP_FP8
-            float *scales = (float *)(p.base + p.off_send_scales);
-            // One warp per block of 128 elements: 4 per lane.
-            const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-            for (i64 b = warp; b < h / EP_FP8_BLOCK; b += blockDim.x / 32) {
-                // 8 bytes a lane in one load (x is 16-byte aligned, H a
-                // multiple of 128).
-                const uint2 raw = ((const uint2 *)(row + (b * EP_FP8_BLOCK + lane * 4) * 2))[0];
-                float v[4], amax = 0.0f;
-                bf16x2_to_f32(raw.x, v[0], v[1]);
-                bf16x2_to_f32(raw.y, v[2], v[3]);
-                for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
-                for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-                const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-                if (lane == 0) scales[t * (h / EP_FP8_BLOCK) + b] = scale;
-                unsigned int packed = 0;
-                for (int i = 0; i < 4; ++i)
-                    packed |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[i], scale)) << (8 * i);
-                ((unsigned int *)(send + t * h + b * EP_FP8_BLOCK))[lane] = packed;
+        // A block per token, a warp per block of 128 elements of its row
+        // (4 a lane, read in one 8-byte load: x is 16-byte aligned, H a
+        // multiple of 128), EP_PUB_UNROLL of the warp's blocks loaded
+        // before any is reduced.
+        float *scales = (float *)(p.base + p.off_send_scales);
+        const i64 nb = h / EP_FP8_BLOCK, nw = blockDim.x / 32;
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
+            const unsigned char *row = p.src + t * h * 2;
+            for (i64 b0 = warp; b0 < nb; b0 += nw * EP_PUB_UNROLL) {
+                uint2 raw[EP_PUB_UNROLL];
+#pragma unroll
+                for (int u = 0; u < EP_PUB_UNROLL; ++u) {
+                    const i64 b = b0 + u * nw;
+                    if (b < nb) raw[u] = ((const uint2 *)(row + (b * EP_FP8_BLOCK + lane * 4) * 2))[0];
+                }
+#pragma unroll
+                for (int u = 0; u < EP_PUB_UNROLL; ++u) {
+                    const i64 b = b0 + u * nw;
+                    if (b >= nb) break;
+                    float v[4], amax = 0.0f;
+                    bf16x2_to_f32(raw[u].x, v[0], v[1]);
+                    bf16x2_to_f32(raw[u].y, v[2], v[3]);
+                    for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                    const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+                    if (lane == 0) scales[t * nb + b] = scale;
+                    unsigned int packed = 0;
+                    for (int e = 0; e < 4; ++e)
+                        packed |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[e], scale)) << (8 * e);
+                    ((unsigned int *)(send + t * h + b * EP_FP8_BLOCK))[lane] = packed;
+                }
             }
+        }
 #endif
-        } else {
-            const uint4 *s = (const uint4 *)row;
+    } else if (!p.wire && p.src != send) {
+        // Dispatch pushes f32 and bf16 rows from the caller's buffer: no
+        // copy; nor for rows the caller wrote into the send buffer itself.
+        for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
+            const uint4 *s = (const uint4 *)(p.src + t * h * elem);
             uint4 *d = (uint4 *)(send + t * h * elem);
             for (i64 c = threadIdx.x; c < h * elem / 16; c += blockDim.x) d[c] = s[c];
         }
