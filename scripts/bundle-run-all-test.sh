@@ -97,6 +97,16 @@ expect "and is a skip without it" test "$rc" = 0
 expect "  counted" has "1 skipped, 0 failed"
 
 needs_two='echo "SKIP cuda ep processes: needs 2 GPU(s), this machine has 1" >&2'
+# The harness writes "test X ... " and "ok" apart: a skip line between.
+inside='printf "test x ... SKIP shmem cuda spmt: needs 2 GPUs, this machine has 1\nok\n"'
+b="$tmp/inside"
+bundle "$b" "$inside" 1
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "a skip line inside the harness's line is read" has "    SKIP shmem cuda spmt: needs 2 GPUs, this machine has 1"
+expect "  and counted as a skip" has "SKIP xcall-shmem-cuda_nccl ("
+bundle "$b" "$inside" 2
+run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
+expect "  which fails on a machine with the GPUs" has "FAIL xcall-shmem-cuda_nccl (skipped with XCALL_REQUIRE_CUDA=1"
 b="$tmp/one-gpu"
 bundle "$b" "$needs_two" 1
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
