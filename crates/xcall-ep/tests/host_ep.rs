@@ -403,6 +403,13 @@ fn fp8_rows_scales_and_bf16_rows_that_do_not_go_together_are_refused() {
             },
             "out.rows given without out.scales",
         );
+        refused(
+            ExpertMajor {
+                scales: Buf::new(out.scales.addr, out.scales.bytes - 4),
+                ..out
+            },
+            "out.scales holds",
+        );
         let short = Buf::new(out.rows_bf16.addr, out.rows_bf16.bytes - 2);
         refused(
             ExpertMajor {
