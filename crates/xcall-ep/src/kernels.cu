@@ -418,6 +418,16 @@ __device__ __forceinline__ int ep_route(const int *slots, i64 k, int lane) {
     return lane < k ? slots[lane] : -1;
 }
 
+// Chunks of copy: 16 bytes of the rows it writes (bf16 or f32), so the
+// warp's stores are contiguous; FP8 reads 8 fp8 bytes for each 16 bytes
+// of bf16 it writes.
+__device__ __forceinline__ i64 ep_copy_chunks(const EpParams &p) {
+    return p.precision == 2 ? p.hidden / 8 : p.hidden * (p.precision == 0 ? 4 : 2) / 16;
+}
+__device__ __forceinline__ i64 ep_copy_groups(const EpParams &p) {
+    return (ep_copy_chunks(p) + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+}
+
 // One item of copy: slice `grp` of received token `tok` (sender tok / T)
 // written to each kept route's row (lane j: route j's row, or -1), in
 // slot order.
@@ -426,7 +436,7 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
     const i64 T = p.tokens, h = p.hidden;
     const int elem = p.precision == 0 ? 4 : 2;
     const bool fp8 = p.precision == 2;
-    const i64 chunks = fp8 ? h / 16 : h * elem / 16;
+    const i64 chunks = ep_copy_chunks(p);
     const int s = (int)(tok / T);
     const i64 t = tok % T;
     unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
@@ -437,54 +447,50 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
     const i64 c0 = grp * 32 * EP_UNROLL + lane;
     if (fp8) {
 #if EP_FP8
+        // Chunk c: fp8 elements [8c, 8c + 8), one uint2 of the fp8 row and
+        // one uint4 of the bf16 row; 16 chunks a scale block.
         const i64 blocks = h / EP_FP8_BLOCK;
-        const uint4 *src = (const uint4 *)(own ? p.base + p.off_send + t * h
+        const uint2 *src = (const uint2 *)(own ? p.base + p.off_send + t * h
                                                : p.base + p.off_recv + tok * h);
         const float *sc = own ? (const float *)(p.base + p.off_send_scales) + t * blocks
                               : (const float *)(p.base + p.off_recv_scales) + tok * blocks;
-        uint4 v[EP_UNROLL];
+        uint2 v[EP_UNROLL];
         float scale[EP_UNROLL];
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u) {
             const i64 c = c0 + 32 * u;
             if (c < chunks) {
                 v[u] = src[c];
-                scale[u] = sc[c * 16 / EP_FP8_BLOCK];
+                scale[u] = sc[c * 8 / EP_FP8_BLOCK];
             }
         }
-        // The bf16 rows, dequantized once per chunk (not once per route):
-        // 32 bytes of bf16 for each 16-byte chunk of fp8.
-        uint4 lo[EP_UNROLL], hi[EP_UNROLL];
+        // The bf16 rows, dequantized once per chunk (not once per route).
+        uint4 w[EP_UNROLL];
         if (p.out_bf16) {
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u) {
                 if (c0 + 32 * u >= chunks) break;
                 const unsigned short *b = (const unsigned short *)&v[u];
-                unsigned int w[8];
+                unsigned int q[4];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
+                for (int e = 0; e < 4; ++e) {
                     float x0, x1;
                     fp8e4m3x2_to_f32(b[e], x0, x1);
-                    w[e] = f32_to_bf16x2(__fmul_rn(x0, scale[u]), __fmul_rn(x1, scale[u]));
+                    q[e] = f32_to_bf16x2(__fmul_rn(x0, scale[u]), __fmul_rn(x1, scale[u]));
                 }
-                lo[u] = make_uint4(w[0], w[1], w[2], w[3]);
-                hi[u] = make_uint4(w[4], w[5], w[6], w[7]);
+                w[u] = make_uint4(q[0], q[1], q[2], q[3]);
             }
         }
-        // This item's scale blocks: 16 fp8 per chunk, 8 chunks a block.
-        const i64 b0 = grp * 32 * EP_UNROLL / 8, b1 = b0 + 32 * EP_UNROLL / 8;
+        // This item's scale blocks.
+        const i64 b0 = grp * 32 * EP_UNROLL * 8 / EP_FP8_BLOCK, b1 = b0 + 32 * EP_UNROLL * 8 / EP_FP8_BLOCK;
         for (unsigned m = kept; m; m &= m - 1) {
             const i64 r = __shfl_sync(0xffffffffu, mine, __ffs(m) - 1);
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u) {
                 const i64 c = c0 + 32 * u;
                 if (c >= chunks) break;
-                if (p.out) ((uint4 *)(p.out + r * h))[c] = v[u];
-                if (p.out_bf16) {
-                    uint4 *d = (uint4 *)(p.out_bf16 + r * h) + 2 * c;
-                    d[0] = lo[u];
-                    d[1] = hi[u];
-                }
+                if (p.out) ((uint2 *)(p.out + r * h))[c] = v[u];
+                if (p.out_bf16) ((uint4 *)(p.out_bf16 + r * h))[c] = w[u];
             }
             if (p.out)
                 for (i64 b = b0 + lane; b < b1 && b < blocks; b += 32) p.out_scales[r * blocks + b] = sc[b];
@@ -511,10 +517,8 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
 extern "C" __global__ void ep_copy(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
-    const i64 T = p.tokens, k = p.topk, h = p.hidden;
-    const int elem = p.precision == 0 ? 4 : 2;
-    const i64 chunks = p.precision == 2 ? h / 16 : h * elem / 16;
-    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+    const i64 T = p.tokens, k = p.topk;
+    const i64 groups = ep_copy_groups(p);
     const int *rows = (const int *)(p.base + p.off_route_row);
     const int *sent = (const int *)(p.base + p.off_sent);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
@@ -900,8 +904,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) ep_ll_dispatch(EpParams p) 
     int *rows = (int *)(p.base + p.off_route_row);
     const int *sent = (const int *)(p.base + p.off_sent);
     const i64 warps = (i64)gridDim.x * nwarps;
-    for (i64 item = (i64)blockIdx.x * nwarps + warp; item < p.pes * T * groups; item += warps) {
-        const i64 tok = item / groups, grp = item % groups;
+    const i64 copy_groups = ep_copy_groups(p);
+    for (i64 item = (i64)blockIdx.x * nwarps + warp; item < p.pes * T * copy_groups; item += warps) {
+        const i64 tok = item / copy_groups, grp = item % copy_groups;
         const int s = (int)(tok / T);
         if (tok % T >= sent[s]) continue;
         const int loc = lane < k ? local[tok * k + lane] : -1;
