@@ -106,7 +106,7 @@ impl Step {
             (((items + per - 1) / per).clamp(1, 65535) as u32, threads)
         };
         match self {
-            Step::Publish => (p.n.clamp(1, 4 * sms as i64) as u32, 256),
+            Step::Publish => (p.n.clamp(1, 8 * sms as i64) as u32, 256),
             Step::Signal | Step::Wait => (1, 64),
             Step::Scan => (p.local_experts.clamp(1, 65535) as u32, 256),
             Step::Count | Step::Assign => warps_for(p.pes * p.tiles_per_pe, 256),

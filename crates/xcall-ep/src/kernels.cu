@@ -80,37 +80,51 @@ __device__ void ep_publish_body(const EpParams &p) {
     unsigned char *send = p.base + p.off_send;
     if (fp8) {
 #if EP_FP8
-        // A block per token, a warp per block of 128 elements of its row
-        // (4 a lane, read in one 8-byte load: x is 16-byte aligned, H a
-        // multiple of 128), EP_PUB_UNROLL of the warp's blocks loaded
-        // before any is reduced.
+        // A block per token; each half-warp takes a block of 128 elements
+        // of its row (8 a lane, in one 16-byte load: x is 16-byte aligned,
+        // H a multiple of 128), so a warp takes two neighbouring blocks;
+        // EP_PUB_UNROLL of the warp's pairs are loaded before any is
+        // reduced.
         float *scales = (float *)(p.base + p.off_send_scales);
         const i64 nb = h / EP_FP8_BLOCK, nw = blockDim.x / 32;
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int half = lane / 16, hl = lane % 16;
         for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
             const unsigned char *row = p.src + t * h * 2;
-            for (i64 b0 = warp; b0 < nb; b0 += nw * EP_PUB_UNROLL) {
-                uint2 raw[EP_PUB_UNROLL];
+            // Pair u of the warp: blocks b2(u) and b2(u) + 1.
+            for (i64 p0 = 2 * warp; p0 < nb; p0 += 2 * nw * EP_PUB_UNROLL) {
+                uint4 raw[EP_PUB_UNROLL];
 #pragma unroll
                 for (int u = 0; u < EP_PUB_UNROLL; ++u) {
-                    const i64 b = b0 + u * nw;
-                    if (b < nb) raw[u] = ((const uint2 *)(row + (b * EP_FP8_BLOCK + lane * 4) * 2))[0];
+                    const i64 b = p0 + u * 2 * nw + half;
+                    if (b < nb) raw[u] = ((const uint4 *)(row + (b * EP_FP8_BLOCK + hl * 8) * 2))[0];
                 }
 #pragma unroll
                 for (int u = 0; u < EP_PUB_UNROLL; ++u) {
-                    const i64 b = b0 + u * nw;
-                    if (b >= nb) break;
-                    float v[4], amax = 0.0f;
-                    bf16x2_to_f32(raw[u].x, v[0], v[1]);
-                    bf16x2_to_f32(raw[u].y, v[2], v[3]);
-                    for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(v[e]));
-                    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                    // The warp goes on while its pair's first block is in
+                    // the row; a half past the row's end reduces zeros
+                    // and stores nothing.
+                    if (p0 + u * 2 * nw >= nb) break;
+                    const i64 b = p0 + u * 2 * nw + half;
+                    const bool in = b < nb;
+                    float v[8], amax = 0.0f;
+                    if (in) {
+                        bf16x2_to_f32(raw[u].x, v[0], v[1]);
+                        bf16x2_to_f32(raw[u].y, v[2], v[3]);
+                        bf16x2_to_f32(raw[u].z, v[4], v[5]);
+                        bf16x2_to_f32(raw[u].w, v[6], v[7]);
+                        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+                    }
+                    for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                    if (!in) continue;
                     const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-                    if (lane == 0) scales[t * nb + b] = scale;
-                    unsigned int packed = 0;
-                    for (int e = 0; e < 4; ++e)
-                        packed |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[e], scale)) << (8 * e);
-                    ((unsigned int *)(send + t * h + b * EP_FP8_BLOCK))[lane] = packed;
+                    if (hl == 0) scales[t * nb + b] = scale;
+                    unsigned int lo = 0, hi = 0;
+                    for (int e = 0; e < 4; ++e) {
+                        lo |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[e], scale)) << (8 * e);
+                        hi |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[4 + e], scale)) << (8 * e);
+                    }
+                    ((uint2 *)(send + t * h + b * EP_FP8_BLOCK))[hl] = make_uint2(lo, hi);
                 }
             }
         }

@@ -168,6 +168,19 @@ fn one_to_four_gpus_match_the_reference_and_the_host_bit_for_bit() {
                 ..Case::new(fp8, pes, Routing::Random, 50 + pes as u64)
             },
         );
+        // Rows of an odd number of 128-element blocks, more than one pass
+        // of the quantize's warps (67 blocks) and fewer (9).
+        for (hidden, seed) in [(67 * 128, 60), (9 * 128, 61)] {
+            same_as_host(
+                &format!("cuda-{pes}-fp8-h{hidden}"),
+                Case::new(
+                    cfg(100, hidden, 4, 8 * pes, Precision::Fp8Dispatch),
+                    pes,
+                    Routing::Random,
+                    seed + pes as u64,
+                ),
+            );
+        }
         let capped = EpConfig {
             capacity: Capacity::PerExpert(20),
             ..cfg(200, 64, 3, 4 * pes, Precision::Bf16)
