@@ -148,9 +148,9 @@ pub const MAX_RAGGED_GROUPS: u64 = 1024;
 
 /// Bytes of the CUDA kernels' shared-memory table of `groups` ragged
 /// groups (each group's first byte and length, then each group's first
-/// work item and the item count).
+/// work item and the item count, then each group's f32 scale).
 pub fn ragged_table_bytes(groups: u64) -> u64 {
-    24 * groups + 8
+    28 * groups + 8
 }
 
 /// Where the ragged groups' table starts in a kernel's dynamic shared

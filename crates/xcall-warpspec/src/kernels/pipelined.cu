@@ -47,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
         if (warp < WARPS && lane == 0) {
             const unsigned char *src = @SRC_SELECT@;
             PipelineState st = {0u, PRODUCER_PHASE};
+            u32 g = 0;
             for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
                 const u32 s = st.index;
                 // The EMPTY barrier (release by the compute warps, acquire
@@ -55,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
                 // here cost ~3% bandwidth on H100 (it waits for this
                 // producer's copies in flight) and changed no result.
                 producer_acquire(stage_addr(smem, EMPTY_OFF, warp, s), st);
-                const Item it = p.rows ? ragged_item(tab, G, i, TILE) : item_of(i, tiles_per_group, group, TILE);
+                const Item it = p.rows ? ragged_item(tab, G, i, TILE, g) : item_of(i, tiles_per_group, group, TILE);
                 // The tile's whole 16-byte vectors; compute reads a tail
                 // from global memory.
                 const u32 bulk = it.n & ~15u;
@@ -66,10 +67,11 @@ extern "C" __global__ void __launch_bounds__(@THREADS@, 1) @NAME@(const WsParams
         @INC@
         const u32 ct = tid - PRODUCER_THREADS;
         PipelineState st = {0u, CONSUMER_PHASE};
+        u32 g = 0;
         for (u64 i = blockIdx.x; i < items; i += gridDim.x, advance(st, STAGES)) {
             const u32 s = st.index;
-            const Item it = p.rows ? ragged_item(tab, G, i, TILE) : item_of(i, tiles_per_group, group, TILE);
-            const float scale = p.scales ? p.scales[it.group] : p.scale;
+            const Item it = p.rows ? ragged_item(tab, G, i, TILE, g) : item_of(i, tiles_per_group, group, TILE);
+            const float scale = p.rows ? ragged_scale(tab, G, it.group) : p.scales ? p.scales[it.group] : p.scale;
             (void)scale;
             for (u32 w = 0; w < WARPS; ++w) consumer_wait(stage_addr(smem, FULL_OFF, w, s), st);
             // The tile's whole 16-byte vectors come from shared memory.

@@ -17,9 +17,10 @@ extern "C" __global__ void __launch_bounds__(PLAIN_THREADS) @NAME@(const WsParam
     const u64 group = p.group_bytes;
     const u64 tiles_per_group = (group + PLAIN_TILE - 1) / PLAIN_TILE;
     const u64 items = p.rows ? tab[3 * G] : p.bytes / group * tiles_per_group;
+    u32 g = 0;
     for (u64 i = blockIdx.x; i < items; i += gridDim.x) {
-        const Item it = p.rows ? ragged_item(tab, G, i, PLAIN_TILE) : item_of(i, tiles_per_group, group, PLAIN_TILE);
-        const float scale = p.scales ? p.scales[it.group] : p.scale;
+        const Item it = p.rows ? ragged_item(tab, G, i, PLAIN_TILE, g) : item_of(i, tiles_per_group, group, PLAIN_TILE);
+        const float scale = p.rows ? ragged_scale(tab, G, it.group) : p.scales ? p.scales[it.group] : p.scale;
         (void)scale;
         const u32 vecs = it.n / 16u;
 @VEC_LOADS@        #pragma unroll

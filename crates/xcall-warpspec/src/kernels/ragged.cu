@@ -4,7 +4,8 @@
 // role starts, every thread of the block builds a table in shared memory:
 // each group's first byte and length (a negative count taken as 0, groups
 // cut at their segment's end), then each group's first work item (tiles of
-// `tile` bytes within a group) and the item count.
+// `tile` bytes within a group) and the item count, then each group's
+// scale (read once here, not once per item).
 
 // Inclusive sum over the warp.
 __device__ __forceinline__ u64 warp_scan(u64 x, u32 lane) {
@@ -17,10 +18,13 @@ __device__ __forceinline__ u64 warp_scan(u64 x, u32 lane) {
 }
 
 // Called by every thread of the block (it synchronizes the block twice).
-// The table: base[G], len[G], first[G + 1] (G = segments * groups).
+// The table: base[G], len[G], first[G + 1] (G = segments * groups), then
+// scale[G] (f32).
 __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
     const u32 G = p.segments * p.groups;
     u64 *base = tab, *len = tab + G, *first = tab + 2 * G;
+    float *scale = (float *)(tab + 3 * G + 1);
+    for (u32 g = threadIdx.x; g < G; g += blockDim.x) scale[g] = p.scales[g];
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
     const u64 seg_rows = p.segment_bytes / p.row_bytes;
     for (u32 s = warp; s < p.segments; s += nwarps) {
@@ -55,21 +59,25 @@ __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
     __syncthreads();
 }
 
-// Work item i (< first[G]) of the table: the group whose items hold it
-// (binary search; a group without items shares its successor's first),
-// the tile's first byte and its length.
-__device__ __forceinline__ Item ragged_item(const u64 *tab, u32 G, u64 i, u64 tile) {
+// Work item i (< first[G]) of the table, for a role whose items only
+// grow: `g` holds the group of the role's previous item (0 before the
+// first) and moves up to the last group whose first item is at most i (a
+// group without items shares its successor's first), a step or two per
+// item instead of a search of the whole table. Then the tile's first byte
+// and its length.
+__device__ __forceinline__ Item ragged_item(const u64 *tab, u32 G, u64 i, u64 tile, u32 &g) {
     const u64 *base = tab, *len = tab + G, *first = tab + 2 * G;
-    u32 lo = 0, hi = G;  // first[lo] <= i < first[hi]
-    while (hi - lo > 1) {
-        const u32 mid = (lo + hi) / 2;
-        if (first[mid] <= i) lo = mid; else hi = mid;
-    }
+    while (g + 1 < G && first[g + 1] <= i) ++g;
     Item it;
-    it.group = lo;
-    const u64 t = i - first[lo];
-    it.base = base[lo] + t * tile;
-    const u64 left = len[lo] - t * tile;
+    it.group = g;
+    const u64 t = i - first[g];
+    it.base = base[g] + t * tile;
+    const u64 left = len[g] - t * tile;
     it.n = (u32)(left < tile ? left : tile);
     return it;
+}
+
+// Group g's scale, from the table.
+__device__ __forceinline__ float ragged_scale(const u64 *tab, u32 G, u64 g) {
+    return ((const float *)(tab + 3 * G + 1))[g];
 }
