@@ -2,7 +2,8 @@
 # Tests the device bundle's run-all.sh (scripts/bundle-run-all.sh) on a
 # bundle of stand-in programs in a temporary folder: how skip lines count
 # with and without XCALL_REQUIRE_CUDA and XCALL_REQUIRE_NCCL_ONE_SIDED,
-# with and without torch, what --quick leaves out, and the run's own
+# with and without torch, what --quick leaves out (the JAX passes' files
+# with a real pytest where one is given), and the run's own
 # time. Run by .ci/run.
 set -euo pipefail
 script="$(cd "$(dirname "$0")" && pwd)/bundle-run-all.sh"
@@ -32,7 +33,7 @@ bundle() { # <dir> <extra test body> [gpus]
   # An interpreter with jax and pytest whose suites pass; each JAX pass
   # (pytest leaving the PyTorch files out) records the platforms it
   # asked for.
-  printf '#!/bin/sh\ncase "$*" in *"-m pytest"*--ignore-glob*) echo "platforms=$XCALL_JAX_PLATFORMS" >>"$(dirname "$0")/ran-pytest" ;; esac\nexit 0\n' >"$b/python3"
+  printf '#!/bin/sh\ncase "$*" in *"-m pytest"*/python/tests) echo "platforms=$XCALL_JAX_PLATFORMS" >>"$(dirname "$0")/ran-pytest" ;; esac\nexit 0\n' >"$b/python3"
   chmod +x "$b"/run-all.sh "$b"/bin/* "$b"/tests/* "$b"/c_tests/* "$b"/examples/* "$b"/benches/* "$b/python3"
 }
 
@@ -170,6 +171,34 @@ run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
 expect "without torch the PyTorch suite is a skip" test "$rc" = 0
 expect "  counted, with its reason" has "SKIP torch-suite: $b/python3 cannot import torch and pytest"
 expect "  " has "1 skipped, 0 failed"
+
+# The JAX passes leave files out with a real pytest, run from outside the
+# bundle as on a GPU host: every file they must leave out fails if
+# collected, so the run passes only if pytest left them out.
+# XCALL_PYTEST_PYTHON: an interpreter with pytest (CI's pinned one); a
+# run without one says so, and fails under XCALL_REQUIRE_JAX=1.
+real_py=${XCALL_PYTEST_PYTHON:-python3}
+if "$real_py" -c "import pytest" 2>/dev/null; then
+  b="$tmp/real-pytest"
+  bundle "$b" "exit 0"
+  mkdir -p "$b/python/tests"
+  for f in test_xcall_torch.py test_xcall_torch_gpu.py test_layer.py test_readme.py \
+    test_xcall_jax_ep.py test_xcall_jax_ep_processes.py; do
+    printf 'def test_left_out():\n    assert False, "%s ran"\n' "$f" >"$b/python/tests/$f"
+  done
+  printf 'def test_gpu_case():\n    pass\n' >"$b/python/tests/test_xcall_jax_gpu.py"
+  # jax and pytest "import"; pip "installs"; torch does not import.
+  printf '#!/bin/sh\ncase "$*" in *"-m pytest"*) exec "%s" "$@" ;; *"import torch"*) exit 1 ;; esac\nexit 0\n' \
+    "$(command -v "$real_py")" >"$b/python3"
+  run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --quick
+  expect "a real pytest, --quick: the JAX passes leave out the PyTorch and CPU-only files" test "$rc" = 0
+  expect "  and run the rest" test "$(grep -c '^PASS jax-command-buffers-o[nf]' <<<"$out")" = 2
+elif [ "${XCALL_REQUIRE_JAX:-0}" = 1 ]; then
+  echo "FAIL: $real_py cannot import pytest (XCALL_REQUIRE_JAX=1; set XCALL_PYTEST_PYTHON)"
+  failures=$((failures + 1))
+else
+  echo "SKIP bundle-run-all-test real pytest: $real_py cannot import pytest (set XCALL_PYTEST_PYTHON)" >&2
+fi
 
 b="$tmp/failing"
 bundle "$b" 'echo "assertion failed"; exit 101'
