@@ -91,7 +91,7 @@ __device__ void ep_publish_body(const EpParams &p) {
         const int half = lane / 16, hl = lane % 16;
         for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
             const unsigned char *row = p.src + t * h * 2;
-            // Pair u of the warp: blocks b2(u) and b2(u) + 1.
+            // Pair u of the warp: blocks p0 + 2 * nw * u and the one after.
             for (i64 p0 = 2 * warp; p0 < nb; p0 += 2 * nw * EP_PUB_UNROLL) {
                 uint4 raw[EP_PUB_UNROLL];
 #pragma unroll
