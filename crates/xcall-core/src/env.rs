@@ -205,6 +205,13 @@ pub const VARIABLES: &[Variable] = &[
         "The Python interpreter the JAX suite runs with.",
     ),
     var(
+        "XCALL_PYTEST_PYTHON",
+        Kind::Path,
+        "`python3` on PATH",
+        "tests",
+        "An interpreter with pytest for `scripts/bundle-run-all-test.sh`, which runs the device bundle's JAX passes through it over files that fail if collected. Without pytest that check is a skip, and a failure under `XCALL_REQUIRE_JAX=1`.",
+    ),
+    var(
         "XCALL_JAX_PLATFORMS",
         Kind::Text,
         "`cpu` under `cargo test`; every platform jaxlib sees under pytest",
