@@ -178,19 +178,10 @@ for tool in ${XCALL_SANITIZERS:-}; do
       --error-exitcode 1 "$t" --test-threads 1
   done
 done
-# pytest's --ignore with the files' whole paths: pytest 9 matches an
-# --ignore-glob without a folder only under its rootdir, and the suite
-# runs from outside the bundle.
-ignore() { # <file name patterns...>
-  local f p
-  for p in "$@"; do
-    for f in "$here"/python/tests/$p; do
-      [ -e "$f" ] && printf -- '--ignore=%s\n' "$f"
-    done
-  done
-}
 jax_suite() { # <on|off>
-  local flags="--xla_gpu_enable_command_buffer=" only_gpu=()
+  # The globs name the folder: pytest 9 matches a glob without one only
+  # under its rootdir, and the suite runs from outside the bundle.
+  local flags="--xla_gpu_enable_command_buffer=" only_gpu=() tests="$here/python/tests"
   local platforms=cpu
   [ "$gpu" = 1 ] && platforms=cpu,gpu
   [ "$1" = on ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
@@ -199,15 +190,13 @@ jax_suite() { # <on|off>
   # nothing for them); so does the first with --quick and a GPU required.
   if [ "$1" = on ] || { [ "$XCALL_REQUIRE_CUDA" = 1 ] && [ "$quick" = 1 ]; }; then
     platforms=gpu
-    mapfile -t only_gpu < <(ignore test_layer.py test_readme.py test_xcall_jax_ep.py \
-      test_xcall_jax_ep_processes.py)
+    only_gpu=(--ignore-glob="$tests/test_layer.py" --ignore-glob="$tests/test_readme.py"
+      --ignore-glob="$tests/test_xcall_jax_ep.py" --ignore-glob="$tests/test_xcall_jax_ep_processes.py")
   fi
-  local no_torch=()
-  mapfile -t no_torch < <(ignore 'test_xcall_torch*')
   XLA_FLAGS="$flags" XCALL_XLA_COMMAND_BUFFERS=$1 PYTHONPATH="$site" XCALL_TEST_INSTALLED=1 \
     XCALL_JAX_PLATFORMS=$platforms XCALL_JAX_REPORT="$logs/jax-report.jsonl" \
     env -u XCALL_LIB "$py" -m pytest -q -rs -p no:cacheprovider \
-    "${no_torch[@]}" "${only_gpu[@]}" "$here/python/tests"
+    --ignore-glob="$tests/test_xcall_torch*" "${only_gpu[@]}" "$tests"
   local rc=$?
   [ $rc -eq 5 ] && echo "pytest collected no tests"
   return $rc
