@@ -208,10 +208,15 @@ __device__ __forceinline__ void ep_push_item(const EpParams &p, i64 t, i64 grp) 
     }
 }
 
-// Items of one token's rows: a warp moves 32 * EP_UNROLL 16-byte chunks.
+// Items of a row of `chunks` 16-byte chunks: a warp moves 32 * EP_UNROLL.
+__device__ __forceinline__ i64 ep_items(i64 chunks) {
+    return (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+}
+
+// Items of one token's rows on the wire.
 __device__ __forceinline__ i64 ep_groups(const EpParams &p) {
     const i64 wire_row = p.precision == 2 ? p.hidden : p.hidden * (p.precision == 0 ? 4 : 2);
-    return (wire_row / 16 + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+    return ep_items(wire_row / 16);
 }
 
 // push: per item of one of this PE's tokens (a 32 * EP_UNROLL-chunk
@@ -439,7 +444,7 @@ __device__ __forceinline__ i64 ep_copy_chunks(const EpParams &p) {
     return p.precision == 2 ? p.hidden / 8 : p.hidden * (p.precision == 0 ? 4 : 2) / 16;
 }
 __device__ __forceinline__ i64 ep_copy_groups(const EpParams &p) {
-    return (ep_copy_chunks(p) + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+    return ep_items(ep_copy_chunks(p));
 }
 
 // One item of copy: slice `grp` of received token `tok` (sender tok / T)
@@ -580,7 +585,7 @@ __device__ void ep_reduce_body(const EpParams &p) {
     const int prec = p.precision == 0 ? 0 : 1;
     const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
     const i64 chunks = h / per;
-    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+    const i64 groups = ep_items(chunks);
     const int *rows = (const int *)(p.base + p.off_route_row);
     const int *local = (const int *)(p.base + p.off_local);
     const float *probs = (const float *)(p.base + p.off_recv_probs);
@@ -663,7 +668,7 @@ __device__ void ep_gather_sum_body(const EpParams &p) {
     const int prec = p.precision == 0 ? 0 : 1;
     const int elem = prec == 0 ? 4 : 2, per = 16 / elem;
     const i64 chunks = h / per;
-    const i64 groups = (chunks + 32 * EP_UNROLL - 1) / (32 * EP_UNROLL);
+    const i64 groups = ep_items(chunks);
     const int *ids = (const int *)(p.base + p.off_ids);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps) {
         const i64 t = item / groups, grp = item % groups;

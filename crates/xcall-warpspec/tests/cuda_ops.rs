@@ -306,6 +306,8 @@ fn ragged_groups_equal_the_host_executor() {
         (DType::Bf16, 4096, 300, 2, 4, 2),
         (DType::F32, 2048, 40, 3, 33, 3),
         (DType::F32, 4, 1000, 4, 2, 4),
+        // More segments than a block has warps: every warp builds tables.
+        (DType::Bf16, 1024, 20, 13, 3, 5),
     ];
     for (dtype, row, seg_rows, segments, groups, seed) in cases {
         let row_bytes = row * dtype.size_bytes();

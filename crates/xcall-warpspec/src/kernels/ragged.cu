@@ -24,8 +24,13 @@ __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
     const u32 G = p.segments * p.groups;
     u64 *base = tab, *len = tab + G, *first = tab + 2 * G;
     float *scale = (float *)(tab + 3 * G + 1);
-    for (u32 g = threadIdx.x; g < G; g += blockDim.x) scale[g] = p.scales[g];
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    // The warps without a segment copy the scales while the others load
+    // the counts, so the two loads' latencies overlap; with no such warp,
+    // every warp copies them after its segments.
+    const u32 busy = p.segments < nwarps ? p.segments : nwarps;
+    if (warp >= busy)
+        for (u32 g = threadIdx.x - busy * 32; g < G; g += blockDim.x - busy * 32) scale[g] = p.scales[g];
     const u64 seg_rows = p.segment_bytes / p.row_bytes;
     for (u32 s = warp; s < p.segments; s += nwarps) {
         u64 carry = 0;
@@ -44,6 +49,8 @@ __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
             carry = sum < seg_rows ? sum : seg_rows;
         }
     }
+    if (busy == nwarps)
+        for (u32 g = threadIdx.x; g < G; g += blockDim.x) scale[g] = p.scales[g];
     __syncthreads();
     if (warp == 0) {
         u64 carry = 0;
