@@ -70,6 +70,35 @@ __device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) 
 
 __device__ void ep_publish_routing(const EpParams &p);
 
+#if EP_FP8
+// A block's eight quotients v / scale as host.rs's fp8_quotient computes
+// them: from the scale's reciprocal, a product and one fused correction,
+// which a Host test shows equal to the division for every bf16 element of
+// a block wherever fp8 does not round it to zero (and in the fp8 byte
+// always). A scale below 2^-80 is scaled by 2^64 first (exactly, with the
+// elements), so that the correction's remainder stays a normal f32; an
+// infinite scale (a block holding an infinity) divides.
+__device__ __forceinline__ void ep_quotients(float scale, const float *v, float *q) {
+    if (!(scale <= 3.40282347e38f)) {
+        for (int e = 0; e < 8; ++e) q[e] = __fdiv_rn(v[e], scale);
+        return;
+    }
+    const float k = scale < 0x1p-80f ? 0x1p64f : 1.0f;
+    const float s = __fmul_rn(scale, k), inv = __frcp_rn(s);
+    for (int e = 0; e < 8; ++e) {
+        const float a = __fmul_rn(fabsf(v[e]), k), q0 = __fmul_rn(a, inv);
+        q[e] = copysignf(__fmaf_rn(__fmaf_rn(-s, q0, a), inv, q0), v[e]);
+    }
+}
+// Two f32 to two e4m3 bytes (lo in the low byte), rounded to nearest,
+// saturating.
+__device__ __forceinline__ unsigned int ep_fp8x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif
+
 // publish: the rows peers read from the send buffer (FP8: quantized
 // there, a scale per 128 elements; combine_backward: the output gradient,
 // which peers pull), then the routing, one warp per token (lane j: slot j).
@@ -119,11 +148,10 @@ __device__ void ep_publish_body(const EpParams &p) {
                     if (!in) continue;
                     const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
                     if (hl == 0) scales[t * nb + b] = scale;
-                    unsigned int lo = 0, hi = 0;
-                    for (int e = 0; e < 4; ++e) {
-                        lo |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[e], scale)) << (8 * e);
-                        hi |= (unsigned int)f32_to_fp8e4m3(__fdiv_rn(v[4 + e], scale)) << (8 * e);
-                    }
+                    float q[8];
+                    ep_quotients(scale, v, q);
+                    const unsigned int lo = ep_fp8x2(q[0], q[1]) | ep_fp8x2(q[2], q[3]) << 16;
+                    const unsigned int hi = ep_fp8x2(q[4], q[5]) | ep_fp8x2(q[6], q[7]) << 16;
                     ((uint2 *)(send + t * h + b * EP_FP8_BLOCK))[hl] = make_uint2(lo, hi);
                 }
             }
