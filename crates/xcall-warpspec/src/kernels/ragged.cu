@@ -17,26 +17,27 @@ __device__ __forceinline__ u64 warp_scan(u64 x, u32 lane) {
     return x;
 }
 
-// Called by every thread of the block (it synchronizes the block twice).
-// The table: base[G], len[G], first[G + 1] (G = segments * groups), then
-// scale[G] (f32).
+// Called by every thread of the block (it synchronizes the block three
+// times). The table: base[G], len[G], first[G + 1] (G = segments *
+// groups), then scale[G] (f32). Every thread first loads counts and
+// scales (the counts into len), so that all of the loads are in flight at
+// once; each segment's warp then scans its counts from shared memory.
 __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
     const u32 G = p.segments * p.groups;
     u64 *base = tab, *len = tab + G, *first = tab + 2 * G;
     float *scale = (float *)(tab + 3 * G + 1);
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-    // The warps without a segment copy the scales while the others load
-    // the counts, so the two loads' latencies overlap; with no such warp,
-    // every warp copies them after its segments.
-    const u32 busy = p.segments < nwarps ? p.segments : nwarps;
-    if (warp >= busy)
-        for (u32 g = threadIdx.x - busy * 32; g < G; g += blockDim.x - busy * 32) scale[g] = p.scales[g];
+    for (u32 g = threadIdx.x; g < G; g += blockDim.x) {
+        len[g] = (u64)p.rows[g];
+        scale[g] = p.scales[g];
+    }
+    __syncthreads();
     const u64 seg_rows = p.segment_bytes / p.row_bytes;
     for (u32 s = warp; s < p.segments; s += nwarps) {
         u64 carry = 0;
         for (u32 g0 = 0; g0 < p.groups; g0 += 32) {
             const u32 g = g0 + lane;
-            const long long c = g < p.groups ? p.rows[(u64)s * p.groups + g] : 0;
+            const long long c = g < p.groups ? (long long)len[s * p.groups + g] : 0;
             const u64 n = c > 0 ? ((u64)c < seg_rows ? (u64)c : seg_rows) : 0;
             const u64 incl = warp_scan(n, lane);
             const u64 lo = carry + incl - n, hi = carry + incl;
@@ -49,8 +50,6 @@ __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
             carry = sum < seg_rows ? sum : seg_rows;
         }
     }
-    if (busy == nwarps)
-        for (u32 g = threadIdx.x; g < G; g += blockDim.x) scale[g] = p.scales[g];
     __syncthreads();
     if (warp == 0) {
         u64 carry = 0;
