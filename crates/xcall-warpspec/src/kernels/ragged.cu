@@ -68,12 +68,22 @@ __device__ void ragged_table(const WsParams p, u64 *tab, u64 tile) {
 // Work item i (< first[G]) of the table, for a role whose items only
 // grow: `g` holds the group of the role's previous item (0 before the
 // first) and moves up to the last group whose first item is at most i (a
-// group without items shares its successor's first), a step or two per
-// item instead of a search of the whole table. Then the tile's first byte
-// and its length.
+// group without items shares its successor's first). It gallops (steps
+// of 1, 2, 4, ... while the group's first item is at most i, then halves
+// back), so that staying in a group takes one load and crossing many
+// small groups (a role's items are a grid apart) a few, not one per
+// group. Then the tile's first byte and its length.
 __device__ __forceinline__ Item ragged_item(const u64 *tab, u32 G, u64 i, u64 tile, u32 &g) {
     const u64 *base = tab, *len = tab + G, *first = tab + 2 * G;
-    while (g + 1 < G && first[g + 1] <= i) ++g;
+    u32 step = 1;
+    while (g + step < G && first[g + step] <= i) {
+        g += step;
+        step *= 2;
+    }
+    while (step > 1) {
+        step /= 2;
+        if (g + step < G && first[g + step] <= i) g += step;
+    }
     Item it;
     it.group = g;
     const u64 t = i - first[g];
