@@ -71,7 +71,7 @@ __device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) 
 __device__ void ep_publish_routing(const EpParams &p);
 
 #if EP_FP8
-// A block's eight quotients v / scale as host.rs's fp8_quotient computes
+// A block's eight quotients v / scale as fp8.rs's fp8_quotient computes
 // them: from the scale's reciprocal, a product and one fused correction,
 // which a Host test shows equal to the division for every bf16 element of
 // a block wherever fp8 does not round it to zero (and in the fp8 byte

@@ -55,6 +55,7 @@ mod args;
 pub mod config;
 mod cuda;
 mod error;
+pub mod fp8;
 pub mod group;
 pub mod host;
 pub mod host_grad;
