@@ -71,7 +71,7 @@ __device__ __forceinline__ void ep_error(const EpParams &p, u64 kind, i64 rank) 
 __device__ void ep_publish_routing(const EpParams &p);
 
 #if EP_FP8
-// A block's eight quotients v / scale as fp8.rs's fp8_quotient computes
+// A block's eight quotients v / scale as fp8.rs's fp8_divide_by computes
 // them: from the scale's reciprocal, a product and one fused correction,
 // which a Host test shows equal to the division for every bf16 element of
 // a block wherever fp8 does not round it to zero (and in the fp8 byte
@@ -89,13 +89,6 @@ __device__ __forceinline__ void ep_quotients(float scale, const float *v, float 
         const float a = __fmul_rn(fabsf(v[e]), k), q0 = __fmul_rn(a, inv);
         q[e] = copysignf(__fmaf_rn(__fmaf_rn(-s, q0, a), inv, q0), v[e]);
     }
-}
-// Two f32 to two e4m3 bytes (lo in the low byte), rounded to nearest,
-// saturating.
-__device__ __forceinline__ unsigned int ep_fp8x2(float lo, float hi) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 #endif
 
@@ -150,8 +143,9 @@ __device__ void ep_publish_body(const EpParams &p) {
                     if (hl == 0) scales[t * nb + b] = scale;
                     float q[8];
                     ep_quotients(scale, v, q);
-                    const unsigned int lo = ep_fp8x2(q[0], q[1]) | ep_fp8x2(q[2], q[3]) << 16;
-                    const unsigned int hi = ep_fp8x2(q[4], q[5]) | ep_fp8x2(q[6], q[7]) << 16;
+                    unsigned int w[4];
+                    for (int e = 0; e < 4; ++e) w[e] = f32x2_to_fp8e4m3x2(q[2 * e], q[2 * e + 1]);
+                    const unsigned int lo = w[0] | w[1] << 16, hi = w[2] | w[3] << 16;
                     ((uint2 *)(send + t * h + b * EP_FP8_BLOCK))[hl] = make_uint2(lo, hi);
                 }
             }

@@ -20,7 +20,7 @@ pub const BULK_COPY: &str = include_str!("device/bulk_copy.cuh");
 /// f32 <-> bf16 (`bf16_to_f32`, `f32_to_bf16`, `bf16x2_to_f32`,
 /// `f32_to_bf16x2`; sm_80+) and fp8 (`fp8e5m2_to_f32` anywhere;
 /// `fp8e4m3_to_f32`, `fp8e4m3x2_to_f32`, `f32_to_fp8e4m3`,
-/// `f32_to_fp8e5m2` on sm_89+),
+/// `f32x2_to_fp8e4m3x2`, `f32_to_fp8e5m2` on sm_89+),
 /// rounding to nearest even.
 pub const CONVERT: &str = include_str!("device/convert.cuh");
 
@@ -77,6 +77,7 @@ mod tests {
             "fp8e4m3_to_f32",
             "fp8e4m3x2_to_f32",
             "f32_to_fp8e4m3",
+            "f32x2_to_fp8e4m3x2",
             "f32_to_fp8e5m2",
         ] {
             assert!(defines(CONVERT, name), "{name}");

@@ -63,6 +63,13 @@ __device__ __forceinline__ unsigned char f32_to_fp8e4m3(float x) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
     return (unsigned char)(r & 0xffu);
 }
+// Two f32 -> two fp8 e4m3 (lo in the lower byte: the lower address), as
+// f32_to_fp8e4m3 each, in one conversion.
+__device__ __forceinline__ unsigned short f32x2_to_fp8e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 // f32 -> fp8 e5m2, round to nearest even, saturating to +-57344 (a NaN
 // stays a NaN).
 __device__ __forceinline__ unsigned char f32_to_fp8e5m2(float x) {
