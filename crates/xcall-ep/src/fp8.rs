@@ -14,26 +14,29 @@ pub fn fp8_scale(amax: f32) -> f32 {
     }
 }
 
-/// `x / scale` as the CUDA quantize computes it, from the scale's
-/// reciprocal: the product and one fused correction (Markstein's). For
-/// every bf16 `x` of a block and its scale this is the division in every
+/// Division by a block's `scale` as the CUDA quantize computes it, from
+/// the scale's reciprocal (taken once per block, as there): each
+/// quotient is the product and one fused correction (Markstein's). For
+/// every bf16 `x` of a block and its scale this is `x / scale` in every
 /// quotient fp8 does not round to zero, and the same fp8 byte always (a
 /// test checks every pair). A scale below 2^-80 is first scaled by 2^64,
 /// exactly on both sides, so the correction's remainder stays a normal
 /// f32; an infinite scale (a block holding an infinity) divides.
-pub fn fp8_quotient(x: f32, scale: f32) -> f32 {
+pub fn fp8_divide_by(scale: f32) -> impl Fn(f32) -> f32 {
     // Written with the powers of two's bits: 2^-80 and 2^64.
     let (tiny, up) = (f32::from_bits(0x1780_0000), f32::from_bits(0x5f80_0000));
-    if !scale.is_finite() {
-        return x / scale;
-    }
     let k = if scale < tiny { up } else { 1.0 };
     let s = scale * k;
     let inv = 1.0 / s;
-    let a = x.abs() * k;
-    let q = a * inv;
-    let r = (-s).mul_add(q, a);
-    r.mul_add(inv, q).copysign(x)
+    move |x: f32| {
+        if !scale.is_finite() {
+            return x / scale;
+        }
+        let a = x.abs() * k;
+        let q = a * inv;
+        let r = (-s).mul_add(q, a);
+        r.mul_add(inv, q).copysign(x)
+    }
 }
 
 #[cfg(test)]
@@ -68,6 +71,7 @@ mod tests {
             .into_par_iter()
             .map(|ab| {
                 let scale = fp8_scale(bf(ab));
+                let divide = fp8_divide_by(scale);
                 // The smallest element kept exactly: 2^21 below the largest.
                 let low = if ab & 0x7f80 > 21 << 7 {
                     ab - (21 << 7)
@@ -78,7 +82,7 @@ mod tests {
                 let mut bad = (0, None);
                 for xb in (first..=ab).flat_map(|xb| [xb, xb | 0x8000]) {
                     let x = bf(xb);
-                    let (want, got) = (x / scale, fp8_quotient(x, scale));
+                    let (want, got) = (x / scale, divide(x));
                     let same = if xb & 0x7fff >= low {
                         want.to_bits() == got.to_bits()
                     } else {
@@ -98,7 +102,7 @@ mod tests {
         let first = per_block.iter().find_map(|b| b.1.clone());
         assert_eq!(differ, 0, "pairs differ, the first: {first:?}");
         // Known answers: -0 keeps its sign; 3 / 1.5 is 2.
-        assert_eq!(fp8_quotient(-0.0, 2.0).to_bits(), (-0.0f32).to_bits());
-        assert_eq!(fp8_quotient(3.0, 1.5), 2.0);
+        assert_eq!(fp8_divide_by(2.0)(-0.0).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(fp8_divide_by(1.5)(3.0), 2.0);
     }
 }

@@ -21,7 +21,7 @@ use xcall_core::{fp8_decode, fp8_encode, Fp8};
 
 use crate::config::{word, FP8_BLOCK, TILE_TOKENS};
 use crate::error::{EpError, Result};
-pub use crate::fp8::{fp8_quotient, fp8_scale};
+use crate::fp8::{fp8_divide_by, fp8_scale};
 use crate::host_sum::{par_tokens, sum_rows};
 use crate::params::EpParams;
 
@@ -97,13 +97,13 @@ pub unsafe fn publish(p: &EpParams, wire: bool) -> usize {
                     .map(|i| load(1, row, b * FP8_BLOCK + i).abs())
                     .fold(0.0f32, f32::max);
                 let scale = fp8_scale(amax);
+                let divide = fp8_divide_by(scale);
                 // SAFETY: send holds [T, H] bytes, scales [T, H/128].
                 unsafe {
                     *scales.add(t * (h / FP8_BLOCK) + b) = scale;
                     for i in 0..FP8_BLOCK {
                         let e = b * FP8_BLOCK + i;
-                        *send.add(t * h + e) =
-                            fp8_encode(Fp8::E4M3, fp8_quotient(load(1, row, e), scale));
+                        *send.add(t * h + e) = fp8_encode(Fp8::E4M3, divide(load(1, row, e)));
                     }
                 }
             }
