@@ -10,13 +10,13 @@
 use std::time::Duration;
 
 use xcall_core::testing::{capture_graph, cuda_devices_or_skip, run_threads, watchdog};
-use xcall_core::{Device, Platform, Status};
-use xcall_ep::{Buf, Capacity, EpConfig, EpGroup, EpKernels, Precision};
-use xcall_shmem::{World, WorldConfig};
+use xcall_core::{Device, Status};
+use xcall_ep::{Buf, EpConfig, EpGroup, EpKernels, Precision};
 
 mod common;
 use common::cuda::{gpus, CudaMem};
-use common::run::{expert_major, round, HostMem, Mem, Outputs};
+use common::run::{expert_major, Mem};
+use common::threads::{cfg, host_equal_cases, run, same_outputs, world};
 use common::*;
 
 /// The PE counts of `counts` this machine's GPUs can run (none without
@@ -33,55 +33,6 @@ fn pe_counts(test: &str, counts: &[usize]) -> Vec<usize> {
     run
 }
 
-fn world(
-    group: &str,
-    rank: usize,
-    n: usize,
-    device: Device,
-    heap: usize,
-    timeout: Duration,
-) -> World {
-    let mut c = WorldConfig::in_process(group, rank, n, device);
-    c.heap_bytes = Some(heap + (2 << 20));
-    c.timeout = timeout;
-    let mut w = World::new();
-    w.init(&c).unwrap();
-    w
-}
-
-/// Runs `case` on its PEs as threads, on GPUs (`cuda`) or Host, and
-/// returns each PE's outputs.
-fn run(name: &str, case: &Case, cuda: bool) -> Vec<Outputs> {
-    let heap = case.config.layout(case.pes).unwrap().heap_bytes;
-    let group = format!("ep-{name}-{cuda}-{}", std::process::id());
-    let case = case.clone();
-    run_threads(name, case.pes, watchdog(), move |rank| {
-        let device = match cuda {
-            true => Device::cuda(rank as u32),
-            false => Device::new(Platform::Host, rank as u32),
-        };
-        let mut w = world(
-            &group,
-            rank,
-            case.pes,
-            device,
-            heap,
-            Duration::from_secs(30),
-        );
-        let mut g = EpGroup::new(&mut w, case.config).unwrap();
-        let out = {
-            let mut m: Box<dyn Mem> = match cuda {
-                true => Box::new(CudaMem::new(device)),
-                false => Box::new(HostMem::default()),
-            };
-            round(&case, rank, &mut g, m.as_mut(), true)
-        };
-        g.destroy(&mut w).unwrap();
-        assert!(w.finalize().unwrap().leaked.is_empty());
-        out
-    })
-}
-
 /// `case` on GPUs with each kernel choice (the steps, and the low-latency
 /// kernels where the size allows them), each equal to the Host run.
 fn same_as_host(name: &str, case: Case) {
@@ -94,51 +45,9 @@ fn same_as_host(name: &str, case: Case) {
         }
         let name = format!("{name}-{}", kernels.name());
         let gpu = run(&name, &on, true);
-        same_outputs(&name, &case, &gpu, &host);
-    }
-}
-
-fn same_outputs(name: &str, case: &Case, gpu: &[Outputs], host: &[Outputs]) {
-    for (rank, (g, h)) in gpu.iter().zip(host).enumerate() {
-        let what = |s: &str| format!("{name}: PE {rank}: {s} differs from the Host run");
-        assert!(
-            g.expert_rows == h.expert_rows || rows_equal_where_written(case, rank, g, h),
-            "{}",
-            what("expert rows")
-        );
-        assert_eq!(g.y, h.y, "{}", what("combine"));
-        assert_eq!(g.grad_x, h.grad_x, "{}", what("dispatch_backward"));
-        assert_eq!(g.grad_expert_out.len(), h.grad_expert_out.len());
-        for (i, (a, b)) in g.grad_probs.iter().zip(&h.grad_probs).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                "{}: {i}: {a} vs {b}",
-                what("grad_probs")
-            );
+        for (rank, (g, h)) in gpu.iter().zip(&host).enumerate() {
+            same_outputs(&name, &case, rank, g, h);
         }
-    }
-}
-
-/// Padding rows are never written: compare only the kept rows.
-fn rows_equal_where_written(case: &Case, rank: usize, g: &Outputs, h: &Outputs) -> bool {
-    let all: Vec<PeData> = (0..case.pes).map(|r| data(case, r)).collect();
-    let row = case.config.hidden * case.config.precision.wire_bytes();
-    received(case, &all, rank).kept.iter().all(|k| {
-        g.expert_rows[k.row * row..(k.row + 1) * row]
-            == h.expert_rows[k.row * row..(k.row + 1) * row]
-    })
-}
-
-fn cfg(
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
-    precision: Precision,
-) -> EpConfig {
-    EpConfig {
-        precision,
-        ..EpConfig::new(tokens, hidden, topk, experts)
     }
 }
 
@@ -146,75 +55,9 @@ fn cfg(
 fn one_to_four_gpus_match_the_reference_and_the_host_bit_for_bit() {
     let _s = serial();
     for pes in pe_counts("cuda ep", &[1, 2, 4]) {
-        for precision in [Precision::F32, Precision::Bf16, Precision::Fp8Dispatch] {
-            let c = EpConfig {
-                align: 8,
-                ..cfg(300, 256, 4, 8 * pes, precision)
-            };
-            same_as_host(
-                &format!("cuda-{pes}-{}", precision.name()),
-                Case::new(c, pes, Routing::Random, 40 + pes as u64),
-            );
+        for (name, case) in host_equal_cases(pes) {
+            same_as_host(&format!("cuda-{name}"), case);
         }
-        // FP8 dispatch writing the bf16 rows alone.
-        let fp8 = EpConfig {
-            align: 8,
-            ..cfg(300, 256, 4, 8 * pes, Precision::Fp8Dispatch)
-        };
-        same_as_host(
-            &format!("cuda-{pes}-fp8-bf16-alone"),
-            Case {
-                bf16_only: true,
-                ..Case::new(fp8, pes, Routing::Random, 50 + pes as u64)
-            },
-        );
-        // Rows of an odd number of 128-element blocks, more than one pass
-        // of the quantize's warps (67 blocks) and fewer (9).
-        for (hidden, seed) in [(67 * 128, 60), (9 * 128, 61)] {
-            same_as_host(
-                &format!("cuda-{pes}-fp8-h{hidden}"),
-                Case::new(
-                    cfg(100, hidden, 4, 8 * pes, Precision::Fp8Dispatch),
-                    pes,
-                    Routing::Random,
-                    seed + pes as u64,
-                ),
-            );
-        }
-        let capped = EpConfig {
-            capacity: Capacity::PerExpert(20),
-            ..cfg(200, 64, 3, 4 * pes, Precision::Bf16)
-        };
-        same_as_host(
-            &format!("cuda-cap-{pes}"),
-            Case::new(capped, pes, Routing::Random, 3),
-        );
-        let mut ragged = Case::new(
-            cfg(130, 64, 2, 2 * pes, Precision::Bf16),
-            pes,
-            Routing::Holes,
-            5,
-        );
-        ragged.sent[0] = 1;
-        same_as_host(&format!("cuda-ragged-{pes}"), ragged);
-        same_as_host(
-            &format!("cuda-k1-holes-{pes}"),
-            Case::new(
-                cfg(90, 64, 1, 2 * pes, Precision::Bf16),
-                pes,
-                Routing::Holes,
-                7,
-            ),
-        );
-        same_as_host(
-            &format!("cuda-onepe-{pes}"),
-            Case::new(
-                cfg(100, 64, 2, 2 * pes, Precision::F32),
-                pes,
-                Routing::OnePe,
-                6,
-            ),
-        );
     }
 }
 

@@ -1,22 +1,29 @@
-//! Expert-parallel groups of processes, a GPU each: the test binary spawns
+//! Expert-parallel groups of processes on GPUs: the test binary spawns
 //! itself as each PE (environment XCALL_EP_TEST_PE =
 //! "socket,rank,size,mode,kernels"), the PEs meet at a Unix socket and
-//! reach each other's memory through CUDA IPC. Every output is compared
-//! with the plain-loop reference of `common` (both kernel choices); and a
-//! PE killed between two calls makes the other's next call fail within
-//! the world's timeout, naming it, instead of waiting for it. Skips
-//! without two GPUs unless XCALL_REQUIRE_CUDA=1.
+//! reach each other's memory through CUDA IPC. PE r takes GPU r mod the
+//! machine's GPUs: with fewer GPUs than PEs, processes share a GPU and
+//! take turns on it (the default compute mode allows it), so the kernels
+//! that run only between PEs (push, signal, reduce, the low-latency
+//! kernels' waits) are checked on a machine of one GPU too. Every case of
+//! the one-process GPU test runs on 2 and 4 PE processes, each output
+//! equal bit for bit to a Host run of the same case and to the plain-loop
+//! reference of `common` (both kernel choices); and a PE killed between
+//! two calls makes the other's next call fail within the world's timeout,
+//! naming it, instead of waiting for it. Skips without a GPU unless
+//! XCALL_REQUIRE_CUDA=1.
 
 use std::time::{Duration, Instant};
 
-use xcall_core::testing::wait_children;
+use xcall_core::testing::{cuda_devices_or_skip, wait_children};
 use xcall_core::{Device, Status};
-use xcall_ep::{EpConfig, EpGroup, EpKernels, Precision};
+use xcall_ep::{EpConfig, EpGroup, EpKernels};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
-use common::cuda::{gpus, CudaMem};
-use common::run::{expert_major, inputs, rounds, Mem};
+use common::cuda::CudaMem;
+use common::run::{expert_major, inputs, round, Mem};
+use common::threads::{host_equal_cases, run, same_outputs};
 use common::*;
 
 const PE_ENV: &str = "XCALL_EP_TEST_PE";
@@ -24,8 +31,14 @@ const PE_ENV: &str = "XCALL_EP_TEST_PE";
 /// after about this long, not hang.
 const PEER_TIMEOUT: Duration = Duration::from_millis(1500);
 
+/// PE `rank`'s GPU: `rank` mod this machine's GPUs.
+fn gpu(rank: usize) -> Device {
+    let n = xcall_core::cuda::device_count().unwrap_or(1).max(1);
+    Device::cuda((rank % n) as u32)
+}
+
 fn world(socket: &str, rank: usize, n: usize, heap: usize, timeout: Duration) -> World {
-    let mut c = WorldConfig::unix_socket(socket, rank, n, Device::cuda(rank as u32));
+    let mut c = WorldConfig::unix_socket(socket, rank, n, gpu(rank));
     c.heap_bytes = Some(heap + (2 << 20));
     c.timeout = timeout;
     let mut w = World::new();
@@ -40,32 +53,46 @@ fn kernels(name: &str) -> EpKernels {
     }
 }
 
-/// One PE process of the reference test: bf16 and FP8 dispatch, two
-/// rounds each with their backward halves, checked by `round`.
-fn reference_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
-    for (precision, seed) in [(Precision::Bf16, 41), (Precision::Fp8Dispatch, 42)] {
-        let case = Case::new(
-            EpConfig {
-                precision,
+/// Rounds of each case (the group kept between them).
+const ROUNDS: u64 = 2;
+
+/// One PE process of the Host-equal test: every case of
+/// [`host_equal_cases`] on its own world (its socket `socket-i`), each
+/// round checked by `round` against the reference and compared with the
+/// same round run on Host by threads of this process.
+fn host_equal_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
+    for (i, (name, case)) in host_equal_cases(n).into_iter().enumerate() {
+        let case = Case {
+            config: EpConfig {
                 kernels: k,
-                align: 4,
-                ..EpConfig::new(96, 256, 3, 4 * n)
+                ..case.config
             },
+            ..case
+        };
+        let Ok(layout) = case.config.layout(n) else {
+            // Past the low-latency kernels' sizes: the steps cover it.
+            continue;
+        };
+        let mut w = world(
+            &format!("{socket}-{i}"),
+            rank,
             n,
-            Routing::Random,
-            seed,
+            layout.heap_bytes,
+            Duration::from_secs(30),
         );
-        let heap = case.config.layout(n).unwrap().heap_bytes;
-        let mut w = world(socket, rank, n, heap, Duration::from_secs(30));
         let mut g = EpGroup::new(&mut w, case.config).unwrap();
         assert_eq!(g.low_latency(), k == EpKernels::LowLatency);
-        rounds(
-            &case,
-            rank,
-            &mut g,
-            &mut CudaMem::new(Device::cuda(rank as u32)),
-            2,
-        );
+        let mut m = CudaMem::new(gpu(rank));
+        for r in 0..ROUNDS {
+            let c = Case {
+                seed: case.seed + r,
+                ..case.clone()
+            };
+            let name = format!("processes-{name}-{}-round{r}", k.name());
+            let got = round(&c, rank, &mut g, &mut m, true);
+            let host = run(&name, &c, false);
+            same_outputs(&name, &c, rank, &got, &host[rank]);
+        }
         g.destroy(&mut w).unwrap();
         assert!(w.finalize().unwrap().leaked.is_empty());
     }
@@ -89,7 +116,7 @@ fn killed_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
     let heap = c.layout(n).unwrap().heap_bytes;
     let mut w = world(socket, rank, n, heap, PEER_TIMEOUT);
     let mut g = EpGroup::new(&mut w, c).unwrap();
-    let mut m = CudaMem::new(Device::cuda(rank as u32));
+    let mut m = CudaMem::new(gpu(rank));
     let d = data(&case, rank);
     let (x, ids, probs) = inputs(&mut m, &d);
     let out = expert_major(&mut m, &g, false);
@@ -125,15 +152,15 @@ fn killed_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
     std::process::exit(0);
 }
 
-/// Two PE processes of `mode` on `kernels`, waited for at most `limit`:
+/// `n` PE processes of `mode` on `kernels`, waited for at most `limit`:
 /// whether each exited with success.
-fn two_processes(mode: &str, kernels: &str, limit: Duration) -> Vec<bool> {
-    let s = socket_path(&format!("cuda-{mode}-{kernels}"));
-    let children = (0..2)
-        .map(|r| spawn_pe(PE_ENV, format!("{s},{r},2,{mode},{kernels}")))
+fn processes(n: usize, mode: &str, kernels: &str, limit: Duration) -> Vec<bool> {
+    let s = socket_path(&format!("cuda-{mode}-{kernels}-{n}"));
+    let children = (0..n)
+        .map(|r| spawn_pe(PE_ENV, format!("{s},{r},{n},{mode},{kernels}")))
         .collect();
     wait_children(
-        &format!("2 GPU processes, {mode}, {kernels}"),
+        &format!("{n} GPU processes, {mode}, {kernels}"),
         children,
         limit,
     )
@@ -154,31 +181,33 @@ fn pe_process() {
         kernels(parts[4]),
     );
     match mode {
-        "reference" => reference_pe(socket, rank, n, k),
+        "host-equal" => host_equal_pe(socket, rank, n, k),
         "killed" => killed_pe(socket, rank, n, k),
         other => panic!("unknown mode {other}"),
     }
 }
 
 #[test]
-fn processes_of_a_gpu_each_match_the_reference() {
-    if std::env::var(PE_ENV).is_ok() || !gpus("cuda ep processes", 2) {
+fn two_and_four_processes_match_the_host_bit_for_bit() {
+    if std::env::var(PE_ENV).is_ok() || cuda_devices_or_skip("cuda ep processes").is_none() {
         return;
     }
-    for kernels in ["steps", "low-latency"] {
-        let ok = two_processes("reference", kernels, Duration::from_secs(120));
-        assert_eq!(ok, [true, true], "{kernels}");
+    for n in [2, 4] {
+        for kernels in ["steps", "low-latency"] {
+            let ok = processes(n, "host-equal", kernels, Duration::from_secs(300));
+            assert_eq!(ok, vec![true; n], "{n} PEs, {kernels}");
+        }
     }
 }
 
 #[test]
 fn a_killed_gpu_peer_makes_the_other_fail_within_the_timeout() {
-    if std::env::var(PE_ENV).is_ok() || !gpus("cuda ep killed peer", 2) {
+    if std::env::var(PE_ENV).is_ok() || cuda_devices_or_skip("cuda ep killed peer").is_none() {
         return;
     }
     for kernels in ["steps", "low-latency"] {
         let started = Instant::now();
-        let ok = two_processes("killed", kernels, Duration::from_secs(60));
+        let ok = processes(2, "killed", kernels, Duration::from_secs(60));
         assert_eq!(
             ok,
             [true, false],

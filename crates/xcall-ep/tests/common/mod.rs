@@ -7,6 +7,7 @@
 
 pub mod cuda;
 pub mod run;
+pub mod threads;
 
 use half::bf16;
 use xcall_core::testing::XorShift;
