@@ -174,11 +174,12 @@ fn text(out: &mut impl Write, f: &Found) -> io::Result<()> {
         match cuda::device_info(device) {
             Ok(info) => writeln!(
                 out,
-                "  {device}  {}  {}  {} SMs  {:.1} GiB",
+                "  {device}  {}  {}  {} SMs  {:.1} GiB  PCI {}",
                 info.name,
                 info.arch(),
                 info.multiprocessors,
-                gib(info.total_memory)
+                gib(info.total_memory),
+                info.pci_address
             )?,
             Err(e) => writeln!(out, "  {device}  error: {e}")?,
         }

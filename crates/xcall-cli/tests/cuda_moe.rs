@@ -244,45 +244,55 @@ fn fused_and_copied_exchanges_match_the_reference() {
 }
 
 /// Two processes under torchrun's variables, each taking its share of the
-/// visible GPUs (one GPU: both take it, reached through CUDA IPC): the
-/// fused and the copied exchange match the reference across processes,
-/// and each process captures its PE's step once. With two GPUs or more,
-/// the same with every pair forced onto NCCL (the copy exchange).
+/// visible GPUs (one GPU: both take it, reached through CUDA IPC, and the
+/// report says they took turns): the token-once exchange (bf16 with two
+/// micro-batches, and FP8 dispatch), the fused and the copied exchange
+/// match the reference across processes, and each process captures its
+/// PE's step once. With two GPUs or more, the same with every pair forced
+/// onto NCCL (the copy exchange).
 #[test]
 fn launched_processes_make_one_cuda_world() {
     let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe launched") else {
         return;
     };
-    let mut cases = vec![("fused", "auto"), ("copy", "auto")];
+    let mut cases = vec![
+        ("token", "auto", vec!["--microbatches", "2"]),
+        ("token", "auto", vec!["--dtype", "fp8"]),
+        ("fused", "auto", vec![]),
+        ("copy", "auto", vec![]),
+    ];
     if gpus >= 2 {
-        cases.push(("copy", "nccl"));
+        cases.push(("copy", "nccl", vec![]));
     }
-    for (exchange, transport) in cases {
-        let what = format!("2 processes, --exchange {exchange}, transport {transport}");
-        let path = json_path(&format!("cuda-moe-launched-{exchange}-{transport}"));
+    for (i, (exchange, transport, extra)) in cases.into_iter().enumerate() {
+        let what = format!("2 processes, --exchange {exchange} {extra:?}, transport {transport}");
+        let path = json_path(&format!("cuda-moe-launched-{i}-{exchange}-{transport}"));
         let steps = 4;
+        let steps_arg = steps.to_string();
+        let mut args = vec![
+            "moe",
+            "--platform",
+            "cuda",
+            "--exchange",
+            exchange,
+            "--tokens",
+            "1024",
+            "--hidden",
+            "512",
+            "--experts",
+            "8",
+            "--steps",
+            &steps_arg,
+            "--timeout",
+            "60s",
+            "--json",
+            path.to_str().unwrap(),
+        ];
+        args.extend(extra);
         let outs = common::launch(
             "torchrun",
             2,
-            &[
-                "moe",
-                "--platform",
-                "cuda",
-                "--exchange",
-                exchange,
-                "--tokens",
-                "1024",
-                "--hidden",
-                "512",
-                "--experts",
-                "8",
-                "--steps",
-                &steps.to_string(),
-                "--timeout",
-                "60s",
-                "--json",
-                path.to_str().unwrap(),
-            ],
+            &args,
             &[
                 ("XCALL_SHMEM_TRANSPORT", transport),
                 ("NCCL_NVLS_ENABLE", "0"),
@@ -311,6 +321,14 @@ fn launched_processes_make_one_cuda_world() {
         );
         let per = if gpus >= 2 { gpus / 2 } else { 1 } as u64;
         assert_eq!(j["pes"], 2 * per, "{what}");
+        // Distinct GPUs: two PEs take turns on one.
+        let shared = gpus < 2;
+        assert_eq!(j["gpus"], if shared { 1 } else { 2 * per }, "{what}");
+        assert_eq!(
+            common::text(&outs[0].stdout).contains("shared GPUs    2 PEs ran on 1 GPU(s)"),
+            shared,
+            "{what}"
+        );
         assert_eq!(
             j["outcomes"]["captured"],
             2 * per,

@@ -52,6 +52,7 @@ pub fn encode(log: &PeLog) -> Value {
         "input_wait": secs(log.input_wait),
         "memory": [log.memory.0, log.memory.1],
         "remote": log.remote,
+        "gpu": log.gpu,
         "graphs": log.graphs.iter().map(|g| json!({
             "label": g.label, "line": g.line, "stats": g.stats,
         })).collect::<Vec<_>>(),
@@ -147,6 +148,10 @@ pub fn decode(v: &Value) -> Option<PeLog> {
                 Some(*REMOTE.iter().find(|&&t| t == name)?)
             }
         },
+        gpu: match &v["gpu"] {
+            Value::Null => None,
+            g => Some(g.as_str()?.to_string()),
+        },
         graphs: v["graphs"]
             .as_array()?
             .iter()
@@ -221,6 +226,7 @@ mod tests {
             input_wait: Duration::from_millis(4),
             memory: (Some(1 << 30), None),
             remote: Some("tcp"),
+            gpu: Some("host-a/0000:19:00.0".into()),
             graphs: vec![GraphLine {
                 label: "process 1 cuda:0".into(),
                 line: "2 capture(s)".into(),
@@ -238,6 +244,7 @@ mod tests {
         assert_eq!(b.memory, (Some(1 << 30), None));
         assert_eq!(b.forked, [[0.9, 1.1], [0.8, 1.0]]);
         assert_eq!(b.graphs[0].label, "process 1 cuda:0");
+        assert_eq!(b.gpu.as_deref(), Some("host-a/0000:19:00.0"));
         assert_eq!(
             (b.link_tokens.clone(), b.sms, b.low_latency),
             (vec![11, 12, 13], Some(24), Some(true))
@@ -251,6 +258,7 @@ mod tests {
             ("remote", json!("carrier pigeon")),
             ("link_tokens", json!([-1])),
             ("forked", json!([[1.0]])),
+            ("gpu", json!(7)),
         ] {
             let mut v = encode(&log);
             v[field] = bad;

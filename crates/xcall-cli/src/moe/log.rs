@@ -46,6 +46,9 @@ pub(super) struct PeLog {
     /// The transport of the PE's pairs without pointers ("nccl", "tcp"),
     /// when some pair took one.
     pub(super) remote: Option<&'static str>,
+    /// The GPU this PE ran on, as its host and PCI address (CUDA): PEs of
+    /// different processes that share one take turns on it.
+    pub(super) gpu: Option<String>,
     /// The graph cache lines this PE reports: its device's on CUDA; on
     /// Host, its process's (the first PE of a launched process only).
     pub(super) graphs: Vec<GraphLine>,

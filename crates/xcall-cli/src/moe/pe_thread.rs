@@ -131,6 +131,13 @@ pub(super) fn run_and_gather(
         // until every graph that captured its transfers is destroyed.
         log.graphs = graph_lines(cache, &[device], run.launched.as_ref());
         cache.clear(device);
+        log.gpu = Some(format!(
+            "{}/{}",
+            xcall_shmem::host_identity().map_err(|e| e.to_string())?,
+            xcall_core::cuda::device_info(device)
+                .map_err(|e| e.to_string())?
+                .pci_address
+        ));
     } else if run.launched.is_some() && local == 0 {
         log.graphs = graph_lines(cache, &run.devices, run.launched.as_ref());
     }

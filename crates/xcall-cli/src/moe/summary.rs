@@ -293,6 +293,18 @@ pub(super) fn report(
             s.capacity, run.capacity_factor, run.steps
         );
     }
+    // Processes that share a GPU take turns on it: their times are the
+    // turns'.
+    let mut gpus: Vec<&str> = pes.iter().filter_map(|p| p.gpu.as_deref()).collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    let gpus = (!gpus.is_empty()).then_some(gpus.len());
+    if let Some(g) = gpus.filter(|&g| g < s.pes) {
+        println!(
+            "  shared GPUs    {} PEs ran on {g} GPU(s): processes that share a GPU take turns on it, so the times below measure the turns, not the exchange (the outputs are checked all the same)",
+            s.pes
+        );
+    }
     let memory_kind = match run.platform {
         Platform::Host => "process resident set",
         Platform::Cuda => "device memory in use (most of any GPU)",
@@ -440,6 +452,7 @@ pub(super) fn report(
         doc["processes"] = json!(run.launched.as_ref().map_or(1, |l| l.processes));
         doc["launcher"] = json!(run.launched.as_ref().map(|l| l.launcher));
         doc["host_executor"] = json!(host_executor(run));
+        doc["gpus"] = json!(gpus);
         doc["exchange_per_pe"] = json!({
             "bytes_per_step": between / s.pes as f64,
             "gb_per_s": gbps / s.pes as f64,

@@ -268,6 +268,10 @@ pub struct DeviceInfo {
     pub total_memory: usize,
     /// Number of streaming multiprocessors.
     pub multiprocessors: i32,
+    /// The PCI address, `domain:bus:device.0` in hex (`0000:19:00.0`):
+    /// what tells two ordinals apart as GPUs, where processes see
+    /// different devices under one ordinal (`CUDA_VISIBLE_DEVICES`).
+    pub pci_address: String,
 }
 
 impl DeviceInfo {
@@ -286,8 +290,8 @@ fn attribute(device: Device, dev: sys::CUdevice, attr: sys::CUdevice_attribute) 
         .map_err(|e| driver_error("cuDeviceGetAttribute", device, e))
 }
 
-/// Name, compute capability, memory and SM count of a CUDA device. Needs no
-/// context.
+/// Name, compute capability, memory, SM count and PCI address of a CUDA
+/// device. Needs no context.
 pub fn device_info(device: Device) -> Result<DeviceInfo> {
     let ordinal = check_device(device)?;
     let dev =
@@ -297,6 +301,12 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
     let major = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let multiprocessors = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    let pci_address = format!(
+        "{:04x}:{:02x}:{:02x}.0",
+        attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+        attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+        attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+    );
     // SAFETY: `dev` came from cuDeviceGet.
     let total_memory = unsafe { cu::device::total_mem(dev) }
         .map_err(|e| driver_error("cuDeviceTotalMem", device, e))?;
@@ -306,6 +316,7 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
         compute_capability: (major, minor),
         total_memory,
         multiprocessors,
+        pci_address,
     })
 }
 
