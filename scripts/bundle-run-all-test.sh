@@ -97,7 +97,7 @@ run_bundle "$b" XCALL_REQUIRE_CUDA=0 --
 expect "and is a skip without it" test "$rc" = 0
 expect "  counted" has "1 skipped, 0 failed"
 
-needs_two='echo "SKIP cuda ep processes: needs 2 GPU(s), this machine has 1" >&2'
+needs_two='echo "SKIP cuda ep timeout: needs 2 GPU(s), this machine has 1" >&2'
 # The harness writes "test X ... " and "ok" apart: a skip line between.
 inside='printf "test x ... SKIP shmem cuda spmt: needs 2 GPUs, this machine has 1\nok\n"'
 b="$tmp/inside"
@@ -113,9 +113,9 @@ bundle "$b" "$needs_two" 1
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 --
 expect "a test that needs more GPUs than the machine has is a skip under XCALL_REQUIRE_CUDA=1" test "$rc" = 0
 expect "  counted, with its reason" has "SKIP xcall-shmem-cuda_nccl ("
-expect "  " has "    SKIP cuda ep processes: needs 2 GPU(s), this machine has 1"
+expect "  " has "    SKIP cuda ep timeout: needs 2 GPU(s), this machine has 1"
 expect "  the machine's GPUs are named" has "this machine: 1 GPU(s)"
-expect "  the PyTorch GPU suite is a skip too, with its reason" has "SKIP torch-gpu: needs 2 GPUs, this machine has 1"
+expect "  the PyTorch GPU suite runs on one GPU (its ranks share it)" has "PASS torch-gpu"
 expect "  " has "0 failed"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 XCALL_REQUIRE_GPUS=2 --
 expect "XCALL_REQUIRE_GPUS=2 on a machine of 1 GPU fails" test "$rc" = 1

@@ -240,10 +240,11 @@ if "$py" -c "import torch, pytest" 2>/dev/null; then
   else
     run torch-cpu torch_suite test_xcall_torch.py
   fi
-  if [ "$gpus" -lt 2 ]; then
-    # The suite skips as a whole (pytest then collects no test).
+  if [ "$gpus" -lt 1 ]; then
+    # The suite skips as a whole (pytest then collects no test). With
+    # fewer GPUs than ranks, its ranks share the GPUs.
     skipped=$((skipped + 1))
-    echo "SKIP torch-gpu: needs 2 GPUs, this machine has $gpus"
+    echo "SKIP torch-gpu: this machine has no GPU"
   else
     run torch-gpu torch_suite test_xcall_torch_gpu.py
   fi

@@ -531,7 +531,9 @@ def main():
         raise SystemExit(f"unknown scenario(s) {unknown}: {sorted(SCENARIOS)}")
     device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     if device == "cuda":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', RANK))}"
+        # More ranks than GPUs: ranks share a GPU, taking turns on it.
+        local = int(os.environ.get("LOCAL_RANK", RANK))
+        device = f"cuda:{local % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     failed = []
     for name in names:

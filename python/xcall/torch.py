@@ -218,7 +218,10 @@ class EpWorld:
     The ranks: ``process_group`` (a ``torch.distributed`` group of ranks of
     this host), else the default process group when one is initialized,
     else ``RANK`` and ``WORLD_SIZE``. ``device``: the rank's device
-    (default: ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``).
+    (default: ``cuda:LOCAL_RANK`` when CUDA is available, modulo the
+    visible GPUs: with more processes than GPUs, processes share a GPU and
+    take turns on it, which checks a layer of many ranks on one GPU but
+    times the turns; else ``cpu``).
     ``address``: the Unix socket the ranks meet at (default: agreed through
     the process group, or named from ``MASTER_ADDR``, ``MASTER_PORT`` and
     the launcher's run id). ``timeout_s``: how long any wait on a peer may
@@ -553,9 +556,9 @@ def _device(device) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
             index = os.environ.get("LOCAL_RANK")
-            return torch.device(
-                "cuda", int(index) if index is not None else torch.cuda.current_device()
-            )
+            if index is None:
+                return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", int(index) % torch.cuda.device_count())
         return torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

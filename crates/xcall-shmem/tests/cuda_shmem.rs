@@ -1,7 +1,8 @@
 //! CUDA worlds: one GPU (a world of one PE), two GPUs in one process
-//! (SPMT, direct pointers + peer access) and two processes (IPC handles).
-//! Skips without a GPU unless XCALL_REQUIRE_CUDA=1; the two-GPU tests skip
-//! on a one-GPU machine with a SKIP line.
+//! (SPMT, direct pointers + peer access) and two processes (IPC handles;
+//! on one GPU both processes take it). Skips without a GPU unless
+//! XCALL_REQUIRE_CUDA=1; the tests of two GPUs in one process skip on a
+//! one-GPU machine with a SKIP line.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -166,11 +167,16 @@ fn exchange(w: &mut World, rank: usize, n: usize) {
     w.free(buf).unwrap();
 }
 
+/// Rank `rank`'s world: PEs that are threads take a GPU each; processes
+/// (`socket`) take GPU `rank` mod the machine's GPUs, sharing one where
+/// there are fewer (CUDA IPC maps a heap of the same GPU too).
 fn config(socket: Option<&str>, rank: usize, n: usize) -> WorldConfig {
-    let device = Device::cuda(rank as u32);
     let mut c = match socket {
-        Some(p) => WorldConfig::unix_socket(p, rank, n, device),
-        None => WorldConfig::in_process("cuda-spmt", rank, n, device),
+        Some(p) => {
+            let gpus = xcall_core::cuda::device_count().unwrap_or(1).max(1);
+            WorldConfig::unix_socket(p, rank, n, Device::cuda((rank % gpus) as u32))
+        }
+        None => WorldConfig::in_process("cuda-spmt", rank, n, Device::cuda(rank as u32)),
     };
     c.heap_bytes = Some(64 << 20);
     c.timeout = Duration::from_secs(30);
@@ -220,7 +226,7 @@ fn two_gpus_one_process() {
 }
 
 #[test]
-fn two_gpus_two_processes() {
+fn two_processes() {
     let _serial = serial();
     if let Ok(spec) = std::env::var(PE_ENV) {
         let mut w = World::new();
@@ -229,13 +235,13 @@ fn two_gpus_two_processes() {
         assert!(w.finalize().unwrap().leaked.is_empty());
         return;
     }
-    if !two_gpus("shmem cuda multi-process") {
+    if cuda_devices_or_skip("shmem cuda multi-process").is_none() {
         return;
     }
     let socket = std::env::temp_dir().join(format!("xcall-cuda-{}.sock", std::process::id()));
     let socket = socket.to_str().unwrap().to_string();
     let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "two_gpus_two_processes", "--nocapture"])
+        .args(["--exact", "two_processes", "--nocapture"])
         .env(PE_ENV, &socket)
         .spawn()
         .unwrap();
