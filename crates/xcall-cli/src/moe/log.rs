@@ -54,6 +54,14 @@ pub(super) struct PeLog {
     pub(super) graphs: Vec<GraphLine>,
 }
 
+/// The distinct GPUs `pes` ran on (`None` on Host, where none says).
+pub(super) fn distinct_gpus(pes: &[PeLog]) -> Option<usize> {
+    let mut gpus: Vec<&str> = pes.iter().filter_map(|p| p.gpu.as_deref()).collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    (!gpus.is_empty()).then_some(gpus.len())
+}
+
 /// One device's graph cache as the report shows it.
 #[derive(Clone, Debug)]
 pub(super) struct GraphLine {
@@ -117,4 +125,28 @@ pub(super) fn stats_line(s: &Stats) -> String {
         "{} capture(s), {} replay(s), {} instantiation(s), {} eager; {} graph(s) of {} nodes",
         s.captures, s.hits, s.instantiations, eager, s.entries, s.nodes
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on(gpu: Option<&str>) -> PeLog {
+        PeLog {
+            gpu: gpu.map(str::to_string),
+            ..PeLog::default()
+        }
+    }
+
+    #[test]
+    fn gpus_are_told_apart_by_host_and_address() {
+        let a = Some("h0/0000:19:00.0");
+        let b = Some("h0/0000:3b:00.0");
+        let other_host = Some("h1/0000:19:00.0");
+        assert_eq!(distinct_gpus(&[on(None), on(None)]), None);
+        assert_eq!(distinct_gpus(&[on(a)]), Some(1));
+        assert_eq!(distinct_gpus(&[on(a), on(b), on(a), on(b)]), Some(2));
+        assert_eq!(distinct_gpus(&[on(b), on(a), on(b)]), Some(2));
+        assert_eq!(distinct_gpus(&[on(a), on(other_host)]), Some(2));
+    }
 }

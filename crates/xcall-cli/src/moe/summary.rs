@@ -8,7 +8,7 @@ use xcall_core::{Device, Platform};
 
 use super::data::{Check, Shape};
 use super::flags::{host_executor, Run, PHASE_STEPS};
-use super::log::{GraphLine, PeLog};
+use super::log::{distinct_gpus, GraphLine, PeLog};
 use super::pe::{phases, Pe};
 use super::verify::{check_threads, Verify};
 use crate::report::JsonOut;
@@ -295,10 +295,7 @@ pub(super) fn report(
     }
     // Processes that share a GPU take turns on it: their times are the
     // turns'.
-    let mut gpus: Vec<&str> = pes.iter().filter_map(|p| p.gpu.as_deref()).collect();
-    gpus.sort_unstable();
-    gpus.dedup();
-    let gpus = (!gpus.is_empty()).then_some(gpus.len());
+    let gpus = distinct_gpus(pes);
     if let Some(g) = gpus.filter(|&g| g < s.pes) {
         println!(
             "  shared GPUs    {} PEs ran on {g} GPU(s): processes that share a GPU take turns on it, so the times below measure the turns, not the exchange (the outputs are checked all the same)",

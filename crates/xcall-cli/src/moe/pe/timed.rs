@@ -160,7 +160,10 @@ impl Pe {
     /// the permuted tensor), the first `P` of `rows` into the first `P` of
     /// `results` (token-once: the expert-major rows into the experts'
     /// outputs), on the PE's stream: the bandwidth the
-    /// phases' byte floors are measured against. `None` on Host.
+    /// phases' byte floors are measured against. Each timing spans
+    /// back-to-back copies of about 64 MiB in all (at most 64 copies),
+    /// since one small copy's time is mostly its launch and would put the
+    /// floors above what the phases reach. `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
             return Ok(None);
@@ -189,23 +192,26 @@ impl Pe {
             None => (self.b.results, self.b.rows),
         };
         let stream = g.stream.stream();
+        let repeats = (64usize << 20).div_ceil(bytes.max(1)).clamp(1, 64);
         let mut ms = Vec::new();
         for _ in 0..5 {
             let a = Event::new(self.device).context("CUDA event")?;
             let z = Event::new(self.device).context("CUDA event")?;
             a.record_on(&stream).context("CUDA event")?;
-            stream
-                .in_context(|s| {
-                    // SAFETY: `rows` and `results` are distinct device
-                    // allocations of this PE's heap, each holding at least
-                    // P slots; neither is read or written by anyone else
-                    // between steps.
-                    unsafe { s.copy_dtod(dst, src, bytes) }
-                })
-                .context("cuMemcpyDtoDAsync")?;
+            for _ in 0..repeats {
+                stream
+                    .in_context(|s| {
+                        // SAFETY: `rows` and `results` are distinct device
+                        // allocations of this PE's heap, each holding at
+                        // least P slots; neither is read or written by
+                        // anyone else between steps.
+                        unsafe { s.copy_dtod(dst, src, bytes) }
+                    })
+                    .context("cuMemcpyDtoDAsync")?;
+            }
             z.record_on(&stream).context("CUDA event")?;
             self.drain()?;
-            ms.push(z.elapsed_ms_since(&a).context("CUDA event")? as f64);
+            ms.push(z.elapsed_ms_since(&a).context("CUDA event")? as f64 / repeats as f64);
         }
         ms.sort_by(|x, y| x.total_cmp(y));
         Ok(Some(ms[ms.len() / 2]))
