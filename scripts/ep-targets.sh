@@ -15,7 +15,12 @@
 #   two GPUs or more: xcall.torch under torchrun (CUDA graph, and eager
 #     dispatch / combine alone) and the JAX layer in one process
 #     (python/bench_xcall_jax_ep.py --pallas-experts), with the wheel of
-#     the bundle on PYTHONPATH.
+#     the bundle on PYTHONPATH;
+#   2 and 4 PEs past the machine's GPUs: `xcall moe` as that many
+#     processes under torchrun's variables, sharing the GPUs (they take
+#     turns), --verify every over 6 steps: the DeepSeek-V3-like step in
+#     bf16 and FP8 dispatch (two micro-batches) and decode, checked, not
+#     timed (a summary line says "shared").
 #
 # Each run's printout goes to OUT/NAME.txt (and `xcall moe`'s report to
 # OUT/NAME.json) as soon as it ends; OUT/summary.txt gets one line per run:
@@ -64,6 +69,36 @@ other() {
   echo "$name rc=$rc $((SECONDS - start))s" >>"$summary"
   grep -E ' ms' "$out/$name.txt" | sed 's/^/    /' >>"$summary"
 }
+
+# shared NAME PES [flags]: `xcall moe` as PES processes under torchrun's
+# variables on this machine's fewer GPUs, sharing them: every output of 6
+# steps checked; no figure, as the times are the turns'.
+shared() {
+  local name=$1 n=$2 start=$SECONDS rc=0 r port=$((29500 + RANDOM % 2000))
+  local pids=()
+  shift 2
+  for r in $(seq 0 $((n - 1))); do
+    # shellcheck disable=SC2068
+    RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r LOCAL_WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$port timeout 300 "$xcall" moe --platform cuda --steps 6 --verify every \
+      --json "$out/$name.json" $@ >"$out/$name-r$r.txt" 2>&1 &
+    pids+=($!)
+  done
+  for r in "${pids[@]}"; do wait "$r" || rc=1; done
+  [ $rc -ne 0 ] && fail=1
+  local mism
+  mism=$(grep -m1 -o '[0-9]* mismatching element' "$out/$name-r0.txt")
+  echo "$name rc=$rc $((SECONDS - start))s | shared: $n PEs on $gpus GPU(s), checked, not timed | ${mism:-no verdict}" >>"$summary"
+}
+
+for g in 2 4; do
+  [ "$g" -gt "$gpus" ] || continue
+  for d in bf16 fp8; do
+    # shellcheck disable=SC2086
+    shared "shared-dsv3-$d-${g}pe-mb2" "$g" $dsv3 --dtype $d --microbatches 2 --sms 48
+  done
+  shared "shared-decode-${g}pe" "$g" --tokens 128 --hidden 7168 --experts 256 --topk 8
+done
 
 for g in 1 2 4; do
   [ "$g" -le "$gpus" ] || continue
