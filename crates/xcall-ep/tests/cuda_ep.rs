@@ -16,7 +16,7 @@ use xcall_ep::{Buf, EpConfig, EpGroup, EpKernels, Precision};
 mod common;
 use common::cuda::{gpus, CudaMem};
 use common::run::{expert_major, Mem};
-use common::threads::{cfg, host_equal_cases, run, same_outputs, world};
+use common::threads::{host_equal_cases, run, same_outputs, world};
 use common::*;
 
 /// The PE counts of `counts` this machine's GPUs can run (none without

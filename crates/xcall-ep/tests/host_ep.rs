@@ -42,19 +42,6 @@ fn run(name: &str, case: Case, rounds: usize, backward: bool) {
     });
 }
 
-fn cfg(
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
-    precision: Precision,
-) -> EpConfig {
-    EpConfig {
-        precision,
-        ..EpConfig::new(tokens, hidden, topk, experts)
-    }
-}
-
 #[test]
 fn every_pe_count_and_precision_matches_the_reference() {
     let _s = serial();

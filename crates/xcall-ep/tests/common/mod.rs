@@ -63,6 +63,20 @@ impl Case {
     }
 }
 
+/// A config of these sizes in `precision`, the rest as `EpConfig::new`.
+pub fn cfg(
+    tokens: usize,
+    hidden: usize,
+    topk: usize,
+    experts: usize,
+    precision: Precision,
+) -> EpConfig {
+    EpConfig {
+        precision,
+        ..EpConfig::new(tokens, hidden, topk, experts)
+    }
+}
+
 /// One PE's inputs.
 #[derive(Clone, Debug)]
 pub struct PeData {

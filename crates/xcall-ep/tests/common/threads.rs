@@ -94,19 +94,6 @@ fn rows_equal_where_written(case: &Case, rank: usize, g: &Outputs, h: &Outputs) 
     })
 }
 
-pub fn cfg(
-    tokens: usize,
-    hidden: usize,
-    topk: usize,
-    experts: usize,
-    precision: Precision,
-) -> EpConfig {
-    EpConfig {
-        precision,
-        ..EpConfig::new(tokens, hidden, topk, experts)
-    }
-}
-
 /// The cases a GPU run of `pes` PEs must match a Host run of bit for bit,
 /// each with its name: f32, bf16 and FP8 dispatch with alignment; FP8
 /// writing the bf16 rows alone; FP8 rows of an odd number of 128-element
