@@ -159,6 +159,7 @@ expect "without a GPU the JAX suite's first pass runs its CPU cases" \
   test "$(cat "$b/ran-pytest")" = "platforms=cpu"
 expect "  the second (command buffers, a GPU setting) is a skip, with its reason" \
   has "SKIP jax-command-buffers-on: command buffers are a GPU setting, and no GPU is here"
+expect "  and the PyTorch GPU suite, with its reason" has "SKIP torch-gpu: this machine has no GPU"
 run_bundle "$b" XCALL_REQUIRE_CUDA=1 -- --slow
 expect "an unknown argument is a usage error" test "$rc" = 2
 

@@ -44,9 +44,9 @@
 #   The PyTorch suite (python/tests/test_xcall_torch*.py; the JAX suite
 #   leaves it out) runs when $XCALL_PYTHON imports torch and pytest, against
 #   the wheel installed into <logs>/python-site-torch: on CPU (processes of
-#   Host PEs), then on GPUs (torchrun, one process per GPU, on 2, 4 and all
-#   the machine's GPUs; fewer than 2 is a skip). Without torch it is a
-#   skip.
+#   Host PEs), then on GPUs (torchrun, a process per rank, 2 ranks, 4 and
+#   one per GPU, rank r on GPU r mod the GPUs, so ranks share GPUs where
+#   there are fewer; no GPU is a skip). Without torch it is a skip.
 set -u
 start=$SECONDS
 here=$(cd "$(dirname "$0")" && pwd)

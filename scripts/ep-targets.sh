@@ -48,9 +48,8 @@ fail=0
 moe() {
   local name=$1 g=$2 steps=$3 start=$SECONDS
   shift 3
-  # shellcheck disable=SC2068
   "$xcall" moe --platform cuda --devices "$(seq -s, 0 $((g - 1)))" --steps "$steps" \
-    --verify sample:100 --json "$out/$name.json" $@ >"$out/$name.txt" 2>&1
+    --verify sample:100 --json "$out/$name.json" "$@" >"$out/$name.txt" 2>&1
   local rc=$?
   [ $rc -ne 0 ] && fail=1
   local step mism
@@ -78,10 +77,11 @@ shared() {
   local pids=()
   shift 2
   for r in $(seq 0 $((n - 1))); do
-    # shellcheck disable=SC2068
+    # The first `gpus` GPUs only (MAX_GPUS), one PE a process.
     RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r LOCAL_WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 \
-      MASTER_PORT=$port timeout 300 "$xcall" moe --platform cuda --steps 6 --verify every \
-      --json "$out/$name.json" $@ >"$out/$name-r$r.txt" 2>&1 &
+      MASTER_PORT=$port CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((gpus - 1)))" \
+      timeout 300 "$xcall" moe --platform cuda --pes 1 --steps 6 --verify every \
+      --json "$out/$name.json" "$@" >"$out/$name-r$r.txt" 2>&1 &
     pids+=($!)
   done
   for r in "${pids[@]}"; do wait "$r" || rc=1; done
@@ -92,7 +92,7 @@ shared() {
 }
 
 for g in 2 4; do
-  [ "$g" -gt "$gpus" ] || continue
+  [ "$gpus" -ge 1 ] && [ "$g" -gt "$gpus" ] || continue
   for d in bf16 fp8; do
     # shellcheck disable=SC2086
     shared "shared-dsv3-$d-${g}pe-mb2" "$g" $dsv3 --dtype $d --microbatches 2 --sms 48

@@ -1,6 +1,7 @@
 """One rank of the xcall.torch expert-parallel tests: run by
 test_xcall_torch.py (several processes on CPU) and
-test_xcall_torch_gpu.py (under torchrun, one process per GPU).
+test_xcall_torch_gpu.py (under torchrun, a process per rank, rank r on
+GPU r mod the GPUs).
 
     python torch_ep_worker.py SCENARIO[,SCENARIO...] [cpu|cuda]
 

@@ -1,6 +1,7 @@
 """Expert parallelism in PyTorch: xcall's dispatch and combine as
 ``torch.library`` custom ops (namespace ``xcall``), one process per GPU
-under ``torchrun`` (or one process per CPU rank on Host).
+under ``torchrun`` (or one process per CPU rank on Host; with more ranks
+than GPUs, ranks share a GPU and take turns on it).
 
 Each process (a PE) holds ``T`` tokens ``[T, H]`` routed top-k over ``E``
 experts, ``E / P`` of them on each of the ``P`` processes (rank ``q``

@@ -252,7 +252,7 @@ fn fused_and_copied_exchanges_match_the_reference() {
 /// onto NCCL (the copy exchange).
 #[test]
 fn launched_processes_make_one_cuda_world() {
-    let Some(gpus) = xcall_core::testing::cuda_devices_or_skip("cuda_moe launched") else {
+    let Some(gpus) = xcall_core::testing::gpus_for_processes("cuda_moe launched", 2) else {
         return;
     };
     let mut cases = vec![

@@ -141,6 +141,32 @@ pub fn cuda_devices_or_skip(test: &str) -> Option<usize> {
     }
 }
 
+/// The GPUs for test `test`, whose `pes` PEs are processes taking GPU
+/// `rank mod GPUs`: `None` after a skip line without CUDA (as
+/// [`cuda_devices_or_skip`]), or where PEs would share a GPU whose compute
+/// mode lets one process hold it at a time.
+pub fn gpus_for_processes(test: &str, pes: usize) -> Option<usize> {
+    let n = cuda_devices_or_skip(test)?;
+    if pes <= n {
+        return Some(n);
+    }
+    for o in 0..n.min(pes) as u32 {
+        let device = crate::Device::cuda(o);
+        match cuda::device_info(device) {
+            Ok(info) if !info.processes_may_share => {
+                let why = format!(
+                    "{pes} PE processes would share {device}, whose compute mode lets one process hold it at a time"
+                );
+                skip(test, &why);
+                return None;
+            }
+            Ok(_) => {}
+            Err(e) => panic!("{test}: {device}: {e}"),
+        }
+    }
+    Some(n)
+}
+
 /// The environment variable that makes a missing NVRTC a failure of the
 /// compile-only kernel tests (CI sets it: it installs NVRTC, not a GPU).
 pub const REQUIRE_NVRTC_ENV: &str = "XCALL_REQUIRE_NVRTC";

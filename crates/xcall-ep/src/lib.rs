@@ -1,7 +1,8 @@
 //! Expert parallelism on an xcall-shmem world: dispatch and combine that
 //! send each token **once to each PE hosting one of its experts** and
 //! reduce before returning, on Host PEs (threads or processes) and on
-//! CUDA (one thread per GPU, or one process per GPU through CUDA IPC).
+//! CUDA (one thread per GPU, or a process per PE through CUDA IPC, where
+//! processes may share a GPU and take turns on it).
 //!
 //! A group ([`EpGroup`]) is made collectively on a live world from an
 //! [`EpConfig`] (`T` tokens per PE at most, `H`, top-`k`, `E` experts, the

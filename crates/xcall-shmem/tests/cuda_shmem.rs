@@ -235,7 +235,7 @@ fn two_processes() {
         assert!(w.finalize().unwrap().leaked.is_empty());
         return;
     }
-    if cuda_devices_or_skip("shmem cuda multi-process").is_none() {
+    if xcall_core::testing::gpus_for_processes("shmem cuda multi-process", 2).is_none() {
         return;
     }
     let socket = std::env::temp_dir().join(format!("xcall-cuda-{}.sock", std::process::id()));

@@ -54,9 +54,13 @@ pub(super) struct PeLog {
     pub(super) graphs: Vec<GraphLine>,
 }
 
-/// The distinct GPUs `pes` ran on (`None` on Host, where none says).
+/// The distinct GPUs `pes` ran on; `None` unless every PE named its GPU
+/// (Host, or a GPU that could not be read).
 pub(super) fn distinct_gpus(pes: &[PeLog]) -> Option<usize> {
-    let mut gpus: Vec<&str> = pes.iter().filter_map(|p| p.gpu.as_deref()).collect();
+    let mut gpus: Vec<&str> = pes
+        .iter()
+        .map(|p| p.gpu.as_deref())
+        .collect::<Option<_>>()?;
     gpus.sort_unstable();
     gpus.dedup();
     (!gpus.is_empty()).then_some(gpus.len())
@@ -148,5 +152,8 @@ mod tests {
         assert_eq!(distinct_gpus(&[on(a), on(b), on(a), on(b)]), Some(2));
         assert_eq!(distinct_gpus(&[on(b), on(a), on(b)]), Some(2));
         assert_eq!(distinct_gpus(&[on(a), on(other_host)]), Some(2));
+        // One PE that could not name its GPU: no count at all.
+        assert_eq!(distinct_gpus(&[on(a), on(None), on(a)]), None);
+        assert_eq!(distinct_gpus(&[]), None);
     }
 }

@@ -131,13 +131,12 @@ pub(super) fn run_and_gather(
         // until every graph that captured its transfers is destroyed.
         log.graphs = graph_lines(cache, &[device], run.launched.as_ref());
         cache.clear(device);
-        log.gpu = Some(format!(
-            "{}/{}",
-            xcall_shmem::host_identity().map_err(|e| e.to_string())?,
-            xcall_core::cuda::device_info(device)
-                .map_err(|e| e.to_string())?
-                .pci_address
-        ));
+        // What cannot be read leaves the GPU unnamed (no shared-GPU line)
+        // rather than failing this PE between the others' collectives.
+        log.gpu = xcall_shmem::host_identity()
+            .ok()
+            .zip(xcall_core::cuda::device_info(device).ok())
+            .map(|(host, info)| format!("{host}/{}", info.pci_address));
     } else if run.launched.is_some() && local == 0 {
         log.graphs = graph_lines(cache, &run.devices, run.launched.as_ref());
     }

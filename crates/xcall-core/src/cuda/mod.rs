@@ -272,6 +272,10 @@ pub struct DeviceInfo {
     /// what tells two ordinals apart as GPUs, where processes see
     /// different devices under one ordinal (`CUDA_VISIBLE_DEVICES`).
     pub pci_address: String,
+    /// Whether processes may hold this GPU at once, taking turns on it:
+    /// its compute mode is the default, not exclusive-process or
+    /// prohibited.
+    pub processes_may_share: bool,
 }
 
 impl DeviceInfo {
@@ -290,8 +294,8 @@ fn attribute(device: Device, dev: sys::CUdevice, attr: sys::CUdevice_attribute) 
         .map_err(|e| driver_error("cuDeviceGetAttribute", device, e))
 }
 
-/// Name, compute capability, memory, SM count and PCI address of a CUDA
-/// device. Needs no context.
+/// Name, compute capability, memory, SM count, PCI address and compute
+/// mode of a CUDA device. Needs no context.
 pub fn device_info(device: Device) -> Result<DeviceInfo> {
     let ordinal = check_device(device)?;
     let dev =
@@ -307,6 +311,8 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
         attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
         attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
     );
+    let processes_may_share = attribute(device, dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)?
+        == sys::CUcomputemode::CU_COMPUTEMODE_DEFAULT as i32;
     // SAFETY: `dev` came from cuDeviceGet.
     let total_memory = unsafe { cu::device::total_mem(dev) }
         .map_err(|e| driver_error("cuDeviceTotalMem", device, e))?;
@@ -317,6 +323,7 @@ pub fn device_info(device: Device) -> Result<DeviceInfo> {
         total_memory,
         multiprocessors,
         pci_address,
+        processes_may_share,
     })
 }
 

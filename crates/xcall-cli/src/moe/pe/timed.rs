@@ -163,7 +163,9 @@ impl Pe {
     /// phases' byte floors are measured against. Each timing spans
     /// back-to-back copies of about 64 MiB in all (at most 64 copies),
     /// since one small copy's time is mostly its launch and would put the
-    /// floors above what the phases reach. `None` on Host.
+    /// floors above what the phases reach. A tensor that fits in L2 is
+    /// copied at L2's rate then, as small shapes' phases read theirs.
+    /// `None` on Host.
     pub fn copy_ms(&mut self) -> Res<Option<f64>> {
         let Some(g) = &self.gpu else {
             return Ok(None);
