@@ -141,8 +141,15 @@ pub fn cuda_devices_or_skip(test: &str) -> Option<usize> {
     }
 }
 
-/// The GPUs for test `test`, whose `pes` PEs are processes taking GPU
-/// `rank mod GPUs`: `None` after a skip line without CUDA (as
+/// The GPU of PE `rank` when the PEs are processes: GPU `rank` mod the
+/// machine's GPUs, so that processes share GPUs where there are fewer.
+pub fn process_gpu(rank: usize) -> crate::Device {
+    let n = cuda::device_count().unwrap_or(1).max(1);
+    crate::Device::cuda((rank % n) as u32)
+}
+
+/// The GPUs for test `test`, whose `pes` PEs are processes on
+/// [`process_gpu`]: `None` after a skip line without CUDA (as
 /// [`cuda_devices_or_skip`]), or where PEs would share a GPU whose compute
 /// mode lets one process hold it at a time.
 pub fn gpus_for_processes(test: &str, pes: usize) -> Option<usize> {
@@ -150,8 +157,7 @@ pub fn gpus_for_processes(test: &str, pes: usize) -> Option<usize> {
     if pes <= n {
         return Some(n);
     }
-    for o in 0..n.min(pes) as u32 {
-        let device = crate::Device::cuda(o);
+    for device in (0..pes).map(process_gpu).take(n) {
         match cuda::device_info(device) {
             Ok(info) if !info.processes_may_share => {
                 let why = format!(

@@ -16,8 +16,8 @@
 
 use std::time::{Duration, Instant};
 
-use xcall_core::testing::{gpus_for_processes, wait_children};
-use xcall_core::{Device, Status};
+use xcall_core::testing::{gpus_for_processes, process_gpu, wait_children};
+use xcall_core::Status;
 use xcall_ep::{EpConfig, EpGroup, EpKernels};
 use xcall_shmem::{World, WorldConfig};
 
@@ -32,14 +32,8 @@ const PE_ENV: &str = "XCALL_EP_TEST_PE";
 /// after about this long, not hang.
 const PEER_TIMEOUT: Duration = Duration::from_millis(1500);
 
-/// PE `rank`'s GPU: `rank` mod this machine's GPUs.
-fn gpu(rank: usize) -> Device {
-    let n = xcall_core::cuda::device_count().unwrap_or(1).max(1);
-    Device::cuda((rank % n) as u32)
-}
-
 fn world(socket: &str, rank: usize, n: usize, heap: usize, timeout: Duration) -> World {
-    let mut c = WorldConfig::unix_socket(socket, rank, n, gpu(rank));
+    let mut c = WorldConfig::unix_socket(socket, rank, n, process_gpu(rank));
     c.heap_bytes = Some(heap + (2 << 20));
     c.timeout = timeout;
     let mut w = World::new();
@@ -85,7 +79,7 @@ fn host_equal_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
         );
         let mut g = EpGroup::new(&mut w, case.config).unwrap();
         assert_eq!(g.low_latency(), k == EpKernels::LowLatency);
-        let mut m = CudaMem::new(gpu(rank));
+        let mut m = CudaMem::new(process_gpu(rank));
         for r in 0..ROUNDS {
             let c = Case {
                 seed: case.seed + r,
@@ -119,7 +113,7 @@ fn killed_pe(socket: &str, rank: usize, n: usize, k: EpKernels) {
     let heap = c.layout(n).unwrap().heap_bytes;
     let mut w = world(socket, rank, n, heap, PEER_TIMEOUT);
     let mut g = EpGroup::new(&mut w, c).unwrap();
-    let mut m = CudaMem::new(gpu(rank));
+    let mut m = CudaMem::new(process_gpu(rank));
     let d = data(&case, rank);
     let (x, ids, probs) = inputs(&mut m, &d);
     let out = expert_major(&mut m, &g, false);

@@ -172,10 +172,7 @@ fn exchange(w: &mut World, rank: usize, n: usize) {
 /// there are fewer (CUDA IPC maps a heap of the same GPU too).
 fn config(socket: Option<&str>, rank: usize, n: usize) -> WorldConfig {
     let mut c = match socket {
-        Some(p) => {
-            let gpus = xcall_core::cuda::device_count().unwrap_or(1).max(1);
-            WorldConfig::unix_socket(p, rank, n, Device::cuda((rank % gpus) as u32))
-        }
+        Some(p) => WorldConfig::unix_socket(p, rank, n, xcall_core::testing::process_gpu(rank)),
         None => WorldConfig::in_process("cuda-spmt", rank, n, Device::cuda(rank as u32)),
     };
     c.heap_bytes = Some(64 << 20);
