@@ -4,7 +4,9 @@
 //! SMs and a 24-SM budget), the decode shape (T = 128) and the default
 //! shape of `xcall moe` (T = 8192, H = 4096, E = 8, top-2), uniform random
 //! routing, fresh random data. The decode cases run the low-latency
-//! kernels (the default at T <= 256) and, beside them, the steps.
+//! kernels (the default at T <= 256) and, beside them, the steps; the
+//! DeepSeek-V3-like ones the pulled steps (the default above) and, beside
+//! them, the pushed ones.
 //!
 //! Per case: eager dispatch and combine, each timed with CUDA events on
 //! every GPU (median of 100 after 20 warm-up rounds; bf16 tokens are
@@ -46,6 +48,13 @@ fn cases() -> Vec<Case> {
             config: dsv3,
         },
         Case {
+            name: "dsv3 bf16 pushed",
+            config: EpConfig {
+                kernels: EpKernels::Steps,
+                ..dsv3
+            },
+        },
+        Case {
             name: "dsv3 bf16 24 SMs",
             config: EpConfig {
                 num_sms: 24,
@@ -56,6 +65,14 @@ fn cases() -> Vec<Case> {
             name: "dsv3 fp8",
             config: EpConfig {
                 precision: Precision::Fp8Dispatch,
+                ..dsv3
+            },
+        },
+        Case {
+            name: "dsv3 fp8 pushed",
+            config: EpConfig {
+                precision: Precision::Fp8Dispatch,
+                kernels: EpKernels::Steps,
                 ..dsv3
             },
         },

@@ -98,13 +98,16 @@ pub enum Capacity {
 pub enum EpKernels {
     /// The low-latency kernels for groups of at most [`LL_AUTO_TOKENS`]
     /// tokens per PE, two per SM of the budget, and [`LL_MAX_EXPERTS`]
-    /// experts; the steps otherwise.
+    /// experts; the steps, dispatch pulling ([`EpKernels::Pull`]),
+    /// otherwise.
     #[default]
     Auto,
     /// A kernel per step (publish, push, signal, count, scan, assign,
-    /// copy; reduce, signal, gather): dispatch can be split
-    /// ([`crate::EpGroup::dispatch_send`]) and the steps profiled one by
-    /// one.
+    /// copy; reduce, signal, gather), dispatch pushing: each PE stores
+    /// its tokens into the receive rows of the PEs hosting their experts,
+    /// which copy them out to their routes' rows. Dispatch can be split
+    /// ([`crate::EpGroup::dispatch_send`]) with the stores in flight
+    /// between the halves, and the steps profiled one by one.
     Steps,
     /// One kernel for a whole dispatch and one for a whole combine, one
     /// block per SM of the budget, meeting at grid-wide barriers (every
@@ -114,15 +117,28 @@ pub enum EpKernels {
     /// [`LL_MAX_EXPERTS`] experts. `dispatch_send` and `dispatch_recv`
     /// still run the steps.
     LowLatency,
+    /// The steps, but dispatch pulls: each PE publishes its rows in its
+    /// send buffer (f32 and bf16: a copy of `x` there), and its copy step
+    /// reads each peer's rows from the peer's send buffer (NVLink loads)
+    /// as it writes them to their routes' rows; no PE stores into
+    /// another's receive rows, so the received rows cross HBM once instead
+    /// of three times (stored, read, written), and the loads over NVLink
+    /// overlap the local stores in one kernel. A dispatch ends with one
+    /// more phase: no PE returns (and lets its caller publish again)
+    /// while a peer may still read its send buffer. Combine is that of
+    /// the steps.
+    Pull,
 }
 
 impl EpKernels {
-    /// The name flags and reports use: `auto`, `steps`, `low-latency`.
+    /// The name flags and reports use: `auto`, `steps`, `low-latency`,
+    /// `pull`.
     pub fn name(self) -> &'static str {
         match self {
             EpKernels::Auto => "auto",
             EpKernels::Steps => "steps",
             EpKernels::LowLatency => "low-latency",
+            EpKernels::Pull => "pull",
         }
     }
 }
@@ -174,7 +190,7 @@ impl EpConfig {
     /// kernels and the group's size (the PE count aside).
     pub fn low_latency_fits(&self) -> bool {
         let limit = match self.kernels {
-            EpKernels::Steps => return false,
+            EpKernels::Steps | EpKernels::Pull => return false,
             EpKernels::Auto => LL_AUTO_TOKENS,
             EpKernels::LowLatency => LL_MAX_TOKENS,
         };

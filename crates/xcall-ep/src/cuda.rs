@@ -110,8 +110,10 @@ impl Step {
             Step::Signal | Step::Wait => (1, 64),
             Step::Scan => (p.local_experts.clamp(1, 65535) as u32, 256),
             Step::Count | Step::Assign => warps_for(p.pes * p.tiles_per_pe, 256),
-            // The steps that reach peers' memory keep to the SM budget.
+            // The steps that reach peers' memory keep to the SM budget
+            // (copy where it pulls).
             Step::Push | Step::Reduce | Step::ScatterGrad => (p.exchange_blocks as u32, 512),
+            Step::Copy if p.pull != 0 => (p.exchange_blocks as u32, 512),
             Step::Copy | Step::GatherSum => (2 * sms, 512),
             Step::GatherProbs => (
                 ((p.n * p.topk + 255) / 256).clamp(1, 4 * sms as i64) as u32,
@@ -277,6 +279,30 @@ mod tests {
                 "{}",
                 s.name()
             );
+        }
+    }
+
+    /// The steps that read or write peers' memory run on the SM budget's
+    /// blocks (copy only where it pulls); the local ones on every SM.
+    #[test]
+    fn the_steps_that_reach_peers_keep_to_the_sm_budget() {
+        let p = EpParams {
+            exchange_blocks: 48,
+            pes: 2,
+            n: 4096,
+            topk: 8,
+            ..EpParams::default()
+        };
+        let pulled = EpParams { pull: 1, ..p };
+        for (step, params, blocks) in [
+            (Step::Push, &p, 48),
+            (Step::Reduce, &p, 48),
+            (Step::ScatterGrad, &p, 48),
+            (Step::Copy, &pulled, 48),
+            (Step::Copy, &p, 264),
+            (Step::GatherSum, &p, 264),
+        ] {
+            assert_eq!(step.shape(params, 132), (blocks, 512), "{}", step.name());
         }
     }
 }

@@ -63,6 +63,8 @@ pub struct EpGroup {
     /// Host, every PE of this process: dispatch and combine read peers'
     /// rows where they are (see [`crate::host_pull`]).
     pull: bool,
+    /// CUDA, [`EpKernels::Pull`]: dispatch reads peers' send rows.
+    pull_rows: bool,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
@@ -165,6 +167,12 @@ impl EpGroup {
             0 => sms,
             n => n.min(sms),
         };
+        // Auto: each block of the low-latency kernels sends its tokens in
+        // turn, so they pay off only while a block has few (two at most:
+        // on two H200 at T=128, 66 SMs or more).
+        let low_latency = kernels.is_some()
+            && config.low_latency_fits()
+            && (config.kernels == EpKernels::LowLatency || config.tokens <= 2 * sms_used);
         Ok(EpGroup {
             config,
             layout,
@@ -173,13 +181,17 @@ impl EpGroup {
             base,
             timeout: world.timeout()?,
             exchange_blocks: (2 * sms_used).max(1) as u32,
-            // Auto: each block of the low-latency kernels sends its
-            // tokens in turn, so they pay off only while a block has few
-            // (two at most: on two H200 at T=128, 66 SMs or more).
-            low_latency: kernels.is_some()
-                && config.low_latency_fits()
-                && (config.kernels == EpKernels::LowLatency || config.tokens <= 2 * sms_used),
+            low_latency,
             pull: kernels.is_none() && same_process && pes > 1,
+            // Auto pulls: on two and four H200 the pulled steps' step was
+            // 1.08-1.15x faster than the pushed ones'.
+            pull_rows: kernels.is_some()
+                && pes > 1
+                && match config.kernels {
+                    EpKernels::Pull => true,
+                    EpKernels::Auto => !low_latency,
+                    EpKernels::Steps | EpKernels::LowLatency => false,
+                },
             kernels,
             sms_used,
             last: None,
@@ -218,11 +230,11 @@ impl EpGroup {
         self.low_latency
     }
 
-    /// Whether this PE reads its peers' rows where they are (Host, every PE
-    /// of this process: see [`crate::host_pull`]) instead of storing its
-    /// own into them.
+    /// Whether this PE's dispatch reads its peers' rows where they are
+    /// (Host, every PE of this process: see [`crate::host_pull`]; CUDA,
+    /// [`EpKernels::Pull`]) instead of storing its own into them.
     pub fn pulls(&self) -> bool {
-        self.pull
+        self.pull || self.pull_rows
     }
 
     /// Bytes of the caller's expert-major rows buffer
@@ -283,6 +295,7 @@ impl EpGroup {
             off_ll_rank: at.ll_rank as i64,
             timeout_ns: self.timeout.as_nanos().min(u64::MAX as u128) as u64,
             exchange_blocks: self.exchange_blocks as i64,
+            pull: self.pull_rows as i64,
             ..EpParams::default()
         }
     }
@@ -468,11 +481,14 @@ impl EpGroup {
         }
     }
 
-    /// The first half of [`EpGroup::dispatch`]: this PE's routing published
-    /// and its tokens stored into the PEs hosting their experts, enqueued
-    /// on `stream`; the caller may enqueue work of its own before
-    /// [`EpGroup::dispatch_recv`], which every PE must call next (it waits
-    /// for the peers' tokens), while the stores are in flight.
+    /// The first half of [`EpGroup::dispatch`]: this PE's routing and
+    /// tokens published, enqueued on `stream`: stored into the PEs hosting
+    /// their experts (the pushed steps: [`EpKernels::Steps`], and Host
+    /// processes), or offered where peers read them (the pulled ones,
+    /// where the rows move in the second half). The caller may enqueue
+    /// work of its own before [`EpGroup::dispatch_recv`], which every PE
+    /// must call next (it waits for the peers' tokens); pushed, that work
+    /// runs while the stores are in flight.
     ///
     /// # Safety
     /// As [`EpGroup::dispatch`]; `x`, `ids` and `probs` stay valid and
@@ -494,7 +510,7 @@ impl EpGroup {
             if self.pull {
                 host_pull::offer(&p);
             }
-            self.run(steps::send(self.layout.pes, self.pull), &p, stream)?
+            self.run(steps::send(self.layout.pes, self.pulls()), &p, stream)?
         };
         self.last = Some(Part::Send);
         self.pending = Some((x, tokens, replaced));
@@ -557,7 +573,7 @@ impl EpGroup {
         });
         // SAFETY: as dispatch_send; `out` checked above.
         unsafe {
-            let steps = steps::recv(self.layout.pes, self.pull);
+            let steps = steps::recv(self.layout.pes, self.pulls());
             self.run(steps, &p, stream)?;
         }
         self.pending = None;

@@ -151,9 +151,10 @@ __device__ void ep_publish_body(const EpParams &p) {
             }
         }
 #endif
-    } else if (!p.wire && p.src != send) {
-        // Dispatch pushes f32 and bf16 rows from the caller's buffer: no
-        // copy; nor for rows the caller wrote into the send buffer itself.
+    } else if ((!p.wire || p.pull) && p.src != send) {
+        // Pushed, dispatch stores f32 and bf16 rows from the caller's
+        // buffer: no copy; nor for rows the caller wrote into the send
+        // buffer itself. Pulled, peers read them from the send buffer.
         for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
             const uint4 *s = (const uint4 *)(p.src + t * h * elem);
             uint4 *d = (uint4 *)(send + t * h * elem);
@@ -459,6 +460,15 @@ __device__ __forceinline__ int ep_route(const int *slots, i64 k, int lane) {
     return lane < k ? slots[lane] : -1;
 }
 
+// The received token (sender s, token t) of a PE's n-th turn: the PEs'
+// tokens in turns, each PE's turns starting with the next rank up, so
+// that at every moment the PEs' stores into (or loads from) their token's
+// PE spread over all PEs instead of all going to the same one.
+__device__ __forceinline__ void ep_turn(const EpParams &p, i64 n, int &s, i64 &t) {
+    s = (int)((n % p.pes + p.rank + 1) % p.pes);
+    t = n / p.pes;
+}
+
 // Chunks of copy: 16 bytes of the rows it writes (bf16 or f32), so the
 // warp's stores are contiguous; FP8 reads 8 fp8 bytes for each 16 bytes
 // of bf16 it writes.
@@ -482,19 +492,23 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
     const i64 t = tok % T;
     unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
     if (kept == 0) return;
-    // Peers pushed their rows into the receive rows; this PE's own
-    // are in the caller's buffer (FP8: the send rows).
+    // Pushed, peers' rows are in the receive rows; pulled, in their
+    // send rows; this PE's own are in the caller's buffer (FP8: the send
+    // rows).
     const bool own = s == p.rank;
+    const bool pulled = !own && p.pull;
     const i64 c0 = grp * 32 * EP_UNROLL + lane;
     if (fp8) {
 #if EP_FP8
         // Chunk c: fp8 elements [8c, 8c + 8), one uint2 of the fp8 row and
         // one uint4 of the bf16 row; 16 chunks a scale block.
         const i64 blocks = h / EP_FP8_BLOCK;
-        const uint2 *src = (const uint2 *)(own ? p.base + p.off_send + t * h
-                                               : p.base + p.off_recv + tok * h);
-        const float *sc = own ? (const float *)(p.base + p.off_send_scales) + t * blocks
-                              : (const float *)(p.base + p.off_recv_scales) + tok * blocks;
+        const uint2 *src = (const uint2 *)(own      ? p.base + p.off_send + t * h
+                                           : pulled ? ep_at(p, s, p.off_send) + t * h
+                                                    : p.base + p.off_recv + tok * h);
+        const float *sc = own      ? (const float *)(p.base + p.off_send_scales) + t * blocks
+                          : pulled ? (const float *)(ep_at(p, s, p.off_send_scales)) + t * blocks
+                                   : (const float *)(p.base + p.off_recv_scales) + tok * blocks;
         uint2 v[EP_UNROLL];
         float scale[EP_UNROLL];
 #pragma unroll
@@ -538,7 +552,9 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
         }
 #endif
     } else {
-        const uint4 *src = (const uint4 *)(own ? p.src + t * h * elem : p.base + p.off_recv + tok * h * elem);
+        const uint4 *src = (const uint4 *)(own      ? p.src + t * h * elem
+                                           : pulled ? ep_at(p, s, p.off_send) + t * h * elem
+                                                    : p.base + p.off_recv + tok * h * elem);
         uint4 v[EP_UNROLL];
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u)
@@ -554,7 +570,9 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
 }
 
 // copy: per item of a received token, its chunks read once and written
-// to each kept route's row (in slot order).
+// to each kept route's row (in slot order). Pulled, the tokens go in
+// turns (ep_turn), so every moment's loads spread over the PEs, peers'
+// (over NVLink) among this PE's own.
 extern "C" __global__ void ep_copy(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
@@ -564,8 +582,16 @@ extern "C" __global__ void ep_copy(EpParams p) {
     const int *sent = (const int *)(p.base + p.off_sent);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
          item += warps) {
-        const i64 tok = item / groups;
-        if (tok % T >= sent[tok / T]) continue;
+        int s;
+        i64 t;
+        if (p.pull) {
+            ep_turn(p, item / groups, s, t);
+        } else {
+            s = (int)(item / groups / T);
+            t = item / groups % T;
+        }
+        if (t >= sent[s]) continue;
+        const i64 tok = (i64)s * T + t;
         ep_copy_item(p, tok, item % groups, ep_route(rows + tok * k, k, lane));
     }
 }
@@ -586,15 +612,6 @@ __device__ __forceinline__ uint4 ep_pack(int prec, const float *f) {
         return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
     return make_uint4(f32_to_bf16x2(f[0], f[1]), f32_to_bf16x2(f[2], f[3]), f32_to_bf16x2(f[4], f[5]),
                       f32_to_bf16x2(f[6], f[7]));
-}
-
-// The received token (sender s, token t) of a PE's n-th turn: the PEs'
-// tokens in turns, each PE's turns starting with the next rank up, so
-// that at every moment the PEs' stores into (or loads from) their token's
-// PE spread over all PEs instead of all going to the same one.
-__device__ __forceinline__ void ep_turn(const EpParams &p, i64 n, int &s, i64 &t) {
-    s = (int)((n % p.pes + p.rank + 1) % p.pes);
-    t = n / p.pes;
 }
 
 // reduce: per item of a received token routed here, its kept routes'

@@ -10,9 +10,9 @@
 //! size follows from the config ([`EpConfig::layout`], a query before
 //! anything is made), so nothing waits on the host for counts and a
 //! captured call replays for any routing:
-//! - [`EpGroup::dispatch`]: each PE publishes its routing and stores each
-//!   of its tokens once into every other PE hosting one of its experts;
-//!   each PE then writes every token it received to each of its routes'
+//! - [`EpGroup::dispatch`]: each PE publishes its routing and its tokens;
+//!   each token crosses once to every other PE hosting one of its
+//!   experts, which writes it to each of its routes'
 //!   rows of an **expert-major** buffer (rows grouped by local expert, each group
 //!   starting on a multiple of `align`), with `tokens_per_expert` written
 //!   on the device. FP8 dispatch quantizes on the sender (e4m3, one f32
@@ -21,8 +21,8 @@
 //!   bf16 leave the FP8 rows out, and nothing writes them; each received
 //!   chunk is dequantized once, whatever its routes).
 //!   [`EpGroup::dispatch_send`] and [`EpGroup::dispatch_recv`] are its two
-//!   halves, for a caller that enqueues work of its own while the stores
-//!   are in flight.
+//!   halves, for a caller that enqueues work of its own between them
+//!   (with the pushed steps, while the stores are in flight).
 //! - [`EpGroup::combine`]: each PE sums its experts' outputs for each
 //!   token it received (weighted by the probs, f32) and stores one partial
 //!   row into the token's PE, which adds the partial rows in PE rank order
@@ -36,8 +36,12 @@
 //! whole combine as another (the low-latency kernels: one block per SM
 //! of the budget, meeting at grid-wide barriers, each block laying the
 //! received rows out itself from the senders' counts); larger groups run
-//! a kernel per step. Both write the same bytes ([`EpConfig::kernels`]
-//! picks).
+//! a kernel per step, dispatch **pulling**: each PE reads every token
+//! routed to it from its sender's send buffer (over NVLink) as it writes
+//! the token's routes' rows, one kernel and one pass, instead of its
+//! sender storing it into a receive buffer for a second kernel to copy
+//! out (the pushed steps, [`EpKernels::Steps`]). Every choice writes the
+//! same bytes ([`EpConfig::kernels`] picks).
 //!
 //! Peers' memory is reached directly (the world's peer pointers), so a
 //! group needs every PE on one host. The Host path runs the same steps as the

@@ -100,6 +100,10 @@ xcall_core::kernel_params! {
         weighted: i64 => "long long",
         /// 1: publish quantizes to FP8 (an FP8 group's dispatch).
         wire: i64 => "long long",
+        /// 1: dispatch pulls on CUDA ([`crate::EpKernels::Pull`]):
+        /// publish copies f32 and bf16 rows into the send buffer, and
+        /// copy reads peers' rows from theirs.
+        pull: i64 => "long long",
         /// How long a wait for a peer lasts.
         timeout_ns: u64 => "unsigned long long",
         /// Blocks of the steps that read peers' memory.

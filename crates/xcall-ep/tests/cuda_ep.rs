@@ -37,7 +37,7 @@ fn pe_counts(test: &str, counts: &[usize]) -> Vec<usize> {
 /// kernels where the size allows them), each equal to the Host run.
 fn same_as_host(name: &str, case: Case) {
     let host = run(name, &case, false);
-    for kernels in [EpKernels::Steps, EpKernels::LowLatency] {
+    for kernels in [EpKernels::Steps, EpKernels::LowLatency, EpKernels::Pull] {
         let mut on = case.clone();
         on.config.kernels = kernels;
         if on.config.layout(on.pes).is_err() {
@@ -104,9 +104,22 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
         .collect();
     // One kernel where asked to.
     assert_eq!(g.low_latency(), c.kernels == EpKernels::LowLatency);
-    let want: &[&str] = match (case.pes, g.low_latency()) {
-        (_, true) => &["ep_ll_dispatch"],
-        (1, _) => &["ep_publish", "ep_count", "ep_scan", "ep_assign", "ep_copy"],
+    assert_eq!(g.pulls(), c.kernels == EpKernels::Pull && case.pes > 1);
+    let want: &[&str] = match (case.pes, g.low_latency(), g.pulls()) {
+        (_, true, _) => &["ep_ll_dispatch"],
+        (1, ..) => &["ep_publish", "ep_count", "ep_scan", "ep_assign", "ep_copy"],
+        // Pulled: the routing announced with the rows, no push, and a
+        // last phase before any PE may publish again.
+        (_, _, true) => &[
+            "ep_publish",
+            "ep_signal",
+            "ep_count",
+            "ep_scan",
+            "ep_assign",
+            "ep_copy",
+            "ep_signal",
+            "ep_wait",
+        ],
         _ => &[
             "ep_publish",
             "ep_push",
@@ -191,7 +204,7 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
 fn a_captured_step_replays_on_new_routing() {
     let _s = serial();
     for pes in pe_counts("cuda ep graph", &[1, 2, 4]) {
-        for kernels in [EpKernels::Steps, EpKernels::LowLatency] {
+        for kernels in [EpKernels::Steps, EpKernels::LowLatency, EpKernels::Pull] {
             let case = Case::new(
                 EpConfig {
                     kernels,
@@ -214,7 +227,7 @@ fn a_peer_that_never_calls_times_out_on_the_stream_and_check_says_so() {
     if !gpus("cuda ep timeout", 2) {
         return;
     }
-    for kernels in [EpKernels::Steps, EpKernels::LowLatency] {
+    for kernels in [EpKernels::Steps, EpKernels::LowLatency, EpKernels::Pull] {
         peer_never_calls(EpConfig {
             kernels,
             ..cfg(64, 64, 2, 4, Precision::Bf16)

@@ -44,6 +44,7 @@ fn world(socket: &str, rank: usize, n: usize, heap: usize, timeout: Duration) ->
 fn kernels(name: &str) -> EpKernels {
     match name {
         "steps" => EpKernels::Steps,
+        "pull" => EpKernels::Pull,
         _ => EpKernels::LowLatency,
     }
 }
@@ -193,7 +194,7 @@ fn two_and_four_processes_match_the_host_bit_for_bit() {
         if gpus_for_processes("cuda ep processes", n).is_none() {
             return;
         }
-        for kernels in ["steps", "low-latency"] {
+        for kernels in ["steps", "low-latency", "pull"] {
             let ok = processes(n, "host-equal", kernels, Duration::from_secs(300));
             assert_eq!(ok, vec![true; n], "{n} PEs, {kernels}");
         }
@@ -205,7 +206,7 @@ fn a_killed_gpu_peer_makes_the_other_fail_within_the_timeout() {
     if std::env::var(PE_ENV).is_ok() || gpus_for_processes("cuda ep killed peer", 2).is_none() {
         return;
     }
-    for kernels in ["steps", "low-latency"] {
+    for kernels in ["steps", "low-latency", "pull"] {
         let started = Instant::now();
         let ok = processes(2, "killed", kernels, Duration::from_secs(60));
         assert_eq!(

@@ -485,6 +485,7 @@ pub(super) fn validate(
                 EpKernelsArg::Auto => xcall_ep::EpKernels::Auto,
                 EpKernelsArg::Steps => xcall_ep::EpKernels::Steps,
                 EpKernelsArg::LowLatency => xcall_ep::EpKernels::LowLatency,
+                EpKernelsArg::Pull => xcall_ep::EpKernels::Pull,
             },
             microbatches,
         }),

@@ -46,7 +46,7 @@ pub fn encode(log: &PeLog) -> Value {
         "dropped": log.dropped,
         "link_tokens": log.link_tokens,
         "sms": log.sms,
-        "low_latency": log.low_latency,
+        "kernels": log.kernels,
         "draw": secs(log.draw_time),
         "queue_wait": secs(log.queue_wait),
         "input_wait": secs(log.input_wait),
@@ -136,7 +136,7 @@ pub fn decode(v: &Value) -> Option<PeLog> {
             .map(count)
             .collect::<Option<_>>()?,
         sms: v["sms"].as_u64().map(|n| n as usize),
-        low_latency: v["low_latency"].as_bool(),
+        kernels: v["kernels"].as_str().map(str::to_string),
         draw_time: duration(&v["draw"])?,
         queue_wait: duration(&v["queue_wait"])?,
         input_wait: duration(&v["input_wait"])?,
@@ -220,7 +220,7 @@ mod tests {
             dropped: vec![7, 0, 9],
             link_tokens: vec![11, 12, 13],
             sms: Some(24),
-            low_latency: Some(true),
+            kernels: Some("pull".into()),
             draw_time: Duration::from_millis(30),
             queue_wait: Duration::from_millis(2),
             input_wait: Duration::from_millis(4),
@@ -246,8 +246,8 @@ mod tests {
         assert_eq!(b.graphs[0].label, "process 1 cuda:0");
         assert_eq!(b.gpu.as_deref(), Some("host-a/0000:19:00.0"));
         assert_eq!(
-            (b.link_tokens.clone(), b.sms, b.low_latency),
-            (vec![11, 12, 13], Some(24), Some(true))
+            (b.link_tokens.clone(), b.sms, b.kernels.as_deref()),
+            (vec![11, 12, 13], Some(24), Some("pull"))
         );
 
         for (field, bad) in [

@@ -32,9 +32,9 @@ pub(super) struct PeLog {
     pub(super) link_tokens: Vec<usize>,
     /// SMs the exchange kernels may occupy (token-once exchange on CUDA).
     pub(super) sms: Option<usize>,
-    /// Whether the exchange ran the low-latency kernels (token-once
-    /// exchange on CUDA).
-    pub(super) low_latency: Option<bool>,
+    /// The kernels of the exchange (token-once exchange on CUDA):
+    /// `low-latency`, `steps` or `pull` ([`xcall_ep::EpKernels::name`]).
+    pub(super) kernels: Option<String>,
     /// Time the drawer thread spent drawing inputs.
     pub(super) draw_time: Duration,
     /// Time the PE waited for room in its checker's queue.

@@ -166,7 +166,7 @@ pub(super) fn run_steps(
     let mut dropped = 0;
     let mut link = 0;
     log.sms = pe.sms_used();
-    log.low_latency = pe.low_latency();
+    log.kernels = pe.kernels().map(str::to_string);
     // Timed steps run ahead of their times: each waits on the device for
     // its peers (the steps' own protocol and, before its clock starts, a
     // barrier of the PEs' streams), not on the host; their times are read

@@ -336,15 +336,16 @@ pub(super) fn report(
     );
     if s.ep.is_some() {
         println!(
-            "  per PE         {:.1} MB/step stored into other PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}{}; {}",
+            "  per PE         {:.1} MB/step between PEs (both ways), {:.2} GB/s at the median; exchange kernels on {}{}; {}",
             between / s.pes as f64 / 1e6,
             gbps / s.pes as f64,
             pes.iter()
                 .find_map(|p| p.sms)
                 .map_or("the Host".to_string(), |n| format!("at most {n} SMs")),
-            match pes.iter().find_map(|p| p.low_latency) {
-                Some(true) => " (the low-latency kernels: one per call)",
-                Some(false) => " (a kernel per step)",
+            match pes.iter().find_map(|p| p.kernels.as_deref()) {
+                Some("low-latency") => " (the low-latency kernels: one per call)",
+                Some("pull") => " (a kernel per step, dispatch pulling)",
+                Some(_) => " (a kernel per step)",
                 None => "",
             },
             overlap.line(&s),
@@ -454,7 +455,7 @@ pub(super) fn report(
             "bytes_per_step": between / s.pes as f64,
             "gb_per_s": gbps / s.pes as f64,
             "sms": pes.iter().find_map(|p| p.sms),
-            "kernels": pes.iter().find_map(|p| p.low_latency).map(|l| if l { "low-latency" } else { "steps" }),
+            "kernels": pes.iter().find_map(|p| p.kernels.as_deref()),
             "hidden_fraction": overlap.fraction(),
             "microbatches": s.ep.map(|e| e.microbatches),
             "forked_step_ms": overlap.forked,

@@ -56,11 +56,15 @@ pub enum ExchangeArg {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum EpKernelsArg {
     /// The low-latency kernels up to 256 tokens per PE and two per SM of
-    /// the budget (decode), a kernel per step above.
+    /// the budget (decode), a kernel per step above (dispatch pulling).
     Auto,
-    /// A kernel per step.
+    /// A kernel per step, dispatch pushing (each PE stores its tokens into
+    /// its peers' receive rows).
     Steps,
     /// One kernel for a whole dispatch and one for a whole combine (up to
     /// 1024 tokens per PE and 2048 experts).
     LowLatency,
+    /// A kernel per step, dispatch's copy reading peers' rows where they
+    /// are instead of their pushing them.
+    Pull,
 }

@@ -459,13 +459,16 @@ impl Pe {
         }
     }
 
-    /// Whether the token-once exchange runs the low-latency kernels
-    /// (`None` for the per-route exchanges and on Host).
-    pub fn low_latency(&self) -> Option<bool> {
-        match (&self.ep, &self.gpu) {
-            (Some(t), Some(_)) => t.micro.first().map(|m| m.group.low_latency()),
-            _ => None,
-        }
+    /// The kernels of the token-once exchange: `low-latency`, `steps` or
+    /// `pull` (`None` for the per-route exchanges and on Host).
+    pub fn kernels(&self) -> Option<&'static str> {
+        let g = &self.ep.as_ref()?.micro.first()?.group;
+        self.gpu.as_ref()?;
+        Some(match (g.low_latency(), g.pulls()) {
+            (true, _) => xcall_ep::EpKernels::LowLatency.name(),
+            (false, true) => xcall_ep::EpKernels::Pull.name(),
+            (false, false) => xcall_ep::EpKernels::Steps.name(),
+        })
     }
 
     /// The transport of the peers without pointers, if any.
