@@ -6,7 +6,9 @@
 #   `xcall moe` (graph replays, every run checked with --verify sample:100):
 #     the DeepSeek-V3-like shape (T=4096 H=7168 E=256 top-8) in bf16 and
 #     FP8 dispatch, with one micro-batch and with two at --sms 48, 56 and
-#     64 (two GPUs or more); the default shape (T=8192 H=4096 E=8 top-2);
+#     64 (two GPUs or more), and beside them the pushed dispatch
+#     (--ep-kernels steps; the default pulls); the default shape (T=8192
+#     H=4096 E=8 top-2);
 #     decode (T=128, the DeepSeek-V3-like H, E, k); 300 steps of the
 #     DeepSeek-V3-like bf16 step for the stability figures (its report's
 #     tenths and p99);
@@ -106,6 +108,8 @@ for g in 1 2 4; do
     # shellcheck disable=SC2086
     moe "dsv3-$d-${g}gpu" "$g" 200 $dsv3 --dtype $d
     if [ "$g" -gt 1 ]; then
+      # shellcheck disable=SC2086
+      moe "dsv3-$d-${g}gpu-pushed" "$g" 200 $dsv3 --dtype $d --ep-kernels steps
       for sms in 48 56 64; do
         # shellcheck disable=SC2086
         moe "dsv3-$d-${g}gpu-mb2-sms$sms" "$g" 200 $dsv3 --dtype $d --microbatches 2 --sms $sms

@@ -11,15 +11,21 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
         return;
     };
     // The f32 run checks every other step, its checks beside the GPU work;
-    // factor 0 is dropless.
-    for (dtype, factor, verify) in [
-        ("bf16", "1.25", "every"),
-        ("f32", "0.7", "sample:2"),
-        ("bf16", "0", "every"),
+    // factor 0 is dropless (the token-once exchange: its dispatch pulled,
+    // the default, and pushed).
+    for (dtype, factor, verify, kernels) in [
+        ("bf16", "1.25", "every", None),
+        ("f32", "0.7", "sample:2", None),
+        ("bf16", "0", "every", None),
+        ("bf16", "0", "every", Some("steps")),
     ] {
-        let path = json_path(&format!("cuda-moe-{dtype}-{factor}"));
+        let path = json_path(&format!(
+            "cuda-moe-{dtype}-{factor}-{}",
+            kernels.unwrap_or("auto")
+        ));
         let steps = 5;
-        let (out, stdout) = run(&[
+        let steps_arg = steps.to_string();
+        let mut args = vec![
             "moe",
             "--platform",
             "cuda",
@@ -36,14 +42,18 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
             "--capacity-factor",
             factor,
             "--steps",
-            &steps.to_string(),
+            &steps_arg,
             "--verify",
             verify,
             "--progress-every",
             "0s",
             "--json",
             path.to_str().unwrap(),
-        ]);
+        ];
+        if let Some(k) = kernels {
+            args.extend(["--ep-kernels", k]);
+        }
+        let (out, stdout) = run(&args);
         assert!(
             out.status.success(),
             "{stdout}\n{}",
@@ -64,6 +74,15 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
         // hold 2 x P x [S, H] per PE (the fused exchange; dropless, the
         // token-once exchange's expert-major rows in and out as much).
         assert_eq!(j["exchange"], if factor == "0" { "token" } else { "fused" });
+        if factor == "0" {
+            // Above decode sizes several PEs pull unless asked to push;
+            // one PE has no peer to pull from.
+            let want = match kernels {
+                None if gpus > 1 => "pull",
+                _ => "steps",
+            };
+            assert_eq!(j["kernels"], want, "{dtype} {kernels:?}");
+        }
         let buffers = j["heap_bytes"].as_u64().unwrap();
         let slots = 2 * gpus as u64 * j["slot_rows"].as_u64().unwrap() * 1024;
         assert!(buffers > slots * if dtype == "f32" { 4 } else { 2 }, "{j}");

@@ -118,15 +118,16 @@ pub enum EpKernels {
     /// still run the steps.
     LowLatency,
     /// The steps, but dispatch pulls: each PE publishes its rows in its
-    /// send buffer (f32 and bf16: a copy of `x` there), and its copy step
-    /// reads each peer's rows from the peer's send buffer (NVLink loads)
-    /// as it writes them to their routes' rows; no PE stores into
-    /// another's receive rows, so the received rows cross HBM once instead
-    /// of three times (stored, read, written), and the loads over NVLink
-    /// overlap the local stores in one kernel. A dispatch ends with one
-    /// more phase: no PE returns (and lets its caller publish again)
-    /// while a peer may still read its send buffer. Combine is that of
-    /// the steps.
+    /// send buffer (f32 and bf16: a copy of `x` there, none when `x` is
+    /// [`crate::EpGroup::send_rows`]), and its copy step reads each
+    /// peer's rows from the peer's send buffer (NVLink loads) as it
+    /// writes them to their routes' rows. No PE stores into another's
+    /// receive rows: the loads over NVLink overlap the local stores in
+    /// one kernel, where pushed the copy waits for every PE's stores. A
+    /// dispatch ends with one more phase: no PE returns (and lets its
+    /// caller publish again) while a peer may still read its send buffer.
+    /// Combine is that of the steps. Where it pulls, copy keeps to the SM
+    /// budget.
     Pull,
 }
 
@@ -184,6 +185,25 @@ impl EpConfig {
             num_sms: 0,
             kernels: EpKernels::Auto,
         }
+    }
+
+    /// The kernels a CUDA group of this config runs on `pes` PEs with
+    /// `sms_used` SMs for the exchange: (the low-latency kernels, dispatch
+    /// pulling). Auto takes the low-latency kernels while each block of
+    /// the budget sends two tokens at most (they send a block's tokens in
+    /// turn: on two H200 at T=128, they paid off from 66 SMs), and pulls
+    /// above (on two and four H200 the pulled steps' step was 1.08-1.15x
+    /// faster than the pushed ones'). One PE has nothing to pull.
+    pub fn cuda_kernels(&self, pes: usize, sms_used: usize) -> (bool, bool) {
+        let low_latency = self.low_latency_fits()
+            && (self.kernels == EpKernels::LowLatency || self.tokens <= sms_used.saturating_mul(2));
+        let pull = pes > 1
+            && match self.kernels {
+                EpKernels::Pull => true,
+                EpKernels::Auto => !low_latency,
+                EpKernels::Steps | EpKernels::LowLatency => false,
+            };
+        (low_latency, pull)
     }
 
     /// Whether the low-latency kernels may run this group: the chosen
@@ -532,6 +552,37 @@ mod tests {
     /// past its limits is refused by name; only groups that may run them
     /// carry the ranks' part.
     #[test]
+    fn auto_runs_the_low_latency_kernels_up_to_two_tokens_an_sm_and_pulls_above() {
+        use EpKernels::*;
+        let at = |tokens, kernels| EpConfig {
+            kernels,
+            ..EpConfig::new(tokens, 16, 2, 8)
+        };
+        // (tokens, kernels, PEs, SMs used) -> (low-latency, pull)
+        for (tokens, kernels, pes, sms, want) in [
+            (128, Auto, 2, 64, (true, false)),
+            (128, Auto, 2, 63, (false, true)),
+            (129, Auto, 4, 64, (false, true)),
+            (4096, Auto, 2, 132, (false, true)),
+            (4096, Auto, 1, 132, (false, false)),
+            (300, Auto, 2, 1000, (false, true)),
+            (16, LowLatency, 2, 1, (true, false)),
+            (1024, LowLatency, 2, 8, (true, false)),
+            (16, Steps, 2, 132, (false, false)),
+            (16, Pull, 2, 132, (false, true)),
+            (4096, Pull, 4, 24, (false, true)),
+            (4096, Pull, 1, 24, (false, false)),
+            (8, Auto, 2, usize::MAX, (true, false)),
+        ] {
+            assert_eq!(
+                at(tokens, kernels).cuda_kernels(pes, sms),
+                want,
+                "{tokens} tokens, {kernels:?}, {pes} PEs, {sms} SMs"
+            );
+        }
+    }
+
+    #[test]
     fn the_low_latency_kernels_fit_decode_sized_groups() {
         let at = |tokens, experts, kernels| EpConfig {
             kernels,
@@ -543,6 +594,7 @@ mod tests {
             (8, 2050, EpKernels::Auto, false),
             (1024, 2048, EpKernels::LowLatency, true),
             (8, 8, EpKernels::Steps, false),
+            (8, 8, EpKernels::Pull, false),
         ] {
             let c = at(tokens, experts, kernels);
             assert_eq!(c.low_latency_fits(), fits, "{c:?}");
@@ -561,8 +613,14 @@ mod tests {
             );
         }
         assert_eq!(
-            [EpKernels::Auto, EpKernels::Steps, EpKernels::LowLatency].map(EpKernels::name),
-            ["auto", "steps", "low-latency"]
+            [
+                EpKernels::Auto,
+                EpKernels::Steps,
+                EpKernels::LowLatency,
+                EpKernels::Pull
+            ]
+            .map(EpKernels::name),
+            ["auto", "steps", "low-latency", "pull"]
         );
     }
 

@@ -110,8 +110,8 @@ impl Step {
             Step::Signal | Step::Wait => (1, 64),
             Step::Scan => (p.local_experts.clamp(1, 65535) as u32, 256),
             Step::Count | Step::Assign => warps_for(p.pes * p.tiles_per_pe, 256),
-            // The steps that reach peers' memory keep to the SM budget
-            // (copy where it pulls).
+            // The steps that move rows to or from peers keep to the SM
+            // budget (copy where it pulls).
             Step::Push | Step::Reduce | Step::ScatterGrad => (p.exchange_blocks as u32, 512),
             Step::Copy if p.pull != 0 => (p.exchange_blocks as u32, 512),
             Step::Copy | Step::GatherSum => (2 * sms, 512),
@@ -282,27 +282,50 @@ mod tests {
         }
     }
 
-    /// The steps that read or write peers' memory run on the SM budget's
-    /// blocks (copy only where it pulls); the local ones on every SM.
+    /// The steps that move rows to or from peers run on the SM budget's
+    /// blocks (copy only where it pulls), the low-latency kernels on one
+    /// block per SM of it, the local ones on every SM.
     #[test]
-    fn the_steps_that_reach_peers_keep_to_the_sm_budget() {
+    fn the_steps_that_move_rows_between_peers_keep_to_the_sm_budget() {
         let p = EpParams {
             exchange_blocks: 48,
             pes: 2,
-            n: 4096,
+            tiles_per_pe: 256,
+            local_experts: 128,
+            n: 8192,
             topk: 8,
             ..EpParams::default()
         };
         let pulled = EpParams { pull: 1, ..p };
-        for (step, params, blocks) in [
-            (Step::Push, &p, 48),
-            (Step::Reduce, &p, 48),
-            (Step::ScatterGrad, &p, 48),
-            (Step::Copy, &pulled, 48),
-            (Step::Copy, &p, 264),
-            (Step::GatherSum, &p, 264),
+        let few = EpParams { n: 100, ..p };
+        let odd = EpParams {
+            tiles_per_pe: 257,
+            ..p
+        };
+        for (step, params, shape) in [
+            (Step::Push, &p, (48, 512)),
+            (Step::Reduce, &p, (48, 512)),
+            (Step::ScatterGrad, &p, (48, 512)),
+            (Step::Copy, &pulled, (48, 512)),
+            (Step::Copy, &p, (264, 512)),
+            (Step::GatherSum, &p, (264, 512)),
+            (Step::LlDispatch, &p, (24, 512)),
+            (Step::LlCombine, &p, (24, 512)),
+            // A block per token, eight per SM at most.
+            (Step::Publish, &p, (1056, 256)),
+            (Step::Publish, &few, (100, 256)),
+            (Step::Signal, &p, (1, 64)),
+            (Step::Wait, &p, (1, 64)),
+            (Step::Scan, &p, (128, 256)),
+            // A warp per tile, 8 warps a block: 512 tiles, then 514.
+            (Step::Count, &p, (64, 256)),
+            (Step::Assign, &p, (64, 256)),
+            (Step::Count, &odd, (65, 256)),
+            // A thread per route, four blocks per SM at most.
+            (Step::GatherProbs, &p, (256, 256)),
+            (Step::GatherProbs, &few, (4, 256)),
         ] {
-            assert_eq!(step.shape(params, 132), (blocks, 512), "{}", step.name());
+            assert_eq!(step.shape(params, 132), shape, "{}", step.name());
         }
     }
 }

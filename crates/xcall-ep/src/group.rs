@@ -28,7 +28,7 @@ use xcall_shmem::{ShmemError, World};
 
 use crate::args::{need, optional};
 pub use crate::args::{Buf, ExpertMajor};
-use crate::config::{word, Capacity, EpConfig, EpKernels, Layout, Precision, FP8_BLOCK};
+use crate::config::{word, Capacity, EpConfig, Layout, Precision, FP8_BLOCK};
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
@@ -63,7 +63,8 @@ pub struct EpGroup {
     /// Host, every PE of this process: dispatch and combine read peers'
     /// rows where they are (see [`crate::host_pull`]).
     pull: bool,
-    /// CUDA, [`EpKernels::Pull`]: dispatch reads peers' send rows.
+    /// CUDA ([`EpConfig::cuda_kernels`]: [`crate::EpKernels::Pull`], and Auto
+    /// above decode sizes): dispatch reads peers' send rows.
     pull_rows: bool,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
@@ -167,12 +168,10 @@ impl EpGroup {
             0 => sms,
             n => n.min(sms),
         };
-        // Auto: each block of the low-latency kernels sends its tokens in
-        // turn, so they pay off only while a block has few (two at most:
-        // on two H200 at T=128, 66 SMs or more).
-        let low_latency = kernels.is_some()
-            && config.low_latency_fits()
-            && (config.kernels == EpKernels::LowLatency || config.tokens <= 2 * sms_used);
+        let (low_latency, pull_rows) = match kernels {
+            Some(_) => config.cuda_kernels(pes, sms_used),
+            None => (false, false),
+        };
         Ok(EpGroup {
             config,
             layout,
@@ -183,15 +182,7 @@ impl EpGroup {
             exchange_blocks: (2 * sms_used).max(1) as u32,
             low_latency,
             pull: kernels.is_none() && same_process && pes > 1,
-            // Auto pulls: on two and four H200 the pulled steps' step was
-            // 1.08-1.15x faster than the pushed ones'.
-            pull_rows: kernels.is_some()
-                && pes > 1
-                && match config.kernels {
-                    EpKernels::Pull => true,
-                    EpKernels::Auto => !low_latency,
-                    EpKernels::Steps | EpKernels::LowLatency => false,
-                },
+            pull_rows,
             kernels,
             sms_used,
             last: None,
@@ -232,7 +223,8 @@ impl EpGroup {
 
     /// Whether this PE's dispatch reads its peers' rows where they are
     /// (Host, every PE of this process: see [`crate::host_pull`]; CUDA,
-    /// [`EpKernels::Pull`]) instead of storing its own into them.
+    /// several PEs above decode sizes: see [`EpConfig::cuda_kernels`])
+    /// instead of storing its own into them.
     pub fn pulls(&self) -> bool {
         self.pull || self.pull_rows
     }
@@ -483,9 +475,9 @@ impl EpGroup {
 
     /// The first half of [`EpGroup::dispatch`]: this PE's routing and
     /// tokens published, enqueued on `stream`: stored into the PEs hosting
-    /// their experts (the pushed steps: [`EpKernels::Steps`], and Host
-    /// processes), or offered where peers read them (the pulled ones,
-    /// where the rows move in the second half). The caller may enqueue
+    /// their experts (the pushed steps: Host processes, and CUDA groups
+    /// that do not pull, see [`EpGroup::pulls`]), or offered where peers
+    /// read them (pulled: the rows move in the second half). The caller may enqueue
     /// work of its own before [`EpGroup::dispatch_recv`], which every PE
     /// must call next (it waits for the peers' tokens); pushed, that work
     /// runs while the stores are in flight.
@@ -575,6 +567,11 @@ impl EpGroup {
         unsafe {
             let steps = steps::recv(self.layout.pes, self.pulls());
             self.run(steps, &p, stream)?;
+        }
+        if self.pulls() {
+            // A pulled dispatch ends with an empty phase: no peer still
+            // reads what this PE published, so the next call needs none.
+            self.last = None;
         }
         self.pending = None;
         self.dispatched = Some(tokens);

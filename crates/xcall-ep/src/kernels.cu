@@ -1,7 +1,9 @@
 // Over 700 lines: one NVRTC program, whose steps and the two low-latency kernels share the phase, push, copy and reduce device functions.
 // The expert-parallel steps on CUDA; each mirrors the function of the
 // same name in host.rs (same order, same arithmetic: products and sums
-// rounded separately, never fused, so a Host run matches bit for bit).
+// rounded separately, never fused, so a Host run matches bit for bit),
+// but for where a pulled dispatch (p.pull) reads peers' rows: their send
+// rows here, their `x` on Host (host_pull.rs); the bytes are the same.
 // Every kernel takes EpParams (defined before this file by cuda.rs), and
 // CONVERT (bf16 / fp8 conversions) comes first.
 //

@@ -1,7 +1,8 @@
 //! The one parameter record every step of a call takes, on Host and
 //! CUDA alike: the group's shape and layout, then the call's buffers.
 //! The Host steps ([`crate::host`]) and the CUDA kernels
-//! (`kernels.cu`) read the same fields with the same meaning.
+//! (`kernels.cu`) read the same fields with the same meaning (`pull`,
+//! CUDA's alone, aside).
 
 xcall_core::kernel_params! {
     /// A step of a dispatch, combine or backward call.

@@ -1,7 +1,9 @@
 //! The steps each call runs: one PE has no peer to store to or announce
 //! to; Host PEs of one process pull instead of pushing
-//! ([`crate::host_pull`]) and end each call with an empty phase; CUDA
-//! groups of decode size run the low-latency kernels.
+//! ([`crate::host_pull`]) and end each call with an empty phase, as does
+//! a CUDA dispatch that pulls ([`crate::EpConfig::cuda_kernels`]; its
+//! combine pushes); CUDA groups of decode size run the low-latency
+//! kernels.
 
 use crate::cuda::Step;
 
@@ -19,8 +21,9 @@ pub(crate) fn recv(pes: usize, pull: bool) -> &'static [Step] {
     use Step::*;
     match (pes, pull) {
         (1, _) => &[Count, Scan, Assign, Copy],
-        // Pulled: no PE returns (and lets its caller write `x`) while a
-        // peer may still copy from it.
+        // Pulled: no PE returns (and lets its caller write what peers
+        // read: Host, its `x`; CUDA, its send rows, which may be `x`)
+        // while a peer may still copy from it.
         (_, true) => &[Wait, Count, Scan, Assign, Copy, Signal, Wait],
         _ => &[Wait, Count, Scan, Assign, Copy],
     }

@@ -277,7 +277,7 @@ pub fn kept_routes_into(shape: &Shape, routing: &[u8], kept: &mut [bool]) {
     }
 }
 
-/// Token rows PE `rank`'s dispatch stores into other PEs with the
+/// Token rows PE `rank`'s dispatch moves to other PEs with the
 /// token-once exchange: per token, the other PEs hosting one of its
 /// experts (combine returns as many).
 pub fn link_tokens(shape: &Shape, rank: usize, routing: &[u8]) -> usize {

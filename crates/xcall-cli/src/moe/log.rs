@@ -27,7 +27,7 @@ pub(super) struct PeLog {
     pub(super) checks: Vec<Checked>,
     /// Per step of the run: the routes its inputs lose to the capacity.
     pub(super) dropped: Vec<usize>,
-    /// Per step of the run: the token rows its dispatch stores into other
+    /// Per step of the run: the token rows its dispatch moves to other
     /// PEs (token-once exchange; combine returns as many).
     pub(super) link_tokens: Vec<usize>,
     /// SMs the exchange kernels may occupy (token-once exchange on CUDA).

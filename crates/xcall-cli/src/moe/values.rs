@@ -36,7 +36,7 @@ pub enum HostExecutorArg {
 /// How rows reach other PEs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ExchangeArg {
-    /// xcall-ep: each token stored once into each PE hosting one of its
+    /// xcall-ep: each token moved once to each PE hosting one of its
     /// experts, expanded there into expert-major rows; each PE sums its
     /// experts' outputs of a token and stores one row back (dropless;
     /// peers reached by pointer).

@@ -113,7 +113,7 @@ pub struct Drawn {
     pub inputs: Arc<Inputs>,
     /// Routes the layer's capacity drops from them.
     pub dropped: usize,
-    /// Token rows the token-once dispatch stores into other PEs (0 for
+    /// Token rows the token-once dispatch moves to other PEs (0 for
     /// the per-route exchanges).
     pub link_tokens: usize,
     /// The time drawing them took.

@@ -1,7 +1,8 @@
 //! A PE of the token-once exchange (`--exchange token`, the default): the
 //! step is xcall-ep's dispatch, the experts on its expert-major rows, and
-//! its combine. Dispatch stores each token once into every PE hosting one
-//! of its experts; there its rows are grouped by local expert (each group
+//! its combine. Dispatch moves each token once to every PE hosting one
+//! of its experts (on CUDA above decode sizes, that PE reads it from the
+//! token's PE); there its rows are grouped by local expert (each group
 //! starting on a multiple of `--align` rows) with the counts written by
 //! the device; the experts (`silu(x) * scale_e`, warpspec, one ragged
 //! group per local expert) read them and write the expert-major outputs;
