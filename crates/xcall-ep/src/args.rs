@@ -2,6 +2,7 @@
 //! alignment), and the expert-major buffers dispatch writes
 //! ([`ExpertMajor`]).
 
+use crate::config::{EpConfig, Layout, Precision, FP8_BLOCK};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
 
@@ -82,6 +83,52 @@ pub struct ExpertMajor {
 }
 
 impl ExpertMajor {
+    /// Checks these buffers against what a dispatch of a group of `c`
+    /// and `layout` writes.
+    pub(crate) fn check(&self, c: &EpConfig, layout: &Layout) -> Result<()> {
+        let out = self;
+        let (rows, l, h) = (layout.expert_rows, layout.local_experts, c.hidden);
+        // Checked by the layout: rows * H * 4 fits (see Layout::new).
+        let rows_bytes = rows * h * c.precision.wire_bytes();
+        match c.precision {
+            // The FP8 rows with their scales, the bf16 rows, or both.
+            Precision::Fp8Dispatch => {
+                match (out.rows.addr, out.scales.addr, out.rows_bf16.addr) {
+                    (0, 0, 0) => {
+                        return Err(EpError::InvalidArgument(
+                            "out.rows and out.rows_bf16 are both null: FP8 dispatch writes the FP8 rows with their scales, the bf16 rows, or both".into(),
+                        ))
+                    }
+                    (0, s, _) if s != 0 => {
+                        return Err(EpError::InvalidArgument(
+                            "out.scales given without out.rows: the scales go with the FP8 rows".into(),
+                        ))
+                    }
+                    (r, 0, _) if r != 0 => {
+                        return Err(EpError::InvalidArgument(
+                            "out.rows given without out.scales: FP8 rows need their scales".into(),
+                        ))
+                    }
+                    _ => {}
+                }
+                optional("out.rows", out.rows, rows_bytes, 16)?;
+                optional("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
+                optional("out.rows_bf16", out.rows_bf16, rows * h * 2, 16)?;
+            }
+            _ => {
+                need("out.rows", out.rows, rows_bytes, 16)?;
+                if out.scales.addr != 0 || out.rows_bf16.addr != 0 {
+                    return Err(EpError::InvalidArgument(
+                        "out.scales and out.rows_bf16 are for FP8 dispatch only".into(),
+                    ));
+                }
+            }
+        }
+        need("out.tokens_per_expert", out.tokens_per_expert, l * 8, 8)?;
+        optional("out.padded_per_expert", out.padded_per_expert, l * 8, 8)?;
+        optional("out.offsets", out.offsets, (l + 1) * 8, 8)
+    }
+
     /// `p` writing into these buffers.
     pub(crate) fn writing(&self, p: EpParams) -> EpParams {
         EpParams {

@@ -26,9 +26,9 @@ use std::time::Duration;
 use xcall_core::{Device, Platform};
 use xcall_shmem::{ShmemError, World};
 
-use crate::args::{need, optional};
+use crate::args::need;
 pub use crate::args::{Buf, ExpertMajor};
-use crate::config::{word, Capacity, EpConfig, Layout, Precision, FP8_BLOCK};
+use crate::config::{word, Capacity, EpConfig, Layout, Precision};
 use crate::cuda::{self, Kernels, Step};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
@@ -402,7 +402,7 @@ impl EpGroup {
         stream: *mut c_void,
     ) -> Result<()> {
         self.not_pending("dispatch")?;
-        self.check_out(out)?;
+        out.check(&self.config, &self.layout)?;
         if !self.low_latency {
             // SAFETY: the caller's contract, passed on.
             return unsafe {
@@ -420,48 +420,6 @@ impl EpGroup {
         self.last = Some(Part::Send);
         self.dispatched = Some(tokens);
         Ok(())
-    }
-
-    fn check_out(&self, out: &ExpertMajor) -> Result<()> {
-        let c = self.config;
-        let (rows, l, h) = (self.layout.expert_rows, self.layout.local_experts, c.hidden);
-        match c.precision {
-            // The FP8 rows with their scales, the bf16 rows, or both.
-            Precision::Fp8Dispatch => {
-                match (out.rows.addr, out.scales.addr, out.rows_bf16.addr) {
-                    (0, 0, 0) => {
-                        return Err(EpError::InvalidArgument(
-                            "out.rows and out.rows_bf16 are both null: FP8 dispatch writes the FP8 rows with their scales, the bf16 rows, or both".into(),
-                        ))
-                    }
-                    (0, s, _) if s != 0 => {
-                        return Err(EpError::InvalidArgument(
-                            "out.scales given without out.rows: the scales go with the FP8 rows".into(),
-                        ))
-                    }
-                    (r, 0, _) if r != 0 => {
-                        return Err(EpError::InvalidArgument(
-                            "out.rows given without out.scales: FP8 rows need their scales".into(),
-                        ))
-                    }
-                    _ => {}
-                }
-                optional("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
-                optional("out.scales", out.scales, rows * (h / FP8_BLOCK) * 4, 4)?;
-                optional("out.rows_bf16", out.rows_bf16, rows * h * 2, 16)?;
-            }
-            _ => {
-                need("out.rows", out.rows, self.expert_rows_bytes(), 16)?;
-                if out.scales.addr != 0 || out.rows_bf16.addr != 0 {
-                    return Err(EpError::InvalidArgument(
-                        "out.scales and out.rows_bf16 are for FP8 dispatch only".into(),
-                    ));
-                }
-            }
-        }
-        need("out.tokens_per_expert", out.tokens_per_expert, l * 8, 8)?;
-        optional("out.padded_per_expert", out.padded_per_expert, l * 8, 8)?;
-        optional("out.offsets", out.offsets, (l + 1) * 8, 8)
     }
 
     fn not_pending(&self, call: &str) -> Result<()> {
@@ -556,7 +514,7 @@ impl EpGroup {
                 "dispatch_recv needs a dispatch_send first".into(),
             ));
         };
-        self.check_out(out)?;
+        out.check(&self.config, &self.layout)?;
         let p = out.writing(EpParams {
             n: tokens as i64,
             src: x.addr,
