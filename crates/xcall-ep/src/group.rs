@@ -435,10 +435,10 @@ impl EpGroup {
     /// tokens published, enqueued on `stream`: stored into the PEs hosting
     /// their experts (the pushed steps: Host processes, and CUDA groups
     /// that do not pull, see [`EpGroup::pulls`]), or offered where peers
-    /// read them (pulled: the rows move in the second half). The caller may enqueue
-    /// work of its own before [`EpGroup::dispatch_recv`], which every PE
-    /// must call next (it waits for the peers' tokens); pushed, that work
-    /// runs while the stores are in flight.
+    /// read them (pulled: the rows move in the second half). The caller
+    /// may enqueue work of its own before [`EpGroup::dispatch_recv`],
+    /// which every PE must call next (it waits for the peers' tokens);
+    /// pushed, that work runs while the stores are in flight.
     ///
     /// # Safety
     /// As [`EpGroup::dispatch`]; `x`, `ids` and `probs` stay valid and
