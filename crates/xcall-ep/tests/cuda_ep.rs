@@ -15,7 +15,7 @@ use xcall_ep::{Buf, EpConfig, EpGroup, EpKernels, Precision};
 
 mod common;
 use common::cuda::{gpus, CudaMem};
-use common::run::{expert_major, Mem};
+use common::run::{expert_major, round, Mem};
 use common::threads::{host_equal_cases, run, same_outputs, world};
 use common::*;
 
@@ -47,6 +47,60 @@ fn same_as_host(name: &str, case: Case) {
         let gpu = run(&name, &on, true);
         for (rank, (g, h)) in gpu.iter().zip(&host).enumerate() {
             same_outputs(&name, &case, rank, g, h);
+        }
+    }
+}
+
+/// Above decode sizes a CUDA group of several PEs pulls by default, and a
+/// pulled dispatch stores nothing into any PE's receive rows: they are
+/// poisoned first, stay poisoned, and every output still matches the
+/// reference (a copy that read them would not).
+#[test]
+fn a_pulled_dispatch_leaves_the_receive_rows_alone() {
+    let _s = serial();
+    for pes in pe_counts("cuda ep pulled", &[2, 4]) {
+        for precision in [Precision::Bf16, Precision::Fp8Dispatch] {
+            let case = Case::new(
+                cfg(300, 256, 4, 8 * pes, precision),
+                pes,
+                Routing::Random,
+                61,
+            );
+            assert_eq!(case.config.kernels, EpKernels::Auto);
+            let heap = case.config.layout(pes).unwrap().heap_bytes;
+            let group = format!("ep-pulled-{}-{}", precision.name(), std::process::id());
+            run_threads("cuda pulled", pes, watchdog(), move |rank| {
+                let device = Device::cuda(rank as u32);
+                let mut w = world(&group, rank, pes, device, heap, Duration::from_secs(30));
+                let mut g = EpGroup::new(&mut w, case.config).unwrap();
+                assert!(g.pulls() && !g.low_latency(), "PE {rank}");
+                let (c, at) = (case.config, g.layout().at);
+                let base = g.send_rows().addr - at.send as u64;
+                let (rows, h) = (pes * c.tokens, c.hidden);
+                let mut parts = vec![Buf::new(
+                    base + at.recv as u64,
+                    rows * h * c.precision.wire_bytes(),
+                )];
+                if precision == Precision::Fp8Dispatch {
+                    parts.push(Buf::new(base + at.recv_scales as u64, rows * (h / 128) * 4));
+                }
+                let mut m = CudaMem::new(device);
+                for &b in &parts {
+                    m.write(b, &vec![0x5a; b.bytes]);
+                }
+                w.barrier_all().unwrap();
+                round(&case, rank, &mut g, &mut m, false);
+                w.barrier_all().unwrap();
+                for (i, &b) in parts.iter().enumerate() {
+                    assert!(
+                        m.read(b).iter().all(|&v| v == 0x5a),
+                        "PE {rank}: receive part {i} was written ({})",
+                        precision.name()
+                    );
+                }
+                drop(m);
+                g.destroy(&mut w).unwrap();
+            });
         }
     }
 }
