@@ -8,8 +8,8 @@
 #     (bench-cuda_permute_bound), the permute grid's quick half
 #     (XCALL_GRID_QUICK=1: T = 4096 only) and, with a GPU required, the
 #     JAX suite's GPU cases alone in both passes (CI runs its CPU cases
-#     against the pinned and the newest JAX), for a run of about 5
-#     minutes on one GPU host.
+#     against the pinned and the newest JAX), for a run of about 7
+#     minutes on one GPU host, over 9 on two (the GPU benches last).
 #   XCALL_REQUIRE_CUDA (default 1): a missing GPU fails instead of skipping,
 #     and any skipped run counts as failed, except two skips that count as
 #     skips, with their reasons: a test that needs more GPUs than this

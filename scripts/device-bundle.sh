@@ -7,7 +7,7 @@
 # The bundle needs no Rust toolchain and no checkout where it runs: carry
 # the folder to a GPU machine and run target/device-bundle/run-all.sh there
 # (`--quick`: no Host benches and the permute grid's quick half, for a run
-# of about 7 minutes on one GPU host). The files of the source tree that
+# of about 7 minutes on one GPU host, over 9 on two). The files of the source tree that
 # tests compare against (docs, the report schema, the kept reports, the
 # sources scanned for XCALL_* names) travel in source/.
 set -euo pipefail
