@@ -229,6 +229,18 @@ impl EpGroup {
         self.pull || self.pull_rows
     }
 
+    /// The kernels this group runs, [`crate::EpKernels::Auto`] resolved:
+    /// `LowLatency`, `Pull` or `Steps` (`Steps` on Host, which runs the
+    /// steps).
+    pub fn kernels_run(&self) -> crate::EpKernels {
+        use crate::EpKernels::*;
+        match (self.low_latency, self.pull_rows) {
+            (true, _) => LowLatency,
+            (false, true) => Pull,
+            (false, false) => Steps,
+        }
+    }
+
     /// Bytes of the caller's expert-major rows buffer
     /// ([`ExpertMajor::rows`]).
     pub fn expert_rows_bytes(&self) -> usize {

@@ -159,6 +159,13 @@ fn graph_pe(case: &Case, rank: usize, replays: u64) {
     // One kernel where asked to.
     assert_eq!(g.low_latency(), c.kernels == EpKernels::LowLatency);
     assert_eq!(g.pulls(), c.kernels == EpKernels::Pull && case.pes > 1);
+    assert_eq!(
+        g.kernels_run(),
+        match (c.kernels, case.pes) {
+            (EpKernels::Pull, 1) => EpKernels::Steps,
+            (k, _) => k,
+        }
+    );
     let want: &[&str] = match (case.pes, g.low_latency(), g.pulls()) {
         (_, true, _) => &["ep_ll_dispatch"],
         (1, ..) => &["ep_publish", "ep_count", "ep_scan", "ep_assign", "ep_copy"],

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use xcall_core::testing::{run_threads, watchdog};
 use xcall_core::{Device, Platform, Status};
-use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, ExpertMajor, Precision};
+use xcall_ep::{Buf, Capacity, EpConfig, EpError, EpGroup, EpKernels, ExpertMajor, Precision};
 use xcall_shmem::{World, WorldConfig};
 
 mod common;
@@ -856,6 +856,8 @@ fn pes_of_one_process_store_no_rows_into_each_other() {
             let mut w = world(&group, rank, 3, heap);
             let mut g = EpGroup::new(&mut w, case.config).unwrap();
             assert!(g.pulls(), "PE {rank}: threads of one process pull");
+            // Host runs the steps, whatever the config asked of CUDA.
+            assert_eq!(g.kernels_run(), EpKernels::Steps, "PE {rank}");
             let (c, at) = (case.config, g.layout().at);
             let base = g.send_rows().addr - at.send as u64;
             let (rows, h) = (3 * c.tokens, c.hidden);

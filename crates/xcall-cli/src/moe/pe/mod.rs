@@ -462,13 +462,8 @@ impl Pe {
     /// The kernels of the token-once exchange: `low-latency`, `steps` or
     /// `pull` (`None` for the per-route exchanges and on Host).
     pub fn kernels(&self) -> Option<&'static str> {
-        let g = &self.ep.as_ref()?.micro.first()?.group;
         self.gpu.as_ref()?;
-        Some(match (g.low_latency(), g.pulls()) {
-            (true, _) => xcall_ep::EpKernels::LowLatency.name(),
-            (false, true) => xcall_ep::EpKernels::Pull.name(),
-            (false, false) => xcall_ep::EpKernels::Steps.name(),
-        })
+        Some(self.ep.as_ref()?.micro.first()?.group.kernels_run().name())
     }
 
     /// The transport of the peers without pointers, if any.
