@@ -9,9 +9,13 @@ over --experts experts. Timed, each alone and as one layer step:
 dispatch, the experts (silu(rows) * scale_e: on CUDA one Triton kernel
 over the rows dispatch filled, else torch ops over every row), combine. Every
 round starts with the ranks in step (a barrier, then each GPU idle); a
-round's time is the slowest rank's (CUDA events on GPUs). Prints the
-median and the best round of each, in ms, on rank 0. --graph replays
-the step from a CUDA graph.
+round's time is the slowest rank's (CUDA events on GPUs), so a call's
+time includes its launches from Python. On CUDA, also "queued": rounds
+of the three issued back to back with no wait on the host, each timed
+with events around it on the device (the launches hidden behind the
+GPU's work, as in a training loop). Prints the median and the best
+round of each, in ms, on rank 0. --graph replays the step from a CUDA
+graph.
 """
 
 import argparse
@@ -118,6 +122,11 @@ def main():
         # in the same order, and combine needs the dispatch before it.
         results["dispatch"] = rounds(a, cuda, None, dispatch, lambda: (experts(), combine()))
         results["combine"] = rounds(a, cuda, lambda: (dispatch(), experts()), combine, None)
+        if cuda:
+            for name, times in queued(
+                a, [("dispatch", dispatch), ("experts", experts), ("combine", combine)]
+            ).items():
+                results[f"{name} (queued)"] = times
     if cuda:
         torch.cuda.synchronize()
     g.check()
@@ -162,6 +171,29 @@ def triton_silu_scale():
         return out
 
     return run
+
+
+def queued(a, ops):
+    """Each op's device time, in ms, over rounds of all `ops` issued back to
+    back with no wait on the host between them (the GPU runs behind
+    Python's launches, as in a training loop, so their cost is hidden),
+    CUDA events around each op: per round and op, the slowest rank's."""
+    n = a.warmup + a.rounds
+    events = [
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in ops]
+        for _ in range(n)
+    ]
+    torch.cuda.synchronize()
+    dist.barrier()
+    for row in events:
+        for (start, end), (_, fn) in zip(row, ops):
+            start.record()
+            fn()
+            end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([[s.elapsed_time(e) for s, e in row] for row in events[a.warmup :]])
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return {name: ms[:, j].tolist() for j, (name, _) in enumerate(ops)}
 
 
 def rounds(a, cuda, before, fn, after):

@@ -81,7 +81,7 @@ fn cuda_layer_matches_the_reference_and_replays_graphs() {
                 None if gpus > 1 => "pull",
                 _ => "steps",
             };
-            assert_eq!(j["kernels"], want, "{dtype} {kernels:?}");
+            assert_eq!(j["exchange_per_pe"]["kernels"], want, "{dtype} {kernels:?}");
         }
         let buffers = j["heap_bytes"].as_u64().unwrap();
         let slots = 2 * gpus as u64 * j["slot_rows"].as_u64().unwrap() * 1024;

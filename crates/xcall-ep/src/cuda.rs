@@ -242,7 +242,7 @@ mod tests {
     #[test]
     fn the_kernels_that_await_the_phase_begin_with_its_wait_and_no_other_does() {
         for s in Step::ALL {
-            let head = format!("void {}(EpParams p) {{\n    ep_await(p);", s.name());
+            let head = format!(") {}(EpParams p) {{\n    ep_await(p);", s.name());
             assert_eq!(SOURCE.contains(&head), s.awaits(), "{}", s.name());
         }
     }
@@ -271,14 +271,26 @@ mod tests {
     #[test]
     fn each_kernel_takes_the_record_and_reads_only_its_fields() {
         assert_eq!(EpParams::check_reads(SOURCE), Ok(()));
+    }
+
+    /// Each kernel declares the threads of its launches as its bound, so
+    /// the compiler keeps its registers within what a block of them may
+    /// hold (else the launch fails for lack of resources); the low-latency
+    /// kernels also one block per SM.
+    #[test]
+    fn each_kernel_is_bounded_by_the_threads_it_is_launched_with() {
+        let p = EpParams::default();
         for s in Step::ALL {
-            let bounded = format!("void __launch_bounds__(512, 1) {}(EpParams p)", s.name());
-            assert!(
-                SOURCE.contains(&format!("void {}(EpParams p)", s.name()))
-                    || (s.one_block_per_sm() && SOURCE.contains(&bounded)),
-                "{}",
+            let threads = s.shape(&p, 132).1;
+            let bound = match s.one_block_per_sm() {
+                true => format!("{threads}, 1"),
+                false => threads.to_string(),
+            };
+            let want = format!(
+                "__global__ void __launch_bounds__({bound}) {}(EpParams p)",
                 s.name()
             );
+            assert!(SOURCE.contains(&want), "{want}");
         }
     }
 

@@ -165,7 +165,7 @@ __device__ void ep_publish_body(const EpParams &p) {
     }
     if (p.src_ids != 0) ep_publish_routing(p);
 }
-extern "C" __global__ void ep_publish(EpParams p) { ep_publish_body(p); }
+extern "C" __global__ void __launch_bounds__(256) ep_publish(EpParams p) { ep_publish_body(p); }
 
 // The routing part of publish: one warp per token (lane j: slot j); ids
 // outside -1..E or repeated within a token become -1 (and an error); then
@@ -246,7 +246,7 @@ __device__ __forceinline__ i64 ep_groups(const EpParams &p) {
 
 // push: per item of one of this PE's tokens (a 32 * EP_UNROLL-chunk
 // slice), ep_push_item.
-extern "C" __global__ void ep_push(EpParams p) {
+extern "C" __global__ void __launch_bounds__(512) ep_push(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const i64 groups = ep_groups(p);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps)
@@ -254,7 +254,7 @@ extern "C" __global__ void ep_push(EpParams p) {
 }
 
 // signal: one block, thread q announces to PE q.
-extern "C" __global__ void ep_signal(EpParams p) {
+extern "C" __global__ void __launch_bounds__(64) ep_signal(EpParams p) {
     __shared__ u64 epoch;
     if (threadIdx.x == 0) epoch = ep_words(p)[EP_WORD_EPOCH] + 1;
     __syncthreads();
@@ -290,10 +290,10 @@ __device__ void ep_await_epoch(const EpParams &p, u64 epoch) {
 __device__ void ep_await(const EpParams &p) { ep_await_epoch(p, ep_words(p)[EP_WORD_EPOCH]); }
 
 // wait: one block.
-extern "C" __global__ void ep_wait(EpParams p) { ep_await(p); }
+extern "C" __global__ void __launch_bounds__(64) ep_wait(EpParams p) { ep_await(p); }
 
 // count: one warp per tile of one sender; lane = token of the tile.
-extern "C" __global__ void ep_count(EpParams p) {
+extern "C" __global__ void __launch_bounds__(256) ep_count(EpParams p) {
     ep_await(p);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
@@ -345,7 +345,7 @@ extern "C" __global__ void ep_count(EpParams p) {
 // scan: one block per local expert: its counts over the tiles become
 // each tile's first rank (a block-wide exclusive scan, each thread a run
 // of consecutive tiles); its kept count and dropped routes follow.
-extern "C" __global__ void ep_scan(EpParams p) {
+extern "C" __global__ void __launch_bounds__(256) ep_scan(EpParams p) {
     __shared__ i64 sums[256];
     const i64 L = p.local_experts, tiles = p.pes * p.tiles_per_pe;
     int *counts = (int *)(p.base + p.off_tile_counts);
@@ -418,7 +418,7 @@ __device__ void ep_starts(const EpParams &p, i64 *start) {
 }
 
 // assign: one warp per tile; 32 route slots at a time, in order.
-extern "C" __global__ void ep_assign(EpParams p) {
+extern "C" __global__ void __launch_bounds__(256) ep_assign(EpParams p) {
     __shared__ i64 start[EP_MAX_LOCAL];
     ep_starts(p, start);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
@@ -575,7 +575,7 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
 // to each kept route's row (in slot order). Pulled, the tokens go in
 // turns (ep_turn), so every moment's loads spread over the PEs, peers'
 // (over NVLink) among this PE's own.
-extern "C" __global__ void ep_copy(EpParams p) {
+extern "C" __global__ void __launch_bounds__(512) ep_copy(EpParams p) {
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, k = p.topk;
@@ -698,7 +698,7 @@ __device__ void ep_reduce_body(const EpParams &p) {
     }
 }
 
-extern "C" __global__ void ep_reduce(EpParams p) { ep_reduce_body(p); }
+extern "C" __global__ void __launch_bounds__(512) ep_reduce(EpParams p) { ep_reduce_body(p); }
 
 // gather_sum: per item of this PE's token, the partial chunks the PEs
 // hosting its experts stored here, added in rank order.
@@ -742,14 +742,14 @@ __device__ void ep_gather_sum_body(const EpParams &p) {
     }
 }
 
-extern "C" __global__ void ep_gather_sum(EpParams p) {
+extern "C" __global__ void __launch_bounds__(512) ep_gather_sum(EpParams p) {
     ep_await(p);
     ep_gather_sum_body(p);
 }
 
 // scatter_grad: one warp per received token; per route, the scaled row and
 // the dot product (summed per lane, then across the warp).
-extern "C" __global__ void ep_scatter_grad(EpParams p) {
+extern "C" __global__ void __launch_bounds__(512) ep_scatter_grad(EpParams p) {
     ep_await(p);
     const i64 warps = (i64)gridDim.x * (blockDim.x / 32);
     const int lane = threadIdx.x % 32;
@@ -794,7 +794,7 @@ extern "C" __global__ void ep_scatter_grad(EpParams p) {
 }
 
 // gather_probs: one thread per (token, slot) of this PE.
-extern "C" __global__ void ep_gather_probs(EpParams p) {
+extern "C" __global__ void __launch_bounds__(256) ep_gather_probs(EpParams p) {
     ep_await(p);
     const i64 T = p.tokens, k = p.topk;
     const int *ids = (const int *)(p.base + p.off_ids);
