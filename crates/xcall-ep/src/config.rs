@@ -119,13 +119,16 @@ pub enum EpKernels {
     LowLatency,
     /// The steps, but dispatch pulls: each PE publishes its rows in its
     /// send buffer (f32 and bf16: a copy of `x` there, none when `x` is
-    /// [`crate::EpGroup::send_rows`]), and its copy step reads each
-    /// peer's rows from the peer's send buffer (NVLink loads) as it
+    /// [`crate::EpGroup::send_rows`], nor where every PE is a thread of
+    /// one process and `x` a plain allocation of its PE's device, which
+    /// peers then read in place), and its copy step reads each peer's
+    /// rows from where the peer published them (NVLink loads) as it
     /// writes them to their routes' rows. No PE stores into another's
     /// receive rows: the loads over NVLink overlap the local stores in
     /// one kernel, where pushed the copy waits for every PE's stores. A
     /// dispatch ends with one more phase: no PE returns (and lets its
-    /// caller publish again) while a peer may still read its send buffer.
+    /// caller write `x` or publish again) while a peer may still read its
+    /// rows.
     /// Combine is that of the steps. Where it pulls, copy keeps to the SM
     /// budget.
     Pull,
@@ -313,10 +316,11 @@ pub(crate) mod word {
     /// `kernels.cu` touches it).
     #[cfg_attr(not(test), allow(dead_code))]
     pub const BAR: usize = 4;
-    /// Host groups of one process (see `crate::host_pull`): the address of
-    /// the rows this PE offers peers to read in the current call (its `x`
-    /// in dispatch, its experts' outputs in combine). The kernels leave it
-    /// alone.
+    /// Where peers read this PE's rows in the current call. Host groups of
+    /// one process (see `crate::host_pull`): the address of its `x` in
+    /// dispatch, of its experts' outputs in combine. CUDA groups that
+    /// pull (written by dispatch's publish): the address of its `x`
+    /// where peers read it in place, else 0 (its send rows).
     pub const PULL: usize = 5;
     /// Words in all.
     pub const COUNT: usize = 6;

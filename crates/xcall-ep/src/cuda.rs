@@ -257,15 +257,15 @@ mod tests {
             ("ERROR", word::ERROR),
             ("DROPPED", word::DROPPED),
             ("BAR", word::BAR),
+            ("PULL", word::PULL),
         ] {
             assert!(
                 SOURCE.contains(&format!("#define EP_WORD_{name} {at}\n")),
                 "EP_WORD_{name}"
             );
         }
-        // PULL (Host only) is the last word: the kernels' words come first.
-        assert_eq!((word::PULL, word::COUNT), (5, 6));
-        assert!(!SOURCE.contains("EP_WORD_PULL"));
+        assert_eq!(word::COUNT, 6);
+        assert!(SOURCE.contains(&format!("#define EP_MAX_PES {}\n", crate::MAX_PES)));
     }
 
     #[test]

@@ -64,8 +64,12 @@ pub struct EpGroup {
     /// rows where they are (see [`crate::host_pull`]).
     pull: bool,
     /// CUDA ([`EpConfig::cuda_kernels`]: [`crate::EpKernels::Pull`], and Auto
-    /// above decode sizes): dispatch reads peers' send rows.
+    /// above decode sizes): dispatch reads peers' send rows, or where
+    /// `same_process`, their callers' f32 or bf16 rows in place where
+    /// peer access reaches them ([`xcall_core::cuda::peer_readable`]).
     pull_rows: bool,
+    /// Every PE is a thread of this process (peers' pointers are ours).
+    same_process: bool,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
@@ -183,6 +187,7 @@ impl EpGroup {
             low_latency,
             pull: kernels.is_none() && same_process && pes > 1,
             pull_rows,
+            same_process,
             kernels,
             sms_used,
             last: None,
@@ -464,7 +469,10 @@ impl EpGroup {
         stream: *mut c_void,
     ) -> Result<()> {
         self.not_pending("dispatch_send")?;
-        let p = self.send_params(x, ids, probs, tokens)?;
+        let mut p = self.send_params(x, ids, probs, tokens)?;
+        if self.reads_in_place(x, tokens)? {
+            p.pull = 2;
+        }
         // SAFETY: the addresses were checked against the sizes the steps
         // use; the rest is the caller's contract and the group's layout.
         let replaced = unsafe {
@@ -477,6 +485,26 @@ impl EpGroup {
         self.last = Some(Part::Send);
         self.pending = Some((x, tokens, replaced));
         Ok(())
+    }
+
+    /// Whether peers of a pulled dispatch read this PE's `x` where it is
+    /// (no copy into the send rows): CUDA, every PE in this process, f32
+    /// or bf16, and `x` a plain allocation of this PE's device, which the
+    /// peer access between the PEs' devices reaches.
+    fn reads_in_place(&self, x: Buf, tokens: usize) -> Result<bool> {
+        let c = &self.config;
+        if !(self.pull_rows && self.same_process)
+            || c.precision == Precision::Fp8Dispatch
+            || tokens == 0
+            || x.addr == self.send_rows().addr
+        {
+            return Ok(false);
+        }
+        Ok(xcall_core::cuda::peer_readable(
+            self.device,
+            x.addr,
+            tokens * self.row_bytes(),
+        )?)
     }
 
     /// The parameters of a dispatch's sending half, its buffers checked.

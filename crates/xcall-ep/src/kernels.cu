@@ -21,6 +21,8 @@
 #define EP_WORD_ERROR 2
 #define EP_WORD_DROPPED 3
 #define EP_WORD_BAR 4
+#define EP_WORD_PULL 5
+#define EP_MAX_PES 64
 // The exchange kernels work on items of one token's 32 * EP_UNROLL
 // 16-byte chunks: a warp per item, EP_UNROLL chunks per lane in flight.
 #define EP_UNROLL 4
@@ -153,16 +155,21 @@ __device__ void ep_publish_body(const EpParams &p) {
             }
         }
 #endif
-    } else if ((!p.wire || p.pull) && p.src != send) {
+    } else if ((!p.wire || p.pull == 1) && p.src != send) {
         // Pushed, dispatch stores f32 and bf16 rows from the caller's
         // buffer: no copy; nor for rows the caller wrote into the send
-        // buffer itself. Pulled, peers read them from the send buffer.
+        // buffer itself, or that peers read in place (p.pull == 2).
+        // Pulled, peers read them from the send buffer.
         for (i64 t = blockIdx.x; t < n; t += gridDim.x) {
             const uint4 *s = (const uint4 *)(p.src + t * h * elem);
             uint4 *d = (uint4 *)(send + t * h * elem);
             for (i64 c = threadIdx.x; c < h * elem / 16; c += blockDim.x) d[c] = s[c];
         }
     }
+    // Pulled, where peers read this PE's rows: the caller's buffer
+    // (p.pull == 2), or the send buffer (0).
+    if (p.wire && p.pull && blockIdx.x == 0 && threadIdx.x == 0)
+        ep_words(p)[EP_WORD_PULL] = p.pull == 2 ? (u64)p.src : 0;
     if (p.src_ids != 0) ep_publish_routing(p);
 }
 extern "C" __global__ void __launch_bounds__(256) ep_publish(EpParams p) { ep_publish_body(p); }
@@ -483,8 +490,10 @@ __device__ __forceinline__ i64 ep_copy_groups(const EpParams &p) {
 
 // One item of copy: slice `grp` of received token `tok` (sender tok / T)
 // written to each kept route's row (lane j: route j's row, or -1), in
-// slot order.
-__device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp, int mine) {
+// slot order. Pulled, `rows` are the sender's f32 or bf16 rows (see
+// ep_copy).
+__device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp, int mine,
+                                             const unsigned char *rows = nullptr) {
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, h = p.hidden;
     const int elem = p.precision == 0 ? 4 : 2;
@@ -495,8 +504,8 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
     unsigned kept = __ballot_sync(0xffffffffu, mine >= 0);
     if (kept == 0) return;
     // Pushed, peers' rows are in the receive rows; pulled, in their
-    // send rows; this PE's own are in the caller's buffer (FP8: the send
-    // rows).
+    // send rows or (f32, bf16) their callers' buffers; this PE's own are
+    // in the caller's buffer (FP8: the send rows).
     const bool own = s == p.rank;
     const bool pulled = !own && p.pull;
     const i64 c0 = grp * 32 * EP_UNROLL + lane;
@@ -555,7 +564,7 @@ __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp
 #endif
     } else {
         const uint4 *src = (const uint4 *)(own      ? p.src + t * h * elem
-                                           : pulled ? ep_at(p, s, p.off_send) + t * h * elem
+                                           : pulled ? rows + t * h * elem
                                                     : p.base + p.off_recv + tok * h * elem);
         uint4 v[EP_UNROLL];
 #pragma unroll
@@ -582,6 +591,17 @@ extern "C" __global__ void __launch_bounds__(512) ep_copy(EpParams p) {
     const i64 groups = ep_copy_groups(p);
     const int *rows = (const int *)(p.base + p.off_route_row);
     const int *sent = (const int *)(p.base + p.off_sent);
+    // Pulled, each sender's rows: where its publish said peers read them
+    // (the wait before this kernel made its word visible here), else its
+    // send buffer.
+    __shared__ const unsigned char *from[EP_MAX_PES];
+    if (p.pull) {
+        for (int s = threadIdx.x; s < p.pes; s += blockDim.x) {
+            const u64 at = *(volatile const u64 *)(ep_at(p, s, p.off_words) + EP_WORD_PULL * 8);
+            from[s] = at != 0 ? (const unsigned char *)at : ep_at(p, s, p.off_send);
+        }
+        __syncthreads();
+    }
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.pes * T * groups;
          item += warps) {
         int s;
@@ -594,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(512) ep_copy(EpParams p) {
         }
         if (t >= sent[s]) continue;
         const i64 tok = (i64)s * T + t;
-        ep_copy_item(p, tok, item % groups, ep_route(rows + tok * k, k, lane));
+        ep_copy_item(p, tok, item % groups, ep_route(rows + tok * k, k, lane), p.pull ? from[s] : nullptr);
     }
 }
 

@@ -103,7 +103,11 @@ xcall_core::kernel_params! {
         wire: i64 => "long long",
         /// 1: dispatch pulls on CUDA ([`crate::EpKernels::Pull`]):
         /// publish copies f32 and bf16 rows into the send buffer, and
-        /// copy reads peers' rows from theirs.
+        /// copy reads peers' rows from theirs. 2 (publish only): peers
+        /// read this PE's f32 or bf16 rows in place, in the caller's
+        /// buffer (every PE in one process, the buffer a plain
+        /// allocation of its device): publish copies nothing and says so
+        /// in its word `PULL`, which copy reads of every peer.
         pull: i64 => "long long",
         /// How long a wait for a peer lasts.
         timeout_ns: u64 => "unsigned long long",

@@ -52,11 +52,13 @@ fn same_as_host(name: &str, case: Case) {
 }
 
 /// Above decode sizes a CUDA group of several PEs pulls by default, and a
-/// pulled dispatch stores nothing into any PE's receive rows: they are
-/// poisoned first, stay poisoned, and every output still matches the
-/// reference (a copy that read them would not).
+/// pulled dispatch stores nothing into any PE's receive rows; with every
+/// PE in this process, peers read a bf16 `x` (a plain allocation of its
+/// PE's device) in place, so nothing is copied into the send rows either.
+/// They are poisoned first, stay poisoned, and every output still matches
+/// the reference (a copy that read them would not).
 #[test]
-fn a_pulled_dispatch_leaves_the_receive_rows_alone() {
+fn a_pulled_dispatch_copies_into_neither_receive_rows_nor_send_rows() {
     let _s = serial();
     for pes in pe_counts("cuda ep pulled", &[2, 4]) {
         for precision in [Precision::Bf16, Precision::Fp8Dispatch] {
@@ -83,6 +85,8 @@ fn a_pulled_dispatch_leaves_the_receive_rows_alone() {
                 )];
                 if precision == Precision::Fp8Dispatch {
                     parts.push(Buf::new(base + at.recv_scales as u64, rows * (h / 128) * 4));
+                } else {
+                    parts.push(Buf::new(base + at.send as u64, c.tokens * h * 2));
                 }
                 let mut m = CudaMem::new(device);
                 for &b in &parts {
@@ -94,7 +98,7 @@ fn a_pulled_dispatch_leaves_the_receive_rows_alone() {
                 for (i, &b) in parts.iter().enumerate() {
                     assert!(
                         m.read(b).iter().all(|&v| v == 0x5a),
-                        "PE {rank}: receive part {i} was written ({})",
+                        "PE {rank}: part {i} (receive rows, then FP8 scales or send rows) was written ({})",
                         precision.name()
                     );
                 }

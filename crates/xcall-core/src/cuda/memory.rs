@@ -148,3 +148,44 @@ pub fn enable_peer_access(from: Device, to: Device) -> Result<()> {
         }
     })
 }
+
+/// Whether `bytes` at `address` lie in one allocation of `device`'s
+/// primary context made by `cuMemAlloc` (the memory
+/// `cuCtxEnablePeerAccess` opens to peers: not a pool's, managed, host,
+/// or a virtual-memory mapping, which each grant access their own way):
+/// the driver's `CONTEXT`, `IS_LEGACY_CUDA_IPC_CAPABLE`, `RANGE_START_ADDR`
+/// and `RANGE_SIZE` of the address. An address the driver does not know
+/// is `false`. Any address value may be asked about.
+pub fn peer_readable(device: Device, address: u64, bytes: usize) -> Result<bool> {
+    with_context(device, |ctx| {
+        let attr = |what: sys::CUpointer_attribute, out: *mut std::ffi::c_void| {
+            // SAFETY: `out` points to a value of the attribute's type (a
+            // context handle, an int, an address, a size); any address
+            // value is legal to query.
+            unsafe { sys::cuPointerGetAttribute(out, what, address) == sys::CUresult::CUDA_SUCCESS }
+        };
+        use sys::CUpointer_attribute::*;
+        let mut owner: sys::CUcontext = std::ptr::null_mut();
+        let mut ipc: i32 = 0;
+        let (mut start, mut size): (u64, usize) = (0, 0);
+        let known = attr(
+            CU_POINTER_ATTRIBUTE_CONTEXT,
+            (&mut owner as *mut sys::CUcontext).cast(),
+        ) && attr(
+            CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+            (&mut ipc as *mut i32).cast(),
+        ) && attr(
+            CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            (&mut start as *mut u64).cast(),
+        ) && attr(
+            CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            (&mut size as *mut usize).cast(),
+        );
+        let end = address.checked_add(bytes as u64);
+        Ok(known
+            && owner == ctx.cu_ctx()
+            && ipc != 0
+            && start <= address
+            && end.is_some_and(|e| e <= start.saturating_add(size as u64)))
+    })
+}

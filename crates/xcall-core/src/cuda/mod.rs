@@ -53,7 +53,7 @@ pub use graph::{
 pub use launch::{launch, launch_raw, recording_launches, Launch, Params, RecordedLaunch};
 pub use memory::{
     copy_dtoh_sync, copy_htod_sync, enable_peer_access, ipc_close, ipc_handle, ipc_open, mem_alloc,
-    mem_free, mem_get_info, memset_d8_sync,
+    mem_free, mem_get_info, memset_d8_sync, peer_readable,
 };
 pub use objects::{Event, StreamAlloc};
 pub use record::{pointer_offsets, KernelRecord, ParamField};
