@@ -120,10 +120,11 @@ pub enum EpKernels {
     /// The steps, but dispatch pulls: each PE publishes its rows in its
     /// send buffer (f32 and bf16: a copy of `x` there, none when `x` is
     /// [`crate::EpGroup::send_rows`], nor where every PE is a thread of
-    /// one process and `x` a plain allocation of its PE's device, which
-    /// peers then read in place), and its copy step reads each peer's
-    /// rows from where the peer published them (NVLink loads) as it
-    /// writes them to their routes' rows. No PE stores into another's
+    /// one process and `x` memory of its PE's device that every peer may
+    /// read, a plain allocation or a mapping that grants them access,
+    /// which peers then read in place), and its copy step reads each
+    /// peer's rows from where the peer published them (NVLink loads) as
+    /// it writes them to their routes' rows. No PE stores into another's
     /// receive rows: the loads over NVLink overlap the local stores in
     /// one kernel, where pushed the copy waits for every PE's stores. A
     /// dispatch ends with one more phase: no PE returns (and lets its

@@ -68,8 +68,9 @@ pub struct EpGroup {
     /// `same_process`, their callers' f32 or bf16 rows in place where
     /// peer access reaches them ([`xcall_core::cuda::peer_readable`]).
     pull_rows: bool,
-    /// Every PE is a thread of this process (peers' pointers are ours).
-    same_process: bool,
+    /// Where every PE is a thread of this process (peers' pointers are
+    /// ours), the PEs' devices; else empty.
+    same_process: Vec<xcall_core::Device>,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
@@ -164,8 +165,10 @@ impl EpGroup {
         // Nobody announces a phase before every PE cleared its ready words.
         world.barrier_all()?;
         let mut same_process = true;
+        let mut devices = Vec::with_capacity(pes);
         for q in 0..pes {
             same_process &= world.transport(q)? == xcall_shmem::Transport::SameProcess;
+            devices.push(world.device_of(q)?);
         }
         let sms = kernels.as_ref().map_or(1, |k| k.sms as usize);
         let sms_used = match config.num_sms {
@@ -187,7 +190,7 @@ impl EpGroup {
             low_latency,
             pull: kernels.is_none() && same_process && pes > 1,
             pull_rows,
-            same_process,
+            same_process: if same_process { devices } else { Vec::new() },
             kernels,
             sms_used,
             last: None,
@@ -489,11 +492,12 @@ impl EpGroup {
 
     /// Whether peers of a pulled dispatch read this PE's `x` where it is
     /// (no copy into the send rows): CUDA, every PE in this process, f32
-    /// or bf16, and `x` a plain allocation of this PE's device, which the
-    /// peer access between the PEs' devices reaches.
+    /// or bf16, and `x` memory of this PE's device that every peer may
+    /// read ([`xcall_core::cuda::peer_readable`]).
     fn reads_in_place(&self, x: Buf, tokens: usize) -> Result<bool> {
         let c = &self.config;
-        if !(self.pull_rows && self.same_process)
+        if !self.pull_rows
+            || self.same_process.is_empty()
             || c.precision == Precision::Fp8Dispatch
             || tokens == 0
             || x.addr == self.send_rows().addr
@@ -502,6 +506,7 @@ impl EpGroup {
         }
         Ok(xcall_core::cuda::peer_readable(
             self.device,
+            &self.same_process,
             x.addr,
             tokens * self.row_bytes(),
         )?)

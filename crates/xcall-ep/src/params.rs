@@ -105,8 +105,8 @@ xcall_core::kernel_params! {
         /// publish copies f32 and bf16 rows into the send buffer, and
         /// copy reads peers' rows from theirs. 2 (publish only): peers
         /// read this PE's f32 or bf16 rows in place, in the caller's
-        /// buffer (every PE in one process, the buffer a plain
-        /// allocation of its device): publish copies nothing and says so
+        /// buffer (every PE in one process, the buffer memory of its
+        /// device every peer may read): publish copies nothing and says so
         /// in its word `PULL`, which copy reads of every peer.
         pull: i64 => "long long",
         /// How long a wait for a peer lasts.

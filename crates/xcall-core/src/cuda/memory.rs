@@ -149,14 +149,21 @@ pub fn enable_peer_access(from: Device, to: Device) -> Result<()> {
     })
 }
 
-/// Whether `bytes` at `address` lie in one allocation of `device`'s
-/// primary context made by `cuMemAlloc` (the memory
-/// `cuCtxEnablePeerAccess` opens to peers: not a pool's, managed, host,
-/// or a virtual-memory mapping, which each grant access their own way):
-/// the driver's `CONTEXT`, `IS_LEGACY_CUDA_IPC_CAPABLE`, `RANGE_START_ADDR`
-/// and `RANGE_SIZE` of the address. An address the driver does not know
-/// is `false`. Any address value may be asked about.
-pub fn peer_readable(device: Device, address: u64, bytes: usize) -> Result<bool> {
+/// Whether the peers `peers` (devices of this process, whose primary
+/// contexts have peer access to `device`'s: the caller's part) may read
+/// `bytes` at `address`, memory of `device`: either one allocation of
+/// `device`'s primary context made by `cuMemAlloc` (what
+/// `cuCtxEnablePeerAccess` opens to peers), or a virtual-memory mapping
+/// (`cuMemMap`, as XLA's allocator makes, and stream-ordered pool memory
+/// alike) on `device` that grants every peer other than `device` read
+/// access at both ends of the range (`cuMemGetAccess`). Managed and host
+/// memory are not. An address the driver does not know is `false`; any
+/// address value may be asked about.
+pub fn peer_readable(device: Device, peers: &[Device], address: u64, bytes: usize) -> Result<bool> {
+    let ordinal = super::check_device(device)?;
+    let Some(last) = address.checked_add(bytes.max(1) as u64 - 1) else {
+        return Ok(false);
+    };
     with_context(device, |ctx| {
         let attr = |what: sys::CUpointer_attribute, out: *mut std::ffi::c_void| {
             // SAFETY: `out` points to a value of the attribute's type (a
@@ -166,7 +173,7 @@ pub fn peer_readable(device: Device, address: u64, bytes: usize) -> Result<bool>
         };
         use sys::CUpointer_attribute::*;
         let mut owner: sys::CUcontext = std::ptr::null_mut();
-        let mut ipc: i32 = 0;
+        let (mut ipc, mut mapped, mut on): (i32, i32, i32) = (0, 0, -1);
         let (mut start, mut size): (u64, usize) = (0, 0);
         let known = attr(
             CU_POINTER_ATTRIBUTE_CONTEXT,
@@ -175,17 +182,44 @@ pub fn peer_readable(device: Device, address: u64, bytes: usize) -> Result<bool>
             CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
             (&mut ipc as *mut i32).cast(),
         ) && attr(
+            CU_POINTER_ATTRIBUTE_MAPPED,
+            (&mut mapped as *mut i32).cast(),
+        ) && attr(
+            CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            (&mut on as *mut i32).cast(),
+        ) && attr(
             CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
             (&mut start as *mut u64).cast(),
         ) && attr(
             CU_POINTER_ATTRIBUTE_RANGE_SIZE,
             (&mut size as *mut usize).cast(),
         );
-        let end = address.checked_add(bytes as u64);
-        Ok(known
-            && owner == ctx.cu_ctx()
-            && ipc != 0
-            && start <= address
-            && end.is_some_and(|e| e <= start.saturating_add(size as u64)))
+        let inside = start <= address && last < start.saturating_add(size as u64);
+        if !known || !inside || on != ordinal as i32 {
+            return Ok(false);
+        }
+        if owner == ctx.cu_ctx() && ipc != 0 {
+            return Ok(true);
+        }
+        if !owner.is_null() || mapped == 0 {
+            return Ok(false);
+        }
+        // A virtual-memory mapping: every peer must be granted reads.
+        let reads = |peer: Device, at: u64| {
+            let location = sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: peer.ordinal as i32,
+            };
+            let mut flags: std::ffi::c_ulonglong = 0;
+            // SAFETY: writes one flags word; the location is a value on
+            // the stack; any address value is legal to query.
+            let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, at) };
+            r == sys::CUresult::CUDA_SUCCESS
+                && flags & sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ as u64 != 0
+        };
+        Ok(peers
+            .iter()
+            .filter(|&&p| p != device)
+            .all(|&p| reads(p, address) && reads(p, last)))
     })
 }
