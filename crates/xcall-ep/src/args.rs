@@ -2,6 +2,8 @@
 //! alignment), and the expert-major buffers dispatch writes
 //! ([`ExpertMajor`]).
 
+use xcall_core::Device;
+
 use crate::config::{EpConfig, Layout, Precision, FP8_BLOCK};
 use crate::error::{EpError, Result};
 use crate::params::EpParams;
@@ -139,6 +141,65 @@ impl ExpertMajor {
             padded_per_expert: self.padded_per_expert.addr,
             expert_offsets: self.offsets.addr,
             ..p
+        }
+    }
+}
+
+/// Whether the peers of a pulled dispatch read this PE's `x` (its first
+/// `bytes`) where it is, with no copy into the send rows (at `send_rows`):
+/// every PE a thread of this process (`peers`, their devices; empty
+/// otherwise), f32 or bf16, and `x` memory of `device` that every peer
+/// may read ([`xcall_core::cuda::peer_readable`]).
+pub(crate) fn in_place(
+    c: &EpConfig,
+    device: Device,
+    peers: &[Device],
+    x: Buf,
+    bytes: usize,
+    send_rows: u64,
+) -> Result<bool> {
+    if peers.is_empty()
+        || c.precision == Precision::Fp8Dispatch
+        || bytes == 0
+        || x.addr == send_rows
+    {
+        return Ok(false);
+    }
+    Ok(xcall_core::cuda::peer_readable(
+        device, peers, x.addr, bytes,
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Peers in other processes, FP8 (quantized into the send rows), no
+    /// rows, or rows already in the send rows: no driver query, no
+    /// in-place read (without a GPU, a query would fail the call).
+    #[test]
+    fn only_bf16_or_f32_rows_of_one_process_outside_the_send_rows_are_asked_about() {
+        let (a, b) = (Device::cuda(0), Device::cuda(1));
+        let bf16 = EpConfig {
+            precision: Precision::Bf16,
+            ..EpConfig::new(8, 64, 2, 4)
+        };
+        let fp8 = EpConfig {
+            precision: Precision::Fp8Dispatch,
+            ..bf16
+        };
+        let x = Buf::new(0x10000, 1024);
+        for (what, c, peers, bytes, send) in [
+            ("other processes", &bf16, &[][..], 1024, 0x90000),
+            ("FP8", &fp8, &[a, b][..], 1024, 0x90000),
+            ("no rows", &bf16, &[a, b][..], 0, 0x90000),
+            ("the send rows", &bf16, &[a, b][..], 1024, 0x10000),
+        ] {
+            assert_eq!(
+                in_place(c, a, peers, x, bytes, send).ok(),
+                Some(false),
+                "{what}"
+            );
         }
     }
 }

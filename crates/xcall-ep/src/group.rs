@@ -26,7 +26,7 @@ use std::time::Duration;
 use xcall_core::{Device, Platform};
 use xcall_shmem::{ShmemError, World};
 
-use crate::args::need;
+use crate::args::{in_place, need};
 pub use crate::args::{Buf, ExpertMajor};
 use crate::config::{word, Capacity, EpConfig, Layout, Precision};
 use crate::cuda::{self, Kernels, Step};
@@ -473,7 +473,9 @@ impl EpGroup {
     ) -> Result<()> {
         self.not_pending("dispatch_send")?;
         let mut p = self.send_params(x, ids, probs, tokens)?;
-        if self.reads_in_place(x, tokens)? {
+        let (rows, send) = (tokens * self.row_bytes(), self.send_rows().addr);
+        if self.pull_rows && in_place(&self.config, self.device, &self.same_process, x, rows, send)?
+        {
             p.pull = 2;
         }
         // SAFETY: the addresses were checked against the sizes the steps
@@ -488,28 +490,6 @@ impl EpGroup {
         self.last = Some(Part::Send);
         self.pending = Some((x, tokens, replaced));
         Ok(())
-    }
-
-    /// Whether peers of a pulled dispatch read this PE's `x` where it is
-    /// (no copy into the send rows): CUDA, every PE in this process, f32
-    /// or bf16, and `x` memory of this PE's device that every peer may
-    /// read ([`xcall_core::cuda::peer_readable`]).
-    fn reads_in_place(&self, x: Buf, tokens: usize) -> Result<bool> {
-        let c = &self.config;
-        if !self.pull_rows
-            || self.same_process.is_empty()
-            || c.precision == Precision::Fp8Dispatch
-            || tokens == 0
-            || x.addr == self.send_rows().addr
-        {
-            return Ok(false);
-        }
-        Ok(xcall_core::cuda::peer_readable(
-            self.device,
-            &self.same_process,
-            x.addr,
-            tokens * self.row_bytes(),
-        )?)
     }
 
     /// The parameters of a dispatch's sending half, its buffers checked.
