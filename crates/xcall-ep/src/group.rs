@@ -260,7 +260,10 @@ impl EpGroup {
     /// caller writes here (after the combine or backward call that ends
     /// the previous dispatch, on the same stream) are sent from where they
     /// are when `x` of [`EpGroup::dispatch`] is this buffer, saving a copy.
-    /// FP8 groups quantize from `x` wherever it is (not here).
+    /// A CUDA group whose PEs are threads of one process and whose
+    /// dispatch pulls saves it too for any `x` its peers may read where it
+    /// is ([`xcall_core::cuda::peer_readable`]). FP8 groups quantize from
+    /// `x` wherever it is (not here).
     pub fn send_rows(&self) -> Buf {
         Buf::new(
             self.base + self.layout.at.send as u64,
