@@ -64,13 +64,13 @@ pub struct EpGroup {
     /// rows where they are (see [`crate::host_pull`]).
     pull: bool,
     /// CUDA ([`EpConfig::cuda_kernels`]: [`crate::EpKernels::Pull`], and Auto
-    /// above decode sizes): dispatch reads peers' send rows, or where
-    /// `same_process`, their callers' f32 or bf16 rows in place where
-    /// peer access reaches them ([`xcall_core::cuda::peer_readable`]).
+    /// above decode sizes): dispatch reads peers' send rows, or, with
+    /// `peer_devices`, their callers' f32 or bf16 rows in place where
+    /// peers may read them ([`xcall_core::cuda::peer_readable`]).
     pull_rows: bool,
     /// Where every PE is a thread of this process (peers' pointers are
     /// ours), the PEs' devices; else empty.
-    same_process: Vec<xcall_core::Device>,
+    peer_devices: Vec<xcall_core::Device>,
     pub(crate) last: Option<Part>,
     pub(crate) dispatched: Option<usize>,
     /// A dispatch sent and not yet received: its tokens, their count, and
@@ -190,7 +190,7 @@ impl EpGroup {
             low_latency,
             pull: kernels.is_none() && same_process && pes > 1,
             pull_rows,
-            same_process: if same_process { devices } else { Vec::new() },
+            peer_devices: if same_process { devices } else { Vec::new() },
             kernels,
             sms_used,
             last: None,
@@ -477,7 +477,7 @@ impl EpGroup {
         self.not_pending("dispatch_send")?;
         let mut p = self.send_params(x, ids, probs, tokens)?;
         let (rows, send) = (tokens * self.row_bytes(), self.send_rows().addr);
-        if self.pull_rows && in_place(&self.config, self.device, &self.same_process, x, rows, send)?
+        if self.pull_rows && in_place(&self.config, self.device, &self.peer_devices, x, rows, send)?
         {
             p.pull = 2;
         }
