@@ -165,35 +165,33 @@ pub fn peer_readable(device: Device, peers: &[Device], address: u64, bytes: usiz
         return Ok(false);
     };
     with_context(device, |ctx| {
-        let attr = |what: sys::CUpointer_attribute, out: *mut std::ffi::c_void| {
-            // SAFETY: `out` points to a value of the attribute's type (a
-            // context handle, an int, an address, a size); any address
-            // value is legal to query.
-            unsafe { sys::cuPointerGetAttribute(out, what, address) == sys::CUresult::CUDA_SUCCESS }
-        };
         use sys::CUpointer_attribute::*;
         let mut owner: sys::CUcontext = std::ptr::null_mut();
         let (mut ipc, mut mapped, mut on): (i32, i32, i32) = (0, 0, -1);
         let (mut start, mut size): (u64, usize) = (0, 0);
-        let known = attr(
+        let mut what = [
             CU_POINTER_ATTRIBUTE_CONTEXT,
-            (&mut owner as *mut sys::CUcontext).cast(),
-        ) && attr(
             CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-            (&mut ipc as *mut i32).cast(),
-        ) && attr(
             CU_POINTER_ATTRIBUTE_MAPPED,
-            (&mut mapped as *mut i32).cast(),
-        ) && attr(
             CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            (&mut on as *mut i32).cast(),
-        ) && attr(
             CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-            (&mut start as *mut u64).cast(),
-        ) && attr(
             CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        ];
+        let mut into: [*mut std::ffi::c_void; 6] = [
+            (&mut owner as *mut sys::CUcontext).cast(),
+            (&mut ipc as *mut i32).cast(),
+            (&mut mapped as *mut i32).cast(),
+            (&mut on as *mut i32).cast(),
+            (&mut start as *mut u64).cast(),
             (&mut size as *mut usize).cast(),
-        );
+        ];
+        // SAFETY: each pointer of `into` points to a value of its
+        // attribute's type (a context handle, ints, an address, a size);
+        // any address value may be asked about (an unknown one gets the
+        // empty values: no range).
+        let known = unsafe {
+            sys::cuPointerGetAttributes(6, what.as_mut_ptr(), into.as_mut_ptr(), address)
+        } == sys::CUresult::CUDA_SUCCESS;
         let inside = start <= address && last < start.saturating_add(size as u64);
         if !known || !inside || on != ordinal as i32 {
             return Ok(false);
