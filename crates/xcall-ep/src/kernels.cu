@@ -731,9 +731,14 @@ __device__ void ep_gather_sum_body(const EpParams &p) {
     const i64 chunks = h / per;
     const i64 groups = ep_items(chunks);
     const int *ids = (const int *)(p.base + p.off_ids);
+    // A lane's route's expert, loaded one item ahead: an item then waits
+    // on one round of memory latency (its partial rows), not two.
+    const auto expert = [&](i64 item) { return item < p.n * groups && lane < k ? ids[item / groups * k + lane] : -1; };
+    int next = expert((i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32);
     for (i64 item = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < p.n * groups; item += warps) {
         const i64 t = item / groups, grp = item % groups;
-        const int id = lane < k ? ids[t * k + lane] : -1;
+        const int id = next;
+        next = expert(item + warps);
         u64 mask = id >= 0 && id < p.experts ? 1ull << (id / p.local_experts) : 0ull;
         for (int o = 16; o > 0; o /= 2) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
         const i64 c0 = grp * 32 * EP_UNROLL + lane;
@@ -741,18 +746,31 @@ __device__ void ep_gather_sum_body(const EpParams &p) {
 #pragma unroll
         for (int u = 0; u < EP_UNROLL; ++u)
             for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-        for (u64 m = mask; m; m &= m - 1) {
-            const int q = __ffsll((long long)m) - 1;
-            const uint4 *src = (const uint4 *)(p.base + p.off_partial + ((i64)q * T + t) * h * elem);
-            uint4 v[EP_UNROLL];
+        // Two PEs' chunks in flight at once, added in rank order.
+        for (u64 m = mask; m;) {
+            const int q0 = __ffsll((long long)m) - 1;
+            m &= m - 1;
+            const int q1 = m ? __ffsll((long long)m) - 1 : -1;
+            if (m) m &= m - 1;
+            const uint4 *s0 = (const uint4 *)(p.base + p.off_partial + ((i64)q0 * T + t) * h * elem);
+            const uint4 *s1 = (const uint4 *)(p.base + p.off_partial + ((i64)(q1 < 0 ? q0 : q1) * T + t) * h * elem);
+            uint4 v0[EP_UNROLL], v1[EP_UNROLL];
 #pragma unroll
-            for (int u = 0; u < EP_UNROLL; ++u)
-                if (c0 + 32 * u < chunks) v[u] = src[c0 + 32 * u];
+            for (int u = 0; u < EP_UNROLL; ++u) {
+                if (c0 + 32 * u < chunks) {
+                    v0[u] = s0[c0 + 32 * u];
+                    if (q1 >= 0) v1[u] = s1[c0 + 32 * u];
+                }
+            }
 #pragma unroll
             for (int u = 0; u < EP_UNROLL; ++u) {
                 float f[8];
-                ep_unpack(prec, v[u], f);
+                ep_unpack(prec, v0[u], f);
                 for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], f[e]);
+                if (q1 >= 0) {
+                    ep_unpack(prec, v1[u], f);
+                    for (int e = 0; e < per; ++e) acc[u][e] = __fadd_rn(acc[u][e], f[e]);
+                }
             }
         }
         uint4 *out = (uint4 *)(p.out + t * h * elem);
