@@ -124,6 +124,12 @@ def test_groups_of_a_given_process_group():
     assert all(f"OK subgroups rank {r}" in o for r, o in enumerate(outs))
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_tokens_written_into_the_send_rows_are_sent_from_there(size):
+    outs = run_ranks([str(WORKER), "send_rows"], size)
+    assert all(f"OK send_rows rank {r}" in o for r, o in enumerate(outs))
+
+
 def test_bad_input_raises_before_any_work():
     outs = run_ranks([str(WORKER), "bad_input"], 2)
     assert all(f"OK bad_input rank {r}" in o for r, o in enumerate(outs))

@@ -40,7 +40,16 @@ from torchrun import torchrun
 WORKER = pathlib.Path(__file__).resolve().parent / "torch_ep_worker.py"
 # Every scenario in one torchrun per GPU count (torch imported once per
 # rank, not once per scenario); at_exit last, as it leaves groups open.
-SCENARIOS = ["values", "layers", "capacity", "compile", "bad_input", "cuda_graph", "at_exit"]
+SCENARIOS = [
+    "values",
+    "layers",
+    "capacity",
+    "compile",
+    "bad_input",
+    "send_rows",
+    "cuda_graph",
+    "at_exit",
+]
 WATCHDOG_S = 400
 
 

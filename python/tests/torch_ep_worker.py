@@ -421,6 +421,39 @@ def scenario_bad_input(device):
     raises(ValueError, "closed", lambda: xt.ep_dispatch(g, x, ids, probs))
 
 
+def scenario_send_rows(device):
+    """Tokens written into the group's send rows (EpGroup.send_rows) and
+    dispatched from there: the layer's values match the numpy loop, twice
+    (new tokens written the second time); the view is the group's memory
+    (a slice past its first row is refused as overlapping it, which a
+    copy would not be); bad token counts raise; a closed group raises."""
+    T, H, K, E = 16, 32, 2, 2 * SIZE
+    local = 2
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        with xt.EpGroup(T, H, K, E, dtype=dtype, device=device, timeout_s=30) as g:
+            w = expert_weights(6, E, H, dtype)
+            w_local = w[RANK * local : (RANK + 1) * local].to(device)
+            xs = g.send_rows()
+            assert xs.shape == (T, H) and xs.dtype == dtype and xs.device == g.device, xs
+            assert g.send_rows(5).shape == (5, H) and g.send_rows(5).data_ptr() == xs.data_ptr()
+            assert g.send_rows(0).shape == (0, H)
+            for call in range(2):
+                world = [inputs(60 + call, r, T, H, K, E, dtype) for r in range(SIZE)]
+                x, ids, probs = (a.to(device) for a in world[RANK])
+                xs.copy_(x)
+                y, _ = xcall_layer(g, xs, ids, probs, w_local)
+                want, _ = numpy_layer(*zip(*world), w)
+                close(y.float().cpu(), want[RANK], tol, f"y from the send rows, call {call}")
+            raises(
+                xt.XcallError,
+                "overlaps the group's own memory",
+                lambda: xt.ep_dispatch(g, xs[1:], ids[1:], probs[1:]),
+            )
+            for bad in (T + 1, -1, 2.0, True):
+                raises(ValueError, "tokens must be an int", lambda: g.send_rows(bad))
+        raises(ValueError, "closed", lambda: g.send_rows())
+
+
 def scenario_cuda_graph(device):
     """The layer's forward captured in a CUDA graph, replayed with new
     routing and tokens copied into its inputs."""
@@ -521,6 +554,7 @@ SCENARIOS = {
     "capacity": scenario_capacity,
     "compile": scenario_compile,
     "bad_input": scenario_bad_input,
+    "send_rows": scenario_send_rows,
     "cuda_graph": scenario_cuda_graph,
 }
 

@@ -45,6 +45,12 @@ without a world starts its own, for itself alone.
 the default; False skips that write when the experts work row by row);
 the rows' gradient is zero there always.
 
+**Tokens written where dispatch sends them from.** Peers read a rank's
+tokens from the group's send rows, into which dispatch copies ``x``;
+``x = group.send_rows(T)`` is that memory as a tensor, and an ``x``
+written there (``torch.add(a, b, out=x)``, ``x.copy_(...)``) is sent with
+no copy.
+
 Bad input (a wrong dtype or device, shapes that disagree with the group,
 non-contiguous tensors) raises ``TypeError`` or ``ValueError`` before
 anything is written; an error of xcall raises :class:`XcallError` with
@@ -171,6 +177,7 @@ def _library() -> ctypes.CDLL:
             "xcall_ep_dispatch_backward": ([p, p, u64, p, u64, p], u32),
             "xcall_ep_combine_backward": ([p, p, u64, p, u64, p, u64, p, u64, p], u32),
             "xcall_ep_dropped_routes": ([p, pu64], u32),
+            "xcall_ep_send_rows": ([p, ctypes.POINTER(p), pu64], u32),
             "xcall_ep_check": ([p], u32),
         }
         for name, (args, res) in signatures.items():
@@ -472,6 +479,41 @@ class EpGroup:
         self._sync()
         _check(_library().xcall_ep_check(g), "a GPU call of the group")
 
+    def send_rows(self, tokens: int | None = None) -> torch.Tensor:
+        """``[tokens, H]`` (default: the group's ``T``) of this rank's send
+        rows, the group's dtype on its device: the group's own memory, from
+        which its peers read what this rank dispatches. Tokens written here
+        and passed as ``x`` to :func:`ep_dispatch` are sent from where they
+        are, saving dispatch its copy of ``x`` (one read and one write of
+        ``x``). The rows are the group's: write them after the calls that
+        read the previous ones (on the same stream, any later call of the
+        group), and expect them overwritten by the group's next dispatch of
+        another ``x`` and by a backward pass through :func:`ep_combine`
+        (it sends its gradient from here). The tensor is valid while the
+        group is open. ``x`` must start at the first row: a slice further
+        in raises :class:`XcallError`."""
+        g = self._handle()
+        if tokens is None:
+            tokens = self.tokens
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 0 <= tokens <= self.tokens:
+            raise ValueError(
+                f"xcall.torch.EpGroup.send_rows: tokens must be an int in 0..{self.tokens}, "
+                f"got {tokens!r}"
+            )
+        addr, nbytes = ctypes.c_void_p(), ctypes.c_uint64()
+        _check(
+            _library().xcall_ep_send_rows(g, ctypes.byref(addr), ctypes.byref(nbytes)),
+            "the group's send rows",
+        )
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        if nbytes.value != self.tokens * self.hidden * elem:
+            raise XcallError(
+                "the group's send rows",
+                "INTERNAL",
+                f"{nbytes.value} bytes, not the [{self.tokens}, {self.hidden}] rows of {self.dtype}",
+            )
+        return _rows_at(addr.value, tokens, self.hidden, self.dtype, self.device, self)
+
     def dropped_routes(self) -> int:
         """Routes this rank's experts dropped by the capacity, summed over
         every dispatch so far (waits for this rank's stream)."""
@@ -503,6 +545,39 @@ class EpGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _DeviceRows:
+    """A CUDA array interface over rows xcall owns; the tensor made from it
+    keeps it, and through it the group, alive."""
+
+    def __init__(self, addr: int, shape: tuple[int, int], typestr: str, owner):
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (addr, False),
+            "strides": None,
+            "version": 2,
+        }
+        self._owner = owner
+
+
+def _rows_at(addr: int, rows: int, hidden: int, dtype: torch.dtype, device, owner) -> torch.Tensor:
+    """A ``[rows, hidden]`` tensor of ``dtype`` over memory at ``addr`` (no
+    copy): bf16, which the array interfaces cannot name, as 2-byte ints
+    viewed as bf16."""
+    if rows == 0:
+        return torch.empty((0, hidden), dtype=dtype, device=device)
+    raw, typestr = (torch.int16, "<i2") if dtype == torch.bfloat16 else (torch.float32, "<f4")
+    if device.type == "cuda":
+        t = torch.as_tensor(_DeviceRows(addr, (rows, hidden), typestr, owner), device=device)
+    else:
+        count = rows * hidden
+        buf = (ctypes.c_byte * (count * raw.itemsize)).from_address(addr)
+        t = torch.frombuffer(buf, dtype=raw, count=count).view(rows, hidden)
+    if t.data_ptr() != addr:
+        raise XcallError("the group's send rows", "INTERNAL", "torch copied them instead of viewing")
+    return t.view(dtype)
 
 
 def close_all() -> None:
