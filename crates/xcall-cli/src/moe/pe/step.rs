@@ -134,9 +134,19 @@ impl Pe {
     /// phase's time in ms ([`phases`] order). On CUDA the whole step is
     /// enqueued before any mark is read, so a phase's time is device time
     /// (plus any wait for the host to enqueue it) and the waits are on the
-    /// stream, as in a captured step.
+    /// stream, as in a captured step; the step starts after a barrier of
+    /// the PEs' streams.
     pub fn phase_step(&mut self) -> Res<Vec<f64>> {
         let mut marks = Some(Vec::with_capacity(phases(&self.shape).len() + 1));
+        // The first phase starts once every PE's stream reached it (an
+        // untimed barrier on the streams, as for the timed steps): a PE
+        // whose host enqueued late would otherwise add its delay to its
+        // peers' first phase, which waits for it on the device.
+        if let Some(stream) = self.gpu.as_ref().map(|g| g.stream.stream()) {
+            if self.shape.pes > 1 {
+                self.stream_barrier(stream)?;
+            }
+        }
         self.mark(&mut marks)?;
         let waits = match self.gpu {
             Some(_) => Waits::Stream,

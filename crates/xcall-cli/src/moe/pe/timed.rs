@@ -106,7 +106,7 @@ impl Pe {
 
     /// A barrier of every PE's stream, enqueued on `stream`; nothing in
     /// worlds with NCCL pairs, which have none.
-    fn stream_barrier(&mut self, stream: xcall_core::cuda::Stream) -> Res<()> {
+    pub(super) fn stream_barrier(&mut self, stream: xcall_core::cuda::Stream) -> Res<()> {
         match self
             .world
             .barrier_on_stream(stream.raw() as *mut std::ffi::c_void)
