@@ -37,12 +37,15 @@ struct Ptrs {
     uint4 *p[MAXG];
 };
 
-// Pull: this GPU (d) loads peer q's chunk for d (src_q + d*n) into its
-// own dst + q*n. Items of 32*UNROLL chunks of 16 bytes go round the
-// peers, starting with the next rank up (every moment's loads spread over
-// the peers). `self_too`: d's own chunk as well (a local copy), as a
-// dispatch reads its own rows among its peers'.
-__global__ void __launch_bounds__(512) pull(Ptrs src, uint4 *dst, int g, int d, long long n, int self_too) {
+// This GPU (d) moves a chunk of n 16-byte units with each peer q.
+// Pull: loads peer q's chunk for d (peers.p[q] + d*n) into its own
+// mine + q*n. Push: loads its own mine + q*n and stores it into peer q's
+// peers.p[q] + d*n. Items of 32*UNROLL units go round the peers, starting
+// with the next rank up (every moment's traffic spread over the peers).
+// `self_too`: d's own chunk as well (a local copy), as a dispatch moves
+// its own rows among its peers'.
+template <bool PUSH>
+__global__ void __launch_bounds__(512) move(Ptrs peers, uint4 *mine, int g, int d, long long n, int self_too) {
     const int lane = threadIdx.x % 32;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     const long long per = (n + 32 * UNROLL - 1) / (32 * UNROLL);
@@ -51,35 +54,15 @@ __global__ void __launch_bounds__(512) pull(Ptrs src, uint4 *dst, int g, int d, 
          item += warps) {
         const int q = (int)((item % turns + d + 1) % g);
         const long long c0 = item / turns * 32 * UNROLL + lane;
-        const uint4 *s = src.p[q] + (long long)d * n;
+        const uint4 *from = PUSH ? mine + (long long)q * n : peers.p[q] + (long long)d * n;
+        uint4 *to = PUSH ? peers.p[q] + (long long)d * n : mine + (long long)q * n;
         uint4 v[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            if (c0 + 32 * u < n) v[u] = s[c0 + 32 * u];
+            if (c0 + 32 * u < n) v[u] = from[c0 + 32 * u];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            if (c0 + 32 * u < n) dst[(long long)q * n + c0 + 32 * u] = v[u];
-    }
-}
-
-// Push: this GPU (d) loads its own src + q*n and stores it into peer q's
-// dst_q + d*n.
-__global__ void __launch_bounds__(512) push(const uint4 *src, Ptrs dst, int g, int d, long long n, int self_too) {
-    const int lane = threadIdx.x % 32;
-    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-    const long long per = (n + 32 * UNROLL - 1) / (32 * UNROLL);
-    const int turns = self_too ? g : g - 1;
-    for (long long item = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; item < per * turns;
-         item += warps) {
-        const int q = (int)((item % turns + d + 1) % g);
-        const long long c0 = item / turns * 32 * UNROLL + lane;
-        uint4 v[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (c0 + 32 * u < n) v[u] = src[(long long)q * n + c0 + 32 * u];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (c0 + 32 * u < n) dst.p[q][(long long)d * n + c0 + 32 * u] = v[u];
+            if (c0 + 32 * u < n) to[c0 + 32 * u] = v[u];
     }
 }
 
@@ -167,9 +150,9 @@ int main() {
                     }
                     CK(cudaEventRecord(G.a, G.s[0]));
                     if (c.m == PULL) {
-                        pull<<<c.sms, 512, 0, G.s[0]>>>(srcs, G.dst, g, d, n, c.self_too);
+                        move<false><<<c.sms, 512, 0, G.s[0]>>>(srcs, G.dst, g, d, n, c.self_too);
                     } else if (c.m == PUSH) {
-                        push<<<c.sms, 512, 0, G.s[0]>>>(G.src, dsts, g, d, n, c.self_too);
+                        move<true><<<c.sms, 512, 0, G.s[0]>>>(dsts, G.src, g, d, n, c.self_too);
                     } else {
                         for (int q = 0; q < g; ++q) {
                             if (q == d) continue;
