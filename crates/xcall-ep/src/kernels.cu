@@ -493,7 +493,7 @@ __device__ __forceinline__ i64 ep_copy_groups(const EpParams &p) {
 // slot order. Pulled, `rows` are the sender's f32 or bf16 rows (see
 // ep_copy).
 __device__ __forceinline__ void ep_copy_item(const EpParams &p, i64 tok, i64 grp, int mine,
-                                             const unsigned char *rows = nullptr) {
+                                             const unsigned char *rows) {
     const int lane = threadIdx.x % 32;
     const i64 T = p.tokens, h = p.hidden;
     const int elem = p.precision == 0 ? 4 : 2;
@@ -636,6 +636,17 @@ __device__ __forceinline__ uint4 ep_pack(int prec, const float *f) {
                       f32_to_bf16x2(f[6], f[7]));
 }
 
+// The next two set bits of `m` (lowest first; -1 where none), cleared:
+// two rows in flight at once, still added in bit order.
+__device__ __forceinline__ int ep_lowest(unsigned m) { return __ffs(m) - 1; }
+__device__ __forceinline__ int ep_lowest(u64 m) { return __ffsll((long long)m) - 1; }
+template <class M> __device__ __forceinline__ void ep_take_two(M &m, int &a, int &b) {
+    a = ep_lowest(m);
+    m &= m - 1;
+    b = m ? ep_lowest(m) : -1;
+    if (m) m &= m - 1;
+}
+
 // reduce: per item of a received token routed here, its kept routes'
 // chunks summed in slot order (weighted or not), stored into its partial
 // row at the token's PE.
@@ -680,10 +691,8 @@ __device__ void ep_reduce_body(const EpParams &p) {
             for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
         // Two routes' chunks in flight at once, added in slot order.
         for (unsigned m = kept; m;) {
-            const int j0 = __ffs(m) - 1;
-            m &= m - 1;
-            const int j1 = m ? __ffs(m) - 1 : -1;
-            if (m) m &= m - 1;
+            int j0, j1;
+            ep_take_two(m, j0, j1);
             const i64 r0 = __shfl_sync(0xffffffffu, mine, j0);
             const float w0 = __shfl_sync(0xffffffffu, wmine, j0);
             const i64 r1 = __shfl_sync(0xffffffffu, mine, j1 < 0 ? 0 : j1);
@@ -748,10 +757,8 @@ __device__ void ep_gather_sum_body(const EpParams &p) {
             for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
         // Two PEs' chunks in flight at once, added in rank order.
         for (u64 m = mask; m;) {
-            const int q0 = __ffsll((long long)m) - 1;
-            m &= m - 1;
-            const int q1 = m ? __ffsll((long long)m) - 1 : -1;
-            if (m) m &= m - 1;
+            int q0, q1;
+            ep_take_two(m, q0, q1);
             const uint4 *s0 = (const uint4 *)(p.base + p.off_partial + ((i64)q0 * T + t) * h * elem);
             const uint4 *s1 = (const uint4 *)(p.base + p.off_partial + ((i64)(q1 < 0 ? q0 : q1) * T + t) * h * elem);
             uint4 v0[EP_UNROLL], v1[EP_UNROLL];
@@ -1017,7 +1024,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) ep_ll_dispatch(EpParams p) 
             }
         }
         if (grp == 0 && lane < k) rows[tok * k + lane] = row;
-        ep_copy_item(p, tok, grp, row);
+        // The low-latency kernels never pull: no peer's rows to read.
+        ep_copy_item(p, tok, grp, row, nullptr);
     }
 }
 
