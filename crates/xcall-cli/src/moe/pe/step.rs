@@ -143,9 +143,7 @@ impl Pe {
         // whose host enqueued late would otherwise add its delay to its
         // peers' first phase, which waits for it on the device.
         if let Some(stream) = self.gpu.as_ref().map(|g| g.stream.stream()) {
-            if self.shape.pes > 1 {
-                self.stream_barrier(stream)?;
-            }
+            self.stream_barrier(stream)?;
         }
         self.mark(&mut marks)?;
         let waits = match self.gpu {

@@ -88,9 +88,7 @@ impl Pe {
         // would otherwise add its delay to its peers' steps, which wait
         // for it on the device. Worlds with NCCL pairs have no such
         // barrier; there the delay stays in.
-        if self.shape.pes > 1 {
-            self.stream_barrier(stream)?;
-        }
+        self.stream_barrier(stream)?;
         a.record_on(&stream).context("CUDA event")?;
         let handle = CudaStreamHandle(stream.raw());
         let outcome = cache
@@ -104,9 +102,12 @@ impl Pe {
         })
     }
 
-    /// A barrier of every PE's stream, enqueued on `stream`; nothing in
-    /// worlds with NCCL pairs, which have none.
+    /// A barrier of every PE's stream, enqueued on `stream`; nothing for
+    /// one PE, nor in worlds with NCCL pairs, which have none.
     pub(super) fn stream_barrier(&mut self, stream: xcall_core::cuda::Stream) -> Res<()> {
+        if self.shape.pes < 2 {
+            return Ok(());
+        }
         match self
             .world
             .barrier_on_stream(stream.raw() as *mut std::ffi::c_void)
